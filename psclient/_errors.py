@@ -1,0 +1,36 @@
+"""The few exceptions psclient raises.
+
+Each has one meaning. Errors raised *by a scheduled function* are re-raised with
+their own type (a `tf.errors.InvalidArgumentError` stays one); these classes are
+for what goes wrong around the function: the cluster, the configuration, or
+the strategy's own life cycle.
+"""
+
+
+class PSClientError(Exception):
+    """Base class of every psclient-specific error."""
+
+
+class ClusterConfigError(PSClientError, ValueError):
+    """A cluster description (dict, ClusterSpec, resolver, TF_CONFIG) is malformed."""
+
+
+class TaskUnreachableError(PSClientError, ConnectionError):
+    """A task of the cluster did not answer in time. Names the task and its address."""
+
+    def __init__(self, message, *, task=None, address=None):
+        super().__init__(message)
+        self.task = task
+        self.address = address
+
+
+class WorkerUnavailableError(TaskUnreachableError):
+    """No worker could run a closure: every worker is gone (after the configured wait)."""
+
+
+class PSUnavailableError(TaskUnreachableError):
+    """A parameter-server task was lost and the strategy cannot recover its variables."""
+
+
+class StrategyClosedError(PSClientError, RuntimeError):
+    """The strategy was shut down; it accepts no more work."""
