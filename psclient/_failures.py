@@ -1,0 +1,52 @@
+"""Failure policy: what to do when a closure raises. Pure logic.
+
+TF's coordinator decides by matching substrings of error messages. psclient
+decides by the error's *type* and by *probing* the task the closure ran on:
+
+- an error type that a lost connection produces (Unavailable, Aborted,
+  Cancelled, DeadlineExceeded, and Internal/Unknown errors from a broken
+  channel) is only a *candidate* infrastructure failure;
+- the probe settles it: if the worker does not answer, the closure is retried
+  on another worker and the worker is taken out of rotation;
+- anything else, or a candidate whose worker still answers, is the
+  function's own error and goes to its future.
+
+The probe is passed in as a callable so the policy is testable without TF.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable
+
+__all__ = ["Verdict", "classify", "CONNECTION_ERROR_NAMES"]
+
+#: TF error class names that a lost or broken connection can produce.
+CONNECTION_ERROR_NAMES = frozenset(
+    {
+        "UnavailableError",
+        "AbortedError",
+        "CancelledError",
+        "DeadlineExceededError",
+        "InternalError",
+        "UnknownError",
+    }
+)
+
+
+class Verdict(enum.Enum):
+    #: The function itself failed: resolve its future with the error.
+    FUNCTION_ERROR = "function_error"
+    #: The worker is gone: run the closure elsewhere, take the worker out.
+    WORKER_LOST = "worker_lost"
+
+
+def is_connection_error_type(error: BaseException) -> bool:
+    return any(cls.__name__ in CONNECTION_ERROR_NAMES for cls in type(error).__mro__)
+
+
+def classify(error: BaseException, worker_answers: Callable[[], bool]) -> Verdict:
+    """Decide what a closure's error means. `worker_answers` probes its worker."""
+    if is_connection_error_type(error) and not worker_answers():
+        return Verdict.WORKER_LOST
+    return Verdict.FUNCTION_ERROR

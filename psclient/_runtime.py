@@ -1,0 +1,158 @@
+"""The edge where psclient meets TensorFlow's distributed runtime.
+
+Everything here is a thin call into TF's own gRPC runtime (eager remote
+execution): connecting the coordinator to the task servers, naming devices,
+turning outputs into numpy values. Nothing here decides policy.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import socket
+import time
+from typing import Any
+
+from psclient._cluster import Cluster
+from psclient._errors import TaskUnreachableError
+
+__all__ = [
+    "COORDINATOR_JOB",
+    "connect",
+    "worker_device",
+    "ps_device",
+    "ps_index_of",
+    "tcp_reachable",
+    "wait_reachable",
+    "to_numpy",
+    "name_error",
+]
+
+#: The job name the coordinator takes in the cluster (TF's convention).
+COORDINATOR_JOB = "chief"
+
+_PS_DEVICE = re.compile(r"/job:ps/(?:replica:\d+/)?task:(\d+)")
+
+
+def worker_device(index: int) -> str:
+    return f"/job:worker/replica:0/task:{index}"
+
+
+def ps_device(index: int) -> str:
+    return f"/job:ps/replica:0/task:{index}/device:CPU:0"
+
+
+def ps_index_of(device: str | None) -> int | None:
+    """The ps task index named by a device string, or None if it names no ps task."""
+    if not device:
+        return None
+    match = _PS_DEVICE.search(device)
+    return int(match.group(1)) if match else None
+
+
+def tcp_reachable(address: str, timeout: float) -> bool:
+    """Whether something accepts TCP connections at `address` ("host:port")."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def wait_reachable(cluster: Cluster, timeout: float) -> None:
+    """Wait until every worker and ps task accepts connections, or raise.
+
+    TF's own connect can wait for a missing task far longer than anyone wants
+    (gRPC keeps retrying), so the coordinator checks reachability itself first,
+    all tasks in parallel, against one deadline.
+    """
+    deadline = time.monotonic() + timeout
+    tasks = cluster.tasks()
+
+    def wait_one(address: str) -> bool:
+        while True:
+            left = deadline - time.monotonic()
+            if tcp_reachable(address, timeout=max(0.05, min(1.0, left))):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            # Back off briefly between attempts; the task may still be starting.
+            time.sleep(min(0.2, left))
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(tasks))) as pool:
+        reachable = list(pool.map(lambda t: wait_one(t[2]), tasks))
+    missing = [t for t, ok in zip(tasks, reachable) if not ok]
+    if missing:
+        job, index, address = missing[0]
+        names = ", ".join(f"{j}:{i} at {a}" for j, i, a in missing)
+        raise TaskUnreachableError(
+            f"Cannot reach task {job}:{index} at {address}: nothing accepted a connection "
+            f"within connect_timeout={timeout:g} s (unreachable: {names}). Check that "
+            "`psclient serve` runs there and that the address and port are right.",
+            task=f"{job}:{index}",
+            address=address,
+        )
+
+
+def connect(cluster: Cluster, *, streaming_enqueue: bool) -> None:
+    """Connect this process, as the coordinator, to the cluster's task servers."""
+    # Environment knobs TF reads: set in this one place. GRPC_FAIL_FAST makes a
+    # dead task surface as an error in the caller instead of retries inside
+    # gRPC. Streaming enqueue lets several calls be in flight per worker
+    # (pipelining); without it TF allows one outstanding call per worker.
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    os.environ["TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"] = str(bool(streaming_enqueue))
+
+    import tensorflow as tf
+
+    spec = cluster.training_spec()
+    filters = tf.config.experimental.ClusterDeviceFilters()
+    # Workers only need the ps tasks and the coordinator, ps tasks only the
+    # workers and the coordinator: smaller views, and no worker waits on another.
+    for i in range(cluster.num_workers):
+        filters.set_device_filters("worker", i, ["/job:ps", f"/job:{COORDINATOR_JOB}"])
+    for i in range(cluster.num_ps):
+        filters.set_device_filters("ps", i, ["/job:worker", f"/job:{COORDINATOR_JOB}"])
+    tf.config.experimental_connect_to_cluster(
+        tf.train.ClusterSpec(spec),
+        job_name=COORDINATOR_JOB,
+        task_index=0,
+        protocol="grpc",
+        cluster_device_filters=filters,
+    )
+
+
+def to_numpy(outputs: Any) -> Any:
+    """Copy a function's (nested) outputs to the coordinator as numpy values."""
+    import tensorflow as tf
+
+    def convert(value):
+        if isinstance(value, (tf.Tensor, tf.Variable)):
+            return value.numpy()
+        return value
+
+    return tf.nest.map_structure(convert, outputs)
+
+
+def name_error(error: BaseException, fn_name: str, where: str) -> BaseException:
+    """The same error, of the same type, saying which scheduled function raised it."""
+    import tensorflow as tf
+
+    context = f"scheduled function {fn_name!r} failed on {where}"
+    if isinstance(error, tf.errors.OpError):
+        # TF errors carry their message in a field; rebuild with the context in
+        # front so str(error) tells the whole story, and keep the original as cause.
+        try:
+            named = type(error)(error.node_def, error.op, f"{context}: {error.message}")
+        except TypeError:  # a subclass with another constructor
+            named = None
+        if named is not None:
+            named.__cause__ = error
+            return named
+    if hasattr(error, "add_note"):
+        error.add_note(context)
+    return error

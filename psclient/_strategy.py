@@ -1,0 +1,438 @@
+"""`ParameterServerStrategy`: variables on ps tasks, closures on any free worker."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import threading
+import warnings
+import weakref
+from collections.abc import Mapping
+from typing import Any, Callable
+
+from psclient import _runtime
+from psclient._cluster import Cluster
+from psclient._dispatch import Dispatcher
+from psclient._errors import StrategyClosedError
+from psclient._future import Future
+from psclient._per_worker import PerWorker, PerWorkerDataset, check_dataset_fn
+from psclient._placement import Placer
+from psclient._scheduler import Closure, Scheduler
+
+__all__ = ["ParameterServerStrategy"]
+
+log = logging.getLogger("psclient")
+
+# TF's eager context is process-global: one coordinator connection at a time.
+_active_lock = threading.Lock()
+_active: "weakref.ref[ParameterServerStrategy] | None" = None
+
+
+class ParameterServerStrategy:
+    """Train with variables on parameter servers and steps on workers.
+
+    Args:
+      cluster: a `psclient.Cluster`, a dict of jobs, a `tf.train.ClusterSpec`
+        or a TF cluster resolver; must have "worker" and "ps" jobs. An
+        "evaluator" job is ignored (TF hangs when it is in the training spec).
+      pipeline_depth: closures in flight per worker (>= 1). With 1, each
+        worker runs one call at a time and errors surface at the call; more
+        lets the next call travel while one runs. `benchmarks/dispatch.py`
+        measures the difference on your machine.
+      connect_timeout: seconds to wait for every task to accept connections
+        before raising `TaskUnreachableError` naming the task and address.
+
+    Only one strategy may be connected per process at a time (TF's eager
+    context is global); `shutdown()` one before creating the next.
+    """
+
+    def __init__(
+        self,
+        cluster: Any,
+        *,
+        pipeline_depth: int = 1,
+        connect_timeout: float = 30.0,
+    ):
+        global _active
+        cluster = Cluster.coerce(cluster)
+        if not isinstance(pipeline_depth, int) or isinstance(pipeline_depth, bool) or pipeline_depth < 1:
+            raise ValueError(
+                "Invalid value for argument `pipeline_depth`. Received: "
+                f"pipeline_depth={pipeline_depth!r}. Expected an integer >= 1."
+            )
+        if not isinstance(connect_timeout, (int, float)) or connect_timeout <= 0:
+            raise ValueError(
+                "Invalid value for argument `connect_timeout`. Received: "
+                f"connect_timeout={connect_timeout!r}. Expected a number of seconds > 0."
+            )
+        with _active_lock:
+            other = _active() if _active is not None else None
+            if other is not None and not other._closed:
+                raise RuntimeError(
+                    "Another psclient.ParameterServerStrategy is connected in this process "
+                    f"({other!r}); call its shutdown() first. TensorFlow keeps one cluster "
+                    "connection per process."
+                )
+            _runtime.wait_reachable(cluster, connect_timeout)
+            _runtime.connect(cluster, streaming_enqueue=pipeline_depth > 1)
+            _active = weakref.ref(self)
+
+        self._cluster = cluster
+        self._pipeline_depth = pipeline_depth
+        self._placer = Placer(cluster.num_ps)
+        self._scheduler = Scheduler(cluster.num_workers)
+        self._per_worker: list[weakref.ref[PerWorker]] = []
+        self._wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._checked_functions: set[int] = set()
+        self._warned_variables: set[str] = set()
+        self._closed = False
+        self._shutdown_lock = threading.Lock()
+        self._dispatcher = Dispatcher(
+            self._scheduler,
+            num_workers=cluster.num_workers,
+            pipeline_depth=pipeline_depth,
+            resolve_args=self._resolve_args,
+            worker_answers=self._worker_answers,
+            on_worker_lost=self._scheduler.worker_down,
+        )
+        # Join the threads at interpreter exit even if the user forgets.
+        self._finalizer = weakref.finalize(self, _shutdown_quietly, self._scheduler, self._dispatcher)
+
+    # ------------------------------------------------------------------ info
+    @property
+    def cluster(self) -> Cluster:
+        return self._cluster
+
+    @property
+    def num_workers(self) -> int:
+        return self._cluster.num_workers
+
+    @property
+    def num_ps(self) -> int:
+        return self._cluster.num_ps
+
+    @property
+    def pipeline_depth(self) -> int:
+        return self._pipeline_depth
+
+    def __repr__(self) -> str:
+        state = "shut down" if self._closed else "connected"
+        return (
+            f"<psclient.ParameterServerStrategy {state}: {self.num_workers} workers, "
+            f"{self.num_ps} ps, pipeline_depth={self._pipeline_depth}>"
+        )
+
+    # ------------------------------------------------------------- variables
+    @contextlib.contextmanager
+    def scope(self):
+        """Every `tf.Variable` created inside lives on a ps task.
+
+        That covers raw `tf.Variable`s and Keras 3 layers and optimizers (they
+        create `tf.Variable`s underneath). Placement balances bytes across ps
+        tasks; an optimizer slot goes to the ps of its variable; an explicit
+        `tf.device("/job:ps/task:K")` inside the scope is honoured.
+        """
+        import tensorflow as tf
+
+        self._check_open("scope")
+        with tf.variable_creator_scope(self._create_variable):
+            yield self
+
+    def _create_variable(self, next_creator, **kwargs):
+        import tensorflow as tf
+        from tensorflow.python.eager import context
+
+        # A device already in force names a ps task when Keras asks to
+        # colocate a slot with its variable (its optimizer enters
+        # `colocate_vars_with`, which in eager mode is a device scope) or when
+        # the user chose one explicitly.
+        requested = _runtime.ps_index_of(context.context().device_name)
+        initial_value = kwargs.get("initial_value")
+        if callable(initial_value):
+            # We need the size before choosing a task, so evaluate the
+            # initializer once here, exactly as tf.Variable would.
+            with tf.init_scope():
+                initial_value = initial_value()
+            kwargs["initial_value"] = initial_value
+        dtype = kwargs.get("dtype")
+        value = tf.convert_to_tensor(initial_value, dtype=dtype) if initial_value is not None else None
+        nbytes = 0
+        if value is not None and value.shape.is_fully_defined():
+            nbytes = value.shape.num_elements() * value.dtype.size
+        if requested is not None and requested < self.num_ps:
+            ps, reason = requested, "requested"
+        else:
+            ps, reason = self._placer.choose(nbytes), "balanced"
+        with tf.device(_runtime.ps_device(ps)):
+            variable = next_creator(**kwargs)
+        self._placer.record(
+            variable.name, variable.shape.as_list() if variable.shape.rank is not None else (),
+            variable.dtype.name, nbytes, ps, reason,
+        )
+        return variable
+
+    def placement(self) -> dict:
+        """Where every variable created in `scope()` lives, and bytes per ps task."""
+        return self._placer.report()
+
+    # ------------------------------------------------------------ scheduling
+    def schedule(self, fn: Callable, args: tuple | list = (), kwargs: Mapping | None = None) -> Future:
+        """Run `fn(*args, **kwargs)` on some free worker; return its `Future`.
+
+        `fn` is a `tf.function` (a plain Python callable is wrapped in one,
+        once). It is traced here, on the coordinator, once per input
+        signature, so argument mismatches raise `TypeError` now, not later.
+        Per-worker values in the arguments (iterators of
+        `distribute_datasets_from_function`, `create_per_worker_resource`
+        values) resolve to the executing worker's own.
+
+        If an earlier scheduled function failed and its error has not been
+        raised yet by `join()`/`done()`, it is raised here instead and `fn`
+        is not scheduled.
+        """
+        self._check_open("schedule")
+        function, name = self._as_function(fn)
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(
+                f"Invalid value for argument `args`. Received: args={args!r} of type "
+                f"{type(args).__name__}. Expected a tuple or list of positional arguments."
+            )
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise TypeError(
+                f"Invalid value for argument `kwargs`. Received: kwargs={kwargs!r} of type "
+                f"{type(kwargs).__name__}. Expected a mapping of keyword arguments or None."
+            )
+        args, kwargs = tuple(args), dict(kwargs or {})
+        per_worker = _has_per_worker(args, kwargs)
+        sample_args, sample_kwargs = _resolve(args, kwargs, 0) if per_worker else (args, kwargs)
+        concrete = self._trace(function, name, sample_args, sample_kwargs)
+        closure = Closure(concrete, args, kwargs, Future(name))
+        closure.per_worker = per_worker  # only walk the arguments when needed
+        self._scheduler.submit(closure)
+        return closure.future
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until every scheduled function has finished.
+
+        Raises the first error a scheduled function raised since the last
+        `join` (same exception type and message, plus the function's name);
+        closures still queued then were cancelled (their futures raise
+        `concurrent.futures.CancelledError`). The strategy stays usable.
+        Raises `TimeoutError` if `timeout` seconds pass first.
+        """
+        if not self._scheduler.join(timeout):
+            raise TimeoutError(
+                f"join(timeout={timeout}) timed out with "
+                f"{self._scheduler.stats()['unfinished']} scheduled functions unfinished."
+            )
+
+    def done(self) -> bool:
+        """Whether every scheduled function has finished. Never blocks.
+
+        Raises the pending error of a failed function, as `join` does.
+        """
+        return self._scheduler.done()
+
+    # ------------------------------------- tf.distribute-style step helpers
+    #: Replicas that see each step: one per worker call (TF's PS strategy on CPU says the same).
+    num_replicas_in_sync = 1
+
+    def run(self, fn: Callable, args: tuple = (), kwargs: Mapping | None = None):
+        """Call `fn` inside a step: there is one replica per worker call, so this
+        is `fn(*args, **kwargs)`. Present so code written for TF's strategies runs."""
+        return fn(*args, **(kwargs or {}))
+
+    def reduce(self, reduce_op, value, axis=None):
+        """Reduce a per-replica value; with one replica per call only `axis` matters."""
+        import tensorflow as tf
+
+        if axis is None:
+            return value
+        op = getattr(reduce_op, "value", reduce_op)
+        if str(op).upper() == "SUM":
+            return tf.nest.map_structure(lambda v: tf.reduce_sum(v, axis=axis), value)
+        if str(op).upper() == "MEAN":
+            return tf.nest.map_structure(lambda v: tf.reduce_mean(v, axis=axis), value)
+        raise ValueError(
+            f"Invalid value for argument `reduce_op`. Received: {reduce_op!r}. "
+            "Expected tf.distribute.ReduceOp.SUM or MEAN."
+        )
+
+    # ---------------------------------------------------- per-worker values
+    def distribute_datasets_from_function(self, dataset_fn) -> PerWorkerDataset:
+        """One dataset per worker, built on that worker.
+
+        `dataset_fn(input_context)` receives a `tf.distribute.InputContext` with
+        `num_input_pipelines` = number of workers and `input_pipeline_id` = the
+        worker's index, so `dataset.shard(ctx.num_input_pipelines,
+        ctx.input_pipeline_id)` really shards. A `tf.data.Dataset` is also
+        accepted and cloned to every worker. `iter()` of the result is a
+        per-worker iterator to pass to `schedule`.
+        """
+        import tensorflow as tf
+
+        self._check_open("distribute_datasets_from_function")
+        if isinstance(dataset_fn, tf.data.Dataset):
+            dataset = dataset_fn
+            build_dataset = lambda ctx: dataset  # noqa: E731 - cloned per worker below
+            name = "dataset"
+        else:
+            check_dataset_fn(dataset_fn)
+            build_dataset = dataset_fn
+            name = getattr(dataset_fn, "__name__", "dataset_fn")
+        n = self.num_workers
+
+        def build(worker: int):
+            ctx = tf.distribute.InputContext(
+                num_input_pipelines=n, input_pipeline_id=worker, num_replicas_in_sync=n
+            )
+            with tf.device(_runtime.worker_device(worker)):
+                result = build_dataset(ctx)
+            if not isinstance(result, tf.data.Dataset):
+                raise TypeError(
+                    f"`dataset_fn` must return a tf.data.Dataset. Received: {result!r} "
+                    f"of type {type(result).__name__} for worker {worker}."
+                )
+            return result
+
+        def make_iterator(worker: int, dataset):
+            with tf.device(_runtime.worker_device(worker)):
+                return iter(dataset)
+
+        per_worker = PerWorkerDataset(build, n, name, make_iterator=make_iterator, on_new=self._track)
+        self._track(per_worker)
+        return per_worker
+
+    def create_per_worker_resource(self, fn: Callable[[], Any]) -> PerWorker:
+        """Call `fn()` on every worker; pass the result to `schedule` as an argument.
+
+        For per-worker state such as lookup tables or counters: each worker's
+        value is created on that worker's device.
+        """
+        import tensorflow as tf
+
+        self._check_open("create_per_worker_resource")
+        if not callable(fn):
+            raise TypeError(
+                f"Invalid value for argument `fn`. Received: fn={fn!r} of type "
+                f"{type(fn).__name__}. Expected a function returning the worker's resource."
+            )
+
+        def build(worker: int):
+            with tf.device(_runtime.worker_device(worker)):
+                return fn()
+
+        per_worker = PerWorker(build, self.num_workers, getattr(fn, "__name__", "resource"))
+        self._track(per_worker)
+        return per_worker
+
+    # ------------------------------------------------------------- lifecycle
+    def stats(self) -> dict:
+        """Per-worker counts (done, failed, retried, in flight), latencies, queue depth."""
+        stats = self._scheduler.stats()
+        stats["pipeline_depth"] = self._pipeline_depth
+        stats["dispatcher_threads_alive"] = self._dispatcher.alive_threads
+        return stats
+
+    def shutdown(self) -> None:
+        """Cancel what is queued, let running calls finish, join every thread.
+
+        Idempotent. Afterwards `schedule` raises `StrategyClosedError`.
+        """
+        with self._shutdown_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._finalizer()
+
+    # --------------------------------------------------------------- private
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise StrategyClosedError(
+                f"Cannot call {what}(): this ParameterServerStrategy was shut down. "
+                "Create a new one to continue."
+            )
+
+    def _track(self, per_worker: PerWorker) -> None:
+        self._per_worker.append(weakref.ref(per_worker))
+
+    def _as_function(self, fn) -> tuple[Any, str]:
+        """`fn` as something TF can trace, and its name for messages."""
+        import tensorflow as tf
+
+        if not callable(fn):
+            raise TypeError(
+                f"Invalid value for argument `fn`. Received: fn={fn!r} of type "
+                f"{type(fn).__name__}. Expected a tf.function or a Python callable."
+            )
+        name = getattr(fn, "__name__", None) or getattr(fn, "name", None) or type(fn).__name__
+        if isinstance(fn, (tf.types.experimental.PolymorphicFunction, tf.types.experimental.ConcreteFunction)):
+            return fn, name
+        # Wrap a plain callable once, so scheduling it again reuses its traces.
+        owner, key = (fn.__self__, fn.__func__) if inspect.ismethod(fn) else (fn, None)
+        try:
+            cache = self._wrapped.setdefault(owner, {})
+        except TypeError:  # not weak-referenceable: wrap anew (and retrace)
+            return tf.function(fn), name
+        if key not in cache:
+            cache[key] = tf.function(fn)
+        return cache[key], name
+
+    def _trace(self, function, name: str, args: tuple, kwargs: dict):
+        import tensorflow as tf
+
+        if isinstance(function, tf.types.experimental.ConcreteFunction):
+            concrete = function
+        else:
+            try:
+                concrete = function.get_concrete_function(*args, **kwargs)
+            except (TypeError, ValueError) as error:
+                raise TypeError(
+                    f"The arguments given to schedule() do not match {name!r}: {error}"
+                ) from error
+        if id(concrete) not in self._checked_functions:
+            self._checked_functions.add(id(concrete))
+            self._warn_unplaced_variables(concrete, name)
+        return concrete
+
+    def _warn_unplaced_variables(self, concrete, name: str) -> None:
+        for variable in getattr(concrete, "variables", ()):
+            if _runtime.ps_index_of(variable.device) is not None or variable.name in self._warned_variables:
+                continue
+            self._warned_variables.add(variable.name)
+            warnings.warn(
+                f"Variable {variable.name!r} used by scheduled function {name!r} was created "
+                f"outside strategy.scope() and lives on {variable.device or 'the coordinator'}; "
+                "every step reads and writes it there. Create it inside strategy.scope() to "
+                "place it on a parameter server.",
+                stacklevel=4,
+            )
+
+    def _resolve_args(self, closure: Closure, worker: int) -> tuple[tuple, dict]:
+        if not closure.per_worker:
+            return closure.args, closure.kwargs
+        return _resolve(closure.args, closure.kwargs, worker)
+
+    def _worker_answers(self, worker: int) -> bool:
+        return _runtime.tcp_reachable(self._cluster.address("worker", worker), timeout=2.0)
+
+
+def _has_per_worker(args: tuple, kwargs: dict) -> bool:
+    import tensorflow as tf
+
+    return any(isinstance(x, PerWorker) for x in tf.nest.flatten((args, kwargs)))
+
+
+def _resolve(args: tuple, kwargs: dict, worker: int) -> tuple[tuple, dict]:
+    import tensorflow as tf
+
+    def pick(x):
+        return x.value(worker) if isinstance(x, PerWorker) else x
+
+    return tf.nest.map_structure(pick, (args, kwargs))
+
+
+def _shutdown_quietly(scheduler: Scheduler, dispatcher: Dispatcher) -> None:
+    scheduler.close()
+    dispatcher.stop()
