@@ -66,6 +66,7 @@ class ParameterServerStrategy:
                 "Invalid value for argument `connect_timeout`. Received: "
                 f"connect_timeout={connect_timeout!r}. Expected a number of seconds > 0."
             )
+        _runtime.wait_reachable(cluster, connect_timeout)
         with _active_lock:
             other = _active() if _active is not None else None
             if other is not None and not other._closed:
@@ -74,7 +75,6 @@ class ParameterServerStrategy:
                     f"({other!r}); call its shutdown() first. TensorFlow keeps one cluster "
                     "connection per process."
                 )
-            _runtime.wait_reachable(cluster, connect_timeout)
             _runtime.connect(cluster, streaming_enqueue=pipeline_depth > 1)
             _active = weakref.ref(self)
 
@@ -147,7 +147,12 @@ class ParameterServerStrategy:
         # colocate a slot with its variable (its optimizer enters
         # `colocate_vars_with`, which in eager mode is a device scope) or when
         # the user chose one explicitly.
-        requested = _runtime.ps_index_of(context.context().device_name)
+        device = context.context().device_name
+        if "/job:worker" in (device or ""):
+            # Built for one worker on purpose (create_per_worker_resource, or
+            # the user's tf.device): leave it there.
+            return next_creator(**kwargs)
+        requested = _runtime.ps_index_of(device)
         initial_value = kwargs.get("initial_value")
         if callable(initial_value):
             # We need the size before choosing a task, so evaluate the

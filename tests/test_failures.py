@@ -1,0 +1,33 @@
+"""Failure classification by error type and probe, without a cluster."""
+
+import tensorflow as tf
+
+from psclient._failures import Verdict, classify
+
+
+def test_connection_error_type_with_dead_worker_is_worker_lost():
+    err = tf.errors.UnavailableError(None, None, "Socket closed")
+    assert classify(err, lambda: False) is Verdict.WORKER_LOST
+
+
+def test_connection_error_type_with_live_worker_is_the_functions_error():
+    err = tf.errors.UnavailableError(None, None, "Socket closed")
+    assert classify(err, lambda: True) is Verdict.FUNCTION_ERROR
+
+
+def test_other_errors_never_probe():
+    probed = []
+
+    def probe():
+        probed.append(1)
+        return False
+
+    for err in (tf.errors.InvalidArgumentError(None, None, "bad"), ValueError("x")):
+        assert classify(err, probe) is Verdict.FUNCTION_ERROR
+    assert probed == []
+
+
+def test_message_text_does_not_matter():
+    # An InvalidArgument whose text looks like a network error is still the function's.
+    err = tf.errors.InvalidArgumentError(None, None, "Socket closed; connection reset")
+    assert classify(err, lambda: False) is Verdict.FUNCTION_ERROR
