@@ -279,9 +279,7 @@ class ParameterServerStrategy:
 
         self._check_open("distribute_datasets_from_function")
         if isinstance(dataset_fn, tf.data.Dataset):
-            dataset = dataset_fn
-            build_dataset = lambda ctx: dataset  # noqa: E731 - cloned per worker below
-            name = "dataset"
+            build_dataset, name = _dataset_cloner(dataset_fn), "dataset"
         else:
             check_dataset_fn(dataset_fn)
             build_dataset = dataset_fn
@@ -436,6 +434,28 @@ def _resolve(args: tuple, kwargs: dict, worker: int) -> tuple[tuple, dict]:
         return x.value(worker) if isinstance(x, PerWorker) else x
 
     return tf.nest.map_structure(pick, (args, kwargs))
+
+
+def _dataset_cloner(dataset) -> Callable:
+    """A dataset function that rebuilds `dataset` on whichever device is in force.
+
+    A dataset made on the coordinator lives there: an iterator made from it
+    under a worker's device would still read on the coordinator. So the
+    dataset's graph is serialized once and re-created on each worker.
+    """
+    import tensorflow as tf
+
+    graph_def = dataset._as_serialized_graph(  # TF-internal, the only way to clone a dataset
+        strip_device_assignment=True,
+        external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
+    )
+    spec = dataset.element_spec
+
+    def clone(_input_context):
+        variant = tf.raw_ops.DatasetFromGraph(graph_def=graph_def)
+        return tf.data.experimental.from_variant(variant, spec)
+
+    return clone
 
 
 def _shutdown_quietly(scheduler: Scheduler, dispatcher: Dispatcher) -> None:
