@@ -1,0 +1,372 @@
+"""How fast each way of driving a parameter-server cluster dispatches the same step.
+
+On one `psclient.LocalCluster` (1 ps, 2 workers), the same training step runs
+through these paths, each in its own coordinator subprocess:
+
+  psclient_d1, psclient_d2  psclient.ParameterServerStrategy.schedule, pipeline_depth 1 and 2
+  tf_coordinator            TF's ClusterCoordinator + tf.distribute.experimental.ParameterServerStrategy
+  plain_threads             one Python thread per worker calling the tf.function synchronously
+
+for two workloads: "linear" (784->10 softmax, batch 32: bound by dispatch
+overhead) and "mlp" (784-512-512-10 ReLU, batch 128: bound by ps bandwidth).
+Every path uses the same variables (on the ps), the same per-worker dataset of
+random data, the same step (next(iterator), forward, loss, gradient,
+assign_sub) and fetches every call's loss to the coordinator.
+
+Usage:
+  python benchmarks/dispatch.py [--repeats 3] [--quick] > dispatch.json
+
+Prints one JSON object on stdout (progress on stderr): steps/s of every
+repeat and their median, coordinator CPU per closure, task CPU per step, and
+psclient's ratio to the other paths against the issue's targets. Exits 0 when
+every run finished, whether or not the targets are met; 1 if any run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # _common, and the psclient of this checkout
+import _common  # noqa: E402
+
+PATHS = ("psclient_d1", "psclient_d2", "tf_coordinator", "plain_threads")
+PSCLIENT_PATHS = ("psclient_d1", "psclient_d2")
+WORKLOADS = {
+    # units: layer widths; lr: SGD learning rate.
+    "linear": {"units": (784, 10), "batch": 32, "lr": 0.01},
+    "mlp": {"units": (784, 512, 512, 10), "batch": 128, "lr": 0.01},
+}
+# Timed steps per run, chosen so a run lasts several seconds here; and warm-up
+# steps, run (and waited for) before the timed section so tracing is excluded.
+STEPS = {"linear": 3000, "mlp": 1000}
+QUICK_STEPS = {"linear": 300, "mlp": 100}
+WARMUP, QUICK_WARMUP = 50, 20
+# psclient / path (ratio of median steps/s) that the issue asks for.
+TARGETS = {
+    "linear": {"tf_coordinator": 2.0, "plain_threads": 1.0},
+    "mlp": {"tf_coordinator": 1.1, "plain_threads": 1.0},
+}
+NUM_WORKERS, NUM_PS = 2, 1
+
+
+# ----------------------------------------------------------------------------
+# The step, shared by every path. Runs in the coordinator subprocess.
+def make_variables(workload: str) -> list:
+    """Weights and biases, Glorot-uniform from a fixed seed, created in the caller's scope."""
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    units = WORKLOADS[workload]["units"]
+    variables = []
+    for i, (fan_in, fan_out) in enumerate(zip(units, units[1:])):
+        limit = np.sqrt(6.0 / (fan_in + fan_out))
+        kernel = rng.uniform(-limit, limit, (fan_in, fan_out)).astype(np.float32)
+        variables.append(tf.Variable(kernel, name=f"kernel{i}"))
+        variables.append(tf.Variable(np.zeros(fan_out, np.float32), name=f"bias{i}"))
+    return variables
+
+
+def make_dataset(workload: str):
+    """One fixed random batch, repeated forever (the same on every worker and path)."""
+    import numpy as np
+    import tensorflow as tf
+
+    spec = WORKLOADS[workload]
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((spec["batch"], spec["units"][0])).astype(np.float32)
+    y = rng.integers(0, spec["units"][-1], spec["batch"]).astype(np.int32)
+    return tf.data.Dataset.from_tensors((x, y)).repeat()
+
+
+def train_on_batch(variables: list, lr: float, x, y):
+    """Forward, loss, gradient, assign_sub; returns the loss."""
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        h = x
+        for i in range(0, len(variables), 2):
+            h = tf.matmul(h, variables[i]) + variables[i + 1]
+            if i + 2 < len(variables):
+                h = tf.nn.relu(h)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=h))
+    for variable, grad in zip(variables, tape.gradient(loss, variables)):
+        variable.assign_sub(lr * grad)
+    return loss
+
+
+# ----------------------------------------------------------------------------
+# The paths. Each sets up, then returns run(n) -> list of the n losses (floats),
+# which schedules n steps, waits for them and fetches every loss.
+def setup_psclient(cluster, workload: str, depth: int):
+    import tensorflow as tf
+
+    import psclient
+
+    strategy = psclient.ParameterServerStrategy(cluster, pipeline_depth=depth)
+    with strategy.scope():
+        variables = make_variables(workload)
+    iterator = iter(strategy.distribute_datasets_from_function(lambda ctx: make_dataset(workload)))
+    lr = WORKLOADS[workload]["lr"]
+
+    @tf.function
+    def step(iterator):
+        x, y = next(iterator)
+        return train_on_batch(variables, lr, x, y)
+
+    def run(n: int) -> list[float]:
+        futures = [strategy.schedule(step, args=(iterator,)) for _ in range(n)]
+        strategy.join()
+        return [float(f.result()) for f in futures]
+
+    return run, strategy.stats
+
+
+def setup_tf_coordinator(cluster, workload: str):
+    import tensorflow as tf
+
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster.training_spec()), task_type="chief", task_id=0, rpc_layer="grpc"
+    )
+    strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        variables = make_variables(workload)
+
+    @tf.function
+    def per_worker_dataset_fn():
+        return strategy.distribute_datasets_from_function(lambda ctx: make_dataset(workload))
+
+    iterator = iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+    lr = WORKLOADS[workload]["lr"]
+
+    @tf.function
+    def step(iterator):
+        x, y = next(iterator)
+        return strategy.run(train_on_batch, args=(variables, lr, x, y))
+
+    def run(n: int) -> list[float]:
+        remote_values = [coordinator.schedule(step, args=(iterator,)) for _ in range(n)]
+        coordinator.join()
+        return [float(v) for v in coordinator.fetch(remote_values)]
+
+    return run, None
+
+
+def setup_plain_threads(cluster, workload: str):
+    import tensorflow as tf
+
+    tf.config.experimental_connect_to_cluster(
+        tf.train.ClusterSpec(cluster.training_spec()), job_name="chief", task_index=0, protocol="grpc"
+    )
+    with tf.device("/job:ps/task:0"):
+        variables = make_variables(workload)
+    devices = [f"/job:worker/task:{i}" for i in range(cluster.num_workers)]
+    iterators = []
+    for device in devices:
+        with tf.device(device):
+            iterators.append(iter(make_dataset(workload)))
+    lr = WORKLOADS[workload]["lr"]
+
+    @tf.function
+    def step(iterator):
+        x, y = next(iterator)
+        return train_on_batch(variables, lr, x, y)
+
+    def run(n: int) -> list[float]:
+        # Static split: each worker's thread makes n / workers synchronous calls.
+        losses = [[] for _ in devices]
+        errors = []
+
+        def loop(i: int) -> None:
+            try:
+                with tf.device(devices[i]):
+                    for _ in range(n // len(devices)):
+                        losses[i].append(float(step(iterators[i]).numpy()))
+            except BaseException as error:  # noqa: BLE001 - re-raised in the caller
+                errors.append(error)
+
+        threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(devices))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return [loss for per_worker in losses for loss in per_worker]
+
+    return run, None
+
+
+# ----------------------------------------------------------------------------
+def child_main(args: argparse.Namespace) -> None:
+    """One coordinator subprocess: set up one path, warm up, time, print one JSON line."""
+    _common.exit_with_parent()
+    import psclient
+
+    cluster = psclient.Cluster(json.loads(args.cluster))
+    task_pids = json.loads(args.task_pids)
+    path, workload = args._child, args.workload
+    if path in PSCLIENT_PATHS:
+        run, stats = setup_psclient(cluster, workload, depth=int(path[-1]))
+    elif path == "tf_coordinator":
+        run, stats = setup_tf_coordinator(cluster, workload)
+    else:
+        run, stats = setup_plain_threads(cluster, workload)
+
+    first = run(args.warmup)
+    task_cpu0 = {task: _common.cpu_seconds([pid]) for task, pid in task_pids.items()}
+    busy0, cpu0, t0 = _common.machine_busy_seconds(), time.process_time(), time.perf_counter()
+    losses = run(args.steps)
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    busy = _common.machine_busy_seconds() - busy0
+    task_cpu = {task: _common.cpu_seconds([pid]) - task_cpu0[task] for task, pid in task_pids.items()}
+    # CPU that neither this coordinator nor the cluster used: other processes on
+    # the machine, which make the figures noisy when they are large.
+    other = busy - cpu - sum(task_cpu.values())
+
+    steps = len(losses)
+    if steps != args.steps - args.steps % NUM_WORKERS and steps != args.steps:
+        raise RuntimeError(f"{path} returned {steps} losses for {args.steps} steps")
+    per_step_us = lambda s: round(s / steps * 1e6, 1)  # noqa: E731
+    result = {
+        "steps": steps,
+        "seconds": round(seconds, 3),
+        "steps_per_s": round(steps / seconds, 1),
+        "coordinator_cpu_us_per_step": per_step_us(cpu),
+        "task_cpu_us_per_step": {task: per_step_us(s) for task, s in task_cpu.items()},
+        "tasks_cpu_us_per_step": per_step_us(sum(task_cpu.values())),
+        # Sanity: the step trains (the loss falls from the first warm-up step).
+        "loss_first": round(first[0], 4),
+        "loss_last": round(losses[-1], 4),
+        "other_processes_cpu_share": round(max(0.0, other) / (seconds * (os.cpu_count() or 1)), 3),
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "tasks_after": _common.task_usage(list(task_pids.values())),
+    }
+    if stats is not None:
+        s = stats()
+        result["psclient_stats"] = {k: s[k] for k in ("pipeline_depth", "dispatcher_threads_alive") if k in s}
+    _common.child_exit(result)
+
+
+def summarize(runs: dict, workloads: list[str], paths: list[str]) -> dict:
+    """Medians per workload and path, psclient's best depth, ratios and targets."""
+    summary = {}
+    for workload in workloads:
+        per_path = {}
+        for path in paths:
+            ok = [r for r in runs[workload][path] if "error" not in r]
+            per_path[path] = {
+                "steps_per_s": [r["steps_per_s"] for r in ok],
+                "median_steps_per_s": _common.median([r["steps_per_s"] for r in ok]),
+                "coordinator_cpu_us_per_step": _common.median([r["coordinator_cpu_us_per_step"] for r in ok]),
+                "tasks_cpu_us_per_step": _common.median([r["tasks_cpu_us_per_step"] for r in ok]),
+                "other_processes_cpu_share": _common.median([r["other_processes_cpu_share"] for r in ok]),
+                "failed_runs": len(runs[workload][path]) - len(ok),
+            }
+        entry = {"paths": per_path}
+        depths = [p for p in PSCLIENT_PATHS if per_path.get(p, {}).get("median_steps_per_s")]
+        if depths:
+            best = max(depths, key=lambda p: per_path[p]["median_steps_per_s"])
+            entry["psclient_best"] = best
+            entry["psclient_best_pipeline_depth"] = int(best[-1])
+            ratios, met = {}, {}
+            for other, target in TARGETS[workload].items():
+                theirs = per_path.get(other, {}).get("median_steps_per_s")
+                if theirs:
+                    ratios[f"psclient/{other}"] = round(per_path[best]["median_steps_per_s"] / theirs, 3)
+                    met[f"psclient/{other} >= {target}"] = ratios[f"psclient/{other}"] >= target
+            entry["ratios"] = ratios
+            entry["targets_met"] = met
+        summary[workload] = entry
+    return summary
+
+
+def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
+    steps = dict(QUICK_STEPS if args.quick else STEPS)
+    if args.steps:
+        steps = {w: args.steps for w in steps}
+    warmup = args.warmup if args.warmup is not None else (QUICK_WARMUP if args.quick else WARMUP)
+    workloads, paths = args.workloads.split(","), args.paths.split(",")
+    for name, given, known in (("--workloads", workloads, WORKLOADS), ("--paths", paths, PATHS)):
+        if not set(given) <= set(known):
+            raise SystemExit(f"Invalid value for {name}: {given}. Expected a comma-separated subset of {list(known)}.")
+    output = {
+        "config": {
+            **_common.environment(argv),
+            "num_workers": NUM_WORKERS, "num_ps": NUM_PS, "repeats": args.repeats,
+            "warmup_steps": warmup, "timed_steps": steps, "workloads": {w: WORKLOADS[w] for w in workloads},
+            "paths": paths, "order": "interleaved: per repeat, per workload, every path in turn",
+        },
+    }
+    runs = {w: {p: [] for p in paths} for w in workloads}
+    env = _common.quiet_tf_env(GRPC_FAIL_FAST="use_caller")
+    started = time.perf_counter()
+    with _common.stop_on_sigterm():
+        _common.log(f"starting a LocalCluster ({NUM_WORKERS} workers, {NUM_PS} ps)")
+        with _common.local_cluster(NUM_WORKERS, NUM_PS) as (cluster, task_pids):
+            output["config"]["cluster"] = cluster.jobs
+            for repeat in range(args.repeats):
+                for workload in workloads:
+                    for path in paths:
+                        child = [os.path.abspath(__file__), "--_child", path, "--workload", workload,
+                                 "--cluster", json.dumps(cluster.jobs), "--task-pids", json.dumps(task_pids),
+                                 "--steps", str(steps[workload]), "--warmup", str(warmup)]
+                        tag = f"repeat {repeat + 1}/{args.repeats} {workload:6} {path:14}"
+                        try:
+                            # Generous: TF start-up plus the steps at 20 steps/s.
+                            result = _common.run_child(child, timeout=120 + steps[workload] / 20, env=env)
+                        except _common.ChildError as error:
+                            _common.log(f"{tag} FAILED: {error}")
+                            result = {"error": str(error)}
+                        else:
+                            _common.log(f"{tag} {result['steps_per_s']:8.1f} steps/s, coordinator "
+                                        f"{result['coordinator_cpu_us_per_step']:.0f} us/step, tasks "
+                                        f"{result['tasks_cpu_us_per_step']:.0f} us/step, other processes "
+                                        f"{result['other_processes_cpu_share']:.0%} of the CPUs")
+                        runs[workload][path].append(result)
+    output["config"]["wall_s"] = round(time.perf_counter() - started, 1)
+    output["results"] = summarize(runs, workloads, paths)
+    output["runs"] = runs
+    _common.print_json(output)
+    failed = sum("error" in r for w in runs.values() for rs in w.values() for r in rs)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, help="runs of every path, interleaved (default 3; 1 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="a short smoke run: few steps")
+    parser.add_argument("--steps", type=int, help="timed steps per run, for every workload")
+    parser.add_argument("--warmup", type=int, help="warm-up steps per run, not timed")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated (default: all)")
+    parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated (default: all)")
+    # Internal: run one path as a coordinator subprocess.
+    parser.add_argument("--_child", choices=PATHS, help=argparse.SUPPRESS)
+    parser.add_argument("--workload", choices=list(WORKLOADS), help=argparse.SUPPRESS)
+    parser.add_argument("--cluster", help=argparse.SUPPRESS)
+    parser.add_argument("--task-pids", default="{}", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args._child:
+        try:
+            child_main(args)  # Exits the process.
+        except BaseException:
+            traceback.print_exc()
+            _common.child_exit(None, status=1)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1. Received: {args.repeats}.")
+    return parent_main(args, ["benchmarks/dispatch.py", *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
