@@ -61,6 +61,9 @@ class ClusterCoordinator:
 
         if isinstance(dataset_fn, PerWorkerDataset):
             return dataset_fn
+        # TF's tutorial wraps the dataset function in tf.function; TF's
+        # coordinator runs it on each worker, psclient runs the Python function.
+        dataset_fn = getattr(dataset_fn, "python_function", dataset_fn)
         if callable(dataset_fn) and not isinstance(dataset_fn, tf.data.Dataset) and _takes_no_args(dataset_fn):
             made = dataset_fn()
             if isinstance(made, PerWorkerDataset):

@@ -16,6 +16,7 @@ from psclient._cluster import Cluster
 from psclient._dispatch import Dispatcher
 from psclient._errors import StrategyClosedError
 from psclient._future import Future
+from psclient._keras_atomic import make_keras_increments_atomic
 from psclient._per_worker import PerWorker, PerWorkerDataset, check_dataset_fn
 from psclient._placement import Placer
 from psclient._scheduler import Closure, Scheduler
@@ -129,13 +130,16 @@ class ParameterServerStrategy:
         """Every `tf.Variable` created inside lives on a ps task.
 
         That covers raw `tf.Variable`s and Keras 3 layers and optimizers (they
-        create `tf.Variable`s underneath). Placement balances bytes across ps
+        create `tf.Variable`s underneath). Entering it also makes Keras 3's
+        `Variable.assign_add/assign_sub` atomic (see `_keras_atomic`), so
+        counters and metrics updated by several workers lose nothing. Placement balances bytes across ps
         tasks; an optimizer slot goes to the ps of its variable; an explicit
         `tf.device("/job:ps/task:K")` inside the scope is honoured.
         """
         import tensorflow as tf
 
         self._check_open("scope")
+        make_keras_increments_atomic()
         with tf.variable_creator_scope(self._create_variable):
             yield self
 
@@ -212,7 +216,11 @@ class ParameterServerStrategy:
         per_worker = _has_per_worker(args, kwargs)
         sample_args, sample_kwargs = _resolve(args, kwargs, 0) if per_worker else (args, kwargs)
         concrete = self._trace(function, name, sample_args, sample_kwargs)
-        closure = Closure(concrete, args, kwargs, Future(name))
+        # Without per-worker arguments the traced function is called directly.
+        # With them, each worker's call goes through the tf.function, whose
+        # cache maps tensors-like values (iterators) to the same trace and
+        # Python-object resources (e.g. lookup tables) to one trace each.
+        closure = Closure(function if per_worker else concrete, args, kwargs, Future(name))
         closure.per_worker = per_worker  # only walk the arguments when needed
         self._scheduler.submit(closure)
         return closure.future
