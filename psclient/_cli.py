@@ -1,0 +1,173 @@
+"""The `psclient` command line: `psclient serve` runs one TensorFlow task server.
+
+The parser is built from subcommands so that more can be added. Nothing heavy
+is imported here: `psclient --help` answers without loading TensorFlow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+from psclient import _server
+from psclient._cluster import (
+    Cluster,
+    cluster_from_config,
+    parse_config_json,
+    read_tf_config,
+    task_from_config,
+)
+from psclient._errors import ClusterConfigError
+
+_MAIN_EPILOG = """\
+example:
+  # Start worker 0 of the cluster described in cluster.json:
+  psclient serve --job worker --index 0 --cluster cluster.json
+
+Run `psclient COMMAND --help` for a command's options.
+"""
+
+_SERVE_EPILOG = """\
+example:
+  $ cat cluster.json
+  {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"], "ps": ["10.0.0.3:2222"]}
+  $ psclient serve --job worker --index 0 --cluster cluster.json
+
+  # Or, with TF_CONFIG naming the cluster and this task:
+  $ TF_CONFIG='{"cluster": {...}, "task": {"type": "ps", "index": 0}}' psclient serve
+
+The task runs until SIGTERM or SIGINT, then exits with status 0.
+Task servers accept unauthenticated RPCs and TensorFlow binds ALL network
+interfaces: run them only on a trusted network.
+"""
+
+
+def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="run one worker or ps task server",
+        description="Run one TensorFlow task server (a worker or ps task) of a "
+        "psclient cluster, until SIGTERM or SIGINT.",
+        epilog=_SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("--job", choices=("worker", "ps"), help="the task's job (default: TF_CONFIG's task)")
+    serve.add_argument("--index", type=int, help="the task's index in its job (default: TF_CONFIG's task)")
+    serve.add_argument(
+        "--cluster",
+        metavar="FILE.json",
+        help="JSON file: a dict of jobs, or a TF_CONFIG-style object with a "
+        '"cluster" key (default: the TF_CONFIG environment variable)',
+    )
+    serve.add_argument(
+        "--inter-op-threads",
+        type=int,
+        metavar="N",
+        help="TensorFlow inter-op threads, at least 2 (default: max(CPU count, workers + 1))",
+    )
+    # Used by LocalCluster only: see psclient._server.serve.
+    serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    serve.add_argument("--parent-fd", type=int, help=argparse.SUPPRESS)
+    serve.set_defaults(handler=_run_serve, command_parser=serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="psclient",
+        description="Parameter-server training for TensorFlow 2 and Keras 3.",
+        epilog=_MAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+    _add_serve_parser(commands)
+    return parser
+
+
+def _load_config_file(path: str) -> tuple[Cluster, tuple[str, int] | None]:
+    """The cluster (and task, if named) of a cluster file."""
+    source = f"cluster file {path!r}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ClusterConfigError(
+            f"Cannot read --cluster {path!r}: {e.strerror}. Expected a readable JSON file."
+        ) from e
+    config = parse_config_json(text, source=source)
+    if isinstance(config, dict) and "cluster" in config:
+        return cluster_from_config(config, source=source), task_from_config(config, source=source)
+    if not isinstance(config, dict):
+        raise ClusterConfigError(
+            f"Invalid {source}. Received: {text[:200]!r}. Expected a JSON object of jobs "
+            'like {"worker": ["host:port"], "ps": ["host:port"]}.'
+        )
+    try:
+        return Cluster(config), None
+    except ClusterConfigError as e:
+        raise ClusterConfigError(f"Invalid {source}: {e}") from e
+
+
+def _load_tf_config() -> tuple[Cluster, tuple[str, int] | None]:
+    if not os.environ.get("TF_CONFIG", "").strip():
+        raise ClusterConfigError(
+            "No cluster given: pass --cluster FILE.json or set the TF_CONFIG "
+            "environment variable (TF_CONFIG is not set)."
+        )
+    config = read_tf_config()
+    return cluster_from_config(config, source="TF_CONFIG"), task_from_config(config, source="TF_CONFIG")
+
+
+def _resolve_task(
+    args: argparse.Namespace, cluster: Cluster, task: tuple[str, int] | None
+) -> tuple[str, int]:
+    """--job and --index, defaulting to the configuration's task."""
+    job, index = args.job, args.index
+    if job is None:
+        if task is None:
+            raise ValueError("--job is required when the configuration names no task.")
+        if task[0] not in ("worker", "ps"):
+            raise ValueError(
+                f"The configuration's task is {task[0]}:{task[1]}, but psclient serve runs "
+                "only 'worker' and 'ps' tasks. Expected --job worker or --job ps."
+            )
+        job = task[0]
+    if index is None:
+        if task is None or task[0] != job:
+            raise ValueError(f"--index is required: the configuration names no {job} task.")
+        index = task[1]
+    count = len(cluster.jobs[job])
+    if not 0 <= index < count:
+        raise ValueError(
+            f"Invalid value for --index. Received: {index}. Expected an integer in "
+            f"0..{count - 1}: the cluster has {count} {job} task(s)."
+        )
+    return job, index
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    try:
+        if args.inter_op_threads is not None:
+            _server.check_inter_op_threads(args.inter_op_threads, name="--inter-op-threads")
+        cluster, task = _load_config_file(args.cluster) if args.cluster else _load_tf_config()
+        job, index = _resolve_task(args, cluster, task)
+    except ValueError as e:  # ClusterConfigError is a ValueError.
+        args.command_parser.error(str(e))  # Prints usage and the message; exits 2.
+    _server.serve(
+        cluster,
+        job,
+        index,
+        inter_op_threads=args.inter_op_threads,
+        ready_fd=args.ready_fd,
+        parent_fd=args.parent_fd,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `psclient` command; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return args.handler(args)

@@ -1,0 +1,193 @@
+"""Running one TensorFlow task server (a worker or ps task): the body of `psclient serve`.
+
+A task server is a `tf.distribute.Server` that holds variables (ps) or runs
+functions (worker) for the coordinator. This module starts one, reports when it
+is ready, and ends it cleanly: on SIGTERM or SIGINT it exits with status 0, and
+when started by `LocalCluster` it also exits as soon as its parent process is
+gone, however the parent died.
+
+TensorFlow is imported only inside `serve`, after GRPC_FAIL_FAST is set.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import NoReturn
+
+from psclient._cluster import Cluster
+
+SERVED_JOBS = ("worker", "ps")
+
+SECURITY_WARNING = (
+    "WARNING: TensorFlow task servers accept unauthenticated RPCs: anyone who can "
+    "reach this port can read and change its variables and run code in this process. "
+    "TensorFlow also binds the port on ALL network interfaces, even for a 127.0.0.1 "
+    "address, and has no option to bind only one. Run tasks only on a trusted network."
+)
+
+
+def default_inter_op_threads(cluster: Cluster) -> int:
+    """At least one inter-op thread per worker, plus one (see check_inter_op_threads)."""
+    return max(os.cpu_count() or 2, cluster.num_workers + 1)
+
+
+def check_inter_op_threads(value: int, *, name: str = "argument `inter_op_threads`") -> int:
+    """Rejects thread counts that deadlock the runtime.
+
+    With one inter-op thread, a worker running a function that reads a variable
+    on a ps task blocks that thread on the remote read and never returns.
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+        raise ValueError(
+            f"Invalid value for {name}. Received: {value!r}. "
+            "Expected an integer >= 2: with 1 thread, a worker that reads variables "
+            "on a ps task deadlocks."
+        )
+    return value
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _exit(code: int) -> NoReturn:
+    """Exits at once: TensorFlow's destructors can hang a normal interpreter exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class _StopSignals:
+    """Wakes the main thread on SIGTERM or SIGINT, whichever thread receives it.
+
+    `server.join()` cannot be interrupted, so the main thread waits here instead.
+    It cannot wait on a `threading.Event` set by a Python signal handler: the
+    kernel delivers a process signal to any thread, often one of TensorFlow's,
+    and Python then runs the handler only when the main thread next executes
+    bytecode, which a main thread blocked in `Event.wait()` does not (measured:
+    SIGTERM was lost this way in 3 of 8 runs). CPython's C-level handler
+    also writes the signal number to the wakeup fd, from whichever thread, so
+    the main thread blocks reading that fd.
+    """
+
+    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def install(self) -> None:
+        """Must run in the main thread, before other threads start."""
+        self._read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)  # set_wakeup_fd requires it.
+        signal.set_wakeup_fd(write_fd)
+        for sig in self._SIGNALS:
+            # A Python handler must be installed for the wakeup fd to be written;
+            # the work is done by wait().
+            signal.signal(sig, lambda signum, frame: None)
+
+    def wait(self) -> str:
+        """Blocks until SIGTERM or SIGINT; returns its name."""
+        while True:
+            for signum in os.read(self._read_fd, 64):
+                if signum in self._SIGNALS:
+                    return signal.Signals(signum).name
+
+
+def _exit_when_parent_dies(parent_fd: int, task: str) -> None:
+    """Exits the process when the read end `parent_fd` of the parent's pipe sees EOF.
+
+    Only the parent holds the write end and never writes to it, so EOF means
+    the parent is gone, even if it was SIGKILLed. (PR_SET_PDEATHSIG would fire
+    when the parent's forking *thread* exits, not the parent process.)
+    The thread lives as long as the process, which it ends itself.
+    """
+
+    def watch() -> None:
+        try:
+            os.read(parent_fd, 1)
+        except OSError:
+            pass  # A broken pipe also means the parent is gone.
+        _log(f"psclient serve: {task} exiting: its parent process is gone")
+        _exit(1)
+
+    threading.Thread(target=watch, name="psclient-parent-watch", daemon=True).start()
+
+
+def _signal_ready(ready_fd: int) -> None:
+    try:
+        os.write(ready_fd, b"ready\n")
+    finally:
+        os.close(ready_fd)
+
+
+def _start_server(cluster: Cluster, job: str, index: int, inter_op_threads: int):
+    import tensorflow as tf  # Lazily, and only after GRPC_FAIL_FAST is set.
+
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=inter_op_threads)
+    return tf.distribute.Server(
+        # Without the evaluator: an evaluator in the spec makes training hang.
+        tf.train.ClusterSpec(cluster.training_spec()),
+        job_name=job,
+        task_index=index,
+        protocol="grpc",
+        config=config,
+        start=True,
+    )
+
+
+def serve(
+    cluster: Cluster,
+    job: str,
+    index: int,
+    *,
+    inter_op_threads: int | None = None,
+    ready_fd: int | None = None,
+    parent_fd: int | None = None,
+) -> NoReturn:
+    """Runs task `job:index` of `cluster` until SIGTERM or SIGINT, then exits 0.
+
+    Must be called from the main thread (it installs signal handlers); never
+    returns. Exits with status 1 if the server cannot start.
+
+    Args:
+        cluster: the cluster; the task serves the address `cluster.address(job, index)`.
+        job: "worker" or "ps".
+        index: the task's index in its job.
+        inter_op_threads: TensorFlow inter-op threads; at least 2, by default
+            `default_inter_op_threads(cluster)`.
+        ready_fd: a pipe's write end; "ready\\n" is written to it, and it is
+            closed, once the server has started.
+        parent_fd: the read end of a pipe whose write end only the parent holds;
+            its EOF (the parent died) ends the task.
+    """
+    if job not in SERVED_JOBS:
+        raise ValueError(
+            f"Invalid value for argument `job`. Received: job={job!r}. "
+            f"Expected one of {list(SERVED_JOBS)}."
+        )
+    address = cluster.address(job, index)
+    if inter_op_threads is None:
+        inter_op_threads = default_inter_op_threads(cluster)
+    check_inter_op_threads(inter_op_threads)
+    task = f"{job}:{index}"
+
+    # Failures of other tasks must reach callers as errors instead of being
+    # retried forever inside gRPC. Set before TensorFlow is imported.
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    stop = _StopSignals()
+    stop.install()
+    if parent_fd is not None:
+        _exit_when_parent_dies(parent_fd, task)
+    _log(f"psclient serve: {SECURITY_WARNING}")
+    try:
+        server = _start_server(cluster, job, index, inter_op_threads)
+    except Exception as e:  # TensorFlow raises UnknownError for a port in use.
+        _log(f"psclient serve: error: cannot start {task} at {address}: {e}")
+        _exit(1)
+    _log(f"psclient serve: {task} ready at {address} (pid {os.getpid()})")
+    if ready_fd is not None:
+        _signal_ready(ready_fd)
+    signal_name = stop.wait()
+    _log(f"psclient serve: {task} stopping on {signal_name}")
+    del server
+    _exit(0)
