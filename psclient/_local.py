@@ -1,0 +1,417 @@
+"""`LocalCluster`: a real cluster of TensorFlow task processes on 127.0.0.1.
+
+For tests, examples and single-machine runs. Every worker and ps task is its
+own OS process running `python -m psclient serve`, so failures can be injected
+the way they happen in production: kill, stop (freeze), resume, restart.
+
+Each task process is owned by the `LocalCluster` that started it:
+`close()` (also run by a `weakref.finalize` at interpreter exit) ends and reaps
+every task, and a pipe whose write end only this process holds makes the tasks
+exit by themselves if this process dies without closing, even by SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import portpicker
+
+from psclient._cluster import Cluster
+from psclient._errors import TaskUnreachableError
+
+_HOST = "127.0.0.1"
+_JOBS = ("worker", "ps")
+# How long close() lets tasks exit after SIGTERM before it SIGKILLs them.
+_TERM_GRACE_S = 5.0
+# Bound on reaping a SIGKILLed process (it cannot resist, but may be in I/O).
+_REAP_TIMEOUT_S = 30.0
+_LOG_TAIL_LINES = 20
+# The directory that holds the psclient package: put first on the tasks'
+# PYTHONPATH so that they run the same psclient as this process.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class _Task:
+    """One task process and the pipes that tie it to this process."""
+
+    job: str
+    index: int
+    address: str
+    log_path: str
+    process: subprocess.Popen | None = None
+    parent_w: int | None = None  # Held, never written: EOF tells the task we are gone.
+    ready_r: int | None = None  # Open only while waiting for "ready".
+    stopped: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.job}:{self.index}"
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def close_fds(self) -> None:
+        for attr in ("parent_w", "ready_r"):
+            fd = getattr(self, attr)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, attr, None)
+
+    def reap(self) -> None:
+        """SIGKILLs the process if alive, waits for it and closes the pipes."""
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGCONT)  # Harmless, and a stopped task reaps faster.
+                self.process.kill()
+            self.process.wait(timeout=_REAP_TIMEOUT_S)
+        self.stopped = False
+        self.close_fds()
+
+    def state(self) -> str:
+        if self.process is None:
+            return "not started"
+        code = self.process.poll()
+        if code is None:
+            return f"pid {self.process.pid}, " + ("stopped" if self.stopped else "running")
+        return f"exited {code}"
+
+
+def _log_tail(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError as e:
+        return f"(cannot read {path}: {e.strerror})"
+    return "\n".join("    " + line for line in lines[-_LOG_TAIL_LINES:])
+
+
+def _launch(task: _Task, env: dict[str, str], inter_op_threads: int | None) -> None:
+    """Starts `task`'s process; does not wait for it to be ready."""
+    # os.pipe() fds are non-inheritable: a task inherits only the two ends in
+    # pass_fds, so the write end of each parent pipe stays in this process alone.
+    ready_r, ready_w = os.pipe()
+    parent_r, parent_w = os.pipe()
+    argv = [sys.executable, "-m", "psclient", "serve", "--job", task.job,
+            "--index", str(task.index), "--ready-fd", str(ready_w), "--parent-fd", str(parent_r)]
+    if inter_op_threads is not None:
+        argv += ["--inter-op-threads", str(inter_op_threads)]
+    try:
+        with open(task.log_path, "ab") as log:
+            task.process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=env, pass_fds=(ready_w, parent_r),
+                # Own session: a Ctrl-C in the terminal reaches the coordinator,
+                # which decides what happens to the tasks, not the tasks directly.
+                start_new_session=True,
+            )
+    except BaseException:
+        os.close(ready_r)
+        os.close(parent_w)
+        raise
+    finally:
+        os.close(ready_w)
+        os.close(parent_r)
+    task.ready_r, task.parent_w = ready_r, parent_w
+
+
+def _failure(task: _Task, what: str) -> TaskUnreachableError:
+    return TaskUnreachableError(
+        f"Task {task.name} ({task.address}) {what}. Last lines of its log "
+        f"{task.log_path}:\n{_log_tail(task.log_path)}",
+        task=task.name, address=task.address,
+    )
+
+
+def _wait_ready(tasks: list[_Task], deadline: float, timeout: float) -> None:
+    """Waits until every task wrote "ready" to its pipe, against one deadline.
+
+    Raises:
+        TaskUnreachableError: a task exited first, or the deadline passed.
+    """
+    with selectors.DefaultSelector() as selector:
+        for task in tasks:
+            selector.register(task.ready_r, selectors.EVENT_READ, task)
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            events = selector.select(remaining) if remaining > 0 else []
+            if not events:
+                pending = [key.data for key in selector.get_map().values()]
+                names = ", ".join(f"{t.name} ({t.address})" for t in pending)
+                raise _failure(pending[0], f"was not ready within {timeout} s (not ready: {names})")
+            for key, _ in events:
+                task = key.data
+                selector.unregister(key.fd)
+                message = os.read(key.fd, 64)
+                os.close(key.fd)
+                task.ready_r = None
+                if not message.startswith(b"ready"):  # EOF: the task died first.
+                    try:
+                        code = task.process.wait(timeout=_TERM_GRACE_S)
+                    except subprocess.TimeoutExpired:
+                        code = "unknown"
+                    raise _failure(task, f"exited with status {code} before it was ready")
+
+
+def _shutdown(tasks: list[_Task], tempdir: tempfile.TemporaryDirectory | None) -> None:
+    """Ends every task: SIGTERM, a grace period, then SIGKILL; reaps all of them."""
+    live = [t for t in tasks if t.alive()]
+    for task in live:
+        if task.stopped:
+            task.process.send_signal(signal.SIGCONT)  # A stopped task cannot handle SIGTERM.
+        task.process.terminate()
+    deadline = time.monotonic() + _TERM_GRACE_S
+    for task in live:
+        try:
+            task.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass  # reap() below SIGKILLs it.
+    for task in tasks:
+        task.reap()
+    if tempdir is not None:
+        tempdir.cleanup()
+
+
+def _pick_ports(count: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < count:
+        port = portpicker.pick_unused_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+class LocalCluster:
+    """A cluster of real worker and ps task processes on 127.0.0.1.
+
+    `LocalCluster()` returns once every task is serving. It also reserves a
+    "chief" address (a free port on 127.0.0.1 that nothing listens on) for the
+    coordinator: `cluster.cluster` has "worker", "ps" and "chief" jobs.
+
+    Example:
+
+        with psclient.LocalCluster(num_workers=2, num_ps=1) as local:
+            strategy = psclient.ParameterServerStrategy(local.cluster)
+            local.kill("worker", 1)      # Fault injection...
+            local.restart("worker", 1)   # ...and recovery, at the same address.
+
+    Security: the addresses are 127.0.0.1 only, but TensorFlow binds each
+    task's port on ALL network interfaces (it has no option to bind one), and
+    task servers accept unauthenticated RPCs. Use it on a trusted machine only.
+
+    Args:
+        num_workers: number of worker tasks, at least 1.
+        num_ps: number of ps tasks, at least 1.
+        start_timeout: seconds to wait for every task to be ready.
+        log_dir: directory for the tasks' logs (`<job>-<index>.log`, stdout and
+            stderr); a temporary directory removed by `close()` when None.
+        env: environment variables for the tasks, on top of this process's.
+        inter_op_threads: TensorFlow inter-op threads per task (at least 2);
+            `psclient serve`'s default when None.
+
+    Raises:
+        TaskUnreachableError: a task exited or was not ready in time; the
+            message names it and quotes the end of its log. The other tasks
+            are ended first.
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 2,
+        num_ps: int = 1,
+        *,
+        start_timeout: float = 60.0,
+        log_dir: str | os.PathLike | None = None,
+        env: dict[str, str] | None = None,
+        inter_op_threads: int | None = None,
+    ):
+        for name, value in (("num_workers", num_workers), ("num_ps", num_ps)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
+                    "Expected an integer >= 1."
+                )
+        if not start_timeout > 0:
+            raise ValueError(
+                "Invalid value for argument `start_timeout`. Received: "
+                f"start_timeout={start_timeout!r}. Expected a positive number of seconds."
+            )
+        if inter_op_threads is not None:
+            from psclient._server import check_inter_op_threads
+
+            check_inter_op_threads(inter_op_threads)
+        self._start_timeout = float(start_timeout)
+        self._inter_op_threads = inter_op_threads
+        self._lock = threading.RLock()
+        self._tempdir = None
+        if log_dir is None:
+            self._tempdir = tempfile.TemporaryDirectory(prefix="psclient-local-")
+            log_dir = self._tempdir.name
+        self._log_dir = os.fspath(log_dir)
+        os.makedirs(self._log_dir, exist_ok=True)
+
+        ports = _pick_ports(num_workers + num_ps + 1)
+        addresses = [f"{_HOST}:{port}" for port in ports]
+        self._cluster = Cluster(
+            {"worker": addresses[:num_workers], "ps": addresses[num_workers:-1], "chief": addresses[-1:]}
+        )
+        self._tasks = {
+            (job, index): _Task(job, index, address, os.path.join(self._log_dir, f"{job}-{index}.log"))
+            for job, index, address in self._cluster.tasks()
+        }
+        self._env = self._task_env(env)
+        self._closed = False
+        # Holds no reference to self, so a forgotten cluster is still collected
+        # and its tasks ended (at the latest at interpreter exit).
+        self._finalizer = weakref.finalize(self, _shutdown, list(self._tasks.values()), self._tempdir)
+        try:
+            self._start(list(self._tasks.values()), self._start_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _task_env(env: dict[str, str] | None) -> dict[str, str]:
+        child = dict(os.environ)
+        child.update(env or {})
+        child.setdefault("GRPC_FAIL_FAST", "use_caller")
+        child.setdefault("PYTHONUNBUFFERED", "1")
+        pythonpath = child.get("PYTHONPATH")
+        child["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + pythonpath if pythonpath else "")
+        return child
+
+    def _start(self, tasks: list[_Task], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for task in tasks:  # All at once: TensorFlow's import dominates start-up.
+            env = dict(self._env, TF_CONFIG=self._cluster.to_tf_config(task.job, task.index))
+            _launch(task, env, self._inter_op_threads)
+        _wait_ready(tasks, deadline, timeout)
+
+    # Inspection -------------------------------------------------------------
+
+    @property
+    def cluster(self) -> Cluster:
+        """The `Cluster`: "worker" and "ps" tasks, and the reserved "chief" address."""
+        return self._cluster
+
+    @property
+    def log_dir(self) -> str:
+        return self._log_dir
+
+    def _task(self, job: str, index: int) -> _Task:
+        if job not in _JOBS:
+            raise ValueError(
+                f"Invalid value for argument `job`. Received: job={job!r}. "
+                f"Expected one of {list(_JOBS)}."
+            )
+        count = len(self._cluster.jobs[job])
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
+            raise ValueError(
+                f"Invalid value for argument `index`. Received: index={index!r}. "
+                f"Expected an integer in 0..{count - 1} (this cluster has {count} {job} tasks)."
+            )
+        return self._tasks[(job, index)]
+
+    def log_path(self, job: str, index: int) -> str:
+        """The file that holds the task's stdout and stderr, across restarts."""
+        return self._task(job, index).log_path
+
+    def logs(self, job: str, index: int) -> str:
+        """The task's output so far (empty after close() removed a temporary log_dir)."""
+        try:
+            with open(self.log_path(job, index), encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    def pid(self, job: str, index: int) -> int | None:
+        """The task's process id, or None when it is not running."""
+        task = self._task(job, index)
+        return task.process.pid if task.alive() else None
+
+    def is_running(self, job: str, index: int) -> bool:
+        """Whether the task's process exists (a stopped task still does)."""
+        return self._task(job, index).alive()
+
+    # Fault injection --------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("This LocalCluster is closed; create a new one.")
+
+    def kill(self, job: str, index: int) -> None:
+        """SIGKILLs the task and waits for its process to be gone."""
+        with self._lock:
+            self._check_open()
+            self._task(job, index).reap()
+
+    def _signal_live(self, job: str, index: int, sig: signal.Signals) -> _Task:
+        with self._lock:
+            self._check_open()
+            task = self._task(job, index)
+            if not task.alive():
+                raise RuntimeError(f"Task {task.name} is not running ({task.state()}); restart() it first.")
+            task.process.send_signal(sig)
+            return task
+
+    def stop(self, job: str, index: int) -> None:
+        """Freezes the task (SIGSTOP): it keeps its connections but answers nothing."""
+        self._signal_live(job, index, signal.SIGSTOP).stopped = True
+
+    def resume(self, job: str, index: int) -> None:
+        """Unfreezes a stopped task (SIGCONT)."""
+        self._signal_live(job, index, signal.SIGCONT).stopped = False
+
+    def restart(self, job: str, index: int, timeout: float | None = None) -> None:
+        """Kills the task if it is alive, starts it again at the same address and
+        waits until it is ready (at most `timeout` s, default `start_timeout`).
+
+        Raises:
+            TaskUnreachableError: the new process exited or was not ready in time.
+        """
+        with self._lock:
+            self._check_open()
+            task = self._task(job, index)
+            task.reap()
+            with open(task.log_path, "a", encoding="utf-8") as log:
+                log.write(f"--- psclient LocalCluster: restarting {task.name} ---\n")
+            try:
+                self._start([task], self._start_timeout if timeout is None else timeout)
+            except BaseException:
+                task.reap()
+                raise
+
+    # Life cycle -------------------------------------------------------------
+
+    def close(self) -> None:
+        """Ends every task (SIGTERM, then SIGKILL after a few seconds) and reaps them.
+
+        Removes the temporary log directory, if this cluster made one. Safe to
+        call more than once.
+        """
+        with self._lock:
+            self._closed = True
+            self._finalizer()  # Runs _shutdown at most once.
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        tasks = ", ".join(f"{t.name}={t.address} ({t.state()})" for t in self._tasks.values())
+        state = "closed" if self._closed else "open"
+        return f"<LocalCluster {state}: {tasks}; chief={self._cluster.chief} (reserved)>"
