@@ -22,14 +22,15 @@ from typing import Any
 
 from psclient._errors import ClusterConfigError
 
-# Jobs that take part in training. The evaluator is left out of every spec
-# given to TensorFlow (see `Cluster.training_spec`).
-_TRAINING_JOBS = ("chief", "worker", "ps")
 # Jobs TensorFlow's own tools treat as singletons.
 _SINGLE_TASK_JOBS = ("chief", "evaluator")
 _JOB_ORDER = ("chief", "worker", "ps", "evaluator")
 _ADDRESS_EXPECTED = "Expected 'host:port' with a port in 1..65535"
 _HOSTNAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_\-]*[A-Za-z0-9_])?$")
+
+
+def _is_decimal(text: str) -> bool:
+    return text.isascii() and text.isdigit()  # str.isdigit() alone accepts '²'.
 
 
 def _address_problem(address: Any) -> str | None:
@@ -41,7 +42,7 @@ def _address_problem(address: Any) -> str | None:
         return "it has no ':port' part"
     if not host:
         return "it has no host"
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not _is_decimal(port) or not 1 <= int(port) <= 65535:
         return f"port {port!r} is not an integer in 1..65535"
     if host.startswith("["):
         if not host.endswith("]"):
@@ -53,7 +54,7 @@ def _address_problem(address: Any) -> str | None:
         return None
     if ":" in host:
         return "an IPv6 host must be written in brackets, like '[::1]:2222'"
-    if all(part.isdigit() for part in host.split(".")):
+    if all(_is_decimal(part) for part in host.split(".")):
         try:
             ipaddress.IPv4Address(host)
         except ValueError:
@@ -79,12 +80,16 @@ def _dense_indices(job: str, tasks: Mapping[Any, Any]) -> list[Any]:
     by_index = {}
     for key, address in tasks.items():
         index = key
-        if isinstance(key, str) and key.isdigit():  # JSON object keys are strings.
+        if isinstance(key, str) and _is_decimal(key):  # JSON object keys are strings.
             index = int(key)
         if not isinstance(index, int) or isinstance(index, bool):
             raise ClusterConfigError(
                 f"Invalid task index in job {job!r}. Received: {key!r}. "
                 "Expected an integer index."
+            )
+        if index in by_index:
+            raise ClusterConfigError(
+                f"Duplicate task index {index} in job {job!r}. Received: {dict(tasks)!r}."
             )
         by_index[index] = address
     if sorted(by_index) != list(range(len(by_index))):
@@ -149,7 +154,8 @@ class Cluster:
         if not isinstance(jobs, Mapping):
             raise ClusterConfigError(
                 f"Invalid cluster. Received: {jobs!r}. Expected a dict mapping job "
-                "names to lists of 'host:port' addresses."
+                "names to lists of 'host:port' addresses (Cluster.coerce also takes "
+                "ClusterSpecs and cluster resolvers)."
             )
         normalised = {job: _normalise_job(job, tasks) for job, tasks in jobs.items()}
         for required in ("worker", "ps"):

@@ -97,6 +97,7 @@ def test_address_errors():
         ("host:0", "port '0'"),
         ("host:65536", "port '65536'"),
         ("host:http", "port 'http'"),
+        ("host:²", "port '²'"),
         ("1.2.3.999:1", "'1.2.3.999' is not a valid IPv4 address"),
         ("::1:2222", "brackets"),
         ("[::g]:1", "not a valid IPv6 address"),
@@ -310,3 +311,8 @@ def test_to_cluster_spec_drops_the_evaluator():
     assert Cluster.from_cluster_spec(spec) == Cluster({**JOBS, "chief": ["c:1"]})
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(spec)
     assert Cluster.coerce(resolver) == Cluster.from_cluster_spec(spec)
+
+
+def test_sparse_dict_with_a_repeated_index():
+    with pytest.raises(ClusterConfigError, match=r"Duplicate task index 0 in job 'worker'"):
+        Cluster({"worker": {0: "w0:1", "0": "w1:1"}, "ps": ["p:1"]})
