@@ -34,11 +34,13 @@ class Dispatcher:
         pipeline_depth: int,
         resolve_args: Callable[[Closure, int], tuple],
         worker_answers: Callable[[int], bool],
+        others_lost: Callable[[int], bool],
         on_worker_lost: Callable[[int], None],
     ):
         self._scheduler = scheduler
         self._resolve_args = resolve_args
         self._worker_answers = worker_answers
+        self._others_lost = others_lost
         self._on_worker_lost = on_worker_lost
         self._threads = [
             threading.Thread(
@@ -78,13 +80,21 @@ class Dispatcher:
             args, kwargs = self._resolve_args(closure, worker)
             value = _runtime.to_numpy(closure.fn(*args, **kwargs))
         except Exception as error:  # noqa: BLE001 - every error is routed to a future
-            verdict = classify(error, lambda: self._worker_answers(worker))
+            verdict = classify(
+                error, lambda: self._worker_answers(worker), lambda: self._others_lost(worker)
+            )
             if verdict is Verdict.WORKER_LOST:
                 log.warning(
                     "worker %d does not answer (%s); re-queueing %r for another worker",
                     worker, type(error).__name__, closure,
                 )
                 self._on_worker_lost(worker)
+                self._scheduler.failed(worker, closure, error, retry=True)
+            elif verdict is Verdict.OTHER_TASK_LOST:
+                log.warning(
+                    "%r on worker %d was broken by another lost task (%s); re-queueing it",
+                    closure, worker, type(error).__name__,
+                )
                 self._scheduler.failed(worker, closure, error, retry=True)
             else:
                 named = _runtime.name_error(error, closure.name, device)

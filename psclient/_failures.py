@@ -8,8 +8,11 @@ decides by the error's *type* and by *probing* the task the closure ran on:
   channel) is only a *candidate* infrastructure failure;
 - the probe settles it: if the worker does not answer, the closure is retried
   on another worker and the worker is taken out of rotation;
-- anything else, or a candidate whose worker still answers, is the
-  function's own error and goes to its future.
+- if the worker answers but another task of the cluster does not, the error
+  came from that task (TF's eager runtime can fail a call on one worker
+  because another worker died), so the closure is retried;
+- anything else, or a candidate while every task answers, is the function's
+  own error and goes to its future.
 
 The probe is passed in as a callable so the policy is testable without TF.
 """
@@ -39,14 +42,29 @@ class Verdict(enum.Enum):
     FUNCTION_ERROR = "function_error"
     #: The worker is gone: run the closure elsewhere, take the worker out.
     WORKER_LOST = "worker_lost"
+    #: Another task is gone and broke this call: run the closure again.
+    OTHER_TASK_LOST = "other_task_lost"
 
 
 def is_connection_error_type(error: BaseException) -> bool:
     return any(cls.__name__ in CONNECTION_ERROR_NAMES for cls in type(error).__mro__)
 
 
-def classify(error: BaseException, worker_answers: Callable[[], bool]) -> Verdict:
-    """Decide what a closure's error means. `worker_answers` probes its worker."""
-    if is_connection_error_type(error) and not worker_answers():
+def classify(
+    error: BaseException,
+    worker_answers: Callable[[], bool],
+    others_lost: Callable[[], bool] = lambda: False,
+) -> Verdict:
+    """Decide what a closure's error means.
+
+    `worker_answers` probes the closure's worker; `others_lost` probes the
+    rest of the cluster (and takes lost workers out of rotation). Probes run
+    only for connection-type errors, and the second only if the first answers.
+    """
+    if not is_connection_error_type(error):
+        return Verdict.FUNCTION_ERROR
+    if not worker_answers():
         return Verdict.WORKER_LOST
+    if others_lost():
+        return Verdict.OTHER_TASK_LOST
     return Verdict.FUNCTION_ERROR

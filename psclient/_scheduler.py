@@ -182,6 +182,10 @@ class Scheduler:
         with self._cond:
             self._workers[worker].up = False
 
+    def worker_is_up(self, worker: int) -> bool:
+        with self._cond:
+            return self._workers[worker].up
+
     def worker_up(self, worker: int) -> None:
         with self._cond:
             self._workers[worker].up = True

@@ -95,6 +95,7 @@ class ParameterServerStrategy:
             pipeline_depth=pipeline_depth,
             resolve_args=self._resolve_args,
             worker_answers=self._worker_answers,
+            others_lost=self._others_lost,
             on_worker_lost=self._scheduler.worker_down,
         )
         # Join the threads at interpreter exit even if the user forgets.
@@ -425,8 +426,27 @@ class ParameterServerStrategy:
             return closure.args, closure.kwargs
         return _resolve(closure.args, closure.kwargs, worker)
 
+    def _others_lost(self, worker: int) -> bool:
+        """Probe every other worker and the ps tasks; take lost workers out."""
+        lost = False
+        for other in range(self.num_workers):
+            if other == worker:
+                continue
+            if not self._scheduler.worker_is_up(other):
+                lost = True  # already known to be gone
+            elif not self._worker_answers(other):
+                self._scheduler.worker_down(other)
+                lost = True
+        for ps in range(self.num_ps):
+            if not _runtime.tcp_reachable(self._cluster.address("ps", ps), timeout=2.0):
+                lost = True  # ps recovery is the fault-tolerance layer's job
+        return lost
+
     def _worker_answers(self, worker: int) -> bool:
-        return _runtime.tcp_reachable(self._cluster.address("worker", worker), timeout=2.0)
+        # A task killed a moment ago can still accept a connection while the
+        # kernel tears it down, so it must answer several times in a row.
+        address = self._cluster.address("worker", worker)
+        return _runtime.answers_steadily(address, attempts=3, interval=0.2, timeout=2.0)
 
 
 def _has_per_worker(args: tuple, kwargs: dict) -> bool:

@@ -31,3 +31,16 @@ def test_message_text_does_not_matter():
     # An InvalidArgument whose text looks like a network error is still the function's.
     err = tf.errors.InvalidArgumentError(None, None, "Socket closed; connection reset")
     assert classify(err, lambda: False) is Verdict.FUNCTION_ERROR
+
+
+def test_live_worker_but_another_task_lost_is_retried():
+    err = tf.errors.UnavailableError(None, None, "Connection reset by peer")
+    assert classify(err, lambda: True, lambda: True) is Verdict.OTHER_TASK_LOST
+    assert classify(err, lambda: True, lambda: False) is Verdict.FUNCTION_ERROR
+
+
+def test_other_tasks_probed_only_when_own_worker_answers():
+    probed = []
+    err = tf.errors.UnavailableError(None, None, "x")
+    classify(err, lambda: False, lambda: probed.append(1) or True)
+    assert probed == []
