@@ -313,6 +313,7 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
         _common.log(f"starting a LocalCluster ({NUM_WORKERS} workers, {NUM_PS} ps)")
         with _common.local_cluster(NUM_WORKERS, NUM_PS) as (cluster, task_pids):
             output["config"]["cluster"] = cluster.jobs
+            _common.log("cluster up: " + ", ".join(f"{t} pid {pid}" for t, pid in task_pids.items()))
             for repeat in range(args.repeats):
                 for workload in workloads:
                     for path in paths:
@@ -365,7 +366,11 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats = 1 if args.quick else 3
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1. Received: {args.repeats}.")
-    return parent_main(args, ["benchmarks/dispatch.py", *argv])
+    try:
+        return parent_main(args, ["benchmarks/dispatch.py", *argv])
+    except KeyboardInterrupt:
+        _common.log("interrupted: the cluster and every subprocess were stopped")
+        return 130
 
 
 if __name__ == "__main__":
