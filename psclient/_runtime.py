@@ -8,11 +8,15 @@ turning outputs into numpy values. Nothing here decides policy.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import re
 import socket
+import threading
 import time
 from typing import Any
+
+import portpicker
 
 from psclient._cluster import Cluster
 from psclient._errors import TaskUnreachableError
@@ -29,6 +33,8 @@ __all__ = [
     "to_numpy",
     "name_error",
 ]
+
+log = logging.getLogger("psclient")
 
 #: The job name the coordinator takes in the cluster (TF's convention).
 COORDINATOR_JOB = "chief"
@@ -109,8 +115,17 @@ def wait_reachable(cluster: Cluster, timeout: float) -> None:
         )
 
 
+# TF never stops the gRPC server it starts for the coordinator, so its port
+# stays taken for the life of the process. The first connection fixes this
+# process's coordinator address; later connections (another cluster, or the
+# same one after shutdown) reuse it and update the running server's view.
+_coordinator_lock = threading.Lock()
+_coordinator_address: str | None = None
+
+
 def connect(cluster: Cluster, *, streaming_enqueue: bool) -> None:
     """Connect this process, as the coordinator, to the cluster's task servers."""
+    global _coordinator_address
     # Environment knobs TF reads: set in this one place. GRPC_FAIL_FAST makes a
     # dead task surface as an error in the caller instead of retries inside
     # gRPC. Streaming enqueue lets several calls be in flight per worker
@@ -121,20 +136,51 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool) -> None:
     import tensorflow as tf
 
     spec = cluster.training_spec()
-    filters = tf.config.experimental.ClusterDeviceFilters()
-    # Workers only need the ps tasks and the coordinator, ps tasks only the
-    # workers and the coordinator: smaller views, and no worker waits on another.
-    for i in range(cluster.num_workers):
-        filters.set_device_filters("worker", i, ["/job:ps", f"/job:{COORDINATOR_JOB}"])
-    for i in range(cluster.num_ps):
-        filters.set_device_filters("ps", i, ["/job:worker", f"/job:{COORDINATOR_JOB}"])
-    tf.config.experimental_connect_to_cluster(
-        tf.train.ClusterSpec(spec),
+    wanted = (spec.get(COORDINATOR_JOB) or [None])[0]
+    with _coordinator_lock:
+        first = _coordinator_address is None
+        if first:
+            _coordinator_address = wanted or f"localhost:{portpicker.pick_unused_port()}"
+        elif wanted and wanted != _coordinator_address:
+            log.info(
+                "the coordinator of this process already listens at %s; using it instead of %s",
+                _coordinator_address, wanted,
+            )
+        spec[COORDINATOR_JOB] = [_coordinator_address]
+
+        filters = tf.config.experimental.ClusterDeviceFilters()
+        # Workers only need the ps tasks and the coordinator, ps tasks only the
+        # workers and the coordinator: smaller views, no worker waits on another.
+        for i in range(cluster.num_workers):
+            filters.set_device_filters("worker", i, ["/job:ps", f"/job:{COORDINATOR_JOB}"])
+        for i in range(cluster.num_ps):
+            filters.set_device_filters("ps", i, ["/job:worker", f"/job:{COORDINATOR_JOB}"])
+        cluster_spec = tf.train.ClusterSpec(spec)
+        if first:
+            tf.config.experimental_connect_to_cluster(
+                cluster_spec, job_name=COORDINATOR_JOB, task_index=0, protocol="grpc",
+                cluster_device_filters=filters,
+            )
+        else:
+            _update_connection(cluster_spec, filters)
+
+
+def _update_connection(cluster_spec, filters) -> None:
+    """Point the running coordinator server at `cluster_spec` (TF-internal API)."""
+    import copy
+
+    from tensorflow.core.protobuf.tensorflow_server_pb2 import ServerDef
+    from tensorflow.python.eager import context
+
+    server_def = ServerDef(
+        cluster=cluster_spec.as_cluster_def(),
         job_name=COORDINATOR_JOB,
         task_index=0,
         protocol="grpc",
-        cluster_device_filters=filters,
+        default_session_config=copy.deepcopy(context.context().config),
+        cluster_device_filters=filters._as_cluster_device_filters(),
     )
+    context.context().update_server_def(server_def)
 
 
 def to_numpy(outputs: Any) -> Any:
