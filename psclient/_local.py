@@ -28,6 +28,7 @@ import portpicker
 
 from psclient._cluster import Cluster
 from psclient._errors import TaskUnreachableError
+from psclient._server import check_inter_op_threads
 
 _HOST = "127.0.0.1"
 _JOBS = ("worker", "ps")
@@ -249,8 +250,6 @@ class LocalCluster:
                 f"start_timeout={start_timeout!r}. Expected a positive number of seconds."
             )
         if inter_op_threads is not None:
-            from psclient._server import check_inter_op_threads
-
             check_inter_op_threads(inter_op_threads)
         self._start_timeout = float(start_timeout)
         self._inter_op_threads = inter_op_threads
