@@ -23,3 +23,17 @@ def local_cluster():
     """A LocalCluster with 2 workers and 1 ps, shared by the whole session."""
     with LocalCluster(num_workers=2, num_ps=1) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def strategy(local_cluster):
+    """A ParameterServerStrategy on the shared cluster, one per test module.
+
+    TensorFlow keeps one cluster connection per process, so each module's
+    strategy is shut down before the next module connects its own.
+    """
+    from psclient._strategy import ParameterServerStrategy
+
+    s = ParameterServerStrategy(local_cluster.cluster)
+    yield s
+    s.shutdown()

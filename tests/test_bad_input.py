@@ -41,13 +41,6 @@ def test_bad_cluster_type():
         psclient.ParameterServerStrategy(["127.0.0.1:1"])
 
 
-@pytest.fixture(scope="module")
-def strategy(local_cluster):
-    s = psclient.ParameterServerStrategy(local_cluster.cluster)
-    yield s
-    s.shutdown()
-
-
 def test_second_strategy_in_one_process_is_refused(strategy, local_cluster):
     with pytest.raises(RuntimeError, match="shutdown"):
         psclient.ParameterServerStrategy(local_cluster.cluster)

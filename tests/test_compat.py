@@ -14,13 +14,6 @@ keras = pytest.importorskip("keras")
 pytestmark = pytest.mark.cluster
 
 
-@pytest.fixture(scope="module")
-def strategy(local_cluster):
-    s = psclient.ParameterServerStrategy(local_cluster.cluster)
-    yield s
-    s.shutdown()
-
-
 def test_tutorial_custom_loop(strategy):
     coordinator = psclient.ClusterCoordinator(strategy)
     global_batch_size = 64
