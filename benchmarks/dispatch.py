@@ -116,10 +116,7 @@ def setup_psclient(cluster, workload: str, depth: int):
     iterator = iter(strategy.distribute_datasets_from_function(lambda ctx: make_dataset(workload)))
     lr = WORKLOADS[workload]["lr"]
 
-    @tf.function
-    def step(iterator):
-        x, y = next(iterator)
-        return train_on_batch(variables, lr, x, y)
+    step = make_step(variables, lr)
 
     def run(n: int) -> list[float]:
         futures = [strategy.schedule(step, args=(iterator,)) for _ in range(n)]
@@ -127,6 +124,18 @@ def setup_psclient(cluster, workload: str, depth: int):
         return [float(f.result()) for f in futures]
 
     return run, strategy.stats
+
+
+def make_step(variables, lr):
+    """The training step of the psclient and plain-threads paths (TF's wraps it in strategy.run)."""
+    import tensorflow as tf
+
+    @tf.function
+    def step(iterator):
+        x, y = next(iterator)
+        return train_on_batch(variables, lr, x, y)
+
+    return step
 
 
 def setup_tf_coordinator(cluster, workload: str):
@@ -175,10 +184,7 @@ def setup_plain_threads(cluster, workload: str):
             iterators.append(iter(make_dataset(workload)))
     lr = WORKLOADS[workload]["lr"]
 
-    @tf.function
-    def step(iterator):
-        x, y = next(iterator)
-        return train_on_batch(variables, lr, x, y)
+    step = make_step(variables, lr)
 
     def run(n: int) -> list[float]:
         # Static split: each worker's thread makes n / workers synchronous calls.

@@ -247,9 +247,11 @@ def test_schedule_from_many_threads(strategy):
         t.join(120)
     strategy.join()
     assert len(results) == 400
-    values = sorted(int(f.result(0)) for f in results)
-    assert values == list(range(values[0], values[0] + 400))  # each increment seen once
-    assert hits.numpy() == 400
+    # Every future resolved to a count read after its own increment (the add and
+    # the read are two ops, so concurrent closures may read the same count).
+    values = [int(f.result(0)) for f in results]
+    assert all(1 <= v <= 400 for v in values) and max(values) == 400
+    assert hits.numpy() == 400  # no increment lost or doubled
 
 
 def test_bad_fn_and_arguments_raise_type_error_at_schedule(strategy):
