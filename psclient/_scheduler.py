@@ -46,7 +46,7 @@ class Closure:
     """One scheduled call: the function, its arguments and its future."""
 
     __slots__ = (
-        "id", "fn", "args", "kwargs", "future", "attempts", "submitted_at", "started_at", "per_worker",
+        "id", "fn", "args", "kwargs", "future", "attempts", "started_at", "per_worker",
     )
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, future: Future):
@@ -56,7 +56,6 @@ class Closure:
         self.kwargs = kwargs
         self.future = future
         self.attempts = 0
-        self.submitted_at = 0.0
         self.started_at = 0.0
         #: Whether `args`/`kwargs` hold per-worker values to resolve per worker.
         self.per_worker = False
@@ -118,7 +117,6 @@ class Scheduler:
                     "Create a new ParameterServerStrategy to schedule more work."
                 )
             self._raise_pending_error()
-            closure.submitted_at = self._clock()
             self._queue.append(closure)
             self._unfinished += 1
             self._submitted += 1
