@@ -181,6 +181,14 @@ class Planner:
         return False
 
 
+def _scalar_metadata() -> Any:
+    from tensorflow.core.framework import summary_pb2
+
+    metadata = summary_pb2.SummaryMetadata()
+    metadata.plugin_data.plugin_name = "scalars"
+    return metadata
+
+
 # The evaluator ----------------------------------------------------------------------
 
 
@@ -372,7 +380,10 @@ class SidecarEvaluator:
             writer = tf.summary.create_file_writer(self.log_dir)
         with writer.as_default():
             for name, value in record["metrics"].items():
-                tf.summary.scalar(name, value, step=record["step"])
+                # tf.summary.scalar needs the tensorboard package; the same event,
+                # tagged for TensorBoard's scalars plugin, needs only TensorFlow.
+                tf.summary.write(name, tf.constant(value, tf.float32), step=record["step"],
+                                 metadata=_scalar_metadata())
         writer.flush()
         with open(os.path.join(self.log_dir, METRICS_FILE), "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
