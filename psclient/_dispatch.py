@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 from psclient import _runtime
@@ -32,16 +33,18 @@ class Dispatcher:
         *,
         num_workers: int,
         pipeline_depth: int,
-        resolve_args: Callable[[Closure, int], tuple],
+        prepare: Callable[[Closure, int], tuple],
         worker_answers: Callable[[int], bool],
+        ps_lost: Callable[[], bool],
         others_lost: Callable[[int], bool],
-        on_worker_lost: Callable[[int], None],
     ):
+        # `prepare(closure, worker)` -> (function, args, kwargs) for that worker;
+        # `ps_lost()` probes the ps tasks and starts their recovery if one is gone.
         self._scheduler = scheduler
-        self._resolve_args = resolve_args
+        self._prepare = prepare
         self._worker_answers = worker_answers
+        self._ps_lost = ps_lost
         self._others_lost = others_lost
-        self._on_worker_lost = on_worker_lost
         self._threads = [
             threading.Thread(
                 target=self._run,
@@ -55,10 +58,16 @@ class Dispatcher:
         for thread in self._threads:
             thread.start()
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Wait for every thread to exit (the scheduler must be closed first)."""
+    def stop(self, timeout: float | None = None) -> list[str]:
+        """Wait for every thread to exit (the scheduler must be closed first).
+
+        Returns the names of threads still inside a call after `timeout`
+        (a hung worker holds them until it answers or dies).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
         for thread in self._threads:
-            thread.join(timeout)
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return [t.name for t in self._threads if t.is_alive()]
 
     @property
     def alive_threads(self) -> int:
@@ -76,28 +85,35 @@ class Dispatcher:
                 self._execute(worker, device, closure)
 
     def _execute(self, worker: int, device: str, closure: Closure) -> None:
+        attempt = closure.attempts
         try:
-            args, kwargs = self._resolve_args(closure, worker)
-            value = _runtime.to_numpy(closure.fn(*args, **kwargs))
+            fn, args, kwargs = self._prepare(closure, worker)
+            value = _runtime.to_numpy(fn(*args, **kwargs))
         except Exception as error:  # noqa: BLE001 - every error is routed to a future
+            failed_at = time.monotonic()
             verdict = classify(
-                error, lambda: self._worker_answers(worker), lambda: self._others_lost(worker)
+                error,
+                lambda: self._worker_answers(worker),
+                others_lost=lambda: self._others_lost(worker),
+                ps_lost=self._ps_lost,
             )
             if verdict is Verdict.WORKER_LOST:
                 log.warning(
-                    "worker %d does not answer (%s); re-queueing %r for another worker",
-                    worker, type(error).__name__, closure,
+                    "worker %d does not answer (%s); re-queueing its closures for other workers",
+                    worker, type(error).__name__,
                 )
-                self._on_worker_lost(worker)
-                self._scheduler.failed(worker, closure, error, retry=True)
-            elif verdict is Verdict.OTHER_TASK_LOST:
+                # Re-queues this closure and any other running there; this
+                # attempt's own report would now be stale, so none is sent.
+                self._scheduler.worker_lost(worker, detected_after=time.monotonic() - failed_at)
+            elif verdict in (Verdict.PS_LOST, Verdict.OTHER_TASK_LOST):
                 log.warning(
-                    "%r on worker %d was broken by another lost task (%s); re-queueing it",
-                    closure, worker, type(error).__name__,
+                    "%r on worker %d was broken by a lost %s (%s); re-queueing it",
+                    closure, worker, "ps task" if verdict is Verdict.PS_LOST else "task",
+                    type(error).__name__,
                 )
-                self._scheduler.failed(worker, closure, error, retry=True)
+                self._scheduler.failed(worker, closure, error, retry=True, attempt=attempt)
             else:
                 named = _runtime.name_error(error, closure.name, device)
-                self._scheduler.failed(worker, closure, named, retry=False)
+                self._scheduler.failed(worker, closure, named, retry=False, attempt=attempt)
         else:
-            self._scheduler.succeeded(worker, closure, value)
+            self._scheduler.succeeded(worker, closure, value, attempt=attempt)

@@ -8,6 +8,9 @@ decides by the error's *type* and by *probing* the task the closure ran on:
   channel) is only a *candidate* infrastructure failure;
 - the probe settles it: if the worker does not answer, the closure is retried
   on another worker and the worker is taken out of rotation;
+- if the worker answers but a ps task does not, the variables may be lost:
+  the closure is retried once the strategy has recovered the ps (or fails
+  with PSUnavailableError if it cannot);
 - if the worker answers but another task of the cluster does not, the error
   came from that task (TF's eager runtime can fail a call on one worker
   because another worker died), so the closure is retried;
@@ -42,6 +45,8 @@ class Verdict(enum.Enum):
     FUNCTION_ERROR = "function_error"
     #: The worker is gone: run the closure elsewhere, take the worker out.
     WORKER_LOST = "worker_lost"
+    #: A ps task is gone: recover it (or give up), then run the closure again.
+    PS_LOST = "ps_lost"
     #: Another task is gone and broke this call: run the closure again.
     OTHER_TASK_LOST = "other_task_lost"
 
@@ -54,17 +59,21 @@ def classify(
     error: BaseException,
     worker_answers: Callable[[], bool],
     others_lost: Callable[[], bool] = lambda: False,
+    ps_lost: Callable[[], bool] = lambda: False,
 ) -> Verdict:
     """Decide what a closure's error means.
 
-    `worker_answers` probes the closure's worker; `others_lost` probes the
-    rest of the cluster (and takes lost workers out of rotation). Probes run
-    only for connection-type errors, and the second only if the first answers.
+    `worker_answers` probes the closure's worker; `ps_lost` the ps tasks;
+    `others_lost` the other workers (and takes lost ones out of rotation).
+    Probes run only for connection-type errors, in that order, each only if
+    the one before found nothing.
     """
     if not is_connection_error_type(error):
         return Verdict.FUNCTION_ERROR
     if not worker_answers():
         return Verdict.WORKER_LOST
+    if ps_lost():
+        return Verdict.PS_LOST
     if others_lost():
         return Verdict.OTHER_TASK_LOST
     return Verdict.FUNCTION_ERROR

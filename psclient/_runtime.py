@@ -32,6 +32,8 @@ __all__ = [
     "wait_reachable",
     "to_numpy",
     "name_error",
+    "probe",
+    "renew_variable_handle",
 ]
 
 log = logging.getLogger("psclient")
@@ -181,6 +183,41 @@ def _update_connection(cluster_spec, filters) -> None:
         cluster_device_filters=filters._as_cluster_device_filters(),
     )
     context.context().update_server_def(server_def)
+
+
+def probe(device: str) -> None:
+    """One round trip to the task of `device`: a tiny op there, its value back.
+
+    Raises whatever TF raises if the task is gone or lost its state (a
+    restarted task no longer knows the coordinator's context). Blocks while
+    the task is hung: call it with a timeout (`_health.Prober`).
+    """
+    import tensorflow as tf
+
+    with tf.device(f"{device}/device:CPU:0"):
+        value = tf.constant(1, dtype=tf.int32) + 1
+    value.numpy()
+
+
+def renew_variable_handle(variable: Any, device: str) -> None:
+    """Give `variable` a new, uninitialized resource on `device`.
+
+    After a ps task restarts, the resources of its variables are gone and the
+    coordinator's handles to them point nowhere. The user's objects (Keras
+    layers, optimizers) hold the `tf.Variable`s themselves, so the variable
+    object is kept and only its handle replaced (TF-internal: there is no
+    public way). Functions traced before captured the old handle and must be
+    traced again. The caller assigns the value (from a checkpoint).
+    """
+    import tensorflow as tf
+    from tensorflow.python.ops import resource_variable_ops
+
+    with tf.device(device):
+        handle = resource_variable_ops._variable_handle_from_shape_and_dtype(  # noqa: SLF001
+            shape=variable.shape, dtype=variable.dtype, shared_name=None,
+            name=variable.name.split(":")[0], graph_mode=False,
+        )
+    variable._handle = handle  # noqa: SLF001
 
 
 def to_numpy(outputs: Any) -> Any:

@@ -17,6 +17,13 @@ failed(worker, closure, error,     | retry=True: back to the *front* of the queu
                                    | future gets the error, the first such error is
                                    | kept for join(), everything queued is cancelled
 worker_down(worker) / worker_up    | a down worker takes nothing until it is up
+worker_lost(worker, detected_after)| down, and every closure running on it goes
+                                   | back to the front of the queue; a late report
+                                   | from that attempt is ignored (stale)
+pause() / resume()                 | nothing is handed out while paused (checkpoints,
+                                   | ps recovery); wait_idle() waits for running ones
+fail_all(error)                    | every queued and running closure gets `error`
+                                   | (all workers gone for too long, a ps lost)
 
 `join()` waits until nothing is unfinished, then raises the first error once.
 The same pending error is also raised by the next `submit()` or `done()`,
@@ -47,6 +54,7 @@ class Closure:
 
     __slots__ = (
         "id", "fn", "args", "kwargs", "future", "attempts", "started_at", "per_worker",
+        "worker", "function", "generation",
     )
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, future: Future):
@@ -59,6 +67,12 @@ class Closure:
         self.started_at = 0.0
         #: Whether `args`/`kwargs` hold per-worker values to resolve per worker.
         self.per_worker = False
+        #: The worker running the current attempt (None while queued).
+        self.worker: int | None = None
+        #: What `fn` was traced from, and the strategy's variable generation at
+        #: that time: after a ps task is rebuilt, `fn` is traced again.
+        self.function: Any = None
+        self.generation = 0
 
     @property
     def name(self) -> str:
@@ -75,6 +89,13 @@ class WorkerStats:
     retried: int = 0
     in_flight: int = 0
     up: bool = True
+    #: Times the worker was taken out (died, unreachable, hung) and came back.
+    failures: int = 0
+    rejoins: int = 0
+    #: Seconds from the first sign of the last failure to taking the worker out,
+    #: and from the worker answering again to it taking work.
+    last_detection_s: float | None = None
+    last_recovery_s: float | None = None
     # Recent latencies only, so memory stays flat however long training runs.
     latencies: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=2048)
@@ -90,6 +111,10 @@ class WorkerStats:
             "retried": self.retried,
             "in_flight": self.in_flight,
             "up": self.up,
+            "failures": self.failures,
+            "rejoins": self.rejoins,
+            "last_detection_s": self.last_detection_s,
+            "last_recovery_s": self.last_recovery_s,
             "latency_mean_s": mean,
             "latency_p99_s": p99,
         }
@@ -106,7 +131,12 @@ class Scheduler:
         self._error: BaseException | None = None
         self._closed = False
         self._workers = [WorkerStats() for _ in range(num_workers)]
+        self._running: list[dict[int, Closure]] = [{} for _ in range(num_workers)]
         self._submitted = 0
+        self._paused = 0
+        self._stale = 0
+        # When the last up worker went down (None while any worker is up).
+        self._all_down_since: float | None = None
 
     # ------------------------------------------------------------ producer side
     def submit(self, closure: Closure) -> None:
@@ -130,7 +160,7 @@ class Scheduler:
             while True:
                 if self._closed:
                     return None
-                if self._workers[worker].up:
+                if self._workers[worker].up and not self._paused:
                     while self._queue:
                         closure = self._queue.popleft()
                         if closure.attempts == 0 and not closure.future.set_running_or_notify_cancel():
@@ -138,6 +168,8 @@ class Scheduler:
                             continue
                         closure.attempts += 1
                         closure.started_at = self._clock()
+                        closure.worker = worker
+                        self._running[worker][closure.id] = closure
                         self._workers[worker].in_flight += 1
                         return closure
                 remaining = None if deadline is None else deadline - self._clock()
@@ -145,21 +177,28 @@ class Scheduler:
                     return None
                 self._cond.wait(remaining)
 
-    def succeeded(self, worker: int, closure: Closure, value: Any) -> None:
+    def succeeded(self, worker: int, closure: Closure, value: Any, attempt: int | None = None) -> None:
         with self._cond:
+            if not self._release_locked(worker, closure, attempt):
+                return
             stats = self._workers[worker]
-            stats.in_flight -= 1
             stats.done += 1
             stats.latencies.append(self._clock() - closure.started_at)
             self._finish_locked()
         # Outside the lock: done-callbacks run user code.
         closure.future.set_result(value)
 
-    def failed(self, worker: int, closure: Closure, error: BaseException, *, retry: bool) -> None:
-        cancelled: list[Closure] = []
+    def failed(
+        self, worker: int, closure: Closure, error: BaseException, *, retry: bool,
+        attempt: int | None = None,
+    ) -> None:
+        """Report a failed attempt. `attempt` is `closure.attempts` as it was
+        when the closure was taken: a report from an attempt that was given up
+        on (its worker was declared lost) is ignored."""
         with self._cond:
+            if not self._release_locked(worker, closure, attempt):
+                return
             stats = self._workers[worker]
-            stats.in_flight -= 1
             if retry and not self._closed:
                 stats.retried += 1
                 self._queue.appendleft(closure)
@@ -167,27 +206,107 @@ class Scheduler:
                 return
             stats.failed += 1
             self._finish_locked()
-            if self._error is None:
-                self._error = error
-                cancelled = list(self._queue)
-                self._queue.clear()
-                self._unfinished -= len(cancelled)
-                self._cond.notify_all()
+            cancelled = self._keep_error_locked(error)
         closure.future.set_exception(error)
         _cancel_all(cancelled, f"an earlier closure ({closure.name!r}) failed")
 
     def worker_down(self, worker: int) -> None:
         with self._cond:
-            self._workers[worker].up = False
+            self._set_up_locked(worker, False)
+
+    def worker_lost(self, worker: int, *, detected_after: float | None = None) -> list[Closure]:
+        """Take `worker` out and re-queue every closure running on it.
+
+        Returns the re-queued closures. Their running attempts are abandoned:
+        if the worker answers later (a hung one resumes), those reports are
+        stale and ignored, so each future still resolves exactly once.
+        """
+        with self._cond:
+            stats = self._workers[worker]
+            if stats.up:
+                stats.failures += 1
+                stats.last_detection_s = detected_after
+            self._set_up_locked(worker, False)
+            requeued = sorted(self._running[worker].values(), key=lambda c: c.id)
+            self._running[worker].clear()
+            stats.in_flight -= len(requeued)
+            stats.retried += len(requeued)
+            for closure in reversed(requeued):
+                closure.worker = None
+                self._queue.appendleft(closure)
+            self._cond.notify_all()
+            return requeued
 
     def worker_is_up(self, worker: int) -> bool:
         with self._cond:
             return self._workers[worker].up
 
-    def worker_up(self, worker: int) -> None:
+    def worker_up(self, worker: int, *, recovered_after: float | None = None) -> None:
         with self._cond:
-            self._workers[worker].up = True
+            stats = self._workers[worker]
+            if not stats.up:
+                stats.rejoins += 1
+                stats.last_recovery_s = recovered_after
+            self._set_up_locked(worker, True)
             self._cond.notify_all()
+
+    def all_down_since(self) -> float | None:
+        """When the last worker went down, on this scheduler's clock; None if any is up."""
+        with self._cond:
+            return self._all_down_since
+
+    def pause(self) -> None:
+        """Hand out nothing until `resume()` (calls nest)."""
+        with self._cond:
+            self._paused += 1
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = max(0, self._paused - 1)
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no closure is running on any worker; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not any(self._running), timeout)
+
+    def queued(self) -> list[Closure]:
+        with self._cond:
+            return list(self._queue)
+
+    def completed(self) -> int:
+        """Closures that finished successfully, over all workers."""
+        with self._cond:
+            return sum(w.done for w in self._workers)
+
+    def running_count(self) -> int:
+        with self._cond:
+            return sum(len(r) for r in self._running)
+
+    def fail_all(self, error: BaseException) -> int:
+        """Resolve every queued and running closure with `error`; join() raises it.
+
+        Running attempts are abandoned as in `worker_lost`. Returns how many
+        futures got the error.
+        """
+        with self._cond:
+            victims = list(self._queue)
+            self._queue.clear()
+            for worker, running in enumerate(self._running):
+                self._workers[worker].in_flight -= len(running)
+                victims.extend(running.values())
+                running.clear()
+            for closure in victims:
+                closure.worker = None
+            self._unfinished -= len(victims)
+            if victims and self._error is None:
+                self._error = error
+            self._cond.notify_all()
+        for closure in victims:
+            if not closure.future.done():
+                if closure.future.running() or closure.future.set_running_or_notify_cancel():
+                    closure.future.set_exception(error)
+        return len(victims)
 
     # ----------------------------------------------------------- waiting side
     def join(self, timeout: float | None = None) -> bool:
@@ -229,10 +348,42 @@ class Scheduler:
                 "scheduled": self._submitted,
                 "unfinished": self._unfinished,
                 "queue_depth": len(self._queue),
+                "paused": bool(self._paused),
+                "stale_reports": self._stale,
                 "workers": [w.summary() for w in self._workers],
             }
 
     # ---------------------------------------------------------------- private
+    def _release_locked(self, worker: int, closure: Closure, attempt: int | None) -> bool:
+        """End the attempt; False if it was abandoned earlier (stale report)."""
+        current = closure.worker == worker and (attempt is None or attempt == closure.attempts)
+        if not current or self._running[worker].pop(closure.id, None) is None:
+            self._stale += 1
+            return False
+        closure.worker = None
+        self._workers[worker].in_flight -= 1
+        if not self._running[worker]:
+            self._cond.notify_all()  # wait_idle
+        return True
+
+    def _set_up_locked(self, worker: int, up: bool) -> None:
+        self._workers[worker].up = up
+        if any(w.up for w in self._workers):
+            self._all_down_since = None
+        elif self._all_down_since is None:
+            self._all_down_since = self._clock()
+
+    def _keep_error_locked(self, error: BaseException) -> list[Closure]:
+        """Keep the first error for join(); cancel (and return) what is queued."""
+        if self._error is not None:
+            return []
+        self._error = error
+        cancelled = list(self._queue)
+        self._queue.clear()
+        self._unfinished -= len(cancelled)
+        self._cond.notify_all()
+        return cancelled
+
     def _finish_locked(self) -> None:
         self._unfinished -= 1
         if self._unfinished == 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
 import threading
 import warnings
 import weakref
@@ -12,13 +13,16 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from psclient import _runtime
+from psclient._checkpoint import variable_key
 from psclient._cluster import Cluster
 from psclient._dispatch import Dispatcher
 from psclient._errors import StrategyClosedError
 from psclient._future import Future
+from psclient._health import HealthConfig, HealthMonitor, Prober
 from psclient._keras_atomic import make_keras_increments_atomic
 from psclient._per_worker import PerWorker, PerWorkerDataset, check_dataset_fn
 from psclient._placement import Placer
+from psclient._recovery import FaultTolerance, RecoveryConfig
 from psclient._scheduler import Closure, Scheduler
 
 __all__ = ["ParameterServerStrategy"]
@@ -43,6 +47,20 @@ class ParameterServerStrategy:
         measures the difference on your machine.
       connect_timeout: seconds to wait for every task to accept connections
         before raising `TaskUnreachableError` naming the task and address.
+      checkpoint_dir: where the strategy checkpoints every variable created
+        in `scope()` by itself. Needed to survive a ps task's restart (without
+        it a lost ps raises `PSUnavailableError`) and to resume with
+        `restore()` after the coordinator restarts. A checkpoint is taken
+        before the first scheduled function after variables are created,
+        then every `checkpoint_interval` seconds and/or every
+        `checkpoint_every` completed functions, keeping the newest
+        `checkpoints_to_keep`.
+      hang_timeout: a worker that does not answer a probe for this many
+        seconds is treated as failed; its closures run elsewhere.
+      worker_timeout: with every worker gone this long, pending and new
+        work fails with `WorkerUnavailableError` instead of waiting.
+      ps_timeout: how long to wait for a lost ps task to come back (with a
+        `checkpoint_dir`) before failing with `PSUnavailableError`.
 
     Only one strategy may be connected per process at a time (TF's eager
     context is global); `shutdown()` one before creating the next.
@@ -54,9 +72,37 @@ class ParameterServerStrategy:
         *,
         pipeline_depth: int = 1,
         connect_timeout: float = 30.0,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_interval: float | None = None,
+        checkpoint_every: int | None = None,
+        checkpoints_to_keep: int = 3,
+        hang_timeout: float = 30.0,
+        worker_timeout: float = 300.0,
+        ps_timeout: float = 300.0,
     ):
         global _active
         cluster = Cluster.coerce(cluster)
+        for name, value, integer in (
+            ("checkpoint_interval", checkpoint_interval, False),
+            ("checkpoint_every", checkpoint_every, True),
+            ("checkpoints_to_keep", checkpoints_to_keep, True),
+            ("hang_timeout", hang_timeout, False),
+            ("worker_timeout", worker_timeout, False),
+            ("ps_timeout", ps_timeout, False),
+        ):
+            _check_positive(name, value, integer=integer, optional=name.startswith("checkpoint_"))
+        if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
+            raise TypeError(
+                "Invalid value for argument `checkpoint_dir`. Received: "
+                f"checkpoint_dir={checkpoint_dir!r} of type {type(checkpoint_dir).__name__}. "
+                "Expected a directory path (str or os.PathLike) or None."
+            )
+        if checkpoint_dir is None and (checkpoint_interval or checkpoint_every):
+            raise ValueError(
+                "Invalid value for argument `checkpoint_dir`. Received: checkpoint_dir=None "
+                f"with checkpoint_interval={checkpoint_interval!r}, checkpoint_every="
+                f"{checkpoint_every!r}. Expected a directory to write the checkpoints to."
+            )
         if not isinstance(pipeline_depth, int) or isinstance(pipeline_depth, bool) or pipeline_depth < 1:
             raise ValueError(
                 "Invalid value for argument `pipeline_depth`. Received: "
@@ -84,22 +130,57 @@ class ParameterServerStrategy:
         self._placer = Placer(cluster.num_ps)
         self._scheduler = Scheduler(cluster.num_workers)
         self._per_worker: list[weakref.ref[PerWorker]] = []
+        # Every variable created in scope(), in creation order, with its ps task.
+        self._variables: list[tuple[weakref.ref, int]] = []
         self._wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # After a ps recovery the variables have new resources: functions are
+        # traced again from their Python code (`_retrace_all`).
+        self._generation = 0
+        self._retraced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._trace_lock = threading.RLock()
         self._checked_functions: set[int] = set()
         self._warned_variables: set[str] = set()
         self._closed = False
         self._shutdown_lock = threading.Lock()
+        prober = Prober(_runtime.probe)
+        self._health_config = HealthConfig(
+            hang_timeout=hang_timeout, worker_timeout=worker_timeout,
+            interval=min(1.0, hang_timeout / 4),
+        )
+        self._ft = FaultTolerance(self, RecoveryConfig(
+            checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
+            checkpoint_interval=checkpoint_interval, checkpoint_every=checkpoint_every,
+            checkpoints_to_keep=checkpoints_to_keep, hang_timeout=hang_timeout,
+            ps_timeout=ps_timeout, probe_timeout=min(10.0, hang_timeout),
+        ), prober)
         self._dispatcher = Dispatcher(
             self._scheduler,
             num_workers=cluster.num_workers,
             pipeline_depth=pipeline_depth,
-            resolve_args=self._resolve_args,
-            worker_answers=self._worker_answers,
-            others_lost=self._others_lost,
-            on_worker_lost=self._scheduler.worker_down,
+            prepare=self._prepare,
+            worker_answers=self._ft.worker_answers,
+            ps_lost=self._ft.ps_lost,
+            others_lost=self._ft.others_lost,
         )
+        self._monitor = HealthMonitor(
+            self._health_config,
+            num_workers=cluster.num_workers,
+            worker_device=_runtime.worker_device,
+            prober=prober,
+            is_up=self._scheduler.worker_is_up,
+            reachable=lambda w: _runtime.tcp_reachable(cluster.address("worker", w), timeout=1.0),
+            on_hung=self._ft.on_hung,
+            try_rejoin=self._ft.try_rejoin,
+            all_down_since=self._scheduler.all_down_since,
+            on_all_gone=self._ft.on_all_gone,
+            chores=self._ft.chores,
+        )
+        self._monitor.start()
         # Join the threads at interpreter exit even if the user forgets.
-        self._finalizer = weakref.finalize(self, _shutdown_quietly, self._scheduler, self._dispatcher)
+        self._finalizer = weakref.finalize(
+            self, _shutdown_quietly, self._scheduler, self._dispatcher, self._monitor, prober,
+            hang_timeout,
+        )
 
     # ------------------------------------------------------------------ info
     @property
@@ -176,6 +257,7 @@ class ParameterServerStrategy:
             ps, reason = self._placer.choose(nbytes), "balanced"
         with tf.device(_runtime.ps_device(ps)):
             variable = next_creator(**kwargs)
+        self._variables.append((weakref.ref(variable), ps))
         self._placer.record(
             variable.name, variable.shape.as_list() if variable.shape.rank is not None else (),
             variable.dtype.name, nbytes, ps, reason,
@@ -202,6 +284,8 @@ class ParameterServerStrategy:
         is not scheduled.
         """
         self._check_open("schedule")
+        if self._ft.broken is not None:
+            raise self._ft.broken
         function, name = self._as_function(fn)
         if not isinstance(args, (tuple, list)):
             raise TypeError(
@@ -215,15 +299,14 @@ class ParameterServerStrategy:
             )
         args, kwargs = tuple(args), dict(kwargs or {})
         per_worker = _has_per_worker(args, kwargs)
-        sample_args, sample_kwargs = _resolve(args, kwargs, 0) if per_worker else (args, kwargs)
-        concrete = self._trace(function, name, sample_args, sample_kwargs)
-        # Without per-worker arguments the traced function is called directly.
-        # With them, each worker's call goes through the tf.function, whose
-        # cache maps tensors-like values (iterators) to the same trace and
-        # Python-object resources (e.g. lookup tables) to one trace each.
-        closure = Closure(function if per_worker else concrete, args, kwargs, Future(name))
+        self._ft.before_schedule()  # checkpoint new variables before they change
+        closure = Closure(None, args, kwargs, Future(name))
         closure.per_worker = per_worker  # only walk the arguments when needed
-        self._scheduler.submit(closure)
+        closure.function = function
+        with self._trace_lock:  # a ps recovery retraces under this lock
+            closure.fn = self._callable_for(closure)
+            closure.generation = self._generation
+            self._scheduler.submit(closure)
         return closure.future
 
     def join(self, timeout: float | None = None) -> None:
@@ -341,16 +424,72 @@ class ParameterServerStrategy:
 
     # ------------------------------------------------------------- lifecycle
     def stats(self) -> dict:
-        """Per-worker counts (done, failed, retried, in flight), latencies, queue depth."""
+        """Counts and times, per worker and per ps task.
+
+        Per worker: done, failed, retried, in flight, up, failures (times taken
+        out), rejoins, last detection and recovery times, latencies. Per ps:
+        failures, recoveries, last recovery time, closures rolled back. Plus
+        queue depth, completed closures and checkpoints written.
+        """
+        import dataclasses
+
         stats = self._scheduler.stats()
+        stats["completed"] = self._scheduler.completed()
+        stats["ps"] = [dataclasses.asdict(ps) for ps in self._ft.ps_stats]
+        stats["checkpoints_written"] = self._ft.checkpoints_written
         stats["pipeline_depth"] = self._pipeline_depth
         stats["dispatcher_threads_alive"] = self._dispatcher.alive_threads
         return stats
 
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> str:
+        """Checkpoint every variable created in scope() now; return its path.
+
+        Waits for running functions to finish first (and holds the queue
+        meanwhile), so the checkpoint holds exactly the completed ones.
+        Requires `checkpoint_dir`.
+        """
+        self._check_open("save_checkpoint")
+        self._require_checkpoint_dir("save_checkpoint")
+        path = self._ft.checkpoint("requested")
+        if path is None:
+            raise TimeoutError(
+                f"save_checkpoint() could not pause: functions still ran after "
+                f"hang_timeout={self._health_config.hang_timeout:g} s."
+            )
+        return path
+
+    def restore(self) -> dict | None:
+        """Resume: give every variable created in scope() its newest checkpointed value.
+
+        Call it after creating the model, optimizer and counters (in the same
+        order as the run that wrote the checkpoints) and before scheduling.
+        Returns `{"path": ..., "completed_closures": N}`, or None when
+        `checkpoint_dir` holds no checkpoint yet (a fresh start). Raises
+        ValueError naming the variables that do not match the checkpoint.
+        """
+        self._check_open("restore")
+        self._require_checkpoint_dir("restore")
+        return self._ft.restore()
+
+    @property
+    def checkpoint_dir(self) -> str | None:
+        return self._ft.config.checkpoint_dir
+
+    def _require_checkpoint_dir(self, what: str) -> None:
+        if self._ft.checkpoints is None:
+            raise ValueError(
+                f"{what}() needs a checkpoint directory. Received: checkpoint_dir=None. "
+                "Expected ParameterServerStrategy(cluster, checkpoint_dir=...)."
+            )
+
     def shutdown(self) -> None:
         """Cancel what is queued, let running calls finish, join every thread.
 
-        Idempotent. Afterwards `schedule` raises `StrategyClosedError`.
+        Running calls get up to `hang_timeout` seconds; a thread stuck in a
+        call to a hung worker is left behind (logged) and exits when that
+        worker answers or dies. Idempotent. Afterwards `schedule` raises
+        `StrategyClosedError`.
         """
         with self._shutdown_lock:
             if self._closed:
@@ -398,7 +537,10 @@ class ParameterServerStrategy:
             concrete = function
         else:
             try:
-                concrete = function.get_concrete_function(*args, **kwargs)
+                # Variables created while tracing (an optimizer building its
+                # slots on the first step) go to the ps tasks as in scope().
+                with tf.variable_creator_scope(self._create_variable):
+                    concrete = function.get_concrete_function(*args, **kwargs)
             except (TypeError, ValueError) as error:
                 raise TypeError(
                     f"The arguments given to schedule() do not match {name!r}: {error}"
@@ -421,32 +563,79 @@ class ParameterServerStrategy:
                 stacklevel=4,
             )
 
-    def _resolve_args(self, closure: Closure, worker: int) -> tuple[tuple, dict]:
+    def _callable_for(self, closure: Closure):
+        """What a dispatcher calls for `closure`, traced for the current variables.
+
+        Without per-worker arguments the traced (concrete) function is called
+        directly. With them, each worker's call goes through the tf.function,
+        whose cache maps tensor-like values (iterators) to the same trace and
+        Python-object resources (e.g. lookup tables) to one trace each.
+        """
+        import tensorflow as tf
+
+        function = closure.function
+        if self._generation and not isinstance(function, tf.types.experimental.ConcreteFunction):
+            function = self._fresh_function(function)
+        args, kwargs = closure.args, closure.kwargs
+        if closure.per_worker:
+            args, kwargs = _resolve(args, kwargs, 0)
+        concrete = self._trace(function, closure.name, args, kwargs)
+        return function if closure.per_worker else concrete
+
+    def _fresh_function(self, function):
+        """`function` traced anew for this generation of variable resources."""
+        import tensorflow as tf
+
+        cached = self._retraced.get(function)
+        if cached is None or cached[0] != self._generation:
+            fresh = tf.function(
+                function.python_function,
+                input_signature=function.input_signature,
+                reduce_retracing=getattr(function, "_reduce_retracing", False),
+                jit_compile=getattr(function, "_jit_compile", None),
+            )
+            cached = (self._generation, fresh)
+            self._retraced[function] = cached
+        return cached[1]
+
+    def _retrace_all(self) -> None:
+        """After variables got new resources: trace what is queued again."""
+        with self._trace_lock:
+            self._generation += 1
+            for closure in self._scheduler.queued():
+                closure.fn = self._callable_for(closure)
+                closure.generation = self._generation
+
+    def _prepare(self, closure: Closure, worker: int) -> tuple:
         if not closure.per_worker:
-            return closure.args, closure.kwargs
-        return _resolve(closure.args, closure.kwargs, worker)
+            return closure.fn, closure.args, closure.kwargs
+        args, kwargs = _resolve(closure.args, closure.kwargs, worker)
+        return closure.fn, args, kwargs
 
-    def _others_lost(self, worker: int) -> bool:
-        """Probe every other worker and the ps tasks; take lost workers out."""
-        lost = False
-        for other in range(self.num_workers):
-            if other == worker:
-                continue
-            if not self._scheduler.worker_is_up(other):
-                lost = True  # already known to be gone
-            elif not self._worker_answers(other):
-                self._scheduler.worker_down(other)
-                lost = True
-        for ps in range(self.num_ps):
-            if not _runtime.tcp_reachable(self._cluster.address("ps", ps), timeout=2.0):
-                lost = True  # ps recovery is the fault-tolerance layer's job
-        return lost
+    def _named_variables(self) -> dict:
+        """Live variables created in scope(), keyed by creation index."""
+        named = {}
+        for index, (ref, _ps) in enumerate(self._variables):
+            variable = ref()
+            if variable is not None:
+                named[variable_key(index)] = variable
+        return named
 
-    def _worker_answers(self, worker: int) -> bool:
-        # A task killed a moment ago can still accept a connection while the
-        # kernel tears it down, so it must answer several times in a row.
-        address = self._cluster.address("worker", worker)
-        return _runtime.answers_steadily(address, attempts=3, interval=0.2, timeout=2.0)
+    def _renew_variables(self, lost_ps: set[int]) -> int:
+        count = 0
+        for ref, ps in self._variables:
+            variable = ref()
+            if variable is not None and ps in lost_ps:
+                _runtime.renew_variable_handle(variable, _runtime.ps_device(ps))
+                count += 1
+        return count
+
+    def _per_worker_values(self) -> list[PerWorker]:
+        self._per_worker = [ref for ref in self._per_worker if ref() is not None]
+        return [value for value in (ref() for ref in self._per_worker) if value is not None]
+
+    def _wake_monitor(self) -> None:
+        self._monitor.wake()
 
 
 def _has_per_worker(args: tuple, kwargs: dict) -> bool:
@@ -486,6 +675,28 @@ def _dataset_cloner(dataset) -> Callable:
     return clone
 
 
-def _shutdown_quietly(scheduler: Scheduler, dispatcher: Dispatcher) -> None:
+def _check_positive(name: str, value, *, integer: bool, optional: bool) -> None:
+    if value is None and optional:
+        return
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
+        expected = "an integer >= 1" if integer else "a number of seconds > 0"
+        raise ValueError(
+            f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
+            f"Expected {expected}{' or None' if optional else ''}."
+        )
+
+
+def _shutdown_quietly(
+    scheduler: Scheduler, dispatcher: Dispatcher, monitor: HealthMonitor, prober: Prober,
+    timeout: float,
+) -> None:
+    monitor.stop(timeout)
     scheduler.close()
-    dispatcher.stop()
+    stuck = dispatcher.stop(timeout)
+    stuck += prober.close(min(timeout, 1.0))
+    if stuck:
+        log.warning(
+            "shutdown: %s still wait on a task that does not answer (hung?); they "
+            "exit when it answers or dies", ", ".join(stuck),
+        )

@@ -44,3 +44,14 @@ def test_other_tasks_probed_only_when_own_worker_answers():
     err = tf.errors.UnavailableError(None, None, "x")
     classify(err, lambda: False, lambda: probed.append(1) or True)
     assert probed == []
+
+
+def test_lost_ps_is_reported_before_other_workers_are_probed():
+    probed = []
+    verdict = classify(
+        tf.errors.UnavailableError(None, None, "Socket closed"), lambda: True,
+        others_lost=lambda: probed.append("workers") or True,
+        ps_lost=lambda: probed.append("ps") or True,
+    )
+    assert verdict is Verdict.PS_LOST
+    assert probed == ["ps"]

@@ -1,0 +1,112 @@
+"""The strategy's own checkpoints of the ps variables.
+
+Written with TF's `tf.train.CheckpointManager`, which already commits a
+checkpoint the way a reader needs: the data and index files of `ckpt-N` are
+complete before the `checkpoint` state file names them, and that file is
+replaced atomically. Readers that go through the state file
+(`tf.train.latest_checkpoint`, psclient's SidecarEvaluator) never see half of
+one. The manager keeps the newest `keep`.
+
+Each variable created in `strategy.scope()` is saved under a key made from its
+creation index (`v000012`), so the same training script, run again, finds its
+variables again in the same order; its name and shape are checked on restore.
+The checkpoint also records how many scheduled functions had completed when
+it was taken, so a rollback can say how many steps it undid.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+__all__ = ["Checkpoints", "variable_key"]
+
+log = logging.getLogger("psclient")
+
+_COMPLETED_KEY = "psclient_completed"
+
+
+def variable_key(index: int) -> str:
+    return f"v{index:06d}"
+
+
+class Checkpoints:
+    """Save and restore a set of ps variables in one directory."""
+
+    def __init__(self, directory: str, *, keep: int):
+        self.directory = os.fspath(directory)
+        self.keep = keep
+        os.makedirs(self.directory, exist_ok=True)
+        self._manager = None
+        self._keys: tuple[str, ...] | None = None
+        self._completed = None
+
+    def latest(self) -> str | None:
+        import tensorflow as tf
+
+        return tf.train.latest_checkpoint(self.directory)
+
+    def save(self, variables: dict[str, Any], completed: int) -> str:
+        """Write one checkpoint of `variables` (key -> tf.Variable); return its path."""
+        manager = self._manager_for(variables)
+        self._completed.assign(completed)
+        return manager.save()
+
+    def restore(self, variables: dict[str, Any], path: str | None = None) -> int | None:
+        """Assign every variable its value in the newest (or the given) checkpoint.
+
+        Returns the number of completed functions recorded in it, or None if
+        there is no checkpoint. Raises ValueError naming the variables that do
+        not match (missing, or another shape/dtype), before assigning any.
+        """
+        path = path or self.latest()
+        if path is None:
+            return None
+        self._check_matches(variables, path)
+        manager = self._manager_for(variables)
+        manager.checkpoint.read(path).assert_existing_objects_matched()
+        return int(self._completed.numpy())
+
+    # ---------------------------------------------------------------- private
+    def _manager_for(self, variables: dict[str, Any]):
+        import tensorflow as tf
+
+        keys = tuple(variables)
+        if self._manager is None or keys != self._keys:
+            # The set of variables grew (or shrank): a new root object, same
+            # directory and numbering (the manager reads the state file).
+            if self._completed is None:
+                with tf.device("/job:chief/replica:0/task:0/device:CPU:0"):
+                    self._completed = tf.Variable(0, dtype=tf.int64, trainable=False)
+            root = tf.train.Checkpoint(**variables, **{_COMPLETED_KEY: self._completed})
+            self._manager = tf.train.CheckpointManager(root, self.directory, max_to_keep=self.keep)
+            self._keys = keys
+        return self._manager
+
+    def _check_matches(self, variables: dict[str, Any], path: str) -> None:
+        import tensorflow as tf
+
+        saved = {
+            name.split("/")[0]: list(shape)
+            for name, shape in tf.train.list_variables(path)
+            if name.endswith(".ATTRIBUTES/VARIABLE_VALUE")
+        }
+        problems = []
+        for key, variable in variables.items():
+            if key not in saved:
+                problems.append(f"{key} ({variable.name}, shape {variable.shape.as_list()}) is not in it")
+            elif saved[key] != variable.shape.as_list():
+                problems.append(
+                    f"{key} ({variable.name}) has shape {saved[key]} there but "
+                    f"{variable.shape.as_list()} here"
+                )
+        if problems:
+            raise ValueError(
+                f"The checkpoint {path} does not match the variables created in "
+                f"strategy.scope(): {'; '.join(problems[:10])}"
+                + (f" (and {len(problems) - 10} more)" if len(problems) > 10 else "")
+                + ". Variables are matched by creation order: create the same variables, in "
+                "the same order, as the run that wrote the checkpoint, or use another "
+                "checkpoint_dir."
+            )

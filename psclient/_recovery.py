@@ -1,0 +1,308 @@
+"""Fault tolerance: what the strategy does when a task fails, and its checkpoints.
+
+`FaultTolerance` is owned by the strategy and driven from two sides:
+
+- dispatcher threads ask it, while classifying an error, whether the worker,
+  a ps task or another worker is lost (`worker_answers`, `ps_lost`,
+  `others_lost`: probes with a timeout, never text matching);
+- the health monitor's thread calls `on_hung`, `try_rejoin`, `on_all_gone`
+  and `chores` (ps recovery, periodic checkpoints). Everything that changes
+  the cluster connection or the variables happens on that one thread.
+
+Rejoin of a worker (restarted at the same address, or a hung one answering
+again): reconnect the coordinator (TF's `update_server_def`), probe it, rebuild
+its per-worker datasets and resources, then let it take work.
+
+Recovery of a ps task: stop handing out work, wait for what runs to stop,
+wait for the task to come back, reconnect, give every variable it held a new
+resource, restore *every* variable from the newest checkpoint (so weights,
+optimizer state and counters agree), trace the scheduled functions again
+(they captured the old resources), rebuild per-worker resources, resume.
+Closures that were running re-run; closures that completed after the
+checkpoint keep their futures' results but their updates are rolled back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from psclient import _runtime
+from psclient._checkpoint import Checkpoints
+from psclient._errors import PSUnavailableError, WorkerUnavailableError
+from psclient._health import Prober
+from psclient._per_worker import PerWorker, PerWorkerDataset, PerWorkerIterator
+
+if TYPE_CHECKING:
+    from psclient._strategy import ParameterServerStrategy
+
+__all__ = ["FaultTolerance", "RecoveryConfig"]
+
+log = logging.getLogger("psclient")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryConfig:
+    checkpoint_dir: str | None = None
+    checkpoint_interval: float | None = None
+    checkpoint_every: int | None = None
+    checkpoints_to_keep: int = 3
+    hang_timeout: float = 30.0
+    ps_timeout: float = 300.0
+    #: How long a probe made while classifying an error may wait.
+    probe_timeout: float = 10.0
+
+
+@dataclasses.dataclass
+class PSStats:
+    failures: int = 0
+    recoveries: int = 0
+    last_recovery_s: float | None = None
+    rolled_back_closures: int = 0
+
+
+class FaultTolerance:
+    def __init__(self, owner: "ParameterServerStrategy", config: RecoveryConfig, prober: Prober):
+        self._owner = weakref.ref(owner)
+        self.config = config
+        self._cluster = owner.cluster
+        self._scheduler = owner._scheduler  # noqa: SLF001 - the owner's, shared on purpose
+        self._prober = prober
+        self._lock = threading.RLock()  # checkpoints and recoveries, one at a time
+        self._lost_ps: set[int] = set()
+        self.broken: BaseException | None = None
+        self.ps_stats = [PSStats() for _ in range(self._cluster.num_ps)]
+        self.checkpoints = Checkpoints(config.checkpoint_dir, keep=config.checkpoints_to_keep) if (
+            config.checkpoint_dir is not None) else None
+        self._saved_keys: tuple[str, ...] | None = None
+        self._saved_completed = 0
+        self._saved_at = time.monotonic()
+        self.checkpoints_written = 0
+
+    # ------------------------------------------------------------ probes
+    def worker_answers(self, worker: int) -> bool:
+        return self._prober.answers(_runtime.worker_device(worker), self.config.probe_timeout)
+
+    def ps_lost(self) -> bool:
+        if self._lost_ps:
+            return True
+        lost = [
+            ps for ps in range(self._cluster.num_ps)
+            if not self._prober.answers(_runtime.ps_device(ps).rsplit("/device:", 1)[0],
+                                        self.config.probe_timeout)
+        ]
+        if lost:
+            with self._lock:
+                for ps in lost:
+                    if ps not in self._lost_ps:
+                        self._lost_ps.add(ps)
+                        self.ps_stats[ps].failures += 1
+                        log.warning("ps task %d (%s) does not answer", ps, self._cluster.address("ps", ps))
+            owner = self._owner()
+            if owner is not None:
+                owner._wake_monitor()  # noqa: SLF001
+        return bool(lost)
+
+    def others_lost(self, worker: int) -> bool:
+        lost = False
+        for other in range(self._cluster.num_workers):
+            if other == worker:
+                continue
+            if not self._scheduler.worker_is_up(other):
+                lost = True  # already known to be gone
+            elif not self.worker_answers(other):
+                self._scheduler.worker_lost(other)
+                lost = True
+        return lost
+
+    # ------------------------------------------------ health monitor hooks
+    def on_hung(self, worker: int, waited: float) -> None:
+        self._scheduler.worker_lost(worker, detected_after=waited)
+
+    def on_all_gone(self, waited: float) -> None:
+        error = WorkerUnavailableError(
+            f"No worker has been available for {waited:.0f} s (worker_timeout="
+            f"{self._owner_worker_timeout()} s): every worker of the cluster is gone "
+            f"({', '.join(self._cluster.addresses('worker'))}). Pending scheduled functions "
+            "failed; restart the workers, then schedule again.",
+            task="worker", address=None,
+        )
+        self._scheduler.fail_all(error)
+
+    def try_rejoin(self, worker: int, back_since: float) -> bool:
+        if self._lost_ps or self.broken is not None:
+            return False  # the ps recovery reconnects everything first
+        owner = self._owner()
+        if owner is None:
+            return False
+        with self._lock:
+            _runtime.connect(self._cluster, streaming_enqueue=owner.pipeline_depth > 1)
+            if not self.worker_answers(worker):
+                return False
+            try:
+                rebuild_per_worker(owner._per_worker_values(), worker, resources_only=False)  # noqa: SLF001
+            except Exception as error:  # noqa: BLE001 - try again next round
+                log.warning("worker %d answers but rebuilding its datasets failed (%s); retrying",
+                            worker, error)
+                return False
+            recovered = time.monotonic() - back_since
+            self._scheduler.worker_up(worker, recovered_after=recovered)
+        log.info("worker %d rejoined (%.2f s after it answered again)", worker, recovered)
+        return True
+
+    def chores(self) -> None:
+        if self._lost_ps and self.broken is None:
+            self.recover_ps()
+        elif self._checkpoint_due():
+            self.checkpoint("interval")
+
+    # ---------------------------------------------------------- checkpoints
+    def before_schedule(self) -> None:
+        """Checkpoint first if variables were created since the last one.
+
+        So the newest checkpoint always holds every variable a scheduled
+        function can touch (a ps recovery needs their values).
+        """
+        if self.checkpoints is None:
+            return
+        owner = self._owner()
+        if owner is not None and tuple(owner._named_variables()) != self._saved_keys:  # noqa: SLF001
+            self.checkpoint("new variables")
+
+    def checkpoint(self, reason: str) -> str | None:
+        """Pause dispatch, wait for running closures, save, resume.
+
+        Taken between closures, a checkpoint holds the effect of exactly the
+        closures that completed before it.
+        """
+        owner = self._owner()
+        if self.checkpoints is None or owner is None:
+            return None
+        with self._lock:
+            self._scheduler.pause()
+            try:
+                if not self._scheduler.wait_idle(self.config.hang_timeout):
+                    log.warning("checkpoint (%s) skipped: closures still running after %g s",
+                                reason, self.config.hang_timeout)
+                    return None
+                variables = owner._named_variables()  # noqa: SLF001
+                completed = self._scheduler.completed()
+                path = self.checkpoints.save(variables, completed)
+                self._saved_keys = tuple(variables)
+                self._saved_completed = completed
+                self._saved_at = time.monotonic()
+                self.checkpoints_written += 1
+                log.info("checkpoint %s written (%s, %d closures completed)", path, reason, completed)
+                return path
+            finally:
+                self._scheduler.resume()
+
+    def restore(self) -> dict | None:
+        owner = self._owner()
+        if self.checkpoints is None or owner is None:
+            return None
+        with self._lock:
+            variables = owner._named_variables()  # noqa: SLF001
+            path = self.checkpoints.latest()
+            completed = self.checkpoints.restore(variables, path)
+            if completed is None:
+                return None
+            self._saved_keys = tuple(variables)
+            return {"path": path, "completed_closures": completed}
+
+    def _checkpoint_due(self) -> bool:
+        if self.checkpoints is None or self._saved_keys is None:
+            return False  # nothing to save before the first schedule()
+        interval, every = self.config.checkpoint_interval, self.config.checkpoint_every
+        if interval is not None and time.monotonic() - self._saved_at >= interval:
+            return True
+        return every is not None and self._scheduler.completed() - self._saved_completed >= every
+
+    # ------------------------------------------------------------ ps recovery
+    def recover_ps(self) -> None:
+        owner = self._owner()
+        if owner is None:
+            return
+        with self._lock:
+            lost = sorted(self._lost_ps)
+            self._scheduler.pause()
+            try:
+                # Running closures fail against the dead ps and are re-queued.
+                self._scheduler.wait_idle(self.config.hang_timeout)
+                if self.checkpoints is None or self.checkpoints.latest() is None:
+                    self._give_up(lost, "this strategy has no checkpoint_dir to restore its "
+                                  "variables from" if self.checkpoints is None else
+                                  "no checkpoint had been written yet")
+                    return
+                started = time.monotonic()
+                back_at = self._wait_for_ps(lost, owner)
+                if back_at is None:
+                    return
+                _runtime.connect(self._cluster, streaming_enqueue=owner.pipeline_depth > 1)
+                renewed = owner._renew_variables(set(lost))  # noqa: SLF001
+                variables = owner._named_variables()  # noqa: SLF001
+                completed_then = self.checkpoints.restore(variables)
+                owner._retrace_all()  # noqa: SLF001
+                rebuild_per_worker(owner._per_worker_values(), None, resources_only=True)  # noqa: SLF001
+                rolled_back = max(0, self._scheduler.completed() - (completed_then or 0))
+                recovery = time.monotonic() - back_at
+                for ps in lost:
+                    stats = self.ps_stats[ps]
+                    stats.recoveries += 1
+                    stats.last_recovery_s = recovery
+                    stats.rolled_back_closures += rolled_back
+                self._lost_ps.clear()
+                log.warning(
+                    "ps task(s) %s recovered from %s: %d variables re-created, every variable "
+                    "restored; %d completed closures rolled back (%.2f s after the task came "
+                    "back, %.2f s in all)", lost, self.checkpoints.latest(), renewed, rolled_back,
+                    recovery, time.monotonic() - started,
+                )
+            finally:
+                self._scheduler.resume()
+
+    def _wait_for_ps(self, lost: list[int], owner) -> float | None:
+        deadline = time.monotonic() + self.config.ps_timeout
+        for ps in lost:
+            address = self._cluster.address("ps", ps)
+            while not _runtime.tcp_reachable(address, timeout=1.0):
+                if owner._closed or time.monotonic() > deadline:  # noqa: SLF001
+                    if not owner._closed:  # noqa: SLF001
+                        self._give_up(lost, f"it did not come back within ps_timeout="
+                                      f"{self.config.ps_timeout:g} s")
+                    return None
+                time.sleep(0.2)  # polling a socket while the task restarts
+        return time.monotonic()
+
+    def _give_up(self, lost: list[int], why: str) -> None:
+        names = ", ".join(f"ps:{ps} at {self._cluster.address('ps', ps)}" for ps in lost)
+        error = PSUnavailableError(
+            f"Parameter server task {names} was lost and its variables cannot be recovered: "
+            f"{why}. Pass checkpoint_dir= to ParameterServerStrategy to survive ps restarts.",
+            task=f"ps:{lost[0]}", address=self._cluster.address("ps", lost[0]),
+        )
+        self.broken = error
+        self._scheduler.fail_all(error)
+        log.error("%s", error)
+
+    def _owner_worker_timeout(self) -> Any:
+        owner = self._owner()
+        return None if owner is None else owner._health_config.worker_timeout  # noqa: SLF001
+
+
+def rebuild_per_worker(values: list[PerWorker], worker: int | None, *, resources_only: bool) -> None:
+    """Build the per-worker values of `worker` (or of every worker) again.
+
+    With `resources_only`, datasets and iterators are kept (their state lives
+    on workers that did not fail; after a ps recovery they read on from where
+    they were); resources from `create_per_worker_resource` are rebuilt.
+    """
+    for value in values:
+        if resources_only and isinstance(value, (PerWorkerDataset, PerWorkerIterator)):
+            continue
+        for index in range(value.num_workers) if worker is None else (worker,):
+            value.rebuild(index)
