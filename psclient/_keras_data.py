@@ -1,0 +1,228 @@
+"""What `model.fit/evaluate/predict` accept as data on a cluster, and how it gets there.
+
+Training data goes to every worker as a per-worker dataset (`fit`), and
+evaluation/prediction data as one finite dataset that closures cut into
+contiguous ranges of batches (`evaluate`, `predict`). Arrays are batched by
+Keras's own data adapter, so `batch_size`, `shuffle`, `sample_weight` and
+`class_weight` mean what they mean in Keras. Inputs that live in this
+process's Python (generators, `keras.utils.PyDataset`) cannot run on a worker
+and are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+from psclient._per_worker import check_dataset_fn
+
+__all__ = [
+    "per_worker_adapter",
+    "finite_dataset",
+    "is_dataset_fn",
+    "serialize",
+    "deserialize",
+    "training_data",
+]
+
+
+def is_dataset_fn(x: Any) -> bool:
+    """A callable that is not itself data: psclient's dataset-function input."""
+    import tensorflow as tf
+
+    return callable(x) and not isinstance(x, (tf.data.Dataset, type)) and not _is_host_data(x)
+
+
+def _is_host_data(x: Any) -> bool:
+    from keras.src.trainers.data_adapters import py_dataset_adapter
+
+    return isinstance(x, (types.GeneratorType, py_dataset_adapter.PyDataset))
+
+
+def _refuse_host_data(x: Any, argument: str) -> None:
+    raise ValueError(
+        f"Invalid value for argument `{argument}`. Received: an object of type "
+        f"{type(x).__name__}, which produces its batches in this process's Python and "
+        "cannot run on a worker. Expected a tf.data.Dataset, a dataset function "
+        "input_context -> tf.data.Dataset, or NumPy arrays / tensors."
+    )
+
+
+def _refuse_extras(argument: str, **given: Any) -> None:
+    for name, value in given.items():
+        if value is not None:
+            raise ValueError(
+                f"Invalid value for argument `{name}`. Received: {name} of type "
+                f"{type(value).__name__} together with a dataset function as `{argument}`. "
+                f"Expected None: the dataset function's elements carry it."
+            )
+
+
+def _call_dataset_fn(dataset_fn, ctx, argument: str):
+    import tensorflow as tf
+
+    dataset = dataset_fn(ctx)
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(
+            f"Invalid value for argument `{argument}`: the dataset function returned "
+            f"{dataset!r} of type {type(dataset).__name__}. Expected a tf.data.Dataset."
+        )
+    return dataset
+
+
+def training_data(
+    strategy, x, y, sample_weight, batch_size, shuffle, class_weight, steps_per_epoch
+) -> tuple[Any, int]:
+    """`fit`'s data as a per-worker dataset, and the steps of one epoch.
+
+    Every worker's dataset is repeated, so no worker runs dry in the middle of
+    an epoch: an epoch is `steps_per_epoch` steps taken from whichever workers
+    are free. Without `steps_per_epoch`, finite data gives one epoch per
+    `cardinality` batches; data of infinite or unknown size needs it.
+    """
+    import tensorflow as tf
+    from keras.src.trainers.data_adapters import get_data_adapter
+
+    _check_steps("steps_per_epoch", steps_per_epoch)
+    if is_dataset_fn(x):
+        check_dataset_fn(x)
+        _refuse_extras("x", y=y, sample_weight=sample_weight, class_weight=class_weight)
+        if steps_per_epoch is None:
+            raise ValueError(_steps_required("steps_per_epoch", "a dataset function as `x`"))
+
+        def per_worker(ctx):
+            return _call_dataset_fn(x, ctx, "x").repeat()
+
+        return per_worker_adapter(strategy.distribute_datasets_from_function(per_worker)), steps_per_epoch
+    if _is_host_data(x):
+        _refuse_host_data(x, "x")
+    adapter = get_data_adapter(
+        x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
+        steps_per_epoch=steps_per_epoch, class_weight=class_weight,
+        # Only arrays are shuffled by Keras (a dataset shuffles itself).
+        shuffle=shuffle and not isinstance(x, tf.data.Dataset),
+    )
+    dataset = adapter.get_tf_dataset()
+    if steps_per_epoch is None:
+        steps_per_epoch = adapter.num_batches
+        if steps_per_epoch is None:
+            raise ValueError(_steps_required("steps_per_epoch", "data of infinite or unknown size"))
+    # A dataset is cloned onto each worker; repeat it there so that workers,
+    # which take steps at their own pace, never run out within an epoch.
+    per_worker = strategy.distribute_datasets_from_function(dataset.repeat())
+    return per_worker_adapter(per_worker), steps_per_epoch
+
+
+def finite_dataset(x, y, sample_weight, batch_size, steps, *, with_targets: bool = True):
+    """`evaluate`/`predict` data as one deterministic, finite dataset and its batch count.
+
+    A dataset function is called once with a one-pipeline InputContext: the
+    whole data set, which psclient then splits between closures itself.
+    """
+    import tensorflow as tf
+    from keras.src.trainers.data_adapters import get_data_adapter
+
+    _check_steps("steps", steps)
+    if is_dataset_fn(x):
+        check_dataset_fn(x)
+        _refuse_extras("x", y=y, sample_weight=sample_weight)
+        dataset = _call_dataset_fn(x, tf.distribute.InputContext(), "x")
+    else:
+        if _is_host_data(x):
+            _refuse_host_data(x, "x")
+        adapter = get_data_adapter(
+            x=x, y=y if with_targets else None, sample_weight=sample_weight if with_targets else None,
+            batch_size=batch_size, steps_per_epoch=steps, shuffle=False,
+        )
+        dataset = adapter.get_tf_dataset()
+    if steps is not None:
+        dataset = dataset.take(steps)
+    cardinality = int(dataset.cardinality())
+    if cardinality == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(_steps_required("steps", "an infinite dataset"))
+    if cardinality == tf.data.UNKNOWN_CARDINALITY:
+        # Closures need ranges of batches, so count them here, once.
+        cardinality = int(dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+    return dataset, cardinality
+
+
+def _check_steps(name: str, value) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(
+            f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
+            "Expected None or an integer >= 1."
+        )
+
+
+def _steps_required(name: str, what: str) -> str:
+    return (
+        f"Invalid value for argument `{name}`. Received: {name}=None with {what}. "
+        f"Expected an integer >= 1: on a parameter-server cluster psclient cannot tell "
+        f"where an epoch of this data ends, so `{name}` must say how many batches it has."
+    )
+
+
+def serialize(dataset):
+    """The dataset's graph as a string tensor, to rebuild it inside a closure on any worker."""
+    import tensorflow as tf
+
+    return dataset._as_serialized_graph(  # TF-internal, the only way to move a dataset
+        strip_device_assignment=True,
+        external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
+    )
+
+
+def deserialize(graph_def, element_spec):
+    import tensorflow as tf
+
+    variant = tf.raw_ops.DatasetFromGraph(graph_def=graph_def)
+    return tf.data.experimental.from_variant(variant, element_spec)
+
+
+@functools.cache
+def _adapter_class():
+    """A Keras data adapter whose "dataset" is a psclient per-worker dataset.
+
+    Keras's `fit` accepts any `DataAdapter` as `x`; its TF epoch iterator
+    passes a `tf.distribute.DistributedDataset` through untouched and hands
+    `iter()` of it to the train function. So `fit`'s own loop drives the
+    epochs while every step reads from the executing worker's iterator.
+    Built on first use, to keep Keras out of psclient's import.
+    """
+    import tensorflow as tf
+    from keras.src.trainers.data_adapters.data_adapter import DataAdapter
+
+    class PerWorkerDistributed(tf.distribute.DistributedDataset):
+        def __init__(self, per_worker):
+            self._per_worker = per_worker
+
+        def __iter__(self):
+            return iter(self._per_worker)
+
+        @property
+        def element_spec(self):
+            return self._per_worker.value(0).element_spec
+
+    class PerWorkerAdapter(DataAdapter):
+        def __init__(self, per_worker):
+            self._dataset = PerWorkerDistributed(per_worker)
+
+        def get_tf_dataset(self):
+            return self._dataset
+
+        @property
+        def element_spec(self):
+            return self._dataset.element_spec
+
+        # Repeated on every worker: endless; the batch sizes are the user's.
+        num_batches = None
+        batch_size = None
+        has_partial_batch = None
+        partial_batch_size = None
+
+    return PerWorkerAdapter
+
+
+def per_worker_adapter(per_worker_dataset):
+    return _adapter_class()(per_worker_dataset)

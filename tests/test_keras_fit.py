@@ -1,0 +1,148 @@
+"""model.fit of Keras 3 models whose variables live on the shared cluster's ps task."""
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+tf = pytest.importorskip("tensorflow")
+
+pytestmark = pytest.mark.timeout(300)
+
+_RNG = np.random.default_rng(0)
+X = _RNG.standard_normal((256, 8)).astype("float32")
+Y = (X[:, 0] + X[:, 1] > 0).astype("int32")
+
+
+def make_model(strategy, *, optimizer="adam", metrics=("accuracy",), steps_per_execution=1, **compile_kwargs):
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(2),
+        ])
+        model.compile(
+            optimizer=optimizer() if callable(optimizer) else optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=list(metrics),
+            steps_per_execution=steps_per_execution,
+            **compile_kwargs,
+        )
+    return model
+
+
+def ps_devices(model):
+    return {v._value.device for v in model.variables + model.optimizer.variables + model.metrics_variables}
+
+
+def test_fit_numpy_trains_on_ps_with_validation_and_progress_bar(strategy, capsys):
+    model = make_model(strategy)
+    history = model.fit(
+        X, Y, batch_size=32, epochs=4, validation_data=(X[:64], Y[:64]), verbose=1,
+    )
+    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert all(len(values) == 4 for values in history.history.values())
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert all(np.isfinite(history.history["val_loss"]))
+    # Every step ran: one epoch is the 8 batches of the arrays.
+    assert int(model.optimizer.iterations.numpy()) == 4 * 8
+    assert all(device.startswith("/job:ps/") for device in ps_devices(model))
+    out = capsys.readouterr().out
+    assert "Epoch 4/4" in out and "8/8" in out and "val_accuracy" in out
+
+
+def test_metrics_aggregate_every_worker_without_lost_updates(strategy):
+    # Learning rate 0: the weights stay put, so every step's loss is the loss
+    # of the same fixed batch, whichever worker took it. The loss tracker's
+    # count must see every example of every step of both workers.
+    batch = 16
+    dataset = tf.data.Dataset.from_tensors((X[:batch], Y[:batch])).repeat()
+    model = make_model(strategy, optimizer=lambda: keras.optimizers.SGD(learning_rate=0.0))
+    steps = 40
+    history = model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
+    assert float(model._loss_tracker.count.numpy()) == steps * batch
+    assert int(model.optimizer.iterations.numpy()) == steps
+    done = [w["done"] for w in strategy.stats()["workers"]]
+    assert sum(done) >= steps
+    expected = model.evaluate(X[:batch], Y[:batch], batch_size=batch, verbose=0, return_dict=True)
+    assert history.history["loss"][0] == pytest.approx(expected["loss"], rel=1e-5)
+    assert history.history["accuracy"][0] == pytest.approx(expected["accuracy"], rel=1e-6)
+
+
+@pytest.mark.parametrize("steps_per_epoch", [20, 23])
+def test_steps_per_execution_runs_exactly_steps_per_epoch(strategy, steps_per_epoch):
+    dataset = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(256).batch(32).repeat()
+    model = make_model(strategy, steps_per_execution=10)
+    batches = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            batches.append((batch, dict(logs)))
+
+    history = model.fit(dataset, epochs=2, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=[Record()])
+    # Keras calls once per execution of up to 10 steps; the last one of an
+    # epoch runs only what is left, so the count is exact.
+    assert int(model.optimizer.iterations.numpy()) == 2 * steps_per_epoch
+    calls = -(-steps_per_epoch // 10)
+    assert len(batches) == 2 * calls
+    assert all(set(logs) == {"loss", "accuracy"} and np.isfinite(logs["loss"]) for _, logs in batches)
+    assert len(history.history["loss"]) == 2
+
+
+def test_dataset_function_gets_each_workers_input_context(strategy):
+    contexts = []
+
+    def dataset_fn(ctx):
+        contexts.append((ctx.input_pipeline_id, ctx.num_input_pipelines))
+        return (
+            tf.data.Dataset.from_tensor_slices((X, Y))
+            .shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+            .batch(16)
+        )
+
+    model = make_model(strategy)
+    history = model.fit(dataset_fn, epochs=2, steps_per_epoch=10, verbose=0)
+    assert sorted(set(contexts)) == [(0, 2), (1, 2)]
+    assert len(history.history["loss"]) == 2
+    assert int(model.optimizer.iterations.numpy()) == 20
+
+
+def test_initial_epoch_validation_freq_and_history(strategy):
+    dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(32)
+    validation = tf.data.Dataset.from_tensor_slices((X[:64], Y[:64])).batch(32)
+    model = make_model(strategy)
+    history = model.fit(
+        dataset, epochs=5, initial_epoch=2, validation_data=validation, validation_freq=2, verbose=0,
+    )
+    assert history.epoch == [2, 3, 4]
+    # Epochs are 1-indexed for validation_freq: only epoch 4 (index 3) validates.
+    assert len(history.history["val_loss"]) == 1
+    assert int(model.optimizer.iterations.numpy()) == 3 * 8
+
+
+def test_validation_split_of_arrays(strategy):
+    model = make_model(strategy)
+    history = model.fit(X, Y, batch_size=32, epochs=1, validation_split=0.25, verbose=0)
+    # 192 training examples: 6 batches.
+    assert int(model.optimizer.iterations.numpy()) == 6
+    assert "val_accuracy" in history.history
+
+
+def test_train_step_override_is_used(strategy):
+    class Counting(keras.Sequential):
+        def train_step(self, data):
+            logs = super().train_step(data)
+            logs["custom"] = tf.constant(7.0)
+            return logs
+
+    with strategy.scope():
+        model = Counting([keras.Input((8,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(logs.get("custom"))
+
+    history = model.fit(X, Y, batch_size=64, epochs=1, verbose=0, callbacks=[Record()])
+    assert seen and all(value == 7.0 for value in seen)
+    assert history.history["custom"] == [7.0]
