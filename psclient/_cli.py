@@ -1,14 +1,26 @@
-"""The `psclient` command line: `psclient serve` runs one TensorFlow task server.
+"""The `psclient` command line.
 
-The parser is built from subcommands so that more can be added. Nothing heavy
-is imported here: `psclient --help` answers without loading TensorFlow.
+- `psclient serve`: one TensorFlow task server (a worker or ps task).
+- `psclient launch`: a local cluster plus a training script, as one job.
+- `psclient evaluate`: the sidecar evaluator, as a job of its own.
+- `psclient demo`: the main example, end to end, offline.
+
+Nothing heavy is imported here: `psclient --help` answers without loading
+TensorFlow; each command imports what it needs when it runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import logging
 import os
-from collections.abc import Sequence
+import re
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from psclient import _server
 from psclient._cluster import (
@@ -22,6 +34,12 @@ from psclient._errors import ClusterConfigError
 
 _MAIN_EPILOG = """\
 example:
+  # See it all work on this machine (offline, about a minute):
+  psclient demo
+
+  # Train with your script on a local cluster of 2 workers and 1 ps:
+  psclient launch --workers 2 --ps 1 -- python train.py --epochs 3
+
   # Start worker 0 of the cluster described in cluster.json:
   psclient serve --job worker --index 0 --cluster cluster.json
 
@@ -72,6 +90,143 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.set_defaults(handler=_run_serve, command_parser=serve)
 
 
+_EVALUATE_EPILOG = """\
+example:
+  $ cat myjob.py
+  def model():      # the training model's architecture, compiled with the metrics to report
+      m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+      m.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+      return m
+  def data():       # what model.evaluate takes: a tf.data.Dataset, or an (x, y) tuple
+      return x_test, y_test
+  $ psclient evaluate --checkpoint-dir /tmp/ckpts --model myjob:model --data myjob:data
+
+MODULE is a module name importable from the current directory, or a path
+to a .py file (path/to/myjob.py:model). The evaluator never connects to the
+training cluster: it only reads the checkpoint directory. It stops when
+training writes its final marker (psclient.write_final_marker), after
+--max-evaluations, or after --idle-timeout seconds without a new checkpoint.
+Metrics go to DIR/eval (TensorBoard summaries and evaluations.jsonl) unless
+--log-dir says otherwise. Exit status: 0 when it stopped by one of those
+rules, 1 when the model does not match the checkpoints.
+"""
+
+
+def _add_evaluate_parser(commands: argparse._SubParsersAction) -> None:
+    evaluate = commands.add_parser(
+        "evaluate",
+        help="evaluate each new checkpoint of a training job (the sidecar evaluator)",
+        description="Evaluate each new checkpoint that training writes, in this process, "
+        "without connecting to the training cluster.",
+        epilog=_EVALUATE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    evaluate.add_argument("--checkpoint-dir", required=True, metavar="DIR",
+                          help="the directory training writes checkpoints to")
+    evaluate.add_argument("--model", required=True, metavar="MODULE:FN",
+                          help="a function returning the built, compiled Keras model")
+    evaluate.add_argument("--data", required=True, metavar="MODULE:FN",
+                          help="a function returning the evaluation data")
+    evaluate.add_argument("--steps", type=int, metavar="N", help="batches per evaluation (default: all of the data)")
+    evaluate.add_argument("--max-evaluations", type=int, metavar="N", help="stop after N evaluations")
+    evaluate.add_argument("--idle-timeout", type=float, default=600.0, metavar="S",
+                          help="stop after S seconds without a new checkpoint; 0 waits forever (default: 600)")
+    evaluate.add_argument("--settle-time", type=float, default=2.0, metavar="S",
+                          help="seconds a Keras checkpoint file must stay unchanged before it is read (default: 2)")
+    evaluate.add_argument("--poll-interval", type=float, default=1.0, metavar="S",
+                          help="seconds between scans of the directory (default: 1)")
+    evaluate.add_argument("--log-dir", metavar="DIR", help="where metrics go (default: CHECKPOINT_DIR/eval)")
+    evaluate.add_argument("--model-key", default="model", metavar="KEY",
+                          help="the model's key in tf.train.Checkpoint checkpoints (default: model)")
+    evaluate.add_argument("--export-best", metavar="PATH.keras", help="save the best model there")
+    evaluate.add_argument("--best-metric", default="loss", metavar="NAME",
+                          help="the metric that picks the best model (default: loss)")
+    evaluate.add_argument("--best-mode", choices=("auto", "max", "min"), default="auto",
+                          help="auto: max for accuracy-like metrics, else min")
+    evaluate.set_defaults(handler=_run_evaluate, command_parser=evaluate)
+
+
+def load_callable(spec: str, *, name: str) -> Callable[..., Any]:
+    """The function named by `spec` = "module.path:fn" or "path/to/file.py:fn".
+
+    `name` is the command-line option, for error messages.
+    """
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"Invalid value for {name}. Received: {spec!r}. Expected MODULE:FUNCTION, "
+                         "e.g. myjob:build_model or path/to/myjob.py:build_model.")
+    try:
+        if module_name.endswith(".py") or os.sep in module_name:
+            location = importlib.util.spec_from_file_location(
+                os.path.splitext(os.path.basename(module_name))[0], module_name)
+            if location is None or not os.path.isfile(module_name):
+                raise ImportError(f"no such file: {module_name}")
+            module = importlib.util.module_from_spec(location)
+            location.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:  # As `python -m` does: the current directory's modules.
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"Invalid value for {name}. Received: {spec!r}; cannot import "
+                         f"{module_name!r}: {e}. Expected an importable module or a .py file.") from e
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise ValueError(f"Invalid value for {name}. Received: {spec!r}; {module_name!r} has no "
+                         f"function {attr!r}. Expected MODULE:FUNCTION naming a callable.")
+    return function
+
+
+def _as_option(message: str) -> str:
+    """Says "--max-evaluations" where the Python API's message says "argument `max_evaluations`"."""
+    return re.sub(r"argument `(\w+)`", lambda m: "--" + m.group(1).replace("_", "-"), message)
+
+
+def _stop_on_signals(stop: Callable[[], None]) -> None:
+    """First SIGTERM/SIGINT: stop cleanly; a second SIGINT interrupts at once."""
+    def handler(signum, frame):
+        print(f"psclient evaluate: {signal.Signals(signum).name}: stopping after the current "
+              "evaluation", file=sys.stderr, flush=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def _run_evaluate(args: argparse.Namespace) -> int:
+    parser = args.command_parser
+    try:
+        build_model = load_callable(args.model, name="--model")
+        build_data = load_callable(args.data, name="--data")
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=logging.INFO, format="psclient evaluate: %(message)s", stream=sys.stderr)
+    from psclient._sidecar import SidecarEvaluator  # Imports TensorFlow when it evaluates.
+    from psclient._sidecar_formats import CheckpointMismatchError
+
+    try:
+        evaluator = SidecarEvaluator(
+            build_model(), build_data(), args.checkpoint_dir, steps=args.steps,
+            max_evaluations=args.max_evaluations, log_dir=args.log_dir,
+            idle_timeout=args.idle_timeout or None, settle_time=args.settle_time,
+            poll_interval=args.poll_interval, model_key=args.model_key, export_best=args.export_best,
+            best_metric=args.best_metric, best_mode=args.best_mode,
+        )
+    except ValueError as e:  # Messages name the argument; say it as the option.
+        parser.error(_as_option(str(e)))
+    _stop_on_signals(evaluator.stop)
+    try:
+        report = evaluator.start()
+    except CheckpointMismatchError as e:
+        print(f"psclient evaluate: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    print(f"psclient evaluate: done: {len(report.evaluations)} evaluation(s), "
+          f"{len(report.skipped)} skipped, {len(report.unreadable)} unreadable; {report.stop_reason}",
+          file=sys.stderr, flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="psclient",
@@ -81,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     _add_serve_parser(commands)
+    _add_evaluate_parser(commands)
     return parser
 
 
