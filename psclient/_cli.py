@@ -227,6 +227,80 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+_LAUNCH_EPILOG = """\
+example:
+  # 2 workers and 1 ps on 127.0.0.1, the script as coordinator, an evaluator beside:
+  psclient launch --workers 2 --ps 1 \
+      --evaluator "psclient evaluate --checkpoint-dir /tmp/ckpts --model train:model --data train:data" \
+      -- python train.py --checkpoint-dir /tmp/ckpts
+
+The script finds the cluster in TF_CONFIG:
+  strategy = psclient.ParameterServerStrategy(psclient.Cluster.from_env())
+
+Every line of output is prefixed with its process: worker:0, ps:0, chief (the
+script), evaluator, launch. Ctrl-C is forwarded to the script and the
+evaluator; a second Ctrl-C kills them. Everything is torn down when the script
+exits, and launch exits with the script's exit status. After the script, the
+evaluator may run on (it stops at training's final marker) for at most
+--evaluator-timeout seconds.
+Task servers accept unauthenticated RPCs and TensorFlow binds ALL network
+interfaces: run this only on a trusted machine.
+"""
+
+
+def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
+    launch = commands.add_parser(
+        "launch",
+        help="run a training script on a local cluster (with an optional evaluator)",
+        description="Start a local cluster of worker and ps tasks on 127.0.0.1, run a training "
+        "script as its coordinator, and tear everything down when the script exits.",
+        epilog=_LAUNCH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    launch.add_argument("--workers", type=int, default=2, metavar="N", help="worker tasks (default: 2)")
+    launch.add_argument("--ps", type=int, default=1, metavar="M", help="ps tasks (default: 1)")
+    launch.add_argument("--evaluator", metavar="CMD", help="a command to run beside training, e.g. psclient evaluate ...")
+    launch.add_argument("--evaluator-timeout", type=float, default=300.0, metavar="S",
+                        help="how long the evaluator may run after the script exits (default: 300)")
+    launch.add_argument("--restart-failed", action="store_true", help="restart worker/ps tasks that exit")
+    launch.add_argument("--max-restarts", type=int, default=3, metavar="K",
+                        help="restarts per task with --restart-failed (default: 3)")
+    launch.add_argument("--log-dir", metavar="DIR", help="keep the task logs there (default: a temporary directory)")
+    launch.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                        help="the training script's command line, after --")
+    launch.set_defaults(handler=_run_launch, command_parser=launch)
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from psclient._errors import TaskUnreachableError
+    from psclient._launch import LaunchConfig, launch
+
+    parser = args.command_parser
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("No training command given. Expected it after --, e.g. "
+                     "psclient launch --workers 2 --ps 1 -- python train.py")
+    for option, value, least in (("--workers", args.workers, 1), ("--ps", args.ps, 1),
+                                 ("--max-restarts", args.max_restarts, 0)):
+        if value < least:
+            parser.error(f"Invalid value for {option}. Received: {value}. Expected an integer >= {least}.")
+    if not args.evaluator_timeout > 0:
+        parser.error(f"Invalid value for --evaluator-timeout. Received: {args.evaluator_timeout}. "
+                     "Expected a positive number of seconds.")
+    if args.evaluator is not None and not args.evaluator.strip():
+        parser.error("Invalid value for --evaluator. Received: ''. Expected a command line.")
+    config = LaunchConfig(
+        command=command, num_workers=args.workers, num_ps=args.ps, evaluator=args.evaluator,
+        restart_failed=args.restart_failed, max_restarts=args.max_restarts, log_dir=args.log_dir,
+        evaluator_timeout=args.evaluator_timeout,
+    )
+    try:
+        return launch(config)
+    except (TaskUnreachableError, OSError) as e:  # A task that cannot start; a command not found.
+        print(f"psclient launch: error: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="psclient",
@@ -236,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     _add_serve_parser(commands)
+    _add_launch_parser(commands)
     _add_evaluate_parser(commands)
     return parser
 
