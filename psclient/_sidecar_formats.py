@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import warnings
 import zipfile
 from collections import deque
 from dataclasses import dataclass
@@ -319,7 +320,11 @@ def restore(ref: CheckpointRef, model: Any, model_key: str, keras_expected: dict
             tf.train.Checkpoint(**{model_key: model}).read(ref.path).expect_partial()
         else:
             check_keras_structure(ref, keras_expected or {})
-            model.load_weights(ref.path)
+            with warnings.catch_warnings():
+                # The evaluator never trains: its optimizer is not built, and
+                # Keras warns on every load that it skips the saved optimizer state.
+                warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")
+                model.load_weights(ref.path)
     except CheckpointMismatchError:
         raise
     except Exception as e:  # TF's DataLossError/NotFoundError, h5py's OSError, zipfile's...

@@ -1,0 +1,155 @@
+"""`psclient demo`: the main example end to end, offline, in about a minute on 2 cores.
+
+It starts a local cluster (2 workers, 1 ps on 127.0.0.1), trains a Keras 3
+classifier with `model.fit` on scikit-learn's bundled handwritten digits,
+saving a checkpoint per epoch, while `psclient evaluate` runs beside it in its
+own process and evaluates each checkpoint on held-out data. It ends by printing
+the test accuracy and where the checkpoints and TensorBoard logs are.
+
+`build_model` and `test_data` are also what the evaluator process loads
+(`--model psclient._demo:build_model --data psclient._demo:test_data`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+import time
+
+_LEARNING_RATE = 3e-3
+_BATCH = 32
+
+
+def _split():
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError as e:
+        raise SystemExit("psclient demo needs scikit-learn for its bundled dataset: "
+                         'pip install "psclient[examples]"') from e
+    import numpy as np
+
+    digits = load_digits()  # Shipped inside scikit-learn: no download.
+    x = (digits.data / 16.0).astype(np.float32)
+    return train_test_split(x, digits.target.astype(np.int64), test_size=0.2, random_state=0,
+                            stratify=digits.target)
+
+
+def build_model(optimizer=None):
+    """The demo's classifier (8x8 digits -> 10 classes), compiled with accuracy."""
+    import keras
+
+    model = keras.Sequential([
+        keras.Input((64,)),
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+    model.compile(optimizer=optimizer or "adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
+def test_data():
+    """The held-out 20% of the digits, as (x, y)."""
+    _, x_test, _, y_test = _split()
+    return x_test, y_test
+
+
+def _say(text: str) -> None:
+    print(f"demo      | {text}", flush=True)
+
+
+# TensorFlow's C++ start-up lines (absl format "I0000 00:00:...", CPU feature
+# notes): noise for a newcomer, and TF_CPP_MIN_LOG_LEVEL does not silence the
+# ones logged before absl is initialised.
+_TF_NOISE = re.compile(r"^([IWE]\d{4} \d\d:\d\d:|WARNING: All log messages before absl|To enable the following)")
+
+
+def _start_evaluator(checkpoint_dir: str, log_dir: str, best: str):
+    from psclient._launch import _Child, _Output
+
+    class QuietOutput(_Output):
+        def line(self, name: str, text: str) -> None:
+            if not _TF_NOISE.match(text):
+                super().line(name, text)
+
+    argv = [sys.executable, "-m", "psclient", "evaluate", "--checkpoint-dir", checkpoint_dir,
+            "--model", "psclient._demo:build_model", "--data", "psclient._demo:test_data",
+            "--log-dir", log_dir, "--export-best", best, "--best-metric", "accuracy",
+            "--settle-time", "1", "--poll-interval", "0.5", "--idle-timeout", "120"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    pythonpath = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=root + (os.pathsep + pythonpath if pythonpath else ""))
+    env.pop("TF_CONFIG", None)
+    return _Child("evaluator", argv, env, QuietOutput(sys.stdout, ["evaluator", "demo"]))
+
+
+def run(epochs: int = 8, workdir: str | None = None, num_workers: int = 2, num_ps: int = 1) -> int:
+    """Runs the demo; returns an exit status."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # Keep TensorFlow's start-up chatter out.
+    from psclient._server import SECURITY_WARNING
+
+    start = time.monotonic()
+    workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="psclient-demo-"))
+    checkpoint_dir = os.path.join(workdir, "checkpoints")
+    log_dir = os.path.join(workdir, "tensorboard")
+    best = os.path.join(workdir, "best.keras")
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    _say(f"working in {workdir}")
+    _say(SECURITY_WARNING)
+    evaluator = _start_evaluator(checkpoint_dir, log_dir, best)  # Its TF import overlaps ours.
+    _say("started the sidecar evaluator (its own process; it only reads the checkpoints)")
+    try:
+        import keras
+        import numpy as np
+
+        import psclient
+        from psclient._sidecar import write_final_marker
+
+        keras.utils.set_random_seed(0)
+        x_train, x_test, y_train, y_test = _split()
+        _say(f"digits: {len(x_train)} training and {len(x_test)} test images (bundled with scikit-learn)")
+        _say(f"starting a local cluster: {num_workers} workers, {num_ps} ps on 127.0.0.1 ...")
+        with psclient.LocalCluster(num_workers=num_workers, num_ps=num_ps) as local:
+            _say(f"cluster ready after {time.monotonic() - start:.1f} s")
+            strategy = psclient.ParameterServerStrategy(local.cluster)
+            try:
+                import tensorflow as tf
+
+                with strategy.scope():  # Weights and optimizer state live on the ps.
+                    model = build_model(keras.optimizers.Adam(_LEARNING_RATE))
+                dataset = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
+                           .shuffle(len(x_train), seed=0).repeat().batch(_BATCH))
+                checkpoint = keras.callbacks.ModelCheckpoint(
+                    os.path.join(checkpoint_dir, "epoch-{epoch:02d}.weights.h5"), save_weights_only=True)
+                _say(f"training with model.fit for {epochs} epochs; a checkpoint per epoch")
+                model.fit(dataset, epochs=epochs, steps_per_epoch=len(x_train) // _BATCH,
+                          callbacks=[checkpoint], verbose=2)
+                final = os.path.join(checkpoint_dir, f"epoch-{epochs:02d}.weights.h5")
+                write_final_marker(checkpoint_dir, final, step=int(model.optimizer.iterations.numpy()))
+                # A plain call on the coordinator: it reads the trained weights from the ps.
+                logits = np.asarray(model(x_test, training=False))
+                accuracy = float((logits.argmax(axis=1) == y_test).mean())
+            finally:
+                strategy.shutdown()
+        _say("training done; waiting for the evaluator to evaluate the final checkpoint ...")
+        try:
+            evaluator.process.wait(timeout=120)
+        except Exception:  # subprocess.TimeoutExpired: reported, then stopped below.
+            _say("the evaluator did not finish within 120 s; stopping it")
+    finally:
+        evaluator.stop(grace=10)
+    code = evaluator.process.returncode
+    _say(f"finished in {time.monotonic() - start:.0f} s")
+    print(f"\ntest accuracy: {accuracy:.4f}  ({len(x_test)} held-out digits)")
+    print(f"checkpoints:      {checkpoint_dir}")
+    print(f"TensorBoard logs: {log_dir}   (tensorboard --logdir {log_dir})")
+    print(f"evaluations:      {os.path.join(log_dir, 'evaluations.jsonl')}")
+    if os.path.exists(best):
+        print(f"best model:       {best}")
+    if code != 0:
+        print(f"warning: the evaluator exited with status {code}; see its lines above", file=sys.stderr)
+    return 0

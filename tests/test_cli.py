@@ -1,0 +1,88 @@
+"""The `psclient` command line: help with examples, argument errors, and `psclient evaluate` as a job."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "launch_train.py")
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def psclient(*args, timeout=120, cwd=ROOT):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("TF_CONFIG", None)
+    return subprocess.run([sys.executable, "-m", "psclient", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env)
+
+
+@pytest.mark.parametrize("command, example", [
+    ([], "psclient launch --workers 2 --ps 1 -- python train.py"),
+    (["launch"], "psclient launch --workers 2 --ps 1"),
+    (["evaluate"], "psclient evaluate --checkpoint-dir /tmp/ckpts --model myjob:model --data myjob:data"),
+    (["demo"], "psclient demo"),
+])
+def test_help_of_each_command_has_an_example(command, example):
+    result = psclient(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "example:" in result.stdout and example in result.stdout
+    if command in (["launch"], ["demo"]):  # Commands that start task servers say so.
+        assert "unauthenticated RPCs" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["launch", "--workers", "0", "--", "python", "x.py"], "Invalid value for --workers. Received: 0. Expected an integer >= 1."),
+    (["launch", "--workers", "1"], "No training command given. Expected it after --"),
+    (["evaluate", "--checkpoint-dir", "d", "--model", "nocolon", "--data", "m:f"],
+     "Invalid value for --model. Received: 'nocolon'. Expected MODULE:FUNCTION"),
+    (["evaluate", "--checkpoint-dir", "d", "--model", "no_such_module_xyz:f", "--data", "m:f"],
+     "cannot import 'no_such_module_xyz'"),
+    (["evaluate", "--checkpoint-dir", "d", "--model", f"{EXAMPLE}:nothing", "--data", f"{EXAMPLE}:data"],
+     "has no function 'nothing'"),
+    (["demo", "--epochs", "0"], "Invalid value for --epochs. Received: 0."),
+])
+def test_bad_arguments_name_the_option(args, message):
+    result = psclient(*args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+
+
+def test_evaluate_option_errors_use_option_names(tmp_path):
+    result = psclient("evaluate", "--checkpoint-dir", str(tmp_path), "--model", f"{EXAMPLE}:model",
+                      "--data", f"{EXAMPLE}:data", "--max-evaluations", "0")
+    assert result.returncode == 2
+    assert "Invalid value for --max-evaluations. Received: max_evaluations=0. Expected an integer > 0" in result.stderr
+
+
+def test_evaluate_job_on_tf_checkpoints_then_a_mismatching_model(tmp_path):
+    import tensorflow as tf
+
+    spec = importlib.util.spec_from_file_location("launch_train", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.model(compile_metrics=False)
+    prefix = tf.train.CheckpointManager(tf.train.Checkpoint(model=model), str(tmp_path), max_to_keep=None).save()
+    (tmp_path / "psclient-final.json").write_text(json.dumps({"checkpoint": "ckpt-1", "step": 5}))
+    result = psclient("evaluate", "--checkpoint-dir", str(tmp_path), "--model", f"{EXAMPLE}:model",
+                      "--data", f"{EXAMPLE}:data", "--poll-interval", "0.1")
+    assert result.returncode == 0, result.stderr
+    assert "the final checkpoint ckpt-1 is done" in result.stderr
+    (record,) = [json.loads(line) for line in (tmp_path / "eval" / "evaluations.jsonl").read_text().splitlines()]
+    assert record["checkpoint"] == os.path.basename(prefix) and record["step"] == 5  # From the marker.
+
+    (tmp_path / "wrong.py").write_text(
+        "import keras\n"
+        "def model():\n"
+        "    m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])\n"
+        "    m.compile(loss='mse')\n"
+        "    return m\n")
+    result = psclient("evaluate", "--checkpoint-dir", str(tmp_path), "--model", f"{tmp_path / 'wrong.py'}:model",
+                      "--data", f"{EXAMPLE}:data", "--poll-interval", "0.1", "--log-dir", str(tmp_path / "e2"))
+    assert result.returncode == 1
+    assert "does not match the checkpoint ckpt-1" in result.stderr
+    assert "missing from the checkpoint" in result.stderr and "[64, 10]" in result.stderr
