@@ -240,9 +240,9 @@ The script finds the cluster in TF_CONFIG:
 Every line of output is prefixed with its process: worker:0, ps:0, chief (the
 script), evaluator, launch. Ctrl-C is forwarded to the script and the
 evaluator; a second Ctrl-C kills them. Everything is torn down when the script
-exits, and launch exits with the script's exit status. After the script, the
-evaluator may run on (it stops at training's final marker) for at most
---evaluator-timeout seconds.
+exits, and launch exits with the script's exit status. After a script that
+succeeded, the evaluator may run on (it stops at training's final marker) for
+at most --evaluator-timeout seconds; after one that failed, it is stopped.
 Task servers accept unauthenticated RPCs and TensorFlow binds ALL network
 interfaces: run this only on a trusted machine.
 """
@@ -296,9 +296,13 @@ def _run_launch(args: argparse.Namespace) -> int:
     )
     try:
         return launch(config)
-    except (TaskUnreachableError, OSError) as e:  # A task that cannot start; a command not found.
+    except TaskUnreachableError as e:  # A task that cannot start; names it, with its log.
         print(f"psclient launch: error: {e}", file=sys.stderr, flush=True)
         return 1
+    except OSError as e:  # The command after -- (or --evaluator's) cannot be run.
+        print(f"psclient launch: error: cannot run {e.filename!r}: {e.strerror}. Expected an "
+              "executable on PATH or a path to one, e.g. -- python train.py", file=sys.stderr, flush=True)
+        return 127
 
 
 _DEMO_EPILOG = """\

@@ -260,8 +260,10 @@ class Launcher:
             self._supervise(script, evaluator, local, signals)
             status = exit_status(script.process.wait())
             self._say(f"the script exited with status {status}")
-            if evaluator is not None:
+            if evaluator is not None and status == 0:
                 self._wait_for_evaluator(evaluator, signals)
+            elif evaluator is not None:  # Training failed: no final marker will come.
+                self._say("stopping the evaluator: the script failed")
             return status
         finally:
             for child in children:
