@@ -127,7 +127,7 @@ class FaultTolerance:
         error = WorkerUnavailableError(
             f"No worker has been available for {waited:.0f} s (worker_timeout="
             f"{self._owner_worker_timeout()} s): every worker of the cluster is gone "
-            f"({', '.join(self._cluster.addresses('worker'))}). Pending scheduled functions "
+            f"({', '.join(self._cluster.workers)}). Pending scheduled functions "
             "failed; restart the workers, then schedule again.",
             task="worker", address=None,
         )
@@ -140,7 +140,7 @@ class FaultTolerance:
         if owner is None:
             return False
         with self._lock:
-            _runtime.connect(self._cluster, streaming_enqueue=owner.pipeline_depth > 1)
+            self._reconnect(owner, returning=worker)
             if not self.worker_answers(worker):
                 return False
             try:
@@ -153,6 +153,32 @@ class FaultTolerance:
             self._scheduler.worker_up(worker, recovered_after=recovered)
         log.info("worker %d rejoined (%.2f s after it answered again)", worker, recovered)
         return True
+
+    def _reconnect(self, owner, returning: int | None) -> None:
+        """Reconnect the coordinator to the ps tasks and the workers that answer.
+
+        TF's `update_server_def` waits forever for a task that is down, so
+        only workers that answer a probe (and the returning one, which cannot
+        answer before it is reconnected) are named. An up worker that does not
+        answer is taken out first, so nothing is sent to a worker TF no
+        longer knows.
+        """
+        workers = range(self._cluster.num_workers)
+        for worker in workers:
+            if worker != returning and self._scheduler.worker_is_up(worker):
+                self._prober.start(_runtime.worker_device(worker))
+        deadline = time.monotonic() + min(2.0, self.config.probe_timeout)
+        live = []
+        for worker in workers:
+            if worker == returning:
+                live.append(worker)
+            elif self._scheduler.worker_is_up(worker):
+                left = max(0.0, deadline - time.monotonic())
+                if self._prober.answers(_runtime.worker_device(worker), left):
+                    live.append(worker)
+                else:
+                    self._scheduler.worker_lost(worker)
+        _runtime.connect(self._cluster, streaming_enqueue=owner.pipeline_depth > 1, workers=live)
 
     def chores(self) -> None:
         if self._lost_ps and self.broken is None:
@@ -242,7 +268,7 @@ class FaultTolerance:
                 back_at = self._wait_for_ps(lost, owner)
                 if back_at is None:
                     return
-                _runtime.connect(self._cluster, streaming_enqueue=owner.pipeline_depth > 1)
+                self._reconnect(owner, returning=None)
                 renewed = owner._renew_variables(set(lost))  # noqa: SLF001
                 variables = owner._named_variables()  # noqa: SLF001
                 completed_then = self.checkpoints.restore(variables)

@@ -125,8 +125,13 @@ _coordinator_lock = threading.Lock()
 _coordinator_address: str | None = None
 
 
-def connect(cluster: Cluster, *, streaming_enqueue: bool) -> None:
-    """Connect this process, as the coordinator, to the cluster's task servers."""
+def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None) -> None:
+    """Connect this process, as the coordinator, to the cluster's task servers.
+
+    `workers` (indices) limits the workers in TF's view of the cluster, for
+    reconnecting while some are down: TF's `update_server_def` waits forever
+    for every task it is given. Indices keep their meaning (a sparse job).
+    """
     global _coordinator_address
     # Environment knobs TF reads: set in this one place. GRPC_FAIL_FAST makes a
     # dead task surface as an error in the caller instead of retries inside
@@ -137,8 +142,10 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool) -> None:
 
     import tensorflow as tf
 
-    spec = cluster.training_spec()
+    spec: dict = cluster.training_spec()
     wanted = (spec.get(COORDINATOR_JOB) or [None])[0]
+    if workers is not None:
+        spec["worker"] = {i: spec["worker"][i] for i in sorted(workers)}
     with _coordinator_lock:
         first = _coordinator_address is None
         if first:
@@ -153,7 +160,7 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool) -> None:
         filters = tf.config.experimental.ClusterDeviceFilters()
         # Workers only need the ps tasks and the coordinator, ps tasks only the
         # workers and the coordinator: smaller views, no worker waits on another.
-        for i in range(cluster.num_workers):
+        for i in range(cluster.num_workers) if workers is None else sorted(workers):
             filters.set_device_filters("worker", i, ["/job:ps", f"/job:{COORDINATOR_JOB}"])
         for i in range(cluster.num_ps):
             filters.set_device_filters("ps", i, ["/job:worker", f"/job:{COORDINATOR_JOB}"])

@@ -205,3 +205,87 @@ def test_concurrent_submit_and_take_resolve_every_future_once():
     assert len(futures) == n
     assert all(f.done() and not f.cancelled() for f in futures)
     assert sum(w["done"] for w in s.stats()["workers"]) == n
+
+
+# ----------------------------------------------------------- fault tolerance
+def test_worker_lost_requeues_its_running_closures_in_order_and_ignores_their_late_reports():
+    s = Scheduler(num_workers=2)
+    a, b, c = make("a"), make("b"), make("c")
+    for closure in (a, b, c):
+        s.submit(closure)
+    taken_a, taken_b = s.take(0, timeout=0), s.take(0, timeout=0)
+    attempt_a = taken_a.attempts
+    requeued = s.worker_lost(0, detected_after=1.5)
+    assert requeued == [a, b]
+    assert not s.worker_is_up(0)
+    # The abandoned attempt answers late (a hung worker resumed): ignored.
+    s.succeeded(0, taken_a, "stale", attempt=attempt_a)
+    assert not a.future.done()
+    # The re-run on worker 1 resolves it, once; order is kept (a, b, then c).
+    assert s.take(1, timeout=0) is a
+    s.succeeded(1, a, "fresh", attempt=a.attempts)
+    assert a.future.result(timeout=0) == "fresh"
+    assert s.take(1, timeout=0) is b
+    stats = s.stats()
+    assert stats["stale_reports"] == 1
+    assert stats["workers"][0]["failures"] == 1
+    assert stats["workers"][0]["last_detection_s"] == 1.5
+    assert stats["workers"][0]["retried"] == 2
+    assert stats["workers"][0]["in_flight"] == 0
+
+
+def test_worker_up_counts_rejoins_and_recovery_time():
+    s = Scheduler(num_workers=1)
+    s.worker_lost(0)
+    s.worker_up(0, recovered_after=0.7)
+    s.worker_up(0, recovered_after=9.0)  # already up: not a rejoin
+    stats = s.stats()["workers"][0]
+    assert stats["rejoins"] == 1 and stats["last_recovery_s"] == 0.7
+
+
+def test_all_down_since_tracks_the_last_worker_going_down():
+    clock = FakeClock()
+    s = Scheduler(num_workers=2, clock=clock)
+    assert s.all_down_since() is None
+    clock.now = 1.0
+    s.worker_lost(0)
+    assert s.all_down_since() is None
+    clock.now = 2.0
+    s.worker_lost(1)
+    assert s.all_down_since() == 2.0
+    s.worker_up(1)
+    assert s.all_down_since() is None
+
+
+def test_pause_holds_work_and_wait_idle_waits_for_running_closures():
+    s = Scheduler(num_workers=1)
+    a, b = make("a"), make("b")
+    s.submit(a)
+    s.submit(b)
+    taken = s.take(0, timeout=0)
+    s.pause()
+    assert s.take(0, timeout=0.01) is None
+    assert not s.wait_idle(timeout=0.01)
+    finisher = threading.Thread(target=s.succeeded, args=(0, taken, 1))
+    finisher.start()
+    assert s.wait_idle(timeout=5)
+    finisher.join()
+    s.resume()
+    assert s.take(0, timeout=0) is b
+
+
+def test_fail_all_resolves_queued_and_running_futures_and_join_raises():
+    s = Scheduler(num_workers=1)
+    a, b = make("a"), make("b")
+    s.submit(a)
+    s.submit(b)
+    taken = s.take(0, timeout=0)
+    error = RuntimeError("every worker is gone")
+    assert s.fail_all(error) == 2
+    assert a.future.exception(timeout=0) is error
+    assert b.future.exception(timeout=0) is error
+    s.succeeded(0, taken, "late")  # the abandoned attempt: ignored
+    with pytest.raises(RuntimeError, match="every worker is gone"):
+        s.join(timeout=1)
+    assert s.fail_all(error) == 0
+    assert s.join(timeout=1)  # nothing pending: no error set again

@@ -1,0 +1,237 @@
+"""Fault tolerance on a real LocalCluster: workers killed, hung and restarted; ps tasks lost.
+
+Each test makes its own strategy (with short timeouts) on this module's own
+cluster, and leaves every task running when it ends.
+"""
+
+import concurrent.futures
+import time
+
+import pytest
+import tensorflow as tf
+
+import psclient
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
+
+HANG_TIMEOUT = 3.0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with psclient.LocalCluster(num_workers=2, num_ps=1) as local:
+        yield local
+
+
+@pytest.fixture
+def heal(cluster):
+    """After the test: every task of the module's cluster runs again."""
+    yield cluster
+    for job, count in (("worker", 2), ("ps", 1)):
+        for index in range(count):
+            if not cluster.is_running(job, index):
+                cluster.restart(job, index)
+
+
+def make_strategy(cluster, **kwargs):
+    kwargs.setdefault("hang_timeout", HANG_TIMEOUT)
+    return psclient.ParameterServerStrategy(cluster.cluster, **kwargs)
+
+
+def counting_step(strategy, work=2):
+    with strategy.scope():
+        steps = tf.Variable(0, dtype=tf.int64)
+
+    @tf.function
+    def step():
+        x = tf.random.uniform([150, 150])
+        for _ in range(work):
+            x = tf.linalg.matmul(x, x) / 150.0
+        steps.assign_add(1)
+        return steps.read_value()
+
+    return steps, step
+
+
+def wait_for(predicate, timeout, what):
+    """Poll a cheap predicate (strategy stats) until true; fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_killed_worker_rejoins_after_restart_with_its_iterator_rebuilt(heal):
+    cluster = heal
+    strategy = make_strategy(cluster)
+    try:
+        steps, _ = counting_step(strategy)
+        dataset = strategy.distribute_datasets_from_function(
+            lambda ctx: tf.data.Dataset.range(1_000_000).map(lambda x: x + 1)
+        )
+        iterator = iter(dataset)
+
+        @tf.function
+        def step(it):
+            steps.assign_add(1)
+            return next(it)
+
+        futures = [strategy.schedule(step, args=(iterator,)) for _ in range(200)]
+        psclient.wait(futures[:20], timeout=120)
+        cluster.kill("worker", 1)
+        strategy.join(timeout=180)
+        assert all(f.exception() is None for f in futures)
+        assert strategy.stats()["workers"][1]["failures"] == 1
+
+        cluster.restart("worker", 1)
+        restarted = time.monotonic()
+        wait_for(lambda: strategy.stats()["workers"][1]["up"], 60, "worker 1 to rejoin")
+        rejoin_s = time.monotonic() - restarted
+        # Its iterator was rebuilt: it serves elements again, from the start.
+        done_before = strategy.stats()["workers"][1]["done"]
+        more = [strategy.schedule(step, args=(iterator,)) for _ in range(100)]
+        strategy.join(timeout=180)
+        assert all(f.exception() is None for f in more)
+        stats = strategy.stats()["workers"][1]
+        assert stats["rejoins"] == 1
+        assert stats["done"] > done_before, "the rejoined worker took no work"
+        assert stats["last_recovery_s"] is not None
+        assert rejoin_s < 30
+    finally:
+        strategy.shutdown()
+
+
+def test_all_workers_killed_then_one_restarted_finishes_the_work(heal):
+    cluster = heal
+    strategy = make_strategy(cluster, worker_timeout=120)
+    try:
+        steps, step = counting_step(strategy)
+        futures = [strategy.schedule(step) for _ in range(100)]
+        psclient.wait(futures[:10], timeout=120)
+        cluster.kill("worker", 0)
+        cluster.kill("worker", 1)
+        wait_for(lambda: not any(w["up"] for w in strategy.stats()["workers"]), 60, "both down")
+        assert not strategy.done()
+        cluster.restart("worker", 0)
+        strategy.join(timeout=180)
+        assert all(f.exception() is None for f in futures)
+        assert steps.numpy() >= 100
+        assert strategy.stats()["workers"][0]["rejoins"] == 1
+    finally:
+        strategy.shutdown()
+
+
+def test_every_worker_gone_fails_join_and_results_after_worker_timeout(heal):
+    cluster = heal
+    strategy = make_strategy(cluster, worker_timeout=2.0)
+    try:
+        _, step = counting_step(strategy)
+        strategy.schedule(step).result(60)
+        cluster.kill("worker", 0)
+        cluster.kill("worker", 1)
+        futures = [strategy.schedule(step) for _ in range(20)]
+        started = time.monotonic()
+        with pytest.raises(psclient.WorkerUnavailableError, match="worker_timeout"):
+            strategy.join(timeout=120)
+        assert time.monotonic() - started < 60
+        for future in futures:
+            with pytest.raises((psclient.WorkerUnavailableError, concurrent.futures.CancelledError)):
+                future.result(timeout=10)
+        assert any(isinstance(f.exception(), psclient.WorkerUnavailableError) for f in futures)
+    finally:
+        strategy.shutdown()
+
+
+def test_hung_worker_is_detected_its_work_moves_and_it_rejoins_on_resume(heal):
+    cluster = heal
+    strategy = make_strategy(cluster)
+    try:
+        steps, step = counting_step(strategy, work=4)
+        futures = [strategy.schedule(step) for _ in range(150)]
+        psclient.wait(futures[:10], timeout=120)
+        cluster.stop("worker", 1)
+        try:
+            wait_for(lambda: not strategy.stats()["workers"][1]["up"], 60, "the hang to be detected")
+            stats = strategy.stats()["workers"][1]
+            assert HANG_TIMEOUT <= stats["last_detection_s"] < HANG_TIMEOUT + 5
+            strategy.join(timeout=180)  # the other worker finishes everything
+            assert all(f.exception() is None for f in futures)
+        finally:
+            cluster.resume("worker", 1)
+        wait_for(lambda: strategy.stats()["workers"][1]["up"], 60, "worker 1 to rejoin after SIGCONT")
+        assert strategy.stats()["workers"][1]["rejoins"] == 1
+        # A stale answer from the abandoned attempt did not resolve anything twice.
+        assert steps.numpy() >= 150
+        more = [strategy.schedule(step) for _ in range(40)]
+        strategy.join(timeout=120)
+        assert all(f.exception() is None for f in more)
+    finally:
+        strategy.shutdown()
+
+
+def test_lost_ps_without_checkpoint_dir_raises_ps_unavailable_promptly(heal):
+    cluster = heal
+    strategy = make_strategy(cluster)
+    try:
+        _, step = counting_step(strategy)
+        futures = [strategy.schedule(step) for _ in range(100)]
+        psclient.wait(futures[:10], timeout=120)
+        cluster.kill("ps", 0)
+        started = time.monotonic()
+        with pytest.raises(psclient.PSUnavailableError, match="ps:0") as raised:
+            strategy.join(timeout=120)
+        assert time.monotonic() - started < 30
+        assert raised.value.task == "ps:0"
+        assert raised.value.address == cluster.cluster.address("ps", 0)
+        with pytest.raises(psclient.PSUnavailableError):
+            strategy.schedule(step)
+    finally:
+        strategy.shutdown()
+
+
+def test_lost_ps_is_restored_from_the_newest_checkpoint_and_training_goes_on(heal, tmp_path):
+    cluster = heal
+    strategy = make_strategy(cluster, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=50)
+    try:
+        import keras
+
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+            optimizer = keras.optimizers.Adam(0.01)
+            optimizer.build(model.trainable_variables)
+            steps = tf.Variable(0, dtype=tf.int64)
+        x = tf.random.stateless_normal([32, 8], seed=[1, 2])
+        y = tf.reduce_sum(x, axis=1, keepdims=True)
+
+        @tf.function
+        def train_step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x) - y) ** 2)
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                          model.trainable_variables))
+            steps.assign_add(1)
+            return loss
+
+        futures = [strategy.schedule(train_step) for _ in range(300)]
+        psclient.wait(futures[:120], timeout=180)
+        # The first before any step; another once 50 more completed.
+        wait_for(lambda: strategy.stats()["checkpoints_written"] >= 2, 60, "a second checkpoint")
+        cluster.kill("ps", 0)
+        cluster.restart("ps", 0)
+        strategy.join(timeout=200)
+        assert all(f.exception() is None for f in futures)
+        stats = strategy.stats()
+        ps = stats["ps"][0]
+        assert ps["failures"] == 1 and ps["recoveries"] == 1
+        assert ps["last_recovery_s"] < 15
+        # The counter went back to the checkpoint, then counted every closure
+        # completed after it (at least once: a re-run may count twice).
+        rolled_back = ps["rolled_back_closures"]
+        retried = sum(w["retried"] for w in stats["workers"])
+        assert 300 - rolled_back <= steps.numpy() <= 300 - rolled_back + retried
+        assert int(optimizer.iterations.numpy()) == int(steps.numpy())
+        # Training goes on with the restored variables, and the loss is finite.
+        assert float(strategy.schedule(train_step).result(60)) < float(futures[0].result())
+    finally:
+        strategy.shutdown()
