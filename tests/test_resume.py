@@ -1,0 +1,63 @@
+"""Coordinator restart: a training script killed mid-run resumes from its checkpoint."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "examples", "resume_training.py")
+STEPS = 40
+
+
+def run_script(cluster_file, checkpoint_dir, kill_after_epoch=None):
+    """Run the example as a coordinator process; SIGKILL it after an epoch if asked."""
+    process = subprocess.Popen(
+        [sys.executable, SCRIPT, "--cluster", str(cluster_file), "--checkpoint-dir",
+         str(checkpoint_dir), "--epochs", "4", "--steps-per-epoch", str(STEPS)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    events = []
+    try:
+        for line in process.stdout:
+            if line.startswith("{"):
+                events.append(json.loads(line))
+                if kill_after_epoch is not None and events[-1].get("epoch") == kill_after_epoch \
+                        and events[-1]["event"] == "epoch":
+                    process.send_signal(signal.SIGKILL)  # mid-run: epoch 3 is being scheduled
+                    break
+        process.wait(timeout=200)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+        process.stdout.close()
+    return process.returncode, events
+
+
+def test_killed_coordinator_resumes_from_the_last_completed_epoch(local_cluster, tmp_path):
+    cluster_file = tmp_path / "cluster.json"
+    cluster_file.write_text(json.dumps(local_cluster.cluster.training_spec()))
+    ckpt = tmp_path / "ckpt"
+
+    code, first = run_script(cluster_file, ckpt, kill_after_epoch=2)
+    assert code == -signal.SIGKILL
+    assert first[0] == {"event": "start", "epoch": 0, "steps": 0, "restored": None}
+    assert [e["steps"] for e in first if e["event"] == "epoch"] == [STEPS, 2 * STEPS]
+
+    code, second = run_script(cluster_file, ckpt)
+    assert code == 0, second
+    start = second[0]
+    # Resumed exactly at the end of epoch 2: nothing of the cut-off epoch 3 stays.
+    assert (start["epoch"], start["steps"]) == (2, 2 * STEPS)
+    assert start["restored"]["path"].startswith(str(ckpt))
+    epochs = [(e["epoch"], e["steps"]) for e in second if e["event"] == "epoch"]
+    assert epochs == [(3, 3 * STEPS), (4, 4 * STEPS)]
+    done = second[-1]
+    assert done == {"event": "done", "epoch": 4, "steps": 4 * STEPS, "iterations": 4 * STEPS}
