@@ -40,6 +40,7 @@ def evaluate(
     steps=None, callbacks=None, return_dict=False,
 ):
     import numpy as np
+    import tensorflow as tf
     from keras.src.utils.python_utils import pythonify_logs
 
     model._assert_compile_called("evaluate")
@@ -53,8 +54,12 @@ def evaluate(
     initial = tuple(np.asarray(v.numpy()) for v in variables)
     merged = [value.copy() for value in initial]
     function = _evaluate_function(model, dataset.element_spec, variables)
+    # Tensors made here, on the coordinator: a NumPy argument would be
+    # converted under the worker's device, and fail there if the worker died.
+    initial_tensors = tuple(tf.constant(value) for value in initial)
     logs, done = {}, 0
-    for (start, count), state in _run_ranges(strategy, function, dataset, num_batches, (initial,), model, "stop_evaluating"):
+    ranges = _run_ranges(strategy, function, dataset, num_batches, (initial_tensors,), model, "stop_evaluating")
+    for (start, count), state in ranges:
         callbacks.on_test_batch_begin(done)
         for i, value in enumerate(state):
             merged[i] = merged[i] + (value - initial[i])

@@ -13,7 +13,14 @@ import inspect
 import threading
 from typing import Any, Callable
 
-__all__ = ["PerWorker", "PerWorkerDataset", "PerWorkerIterator", "check_dataset_fn"]
+__all__ = [
+    "PerWorker",
+    "PerWorkerDataset",
+    "PerWorkerIterator",
+    "check_dataset_fn",
+    "has_per_worker",
+    "resolve_per_worker",
+]
 
 
 class PerWorker:
@@ -113,3 +120,18 @@ def check_dataset_fn(dataset_fn: Callable) -> None:
             "taking exactly one argument, the tf.distribute.InputContext (use "
             "input_context.num_input_pipelines and input_context.input_pipeline_id to shard)."
         ) from None
+
+
+def has_per_worker(args: tuple, kwargs: dict) -> bool:
+    import tensorflow as tf
+
+    return any(isinstance(x, PerWorker) for x in tf.nest.flatten((args, kwargs)))
+
+
+def resolve_per_worker(args: tuple, kwargs: dict, worker: int) -> tuple[tuple, dict]:
+    import tensorflow as tf
+
+    def pick(x):
+        return x.value(worker) if isinstance(x, PerWorker) else x
+
+    return tf.nest.map_structure(pick, (args, kwargs))

@@ -257,8 +257,11 @@ class FaultTolerance:
             lost = sorted(self._lost_ps)
             self._scheduler.pause()
             try:
-                # Running closures fail against the dead ps and are re-queued.
-                self._scheduler.wait_idle(self.config.hang_timeout)
+                # Running closures fail against the dead ps and are re-queued;
+                # any still running then are abandoned (their reports ignored),
+                # so nothing traced for the old variables reports afterwards.
+                if not self._scheduler.wait_idle(self.config.hang_timeout):
+                    self._scheduler.requeue_running()
                 if self.checkpoints is None or self.checkpoints.latest() is None:
                     self._give_up(lost, "this strategy has no checkpoint_dir to restore its "
                                   "variables from" if self.checkpoints is None else

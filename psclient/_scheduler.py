@@ -227,15 +227,16 @@ class Scheduler:
                 stats.failures += 1
                 stats.last_detection_s = detected_after
             self._set_up_locked(worker, False)
-            requeued = sorted(self._running[worker].values(), key=lambda c: c.id)
-            self._running[worker].clear()
-            stats.in_flight -= len(requeued)
-            stats.retried += len(requeued)
-            for closure in reversed(requeued):
-                closure.worker = None
-                self._queue.appendleft(closure)
-            self._cond.notify_all()
-            return requeued
+            return self._requeue_running_locked([worker])
+
+    def requeue_running(self) -> list[Closure]:
+        """Abandon every running attempt and queue those closures again, in order.
+
+        For a ps recovery that cannot wait for calls stuck on the lost task:
+        their late reports are stale and ignored.
+        """
+        with self._cond:
+            return self._requeue_running_locked(range(len(self._workers)))
 
     def worker_is_up(self, worker: int) -> bool:
         with self._cond:
@@ -365,6 +366,21 @@ class Scheduler:
         if not self._running[worker]:
             self._cond.notify_all()  # wait_idle
         return True
+
+    def _requeue_running_locked(self, workers) -> list[Closure]:
+        requeued = []
+        for worker in workers:
+            running = list(self._running[worker].values())
+            self._running[worker].clear()
+            self._workers[worker].in_flight -= len(running)
+            self._workers[worker].retried += len(running)
+            requeued.extend(running)
+        requeued.sort(key=lambda c: c.id)
+        for closure in reversed(requeued):
+            closure.worker = None
+            self._queue.appendleft(closure)
+        self._cond.notify_all()
+        return requeued
 
     def _set_up_locked(self, worker: int, up: bool) -> None:
         self._workers[worker].up = up

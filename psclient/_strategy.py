@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import os
 import threading
-import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -20,10 +18,17 @@ from psclient._errors import StrategyClosedError
 from psclient._future import Future
 from psclient._health import HealthConfig, HealthMonitor, Prober
 from psclient._keras_atomic import make_keras_increments_atomic
-from psclient._per_worker import PerWorker, PerWorkerDataset, check_dataset_fn
+from psclient._per_worker import (
+    PerWorker,
+    PerWorkerDataset,
+    check_dataset_fn,
+    has_per_worker,
+    resolve_per_worker,
+)
 from psclient._placement import Placer
 from psclient._recovery import FaultTolerance, RecoveryConfig
 from psclient._scheduler import Closure, Scheduler
+from psclient._tracing import Tracer
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -132,14 +137,7 @@ class ParameterServerStrategy:
         self._per_worker: list[weakref.ref[PerWorker]] = []
         # Every variable created in scope(), in creation order, with its ps task.
         self._variables: list[tuple[weakref.ref, int]] = []
-        self._wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # After a ps recovery the variables have new resources: functions are
-        # traced again from their Python code (`_retrace_all`).
-        self._generation = 0
-        self._retraced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._trace_lock = threading.RLock()
-        self._checked_functions: set[int] = set()
-        self._warned_variables: set[str] = set()
+        self._tracer = Tracer(self._create_variable)
         self._closed = False
         self._shutdown_lock = threading.Lock()
         prober = Prober(_runtime.probe)
@@ -286,7 +284,7 @@ class ParameterServerStrategy:
         self._check_open("schedule")
         if self._ft.broken is not None:
             raise self._ft.broken
-        function, name = self._as_function(fn)
+        function, name = self._tracer.as_function(fn)
         if not isinstance(args, (tuple, list)):
             raise TypeError(
                 f"Invalid value for argument `args`. Received: args={args!r} of type "
@@ -298,14 +296,13 @@ class ParameterServerStrategy:
                 f"{type(kwargs).__name__}. Expected a mapping of keyword arguments or None."
             )
         args, kwargs = tuple(args), dict(kwargs or {})
-        per_worker = _has_per_worker(args, kwargs)
+        per_worker = has_per_worker(args, kwargs)
         self._ft.before_schedule()  # checkpoint new variables before they change
         closure = Closure(None, args, kwargs, Future(name))
         closure.per_worker = per_worker  # only walk the arguments when needed
         closure.function = function
-        with self._trace_lock:  # a ps recovery retraces under this lock
-            closure.fn = self._callable_for(closure)
-            closure.generation = self._generation
+        with self._tracer.lock:  # a ps recovery retraces under this lock
+            self._tracer.prepare(closure)
             self._scheduler.submit(closure)
         return closure.future
 
@@ -508,108 +505,14 @@ class ParameterServerStrategy:
     def _track(self, per_worker: PerWorker) -> None:
         self._per_worker.append(weakref.ref(per_worker))
 
-    def _as_function(self, fn) -> tuple[Any, str]:
-        """`fn` as something TF can trace, and its name for messages."""
-        import tensorflow as tf
-
-        if not callable(fn):
-            raise TypeError(
-                f"Invalid value for argument `fn`. Received: fn={fn!r} of type "
-                f"{type(fn).__name__}. Expected a tf.function or a Python callable."
-            )
-        name = getattr(fn, "__name__", None) or getattr(fn, "name", None) or type(fn).__name__
-        if isinstance(fn, (tf.types.experimental.PolymorphicFunction, tf.types.experimental.ConcreteFunction)):
-            return fn, name
-        # Wrap a plain callable once, so scheduling it again reuses its traces.
-        owner, key = (fn.__self__, fn.__func__) if inspect.ismethod(fn) else (fn, None)
-        try:
-            cache = self._wrapped.setdefault(owner, {})
-        except TypeError:  # not weak-referenceable: wrap anew (and retrace)
-            return tf.function(fn), name
-        if key not in cache:
-            cache[key] = tf.function(fn)
-        return cache[key], name
-
-    def _trace(self, function, name: str, args: tuple, kwargs: dict):
-        import tensorflow as tf
-
-        if isinstance(function, tf.types.experimental.ConcreteFunction):
-            concrete = function
-        else:
-            try:
-                # Variables created while tracing (an optimizer building its
-                # slots on the first step) go to the ps tasks as in scope().
-                with tf.variable_creator_scope(self._create_variable):
-                    concrete = function.get_concrete_function(*args, **kwargs)
-            except (TypeError, ValueError) as error:
-                raise TypeError(
-                    f"The arguments given to schedule() do not match {name!r}: {error}"
-                ) from error
-        if id(concrete) not in self._checked_functions:
-            self._checked_functions.add(id(concrete))
-            self._warn_unplaced_variables(concrete, name)
-        return concrete
-
-    def _warn_unplaced_variables(self, concrete, name: str) -> None:
-        for variable in getattr(concrete, "variables", ()):
-            if _runtime.ps_index_of(variable.device) is not None or variable.name in self._warned_variables:
-                continue
-            self._warned_variables.add(variable.name)
-            warnings.warn(
-                f"Variable {variable.name!r} used by scheduled function {name!r} was created "
-                f"outside strategy.scope() and lives on {variable.device or 'the coordinator'}; "
-                "every step reads and writes it there. Create it inside strategy.scope() to "
-                "place it on a parameter server.",
-                stacklevel=4,
-            )
-
-    def _callable_for(self, closure: Closure):
-        """What a dispatcher calls for `closure`, traced for the current variables.
-
-        Without per-worker arguments the traced (concrete) function is called
-        directly. With them, each worker's call goes through the tf.function,
-        whose cache maps tensor-like values (iterators) to the same trace and
-        Python-object resources (e.g. lookup tables) to one trace each.
-        """
-        import tensorflow as tf
-
-        function = closure.function
-        if self._generation and not isinstance(function, tf.types.experimental.ConcreteFunction):
-            function = self._fresh_function(function)
-        args, kwargs = closure.args, closure.kwargs
-        if closure.per_worker:
-            args, kwargs = _resolve(args, kwargs, 0)
-        concrete = self._trace(function, closure.name, args, kwargs)
-        return function if closure.per_worker else concrete
-
-    def _fresh_function(self, function):
-        """`function` traced anew for this generation of variable resources."""
-        import tensorflow as tf
-
-        cached = self._retraced.get(function)
-        if cached is None or cached[0] != self._generation:
-            fresh = tf.function(
-                function.python_function,
-                input_signature=function.input_signature,
-                reduce_retracing=getattr(function, "_reduce_retracing", False),
-                jit_compile=getattr(function, "_jit_compile", None),
-            )
-            cached = (self._generation, fresh)
-            self._retraced[function] = cached
-        return cached[1]
-
     def _retrace_all(self) -> None:
         """After variables got new resources: trace what is queued again."""
-        with self._trace_lock:
-            self._generation += 1
-            for closure in self._scheduler.queued():
-                closure.fn = self._callable_for(closure)
-                closure.generation = self._generation
+        self._tracer.retrace(self._scheduler.queued())
 
     def _prepare(self, closure: Closure, worker: int) -> tuple:
         if not closure.per_worker:
             return closure.fn, closure.args, closure.kwargs
-        args, kwargs = _resolve(closure.args, closure.kwargs, worker)
+        args, kwargs = resolve_per_worker(closure.args, closure.kwargs, worker)
         return closure.fn, args, kwargs
 
     def _named_variables(self) -> dict:
@@ -636,21 +539,6 @@ class ParameterServerStrategy:
 
     def _wake_monitor(self) -> None:
         self._monitor.wake()
-
-
-def _has_per_worker(args: tuple, kwargs: dict) -> bool:
-    import tensorflow as tf
-
-    return any(isinstance(x, PerWorker) for x in tf.nest.flatten((args, kwargs)))
-
-
-def _resolve(args: tuple, kwargs: dict, worker: int) -> tuple[tuple, dict]:
-    import tensorflow as tf
-
-    def pick(x):
-        return x.value(worker) if isinstance(x, PerWorker) else x
-
-    return tf.nest.map_structure(pick, (args, kwargs))
 
 
 def _dataset_cloner(dataset) -> Callable:

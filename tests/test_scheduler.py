@@ -289,3 +289,18 @@ def test_fail_all_resolves_queued_and_running_futures_and_join_raises():
         s.join(timeout=1)
     assert s.fail_all(error) == 0
     assert s.join(timeout=1)  # nothing pending: no error set again
+
+
+def test_requeue_running_abandons_every_running_attempt_but_keeps_workers_up():
+    s = Scheduler(num_workers=2)
+    a, b = make("a"), make("b")
+    s.submit(a)
+    s.submit(b)
+    taken_b = s.take(1, timeout=0)  # a
+    taken_a = s.take(0, timeout=0)  # b
+    assert s.requeue_running() == [taken_b, taken_a]
+    assert s.worker_is_up(0) and s.worker_is_up(1)
+    s.failed(0, taken_a, RuntimeError("late"), retry=False)  # stale: ignored
+    assert not b.future.done()
+    assert s.queued() == [a, b]
+    assert s.wait_idle(timeout=0)
