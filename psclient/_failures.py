@@ -6,11 +6,11 @@ decides by the error's *type* and by *probing* the task the closure ran on:
 - an error type that a lost connection produces (Unavailable, Aborted,
   Cancelled, DeadlineExceeded, and Internal/Unknown errors from a broken
   channel) is only a *candidate* infrastructure failure;
-- the probe settles it: if the worker does not answer, the closure is retried
-  on another worker and the worker is taken out of rotation;
-- if the worker answers but a ps task does not, the variables may be lost:
-  the closure is retried once the strategy has recovered the ps (or fails
-  with PSUnavailableError if it cannot);
+- the probes settle it: if a ps task does not answer, the variables may be
+  lost: the closure is retried once the strategy has recovered the ps (or
+  fails with PSUnavailableError if it cannot);
+- if the worker does not answer, the closure is retried on another worker
+  and the worker is taken out of rotation;
 - if the worker answers but another task of the cluster does not, the error
   came from that task (TF's eager runtime can fail a call on one worker
   because another worker died), so the closure is retried;
@@ -63,17 +63,19 @@ def classify(
 ) -> Verdict:
     """Decide what a closure's error means.
 
-    `worker_answers` probes the closure's worker; `ps_lost` the ps tasks;
+    `ps_lost` probes the ps tasks; `worker_answers` the closure's worker;
     `others_lost` the other workers (and takes lost ones out of rotation).
     Probes run only for connection-type errors, in that order, each only if
     the one before found nothing.
     """
     if not is_connection_error_type(error):
         return Verdict.FUNCTION_ERROR
-    if not worker_answers():
-        return Verdict.WORKER_LOST
+    # The ps tasks first: a lost ps breaks calls on every worker, and can make
+    # a worker's own probe fail too, which must not take healthy workers out.
     if ps_lost():
         return Verdict.PS_LOST
+    if not worker_answers():
+        return Verdict.WORKER_LOST
     if others_lost():
         return Verdict.OTHER_TASK_LOST
     return Verdict.FUNCTION_ERROR

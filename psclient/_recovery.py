@@ -74,6 +74,7 @@ class FaultTolerance:
         self._prober = prober
         self._lock = threading.RLock()  # checkpoints and recoveries, one at a time
         self._lost_ps: set[int] = set()
+        self._lost_lock = threading.Lock()
         self.broken: BaseException | None = None
         self.ps_stats = [PSStats() for _ in range(self._cluster.num_ps)]
         self.checkpoints = Checkpoints(config.checkpoint_dir, keep=config.checkpoints_to_keep) if (
@@ -96,7 +97,11 @@ class FaultTolerance:
                                         self.config.probe_timeout)
         ]
         if lost:
-            with self._lock:
+            with self._lost_lock:
+                if not self._lost_ps:
+                    # Hold the queue at once: until the recovery, every
+                    # closure would fail against the lost ps straight away.
+                    self._scheduler.pause()
                 for ps in lost:
                     if ps not in self._lost_ps:
                         self._lost_ps.add(ps)
@@ -284,7 +289,9 @@ class FaultTolerance:
                     stats.recoveries += 1
                     stats.last_recovery_s = recovery
                     stats.rolled_back_closures += rolled_back
-                self._lost_ps.clear()
+                with self._lost_lock:
+                    self._lost_ps.clear()
+                    self._scheduler.resume()  # the pause taken when the loss was seen
                 log.warning(
                     "ps task(s) %s recovered from %s: %d variables re-created, every variable "
                     "restored; %d completed closures rolled back (%.2f s after the task came "
@@ -316,6 +323,10 @@ class FaultTolerance:
         )
         self.broken = error
         self._scheduler.fail_all(error)
+        with self._lost_lock:
+            if self._lost_ps:
+                self._scheduler.resume()  # the pause taken when the loss was seen
+            self._lost_ps.clear()
         log.error("%s", error)
 
     def _owner_worker_timeout(self) -> Any:

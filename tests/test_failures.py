@@ -46,10 +46,11 @@ def test_other_tasks_probed_only_when_own_worker_answers():
     assert probed == []
 
 
-def test_lost_ps_is_reported_before_other_workers_are_probed():
+def test_lost_ps_is_reported_before_any_worker_is_probed():
     probed = []
     verdict = classify(
-        tf.errors.UnavailableError(None, None, "Socket closed"), lambda: True,
+        tf.errors.UnavailableError(None, None, "Socket closed"),
+        lambda: probed.append("own worker") or False,
         others_lost=lambda: probed.append("workers") or True,
         ps_lost=lambda: probed.append("ps") or True,
     )

@@ -1,0 +1,241 @@
+"""Training through failures: workers and a ps killed and restarted while steps run.
+
+Three runs of the same job (1 ps, 3 workers, --steps scheduled training steps of
+a small MLP on fixed random data, each on a fresh `psclient.LocalCluster`, one
+strategy with `checkpoint_dir` and the default hang/worker timeouts):
+
+  clean         no faults: the reference for wall time and final loss
+  worker_chaos  every --interval seconds (seeded jitter) a random up worker is
+                SIGKILLed and restarted at the same address
+  ps_chaos      the ps is SIGKILLed once, a third of the way in, and restarted
+
+Prints one JSON object (progress on stderr): for each run, futures scheduled
+vs resolved, errors surfaced, retried closures, kills, rejoin times (from a
+restart, i.e. the task serving again, to that worker's first completed closure),
+ps recovery time and steps rolled back, wall time and final loss, plus ratios
+to the clean run and the issue's targets (0 futures lost, 0 errors, 0 hangs,
+median rejoin <= 2 s, ps recovery <= 15 s).
+
+Usage:
+  python benchmarks/chaos.py [--steps 3000] [--seed 0] > chaos.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import environment, log, median, print_json  # noqa: E402
+
+NUM_WORKERS, NUM_PS = 3, 1
+TARGETS = {"futures_lost": 0, "errors_surfaced": 0, "hangs": 0, "median_rejoin_s": 2.0, "ps_recovery_s": 15.0}
+
+
+def build(strategy):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 32)).astype("float32")
+    y = (x @ rng.normal(size=(32, 1))).astype("float32")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, "relu"), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.SGD(0.01)
+        optimizer.build(model.trainable_variables)
+    iterator = iter(strategy.distribute_datasets_from_function(
+        lambda ctx: tf.data.Dataset.from_tensor_slices((x, y))
+        .shard(ctx.num_input_pipelines, ctx.input_pipeline_id).repeat().batch(32)
+    ))
+
+    @tf.function
+    def step(it):
+        features, labels = next(it)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(features) - labels) ** 2)
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    def final_loss():
+        return float(np.mean((model(x).numpy() - y) ** 2))
+
+    return step, iterator, final_loss
+
+
+class Chaos:
+    """The thread that kills and restarts tasks; owned and joined by `run`."""
+
+    def __init__(self, local, strategy, mode: str, seed: int, interval: float, total_steps: int):
+        self.local, self.strategy, self.mode = local, strategy, mode
+        self.rng = random.Random(seed)
+        self.interval, self.total_steps = interval, total_steps
+        self.stop = threading.Event()
+        self.kills: list[str] = []
+        self.rejoin_s: list[float] = []
+        self.unrejoined = 0
+        self.thread = threading.Thread(target=self._run, name="chaos", daemon=True)
+
+    def _completed(self):
+        return self.strategy.stats()["completed"]
+
+    def _wait(self, predicate, timeout):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if self.stop.is_set() or time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)  # polling stats, the benchmark's own clock
+        return True
+
+    def _run(self):
+        if self.mode == "ps_chaos":
+            self._wait(lambda: self._completed() >= self.total_steps // 3, 600)
+            if not self.stop.is_set():
+                self.local.kill("ps", 0)
+                self.kills.append("ps:0")
+                self.local.restart("ps", 0)
+            return
+        while not self.stop.wait(self.interval * self.rng.uniform(0.7, 1.3)):
+            stats = self.strategy.stats()["workers"]
+            up = [w for w in range(NUM_WORKERS) if stats[w]["up"]]
+            if len(up) < 2:
+                continue  # keep one worker at least; the test suite covers all-gone
+            worker = self.rng.choice(up)
+            self.local.kill("worker", worker)
+            self.kills.append(f"worker:{worker}")
+            # Wait until psclient noticed, so "rejoin" measures a real return.
+            self._wait(lambda: not self.strategy.stats()["workers"][worker]["up"], 30)
+            self.local.restart("worker", worker)
+            restarted = time.monotonic()
+            done = self.strategy.stats()["workers"][worker]["done"]
+            if self._wait(lambda: self.strategy.stats()["workers"][worker]["done"] > done, 60):
+                self.rejoin_s.append(time.monotonic() - restarted)
+            elif not self.stop.is_set():
+                self.unrejoined += 1
+
+
+def run(mode: str, args) -> dict:
+    import psclient
+
+    log(f"{mode}: starting a cluster ({NUM_WORKERS} workers, {NUM_PS} ps)")
+    with psclient.LocalCluster(num_workers=NUM_WORKERS, num_ps=NUM_PS) as local, \
+            tempfile.TemporaryDirectory() as ckpt:
+        strategy = psclient.ParameterServerStrategy(
+            local.cluster, checkpoint_dir=ckpt, checkpoint_interval=args.checkpoint_interval,
+        )
+        chaos = None
+        try:
+            step, iterator, final_loss = build(strategy)
+            chaos = Chaos(local, strategy, mode, args.seed, args.interval, args.steps)
+            started = time.monotonic()
+            if mode != "clean":
+                chaos.thread.start()
+            futures = [strategy.schedule(step, args=(iterator,)) for _ in range(args.steps)]
+            hung = False
+            try:
+                strategy.join(timeout=args.timeout)
+            except TimeoutError:
+                hung = True
+            except Exception as error:  # noqa: BLE001 - counted below, per future
+                log(f"{mode}: join raised {type(error).__name__}: {error}")
+            wall = time.monotonic() - started
+            chaos.stop.set()
+            if chaos.thread.is_alive():
+                chaos.thread.join(120)
+            resolved = sum(f.done() for f in futures)
+            errors = sum(1 for f in futures if f.done() and (f.cancelled() or f.exception() is not None))
+            stats = strategy.stats()
+            ps = stats["ps"][0]
+            result = {
+                "steps_scheduled": len(futures),
+                "futures_resolved": resolved,
+                "futures_lost": len(futures) - resolved,
+                "errors_surfaced": errors,
+                "hangs": int(hung),
+                "kills": len(chaos.kills),
+                "killed": chaos.kills,
+                "retried_closures": sum(w["retried"] for w in stats["workers"]),
+                "rejoins": sum(w["rejoins"] for w in stats["workers"]),
+                "rejoin_s": [round(s, 3) for s in chaos.rejoin_s],
+                "median_rejoin_s": median(chaos.rejoin_s),
+                "max_rejoin_s": max(chaos.rejoin_s) if chaos.rejoin_s else None,
+                "workers_never_rejoined": chaos.unrejoined,
+                "ps_recoveries": ps["recoveries"],
+                "ps_recovery_s": ps["last_recovery_s"],
+                "steps_rolled_back": ps["rolled_back_closures"],
+                "checkpoints_written": stats["checkpoints_written"],
+                "wall_s": round(wall, 2),
+                "steps_per_s": round(args.steps / wall, 1),
+                "final_loss": final_loss(),
+            }
+            log(f"{mode}: {result['futures_resolved']}/{len(futures)} resolved, {errors} errors, "
+                f"{len(chaos.kills)} kills, wall {wall:.1f} s")
+            return result
+        finally:
+            if chaos is not None:
+                chaos.stop.set()
+                if chaos.thread.is_alive():
+                    chaos.thread.join(120)
+            strategy.shutdown()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--interval", type=float, default=3.0, help="seconds between worker kills (jittered)")
+    parser.add_argument("--checkpoint-interval", type=float, default=5.0)
+    parser.add_argument("--timeout", type=float, default=900.0, help="a run that takes longer counts as a hang")
+    parser.add_argument("--runs", default="clean,worker_chaos,ps_chaos")
+    parser.add_argument("--output", help="also write the JSON here")
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    results = {mode: run(mode, args) for mode in args.runs.split(",")}
+    clean = results.get("clean")
+    summary = {}
+    for mode, result in results.items():
+        if mode == "clean":
+            continue
+        row = {
+            "futures_lost": result["futures_lost"],
+            "errors_surfaced": result["errors_surfaced"],
+            "hangs": result["hangs"],
+        }
+        if clean:
+            row["wall_time_vs_clean"] = round(result["wall_s"] / clean["wall_s"], 2)
+            row["final_loss_vs_clean"] = round(result["final_loss"] / clean["final_loss"], 3)
+        if mode == "worker_chaos":
+            row["median_rejoin_s"] = result["median_rejoin_s"]
+            row["max_rejoin_s"] = result["max_rejoin_s"]
+            row["meets_rejoin_target"] = (
+                result["median_rejoin_s"] is not None and result["median_rejoin_s"] <= TARGETS["median_rejoin_s"])
+        if mode == "ps_chaos":
+            row["ps_recovery_s"] = result["ps_recovery_s"]
+            row["steps_rolled_back"] = result["steps_rolled_back"]
+            row["meets_recovery_target"] = (
+                result["ps_recovery_s"] is not None and result["ps_recovery_s"] <= TARGETS["ps_recovery_s"])
+        row["meets_no_loss_targets"] = row["futures_lost"] == 0 and row["errors_surfaced"] == 0 and row["hangs"] == 0
+        summary[mode] = row
+    output = {"benchmark": "chaos", "config": {**environment(sys.argv), **vars(args),
+                                               "workers": NUM_WORKERS, "ps": NUM_PS},
+              "targets": TARGETS, "runs": results, "summary": summary}
+    print_json(output)
+    if args.output:
+        import json
+
+        with open(args.output, "w") as f:
+            json.dump(output, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
