@@ -36,7 +36,7 @@ def test_demo_trains_evaluates_and_prints_where_everything_is(tmp_path, capsys):
     assert json.loads((checkpoints / "psclient-final.json").read_text())["checkpoint"] == "epoch-04.weights.h5"
     records = [json.loads(line) for line in (logs / "evaluations.jsonl").read_text().splitlines()]
     assert records[-1]["checkpoint"] == "epoch-04.weights.h5"
-    assert records[-1]["metrics"]["accuracy"] == pytest.approx(accuracy, abs=1e-6)  # Same weights, same data.
+    assert records[-1]["metrics"]["accuracy"] == pytest.approx(accuracy, abs=6e-5)  # Same weights, same data (printed to 4 places).
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(logs))
     assert "evaluator | psclient evaluate: stopping after" in out
     assert (tmp_path / "best.keras").exists()

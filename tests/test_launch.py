@@ -46,7 +46,11 @@ class Launch:
             self._queue.put(line)
         self._queue.put(None)
 
-    def wait_for(self, text, timeout=LINE_TIMEOUT):
+    def wait_for(self, text, timeout=LINE_TIMEOUT, count=1):
+        """The `count`-th line, read so far or from now on, that contains `text`."""
+        # Processes print concurrently: the line may already have been read.
+        if sum(text in line for line in self.lines) >= count:
+            return [line for line in self.lines if text in line][count - 1]
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -56,7 +60,7 @@ class Launch:
             if line is None:
                 pytest.fail(f"launch exited before printing {text!r}; output:\n{self.output()}")
             self.lines.append(line)
-            if text in line:
+            if text in line and sum(text in seen for seen in self.lines) >= count:
                 return line
 
     def output(self):
@@ -121,7 +125,7 @@ def test_restart_failed_restarts_a_killed_worker(tmp_path):
         (worker,) = [p for p in descendants(launch.process.pid) if "--job worker" in " ".join(p.cmdline())]
         worker.kill()
         launch.wait_for("worker:0 exited; restarting it (1/3)")
-        launch.wait_for("worker:0  | psclient serve: worker:0 ready at")
+        launch.wait_for("worker:0  | psclient serve: worker:0 ready at", count=2)
         new = [p for p in descendants(launch.process.pid) if "--job worker" in " ".join(p.cmdline())]
         assert [p.pid for p in new] != [worker.pid] and len(new) == 1
         go.write_text("")
