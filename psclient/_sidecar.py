@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from psclient import _sidecar_formats as formats
-from psclient._sidecar_formats import (
-    CheckpointMismatchError,
+from psclient._sidecar_formats import (  # The errors are re-exported for psclient's API.
+    CheckpointMismatchError,  # noqa: F401
     CheckpointRef,
     CheckpointUnreadableError,
 )
