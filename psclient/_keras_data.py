@@ -12,10 +12,10 @@ and are refused with a clear error.
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from typing import Any
 
-from psclient._per_worker import check_dataset_fn
 
 __all__ = [
     "per_worker_adapter",
@@ -38,6 +38,22 @@ def _is_host_data(x: Any) -> bool:
     from keras.src.trainers.data_adapters import py_dataset_adapter
 
     return isinstance(x, (types.GeneratorType, py_dataset_adapter.PyDataset))
+
+
+def _check_dataset_fn(dataset_fn, argument: str) -> None:
+    try:
+        signature = inspect.signature(dataset_fn)
+    except (TypeError, ValueError):
+        return  # builtins and C functions: the call itself decides
+    try:
+        signature.bind(object())
+    except TypeError:
+        raise TypeError(
+            f"Invalid value for argument `{argument}`. Received: a function with signature "
+            f"{getattr(dataset_fn, '__name__', 'dataset_fn')}{signature}. Expected a dataset "
+            "function taking exactly one argument, the tf.distribute.InputContext, and "
+            "returning a tf.data.Dataset."
+        ) from None
 
 
 def _refuse_host_data(x: Any, argument: str) -> None:
@@ -65,8 +81,8 @@ def _call_dataset_fn(dataset_fn, ctx, argument: str):
     dataset = dataset_fn(ctx)
     if not isinstance(dataset, tf.data.Dataset):
         raise TypeError(
-            f"Invalid value for argument `{argument}`: the dataset function returned "
-            f"{dataset!r} of type {type(dataset).__name__}. Expected a tf.data.Dataset."
+            f"Invalid value for argument `{argument}`: the dataset function returned an "
+            f"object of type {type(dataset).__name__}. Expected a tf.data.Dataset."
         )
     return dataset
 
@@ -86,7 +102,7 @@ def training_data(
 
     _check_steps("steps_per_epoch", steps_per_epoch)
     if is_dataset_fn(x):
-        check_dataset_fn(x)
+        _check_dataset_fn(x, "x")
         _refuse_extras("x", y=y, sample_weight=sample_weight, class_weight=class_weight)
         if steps_per_epoch is None:
             raise ValueError(_steps_required("steps_per_epoch", "a dataset function as `x`"))
@@ -125,7 +141,7 @@ def finite_dataset(x, y, sample_weight, batch_size, steps, *, with_targets: bool
 
     _check_steps("steps", steps)
     if is_dataset_fn(x):
-        check_dataset_fn(x)
+        _check_dataset_fn(x, "x")
         _refuse_extras("x", y=y, sample_weight=sample_weight)
         dataset = _call_dataset_fn(x, tf.distribute.InputContext(), "x")
     else:
