@@ -43,15 +43,18 @@ def build(strategy):
     import tensorflow as tf
 
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(256, 32)).astype("float32")
-    y = (x @ rng.normal(size=(32, 1))).astype("float32")
+    x = rng.normal(size=(1024, 64)).astype("float32")
+    y = (x @ rng.normal(size=(64, 1)) / 8).astype("float32")
     with strategy.scope():
-        model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, "relu"), keras.layers.Dense(1)])
+        model = keras.Sequential([
+            keras.Input((64,)), keras.layers.Dense(256, "relu"), keras.layers.Dense(256, "relu"),
+            keras.layers.Dense(1),
+        ])
         optimizer = keras.optimizers.SGD(0.01)
         optimizer.build(model.trainable_variables)
     iterator = iter(strategy.distribute_datasets_from_function(
         lambda ctx: tf.data.Dataset.from_tensor_slices((x, y))
-        .shard(ctx.num_input_pipelines, ctx.input_pipeline_id).repeat().batch(32)
+        .shard(ctx.num_input_pipelines, ctx.input_pipeline_id).repeat().batch(128)
     ))
 
     @tf.function
@@ -79,6 +82,7 @@ class Chaos:
         self.kills: list[str] = []
         self.rejoin_s: list[float] = []
         self.unrejoined = 0
+        self.watchers: list[threading.Thread] = []
         self.thread = threading.Thread(target=self._run, name="chaos", daemon=True)
 
     def _completed(self):
@@ -110,13 +114,25 @@ class Chaos:
             self.kills.append(f"worker:{worker}")
             # Wait until psclient noticed, so "rejoin" measures a real return.
             self._wait(lambda: not self.strategy.stats()["workers"][worker]["up"], 30)
-            self.local.restart("worker", worker)
-            restarted = time.monotonic()
-            done = self.strategy.stats()["workers"][worker]["done"]
-            if self._wait(lambda: self.strategy.stats()["workers"][worker]["done"] > done, 60):
-                self.rejoin_s.append(time.monotonic() - restarted)
-            elif not self.stop.is_set():
-                self.unrejoined += 1
+            self.local.restart("worker", worker)  # returns once the task serves again
+            watcher = threading.Thread(target=self._time_rejoin, args=(worker, time.monotonic()),
+                                       name=f"chaos-rejoin{worker}", daemon=True)
+            watcher.start()
+            self.watchers.append(watcher)
+
+    def _time_rejoin(self, worker: int, restarted: float) -> None:
+        """Seconds from the restart to that worker's first completed closure."""
+        done = self.strategy.stats()["workers"][worker]["done"]
+        if self._wait(lambda: self.strategy.stats()["workers"][worker]["done"] > done, 60):
+            self.rejoin_s.append(time.monotonic() - restarted)
+        elif not self.stop.is_set():
+            self.unrejoined += 1
+
+    def join(self) -> None:
+        self.stop.set()
+        for thread in [self.thread, *self.watchers]:
+            if thread.is_alive():
+                thread.join(120)
 
 
 def run(mode: str, args) -> dict:
@@ -144,9 +160,7 @@ def run(mode: str, args) -> dict:
             except Exception as error:  # noqa: BLE001 - counted below, per future
                 log(f"{mode}: join raised {type(error).__name__}: {error}")
             wall = time.monotonic() - started
-            chaos.stop.set()
-            if chaos.thread.is_alive():
-                chaos.thread.join(120)
+            chaos.join()
             resolved = sum(f.done() for f in futures)
             errors = sum(1 for f in futures if f.done() and (f.cancelled() or f.exception() is not None))
             stats = strategy.stats()
@@ -178,9 +192,7 @@ def run(mode: str, args) -> dict:
             return result
         finally:
             if chaos is not None:
-                chaos.stop.set()
-                if chaos.thread.is_alive():
-                    chaos.thread.join(120)
+                chaos.join()
             strategy.shutdown()
 
 
@@ -199,6 +211,7 @@ def main(argv=None) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.getLogger("psclient").setLevel(logging.INFO)
     results = {mode: run(mode, args) for mode in args.runs.split(",")}
     clean = results.get("clean")
     summary = {}

@@ -8,7 +8,9 @@ modules, one idea each: `_cluster` (cluster descriptions), `_local` (local
 task processes), `_server`/`_cli` (the `psclient` command), `_strategy` (the
 strategy), `_scheduler` and `_failures` (queue and failure policy, pure
 logic), `_dispatch` and `_runtime` (the TensorFlow edge), `_placement`,
-`_per_worker`, `_future`, `_compat` (TF's ClusterCoordinator API), `_errors`.
+`_per_worker`, `_future`, `_compat` (TF's ClusterCoordinator API), `_errors`;
+fault tolerance in `_health` (probes, hang detection), `_recovery` (rejoin, ps
+recovery) and `_checkpoint`; `_tracing` (what a dispatcher calls).
 TensorFlow is imported lazily, so `import psclient` is cheap.
 """
 

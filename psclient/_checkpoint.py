@@ -35,9 +35,11 @@ class Checkpoints:
     """Save and restore a set of ps variables in one directory."""
 
     def __init__(self, directory: str, *, keep: int):
+        import tensorflow as tf
+
         self.directory = os.fspath(directory)
         self.keep = keep
-        os.makedirs(self.directory, exist_ok=True)
+        tf.io.gfile.makedirs(self.directory)  # local paths and TF filesystems (gs://, ...)
         self._manager = None
         self._keys: tuple[str, ...] | None = None
         self._completed = None

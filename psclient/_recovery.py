@@ -79,6 +79,8 @@ class FaultTolerance:
         self.ps_stats = [PSStats() for _ in range(self._cluster.num_ps)]
         self.checkpoints = Checkpoints(config.checkpoint_dir, keep=config.checkpoints_to_keep) if (
             config.checkpoint_dir is not None) else None
+        # The workers in TF's current view of the cluster (see _reconnect).
+        self._connected = set(range(self._cluster.num_workers))
         self._saved_keys: tuple[str, ...] | None = None
         self._saved_completed = 0
         self._saved_at = time.monotonic()
@@ -86,15 +88,51 @@ class FaultTolerance:
 
     # ------------------------------------------------------------ probes
     def worker_answers(self, worker: int) -> bool:
-        return self._prober.answers(_runtime.worker_device(worker), self.config.probe_timeout)
+        device = _runtime.worker_device(worker)
+        if self._answers(device):
+            return True
+        # A dead worker still in TF's view of the cluster makes calls on the
+        # healthy ones fail too: drop the dead from the view, then ask again.
+        return self._drop_dead_workers(keep=worker) and self._answers(device)
+
+    def _drop_dead_workers(self, keep: int) -> bool:
+        """Reconnect without the workers that refuse connections; True if any were dropped."""
+        owner = self._owner()
+        with self._lock:
+            dead = [
+                w for w in sorted(self._connected)
+                if w != keep and not _runtime.tcp_reachable(self._cluster.address("worker", w), 1.0)
+            ]
+            if not dead or owner is None:
+                return False
+            for w in dead:
+                self._scheduler.worker_lost(w)
+            self._reconnect(owner, returning=None)
+            return True
+
+    def _answers(self, device: str, attempts: int = 3, spacing: float = 0.2) -> bool:
+        """Whether the task answers one of a few probes.
+
+        Right after one task dies, TF's runtime can fail a call (and a probe)
+        on a healthy task for a moment; a dead task fails every probe. A probe
+        that times out is not repeated: the task is hung.
+        """
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(spacing)  # spacing between probes, not synchronisation
+            probe = self._prober.start(device)
+            if not probe.done.wait(self.config.probe_timeout):
+                return False
+            if probe.ok:
+                return True
+        return False
 
     def ps_lost(self) -> bool:
         if self._lost_ps:
             return True
         lost = [
             ps for ps in range(self._cluster.num_ps)
-            if not self._prober.answers(_runtime.ps_device(ps).rsplit("/device:", 1)[0],
-                                        self.config.probe_timeout)
+            if not self._answers(_runtime.ps_device(ps).rsplit("/device:", 1)[0])
         ]
         if lost:
             with self._lost_lock:
@@ -147,6 +185,7 @@ class FaultTolerance:
         with self._lock:
             self._reconnect(owner, returning=worker)
             if not self.worker_answers(worker):
+                log.info("worker %d accepts connections but does not answer yet; retrying", worker)
                 return False
             try:
                 rebuild_per_worker(owner._per_worker_values(), worker, resources_only=False)  # noqa: SLF001
@@ -162,33 +201,50 @@ class FaultTolerance:
     def _reconnect(self, owner, returning: int | None) -> None:
         """Reconnect the coordinator to the ps tasks and the workers that answer.
 
-        TF's `update_server_def` waits forever for a task that is down, so
-        only workers that answer a probe (and the returning one, which cannot
-        answer before it is reconnected) are named. An up worker that does not
-        answer is taken out first, so nothing is sent to a worker TF no
-        longer knows.
+        TF's `update_server_def` waits forever for a task that is down or
+        hung, so only workers whose process answers (and the returning one,
+        which cannot answer before it is reconnected) are named. An up worker
+        left out is taken out of rotation first, so nothing is sent to a
+        worker TF no longer knows.
         """
         workers = range(self._cluster.num_workers)
-        for worker in workers:
-            if worker != returning and self._scheduler.worker_is_up(worker):
-                self._prober.start(_runtime.worker_device(worker))
+        probes = {
+            worker: self._prober.start(_runtime.worker_device(worker))
+            for worker in workers
+            if worker != returning and self._scheduler.worker_is_up(worker)
+        }
         deadline = time.monotonic() + min(2.0, self.config.probe_timeout)
         live = []
         for worker in workers:
             if worker == returning:
                 live.append(worker)
-            elif self._scheduler.worker_is_up(worker):
-                left = max(0.0, deadline - time.monotonic())
-                if self._prober.answers(_runtime.worker_device(worker), left):
+            elif worker in probes:
+                # Any answer, even an error, means the process is there; an
+                # error can come from the stale view this reconnect replaces.
+                # No answer (hung) or no process: leave it out.
+                answered = probes[worker].done.wait(max(0.0, deadline - time.monotonic()))
+                address = self._cluster.address("worker", worker)
+                if answered and (probes[worker].ok or _runtime.tcp_reachable(address, 1.0)):
                     live.append(worker)
                 else:
                     self._scheduler.worker_lost(worker)
         _runtime.connect(self._cluster, streaming_enqueue=owner.pipeline_depth > 1, workers=live)
+        self._connected = set(live)
 
     def chores(self) -> None:
         if self._lost_ps and self.broken is None:
             self.recover_ps()
-        elif self._checkpoint_due():
+            return
+        owner = self._owner()
+        down = {w for w in self._connected if not self._scheduler.worker_is_up(w)}
+        if down and owner is not None and len(down) < len(self._connected):
+            # While a lost worker is still in TF's view of the cluster, TF fails
+            # anything that registers a function on every task (a checkpoint,
+            # a new trace), so it is dropped from the view right away.
+            with self._lock:
+                self._reconnect(owner, returning=None)
+            log.info("worker(s) %s left out of the cluster until they answer again", sorted(down))
+        if self._checkpoint_due():
             self.checkpoint("interval")
 
     # ---------------------------------------------------------- checkpoints

@@ -66,6 +66,52 @@ def test_per_worker_iterator_cannot_be_advanced_on_the_coordinator(strategy):
         next(it)
 
 
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        ({"hang_timeout": 0}, "hang_timeout"),
+        ({"worker_timeout": -1}, "worker_timeout"),
+        ({"ps_timeout": "60"}, "ps_timeout"),
+        ({"checkpoint_dir": "/tmp/x", "checkpoint_every": 1.5}, "checkpoint_every"),
+        ({"checkpoint_dir": "/tmp/x", "checkpoints_to_keep": 0}, "checkpoints_to_keep"),
+        ({"checkpoint_dir": "/tmp/x", "checkpoint_interval": 0}, "checkpoint_interval"),
+        ({"checkpoint_interval": 10}, "checkpoint_dir"),
+    ],
+)
+def test_bad_fault_tolerance_settings_name_the_argument_before_connecting(kwargs, argument):
+    # Nothing listens at these addresses: the error must come before any connect.
+    cluster = {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}
+    with pytest.raises(ValueError, match=f"`{argument}`. Received: {argument}="):
+        psclient.ParameterServerStrategy(cluster, **kwargs)
+
+
+def test_checkpoint_dir_of_the_wrong_type():
+    with pytest.raises(TypeError, match="checkpoint_dir"):
+        psclient.ParameterServerStrategy({"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}, checkpoint_dir=5)
+
+
+def test_restore_and_save_checkpoint_need_a_checkpoint_dir(strategy):
+    with pytest.raises(ValueError, match="checkpoint_dir=None"):
+        strategy.restore()
+    with pytest.raises(ValueError, match="checkpoint_dir=None"):
+        strategy.save_checkpoint()
+
+
+def test_restore_into_other_variables_names_them(local_cluster, strategy, tmp_path):
+    from psclient._checkpoint import Checkpoints
+
+    with strategy.scope():
+        a = tf.Variable(tf.zeros([3]))
+    Checkpoints(str(tmp_path), keep=1).save({"v000000": a}, completed=0)
+    with strategy.scope():
+        b = tf.Variable(tf.zeros([4]))
+    with pytest.raises(ValueError, match=r"shape \[3\] there but \[4\] here"):
+        Checkpoints(str(tmp_path), keep=1).restore({"v000000": b})
+    with pytest.raises(ValueError, match="v000001 .* is not in it"):
+        Checkpoints(str(tmp_path), keep=1).restore({"v000000": a, "v000001": b})
+
+
+# Last: it shuts the module's shared strategy down.
 def test_schedule_after_shutdown_is_a_clear_error(local_cluster, strategy):
     strategy.shutdown()
     strategy.shutdown()  # idempotent
