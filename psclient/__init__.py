@@ -10,7 +10,10 @@ strategy), `_scheduler` and `_failures` (queue and failure policy, pure
 logic), `_dispatch` and `_runtime` (the TensorFlow edge), `_placement`,
 `_per_worker`, `_future`, `_compat` (TF's ClusterCoordinator API), `_errors`;
 fault tolerance in `_health` (probes, hang detection), `_recovery` (rejoin, ps
-recovery) and `_checkpoint`; `_tracing` (what a dispatcher calls).
+recovery) and `_checkpoint`; `_tracing` (what a dispatcher calls); the
+sidecar evaluator in `_sidecar`/`_sidecar_formats`; `_launch` and `_demo`
+behind the `launch` and `demo` commands; Keras 3 `fit`/`evaluate`/`predict`
+support in `_keras*` (installed by `strategy.scope()`).
 TensorFlow is imported lazily, so `import psclient` is cheap.
 """
 
@@ -34,12 +37,15 @@ from psclient._future import (
 )
 from psclient._local import LocalCluster
 from psclient._per_worker import PerWorker, PerWorkerDataset, PerWorkerIterator
+from psclient._sidecar import SidecarEvaluator, SidecarReport, read_final_marker, write_final_marker
+from psclient._sidecar_formats import CheckpointMismatchError
 from psclient._strategy import ParameterServerStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ALL_COMPLETED",
+    "CheckpointMismatchError",
     "Cluster",
     "ClusterConfigError",
     "ClusterCoordinator",
@@ -53,9 +59,13 @@ __all__ = [
     "PerWorker",
     "PerWorkerDataset",
     "PerWorkerIterator",
+    "SidecarEvaluator",
+    "SidecarReport",
     "StrategyClosedError",
     "TaskUnreachableError",
     "WorkerUnavailableError",
     "as_completed",
+    "read_final_marker",
     "wait",
+    "write_final_marker",
 ]
