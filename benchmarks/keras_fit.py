@@ -1,0 +1,206 @@
+"""Keras `model.fit` throughput: psclient + Keras 3 against tf_keras + TF's ParameterServerStrategy.
+
+Same model and data on every path: a 784-512-512-10 ReLU MLP, batch 128,
+plain SGD, one fixed batch of random data repeated. On one LocalCluster
+(1 ps, 2 workers), each path runs in its own coordinator subprocess (TF's
+eager context is per process, and tf_keras and Keras 3 must not share one):
+
+  psclient_keras3   Keras 3 model.fit, model built and compiled in psclient's scope
+  tf_keras_pss      tf_keras model.fit with tf.distribute.experimental.ParameterServerStrategy
+  keras3_local      Keras 3 model.fit in one process, no cluster (the limit)
+
+each at steps_per_execution 1 and 10. A path first fits `--warmup` steps
+(tracing, excluded), then times one fit of `--steps` steps, verbose=0
+(tf_keras's PS training rejects the progress bar).
+
+Usage:
+  python benchmarks/keras_fit.py [--steps 400] [--warmup 40] > keras_fit.json
+
+Prints one JSON object (progress on stderr) and saves it under
+benchmarks/results/keras_fit-<date>.json. Exits 0 when every run finished,
+whether or not the target (psclient >= 2x tf_keras_pss at both settings) is met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # _common, and the psclient of this checkout
+import _common  # noqa: E402
+
+PATHS = ("psclient_keras3", "tf_keras_pss", "keras3_local")
+STEPS_PER_EXECUTION = (1, 10)
+UNITS, BATCH, LR = (784, 512, 512, 10), 128, 0.01
+NUM_WORKERS, NUM_PS = 2, 1
+TARGET = 2.0  # psclient_keras3 / tf_keras_pss
+
+
+def make_arrays():
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((BATCH, UNITS[0])).astype(np.float32)
+    y = rng.integers(0, UNITS[-1], BATCH).astype(np.int32)
+    return x, y
+
+
+def make_dataset():
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensors(make_arrays()).repeat()
+
+
+def build_model(keras_module, spe: int):
+    layers = keras_module.layers
+    model = keras_module.Sequential(
+        [keras_module.Input(shape=(UNITS[0],))]
+        + [layers.Dense(u, activation="relu") for u in UNITS[1:-1]]
+        + [layers.Dense(UNITS[-1])]
+    )
+    model.compile(
+        optimizer=keras_module.optimizers.SGD(learning_rate=LR),
+        loss=keras_module.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=spe,
+    )
+    return model
+
+
+def setup(path: str, cluster, spe: int):
+    """Returns fit(steps) for the path."""
+    if path == "tf_keras_pss":
+        import tensorflow as tf
+        import tf_keras
+
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(cluster.training_spec()), task_type="chief", task_id=0, rpc_layer="grpc"
+        )
+        strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+        with strategy.scope():
+            model = build_model(tf_keras, spe)
+        data = tf_keras.utils.experimental.DatasetCreator(lambda ctx: make_dataset())
+    else:
+        import keras
+
+        if path == "psclient_keras3":
+            import psclient
+
+            strategy = psclient.ParameterServerStrategy(cluster)
+            with strategy.scope():
+                model = build_model(keras, spe)
+        else:
+            model = build_model(keras, spe)
+        data = make_dataset()
+
+    def fit(steps: int) -> float:
+        history = model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+        return float(history.history["loss"][-1])
+
+    return fit
+
+
+def child_main(args) -> None:
+    _common.exit_with_parent()
+    import psclient
+
+    cluster = psclient.Cluster(json.loads(args.cluster))
+    fit = setup(args._child, cluster, args.spe)
+    first_loss = fit(args.warmup)
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    last_loss = fit(args.steps)
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    _common.child_exit({
+        "steps": args.steps,
+        "seconds": round(seconds, 3),
+        "steps_per_s": round(args.steps / seconds, 1),
+        "coordinator_cpu_us_per_step": round(cpu / args.steps * 1e6, 1),
+        "loss_after_warmup": round(first_loss, 4),
+        "loss_last": round(last_loss, 4),
+        "load_average_1min": round(os.getloadavg()[0], 2),
+    })
+
+
+def parent_main(args, argv) -> int:
+    output = {"config": {
+        **_common.environment(argv),
+        "model": "784-512-512-10 ReLU MLP, SGD", "batch": BATCH, "num_workers": NUM_WORKERS,
+        "num_ps": NUM_PS, "warmup_steps": args.warmup, "timed_steps": args.steps, "runs_per_path": 1,
+    }}
+    runs: dict = {f"spe_{spe}": {} for spe in STEPS_PER_EXECUTION}
+    env = _common.quiet_tf_env(GRPC_FAIL_FAST="use_caller")
+    started = time.perf_counter()
+    with _common.stop_on_sigterm():
+        _common.log(f"starting a LocalCluster ({NUM_WORKERS} workers, {NUM_PS} ps)")
+        with _common.local_cluster(NUM_WORKERS, NUM_PS) as (cluster, task_pids):
+            output["config"]["cluster"] = cluster.jobs
+            for spe in STEPS_PER_EXECUTION:
+                for path in PATHS:
+                    child = [os.path.abspath(__file__), "--_child", path, "--spe", str(spe),
+                             "--cluster", json.dumps(cluster.jobs),
+                             "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                    tag = f"steps_per_execution={spe:<3} {path:16}"
+                    try:
+                        result = _common.run_child(child, timeout=180 + args.steps / 5, env=env)
+                    except _common.ChildError as error:
+                        _common.log(f"{tag} FAILED: {error}")
+                        result = {"error": str(error)}
+                    else:
+                        _common.log(f"{tag} {result['steps_per_s']:8.1f} steps/s")
+                    runs[f"spe_{spe}"][path] = result
+    output["config"]["wall_s"] = round(time.perf_counter() - started, 1)
+    output["results"] = summarize(runs)
+    output["runs"] = runs
+    _common.print_json(output)
+    os.makedirs(os.path.join(_HERE, "results"), exist_ok=True)
+    saved = os.path.join(_HERE, "results", f"keras_fit-{time.strftime('%Y-%m-%d')}.json")
+    with open(saved, "w") as f:
+        json.dump(output, f, indent=2)
+        f.write("\n")
+    _common.log(f"saved {os.path.relpath(saved, os.path.dirname(_HERE))}")
+    return 1 if any("error" in r for per in runs.values() for r in per.values()) else 0
+
+
+def summarize(runs: dict) -> dict:
+    summary = {}
+    for setting, per_path in runs.items():
+        rate = {p: r.get("steps_per_s") for p, r in per_path.items()}
+        ours, theirs, local = rate.get("psclient_keras3"), rate.get("tf_keras_pss"), rate.get("keras3_local")
+        entry = {"steps_per_s": rate}
+        if ours and theirs:
+            entry["psclient/tf_keras_pss"] = round(ours / theirs, 3)
+            entry[f"target psclient/tf_keras_pss >= {TARGET}"] = ours / theirs >= TARGET
+        if ours and local:
+            entry["psclient/keras3_local"] = round(ours / local, 3)
+        summary[setting] = entry
+    return summary
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=400, help="timed steps per path (a multiple of 10)")
+    parser.add_argument("--warmup", type=int, default=40, help="untimed steps first (tracing)")
+    parser.add_argument("--_child", choices=PATHS, help=argparse.SUPPRESS)
+    parser.add_argument("--spe", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--cluster", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args._child:
+        try:
+            child_main(args)  # exits the process
+        except BaseException:
+            traceback.print_exc()
+            _common.child_exit(None, status=1)
+    try:
+        return parent_main(args, ["benchmarks/keras_fit.py", *argv])
+    except KeyboardInterrupt:
+        _common.log("interrupted: the cluster and every subprocess were stopped")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
