@@ -47,14 +47,16 @@ def build(strategy):
     y = (x @ rng.normal(size=(64, 1)) / 8).astype("float32")
     with strategy.scope():
         model = keras.Sequential([
-            keras.Input((64,)), keras.layers.Dense(256, "relu"), keras.layers.Dense(256, "relu"),
+            keras.Input((64,)), keras.layers.Dense(512, "relu"), keras.layers.Dense(512, "relu"),
             keras.layers.Dense(1),
         ])
         optimizer = keras.optimizers.SGD(0.01)
         optimizer.build(model.trainable_variables)
+    # Every worker reads all the data (its own shuffle order), so a worker out
+    # of rotation does not hide part of it and final losses compare training.
     iterator = iter(strategy.distribute_datasets_from_function(
         lambda ctx: tf.data.Dataset.from_tensor_slices((x, y))
-        .shard(ctx.num_input_pipelines, ctx.input_pipeline_id).repeat().batch(128)
+        .shuffle(1024, seed=ctx.input_pipeline_id).repeat().batch(256)
     ))
 
     @tf.function
@@ -110,11 +112,15 @@ class Chaos:
             if len(up) < 2:
                 continue  # keep one worker at least; the test suite covers all-gone
             worker = self.rng.choice(up)
+            killed = time.monotonic()
             self.local.kill("worker", worker)
             self.kills.append(f"worker:{worker}")
             # Wait until psclient noticed, so "rejoin" measures a real return.
             self._wait(lambda: not self.strategy.stats()["workers"][worker]["up"], 30)
+            noticed = time.monotonic()
             self.local.restart("worker", worker)  # returns once the task serves again
+            log(f"{self.mode}: killed worker {worker}; taken out after {noticed - killed:.2f} s, "
+                f"restarted (serving) after {time.monotonic() - killed:.2f} s")
             watcher = threading.Thread(target=self._time_rejoin, args=(worker, time.monotonic()),
                                        name=f"chaos-rejoin{worker}", daemon=True)
             watcher.start()
