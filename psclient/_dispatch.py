@@ -96,6 +96,7 @@ class Dispatcher:
                 lambda: self._worker_answers(worker),
                 others_lost=lambda: self._others_lost(worker),
                 ps_lost=self._ps_lost,
+                attempts=closure.attempts,
             )
             if verdict is Verdict.WORKER_LOST:
                 log.warning(
@@ -111,6 +112,15 @@ class Dispatcher:
                     closure, worker, "ps task" if verdict is Verdict.PS_LOST else "task",
                     type(error).__name__,
                 )
+                self._scheduler.failed(worker, closure, error, retry=True, attempt=attempt)
+            elif verdict is Verdict.TRANSIENT:
+                pause = min(2.0, 0.5 * 2 ** (closure.attempts - 1))
+                log.warning(
+                    "%r on worker %d failed with %s while every task answers; trying again in "
+                    "%.1f s", closure, worker, type(error).__name__, pause,
+                )
+                # Back off in this worker's thread: the channel needs the time.
+                time.sleep(pause)
                 self._scheduler.failed(worker, closure, error, retry=True, attempt=attempt)
             else:
                 named = _runtime.name_error(error, closure.name, device)

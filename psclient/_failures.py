@@ -14,7 +14,9 @@ decides by the error's *type* and by *probing* the task the closure ran on:
 - if the worker answers but another task of the cluster does not, the error
   came from that task (TF's eager runtime can fail a call on one worker
   because another worker died), so the closure is retried;
-- anything else, or a candidate while every task answers, is the function's
+- a candidate while every task answers is retried a few times, with a
+  growing pause (a gRPC channel to a task that just restarted can fail for a
+  moment); if it keeps failing, or for any other error, it is the function's
   own error and goes to its future.
 
 The probe is passed in as a callable so the policy is testable without TF.
@@ -25,7 +27,7 @@ from __future__ import annotations
 import enum
 from typing import Callable
 
-__all__ = ["Verdict", "classify", "CONNECTION_ERROR_NAMES"]
+__all__ = ["Verdict", "classify", "CONNECTION_ERROR_NAMES", "MAX_TRANSIENT_ATTEMPTS"]
 
 #: TF error class names that a lost or broken connection can produce.
 CONNECTION_ERROR_NAMES = frozenset(
@@ -49,6 +51,13 @@ class Verdict(enum.Enum):
     PS_LOST = "ps_lost"
     #: Another task is gone and broke this call: run the closure again.
     OTHER_TASK_LOST = "other_task_lost"
+    #: A connection error while every task answers: run it again, a few times
+    #: (a channel can still be reconnecting right after a task restarted).
+    TRANSIENT = "transient"
+
+#: How many attempts a closure gets when its connection errors have no lost
+#: task to explain them; after that the error is the function's own.
+MAX_TRANSIENT_ATTEMPTS = 4
 
 
 def is_connection_error_type(error: BaseException) -> bool:
@@ -60,13 +69,16 @@ def classify(
     worker_answers: Callable[[], bool],
     others_lost: Callable[[], bool] = lambda: False,
     ps_lost: Callable[[], bool] = lambda: False,
+    attempts: int = MAX_TRANSIENT_ATTEMPTS,
 ) -> Verdict:
     """Decide what a closure's error means.
 
     `ps_lost` probes the ps tasks; `worker_answers` the closure's worker;
     `others_lost` the other workers (and takes lost ones out of rotation).
     Probes run only for connection-type errors, in that order, each only if
-    the one before found nothing.
+    the one before found nothing. `attempts` is how many times the closure
+    has run: a connection error that no probe explains is retried until
+    MAX_TRANSIENT_ATTEMPTS, then it is the function's own.
     """
     if not is_connection_error_type(error):
         return Verdict.FUNCTION_ERROR
@@ -78,4 +90,6 @@ def classify(
         return Verdict.WORKER_LOST
     if others_lost():
         return Verdict.OTHER_TASK_LOST
+    if attempts < MAX_TRANSIENT_ATTEMPTS:
+        return Verdict.TRANSIENT
     return Verdict.FUNCTION_ERROR

@@ -278,7 +278,15 @@ class FaultTolerance:
                     return None
                 variables = owner._named_variables()  # noqa: SLF001
                 completed = self._scheduler.completed()
-                path = self.checkpoints.save(variables, completed)
+                try:
+                    path = self.checkpoints.save(variables, completed)
+                except Exception as error:  # noqa: BLE001 - e.g. every worker gone; try next interval
+                    self._saved_at = time.monotonic()
+                    log.warning("checkpoint (%s) failed: %s: %s", reason, type(error).__name__,
+                                str(error).splitlines()[0] if str(error) else "")
+                    if reason != "interval":
+                        raise
+                    return None
                 self._saved_keys = tuple(variables)
                 self._saved_completed = completed
                 self._saved_at = time.monotonic()

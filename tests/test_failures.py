@@ -56,3 +56,14 @@ def test_lost_ps_is_reported_before_any_worker_is_probed():
     )
     assert verdict is Verdict.PS_LOST
     assert probed == ["ps"]
+
+
+def test_unexplained_connection_error_is_retried_a_few_times_then_is_the_functions():
+    from psclient._failures import MAX_TRANSIENT_ATTEMPTS
+
+    err = tf.errors.UnavailableError(None, None, "Connection refused")
+    for attempts in range(1, MAX_TRANSIENT_ATTEMPTS):
+        assert classify(err, lambda: True, attempts=attempts) is Verdict.TRANSIENT
+    assert classify(err, lambda: True, attempts=MAX_TRANSIENT_ATTEMPTS) is Verdict.FUNCTION_ERROR
+    not_connection = tf.errors.InvalidArgumentError(None, None, "bad shape")
+    assert classify(not_connection, lambda: True, attempts=1) is Verdict.FUNCTION_ERROR

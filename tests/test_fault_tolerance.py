@@ -235,3 +235,27 @@ def test_lost_ps_is_restored_from_the_newest_checkpoint_and_training_goes_on(hea
         assert float(strategy.schedule(train_step).result(60)) < float(futures[0].result())
     finally:
         strategy.shutdown()
+
+
+def test_shutdown_with_a_hung_worker_returns_within_hang_timeout(heal):
+    import threading
+
+    cluster = heal
+    strategy = make_strategy(cluster)
+    try:
+        _, step = counting_step(strategy, work=4)
+        futures = [strategy.schedule(step) for _ in range(60)]
+        psclient.wait(futures[:5], timeout=120)
+        cluster.stop("worker", 0)
+        wait_for(lambda: not strategy.stats()["workers"][0]["up"], 60, "the hang to be detected")
+        started = time.monotonic()
+        strategy.shutdown()
+        assert time.monotonic() - started < HANG_TIMEOUT + 5
+    finally:
+        strategy.shutdown()
+        cluster.resume("worker", 0)
+    # Once the worker answers, the thread that waited on it ends too.
+    stuck = [t for t in threading.enumerate() if t.name.startswith("psclient-worker0")]
+    for thread in stuck:
+        thread.join(60)
+    assert not any(t.is_alive() for t in stuck)
