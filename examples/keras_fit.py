@@ -64,7 +64,6 @@ def main(argv=None) -> int:
     import keras
 
     import psclient
-    from psclient._keras_callbacks import BackupAndRestore
 
     keras.utils.set_random_seed(0)
     if args.data == "digits":
@@ -100,7 +99,7 @@ def main(argv=None) -> int:
                 verbose=args.verbose,
                 callbacks=[
                     keras.callbacks.ModelCheckpoint(best, monitor="val_accuracy", save_best_only=True),
-                    BackupAndRestore(os.path.join(out, "backup")),
+                    psclient.BackupAndRestore(os.path.join(out, "backup")),
                 ],
             )
             results = model.evaluate(x_test, y_test, batch_size=256, verbose=0, return_dict=True)

@@ -43,8 +43,19 @@ from psclient._strategy import ParameterServerStrategy
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # Keras-backed names load Keras on first use, so `import psclient` stays cheap.
+    if name == "BackupAndRestore":
+        from psclient._keras_callbacks import BackupAndRestore
+
+        return BackupAndRestore
+    raise AttributeError(f"module 'psclient' has no attribute {name!r}")
+
+
 __all__ = [
     "ALL_COMPLETED",
+    "BackupAndRestore",
     "CheckpointMismatchError",
     "Cluster",
     "ClusterConfigError",

@@ -174,6 +174,23 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None) -> None:
             _update_connection(cluster_spec, filters)
 
 
+def disconnect() -> None:
+    """Forget the cluster: TF's view becomes the coordinator alone.
+
+    TF has no way back to a purely local context once connected, and a view
+    that names tasks which are gone makes every later `tf.function` in this
+    process fail (TF registers functions on every task it knows). A view of
+    only this process's own server does neither.
+    """
+    import tensorflow as tf
+
+    with _coordinator_lock:
+        if _coordinator_address is None:
+            return
+        spec = tf.train.ClusterSpec({COORDINATOR_JOB: [_coordinator_address]})
+        _update_connection(spec, tf.config.experimental.ClusterDeviceFilters())
+
+
 def _update_connection(cluster_spec, filters) -> None:
     """Point the running coordinator server at `cluster_spec` (TF-internal API)."""
     import copy

@@ -583,6 +583,9 @@ def _shutdown_quietly(
     scheduler.close()
     stuck = dispatcher.stop(timeout)
     stuck += prober.close(min(timeout, 1.0))
+    # The tasks may go away after this: leave TF's view of them, or every
+    # later tf.function in this process (plain local Keras too) would fail.
+    _runtime.disconnect()
     if stuck:
         log.warning(
             "shutdown: %s still wait on a task that does not answer (hung?); they "

@@ -17,11 +17,15 @@ STEPS = 40
 
 
 def run_script(cluster_file, checkpoint_dir, kill_after_epoch=None):
-    """Run the example as a coordinator process; SIGKILL it after an epoch if asked."""
+    """Run the example as a coordinator process; SIGKILL it after an epoch if asked.
+
+    Returns its exit status, its JSON events and the tail of its stderr.
+    """
+    stderr = open(checkpoint_dir.parent / f"stderr-{kill_after_epoch}.txt", "w+")
     process = subprocess.Popen(
         [sys.executable, SCRIPT, "--cluster", str(cluster_file), "--checkpoint-dir",
          str(checkpoint_dir), "--epochs", "4", "--steps-per-epoch", str(STEPS)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        stdout=subprocess.PIPE, stderr=stderr, text=True,
     )
     events = []
     try:
@@ -38,7 +42,10 @@ def run_script(cluster_file, checkpoint_dir, kill_after_epoch=None):
             process.kill()
             process.wait(timeout=30)
         process.stdout.close()
-    return process.returncode, events
+        stderr.seek(0)
+        tail = stderr.read()[-3000:]
+        stderr.close()
+    return process.returncode, events, tail
 
 
 def test_killed_coordinator_resumes_from_the_last_completed_epoch(local_cluster, tmp_path):
@@ -46,13 +53,13 @@ def test_killed_coordinator_resumes_from_the_last_completed_epoch(local_cluster,
     cluster_file.write_text(json.dumps(local_cluster.cluster.training_spec()))
     ckpt = tmp_path / "ckpt"
 
-    code, first = run_script(cluster_file, ckpt, kill_after_epoch=2)
-    assert code == -signal.SIGKILL
+    code, first, err = run_script(cluster_file, ckpt, kill_after_epoch=2)
+    assert code == -signal.SIGKILL, err
     assert first[0] == {"event": "start", "epoch": 0, "steps": 0, "restored": None}
     assert [e["steps"] for e in first if e["event"] == "epoch"] == [STEPS, 2 * STEPS]
 
-    code, second = run_script(cluster_file, ckpt)
-    assert code == 0, second
+    code, second, err = run_script(cluster_file, ckpt)
+    assert code == 0, (second, err)
     start = second[0]
     # Resumed exactly at the end of epoch 2: nothing of the cut-off epoch 3 stays.
     assert (start["epoch"], start["steps"]) == (2, 2 * STEPS)
