@@ -183,7 +183,8 @@ class FaultTolerance:
         if owner is None:
             return False
         with self._lock:
-            self._reconnect(owner, returning=worker)
+            if not self._reconnect(owner, returning=worker):
+                return False  # another worker is hung; try again next round
             if not self.worker_answers(worker):
                 log.info("worker %d accepts connections but does not answer yet; retrying", worker)
                 return False
@@ -198,15 +199,29 @@ class FaultTolerance:
         log.info("worker %d rejoined (%.2f s after it answered again)", worker, recovered)
         return True
 
-    def _reconnect(self, owner, returning: int | None) -> None:
+    def hung_in_view(self, returning: int | None = None) -> list[int]:
+        """Workers in TF's view that are out of rotation but still accept TCP: hung.
+
+        TF's `update_server_def` waits forever on a SIGSTOPped task, whether
+        the new view keeps it or drops it, so no reconnect is tried then.
+        """
+        return [
+            w for w in sorted(self._connected)
+            if w != returning and not self._scheduler.worker_is_up(w)
+            and _runtime.tcp_reachable(self._cluster.address("worker", w), 1.0)
+        ]
+
+    def _reconnect(self, owner, returning: int | None) -> bool:
         """Reconnect the coordinator to the ps tasks and the workers that answer.
 
-        TF's `update_server_def` waits forever for a task that is down or
-        hung, so only workers whose process answers (and the returning one,
-        which cannot answer before it is reconnected) are named. An up worker
-        left out is taken out of rotation first, so nothing is sent to a
-        worker TF no longer knows.
+        Only workers whose process answers (and the returning one, which
+        cannot answer before it is reconnected) are named; an up worker left
+        out is taken out of rotation first, so nothing is sent to a worker TF
+        no longer knows. Returns False, changing nothing, while a worker in
+        the current view is hung (see `hung_in_view`).
         """
+        if self.hung_in_view(returning):
+            return False
         workers = range(self._cluster.num_workers)
         probes = {
             worker: self._prober.start(_runtime.worker_device(worker))
@@ -214,22 +229,27 @@ class FaultTolerance:
             if worker != returning and self._scheduler.worker_is_up(worker)
         }
         deadline = time.monotonic() + min(2.0, self.config.probe_timeout)
-        live = []
+        live, dead = [], []
         for worker in workers:
             if worker == returning:
                 live.append(worker)
             elif worker in probes:
                 # Any answer, even an error, means the process is there; an
                 # error can come from the stale view this reconnect replaces.
-                # No answer (hung) or no process: leave it out.
                 answered = probes[worker].done.wait(max(0.0, deadline - time.monotonic()))
-                address = self._cluster.address("worker", worker)
-                if answered and (probes[worker].ok or _runtime.tcp_reachable(address, 1.0)):
+                reachable = _runtime.tcp_reachable(self._cluster.address("worker", worker), 1.0)
+                if answered and (probes[worker].ok or reachable):
                     live.append(worker)
-                else:
+                elif reachable:
                     self._scheduler.worker_lost(worker)
+                    return False  # hung: not now (see hung_in_view)
+                else:
+                    dead.append(worker)
+        for worker in dead:
+            self._scheduler.worker_lost(worker)
         _runtime.connect(self._cluster, streaming_enqueue=owner.pipeline_depth > 1, workers=live)
         self._connected = set(live)
+        return True
 
     def chores(self) -> None:
         if self._lost_ps and self.broken is None:
@@ -242,8 +262,9 @@ class FaultTolerance:
             # anything that registers a function on every task (a checkpoint,
             # a new trace), so it is dropped from the view right away.
             with self._lock:
-                self._reconnect(owner, returning=None)
-            log.info("worker(s) %s left out of the cluster until they answer again", sorted(down))
+                if self._reconnect(owner, returning=None):
+                    log.info("worker(s) %s left out of the cluster until they answer again",
+                             sorted(down))
         if self._checkpoint_due():
             self.checkpoint("interval")
 
@@ -340,7 +361,12 @@ class FaultTolerance:
                 back_at = self._wait_for_ps(lost, owner)
                 if back_at is None:
                     return
-                self._reconnect(owner, returning=None)
+                while not self._reconnect(owner, returning=None):
+                    if owner._closed:  # noqa: SLF001
+                        return
+                    log.warning("ps recovery waits: worker(s) %s hang and TF cannot reconnect "
+                                "around them", self.hung_in_view())
+                    time.sleep(1.0)  # until the hung worker answers or dies
                 renewed = owner._renew_variables(set(lost))  # noqa: SLF001
                 variables = owner._named_variables()  # noqa: SLF001
                 completed_then = self.checkpoints.restore(variables)

@@ -177,7 +177,7 @@ class ParameterServerStrategy:
         # Join the threads at interpreter exit even if the user forgets.
         self._finalizer = weakref.finalize(
             self, _shutdown_quietly, self._scheduler, self._dispatcher, self._monitor, prober,
-            hang_timeout,
+            hang_timeout, self._ft.hung_in_view,
         )
 
     # ------------------------------------------------------------------ info
@@ -577,7 +577,7 @@ def _check_positive(name: str, value, *, integer: bool, optional: bool) -> None:
 
 def _shutdown_quietly(
     scheduler: Scheduler, dispatcher: Dispatcher, monitor: HealthMonitor, prober: Prober,
-    timeout: float,
+    timeout: float, hung_in_view: Callable[[], list],
 ) -> None:
     monitor.stop(timeout)
     scheduler.close()
@@ -585,7 +585,12 @@ def _shutdown_quietly(
     stuck += prober.close(min(timeout, 1.0))
     # The tasks may go away after this: leave TF's view of them, or every
     # later tf.function in this process (plain local Keras too) would fail.
-    _runtime.disconnect()
+    # Not while a worker hangs: TF's update_server_def would wait on it forever.
+    hung = hung_in_view()
+    if hung:
+        log.warning("shutdown: worker(s) %s hang; TF's view of the cluster is kept", hung)
+    else:
+        _runtime.disconnect()
     if stuck:
         log.warning(
             "shutdown: %s still wait on a task that does not answer (hung?); they "
