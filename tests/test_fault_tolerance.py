@@ -259,3 +259,42 @@ def test_shutdown_with_a_hung_worker_returns_within_hang_timeout(heal):
     for thread in stuck:
         thread.join(60)
     assert not any(t.is_alive() for t in stuck)
+
+
+def test_keras_fit_goes_on_through_a_ps_restart_mid_epoch(heal, tmp_path):
+    import threading
+
+    import keras
+    import numpy as np
+
+    cluster = heal
+    strategy = make_strategy(cluster, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=40)
+    killer = None
+    try:
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, "relu"), keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+        x = np.random.default_rng(0).normal(size=(2048, 16)).astype("float32")
+        y = x.sum(axis=1, keepdims=True)
+
+        class RestartPs(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                nonlocal killer
+                if batch == 30 and killer is None:
+                    killer = threading.Thread(target=lambda: (cluster.kill("ps", 0), cluster.restart("ps", 0)))
+                    killer.start()
+
+        history = model.fit(x, y, batch_size=64, epochs=4, steps_per_epoch=60, verbose=0,
+                            callbacks=[RestartPs()])
+        killer.join(60)
+        ps = strategy.stats()["ps"][0]
+        assert ps["recoveries"] == 1
+        # The optimizer's step counter went back with everything else, by
+        # exactly the steps the rollback undid (one step per closure here).
+        assert int(model.optimizer.iterations.numpy()) == 4 * 60 - ps["rolled_back_closures"]
+        assert len(history.history["loss"]) == 4
+        assert history.history["loss"][-1] < history.history["loss"][0]
+    finally:
+        if killer is not None:
+            killer.join(60)
+        strategy.shutdown()
