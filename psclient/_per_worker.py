@@ -19,6 +19,8 @@ __all__ = [
     "PerWorkerIterator",
     "check_dataset_fn",
     "has_per_worker",
+    "per_worker_datasets",
+    "per_worker_resource",
     "resolve_per_worker",
 ]
 
@@ -135,3 +137,77 @@ def resolve_per_worker(args: tuple, kwargs: dict, worker: int) -> tuple[tuple, d
         return x.value(worker) if isinstance(x, PerWorker) else x
 
     return tf.nest.map_structure(pick, (args, kwargs))
+
+
+def per_worker_datasets(dataset_fn, num_workers: int, *, on_new) -> PerWorkerDataset:
+    """`dataset_fn(input_context)` (or a dataset, cloned) built on every worker."""
+    import tensorflow as tf
+
+    from psclient import _runtime
+
+    if isinstance(dataset_fn, tf.data.Dataset):
+        build_dataset, name = dataset_cloner(dataset_fn), "dataset"
+    else:
+        check_dataset_fn(dataset_fn)
+        build_dataset = dataset_fn
+        name = getattr(dataset_fn, "__name__", "dataset_fn")
+
+    def build(worker: int):
+        ctx = tf.distribute.InputContext(
+            num_input_pipelines=num_workers, input_pipeline_id=worker, num_replicas_in_sync=num_workers
+        )
+        with tf.device(_runtime.worker_device(worker)):
+            result = build_dataset(ctx)
+        if not isinstance(result, tf.data.Dataset):
+            raise TypeError(
+                f"`dataset_fn` must return a tf.data.Dataset. Received: {result!r} "
+                f"of type {type(result).__name__} for worker {worker}."
+            )
+        return result
+
+    def make_iterator(worker: int, dataset):
+        with tf.device(_runtime.worker_device(worker)):
+            return iter(dataset)
+
+    return PerWorkerDataset(build, num_workers, name, make_iterator=make_iterator, on_new=on_new)
+
+
+def per_worker_resource(fn: Callable[[], Any], num_workers: int) -> PerWorker:
+    """`fn()` called on every worker's device."""
+    import tensorflow as tf
+
+    from psclient import _runtime
+
+    if not callable(fn):
+        raise TypeError(
+            f"Invalid value for argument `fn`. Received: fn={fn!r} of type "
+            f"{type(fn).__name__}. Expected a function returning the worker's resource."
+        )
+
+    def build(worker: int):
+        with tf.device(_runtime.worker_device(worker)):
+            return fn()
+
+    return PerWorker(build, num_workers, getattr(fn, "__name__", "resource"))
+
+
+def dataset_cloner(dataset) -> Callable:
+    """A dataset function that rebuilds `dataset` on whichever device is in force.
+
+    A dataset made on the coordinator lives there: an iterator made from it
+    under a worker's device would still read on the coordinator. So the
+    dataset's graph is serialized once and re-created on each worker.
+    """
+    import tensorflow as tf
+
+    graph_def = dataset._as_serialized_graph(  # TF-internal, the only way to clone a dataset
+        strip_device_assignment=True,
+        external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
+    )
+    spec = dataset.element_spec
+
+    def clone(_input_context):
+        variant = tf.raw_ops.DatasetFromGraph(graph_def=graph_def)
+        return tf.data.experimental.from_variant(variant, spec)
+
+    return clone

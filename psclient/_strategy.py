@@ -21,8 +21,9 @@ from psclient._keras_atomic import make_keras_increments_atomic
 from psclient._per_worker import (
     PerWorker,
     PerWorkerDataset,
-    check_dataset_fn,
     has_per_worker,
+    per_worker_datasets,
+    per_worker_resource,
     resolve_per_worker,
 )
 from psclient._placement import Placer
@@ -364,35 +365,8 @@ class ParameterServerStrategy:
         accepted and cloned to every worker. `iter()` of the result is a
         per-worker iterator to pass to `schedule`.
         """
-        import tensorflow as tf
-
         self._check_open("distribute_datasets_from_function")
-        if isinstance(dataset_fn, tf.data.Dataset):
-            build_dataset, name = _dataset_cloner(dataset_fn), "dataset"
-        else:
-            check_dataset_fn(dataset_fn)
-            build_dataset = dataset_fn
-            name = getattr(dataset_fn, "__name__", "dataset_fn")
-        n = self.num_workers
-
-        def build(worker: int):
-            ctx = tf.distribute.InputContext(
-                num_input_pipelines=n, input_pipeline_id=worker, num_replicas_in_sync=n
-            )
-            with tf.device(_runtime.worker_device(worker)):
-                result = build_dataset(ctx)
-            if not isinstance(result, tf.data.Dataset):
-                raise TypeError(
-                    f"`dataset_fn` must return a tf.data.Dataset. Received: {result!r} "
-                    f"of type {type(result).__name__} for worker {worker}."
-                )
-            return result
-
-        def make_iterator(worker: int, dataset):
-            with tf.device(_runtime.worker_device(worker)):
-                return iter(dataset)
-
-        per_worker = PerWorkerDataset(build, n, name, make_iterator=make_iterator, on_new=self._track)
+        per_worker = per_worker_datasets(dataset_fn, self.num_workers, on_new=self._track)
         self._track(per_worker)
         return per_worker
 
@@ -402,20 +376,8 @@ class ParameterServerStrategy:
         For per-worker state such as lookup tables or counters: each worker's
         value is created on that worker's device.
         """
-        import tensorflow as tf
-
         self._check_open("create_per_worker_resource")
-        if not callable(fn):
-            raise TypeError(
-                f"Invalid value for argument `fn`. Received: fn={fn!r} of type "
-                f"{type(fn).__name__}. Expected a function returning the worker's resource."
-            )
-
-        def build(worker: int):
-            with tf.device(_runtime.worker_device(worker)):
-                return fn()
-
-        per_worker = PerWorker(build, self.num_workers, getattr(fn, "__name__", "resource"))
+        per_worker = per_worker_resource(fn, self.num_workers)
         self._track(per_worker)
         return per_worker
 
@@ -539,28 +501,6 @@ class ParameterServerStrategy:
 
     def _wake_monitor(self) -> None:
         self._monitor.wake()
-
-
-def _dataset_cloner(dataset) -> Callable:
-    """A dataset function that rebuilds `dataset` on whichever device is in force.
-
-    A dataset made on the coordinator lives there: an iterator made from it
-    under a worker's device would still read on the coordinator. So the
-    dataset's graph is serialized once and re-created on each worker.
-    """
-    import tensorflow as tf
-
-    graph_def = dataset._as_serialized_graph(  # TF-internal, the only way to clone a dataset
-        strip_device_assignment=True,
-        external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
-    )
-    spec = dataset.element_spec
-
-    def clone(_input_context):
-        variant = tf.raw_ops.DatasetFromGraph(graph_def=graph_def)
-        return tf.data.experimental.from_variant(variant, spec)
-
-    return clone
 
 
 def _check_positive(name: str, value, *, integer: bool, optional: bool) -> None:
