@@ -39,9 +39,13 @@ def load_mnist_split(limit: int | None = None):
     import tensorflow_datasets as tfds
 
     def arrays(split):
-        x, y = tfds.as_numpy(tfds.load("mnist", split=split, as_supervised=True, batch_size=-1))
-        x = (x.reshape(len(x), -1) / 255.0).astype("float32")
-        return (x[:limit], y[:limit].astype("int64")) if limit else (x, y.astype("int64"))
+        dataset = tfds.load("mnist", split=split, as_supervised=True)
+        if limit:
+            dataset = dataset.take(limit)
+        # One big batch rather than tfds's batch_size=-1, which aborts the
+        # process under tfds.testing.mock_data with TF 2.21 (std::length_error).
+        x, y = next(iter(tfds.as_numpy(dataset.batch(100_000))))
+        return (x.reshape(len(x), -1) / 255.0).astype("float32"), y.astype("int64")
 
     (x_train, y_train), (x_test, y_test) = arrays("train"), arrays("test")
     return x_train, x_test, y_train, y_test
