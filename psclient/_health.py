@@ -76,13 +76,6 @@ class Prober:
             return None
         return now - probe.started_at
 
-    def last_ok(self, device: str) -> bool | None:
-        with self._lock:
-            probe = self._probes.get(device)
-        if probe is None or not probe.done.is_set():
-            return None
-        return probe.ok
-
     def close(self, timeout: float) -> list[str]:
         """Join finished probe threads; return the devices whose probe still hangs."""
         deadline = time.monotonic() + timeout

@@ -28,7 +28,6 @@ __all__ = [
     "ps_device",
     "ps_index_of",
     "tcp_reachable",
-    "answers_steadily",
     "wait_reachable",
     "to_numpy",
     "name_error",
@@ -69,16 +68,6 @@ def tcp_reachable(address: str, timeout: float) -> bool:
             return True
     except OSError:
         return False
-
-
-def answers_steadily(address: str, *, attempts: int, interval: float, timeout: float) -> bool:
-    """Whether `address` accepts TCP connections `attempts` times, `interval` apart."""
-    for attempt in range(attempts):
-        if attempt:
-            time.sleep(interval)  # spacing between probes, not synchronisation
-        if not tcp_reachable(address, timeout):
-            return False
-    return True
 
 
 def wait_reachable(cluster: Cluster, timeout: float) -> None:

@@ -16,10 +16,10 @@ failed(worker, closure, error,     | retry=True: back to the *front* of the queu
        retry=...)                  | (the future stays RUNNING). retry=False: the
                                    | future gets the error, the first such error is
                                    | kept for join(), everything queued is cancelled
-worker_down(worker) / worker_up    | a down worker takes nothing until it is up
 worker_lost(worker, detected_after)| down, and every closure running on it goes
                                    | back to the front of the queue; a late report
-                                   | from that attempt is ignored (stale)
+                                   | from that attempt is ignored (stale); a down
+                                   | worker takes nothing until worker_up(worker)
 pause() / resume()                 | nothing is handed out while paused (checkpoints,
                                    | ps recovery); wait_idle() waits for running ones
 fail_all(error)                    | every queued and running closure gets `error`
@@ -210,10 +210,6 @@ class Scheduler:
         closure.future.set_exception(error)
         _cancel_all(cancelled, f"an earlier closure ({closure.name!r}) failed")
 
-    def worker_down(self, worker: int) -> None:
-        with self._cond:
-            self._set_up_locked(worker, False)
-
     def worker_lost(self, worker: int, *, detected_after: float | None = None) -> list[Closure]:
         """Take `worker` out and re-queue every closure running on it.
 
@@ -279,10 +275,6 @@ class Scheduler:
         """Closures that finished successfully, over all workers."""
         with self._cond:
             return sum(w.done for w in self._workers)
-
-    def running_count(self) -> int:
-        with self._cond:
-            return sum(len(r) for r in self._running)
 
     def fail_all(self, error: BaseException) -> int:
         """Resolve every queued and running closure with `error`; join() raises it.

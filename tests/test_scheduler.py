@@ -135,7 +135,7 @@ def test_user_cancel_before_start_is_dropped_and_join_returns():
 
 def test_down_worker_takes_nothing_until_up():
     s = Scheduler(num_workers=2)
-    s.worker_down(0)
+    s.worker_lost(0)
     s.submit(make())
     assert s.take(0, timeout=0.01) is None
     got = []
@@ -160,7 +160,7 @@ def test_close_cancels_queue_wakes_takers_and_rejects_submit():
     assert s.take(0, timeout=0) is first
     s.take(0, timeout=0)  # 'queued' now running too; the queue is empty
     s.submit(waiting := make("waiting"))
-    s.worker_down(0)  # so the taker below blocks instead of taking 'waiting'
+    s.pause()  # so the taker below blocks instead of taking 'waiting'
     result = []
     t = threading.Thread(target=lambda: result.append(s.take(0)))
     t.start()
