@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from psclient import _runtime
 from psclient._checkpoint import Checkpoints
@@ -52,6 +52,7 @@ class RecoveryConfig:
     checkpoint_every: int | None = None
     checkpoints_to_keep: int = 3
     hang_timeout: float = 30.0
+    worker_timeout: float = 300.0
     ps_timeout: float = 300.0
     #: How long a probe made while classifying an error may wait.
     probe_timeout: float = 10.0
@@ -81,7 +82,8 @@ class FaultTolerance:
             config.checkpoint_dir is not None) else None
         # The workers in TF's current view of the cluster (see _reconnect).
         self._connected = set(range(self._cluster.num_workers))
-        self._saved_keys: tuple[str, ...] | None = None
+        # Variables created in scope() when the newest checkpoint was taken.
+        self._saved_created = -1
         self._saved_completed = 0
         self._saved_at = time.monotonic()
         self.checkpoints_written = 0
@@ -169,7 +171,7 @@ class FaultTolerance:
     def on_all_gone(self, waited: float) -> None:
         error = WorkerUnavailableError(
             f"No worker has been available for {waited:.0f} s (worker_timeout="
-            f"{self._owner_worker_timeout()} s): every worker of the cluster is gone "
+            f"{self.config.worker_timeout:g} s): every worker of the cluster is gone "
             f"({', '.join(self._cluster.workers)}). Pending scheduled functions "
             "failed; restart the workers, then schedule again.",
             task="worker", address=None,
@@ -278,7 +280,8 @@ class FaultTolerance:
         if self.checkpoints is None:
             return
         owner = self._owner()
-        if owner is not None and tuple(owner._named_variables()) != self._saved_keys:  # noqa: SLF001
+        # A count, not the variables themselves: this runs on every schedule().
+        if owner is not None and owner._variables_created() != self._saved_created:  # noqa: SLF001
             self.checkpoint("new variables")
 
     def checkpoint(self, reason: str) -> str | None:
@@ -297,6 +300,7 @@ class FaultTolerance:
                     log.warning("checkpoint (%s) skipped: closures still running after %g s",
                                 reason, self.config.hang_timeout)
                     return None
+                created = owner._variables_created()  # noqa: SLF001
                 variables = owner._named_variables()  # noqa: SLF001
                 completed = self._scheduler.completed()
                 try:
@@ -308,7 +312,7 @@ class FaultTolerance:
                     if reason != "interval":
                         raise
                     return None
-                self._saved_keys = tuple(variables)
+                self._saved_created = created
                 self._saved_completed = completed
                 self._saved_at = time.monotonic()
                 self.checkpoints_written += 1
@@ -322,16 +326,17 @@ class FaultTolerance:
         if self.checkpoints is None or owner is None:
             return None
         with self._lock:
+            created = owner._variables_created()  # noqa: SLF001
             variables = owner._named_variables()  # noqa: SLF001
             path = self.checkpoints.latest()
             completed = self.checkpoints.restore(variables, path)
             if completed is None:
                 return None
-            self._saved_keys = tuple(variables)
+            self._saved_created = created
             return {"path": path, "completed_closures": completed}
 
     def _checkpoint_due(self) -> bool:
-        if self.checkpoints is None or self._saved_keys is None:
+        if self.checkpoints is None or self._saved_created < 0:
             return False  # nothing to save before the first schedule()
         interval, every = self.config.checkpoint_interval, self.config.checkpoint_every
         if interval is not None and time.monotonic() - self._saved_at >= interval:
@@ -418,10 +423,6 @@ class FaultTolerance:
                 self._scheduler.resume()  # the pause taken when the loss was seen
             self._lost_ps.clear()
         log.error("%s", error)
-
-    def _owner_worker_timeout(self) -> Any:
-        owner = self._owner()
-        return None if owner is None else owner._health_config.worker_timeout  # noqa: SLF001
 
 
 def rebuild_per_worker(values: list[PerWorker], worker: int | None, *, resources_only: bool) -> None:

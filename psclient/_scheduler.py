@@ -54,7 +54,7 @@ class Closure:
 
     __slots__ = (
         "id", "fn", "args", "kwargs", "future", "attempts", "started_at", "per_worker",
-        "worker", "function", "generation",
+        "worker", "function",
     )
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, future: Future):
@@ -69,10 +69,9 @@ class Closure:
         self.per_worker = False
         #: The worker running the current attempt (None while queued).
         self.worker: int | None = None
-        #: What `fn` was traced from, and the strategy's variable generation at
-        #: that time: after a ps task is rebuilt, `fn` is traced again.
+        #: What `fn` was traced from: after a ps task is rebuilt, `fn` is
+        #: traced again from it.
         self.function: Any = None
-        self.generation = 0
 
     @property
     def name(self) -> str:

@@ -150,7 +150,7 @@ class ParameterServerStrategy:
             checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
             checkpoint_interval=checkpoint_interval, checkpoint_every=checkpoint_every,
             checkpoints_to_keep=checkpoints_to_keep, hang_timeout=hang_timeout,
-            ps_timeout=ps_timeout, probe_timeout=min(10.0, hang_timeout),
+            worker_timeout=worker_timeout, ps_timeout=ps_timeout, probe_timeout=min(10.0, hang_timeout),
         ), prober)
         self._dispatcher = Dispatcher(
             self._scheduler,
@@ -485,6 +485,9 @@ class ParameterServerStrategy:
             if variable is not None:
                 named[variable_key(index)] = variable
         return named
+
+    def _variables_created(self) -> int:
+        return len(self._variables)
 
     def _renew_variables(self, lost_ps: set[int]) -> int:
         count = 0

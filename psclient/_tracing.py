@@ -77,7 +77,6 @@ class Tracer:
             args, kwargs = resolve_per_worker(args, kwargs, 0)
         concrete = self._trace(function, closure.name, args, kwargs)
         closure.fn = function if closure.per_worker else concrete
-        closure.generation = self.generation
 
     def retrace(self, queued: list[Closure]) -> None:
         """Start a new generation and trace the queued closures again."""
