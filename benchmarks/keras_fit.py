@@ -8,13 +8,21 @@ eager context is per process, and tf_keras and Keras 3 must not share one):
   psclient_keras3   Keras 3 model.fit, model built and compiled in psclient's scope
   tf_keras_pss      tf_keras model.fit with tf.distribute.experimental.ParameterServerStrategy
   keras3_local      Keras 3 model.fit in one process, no cluster (the limit)
+  psclient_step     no Keras: a hand-written step with the same math (dense
+                    layers, cross-entropy, SGD) scheduled with
+                    psclient's strategy.schedule, `steps_per_execution` steps
+                    per call (a tf.while_loop above 1). What the cluster
+                    itself allows, without fit's bookkeeping: a ceiling for
+                    psclient_keras3 on this machine and cluster.
 
 each at steps_per_execution 1 and 10. A path first fits `--warmup` steps
 (tracing, excluded), then times one fit of `--steps` steps, verbose=0
-(tf_keras's PS training rejects the progress bar).
+(tf_keras's PS training rejects the progress bar). Every path runs
+`--repeats` times, interleaved; the summary takes medians. Task CPU per step
+(the ps and worker processes together) is measured around each timed fit.
 
 Usage:
-  python benchmarks/keras_fit.py [--steps 400] [--warmup 40] > keras_fit.json
+  python benchmarks/keras_fit.py [--steps 400] [--warmup 40] [--repeats 1] > keras_fit.json
 
 Prints one JSON object (progress on stderr) and saves it under
 benchmarks/results/keras_fit-<date>.json. Exits 0 when every run finished,
@@ -24,6 +32,7 @@ whether or not the target (psclient >= 2x tf_keras_pss at both settings) is met.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -34,7 +43,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # _common, and the psclient of this checkout
 import _common  # noqa: E402
 
-PATHS = ("psclient_keras3", "tf_keras_pss", "keras3_local")
+PATHS = ("psclient_keras3", "tf_keras_pss", "keras3_local", "psclient_step")
 STEPS_PER_EXECUTION = (1, 10)
 UNITS, BATCH, LR = (784, 512, 512, 10), 128, 0.01
 NUM_WORKERS, NUM_PS = 2, 1
@@ -71,8 +80,48 @@ def build_model(keras_module, spe: int):
     return model
 
 
+def setup_step(cluster, spe: int):
+    """The Keras-free psclient path: returns fit(steps) -> last loss."""
+    import tensorflow as tf
+
+    import dispatch  # the same hand-written step the dispatch benchmark times
+    import psclient
+
+    assert dispatch.WORKLOADS["mlp"]["units"] == UNITS and dispatch.WORKLOADS["mlp"]["batch"] == BATCH
+    strategy = psclient.ParameterServerStrategy(cluster)
+    with strategy.scope():
+        variables = dispatch.make_variables("mlp")
+    iterator = iter(strategy.distribute_datasets_from_function(lambda ctx: make_dataset()))
+
+    @tf.function
+    def one_step(iterator):
+        x, y = next(iterator)
+        return dispatch.train_on_batch(variables, LR, x, y)
+
+    @tf.function
+    def many_steps(iterator, count):
+        loss = one_step(iterator)
+        _, loss = tf.while_loop(lambda i, _: i < count, lambda i, _: (i + 1, one_step(iterator)),
+                                (tf.constant(1), loss))
+        return loss
+
+    count = tf.constant(spe)
+
+    def fit(steps: int) -> float:
+        if spe == 1:
+            futures = [strategy.schedule(one_step, args=(iterator,)) for _ in range(steps)]
+        else:
+            futures = [strategy.schedule(many_steps, args=(iterator, count)) for _ in range(steps // spe)]
+        strategy.join()
+        return float(futures[-1].result())
+
+    return fit
+
+
 def setup(path: str, cluster, spe: int):
     """Returns fit(steps) for the path."""
+    if path == "psclient_step":
+        return setup_step(cluster, spe)
     if path == "tf_keras_pss":
         import tensorflow as tf
         import tf_keras
@@ -110,15 +159,19 @@ def child_main(args) -> None:
 
     cluster = psclient.Cluster(json.loads(args.cluster))
     fit = setup(args._child, cluster, args.spe)
+    task_pids = json.loads(args.task_pids)
     first_loss = fit(args.warmup)
+    tasks0 = _common.cpu_seconds(task_pids)
     cpu0, t0 = time.process_time(), time.perf_counter()
     last_loss = fit(args.steps)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    tasks = _common.cpu_seconds(task_pids) - tasks0  # keras3_local leaves them idle
     _common.child_exit({
         "steps": args.steps,
         "seconds": round(seconds, 3),
         "steps_per_s": round(args.steps / seconds, 1),
         "coordinator_cpu_us_per_step": round(cpu / args.steps * 1e6, 1),
+        "tasks_cpu_us_per_step": round(tasks / args.steps * 1e6, 1),
         "loss_after_warmup": round(first_loss, 4),
         "loss_last": round(last_loss, 4),
         "load_average_1min": round(os.getloadavg()[0], 2),
@@ -129,29 +182,29 @@ def parent_main(args, argv) -> int:
     output = {"config": {
         **_common.environment(argv),
         "model": "784-512-512-10 ReLU MLP, SGD", "batch": BATCH, "num_workers": NUM_WORKERS,
-        "num_ps": NUM_PS, "warmup_steps": args.warmup, "timed_steps": args.steps, "runs_per_path": 1,
+        "num_ps": NUM_PS, "warmup_steps": args.warmup, "timed_steps": args.steps,
+        "runs_per_path": args.repeats,
     }}
-    runs: dict = {f"spe_{spe}": {} for spe in STEPS_PER_EXECUTION}
+    runs: dict = {f"spe_{spe}": {path: [] for path in PATHS} for spe in STEPS_PER_EXECUTION}
     env = _common.quiet_tf_env(GRPC_FAIL_FAST="use_caller")
     started = time.perf_counter()
     with _common.stop_on_sigterm():
         _common.log(f"starting a LocalCluster ({NUM_WORKERS} workers, {NUM_PS} ps)")
         with _common.local_cluster(NUM_WORKERS, NUM_PS) as (cluster, task_pids):
             output["config"]["cluster"] = cluster.jobs
-            for spe in STEPS_PER_EXECUTION:
-                for path in PATHS:
-                    child = [os.path.abspath(__file__), "--_child", path, "--spe", str(spe),
-                             "--cluster", json.dumps(cluster.jobs),
-                             "--steps", str(args.steps), "--warmup", str(args.warmup)]
-                    tag = f"steps_per_execution={spe:<3} {path:16}"
-                    try:
-                        result = _common.run_child(child, timeout=180 + args.steps / 5, env=env)
-                    except _common.ChildError as error:
-                        _common.log(f"{tag} FAILED: {error}")
-                        result = {"error": str(error)}
-                    else:
-                        _common.log(f"{tag} {result['steps_per_s']:8.1f} steps/s")
-                    runs[f"spe_{spe}"][path] = result
+            for repeat, spe, path in itertools.product(range(args.repeats), STEPS_PER_EXECUTION, PATHS):
+                child = [os.path.abspath(__file__), "--_child", path, "--spe", str(spe),
+                         "--cluster", json.dumps(cluster.jobs), "--task-pids", json.dumps(list(task_pids.values())),
+                         "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                tag = f"run {repeat + 1}/{args.repeats} steps_per_execution={spe:<3} {path:16}"
+                try:
+                    result = _common.run_child(child, timeout=180 + args.steps / 5, env=env)
+                except _common.ChildError as error:
+                    _common.log(f"{tag} FAILED: {error}")
+                    result = {"error": str(error)}
+                else:
+                    _common.log(f"{tag} {result['steps_per_s']:8.1f} steps/s")
+                runs[f"spe_{spe}"][path].append(result)
     output["config"]["wall_s"] = round(time.perf_counter() - started, 1)
     output["results"] = summarize(runs)
     output["runs"] = runs
@@ -162,18 +215,28 @@ def parent_main(args, argv) -> int:
         json.dump(output, f, indent=2)
         f.write("\n")
     _common.log(f"saved {os.path.relpath(saved, os.path.dirname(_HERE))}")
-    return 1 if any("error" in r for per in runs.values() for r in per.values()) else 0
+    return 1 if any("error" in r for per in runs.values() for rs in per.values() for r in rs) else 0
 
 
 def summarize(runs: dict) -> dict:
     summary = {}
     for setting, per_path in runs.items():
-        rate = {p: r.get("steps_per_s") for p, r in per_path.items()}
+        def median_of(key: str) -> dict:
+            return {p: _common.median([r[key] for r in rs if key in r]) for p, rs in per_path.items()}
+
+        rate = median_of("steps_per_s")
         ours, theirs, local = rate.get("psclient_keras3"), rate.get("tf_keras_pss"), rate.get("keras3_local")
-        entry = {"steps_per_s": rate}
+        ceiling = rate.get("psclient_step")
+        entry = {"median_steps_per_s": rate, "median_tasks_cpu_us_per_step": median_of("tasks_cpu_us_per_step"),
+                 "median_coordinator_cpu_us_per_step": median_of("coordinator_cpu_us_per_step")}
         if ours and theirs:
             entry["psclient/tf_keras_pss"] = round(ours / theirs, 3)
             entry[f"target psclient/tf_keras_pss >= {TARGET}"] = ours / theirs >= TARGET
+        if ceiling and theirs:
+            # If this is below the target, no Keras integration can meet it here.
+            entry["psclient_step/tf_keras_pss"] = round(ceiling / theirs, 3)
+        if ours and ceiling:
+            entry["psclient/psclient_step"] = round(ours / ceiling, 3)
         if ours and local:
             entry["psclient/keras3_local"] = round(ours / local, 3)
         summary[setting] = entry
@@ -185,9 +248,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=400, help="timed steps per path (a multiple of 10)")
     parser.add_argument("--warmup", type=int, default=40, help="untimed steps first (tracing)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per path and setting (medians)")
     parser.add_argument("--_child", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--spe", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--cluster", help=argparse.SUPPRESS)
+    parser.add_argument("--task-pids", default="[]", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._child:
         try:
