@@ -296,7 +296,7 @@ class ParameterServerStrategy:
                 f"Invalid value for argument `kwargs`. Received: kwargs={kwargs!r} of type "
                 f"{type(kwargs).__name__}. Expected a mapping of keyword arguments or None."
             )
-        args, kwargs = tuple(args), dict(kwargs or {})
+        args, kwargs = self._tracer.with_defaults(function, tuple(args), dict(kwargs or {}))
         per_worker = has_per_worker(args, kwargs)
         self._ft.before_schedule()  # checkpoint new variables before they change
         closure = Closure(None, args, kwargs, Future(name))

@@ -9,10 +9,21 @@ After a ps task is rebuilt its variables have new resources, and every
 function traced before captured the old ones. `retrace` then starts a new
 *generation*: functions are traced again from their Python code (a fresh
 `tf.function` per original), and queued closures get the new traces.
+
+Finding the trace for a call costs the coordinator more CPU than making the
+call (TF canonicalises and hashes every argument's type): about a third of
+`model.fit`'s coordinator time at one step per call. Most programs schedule
+the same function with the same argument objects again and again (a
+per-worker iterator, a cached count), so when every argument is a per-worker
+value, an eager tensor or an immutable scalar, the trace is cached by the
+identity of those objects: a repeated call skips TF's lookup, on the
+coordinator and on the worker's dispatcher thread. Anything else (nested
+structures, mutable Python objects, variables) takes TF's own lookup.
 """
 
 from __future__ import annotations
 
+import collections
 import inspect
 import threading
 import warnings
@@ -20,7 +31,7 @@ import weakref
 from typing import Any, Callable
 
 from psclient import _runtime
-from psclient._per_worker import resolve_per_worker
+from psclient._per_worker import PerWorker, resolve_per_worker
 from psclient._scheduler import Closure
 
 __all__ = ["Tracer"]
@@ -32,9 +43,12 @@ class Tracer:
         # Plain callables wrapped in a tf.function once, so their traces are reused.
         self._wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._fresh: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._signatures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._checked: set[int] = set()
         self._warned_variables: set[str] = set()
         self.generation = 0
+        # (function, generation, argument identities) -> _Trace; see the module doc.
+        self._by_identity: collections.OrderedDict = collections.OrderedDict()
         #: Held while a closure is traced and queued, and while a generation turns.
         self.lock = threading.RLock()
 
@@ -59,6 +73,34 @@ class Tracer:
             cache[key] = tf.function(fn)
         return cache[key], name
 
+    def with_defaults(self, function, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """`args` and `kwargs` with the Python defaults of `function` filled in.
+
+        The dispatcher calls traced (concrete) functions, which take every
+        argument explicitly; the tf.function itself would have applied them.
+        """
+        import tensorflow as tf
+
+        if isinstance(function, tf.types.experimental.ConcreteFunction):
+            return args, kwargs
+        signature = self._signatures.get(function, False)
+        if signature is False:
+            try:
+                signature = inspect.signature(function.python_function)
+            except (AttributeError, TypeError, ValueError):
+                signature = None
+            if not any(p.default is not p.empty for p in getattr(signature, "parameters", {}).values()):
+                signature = None
+            self._signatures[function] = signature
+        if signature is None:
+            return args, kwargs
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return args, kwargs  # tracing raises the argument mismatch, naming the function
+        bound.apply_defaults()
+        return tuple(bound.args), dict(bound.kwargs)
+
     def prepare(self, closure: Closure) -> None:
         """Set `closure.fn`: what a dispatcher calls, traced for the current variables.
 
@@ -72,16 +114,38 @@ class Tracer:
         function = closure.function
         if self.generation and not isinstance(function, tf.types.experimental.ConcreteFunction):
             function = self._fresh_function(function)
+        key = _identity_key(closure.args, closure.kwargs)
+        if key is not None:
+            key = (id(function), self.generation, key)
+            known = self._by_identity.get(key)
+            if known is not None and known.matches(function, closure.args, closure.kwargs):
+                self._by_identity.move_to_end(key)
+                closure.fn = known.call
+                return
         args, kwargs = closure.args, closure.kwargs
         if closure.per_worker:
             args, kwargs = resolve_per_worker(args, kwargs, 0)
         concrete = self._trace(function, closure.name, args, kwargs)
-        closure.fn = function if closure.per_worker else concrete
+        if key is None:
+            closure.fn = function if closure.per_worker else concrete
+            return
+        if closure.per_worker:
+            # Each worker's values (its iterator, its table) get their own
+            # trace, looked up by their identity on the dispatcher thread.
+            known = _Trace(function, closure.args, closure.kwargs, _PerWorkerTraces(
+                lambda a, k: self._trace(function, closure.name, a, k)))
+        else:
+            known = _Trace(function, closure.args, closure.kwargs, concrete)
+        self._by_identity[key] = known
+        while len(self._by_identity) > _MAX_REMEMBERED:
+            self._by_identity.popitem(last=False)
+        closure.fn = known.call
 
     def retrace(self, queued: list[Closure]) -> None:
         """Start a new generation and trace the queued closures again."""
         with self.lock:
             self.generation += 1
+            self._by_identity.clear()
             for closure in queued:
                 self.prepare(closure)
 
@@ -131,3 +195,89 @@ class Tracer:
                 "place it on a parameter server.",
                 stacklevel=5,
             )
+
+
+# ------------------------------------------------- traces by argument identity
+_MAX_REMEMBERED = 64
+_SCALARS = (int, float, bool, str, bytes, type(None))
+
+
+def _cacheable(value) -> bool:
+    import tensorflow as tf
+
+    # Eager tensors are immutable; per-worker values resolve per worker (and
+    # are looked up again by identity there); scalars are compared by identity
+    # while held. A variable, a list or an object could change under the same
+    # identity, and TF traces them by what they hold.
+    return isinstance(value, (PerWorker, _SCALARS)) or (isinstance(value, tf.Tensor) and hasattr(value, "numpy"))
+
+
+def _identity_key(args: tuple, kwargs: dict) -> tuple | None:
+    if not all(map(_cacheable, args)) or not all(map(_cacheable, kwargs.values())):
+        return None
+    return _ids(args, kwargs)
+
+
+def _ids(args: tuple, kwargs: dict) -> tuple:
+    return tuple(map(id, args)) + tuple((name, id(value)) for name, value in sorted(kwargs.items()))
+
+
+def _holder(value) -> Callable[[], Any]:
+    """A reference to `value` that does not keep tensors and iterators alive."""
+    try:
+        return weakref.ref(value)
+    except TypeError:  # scalars: held, which keeps their identity unique
+        return lambda: value
+
+
+class _Holds:
+    """The argument objects a cached trace was made for, without owning them."""
+
+    def __init__(self, args: tuple, kwargs: dict):
+        self._args = [_holder(a) for a in args]
+        self._kwargs = {name: _holder(v) for name, v in kwargs.items()}
+
+    def same(self, args: tuple, kwargs: dict) -> bool:
+        # An id can be reused once its object is gone: compare the objects.
+        return (
+            len(args) == len(self._args)
+            and all(held() is a for held, a in zip(self._args, args))
+            and kwargs.keys() == self._kwargs.keys()
+            and all(self._kwargs[name]() is v for name, v in kwargs.items())
+        )
+
+
+class _Trace:
+    """A trace remembered for one function and one set of argument objects."""
+
+    def __init__(self, function, args: tuple, kwargs: dict, call: Callable):
+        self._function = weakref.ref(function)
+        self._holds = _Holds(args, kwargs)
+        self.call = call
+
+    def matches(self, function, args: tuple, kwargs: dict) -> bool:
+        return self._function() is function and self._holds.same(args, kwargs)
+
+
+class _PerWorkerTraces:
+    """Calls with one worker's values, through a trace per set of those values."""
+
+    def __init__(self, trace: Callable[[tuple, dict], Any]):
+        self._trace = trace
+        self._traces: dict[tuple, tuple[_Holds, Any]] = {}
+        self._lock = threading.Lock()  # pipeline_depth threads per worker call at once
+
+    def __call__(self, *args, **kwargs):
+        # The other arguments passed _cacheable when scheduled; what the
+        # per-worker ones resolved to (iterators, datasets, resources) was
+        # built by psclient and is only ever replaced, never changed.
+        key = _ids(args, kwargs)
+        with self._lock:
+            known = self._traces.get(key)
+        if known is None or not known[0].same(args, kwargs):
+            known = (_Holds(args, kwargs), self._trace(args, kwargs))
+            with self._lock:
+                self._traces[key] = known
+                while len(self._traces) > _MAX_REMEMBERED:
+                    self._traces.pop(next(iter(self._traces)))
+        return known[1](*args, **kwargs)

@@ -290,8 +290,13 @@ def test_keras_fit_goes_on_through_a_ps_restart_mid_epoch(heal, tmp_path):
         ps = strategy.stats()["ps"][0]
         assert ps["recoveries"] == 1
         # The optimizer's step counter went back with everything else, by
-        # exactly the steps the rollback undid (one step per closure here).
-        assert int(model.optimizer.iterations.numpy()) == 4 * 60 - ps["rolled_back_closures"]
+        # the steps the rollback undid (one step per closure here). A step
+        # retried after a transient error right after the restart may have
+        # counted itself before failing (README, Semantics): at most once more
+        # per retry.
+        expected = 4 * 60 - ps["rolled_back_closures"]
+        retried = sum(w["retried"] for w in strategy.stats()["workers"])
+        assert expected <= int(model.optimizer.iterations.numpy()) <= expected + retried
         assert len(history.history["loss"]) == 4
         assert history.history["loss"][-1] < history.history["loss"][0]
     finally:

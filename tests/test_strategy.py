@@ -69,6 +69,47 @@ def test_plain_python_callable_is_wrapped_once(strategy):
     assert wrapped.experimental_get_tracing_count() == 1
 
 
+def test_repeated_arguments_reuse_the_trace_and_new_ones_still_give_right_results(strategy):
+    # The trace of a call is cached by the identity of its arguments; every
+    # other argument must still be traced and called by what it holds.
+    calls = []
+
+    @tf.function
+    def scale(x, factor, items=()):
+        calls.append(1)  # counts traces (Python side effect runs only when tracing)
+        return x * factor + sum(items)
+
+    dataset = strategy.distribute_datasets_from_function(lambda ctx: tf.data.Dataset.range(1000))
+    iterator = iter(dataset)
+
+    @tf.function
+    def take(it, factor):
+        return next(it) * factor
+
+    ten = tf.constant(10, tf.int64)
+    taken = [strategy.schedule(take, args=(iterator, ten)) for _ in range(40)]
+    strategy.join()
+    values = sorted(int(f.result()) for f in taken)
+    # Each worker reads its own copy of range(1000): first 40 values overall, each x10.
+    assert all(v % 10 == 0 for v in values) and len(values) == 40
+    assert take.experimental_get_tracing_count() == 1
+
+    x = tf.constant([1.0, 2.0])
+    # `items` is left to its Python default (a traced function takes it explicitly).
+    assert list(strategy.schedule(scale, args=(x, 2.0)).result(60)) == [2.0, 4.0]
+    assert list(strategy.schedule(scale, args=(x, 3.0)).result(60)) == [3.0, 6.0]  # a new scalar
+    wide = tf.constant([1.0, 2.0, 3.0])  # a new tensor of another shape: a new trace
+    assert list(strategy.schedule(scale, args=(wide, 2.0)).result(60)) == [2.0, 4.0, 6.0]
+    items = [1.0]
+    assert list(strategy.schedule(scale, args=(x, 2.0), kwargs={"items": items}).result(60)) == [3.0, 5.0]
+    items.append(10.0)  # the same list, changed: TF's own lookup sees the change
+    assert list(strategy.schedule(scale, args=(x, 2.0), kwargs={"items": items}).result(60)) == [13.0, 15.0]
+    before = len(calls)
+    for _ in range(5):
+        assert list(strategy.schedule(scale, args=(x, 3.0)).result(60)) == [3.0, 6.0]
+    assert len(calls) == before  # repeated calls were not traced again
+
+
 def test_join_raises_first_error_with_type_message_and_name_then_recovers(strategy):
     @tf.function
     def must_be_positive(x):
