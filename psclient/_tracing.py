@@ -105,9 +105,11 @@ class Tracer:
         """Set `closure.fn`: what a dispatcher calls, traced for the current variables.
 
         Without per-worker arguments the traced (concrete) function is called
-        directly. With them, each worker's call goes through the tf.function,
-        whose cache maps tensor-like values (iterators) to the same trace and
-        Python-object resources (e.g. lookup tables) to one trace each.
+        directly. With them, each worker's values need their trace: tensor-like
+        ones (iterators) share one, Python-object resources (e.g. lookup
+        tables) get one each. Arguments that qualify for the identity cache
+        (module doc) find it there, per worker; others go through the
+        tf.function's own lookup on every call.
         """
         import tensorflow as tf
 
