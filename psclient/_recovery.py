@@ -103,7 +103,7 @@ class FaultTolerance:
         with self._lock:
             dead = [
                 w for w in sorted(self._connected)
-                if w != keep and not _runtime.tcp_reachable(self._cluster.address("worker", w), 1.0)
+                if w != keep and _runtime.tcp_state(self._cluster.address("worker", w), 1.0) == "closed"
             ]
             if not dead or owner is None:
                 return False
@@ -202,15 +202,17 @@ class FaultTolerance:
         return True
 
     def hung_in_view(self, returning: int | None = None) -> list[int]:
-        """Workers in TF's view that are out of rotation but still accept TCP: hung.
+        """Workers in TF's view that are out of rotation and not gone: hung.
 
-        TF's `update_server_def` waits forever on a SIGSTOPped task, whether
-        the new view keeps it or drops it, so no reconnect is tried then.
+        Hung means a TCP connect is accepted (a SIGSTOPped process) or gets no
+        answer at all (a network cut); only a refused one means gone. TF's
+        `update_server_def` waits on a hung task until it answers, whether the
+        new view keeps it or drops it, so no reconnect is tried then.
         """
         return [
             w for w in sorted(self._connected)
             if w != returning and not self._scheduler.worker_is_up(w)
-            and _runtime.tcp_reachable(self._cluster.address("worker", w), 1.0)
+            and _runtime.tcp_state(self._cluster.address("worker", w), 1.0) != "closed"
         ]
 
     def _reconnect(self, owner, returning: int | None) -> bool:
@@ -239,10 +241,10 @@ class FaultTolerance:
                 # Any answer, even an error, means the process is there; an
                 # error can come from the stale view this reconnect replaces.
                 answered = probes[worker].done.wait(max(0.0, deadline - time.monotonic()))
-                reachable = _runtime.tcp_reachable(self._cluster.address("worker", worker), 1.0)
-                if answered and (probes[worker].ok or reachable):
+                state = _runtime.tcp_state(self._cluster.address("worker", worker), 1.0)
+                if answered and (probes[worker].ok or state == "open"):
                     live.append(worker)
-                elif reachable:
+                elif state != "closed":
                     self._scheduler.worker_lost(worker)
                     return False  # hung: not now (see hung_in_view)
                 else:

@@ -28,6 +28,7 @@ __all__ = [
     "ps_device",
     "ps_index_of",
     "tcp_reachable",
+    "tcp_state",
     "wait_reachable",
     "to_numpy",
     "name_error",
@@ -59,15 +60,27 @@ def ps_index_of(device: str | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def tcp_reachable(address: str, timeout: float) -> bool:
-    """Whether something accepts TCP connections at `address` ("host:port")."""
+def tcp_state(address: str, timeout: float) -> str:
+    """What a TCP connect to `address` ("host:port") gets within `timeout`.
+
+    "open": something accepts connections. "closed": a definite no (refused,
+    unreachable): the process is gone. "silent": no answer at all, as from a
+    host cut off by the network; like a hung task, it may answer again.
+    """
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout):
-            return True
+            return "open"
+    except TimeoutError:  # socket.timeout: the connect got no answer in time
+        return "silent"
     except OSError:
-        return False
+        return "closed"
+
+
+def tcp_reachable(address: str, timeout: float) -> bool:
+    """Whether something accepts TCP connections at `address` ("host:port")."""
+    return tcp_state(address, timeout) == "open"
 
 
 def wait_reachable(cluster: Cluster, timeout: float) -> None:
