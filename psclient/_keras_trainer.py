@@ -197,8 +197,9 @@ class TrainFunction:
             # and updates ps variables makes every task that holds them run
             # the loop too, with the loop condition sent to it each
             # iteration: worth it for many steps per call, and the reason a
-            # single step gets its own loop-free function (about 30% more
-            # steps/s at steps_per_execution=1 in benchmarks/keras_fit.py).
+            # single step gets its own loop-free function (measured ad hoc
+            # with benchmarks/keras_fit.py's model: ~30% more steps/s at
+            # steps_per_execution=1).
             step = model_ref().train_step
             logs = step(next(iterator))
             _, logs = tf.while_loop(

@@ -12,7 +12,7 @@ function traced before captured the old ones. `retrace` then starts a new
 
 Finding the trace for a call costs the coordinator more CPU than making the
 call (TF canonicalises and hashes every argument's type): about a third of
-`model.fit`'s coordinator time at one step per call. Most programs schedule
+`model.fit`'s coordinator time at one step per call, profiled with py-spy. Most programs schedule
 the same function with the same argument objects again and again (a
 per-worker iterator, a cached count), so when every argument is a per-worker
 value, an eager tensor or an immutable scalar, the trace is cached by the
