@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import psclient
+from _polling import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -51,15 +52,6 @@ def counting_step(strategy, work=2):
         return steps.read_value()
 
     return steps, step
-
-
-def wait_for(predicate, timeout, what):
-    """Poll a cheap predicate (strategy stats) until true; fail after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def test_killed_worker_rejoins_after_restart_with_its_iterator_rebuilt(heal):

@@ -32,6 +32,7 @@ import pytest
 import tensorflow as tf
 
 import psclient
+from _polling import wait_for
 from psclient import _runtime
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
@@ -189,15 +190,6 @@ def partition(cluster):
 def make_strategy(cluster, **kwargs):
     kwargs.setdefault("hang_timeout", HANG_TIMEOUT)
     return psclient.ParameterServerStrategy(cluster.cluster, **kwargs)
-
-
-def wait_for(predicate, timeout, what):
-    """Poll a cheap predicate (strategy stats) until true; fail after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def indexed_step(strategy):
