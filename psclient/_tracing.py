@@ -134,8 +134,10 @@ class Tracer:
         if closure.per_worker:
             # Each worker's values (its iterator, its table) get their own
             # trace, looked up by their identity on the dispatcher thread.
+            # The name, not the closure: the cache must not keep its result alive.
+            name = closure.name
             known = _Trace(function, closure.args, closure.kwargs, _PerWorkerTraces(
-                lambda a, k: self._trace(function, closure.name, a, k)))
+                lambda a, k: self._trace(function, name, a, k)))
         else:
             known = _Trace(function, closure.args, closure.kwargs, concrete)
         self._by_identity[key] = known
