@@ -82,9 +82,9 @@ def build_model(keras_module, spe: int):
 
 def setup_step(cluster, spe: int):
     """The Keras-free psclient path: returns fit(steps) -> last loss."""
+    import dispatch  # the same hand-written step the dispatch benchmark times
     import tensorflow as tf
 
-    import dispatch  # the same hand-written step the dispatch benchmark times
     import psclient
 
     assert dispatch.WORKLOADS["mlp"]["units"] == UNITS and dispatch.WORKLOADS["mlp"]["batch"] == BATCH

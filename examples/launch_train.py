@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     import tensorflow as tf
 
     import psclient
-    from psclient._sidecar import write_final_marker
+    from psclient._sidecar.evaluator import write_final_marker
 
     keras.utils.set_random_seed(0)
     x_train, _, y_train, _ = _split()

@@ -3,23 +3,38 @@
 One coordinator process drives a cluster of TensorFlow task servers over TF's
 own gRPC runtime: ps tasks hold the variables, workers run the steps.
 
-Layout: this module is the whole public API. Implementation lives in private
-modules, one idea each: `_cluster` (cluster descriptions), `_local` (local
-task processes), `_server`/`_cli` (the `psclient` command), `_strategy` (the
-strategy), `_scheduler` and `_failures` (queue and failure policy, pure
-logic), `_dispatch` and `_runtime` (the TensorFlow edge), `_placement`,
-`_per_worker`, `_future`, `_compat` (TF's ClusterCoordinator API), `_errors`;
-fault tolerance in `_health` (probes, hang detection), `_recovery` (rejoin, ps
-recovery) and `_checkpoint`; `_tracing` (what a dispatcher calls); the
-sidecar evaluator in `_sidecar`/`_sidecar_formats`; `_launch` and `_demo`
-behind the `launch` and `demo` commands; Keras 3 `fit`/`evaluate`/`predict`
-support in `_keras*` (installed by `strategy.scope()`).
+This module is the whole public API. Behind it, private subpackages, each with
+one job, in layers (a layer imports only the layers below it; the rules are
+contracts in pyproject.toml, checked by tests/test_layout.py):
+
+  _cli, _demo     the `psclient` command and its demo
+  _keras          Keras 3 fit/evaluate/predict on the cluster: the one seam
+                  into Keras internals (`_keras/install.py`), installed when
+                  a strategy's scope is first entered (hook registered here)
+  _sidecar        the sidecar evaluator and the checkpoint formats it reads
+  _coordinator    the strategy and everything that calls TensorFlow for it:
+                  dispatch threads, tracing, per-worker values, checkpoints,
+                  recovery actions, TF's ClusterCoordinator API, and
+                  `runtime`, the one module that touches TF internals
+  _cluster        cluster descriptions, local task processes, `serve`, `launch`
+  _core           pure logic, no TensorFlow or Keras: scheduler, futures,
+                  errors, failure classification, health and recovery
+                  decisions, placement
+
 TensorFlow is imported lazily, so `import psclient` is cheap.
 """
 
-from psclient._cluster import Cluster
-from psclient._compat import ClusterCoordinator
-from psclient._errors import (
+from psclient._cluster.local import LocalCluster
+from psclient._cluster.spec import Cluster
+from psclient._coordinator import registry as _registry
+from psclient._coordinator.compat import ClusterCoordinator
+from psclient._coordinator.per_worker import (
+    PerWorker,
+    PerWorkerDataset,
+    PerWorkerIterator,
+)
+from psclient._coordinator.strategy import ParameterServerStrategy
+from psclient._core.errors import (
     ClusterConfigError,
     PSClientError,
     PSUnavailableError,
@@ -27,7 +42,7 @@ from psclient._errors import (
     TaskUnreachableError,
     WorkerUnavailableError,
 )
-from psclient._future import (
+from psclient._core.future import (
     ALL_COMPLETED,
     FIRST_COMPLETED,
     FIRST_EXCEPTION,
@@ -35,19 +50,31 @@ from psclient._future import (
     as_completed,
     wait,
 )
-from psclient._local import LocalCluster
-from psclient._per_worker import PerWorker, PerWorkerDataset, PerWorkerIterator
-from psclient._sidecar import SidecarEvaluator, SidecarReport, read_final_marker, write_final_marker
-from psclient._sidecar_formats import CheckpointMismatchError
-from psclient._strategy import ParameterServerStrategy
+from psclient._sidecar.evaluator import (
+    SidecarEvaluator,
+    SidecarReport,
+    read_final_marker,
+    write_final_marker,
+)
+from psclient._sidecar.formats import CheckpointMismatchError
 
 __version__ = "0.1.0"
+
+
+def _install_keras_support() -> None:
+    # Keras is heavy and optional: loaded when a strategy's scope first opens.
+    from psclient._keras.install import install
+
+    install()
+
+
+_registry.add_scope_hook(_install_keras_support)
 
 
 def __getattr__(name):
     # Keras-backed names load Keras on first use, so `import psclient` stays cheap.
     if name == "BackupAndRestore":
-        from psclient._keras_callbacks import BackupAndRestore
+        from psclient._keras.callbacks import BackupAndRestore
 
         return BackupAndRestore
     raise AttributeError(f"module 'psclient' has no attribute {name!r}")

@@ -22,15 +22,15 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from psclient import _server
-from psclient._cluster import (
+from psclient._cluster import server as _server
+from psclient._cluster.spec import (
     Cluster,
     cluster_from_config,
     parse_config_json,
     read_tf_config,
     task_from_config,
 )
-from psclient._errors import ClusterConfigError
+from psclient._core.errors import ClusterConfigError
 
 _MAIN_EPILOG = """\
 example:
@@ -84,7 +84,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         metavar="N",
         help="TensorFlow inter-op threads, at least 2 (default: max(CPU count, workers + 1))",
     )
-    # Used by LocalCluster only: see psclient._server.serve.
+    # Used by LocalCluster only: see psclient._cluster.server.serve.
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     serve.add_argument("--parent-fd", type=int, help=argparse.SUPPRESS)
     serve.set_defaults(handler=_run_serve, command_parser=serve)
@@ -202,8 +202,10 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="psclient evaluate: %(message)s", stream=sys.stderr)
-    from psclient._sidecar import SidecarEvaluator  # Imports TensorFlow when it evaluates.
-    from psclient._sidecar_formats import CheckpointMismatchError
+    from psclient._sidecar.evaluator import (
+        SidecarEvaluator,  # Imports TensorFlow when it evaluates.
+    )
+    from psclient._sidecar.formats import CheckpointMismatchError
 
     try:
         evaluator = SidecarEvaluator(
@@ -272,8 +274,8 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_launch(args: argparse.Namespace) -> int:
-    from psclient._errors import TaskUnreachableError
-    from psclient._launch import LaunchConfig, launch
+    from psclient._cluster.launch import LaunchConfig, launch
+    from psclient._core.errors import TaskUnreachableError
 
     parser = args.command_parser
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

@@ -68,7 +68,7 @@ _TF_NOISE = re.compile(r"^([IWE]\d{4} \d\d:\d\d:|WARNING: All log messages befor
 
 
 def _start_evaluator(checkpoint_dir: str, log_dir: str, best: str):
-    from psclient._launch import _Child, _Output
+    from psclient._cluster.launch import _Child, _Output
 
     class QuietOutput(_Output):
         def line(self, name: str, text: str) -> None:
@@ -90,7 +90,7 @@ def _start_evaluator(checkpoint_dir: str, log_dir: str, best: str):
 def run(epochs: int = 8, workdir: str | None = None, num_workers: int = 2, num_ps: int = 1) -> int:
     """Runs the demo; returns an exit status."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # Keep TensorFlow's start-up chatter out.
-    from psclient._server import SECURITY_WARNING
+    from psclient._cluster.server import SECURITY_WARNING
 
     start = time.monotonic()
     workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="psclient-demo-"))
@@ -107,7 +107,7 @@ def run(epochs: int = 8, workdir: str | None = None, num_workers: int = 2, num_p
         import numpy as np
 
         import psclient
-        from psclient._sidecar import write_final_marker
+        from psclient._sidecar.evaluator import write_final_marker
 
         keras.utils.set_random_seed(0)
         x_train, x_test, y_train, y_test = _split()

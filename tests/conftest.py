@@ -15,7 +15,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from psclient._local import LocalCluster  # noqa: E402
+from psclient._cluster.local import LocalCluster  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +32,7 @@ def strategy(local_cluster):
     TensorFlow keeps one cluster connection per process, so each module's
     strategy is shut down before the next module connects its own.
     """
-    from psclient._strategy import ParameterServerStrategy
+    from psclient._coordinator.strategy import ParameterServerStrategy
 
     s = ParameterServerStrategy(local_cluster.cluster)
     yield s

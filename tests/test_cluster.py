@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from psclient._cluster import Cluster, task_from_env
-from psclient._errors import ClusterConfigError
+from psclient._cluster.spec import Cluster, task_from_env
+from psclient._core.errors import ClusterConfigError
 
 JOBS = {"worker": ["w0:2222", "w1:2222"], "ps": ["p0:2222"]}
 
@@ -296,7 +296,7 @@ def test_to_tf_config():
 
 
 def test_module_does_not_import_tensorflow():
-    code = "import sys, psclient._cluster; print('tensorflow' in sys.modules)"
+    code = "import sys, psclient._cluster.spec; print('tensorflow' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 

@@ -2,7 +2,7 @@
 
 import tensorflow as tf
 
-from psclient._failures import Verdict, classify
+from psclient._core.failures import Verdict, classify
 
 
 def test_connection_error_type_with_dead_worker_is_worker_lost():
@@ -59,7 +59,7 @@ def test_lost_ps_is_reported_before_any_worker_is_probed():
 
 
 def test_unexplained_connection_error_is_retried_a_few_times_then_is_the_functions():
-    from psclient._failures import MAX_TRANSIENT_ATTEMPTS
+    from psclient._core.failures import MAX_TRANSIENT_ATTEMPTS
 
     err = tf.errors.UnavailableError(None, None, "Connection refused")
     for attempts in range(1, MAX_TRANSIENT_ATTEMPTS):

@@ -9,9 +9,9 @@ import time
 
 import pytest
 import tensorflow as tf
+from _polling import wait_for
 
 import psclient
-from _polling import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 

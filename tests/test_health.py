@@ -2,7 +2,7 @@
 
 import threading
 
-from psclient._health import HealthConfig, HealthMonitor, Prober
+from psclient._core.health import HealthConfig, HealthMonitor, Prober
 
 
 class FakeClock:

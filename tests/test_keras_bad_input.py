@@ -97,7 +97,7 @@ def test_keras_backend_other_than_tensorflow(monkeypatch):
     # the backend Keras reports is faked; the check reads nothing else.
     import keras.src.backend
 
-    from psclient._keras_atomic import check_keras_backend
+    from psclient._keras.install import check_keras_backend
 
     assert check_keras_backend() is True
     monkeypatch.setattr(keras.src.backend, "backend", lambda: "jax")

@@ -12,7 +12,7 @@ import pytest
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
-from psclient._keras_callbacks import BackupAndRestore  # noqa: E402
+from psclient._keras.callbacks import BackupAndRestore  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -161,7 +161,7 @@ class Die(keras.callbacks.Callback):
         if epoch == die_at:
             os._exit(17)  # a coordinator that dies without any cleanup
 
-from psclient._keras_callbacks import BackupAndRestore
+from psclient._keras.callbacks import BackupAndRestore
 history = model.fit(x, y, batch_size=32, epochs=5, verbose=0, callbacks=[BackupAndRestore(backup_dir), Die()])
 print(json.dumps({"epochs": history.epoch, "iterations": int(model.optimizer.iterations.numpy())}), flush=True)
 os._exit(0)

@@ -11,8 +11,8 @@ import pytest
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
-from psclient._local import LocalCluster  # noqa: E402
-from psclient._strategy import ParameterServerStrategy  # noqa: E402
+from psclient._cluster.local import LocalCluster  # noqa: E402
+from psclient._coordinator.strategy import ParameterServerStrategy  # noqa: E402
 
 
 @pytest.mark.timeout(300)

@@ -13,9 +13,9 @@ import time
 import psutil
 import pytest
 
-import psclient._local
-from psclient._errors import TaskUnreachableError
-from psclient._local import LocalCluster
+import psclient._cluster.local
+from psclient._cluster.local import LocalCluster
+from psclient._core.errors import TaskUnreachableError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -172,7 +172,7 @@ def test_tasks_exit_when_the_coordinator_is_sigkilled(tmp_path):
     script = f"""
 import json, sys
 sys.path.insert(0, {ROOT!r})
-from psclient._local import LocalCluster
+from psclient._cluster.local import LocalCluster
 cluster = LocalCluster(num_workers=2, num_ps=1, log_dir={str(tmp_path)!r})
 print(json.dumps([cluster.pid(job, i) for job, i, _ in cluster.cluster.tasks()]), flush=True)
 sys.stdin.read()  # Until killed.
@@ -200,8 +200,8 @@ def test_a_task_that_cannot_start_is_named_with_its_log(monkeypatch, tmp_path):
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        ports = iter([psclient._local.portpicker.pick_unused_port(), port, psclient._local.portpicker.pick_unused_port()])
-        monkeypatch.setattr(psclient._local.portpicker, "pick_unused_port", lambda: next(ports))
+        ports = iter([psclient._cluster.local.portpicker.pick_unused_port(), port, psclient._cluster.local.portpicker.pick_unused_port()])
+        monkeypatch.setattr(psclient._cluster.local.portpicker, "pick_unused_port", lambda: next(ports))
         with pytest.raises(TaskUnreachableError) as info:
             LocalCluster(num_workers=1, num_ps=1, log_dir=tmp_path)
     error = info.value

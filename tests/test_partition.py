@@ -30,10 +30,10 @@ import time
 
 import pytest
 import tensorflow as tf
+from _polling import wait_for
 
 import psclient
-from _polling import wait_for
-from psclient import _runtime
+from psclient._coordinator import runtime as _runtime
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from psclient._placement import Placer
+from psclient._core.placement import Placer
 
 
 def place_all(placer, sizes):

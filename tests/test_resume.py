@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
-from psclient._errors import StrategyClosedError
-from psclient._future import Future
-from psclient._scheduler import Closure, Scheduler
+from psclient._core.errors import StrategyClosedError
+from psclient._core.future import Future
+from psclient._core.scheduler import Closure, Scheduler
 
 
 def make(name="fn"):

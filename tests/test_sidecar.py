@@ -12,8 +12,8 @@ pytestmark = pytest.mark.timeout(180)
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-from psclient._sidecar import SidecarEvaluator, write_final_marker  # noqa: E402
-from psclient._sidecar_formats import CheckpointMismatchError  # noqa: E402
+from psclient._sidecar.evaluator import SidecarEvaluator, write_final_marker  # noqa: E402
+from psclient._sidecar.formats import CheckpointMismatchError  # noqa: E402
 
 X = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
 Y = (X.sum(axis=1) > 0).astype("int64")

@@ -5,8 +5,13 @@ import os
 
 import pytest
 
-from psclient._sidecar import FINAL_MARKER, Planner, read_final_marker, write_final_marker
-from psclient._sidecar_formats import KERAS, TF, CheckpointRef, scan
+from psclient._sidecar.evaluator import (
+    FINAL_MARKER,
+    Planner,
+    read_final_marker,
+    write_final_marker,
+)
+from psclient._sidecar.formats import KERAS, TF, CheckpointRef, scan
 
 
 def tf_ref(n, order=None):

@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from psclient._errors import ClusterConfigError
+from psclient._core.errors import ClusterConfigError
 
 # Jobs TensorFlow's own tools treat as singletons.
 _SINGLE_TASK_JOBS = ("chief", "evaluator")

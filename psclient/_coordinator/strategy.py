@@ -10,15 +10,12 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from psclient import _runtime
-from psclient._checkpoint import variable_key
-from psclient._cluster import Cluster
-from psclient._dispatch import Dispatcher
-from psclient._errors import StrategyClosedError
-from psclient._future import Future
-from psclient._health import HealthConfig, HealthMonitor, Prober
-from psclient._keras_atomic import make_keras_increments_atomic
-from psclient._per_worker import (
+from psclient._cluster.spec import Cluster
+from psclient._coordinator import registry
+from psclient._coordinator import runtime as _runtime
+from psclient._coordinator.checkpoint import variable_key
+from psclient._coordinator.dispatch import Dispatcher
+from psclient._coordinator.per_worker import (
     PerWorker,
     PerWorkerDataset,
     has_per_worker,
@@ -26,19 +23,17 @@ from psclient._per_worker import (
     per_worker_resource,
     resolve_per_worker,
 )
-from psclient._placement import Placer
-from psclient._recovery import FaultTolerance, RecoveryConfig
-from psclient._scheduler import Closure, Scheduler
-from psclient._tracing import Tracer
+from psclient._coordinator.recovery import FaultTolerance, RecoveryConfig
+from psclient._coordinator.tracing import Tracer
+from psclient._core.errors import StrategyClosedError
+from psclient._core.future import Future
+from psclient._core.health import HealthConfig, HealthMonitor, Prober
+from psclient._core.placement import Placer
+from psclient._core.scheduler import Closure, Scheduler
 
 __all__ = ["ParameterServerStrategy"]
 
 log = logging.getLogger("psclient")
-
-# TF's eager context is process-global: one coordinator connection at a time.
-_active_lock = threading.Lock()
-_active: "weakref.ref[ParameterServerStrategy] | None" = None
-
 
 class ParameterServerStrategy:
     """Train with variables on parameter servers and steps on workers.
@@ -86,7 +81,6 @@ class ParameterServerStrategy:
         worker_timeout: float = 300.0,
         ps_timeout: float = 300.0,
     ):
-        global _active
         cluster = Cluster.coerce(cluster)
         for name, value, integer in (
             ("checkpoint_interval", checkpoint_interval, False),
@@ -120,16 +114,8 @@ class ParameterServerStrategy:
                 f"connect_timeout={connect_timeout!r}. Expected a number of seconds > 0."
             )
         _runtime.wait_reachable(cluster, connect_timeout)
-        with _active_lock:
-            other = _active() if _active is not None else None
-            if other is not None and not other._closed:
-                raise RuntimeError(
-                    "Another psclient.ParameterServerStrategy is connected in this process "
-                    f"({other!r}); call its shutdown() first. TensorFlow keeps one cluster "
-                    "connection per process."
-                )
-            _runtime.connect(cluster, streaming_enqueue=pipeline_depth > 1)
-            _active = weakref.ref(self)
+        self._closed = False
+        registry.claim(self, lambda: _runtime.connect(cluster, streaming_enqueue=pipeline_depth > 1))
 
         self._cluster = cluster
         self._pipeline_depth = pipeline_depth
@@ -139,7 +125,6 @@ class ParameterServerStrategy:
         # Every variable created in scope(), in creation order, with its ps task.
         self._variables: list[tuple[weakref.ref, int]] = []
         self._tracer = Tracer(self._create_variable)
-        self._closed = False
         self._shutdown_lock = threading.Lock()
         prober = Prober(_runtime.probe)
         self._health_config = HealthConfig(
@@ -195,6 +180,11 @@ class ParameterServerStrategy:
         return self._cluster.num_ps
 
     @property
+    def closed(self) -> bool:
+        """Whether `shutdown()` was called."""
+        return self._closed
+
+    @property
     def pipeline_depth(self) -> int:
         return self._pipeline_depth
 
@@ -212,7 +202,7 @@ class ParameterServerStrategy:
 
         That covers raw `tf.Variable`s and Keras 3 layers and optimizers (they
         create `tf.Variable`s underneath). Entering it also makes Keras 3's
-        `Variable.assign_add/assign_sub` atomic (see `_keras_atomic`), so
+        `Variable.assign_add/assign_sub` atomic (see `psclient._keras.install`), so
         counters and metrics updated by several workers lose nothing. Placement balances bytes across ps
         tasks; an optimizer slot goes to the ps of its variable; an explicit
         `tf.device("/job:ps/task:K")` inside the scope is honoured.
@@ -220,7 +210,7 @@ class ParameterServerStrategy:
         import tensorflow as tf
 
         self._check_open("scope")
-        make_keras_increments_atomic()
+        registry.run_scope_hooks()  # e.g. the Keras integration, registered by psclient/__init__
         with tf.variable_creator_scope(self._create_variable):
             yield self
 
@@ -455,6 +445,7 @@ class ParameterServerStrategy:
                 return
             self._closed = True
         self._finalizer()
+        registry.release(self)
 
     # --------------------------------------------------------------- private
     def _check_open(self, what: str) -> None:

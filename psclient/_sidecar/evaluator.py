@@ -35,8 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from psclient import _sidecar_formats as formats
-from psclient._sidecar_formats import (  # The errors are re-exported for psclient's API.
+from psclient._sidecar import formats
+from psclient._sidecar.formats import (  # The errors are re-exported for psclient's API.
     CheckpointMismatchError,  # noqa: F401
     CheckpointRef,
     CheckpointUnreadableError,

@@ -15,9 +15,9 @@ import threading
 import time
 from typing import Callable
 
-from psclient import _runtime
-from psclient._failures import Verdict, classify
-from psclient._scheduler import Closure, Scheduler
+from psclient._coordinator import runtime as _runtime
+from psclient._core.failures import Verdict, classify
+from psclient._core.scheduler import Closure, Scheduler
 
 __all__ = ["Dispatcher"]
 

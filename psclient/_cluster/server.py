@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import NoReturn
 
-from psclient._cluster import Cluster
+from psclient._cluster.spec import Cluster
 
 SERVED_JOBS = ("worker", "ps")
 

@@ -16,13 +16,12 @@ import inspect
 import types
 from typing import Any
 
-
 __all__ = [
-    "per_worker_adapter",
+    "deserialize",
     "finite_dataset",
     "is_dataset_fn",
+    "per_worker_adapter",
     "serialize",
-    "deserialize",
     "training_data",
 ]
 

@@ -143,7 +143,7 @@ def per_worker_datasets(dataset_fn, num_workers: int, *, on_new) -> PerWorkerDat
     """`dataset_fn(input_context)` (or a dataset, cloned) built on every worker."""
     import tensorflow as tf
 
-    from psclient import _runtime
+    from psclient._coordinator import runtime as _runtime
 
     if isinstance(dataset_fn, tf.data.Dataset):
         build_dataset, name = dataset_cloner(dataset_fn), "dataset"
@@ -176,7 +176,7 @@ def per_worker_resource(fn: Callable[[], Any], num_workers: int) -> PerWorker:
     """`fn()` called on every worker's device."""
     import tensorflow as tf
 
-    from psclient import _runtime
+    from psclient._coordinator import runtime as _runtime
 
     if not callable(fn):
         raise TypeError(

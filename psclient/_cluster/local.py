@@ -26,9 +26,9 @@ from typing import Any
 
 import portpicker
 
-from psclient._cluster import Cluster
-from psclient._errors import TaskUnreachableError
-from psclient._server import check_inter_op_threads
+from psclient._cluster.server import check_inter_op_threads
+from psclient._cluster.spec import Cluster
+from psclient._core.errors import TaskUnreachableError
 
 _HOST = "127.0.0.1"
 _JOBS = ("worker", "ps")

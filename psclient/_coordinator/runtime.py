@@ -18,8 +18,8 @@ from typing import Any
 
 import portpicker
 
-from psclient._cluster import Cluster
-from psclient._errors import TaskUnreachableError
+from psclient._cluster.spec import Cluster
+from psclient._core.errors import TaskUnreachableError
 
 __all__ = [
     "COORDINATOR_JOB",

@@ -32,8 +32,8 @@ from typing import IO
 
 import portpicker
 
-from psclient._cluster import Cluster
-from psclient._server import SECURITY_WARNING
+from psclient._cluster.server import SECURITY_WARNING
+from psclient._cluster.spec import Cluster
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -224,7 +224,9 @@ class Launcher:
         self._output.line("launch", text)
 
     def run(self) -> int:
-        from psclient._local import LocalCluster  # Imported here: `psclient --help` stays light.
+        from psclient._cluster.local import (
+            LocalCluster,  # Imported here: `psclient --help` stays light.
+        )
 
         c = self.config
         task_names = [f"worker:{i}" for i in range(c.num_workers)] + [f"ps:{i}" for i in range(c.num_ps)]

@@ -41,8 +41,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from psclient._errors import StrategyClosedError
-from psclient._future import Future
+from psclient._core.errors import StrategyClosedError
+from psclient._core.future import Future
 
 __all__ = ["Closure", "Scheduler", "WorkerStats"]
 

@@ -8,7 +8,7 @@ Two formats:
   directory: a half-written `ckpt-N.*` is invisible.
 - "keras": `*.weights.h5` and `*.keras` files from Keras 3's `ModelCheckpoint`.
   Keras writes them in place, so a file may be seen half-written; the settle
-  rule of `psclient._sidecar.Planner` decides when one may be read.
+  rule of `psclient._sidecar.evaluator.Planner` decides when one may be read.
 
 Scanning is cheap and imports nothing heavy; loading imports TensorFlow/h5py.
 """
@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from psclient._errors import PSClientError
+from psclient._core.errors import PSClientError
 
 TF = "tf"
 KERAS = "keras"

@@ -22,17 +22,17 @@ from __future__ import annotations
 import concurrent.futures
 import weakref
 
-from psclient import _keras_data
-from psclient._keras_trainer import prepare_model
+from psclient._keras import data as _keras_data
+from psclient._keras.trainer import prepare_model
 
-__all__ = ["evaluate", "predict", "SHARDS_PER_WORKER"]
+__all__ = ["SHARDS_PER_WORKER", "evaluate", "predict"]
 
 #: Ranges per worker: more balances load and re-runs less after a failure;
 #: fewer re-reads less data (each range skips to its start).
 SHARDS_PER_WORKER = 4
 
 # Traced functions per model: weak, so a model and its functions die together.
-_functions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_functions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def evaluate(

@@ -12,9 +12,9 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-from psclient._future import Future
-from psclient._per_worker import PerWorker, PerWorkerDataset
-from psclient._strategy import ParameterServerStrategy
+from psclient._coordinator.per_worker import PerWorker, PerWorkerDataset
+from psclient._coordinator.strategy import ParameterServerStrategy
+from psclient._core.future import Future
 
 __all__ = ["ClusterCoordinator"]
 

@@ -1,6 +1,6 @@
 """Keras 3's `model.fit/evaluate/predict` on a psclient cluster.
 
-`install()` patches Keras's TF-backend trainer class once. The patches act
+`psclient._keras.install` patches Keras's TF-backend trainer class once. The patches act
 only for models whose variables live on the ps tasks of the connected psclient
 strategy ("cluster models"); every other model gets Keras's own methods,
 untouched.
@@ -23,44 +23,18 @@ For a cluster model:
 from __future__ import annotations
 
 import collections
-import functools
-import inspect
 import logging
-import threading
 import warnings
 import weakref
 
-from psclient import _runtime
+from psclient._coordinator import registry
+from psclient._coordinator import runtime as _runtime
 
-__all__ = ["install", "cluster_strategy", "prepare_model", "TrainFunction"]
+__all__ = ["TrainFunction", "cluster_strategy", "prepare_model"]
 
 log = logging.getLogger("psclient")
 
-_install_lock = threading.Lock()
-_installed = False
-_warned_local: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def install() -> None:
-    """Patch `keras.src.backend.tensorflow.trainer.TensorFlowTrainer`; idempotent."""
-    global _installed
-    with _install_lock:
-        if _installed:
-            return
-        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-        for name, make in (
-            ("fit", _patched_fit),
-            ("evaluate", _patched_evaluate),
-            ("predict", _patched_predict),
-            ("_get_metrics_result_or_logs", _patched_metrics_result_or_logs),
-        ):
-            stock = getattr(TensorFlowTrainer, name)
-            patched = make(stock)
-            functools.update_wrapper(patched, stock)
-            patched.__psclient_stock__ = stock
-            setattr(TensorFlowTrainer, name, patched)
-        _installed = True
+_warned_local: weakref.WeakSet = weakref.WeakSet()
 
 
 # --------------------------------------------------------------- which models
@@ -82,10 +56,7 @@ def _state(model) -> list:
 
 
 def _connected_strategy():
-    from psclient import _strategy
-
-    ref = _strategy._active
-    return ref() if ref is not None else None
+    return registry.current()
 
 
 def cluster_strategy(model, method: str):
@@ -263,109 +234,3 @@ class TrainFunction:
             self._in_flight.clear()
             self._strategy.join()
             raise
-
-
-# ------------------------------------------------------------------- patches
-def _bind(stock, model, args, kwargs) -> dict:
-    bound = inspect.signature(stock).bind(model, *args, **kwargs)
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
-    arguments.pop("self", None)
-    extra = arguments.pop("kwargs", {})
-    arguments.update(extra)
-    return arguments
-
-
-def _patched_fit(stock):
-    def fit(self, *args, **kwargs):
-        strategy = cluster_strategy(self, "fit")
-        if strategy is None:
-            return stock(self, *args, **kwargs)
-        return _fit(stock, self, strategy, _bind(stock, self, args, kwargs))
-
-    return fit
-
-
-def _fit(stock, model, strategy, a: dict):
-    from keras.src.trainers.data_adapters import array_slicing
-
-    from psclient import _keras_data
-
-    model._assert_compile_called("fit")
-    x, y, sample_weight = a["x"], a["y"], a["sample_weight"]
-    validation_data = a["validation_data"]
-    if a["validation_split"] and validation_data is None:
-        # Keras splits arrays inside fit; the split must happen before psclient
-        # turns x into per-worker datasets.
-        (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
-            (x, y, sample_weight), validation_split=a["validation_split"]
-        )
-    if _keras_data.is_dataset_fn(validation_data):
-        # One finite data set, split between closures by evaluate().
-        validation_data, _ = _keras_data.finite_dataset(validation_data, None, None, None, None)
-    adapter, steps_per_epoch = _keras_data.training_data(
-        strategy, x, y, sample_weight, a["batch_size"], a["shuffle"], a["class_weight"], a["steps_per_epoch"]
-    )
-    prepare_model(model, strategy, adapter.element_spec, "fit")
-    previous = model.train_function
-    train_function = TrainFunction(model, strategy, steps_per_epoch)
-    # Keras's fit calls make_train_function(), which keeps a train function
-    # already set: this one, for the duration of this fit.
-    model.train_function = train_function
-    ok = False
-    try:
-        history = stock(
-            model, x=adapter, batch_size=None, epochs=a["epochs"], verbose=a["verbose"],
-            callbacks=a["callbacks"], validation_data=validation_data, shuffle=False,
-            initial_epoch=a["initial_epoch"], steps_per_epoch=steps_per_epoch,
-            validation_steps=a["validation_steps"], validation_batch_size=a["validation_batch_size"],
-            validation_freq=a["validation_freq"],
-        )
-        ok = True
-        return history
-    finally:
-        if not ok:
-            train_function.abandon()
-        model.train_function = previous
-
-
-def _patched_metrics_result_or_logs(stock):
-    # Keras calls this at the end of every epoch (and after a stop) to read
-    # the epoch's logs from the metric variables: the moment to join.
-    def _get_metrics_result_or_logs(self, logs):
-        train_function = getattr(self, "train_function", None)
-        if isinstance(train_function, TrainFunction):
-            logs = train_function.finish(logs)
-        return stock(self, logs)
-
-    return _get_metrics_result_or_logs
-
-
-def _patched_evaluate(stock):
-    def evaluate(self, *args, **kwargs):
-        strategy = cluster_strategy(self, "evaluate")
-        if strategy is None:
-            return stock(self, *args, **kwargs)
-        from psclient import _keras_eval
-
-        a = _bind(stock, self, args, kwargs)
-        a.pop("_use_cached_eval_dataset", None)  # fit's validation passes the data itself too
-        if a:
-            unknown = set(a) - set(inspect.signature(_keras_eval.evaluate).parameters)
-            if unknown:
-                raise ValueError(f"Arguments not recognized: {sorted(unknown)}")
-        return _keras_eval.evaluate(self, strategy, **a)
-
-    return evaluate
-
-
-def _patched_predict(stock):
-    def predict(self, *args, **kwargs):
-        strategy = cluster_strategy(self, "predict")
-        if strategy is None:
-            return stock(self, *args, **kwargs)
-        from psclient import _keras_eval
-
-        return _keras_eval.predict(self, strategy, **_bind(stock, self, args, kwargs))
-
-    return predict

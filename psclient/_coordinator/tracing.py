@@ -30,9 +30,9 @@ import warnings
 import weakref
 from typing import Any, Callable
 
-from psclient import _runtime
-from psclient._per_worker import PerWorker, resolve_per_worker
-from psclient._scheduler import Closure
+from psclient._coordinator import runtime as _runtime
+from psclient._coordinator.per_worker import PerWorker, resolve_per_worker
+from psclient._core.scheduler import Closure
 
 __all__ = ["Tracer"]
 

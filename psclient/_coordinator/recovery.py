@@ -29,16 +29,16 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
 
-from psclient import _runtime
-from psclient._checkpoint import Checkpoints
-from psclient._errors import PSUnavailableError, WorkerUnavailableError
-from psclient._health import Prober
-from psclient._per_worker import PerWorker, PerWorkerDataset, PerWorkerIterator
-
-if TYPE_CHECKING:
-    from psclient._strategy import ParameterServerStrategy
+from psclient._coordinator import runtime as _runtime
+from psclient._coordinator.checkpoint import Checkpoints
+from psclient._coordinator.per_worker import (
+    PerWorker,
+    PerWorkerDataset,
+    PerWorkerIterator,
+)
+from psclient._core.errors import PSUnavailableError, WorkerUnavailableError
+from psclient._core.health import Prober
 
 __all__ = ["FaultTolerance", "RecoveryConfig"]
 
@@ -67,7 +67,7 @@ class PSStats:
 
 
 class FaultTolerance:
-    def __init__(self, owner: "ParameterServerStrategy", config: RecoveryConfig, prober: Prober):
+    def __init__(self, owner, config: RecoveryConfig, prober: Prober):
         self._owner = weakref.ref(owner)
         self.config = config
         self._cluster = owner.cluster
