@@ -52,7 +52,7 @@ def test_report_lists_every_variable_and_bytes():
     assert report["bytes_per_ps"] == [0, 24]
     assert report["variables"][0]["name"] == "w"
     assert report["variables"][0]["shape"] == (2, 3)
-    assert report["variables"][0]["shard"] is None
+    assert report["variables"][0]["reason"] == "balanced"
 
 
 def test_bad_arguments_are_named():

@@ -10,9 +10,6 @@ on the other; greedy by bytes keeps the load (memory and bandwidth) even.
 Variables whose ps task is already decided, such as an optimizer's slot that
 must sit beside its variable, or a user's explicit `tf.device("/job:ps/task:K")`,
 are recorded with `record(...)` so the balance accounts for them.
-
-The record keeps a `shard` field so that a partitioned variable (one logical
-variable split over several ps tasks, a later feature) can list its pieces.
 """
 
 from __future__ import annotations
@@ -25,17 +22,16 @@ __all__ = ["VariablePlacement", "Placer"]
 
 @dataclasses.dataclass(frozen=True)
 class VariablePlacement:
-    """One variable (or one shard of a partitioned variable) on one ps task."""
+    """One variable on one ps task."""
 
     name: str
     shape: tuple
     dtype: str
     nbytes: int
     ps_index: int
-    #: Why it is there: "balanced", "colocated" (slot beside its variable) or "explicit".
+    #: Why it is there: "balanced" (the least-loaded task) or "requested" (the
+    #: caller chose the task, e.g. `tf.device("/job:ps/task:K")`).
     reason: str = "balanced"
-    #: (index, count) for a shard of a partitioned variable; None for a whole variable.
-    shard: tuple | None = None
 
 
 class Placer:
@@ -64,7 +60,10 @@ class Placer:
         deterministic for a given creation order.
         """
         if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+            raise ValueError(
+                f"Invalid value for argument `nbytes`. Received: nbytes={nbytes!r}. "
+                "Expected an integer >= 0."
+            )
         with self._lock:
             return min(range(self._num_ps), key=lambda k: (self._bytes[k], k))
 
@@ -76,7 +75,6 @@ class Placer:
         nbytes: int,
         ps_index: int,
         reason: str = "balanced",
-        shard: tuple | None = None,
     ) -> VariablePlacement:
         """Account for a variable now living on `ps_index`."""
         if not 0 <= ps_index < self._num_ps:
@@ -91,7 +89,6 @@ class Placer:
             nbytes=int(nbytes),
             ps_index=ps_index,
             reason=reason,
-            shard=shard,
         )
         with self._lock:
             self._bytes[ps_index] += placement.nbytes
@@ -101,10 +98,6 @@ class Placer:
     def bytes_per_ps(self) -> list[int]:
         with self._lock:
             return list(self._bytes)
-
-    def placements(self) -> list[VariablePlacement]:
-        with self._lock:
-            return list(self._placements)
 
     def report(self) -> dict:
         """A plain-data summary: every variable's task and the bytes per task."""
