@@ -25,6 +25,7 @@ from psclient._coordinator.per_worker import (
 )
 from psclient._coordinator.recovery import FaultTolerance, RecoveryConfig
 from psclient._coordinator.tracing import Tracer
+from psclient._core.checks import check_positive
 from psclient._core.errors import StrategyClosedError
 from psclient._core.future import Future
 from psclient._core.health import HealthConfig, HealthMonitor, Prober
@@ -90,7 +91,8 @@ class ParameterServerStrategy:
             ("worker_timeout", worker_timeout, False),
             ("ps_timeout", ps_timeout, False),
         ):
-            _check_positive(name, value, integer=integer, optional=name.startswith("checkpoint_"))
+            check_positive(name, value, integer=integer, optional=name.startswith("checkpoint_"),
+                           unit="" if integer else "seconds")
         if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
             raise TypeError(
                 "Invalid value for argument `checkpoint_dir`. Received: "
@@ -103,16 +105,8 @@ class ParameterServerStrategy:
                 f"with checkpoint_interval={checkpoint_interval!r}, checkpoint_every="
                 f"{checkpoint_every!r}. Expected a directory to write the checkpoints to."
             )
-        if not isinstance(pipeline_depth, int) or isinstance(pipeline_depth, bool) or pipeline_depth < 1:
-            raise ValueError(
-                "Invalid value for argument `pipeline_depth`. Received: "
-                f"pipeline_depth={pipeline_depth!r}. Expected an integer >= 1."
-            )
-        if not isinstance(connect_timeout, (int, float)) or connect_timeout <= 0:
-            raise ValueError(
-                "Invalid value for argument `connect_timeout`. Received: "
-                f"connect_timeout={connect_timeout!r}. Expected a number of seconds > 0."
-            )
+        check_positive("pipeline_depth", pipeline_depth, integer=True)
+        check_positive("connect_timeout", connect_timeout, unit="seconds")
         _runtime.wait_reachable(cluster, connect_timeout)
         self._closed = False
         registry.claim(self, lambda: _runtime.connect(cluster, streaming_enqueue=pipeline_depth > 1))
@@ -495,18 +489,6 @@ class ParameterServerStrategy:
 
     def _wake_monitor(self) -> None:
         self._monitor.wake()
-
-
-def _check_positive(name: str, value, *, integer: bool, optional: bool) -> None:
-    if value is None and optional:
-        return
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
-        expected = "an integer >= 1" if integer else "a number of seconds > 0"
-        raise ValueError(
-            f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
-            f"Expected {expected}{' or None' if optional else ''}."
-        )
 
 
 def _shutdown_quietly(

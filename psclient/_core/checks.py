@@ -1,0 +1,54 @@
+"""Argument checks shared by every layer, in the project's error format.
+
+"Invalid value for argument `x`. Received: x=... Expected ..." (the Keras 3 style):
+the message names the argument, shows what was received and says what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["check_positive"]
+
+
+def check_positive(
+    name: str,
+    value: Any,
+    *,
+    integer: bool = False,
+    optional: bool = False,
+    allow_zero: bool = False,
+    finite: bool = False,
+    unit: str = "",
+) -> Any:
+    """Return `value` if it is a positive number (or None when `optional`); raise ValueError otherwise.
+
+    Args:
+      name: the argument's name, as the user wrote it.
+      value: what the user passed.
+      integer: require an `int` (>= 1, or >= 0 with `allow_zero`); otherwise an int or float.
+      optional: None is accepted (and returned).
+      allow_zero: accept 0.
+      finite: reject infinity (NaN and bools are always rejected).
+      unit: what the number counts, for the message: "seconds" gives "a number of seconds > 0".
+    """
+    if value is None and optional:
+        return None
+    kinds = (int,) if integer else (int, float)
+    ok = isinstance(value, kinds) and not isinstance(value, bool)
+    if ok and not integer:
+        ok = not math.isnan(value) and (not finite or math.isfinite(value))
+    if ok:
+        ok = value >= 0 if allow_zero else value > 0
+    if ok:
+        return value
+    if integer:
+        expected = f"an integer >= {0 if allow_zero else 1}"
+    else:
+        expected = f"a {'finite ' if finite else ''}number{f' of {unit}' if unit else ''} " \
+                   f"{'>= 0' if allow_zero else '> 0'}"
+    raise ValueError(
+        f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
+        f"Expected {expected}{' or None' if optional else ''}."
+    )
