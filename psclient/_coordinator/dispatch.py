@@ -4,8 +4,13 @@ Each worker gets `pipeline_depth` dispatcher threads. A thread takes the next
 closure the scheduler hands it for its worker, calls the traced function on
 that worker's device (the call blocks in TF's C++ runtime with the GIL
 released, so threads run in parallel), copies the outputs to the coordinator,
-and reports success or failure back to the scheduler. Policy (retry or fail)
-comes from `_failures.classify`.
+and reports success or failure back to the scheduler.
+
+A failed call is classified (`psclient._core.failures.classify`, with bounded
+probes); what the verdict means for a task is only *reported* to the recovery
+thread (`report(WorkerNotAnswering(...))`, `report(PsNotAnswering(...))`),
+whose state machine decides. The dispatcher decides only about its own call:
+run it again (after a pause for a transient error) or give its error to the future.
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from psclient._coordinator import runtime as _runtime
-from psclient._core.failures import Verdict, classify
+from psclient._core.failures import Verdict, classify, retry_pause
+from psclient._core.recovery import PsNotAnswering, WorkerNotAnswering
 from psclient._core.scheduler import Closure, Scheduler
 
 __all__ = ["Dispatcher"]
@@ -34,17 +40,17 @@ class Dispatcher:
         num_workers: int,
         pipeline_depth: int,
         prepare: Callable[[Closure, int], tuple],
-        worker_answers: Callable[[int], bool],
-        ps_lost: Callable[[], bool],
-        others_lost: Callable[[int], bool],
+        probes: Any,
+        report: Callable[[Any], None],
+        release_timeout: float,
     ):
         # `prepare(closure, worker)` -> (function, args, kwargs) for that worker;
-        # `ps_lost()` probes the ps tasks and starts their recovery if one is gone.
+        # `probes`: a `FailureProbes`; `report(event)` posts to the recovery thread.
         self._scheduler = scheduler
         self._prepare = prepare
-        self._worker_answers = worker_answers
-        self._ps_lost = ps_lost
-        self._others_lost = others_lost
+        self._probes = probes
+        self._report = report
+        self._release_timeout = release_timeout
         self._threads = [
             threading.Thread(
                 target=self._run,
@@ -89,41 +95,54 @@ class Dispatcher:
         try:
             fn, args, kwargs = self._prepare(closure, worker)
             value = _runtime.to_numpy(fn(*args, **kwargs))
-        except Exception as error:  # noqa: BLE001 - every error is routed to a future
-            failed_at = time.monotonic()
-            verdict = classify(
-                error,
-                lambda: self._worker_answers(worker),
-                others_lost=lambda: self._others_lost(worker),
-                ps_lost=self._ps_lost,
-                attempts=closure.attempts,
-            )
-            if verdict is Verdict.WORKER_LOST:
-                log.warning(
-                    "worker %d does not answer (%s); re-queueing its closures for other workers",
-                    worker, type(error).__name__,
-                )
-                # Re-queues this closure and any other running there; this
-                # attempt's own report would now be stale, so none is sent.
-                self._scheduler.worker_lost(worker, detected_after=time.monotonic() - failed_at)
-            elif verdict in (Verdict.PS_LOST, Verdict.OTHER_TASK_LOST):
-                log.warning(
-                    "%r on worker %d was broken by a lost %s (%s); re-queueing it",
-                    closure, worker, "ps task" if verdict is Verdict.PS_LOST else "task",
-                    type(error).__name__,
-                )
-                self._scheduler.failed(worker, closure, error, retry=True, attempt=attempt)
-            elif verdict is Verdict.TRANSIENT:
-                pause = min(2.0, 0.5 * 2 ** (closure.attempts - 1))
-                log.warning(
-                    "%r on worker %d failed with %s while every task answers; trying again in "
-                    "%.1f s", closure, worker, type(error).__name__, pause,
-                )
-                # Back off in this worker's thread: the channel needs the time.
-                time.sleep(pause)
-                self._scheduler.failed(worker, closure, error, retry=True, attempt=attempt)
-            else:
-                named = _runtime.name_error(error, closure.name, device)
-                self._scheduler.failed(worker, closure, named, retry=False, attempt=attempt)
+        except Exception as error:  # noqa: BLE001 - every error of the user's function is routed to its future
+            self._failed(worker, device, closure, attempt, error)
         else:
             self._scheduler.succeeded(worker, closure, value, attempt=attempt)
+
+    def _failed(self, worker: int, device: str, closure: Closure, attempt: int, error: Exception) -> None:
+        failed_at = time.monotonic()
+        probes = self._probes
+        # Reports carry the epoch they were made in: one made before a task came back is stale.
+        epochs, ps_epoch = probes.epochs(), probes.ps_epoch()
+        lost_ps: tuple = ()
+
+        def ps_lost() -> bool:
+            nonlocal lost_ps
+            lost_ps = probes.lost_ps()
+            return bool(lost_ps)
+
+        def others_lost() -> bool:
+            lost = probes.lost_workers(worker)
+            for other in lost:
+                self._report(WorkerNotAnswering(other, None, epochs[other]))
+            return bool(lost) or any(
+                not self._scheduler.worker_is_up(w) for w in range(len(epochs)) if w != worker
+            )
+
+        verdict = classify(
+            error, lambda: probes.worker_answers(worker), others_lost=others_lost, ps_lost=ps_lost,
+            attempts=closure.attempts,
+        )
+        if verdict is Verdict.WORKER_LOST:
+            log.warning("worker %d does not answer (%s); re-queueing its closures for other workers",
+                        worker, type(error).__name__)
+            self._report(WorkerNotAnswering(worker, time.monotonic() - failed_at, epochs[worker]))
+            # Taking the worker out re-queues this closure (and any other running
+            # there); this attempt's own report would then be stale.
+            if not self._scheduler.wait_released(worker, closure, attempt, self._release_timeout):
+                self._scheduler.failed(worker, closure, error, retry=True, attempt=attempt)
+        elif verdict is Verdict.FUNCTION_ERROR:
+            named = _runtime.name_error(error, closure.name, device)
+            self._scheduler.failed(worker, closure, named, retry=False, attempt=attempt)
+        else:
+            if verdict is Verdict.PS_LOST:
+                self._report(PsNotAnswering(lost_ps, ps_epoch))
+            pause = retry_pause(verdict, closure.attempts)
+            log.warning(
+                "%r on worker %d failed with %s (%s); re-queueing it%s", closure, worker,
+                type(error).__name__, verdict.value, f" in {pause:.1f} s" if pause else "",
+            )
+            if pause:
+                time.sleep(pause)  # back off in this worker's thread: the channel needs the time
+            self._scheduler.failed(worker, closure, error, retry=True, attempt=attempt)

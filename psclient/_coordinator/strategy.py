@@ -13,7 +13,6 @@ from typing import Any, Callable
 from psclient._cluster.spec import Cluster
 from psclient._coordinator import registry
 from psclient._coordinator import runtime as _runtime
-from psclient._coordinator.checkpoint import variable_key
 from psclient._coordinator.dispatch import Dispatcher
 from psclient._coordinator.per_worker import (
     PerWorker,
@@ -23,13 +22,13 @@ from psclient._coordinator.per_worker import (
     per_worker_resource,
     resolve_per_worker,
 )
-from psclient._coordinator.recovery import FaultTolerance, RecoveryConfig
+from psclient._coordinator.recovery import Recovery, RecoveryConfig
+from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
 from psclient._coordinator.tracing import Tracer
 from psclient._core.checks import check_positive
 from psclient._core.errors import StrategyClosedError
 from psclient._core.future import Future
-from psclient._core.health import HealthConfig, HealthMonitor, Prober
-from psclient._core.placement import Placer
+from psclient._core.health import Prober
 from psclient._core.scheduler import Closure, Scheduler
 
 __all__ = ["ParameterServerStrategy"]
@@ -113,51 +112,44 @@ class ParameterServerStrategy:
 
         self._cluster = cluster
         self._pipeline_depth = pipeline_depth
-        self._placer = Placer(cluster.num_ps)
-        self._scheduler = Scheduler(cluster.num_workers)
-        self._per_worker: list[weakref.ref[PerWorker]] = []
-        # Every variable created in scope(), in creation order, with its ps task.
-        self._variables: list[tuple[weakref.ref, int]] = []
-        self._tracer = Tracer(self._create_variable)
+        self._hang_timeout = hang_timeout
         self._shutdown_lock = threading.Lock()
+        self._scheduler = Scheduler(cluster.num_workers)
+        # What recovery works with: narrow collaborators, none of which holds
+        # this strategy, so a forgotten strategy is collected (its finalizer
+        # shuts it down) and its threads never keep it alive.
+        self._store = VariableStore(cluster.num_ps)
+        self._per_worker = PerWorkerRegistry()
+        self._tracer = Tracer(self._store.create)
         prober = Prober(_runtime.probe)
-        self._health_config = HealthConfig(
-            hang_timeout=hang_timeout, worker_timeout=worker_timeout,
-            interval=min(1.0, hang_timeout / 4),
+        tracer, scheduler, streaming = self._tracer, self._scheduler, pipeline_depth > 1
+        self._recovery = Recovery(
+            RecoveryConfig(
+                checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
+                checkpoint_interval=checkpoint_interval, checkpoint_every=checkpoint_every,
+                checkpoints_to_keep=checkpoints_to_keep, hang_timeout=hang_timeout,
+                worker_timeout=worker_timeout, ps_timeout=ps_timeout,
+                probe_timeout=min(10.0, hang_timeout), interval=min(1.0, hang_timeout / 4),
+            ),
+            cluster=cluster, scheduler=scheduler, prober=prober, store=self._store,
+            per_worker=self._per_worker,
+            # After variables got new resources: trace what is queued again.
+            retrace=lambda: tracer.retrace(scheduler.queued()),
+            connect=lambda workers: _runtime.connect(cluster, streaming_enqueue=streaming, workers=workers),
         )
-        self._ft = FaultTolerance(self, RecoveryConfig(
-            checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
-            checkpoint_interval=checkpoint_interval, checkpoint_every=checkpoint_every,
-            checkpoints_to_keep=checkpoints_to_keep, hang_timeout=hang_timeout,
-            worker_timeout=worker_timeout, ps_timeout=ps_timeout, probe_timeout=min(10.0, hang_timeout),
-        ), prober)
         self._dispatcher = Dispatcher(
             self._scheduler,
             num_workers=cluster.num_workers,
             pipeline_depth=pipeline_depth,
-            prepare=self._prepare,
-            worker_answers=self._ft.worker_answers,
-            ps_lost=self._ft.ps_lost,
-            others_lost=self._ft.others_lost,
+            prepare=_prepare,
+            probes=self._recovery.probes,
+            report=self._recovery.report,
+            release_timeout=hang_timeout,
         )
-        self._monitor = HealthMonitor(
-            self._health_config,
-            num_workers=cluster.num_workers,
-            worker_device=_runtime.worker_device,
-            prober=prober,
-            is_up=self._scheduler.worker_is_up,
-            reachable=lambda w: _runtime.tcp_reachable(cluster.address("worker", w), timeout=1.0),
-            on_hung=self._ft.on_hung,
-            try_rejoin=self._ft.try_rejoin,
-            all_down_since=self._scheduler.all_down_since,
-            on_all_gone=self._ft.on_all_gone,
-            chores=self._ft.chores,
-        )
-        self._monitor.start()
-        # Join the threads at interpreter exit even if the user forgets.
+        self._recovery.start()
+        # Shuts down when shutdown() is called, the strategy is collected, or at exit.
         self._finalizer = weakref.finalize(
-            self, _shutdown_quietly, self._scheduler, self._dispatcher, self._monitor, prober,
-            hang_timeout, self._ft.hung_in_view,
+            self, _shutdown_quietly, self._scheduler, self._dispatcher, self._recovery, prober, hang_timeout,
         )
 
     # ------------------------------------------------------------------ info
@@ -205,51 +197,12 @@ class ParameterServerStrategy:
 
         self._check_open("scope")
         registry.run_scope_hooks()  # e.g. the Keras integration, registered by psclient/__init__
-        with tf.variable_creator_scope(self._create_variable):
+        with tf.variable_creator_scope(self._store.create):
             yield self
-
-    def _create_variable(self, next_creator, **kwargs):
-        import tensorflow as tf
-        from tensorflow.python.eager import context
-
-        # A device already in force names a ps task when Keras asks to
-        # colocate a slot with its variable (its optimizer enters
-        # `colocate_vars_with`, which in eager mode is a device scope) or when
-        # the user chose one explicitly.
-        device = context.context().device_name
-        if "/job:worker" in (device or ""):
-            # Built for one worker on purpose (create_per_worker_resource, or
-            # the user's tf.device): leave it there.
-            return next_creator(**kwargs)
-        requested = _runtime.ps_index_of(device)
-        initial_value = kwargs.get("initial_value")
-        if callable(initial_value):
-            # We need the size before choosing a task, so evaluate the
-            # initializer once here, exactly as tf.Variable would.
-            with tf.init_scope():
-                initial_value = initial_value()
-            kwargs["initial_value"] = initial_value
-        dtype = kwargs.get("dtype")
-        value = tf.convert_to_tensor(initial_value, dtype=dtype) if initial_value is not None else None
-        nbytes = 0
-        if value is not None and value.shape.is_fully_defined():
-            nbytes = value.shape.num_elements() * value.dtype.size
-        if requested is not None and requested < self.num_ps:
-            ps, reason = requested, "requested"
-        else:
-            ps, reason = self._placer.choose(nbytes), "balanced"
-        with tf.device(_runtime.ps_device(ps)):
-            variable = next_creator(**kwargs)
-        self._variables.append((weakref.ref(variable), ps))
-        self._placer.record(
-            variable.name, variable.shape.as_list() if variable.shape.rank is not None else (),
-            variable.dtype.name, nbytes, ps, reason,
-        )
-        return variable
 
     def placement(self) -> dict:
         """Where every variable created in `scope()` lives, and bytes per ps task."""
-        return self._placer.report()
+        return self._store.placer.report()
 
     # ------------------------------------------------------------ scheduling
     def schedule(self, fn: Callable, args: tuple | list = (), kwargs: Mapping | None = None) -> Future:
@@ -267,8 +220,8 @@ class ParameterServerStrategy:
         is not scheduled.
         """
         self._check_open("schedule")
-        if self._ft.broken is not None:
-            raise self._ft.broken
+        if self._recovery.broken is not None:
+            raise self._recovery.broken
         function, name = self._tracer.as_function(fn)
         if not isinstance(args, (tuple, list)):
             raise TypeError(
@@ -282,7 +235,7 @@ class ParameterServerStrategy:
             )
         args, kwargs = self._tracer.with_defaults(function, tuple(args), dict(kwargs or {}))
         per_worker = has_per_worker(args, kwargs)
-        self._ft.before_schedule()  # checkpoint new variables before they change
+        self._checkpoint_new_variables()
         closure = Closure(None, args, kwargs, Future(name))
         closure.per_worker = per_worker  # only walk the arguments when needed
         closure.function = function
@@ -350,8 +303,8 @@ class ParameterServerStrategy:
         per-worker iterator to pass to `schedule`.
         """
         self._check_open("distribute_datasets_from_function")
-        per_worker = per_worker_datasets(dataset_fn, self.num_workers, on_new=self._track)
-        self._track(per_worker)
+        per_worker = per_worker_datasets(dataset_fn, self.num_workers, on_new=self._per_worker.track)
+        self._per_worker.track(per_worker)
         return per_worker
 
     def create_per_worker_resource(self, fn: Callable[[], Any]) -> PerWorker:
@@ -362,7 +315,7 @@ class ParameterServerStrategy:
         """
         self._check_open("create_per_worker_resource")
         per_worker = per_worker_resource(fn, self.num_workers)
-        self._track(per_worker)
+        self._per_worker.track(per_worker)
         return per_worker
 
     # ------------------------------------------------------------- lifecycle
@@ -378,8 +331,8 @@ class ParameterServerStrategy:
 
         stats = self._scheduler.stats()
         stats["completed"] = self._scheduler.completed()
-        stats["ps"] = [dataclasses.asdict(ps) for ps in self._ft.ps_stats]
-        stats["checkpoints_written"] = self._ft.checkpoints_written
+        stats["ps"] = [dataclasses.asdict(ps) for ps in self._recovery.ps_stats]
+        stats["checkpoints_written"] = self._recovery.checkpoints_written
         stats["pipeline_depth"] = self._pipeline_depth
         stats["dispatcher_threads_alive"] = self._dispatcher.alive_threads
         return stats
@@ -394,11 +347,11 @@ class ParameterServerStrategy:
         """
         self._check_open("save_checkpoint")
         self._require_checkpoint_dir("save_checkpoint")
-        path = self._ft.checkpoint("requested")
+        path = self._recovery.request_checkpoint("requested").result()
         if path is None:
             raise TimeoutError(
                 f"save_checkpoint() could not pause: functions still ran after "
-                f"hang_timeout={self._health_config.hang_timeout:g} s."
+                f"hang_timeout={self._hang_timeout:g} s."
             )
         return path
 
@@ -413,14 +366,14 @@ class ParameterServerStrategy:
         """
         self._check_open("restore")
         self._require_checkpoint_dir("restore")
-        return self._ft.restore()
+        return self._recovery.restore()
 
     @property
     def checkpoint_dir(self) -> str | None:
-        return self._ft.config.checkpoint_dir
+        return self._recovery.config.checkpoint_dir
 
     def _require_checkpoint_dir(self, what: str) -> None:
-        if self._ft.checkpoints is None:
+        if self._recovery.checkpoints is None:
             raise ValueError(
                 f"{what}() needs a checkpoint directory. Received: checkpoint_dir=None. "
                 "Expected ParameterServerStrategy(cluster, checkpoint_dir=...)."
@@ -449,61 +402,43 @@ class ParameterServerStrategy:
                 "Create a new one to continue."
             )
 
-    def _track(self, per_worker: PerWorker) -> None:
-        self._per_worker.append(weakref.ref(per_worker))
+    def _checkpoint_new_variables(self) -> None:
+        """Checkpoint first if variables were created since the last one.
 
-    def _retrace_all(self) -> None:
-        """After variables got new resources: trace what is queued again."""
-        self._tracer.retrace(self._scheduler.queued())
+        So the newest checkpoint always holds every variable a scheduled
+        function can touch (a ps recovery needs their values). A count, not
+        the variables themselves: this runs on every schedule().
+        """
+        recovery = self._recovery
+        if recovery.checkpoints is not None and self._store.count() != recovery.saved_created:
+            recovery.request_checkpoint("new variables").result()
 
-    def _prepare(self, closure: Closure, worker: int) -> tuple:
-        if not closure.per_worker:
-            return closure.fn, closure.args, closure.kwargs
-        args, kwargs = resolve_per_worker(closure.args, closure.kwargs, worker)
-        return closure.fn, args, kwargs
 
-    def _named_variables(self) -> dict:
-        """Live variables created in scope(), keyed by creation index."""
-        named = {}
-        for index, (ref, _ps) in enumerate(self._variables):
-            variable = ref()
-            if variable is not None:
-                named[variable_key(index)] = variable
-        return named
-
-    def _variables_created(self) -> int:
-        return len(self._variables)
-
-    def _renew_variables(self, lost_ps: set[int]) -> int:
-        count = 0
-        for ref, ps in self._variables:
-            variable = ref()
-            if variable is not None and ps in lost_ps:
-                _runtime.renew_variable_handle(variable, _runtime.ps_device(ps))
-                count += 1
-        return count
-
-    def _per_worker_values(self) -> list[PerWorker]:
-        self._per_worker = [ref for ref in self._per_worker if ref() is not None]
-        return [value for value in (ref() for ref in self._per_worker) if value is not None]
-
-    def _wake_monitor(self) -> None:
-        self._monitor.wake()
+def _prepare(closure: Closure, worker: int) -> tuple:
+    """What a dispatcher calls for `closure` on `worker` (per-worker values resolved)."""
+    if not closure.per_worker:
+        return closure.fn, closure.args, closure.kwargs
+    args, kwargs = resolve_per_worker(closure.args, closure.kwargs, worker)
+    return closure.fn, args, kwargs
 
 
 def _shutdown_quietly(
-    scheduler: Scheduler, dispatcher: Dispatcher, monitor: HealthMonitor, prober: Prober,
-    timeout: float, hung_in_view: Callable[[], list],
+    scheduler: Scheduler, dispatcher: Dispatcher, recovery: Recovery, prober: Prober, timeout: float,
 ) -> None:
-    monitor.stop(timeout)
+    stopped = recovery.stop(timeout)
     scheduler.close()
     stuck = dispatcher.stop(timeout)
     stuck += prober.close(min(timeout, 1.0))
     # The tasks may go away after this: leave TF's view of them, or every
     # later tf.function in this process (plain local Keras too) would fail.
-    # Not while a worker hangs: TF's update_server_def would wait on it forever.
-    hung = hung_in_view()
-    if hung:
+    # Not while a worker hangs: TF's update_server_def would wait on it forever;
+    # nor while the recovery thread is still inside a TF call (it may hold
+    # the connection lock, which disconnect() takes without a timeout).
+    hung = recovery.hung_in_view() if stopped else []
+    if not stopped:
+        log.warning("shutdown: the recovery thread is still inside a TensorFlow call; TF's "
+                    "view of the cluster is kept")
+    elif hung:
         log.warning("shutdown: worker(s) %s hang; TF's view of the cluster is kept", hung)
     else:
         _runtime.disconnect()

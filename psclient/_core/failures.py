@@ -19,7 +19,10 @@ decides by the error's *type* and by *probing* the task the closure ran on:
   moment); if it keeps failing, or for any other error, it is the function's
   own error and goes to its future.
 
-The probe is passed in as a callable so the policy is testable without TF.
+The probes are passed in as callables so the policy is testable without TF.
+What a verdict means for the *task* (take a worker out, recover a ps) is the
+recovery state machine's decision (`psclient._core.recovery`); this module
+only decides what happens to the failed *call*.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import enum
 from typing import Callable
 
-__all__ = ["Verdict", "classify", "CONNECTION_ERROR_NAMES", "MAX_TRANSIENT_ATTEMPTS"]
+__all__ = ["Verdict", "classify", "retry_pause", "CONNECTION_ERROR_NAMES", "MAX_TRANSIENT_ATTEMPTS"]
 
 #: TF error class names that a lost or broken connection can produce.
 CONNECTION_ERROR_NAMES = frozenset(
@@ -93,3 +96,11 @@ def classify(
     if attempts < MAX_TRANSIENT_ATTEMPTS:
         return Verdict.TRANSIENT
     return Verdict.FUNCTION_ERROR
+
+
+def retry_pause(verdict: Verdict, attempts: int) -> float:
+    """Seconds to wait before a retried call runs again: a growing pause for
+    TRANSIENT (the channel needs the time), none otherwise."""
+    if verdict is not Verdict.TRANSIENT:
+        return 0.0
+    return min(2.0, 0.5 * 2 ** (attempts - 1))

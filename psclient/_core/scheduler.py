@@ -1,7 +1,7 @@
 """The closure queue and its bookkeeping: pure logic, no TensorFlow.
 
 Everything about *what runs where and what happens to its future* lives here;
-the threads that talk to TensorFlow (`_dispatch.py`) only carry closures out
+the threads that talk to TensorFlow (`_coordinator/dispatch.py`) only carry closures out
 and report back through the four events below. That keeps the policy testable
 without a cluster.
 
@@ -21,7 +21,7 @@ worker_lost(worker, detected_after)| down, and every closure running on it goes
                                    | from that attempt is ignored (stale); a down
                                    | worker takes nothing until worker_up(worker)
 pause() / resume()                 | nothing is handed out while paused (checkpoints,
-                                   | ps recovery); wait_idle() waits for running ones
+                                   | ps recovery); running() counts running ones
 fail_all(error)                    | every queued and running closure gets `error`
                                    | (all workers gone for too long, a ps lost)
 
@@ -265,6 +265,21 @@ class Scheduler:
         """Wait until no closure is running on any worker; False on timeout."""
         with self._cond:
             return self._cond.wait_for(lambda: not any(self._running), timeout)
+
+    def running(self) -> int:
+        """Closures running now, over all workers."""
+        with self._cond:
+            return sum(len(r) for r in self._running)
+
+    def wait_released(self, worker: int, closure: Closure, attempt: int, timeout: float | None) -> bool:
+        """Wait until this attempt of `closure` no longer runs on `worker` (taken out,
+        requeued, failed) or the scheduler is closed; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._closed or closure.worker != worker or closure.attempts != attempt
+                or closure.id not in self._running[worker],
+                timeout,
+            )
 
     def queued(self) -> list[Closure]:
         with self._cond:

@@ -1,0 +1,129 @@
+"""What recovery needs from the strategy, as small objects of their own.
+
+`VariableStore` creates every variable of `strategy.scope()` on a ps task and
+keeps them (weakly) in creation order; `PerWorkerRegistry` keeps (weakly) the
+per-worker values built so far. The recovery thread gets these two, not the
+strategy: nothing it holds keeps a strategy alive.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+from psclient._coordinator import runtime as _runtime
+from psclient._coordinator.checkpoint import variable_key
+from psclient._coordinator.per_worker import PerWorker, PerWorkerDataset, PerWorkerIterator
+from psclient._core.placement import Placer
+
+__all__ = ["VariableStore", "PerWorkerRegistry"]
+
+
+class VariableStore:
+    """Every variable created in scope(), in creation order, with its ps task."""
+
+    def __init__(self, num_ps: int):
+        self._num_ps = num_ps
+        self.placer = Placer(num_ps)
+        self._lock = threading.Lock()
+        self._variables: list[tuple[weakref.ref, int]] = []
+
+    def create(self, next_creator, **kwargs):
+        """A `tf.variable_creator_scope` creator: place the variable on a ps task."""
+        import tensorflow as tf
+        from tensorflow.python.eager import context
+
+        # A device already in force names a ps task when Keras asks to
+        # colocate a slot with its variable (its optimizer enters
+        # `colocate_vars_with`, which in eager mode is a device scope) or when
+        # the user chose one explicitly.
+        device = context.context().device_name
+        if "/job:worker" in (device or ""):
+            # Built for one worker on purpose (create_per_worker_resource, or
+            # the user's tf.device): leave it there.
+            return next_creator(**kwargs)
+        requested = _runtime.ps_index_of(device)
+        initial_value = kwargs.get("initial_value")
+        if callable(initial_value):
+            # We need the size before choosing a task, so evaluate the
+            # initializer once here, exactly as tf.Variable would.
+            with tf.init_scope():
+                initial_value = initial_value()
+            kwargs["initial_value"] = initial_value
+        dtype = kwargs.get("dtype")
+        value = tf.convert_to_tensor(initial_value, dtype=dtype) if initial_value is not None else None
+        nbytes = 0
+        if value is not None and value.shape.is_fully_defined():
+            nbytes = value.shape.num_elements() * value.dtype.size
+        if requested is not None and requested < self._num_ps:
+            ps, reason = requested, "requested"
+        else:
+            ps, reason = self.placer.choose(nbytes), "balanced"
+        with tf.device(_runtime.ps_device(ps)):
+            variable = next_creator(**kwargs)
+        with self._lock:
+            self._variables.append((weakref.ref(variable), ps))
+        self.placer.record(
+            variable.name, variable.shape.as_list() if variable.shape.rank is not None else (),
+            variable.dtype.name, nbytes, ps, reason,
+        )
+        return variable
+
+    def count(self) -> int:
+        """Variables created so far (dead ones included: keys are creation indices)."""
+        return len(self._variables)
+
+    def named(self) -> dict[str, Any]:
+        """Live variables, keyed by creation index (`variable_key`)."""
+        with self._lock:
+            entries = list(self._variables)
+        named = {}
+        for index, (ref, _ps) in enumerate(entries):
+            variable = ref()
+            if variable is not None:
+                named[variable_key(index)] = variable
+        return named
+
+    def renew(self, lost_ps) -> int:
+        """New (uninitialized) resources for the live variables on `lost_ps`; how many."""
+        with self._lock:
+            entries = list(self._variables)
+        count = 0
+        for ref, ps in entries:
+            variable = ref()
+            if variable is not None and ps in lost_ps:
+                _runtime.renew_variable_handle(variable, _runtime.ps_device(ps))
+                count += 1
+        return count
+
+
+class PerWorkerRegistry:
+    """The per-worker values built so far (weakly), to rebuild after failures."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._refs: list[weakref.ref] = []
+
+    def track(self, value: PerWorker) -> None:
+        with self._lock:
+            self._refs.append(weakref.ref(value))
+
+    def values(self) -> list[PerWorker]:
+        with self._lock:
+            self._refs = [ref for ref in self._refs if ref() is not None]
+            refs = list(self._refs)
+        return [value for value in (ref() for ref in refs) if value is not None]
+
+    def rebuild(self, worker: int | None, *, resources_only: bool) -> None:
+        """Build the per-worker values of `worker` (or of every worker) again.
+
+        With `resources_only`, datasets and iterators are kept (their state lives
+        on workers that did not fail; after a ps recovery they read on from where
+        they were); resources from `create_per_worker_resource` are rebuilt.
+        """
+        for value in self.values():
+            if resources_only and isinstance(value, (PerWorkerDataset, PerWorkerIterator)):
+                continue
+            for index in range(value.num_workers) if worker is None else (worker,):
+                value.rebuild(index)

@@ -1,0 +1,481 @@
+"""Recovery decisions as one state machine: events in, actions out. Pure logic.
+
+`RecoveryMachine.handle(event, now)` is the only way recovery state changes.
+It does no I/O, starts no thread and never waits: the clock value comes in
+with each event, and what must happen comes out as a list of actions, which
+one thread (`psclient._coordinator.recovery`) carries out in order. Actions
+marked *operation* below report their outcome back as a `Done` event; the
+machine starts at most one operation at a time. Dispatcher threads only
+report what they saw (`WorkerNotAnswering`, `PsNotAnswering`).
+
+States of a task (`TaskState`):
+
+    worker:  UP -> SUSPECT (a call failed, its probe did not answer: taken out)
+             UP -> HUNG (heartbeat probe overdue for hang_timeout: taken out)
+             SUSPECT/HUNG -> LOST (TCP connect refused: the process is gone)
+             SUSPECT/LOST -> HUNG (TCP accepted or silent, its probe still waits)
+             any out -> REJOINING (answers again; reconnect, check, rebuild)
+             REJOINING -> UP (rebuilt) or SUSPECT (a step failed; tried again)
+    ps:      UP -> LOST (does not answer) -> RECOVERING (accepts connections again)
+             RECOVERING -> UP (variables renewed, restored, functions retraced)
+
+Events in                                 | actions out
+------------------------------------------|------------------------------------------
+Tick(running, completed) every round      | FailAll(workers) when none UP for worker_timeout;
+                                          | starts what is due (below)
+ProbeOverdue(worker, waited) of an UP one | >= hang_timeout: TakeOut, HUNG
+WorkerNotAnswering(worker) (dispatcher)   | TakeOut, SUSPECT
+WorkerSeen(worker, tcp, probe_pending)    | a worker that is out: LOST / HUNG / answers
+                                          | again (a rejoin candidate)
+PsNotAnswering(ps) (dispatcher)           | PsFailed, PauseDispatch; without a checkpoint
+                                          | FailAll(ps, permanent)
+PsSeen(ps, tcp)                           | "open": RECOVERING
+CheckpointRequested(ticket, reason)       | queued; Finish(ticket, ...) when done
+Restored()                                | a checkpoint exists from now on
+Done(op, ok, value, error)                | the next step of the flow that started op
+Shutdown()                                | Finish every waiting ticket; nothing after
+
+Flows, tried after each event in this order, one at a time:
+1. ps recovery: wait for running closures (hang_timeout, then RequeueRunning)
+   and for every lost ps to accept connections (ps_timeout, then
+   FailAll(ps, permanent)); then Reconnect -> RenewAndRestore -> Retrace ->
+   RebuildResources -> PsRecovered + ResumeDispatch. Nothing else runs meanwhile.
+2. drop gone workers from TF's view: Reconnect(UP workers).
+3. checkpoint (requested, or due by interval/count): PauseDispatch, wait for
+   running closures (hang_timeout, then skipped), Checkpoint, ResumeDispatch.
+4. rejoin: Reconnect(UP workers + it) -> CheckAnswers -> RebuildWorker -> BringUp.
+
+Guards: no Reconnect while a worker in TF's view hangs (SUSPECT or HUNG and
+not answering): TF's `update_server_def` would wait on it for good. With
+`reconnect_when_idle`, dispatch is paused until no closure runs before any
+Reconnect. Without `checkpoint_while_hung`, no checkpoint while a worker in
+the view hangs (registering the saver's function would wait on it).
+Reports carry the epoch they were made in (`epoch` of a worker, `ps_epoch`):
+one made before the task came back is stale and ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["TaskState", "MachineConfig", "RecoveryMachine"]
+
+
+from psclient._core.recovery_messages import (  # noqa: F401 - the machine's vocabulary, re-exported
+    OPERATIONS,
+    BringUp,
+    CheckAnswers,
+    Checkpoint,
+    CheckpointRequested,
+    Done,
+    FailAll,
+    Finish,
+    PauseDispatch,
+    ProbeOverdue,
+    PsFailed,
+    PsNotAnswering,
+    PsRecovered,
+    PsSeen,
+    RebuildResources,
+    RebuildWorker,
+    Reconnect,
+    RenewAndRestore,
+    RequeueRunning,
+    Restored,
+    ResumeDispatch,
+    Retrace,
+    Shutdown,
+    TakeOut,
+    TaskState,
+    Tick,
+    WorkerNotAnswering,
+    WorkerSeen,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineConfig:
+    num_workers: int
+    num_ps: int
+    hang_timeout: float = 30.0
+    worker_timeout: float = 300.0
+    ps_timeout: float = 300.0
+    #: Seconds between rounds while nothing waits.
+    interval: float = 1.0
+    #: A checkpoint_dir was given.
+    checkpointing: bool = False
+    checkpoint_interval: float | None = None
+    checkpoint_every: int | None = None
+    #: checkpoint_dir already holds a checkpoint.
+    has_checkpoint: bool = False
+    #: Pause dispatch and wait for running closures before any Reconnect.
+    reconnect_when_idle: bool = False
+    #: Allow checkpoints while a worker in TF's view hangs.
+    checkpoint_while_hung: bool = False
+    #: Failed attempts at recovering a ps that came back before giving up.
+    ps_attempts: int = 3
+
+
+class RecoveryMachine:
+    """The recovery state of every task; see the module docstring."""
+
+    def __init__(self, config: MachineConfig, now: float):
+        self.config = config
+        self.workers = [TaskState.UP] * config.num_workers
+        self.ps = [TaskState.UP] * config.num_ps
+        #: Workers in TF's current view of the cluster.
+        self.view = frozenset(range(config.num_workers))
+        #: Per worker, incremented when it comes back; per ps recovery, `ps_epoch`.
+        self.epochs = [0] * config.num_workers
+        self.ps_epoch = 0
+        self.broken = False
+        self.closed = False
+        self.op: Any = None  # the operation under way
+        self._back_since: dict[int, float] = {}
+        self._all_down_since: float | None = None
+        self._gave_up_since: float | None = None
+        self._running = 0
+        self._completed = 0
+        # ps recovery
+        self._ps_since: float | None = None
+        self._ps_back_at: float | None = None
+        self._ps_requeued = False
+        self._ps_failures = 0
+        # checkpoints
+        self._has_checkpoint = config.has_checkpoint
+        self._saved_once = False
+        self._saved_at = now
+        self._saved_completed = 0
+        self._requests: list[tuple[Any, str]] = []
+        self._ckpt_waiting_since: float | None = None
+        self._ckpt_reason = ""
+        # reconnect_when_idle
+        self._idle_pause = False
+
+    # ------------------------------------------------------------ queries
+    def blocking(self) -> list[int]:
+        """Workers in TF's view that may hang: no Reconnect while there are any."""
+        return sorted(
+            w for w in self.view
+            if self.workers[w] in (TaskState.SUSPECT, TaskState.HUNG) and w not in self._back_since
+        )
+
+    def lost_ps(self) -> list[int]:
+        return [ps for ps, state in enumerate(self.ps) if state is not TaskState.UP]
+
+    def poll_interval(self) -> float:
+        """How soon the next round is wanted."""
+        if self._ckpt_waiting_since is not None or self._idle_pause:
+            return 0.02  # waiting for running closures to end
+        if self.lost_ps():
+            return 0.2
+        return self.config.interval
+
+    # -------------------------------------------------------------- entry
+    def handle(self, event: Any, now: float) -> list:
+        """Apply one event; return the actions to carry out, in order."""
+        if self.closed:
+            if isinstance(event, CheckpointRequested):
+                return [Finish(event.ticket, error="closed")]
+            return []
+        handler = getattr(self, "_on_" + type(event).__name__)
+        actions = handler(event, now)
+        if not self.closed:
+            actions += self._advance(now)
+        return actions
+
+    # ------------------------------------------------------------- events
+    def _on_Tick(self, event: Tick, now: float) -> list:
+        self._running, self._completed = event.running, event.completed
+        since = self._all_down_since
+        if since is not None and now - since >= self.config.worker_timeout:
+            first = self._gave_up_since != since
+            self._gave_up_since = since
+            # Every round, so work scheduled after giving up fails too, not hangs.
+            return [FailAll("workers", waited=now - since, first=first)]
+        return []
+
+    def _on_ProbeOverdue(self, event: ProbeOverdue, now: float) -> list:
+        if self.workers[event.worker] is TaskState.UP and event.waited >= self.config.hang_timeout:
+            return self._take_out(event.worker, TaskState.HUNG, event.waited, now, "hung")
+        return []
+
+    def _on_WorkerNotAnswering(self, event: WorkerNotAnswering, now: float) -> list:
+        if self.workers[event.worker] is TaskState.UP and event.epoch == self.epochs[event.worker]:
+            return self._take_out(event.worker, TaskState.SUSPECT, event.detected_after, now, "not answering")
+        return []
+
+    def _on_WorkerSeen(self, event: WorkerSeen, now: float) -> list:
+        worker = event.worker
+        if self.workers[worker] in (TaskState.UP, TaskState.REJOINING):
+            return []
+        if event.tcp == "closed":
+            self.workers[worker] = TaskState.LOST
+            self._back_since.pop(worker, None)
+        elif event.probe_pending or event.tcp == "silent":
+            self.workers[worker] = TaskState.HUNG
+            self._back_since.pop(worker, None)
+        else:
+            self._back_since.setdefault(worker, now)
+        return []
+
+    def _on_PsNotAnswering(self, event: PsNotAnswering, now: float) -> list:
+        if event.epoch != self.ps_epoch or self.broken:
+            return []
+        actions = []
+        for ps in event.ps:
+            if self.ps[ps] is TaskState.UP:
+                self.ps[ps] = TaskState.LOST
+                actions.append(PsFailed(ps))
+        if actions and self._ps_since is None:
+            self._ps_since = now
+            self._ps_requeued = False
+            self._ps_failures = 0
+            # Hold the queue at once: until the recovery, every closure fails against it.
+            actions.append(PauseDispatch("ps"))
+            if not (self.config.checkpointing and self._has_checkpoint):
+                why = ("this strategy has no checkpoint_dir to restore its variables from"
+                       if not self.config.checkpointing else "no checkpoint had been written yet")
+                actions += self._give_up_ps(why)
+        return actions
+
+    def _on_PsSeen(self, event: PsSeen, now: float) -> list:
+        if self.ps[event.ps] is TaskState.LOST and event.tcp == "open":
+            self.ps[event.ps] = TaskState.RECOVERING
+        return []
+
+    def _on_CheckpointRequested(self, event: CheckpointRequested, now: float) -> list:
+        if not self.config.checkpointing:
+            return [Finish(event.ticket, value=None)]
+        self._requests.append((event.ticket, event.reason))
+        return []
+
+    def _on_Restored(self, event: Restored, now: float) -> list:
+        self._has_checkpoint = True
+        return []
+
+    def _on_Shutdown(self, event: Shutdown, now: float) -> list:
+        self.closed = True
+        actions = [Finish(ticket, error="closed") for ticket, _ in self._requests]
+        self._requests.clear()
+        return actions
+
+    def _on_Done(self, event: Done, now: float) -> list:
+        op, self.op = event.op, None
+        actions = []
+        if self._idle_pause and isinstance(op, Reconnect):
+            self._idle_pause = False
+            actions.append(ResumeDispatch("reconnect"))
+        if isinstance(op, Reconnect) and event.ok:
+            self.view = frozenset(op.workers)
+        if isinstance(op, Reconnect) and not event.ok:
+            # Named workers that did not answer: out of rotation, decided next round.
+            for worker, tcp in (event.value or {}).items():
+                if self.workers[worker] is TaskState.UP:
+                    state = TaskState.LOST if tcp == "closed" else TaskState.SUSPECT
+                    actions += self._take_out(worker, state, None, now, "not answering before a reconnect")
+        if op.__class__ in (Reconnect, CheckAnswers, RebuildWorker) and (
+                op.__class__ is not Reconnect or op.purpose == "rejoin"):
+            return actions + self._rejoin_step(op, event, now)
+        if isinstance(op, Reconnect) and op.purpose == "ps" or isinstance(
+                op, (RenewAndRestore, Retrace, RebuildResources)):
+            return actions + self._ps_step(op, event, now)
+        if isinstance(op, Checkpoint):
+            return actions + self._checkpoint_done(event, now)
+        return actions
+
+    # -------------------------------------------------------------- flows
+    def _advance(self, now: float) -> list:
+        if self.op is not None:
+            return []
+        if self.lost_ps():
+            return self._advance_ps(now)
+        actions = self._advance_drop(now)
+        if self.op is None:
+            actions += self._advance_checkpoint(now)
+        if self.op is None and self._ckpt_waiting_since is None:
+            actions += self._advance_rejoin(now)
+        if self.op is None and self._idle_pause and not self._wants_reconnect():
+            self._idle_pause = False
+            actions.append(ResumeDispatch("reconnect"))
+        return actions
+
+    def _wants_reconnect(self) -> bool:
+        return bool(self._gone_in_view()) or (bool(self._back_since) and self._ckpt_waiting_since is None)
+
+    def _gone_in_view(self) -> list[int]:
+        return [w for w in self.view if self.workers[w] is TaskState.LOST]
+
+    def _up(self) -> frozenset:
+        return frozenset(w for w, s in enumerate(self.workers) if s is TaskState.UP)
+
+    def _may_reconnect(self, actions: list) -> bool:
+        """The guards every Reconnect passes; may pause dispatch to wait for idle."""
+        if self.blocking():
+            return False
+        if not self.config.reconnect_when_idle:
+            return True
+        if not self._idle_pause:
+            self._idle_pause = True
+            actions.append(PauseDispatch("reconnect"))
+            return False  # the running count comes with the next Tick
+        return self._running == 0
+
+    def _start(self, op: Any) -> list:
+        self.op = op
+        return [op]
+
+    def _advance_drop(self, now: float) -> list:
+        target = self._up() & self.view
+        if not self._gone_in_view() or not target:
+            return []
+        # TF fails anything that registers a function on every task (a
+        # checkpoint, a new trace) while a gone worker is in its view.
+        actions: list = []
+        if not self._may_reconnect(actions):
+            return actions
+        return actions + self._start(Reconnect(target, "drop"))
+
+    def _advance_rejoin(self, now: float) -> list:
+        if self.broken:
+            return []
+        for worker in sorted(self._back_since):
+            if self.workers[worker] in (TaskState.UP, TaskState.REJOINING):
+                continue
+            # (It answers again, so it does not count as hanging itself.)
+            actions: list = []
+            if not self._may_reconnect(actions):
+                return actions
+            self.workers[worker] = TaskState.REJOINING
+            return actions + self._start(Reconnect(self._up() | {worker}, "rejoin", returning=worker))
+        return []
+
+    def _rejoin_step(self, op: Any, event: Done, now: float) -> list:
+        worker = op.returning if isinstance(op, Reconnect) else op.worker
+        if self.workers[worker] is not TaskState.REJOINING:
+            return []
+        if self.closed or self.lost_ps():
+            # A ps was lost meanwhile: its recovery reconnects everything first.
+            self.workers[worker] = TaskState.SUSPECT
+            return []
+        if not event.ok:
+            self.workers[worker] = TaskState.SUSPECT  # decided again next round
+            self._back_since.pop(worker, None)
+            return []
+        if isinstance(op, Reconnect):
+            return self._start(CheckAnswers(worker))
+        if isinstance(op, CheckAnswers):
+            return self._start(RebuildWorker(worker))
+        since = self._back_since.pop(worker, now)
+        self.workers[worker] = TaskState.UP
+        self.epochs[worker] += 1
+        self._all_down_since = None
+        return [BringUp(worker, recovered_after=now - since)]
+
+    def _advance_ps(self, now: float) -> list:
+        if self.broken or self._ps_since is None:
+            return []
+        lost = tuple(self.lost_ps())
+        if self._running and not self._ps_requeued:
+            if now - self._ps_since < self.config.hang_timeout:
+                return []  # running closures fail against the lost ps and come back
+            # Any still running are abandoned: nothing traced for the old
+            # variables may report after the recovery.
+            self._ps_requeued = True
+            return [RequeueRunning()]
+        if any(self.ps[ps] is TaskState.LOST for ps in lost):
+            if now - self._ps_since > self.config.ps_timeout:
+                return self._give_up_ps(f"it did not come back within ps_timeout={self.config.ps_timeout:g} s")
+            return []
+        if self._ps_back_at is None:
+            self._ps_back_at = now
+        actions: list = []
+        if not self._may_reconnect(actions):
+            return actions  # a hung worker in the view: wait until it answers or dies
+        return actions + self._start(Reconnect(self._up(), "ps"))
+
+    def _ps_step(self, op: Any, event: Done, now: float) -> list:
+        lost = tuple(self.lost_ps())
+        if self.closed or not lost:
+            return []
+        if not event.ok:
+            if event.error is None:
+                return []  # named workers did not answer (taken out): tried again next round
+            self._ps_failures += 1
+            if self._ps_failures >= self.config.ps_attempts:
+                return self._give_up_ps(f"restoring it failed {self._ps_failures} times: {event.error}")
+            return []  # tried again next round
+        if isinstance(op, Reconnect):
+            return self._start(RenewAndRestore(lost))
+        if isinstance(op, RenewAndRestore):
+            return self._start(Retrace())
+        if isinstance(op, Retrace):
+            return self._start(RebuildResources())
+        back_at = self._ps_back_at if self._ps_back_at is not None else now
+        self._end_ps_loss()
+        return [PsRecovered(lost, back_at), ResumeDispatch("ps")]
+
+    def _give_up_ps(self, why: str) -> list:
+        lost = tuple(self.lost_ps())
+        self.broken = True
+        self._end_ps_loss()
+        return [FailAll("ps", lost=lost, why=why, permanent=True), ResumeDispatch("ps")]
+
+    def _end_ps_loss(self) -> None:
+        self.ps = [TaskState.UP] * len(self.ps)
+        self.ps_epoch += 1
+        self._ps_since = self._ps_back_at = None
+
+    def _checkpoint_due(self, now: float) -> str | None:
+        if self._requests:
+            return self._requests[0][1]
+        if not self.config.checkpointing or not self._saved_once or self.broken:
+            return None  # nothing to save before the first requested one
+        interval, every = self.config.checkpoint_interval, self.config.checkpoint_every
+        if interval is not None and now - self._saved_at >= interval:
+            return "interval"
+        if every is not None and self._completed - self._saved_completed >= every:
+            return "interval"
+        return None
+
+    def _advance_checkpoint(self, now: float) -> list:
+        reason = self._checkpoint_due(now)
+        if reason is None:
+            return []
+        hung = self.blocking() and not self.config.checkpoint_while_hung
+        if self._ckpt_waiting_since is None:
+            if hung or self._gone_in_view() or any(s is TaskState.REJOINING for s in self.workers):
+                return []  # wait until the view is clean
+            self._ckpt_waiting_since, self._ckpt_reason = now, reason
+            return [PauseDispatch("checkpoint")]  # the running count comes with the next Tick
+        if hung or self._gone_in_view():
+            self._ckpt_waiting_since = None
+            return [ResumeDispatch("checkpoint")]  # started again once the view is clean
+        if self._running == 0:
+            self._ckpt_waiting_since = None
+            return self._start(Checkpoint(self._ckpt_reason))
+        if now - self._ckpt_waiting_since >= self.config.hang_timeout:
+            self._ckpt_waiting_since = None
+            requests, self._requests = self._requests, []
+            return [ResumeDispatch("checkpoint"), *(Finish(t, value=None) for t, _ in requests)]
+        return []
+
+    def _checkpoint_done(self, event: Done, now: float) -> list:
+        requests, self._requests = self._requests, []
+        self._saved_at = now
+        if event.ok:
+            path, completed = event.value
+            self._saved_once = self._has_checkpoint = True
+            self._saved_completed = completed
+            finish = [Finish(t, value=path) for t, _ in requests]
+        else:
+            finish = [Finish(t, error=event.error) for t, _ in requests]
+        return [ResumeDispatch("checkpoint"), *finish]
+
+    def _take_out(self, worker: int, state: TaskState, detected_after, now: float, why: str) -> list:
+        self.workers[worker] = state
+        self._back_since.pop(worker, None)
+        if TaskState.UP not in self.workers and self._all_down_since is None:
+            self._all_down_since = now
+        return [TakeOut(worker, detected_after, why)]

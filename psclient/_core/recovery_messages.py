@@ -1,0 +1,197 @@
+"""The vocabulary of the recovery state machine (`psclient._core.recovery`).
+
+`TaskState` is what a task is in; events are what the machine is told (by
+the recovery thread's rounds, by dispatcher threads, by callers); actions are
+what it asks the recovery thread to do. All are plain immutable values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+class TaskState(enum.Enum):
+    #: Takes work (worker) / serves its variables (ps).
+    UP = "up"
+    #: Worker: a call on it failed and its probe did not answer; taken out, not yet known hung or gone.
+    SUSPECT = "suspect"
+    #: Worker: taken out; its process is there (TCP accepted or silent) but does not answer.
+    HUNG = "hung"
+    #: Worker: its process is gone (TCP refused). Ps: does not answer; waiting for it.
+    LOST = "lost"
+    #: Worker: answers again; being reconnected, checked and rebuilt.
+    REJOINING = "rejoining"
+    #: Ps: accepts connections again; its variables are being renewed and restored.
+    RECOVERING = "recovering"
+
+
+# ---------------------------------------------------------------- events
+@dataclasses.dataclass(frozen=True)
+class Tick:
+    running: int
+    completed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeOverdue:
+    worker: int
+    waited: float
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerNotAnswering:
+    worker: int
+    detected_after: float | None = None
+    epoch: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSeen:
+    worker: int
+    tcp: str  # "open", "closed" (refused: gone) or "silent" (no answer at all)
+    probe_pending: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class PsNotAnswering:
+    ps: tuple
+    epoch: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PsSeen:
+    ps: int
+    tcp: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRequested:
+    ticket: Any
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+    op: Any
+    ok: bool
+    value: Any = None
+    error: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# --------------------------------------------------------------- actions
+@dataclasses.dataclass(frozen=True)
+class TakeOut:
+    """Take the worker out of rotation and requeue the closures running on it."""
+    worker: int
+    detected_after: float | None = None
+    why: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Reconnect:
+    """Operation: point TF's view at the ps tasks and `workers`. `returning` cannot be
+    probed before; every other worker named must answer first, else Done(ok=False,
+    value={worker: tcp state}) names those that did not."""
+    workers: frozenset
+    purpose: str
+    returning: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckAnswers:
+    """Operation: the worker answers a probe."""
+    worker: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RebuildWorker:
+    """Operation: build the worker's per-worker datasets and resources again."""
+    worker: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BringUp:
+    worker: int
+    recovered_after: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PauseDispatch:
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeDispatch:
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RequeueRunning:
+    """Abandon every running attempt and queue those closures again."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PsFailed:
+    ps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RenewAndRestore:
+    """Operation: new resources for the variables of `lost`, every variable restored."""
+    lost: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Retrace:
+    """Operation: trace the queued closures' functions again (new variable resources)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RebuildResources:
+    """Operation: rebuild every worker's per-worker resources (not datasets)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PsRecovered:
+    lost: tuple
+    back_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """Operation: save every variable (dispatch is paused and idle). Done.value: path."""
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FailAll:
+    """Fail every queued and running closure. kind "workers": waited seconds without any
+    worker; kind "ps": `lost` cannot be recovered (`why`); permanent: schedule raises it too."""
+    kind: str
+    waited: float = 0.0
+    lost: tuple = ()
+    why: str = ""
+    permanent: bool = False
+    first: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Finish:
+    """Answer a waiting caller: `value`, or raise `error`."""
+    ticket: Any
+    value: Any = None
+    error: Any = None
+
+
+OPERATIONS = (Reconnect, CheckAnswers, RebuildWorker, RenewAndRestore, Retrace, RebuildResources, Checkpoint)
