@@ -30,6 +30,7 @@ from psclient._cluster.spec import (
     read_tf_config,
     task_from_config,
 )
+from psclient._core.checks import check_positive
 from psclient._core.errors import ClusterConfigError
 
 _MAIN_EPILOG = """\
@@ -178,7 +179,10 @@ def load_callable(spec: str, *, name: str) -> Callable[..., Any]:
 
 
 def _as_option(message: str) -> str:
-    """Says "--max-evaluations" where the Python API's message says "argument `max_evaluations`"."""
+    """The Python API's "argument `max_evaluations`. Received: max_evaluations=0" said as
+    the command line's "--max-evaluations. Received: 0" (and without "or None":
+    on the command line, None is leaving the option out)."""
+    message = re.sub(r"(argument `(\w+)`\. Received: )\2=", r"\1", message).replace(" or None.", ".")
     return re.sub(r"argument `(\w+)`", lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
@@ -282,13 +286,13 @@ def _run_launch(args: argparse.Namespace) -> int:
     if not command:
         parser.error("No training command given. Expected it after --, e.g. "
                      "psclient launch --workers 2 --ps 1 -- python train.py")
-    for option, value, least in (("--workers", args.workers, 1), ("--ps", args.ps, 1),
-                                 ("--max-restarts", args.max_restarts, 0)):
-        if value < least:
-            parser.error(f"Invalid value for {option}. Received: {value}. Expected an integer >= {least}.")
-    if not args.evaluator_timeout > 0:
-        parser.error(f"Invalid value for --evaluator-timeout. Received: {args.evaluator_timeout}. "
-                     "Expected a positive number of seconds.")
+    try:
+        check_positive("workers", args.workers, integer=True)
+        check_positive("ps", args.ps, integer=True)
+        check_positive("max_restarts", args.max_restarts, integer=True, allow_zero=True)
+        check_positive("evaluator_timeout", args.evaluator_timeout, unit="seconds")
+    except ValueError as e:
+        parser.error(_as_option(str(e)))
     if args.evaluator is not None and not args.evaluator.strip():
         parser.error("Invalid value for --evaluator. Received: ''. Expected a command line.")
     config = LaunchConfig(
@@ -335,8 +339,10 @@ def _add_demo_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    if args.epochs < 1:
-        args.command_parser.error(f"Invalid value for --epochs. Received: {args.epochs}. Expected an integer >= 1.")
+    try:
+        check_positive("epochs", args.epochs, integer=True)
+    except ValueError as e:
+        args.command_parser.error(_as_option(str(e)))
     from psclient._demo import run
 
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,29 +62,27 @@ def _say(text: str) -> None:
     print(f"demo      | {text}", flush=True)
 
 
-# TensorFlow's C++ start-up lines (absl format "I0000 00:00:...", CPU feature
-# notes): noise for a newcomer, and TF_CPP_MIN_LOG_LEVEL does not silence the
-# ones logged before absl is initialised.
-_TF_NOISE = re.compile(r"^([IWE]\d{4} \d\d:\d\d:|WARNING: All log messages before absl|To enable the following)")
+# TensorFlow's C++ lines (absl format "I0000 00:00:...", also W and E) are
+# noise for a newcomer in the demo, and TF_CPP_MIN_LOG_LEVEL does not silence
+# the ones logged before absl is initialised. The evaluator's own lines
+# ("psclient evaluate: ...") and Python tracebacks are kept.
+_TF_LOG_LINE = re.compile(r"^[WE]\d{4} \d\d:\d\d:")
 
 
 def _start_evaluator(checkpoint_dir: str, log_dir: str, best: str):
     from psclient._cluster.launch import _Child, _Output
+    from psclient._cluster.process import child_env, is_tf_banner
 
     class QuietOutput(_Output):
         def line(self, name: str, text: str) -> None:
-            if not _TF_NOISE.match(text):
+            if not (is_tf_banner(text) or _TF_LOG_LINE.match(text)):
                 super().line(name, text)
 
     argv = [sys.executable, "-m", "psclient", "evaluate", "--checkpoint-dir", checkpoint_dir,
             "--model", "psclient._demo:build_model", "--data", "psclient._demo:test_data",
             "--log-dir", log_dir, "--export-best", best, "--best-metric", "accuracy",
             "--settle-time", "1", "--poll-interval", "0.5", "--idle-timeout", "120"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    pythonpath = os.environ.get("PYTHONPATH")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=root + (os.pathsep + pythonpath if pythonpath else ""))
-    env.pop("TF_CONFIG", None)
+    env = child_env({"TF_CPP_MIN_LOG_LEVEL": "2"})  # Not training's TF_CONFIG: it never connects.
     return _Child("evaluator", argv, env, QuietOutput(sys.stdout, ["evaluator", "demo"]))
 
 
@@ -138,7 +137,7 @@ def run(epochs: int = 8, workdir: str | None = None, num_workers: int = 2, num_p
         _say("training done; waiting for the evaluator to evaluate the final checkpoint ...")
         try:
             evaluator.process.wait(timeout=120)
-        except Exception:  # subprocess.TimeoutExpired: reported, then stopped below.
+        except subprocess.TimeoutExpired:  # Reported, then stopped below.
             _say("the evaluator did not finish within 120 s; stopping it")
     finally:
         evaluator.stop(grace=10)

@@ -44,7 +44,11 @@ def test_help_of_each_command_has_an_example(command, example):
      "cannot import 'no_such_module_xyz'"),
     (["evaluate", "--checkpoint-dir", "d", "--model", f"{EXAMPLE}:nothing", "--data", f"{EXAMPLE}:data"],
      "has no function 'nothing'"),
-    (["demo", "--epochs", "0"], "Invalid value for --epochs. Received: 0."),
+    (["demo", "--epochs", "0"], "Invalid value for --epochs. Received: 0. Expected an integer >= 1."),
+    (["launch", "--max-restarts", "-1", "--", "python", "x.py"],
+     "Invalid value for --max-restarts. Received: -1. Expected an integer >= 0."),
+    (["launch", "--evaluator-timeout", "0", "--", "python", "x.py"],
+     "Invalid value for --evaluator-timeout. Received: 0.0. Expected a number of seconds > 0."),
 ])
 def test_bad_arguments_name_the_option(args, message):
     result = psclient(*args)
@@ -56,7 +60,7 @@ def test_evaluate_option_errors_use_option_names(tmp_path):
     result = psclient("evaluate", "--checkpoint-dir", str(tmp_path), "--model", f"{EXAMPLE}:model",
                       "--data", f"{EXAMPLE}:data", "--max-evaluations", "0")
     assert result.returncode == 2
-    assert "Invalid value for --max-evaluations. Received: max_evaluations=0. Expected an integer > 0" in result.stderr
+    assert "Invalid value for --max-evaluations. Received: 0. Expected an integer >= 1." in result.stderr
 
 
 def test_evaluate_job_on_tf_checkpoints_then_a_mismatching_model(tmp_path):

@@ -316,3 +316,43 @@ def test_to_cluster_spec_drops_the_evaluator():
 def test_sparse_dict_with_a_repeated_index():
     with pytest.raises(ClusterConfigError, match=r"Duplicate task index 0 in job 'worker'"):
         Cluster({"worker": {0: "w0:1", "0": "w1:1"}, "ps": ["p:1"]})
+
+
+# What every child process shares (psclient._cluster.process) --------------------
+
+
+def test_child_env_runs_this_psclient_without_the_parents_task(monkeypatch):
+    import os
+
+    import psclient
+    from psclient._cluster.process import child_env
+
+    monkeypatch.setenv("TF_CONFIG", '{"task": {"type": "chief", "index": 0}}')
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    env = child_env()
+    # The directory that holds the psclient package, before the inherited path.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(psclient.__file__)))
+    assert env["PYTHONPATH"].split(os.pathsep) == [root, "/elsewhere"]
+    assert "TF_CONFIG" not in env and "TF_CPP_MIN_LOG_LEVEL" not in env
+    assert (env["PYTHONUNBUFFERED"], env["GRPC_FAIL_FAST"]) == ("1", "use_caller")
+    env = child_env({"GRPC_FAIL_FAST": "false", "TF_CPP_MIN_LOG_LEVEL": "0"}, tf_config="{}", quiet_tf=True)
+    assert (env["TF_CONFIG"], env["GRPC_FAIL_FAST"], env["TF_CPP_MIN_LOG_LEVEL"]) == ("{}", "false", "0")
+    assert child_env(quiet_tf=True)["TF_CPP_MIN_LOG_LEVEL"] == "1"
+
+
+@pytest.mark.parametrize("line, banner", [
+    ("I0000 00:00:1795441036.668329   14230 port.cc:153] oneDNN custom operations are on.", True),
+    ("I0000 00:00:1795441068.286302   15209 grpc_server_lib.cc:467] Started server with target: grpc://x", True),
+    ("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR", True),
+    ("To enable the following instructions: AVX2 FMA, in other operations, rebuild TensorFlow with the "
+     "appropriate compiler flags.", True),
+    ("W0000 00:00:1795441069.849386   15216 context_distributed_manager.cc:968] Device filters ...", False),
+    ("E0000 00:00:1795441069.859806   15310 context.cc:566] Unable to close remote context", False),
+    ("psclient serve: worker:0 ready at 127.0.0.1:1 (pid 1)", False),
+    ("Info: I0000 in the middle is not TensorFlow's", False),
+])
+def test_only_tensorflows_info_banners_count_as_noise(line, banner):
+    from psclient._cluster.process import is_tf_banner
+
+    assert is_tf_banner(line) is banner

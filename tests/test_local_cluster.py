@@ -82,6 +82,8 @@ def test_logs_hold_the_warning_and_one_ready_line_per_start(local_cluster):
         logs = local_cluster.logs(job, index)
         assert "accept unauthenticated RPCs" in logs and "ALL network interfaces" in logs
         assert f"{job}:{index} ready at {address} (pid " in logs
+        # TF_CPP_MIN_LOG_LEVEL=1 in the tasks: no INFO line once absl is up.
+        assert "Started server with target" not in logs
 
 
 def test_kill_then_restart_at_the_same_address(local_cluster):
@@ -209,6 +211,17 @@ def test_a_task_that_cannot_start_is_named_with_its_log(monkeypatch, tmp_path):
     assert f"Task ps:0 (127.0.0.1:{port}) exited with status 1 before it was ready" in str(error)
     assert f"cannot start ps:0 at 127.0.0.1:{port}" in str(error)  # From its log.
     assert serve_children() == before  # The worker was ended too.
+
+
+def test_a_task_whose_process_cannot_be_created_leaks_no_pipe(monkeypatch, tmp_path):
+    def no_fork(*args, **kwargs):
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(psclient._cluster.local.subprocess, "Popen", no_fork)
+    fds = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="Resource temporarily unavailable"):
+        LocalCluster(num_workers=1, num_ps=1, log_dir=tmp_path)
+    assert set(os.listdir("/proc/self/fd")) <= fds
 
 
 def test_start_timeout_names_the_tasks_and_ends_them():

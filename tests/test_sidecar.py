@@ -112,6 +112,43 @@ def test_keras_files_corrupt_one_is_skipped_and_the_older_evaluated(tmp_path, ca
     assert record["step"] == 4  # The optimizer's iterations: 64 examples / 16 per batch.
 
 
+def test_truncated_tf_data_file_is_skipped_with_a_log_line(tmp_path, caplog):
+    (prefix,) = train_tf_checkpoints(tmp_path, 1)
+    data_file = tmp_path / "ckpt-1.data-00000-of-00001"
+    data_file.write_bytes(data_file.read_bytes()[:40])  # TF's reader: IndexError, "Read less bytes".
+    write_final_marker(tmp_path, prefix)
+    caplog.set_level(logging.INFO, logger="psclient.sidecar")
+    report = sidecar(tmp_path).start()
+    assert report.evaluations == []
+    assert len(report.unreadable) == 1 and report.unreadable[0].startswith("cannot read ckpt-1:")
+    assert "skipped ckpt-1: unreadable" in caplog.text
+
+
+def test_a_bug_while_reading_a_checkpoint_propagates_instead_of_unreadable(tmp_path, monkeypatch):
+    from psclient._sidecar import formats
+
+    build().save_weights(tmp_path / "m.weights.h5")
+    write_final_marker(tmp_path, "m.weights.h5")
+
+    def buggy(f):
+        raise TypeError("a bug in psclient, not a damaged file")
+
+    monkeypatch.setattr(formats, "_h5_variables", buggy)
+    with pytest.raises(TypeError, match="a bug in psclient"):
+        sidecar(tmp_path).start()
+
+
+def test_a_keras_archive_without_weights_is_unreadable_not_a_crash(tmp_path):
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "m.keras", "w") as archive:
+        archive.writestr("config.json", "{}")
+    write_final_marker(tmp_path, "m.keras")
+    report = sidecar(tmp_path).start()
+    assert report.evaluations == []
+    assert report.unreadable == ["cannot read m.keras: it holds no model.weights.h5"]
+
+
 def test_keras_file_and_export_best(tmp_path):
     model = build()
     model.fit(X, Y, batch_size=16, epochs=2, verbose=0)
@@ -172,7 +209,7 @@ def test_missing_directory_waits_with_a_message_until_the_idle_timeout(tmp_path,
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"steps": 0}, r"argument `steps`. Received: steps=0. Expected an integer > 0"),
+    ({"steps": 0}, r"argument `steps`. Received: steps=0. Expected an integer >= 1 or None"),
     ({"idle_timeout": -1}, r"argument `idle_timeout`. Received: idle_timeout=-1"),
     ({"export_best": "best.h5"}, r"argument `export_best`. Received: 'best.h5'. Expected a path ending in '.keras'"),
     ({"best_mode": "up"}, r"argument `best_mode`. Received: 'up'"),

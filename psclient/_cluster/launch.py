@@ -32,10 +32,11 @@ from typing import IO
 
 import portpicker
 
+from psclient._cluster.process import child_env, is_tf_banner
 from psclient._cluster.server import SECURITY_WARNING
 from psclient._cluster.spec import Cluster
+from psclient._core.errors import TaskUnreachableError
 
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _TICK_S = 0.5  # How often task liveness is checked while waiting for the script.
 _TAIL_INTERVAL_S = 0.2  # How often task log files are read for new lines.
@@ -84,7 +85,12 @@ def _pipe_to_output(pipe: IO[bytes], name: str, output: _Output) -> threading.Th
 
 
 class _LogTailer:
-    """Follows the task log files (appended across restarts) and prefixes their lines."""
+    """Follows the task log files (appended across restarts) and prefixes their lines.
+
+    TensorFlow's start-up INFO banners (`is_tf_banner`), which every task and
+    every restart prints, are left out: the files keep them; warnings and
+    errors are shown.
+    """
 
     def __init__(self, paths: dict[str, str], output: _Output):
         self._paths = paths
@@ -107,8 +113,10 @@ class _LogTailer:
                 continue
             self._offsets[name] += len(data)
             *lines, self._partial[name] = (self._partial[name] + data).split(b"\n")
-            for line in lines:
-                self._output.line(name, line.decode("utf-8", "replace"))
+            for raw in lines:
+                line = raw.decode("utf-8", "replace")
+                if not is_tf_banner(line):
+                    self._output.line(name, line)
 
     def _run(self) -> None:
         while not self._stop.wait(_TAIL_INTERVAL_S):
@@ -172,14 +180,6 @@ class _Child:
 def exit_status(returncode: int) -> int:
     """A shell-style exit status: 128 + N for a child ended by signal N."""
     return 128 - returncode if returncode < 0 else returncode
-
-
-def _child_env(tf_config: str) -> dict[str, str]:
-    env = dict(os.environ, TF_CONFIG=tf_config, PYTHONUNBUFFERED="1")
-    env.setdefault("GRPC_FAIL_FAST", "use_caller")
-    pythonpath = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + pythonpath if pythonpath else "")
-    return env
 
 
 class _Signals:
@@ -249,14 +249,15 @@ class Launcher:
             if early:  # Interrupted while the cluster started: run nothing.
                 self._say(f"{signal.Signals(early[0]).name}: stopping before the script starts")
                 return 128 + early[0]
-            script = _Child("chief", c.command, _child_env(local.cluster.to_tf_config("chief", 0)), self._output)
+            chief_env = child_env(tf_config=local.cluster.to_tf_config("chief", 0))
+            script = _Child("chief", c.command, chief_env, self._output)
             children.append(script)
             self._say(f"started the script (pid {script.process.pid}): {shlex.join(c.command)}")
             evaluator = None
             if c.evaluator:
                 jobs = dict(local.cluster.jobs, evaluator=[f"127.0.0.1:{portpicker.pick_unused_port()}"])
                 tf_config = Cluster(jobs).to_tf_config("evaluator", 0)
-                evaluator = _Child("evaluator", shlex.split(c.evaluator), _child_env(tf_config), self._output)
+                evaluator = _Child("evaluator", shlex.split(c.evaluator), child_env(tf_config=tf_config), self._output)
                 children.append(evaluator)
                 self._say(f"started the evaluator (pid {evaluator.process.pid}): {c.evaluator}")
             self._supervise(script, evaluator, local, signals)
@@ -332,7 +333,7 @@ class Launcher:
                 self._say(f"{name} exited; restarting it ({used + 1}/{self.config.max_restarts})")
                 try:
                     local.restart(job, index)
-                except Exception as e:  # Reported; the next tick tries again within the budget.
+                except (TaskUnreachableError, OSError) as e:  # Reported; the next tick tries again.
                     self._say(f"restarting {name} failed: {e}")
             elif name not in self._reported_down:
                 self._reported_down.add(name)

@@ -12,6 +12,7 @@ exit by themselves if this process dies without closing, even by SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import signal
@@ -26,8 +27,10 @@ from typing import Any
 
 import portpicker
 
+from psclient._cluster.process import child_env
 from psclient._cluster.server import check_inter_op_threads
 from psclient._cluster.spec import Cluster
+from psclient._core.checks import check_positive
 from psclient._core.errors import TaskUnreachableError
 
 _HOST = "127.0.0.1"
@@ -37,9 +40,6 @@ _TERM_GRACE_S = 5.0
 # Bound on reaping a SIGKILLed process (it cannot resist, but may be in I/O).
 _REAP_TIMEOUT_S = 30.0
 _LOG_TAIL_LINES = 20
-# The directory that holds the psclient package: put first on the tasks'
-# PYTHONPATH so that they run the same psclient as this process.
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass
@@ -103,8 +103,10 @@ def _launch(task: _Task, env: dict[str, str], inter_op_threads: int | None) -> N
     """Starts `task`'s process; does not wait for it to be ready."""
     # os.pipe() fds are non-inheritable: a task inherits only the two ends in
     # pass_fds, so the write end of each parent pipe stays in this process alone.
-    ready_r, ready_w = os.pipe()
-    parent_r, parent_w = os.pipe()
+    # Our ends belong to the task at once: its close_fds() (run by reap()) closes
+    # them, also when Popen fails below.
+    task.ready_r, ready_w = os.pipe()
+    parent_r, task.parent_w = os.pipe()
     argv = [sys.executable, "-m", "psclient", "serve", "--job", task.job,
             "--index", str(task.index), "--ready-fd", str(ready_w), "--parent-fd", str(parent_r)]
     if inter_op_threads is not None:
@@ -118,14 +120,9 @@ def _launch(task: _Task, env: dict[str, str], inter_op_threads: int | None) -> N
                 # which decides what happens to the tasks, not the tasks directly.
                 start_new_session=True,
             )
-    except BaseException:
-        os.close(ready_r)
-        os.close(parent_w)
-        raise
     finally:
         os.close(ready_w)
         os.close(parent_r)
-    task.ready_r, task.parent_w = ready_r, parent_w
 
 
 def _failure(task: _Task, what: str) -> TaskUnreachableError:
@@ -238,17 +235,9 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         inter_op_threads: int | None = None,
     ):
-        for name, value in (("num_workers", num_workers), ("num_ps", num_ps)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(
-                    f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
-                    "Expected an integer >= 1."
-                )
-        if not start_timeout > 0:
-            raise ValueError(
-                "Invalid value for argument `start_timeout`. Received: "
-                f"start_timeout={start_timeout!r}. Expected a positive number of seconds."
-            )
+        check_positive("num_workers", num_workers, integer=True)
+        check_positive("num_ps", num_ps, integer=True)
+        check_positive("start_timeout", start_timeout, unit="seconds")
         if inter_op_threads is not None:
             check_inter_op_threads(inter_op_threads)
         self._start_timeout = float(start_timeout)
@@ -270,26 +259,17 @@ class LocalCluster:
             (job, index): _Task(job, index, address, os.path.join(self._log_dir, f"{job}-{index}.log"))
             for job, index, address in self._cluster.tasks()
         }
-        self._env = self._task_env(env)
+        # TF's INFO banners off in the tasks (warnings and errors stay): their
+        # logs, and the lines quoted when a task fails, show what matters.
+        self._env = child_env(env, quiet_tf=True)
         self._closed = False
         # Holds no reference to self, so a forgotten cluster is still collected
         # and its tasks ended (at the latest at interpreter exit).
         self._finalizer = weakref.finalize(self, _shutdown, list(self._tasks.values()), self._tempdir)
-        try:
+        with contextlib.ExitStack() as on_failure:  # Whatever stops the start ends every task.
+            on_failure.callback(self.close)
             self._start(list(self._tasks.values()), self._start_timeout)
-        except BaseException:
-            self.close()
-            raise
-
-    @staticmethod
-    def _task_env(env: dict[str, str] | None) -> dict[str, str]:
-        child = dict(os.environ)
-        child.update(env or {})
-        child.setdefault("GRPC_FAIL_FAST", "use_caller")
-        child.setdefault("PYTHONUNBUFFERED", "1")
-        pythonpath = child.get("PYTHONPATH")
-        child["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + pythonpath if pythonpath else "")
-        return child
+            on_failure.pop_all()
 
     def _start(self, tasks: list[_Task], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -386,11 +366,10 @@ class LocalCluster:
             task.reap()
             with open(task.log_path, "a", encoding="utf-8") as log:
                 log.write(f"--- psclient LocalCluster: restarting {task.name} ---\n")
-            try:
+            with contextlib.ExitStack() as on_failure:  # A task that did not start is not left half up.
+                on_failure.callback(task.reap)
                 self._start([task], self._start_timeout if timeout is None else timeout)
-            except BaseException:
-                task.reap()
-                raise
+                on_failure.pop_all()
 
     # Life cycle -------------------------------------------------------------
 

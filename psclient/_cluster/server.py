@@ -121,7 +121,7 @@ def _signal_ready(ready_fd: int) -> None:
 
 
 def _start_server(cluster: Cluster, job: str, index: int, inter_op_threads: int):
-    import tensorflow as tf  # Lazily, and only after GRPC_FAIL_FAST is set.
+    import tensorflow as tf
 
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=inter_op_threads)
     return tf.distribute.Server(
@@ -179,9 +179,11 @@ def serve(
     if parent_fd is not None:
         _exit_when_parent_dies(parent_fd, task)
     _log(f"psclient serve: {SECURITY_WARNING}")
+    import tensorflow as tf  # Lazily, and only after GRPC_FAIL_FAST is set.
+
     try:
         server = _start_server(cluster, job, index, inter_op_threads)
-    except Exception as e:  # TensorFlow raises UnknownError for a port in use.
+    except (tf.errors.OpError, ValueError) as e:  # UnknownError for a port in use; a bad spec.
         _log(f"psclient serve: error: cannot start {task} at {address}: {e}")
         _exit(1)
     _log(f"psclient serve: {task} ready at {address} (pid {os.getpid()})")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import tempfile
 import threading
@@ -35,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from psclient._core.checks import check_positive
 from psclient._sidecar import formats
 from psclient._sidecar.formats import (  # The errors are re-exported for psclient's API.
     CheckpointMismatchError,  # noqa: F401
@@ -66,17 +66,16 @@ def write_final_marker(checkpoint_dir: str | os.PathLike, checkpoint: str | os.P
         checkpoint = os.path.relpath(checkpoint, checkpoint_dir)
     body = json.dumps({"checkpoint": checkpoint, "step": step, "written_at": time.time()})
     fd, temp = tempfile.mkstemp(prefix=".psclient-final-", dir=checkpoint_dir)
+    path = os.path.join(checkpoint_dir, FINAL_MARKER)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(body)
             f.flush()
             os.fsync(f.fileno())
-        path = os.path.join(checkpoint_dir, FINAL_MARKER)
         os.replace(temp, path)
-    except BaseException:
-        if os.path.exists(temp):
+    finally:
+        if os.path.exists(temp):  # Only when the write failed: replace() moved it.
             os.unlink(temp)
-        raise
     return path
 
 
@@ -203,18 +202,6 @@ class SidecarReport:
     best: dict | None = None  # The exported best evaluation, if export_best was set.
 
 
-def _positive(name: str, value: Any, *, integer: bool = False, allow_zero: bool = False, allow_none: bool = True):
-    if value is None and allow_none:
-        return None
-    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if not ok or isinstance(value, bool) or (value < 0 if allow_zero else value <= 0) or \
-            (not integer and not math.isfinite(value)):
-        kind = "an integer" if integer else "a number"
-        raise ValueError(f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
-                         f"Expected {kind} {'>= 0' if allow_zero else '> 0'}{' or None' if allow_none else ''}.")
-    return value
-
-
 class SidecarEvaluator:
     """Evaluates each new checkpoint that training writes, in a process of its own.
 
@@ -270,11 +257,11 @@ class SidecarEvaluator:
                              "Expected a compiled model: compile(loss=..., metrics=[...]) names what is reported.")
         self.model, self.data = model, data
         self.checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
-        self.steps = _positive("steps", steps, integer=True)
-        self.max_evaluations = _positive("max_evaluations", max_evaluations, integer=True)
-        self.idle_timeout = _positive("idle_timeout", idle_timeout)
-        self.settle_time = _positive("settle_time", settle_time, allow_zero=True, allow_none=False)
-        self.poll_interval = _positive("poll_interval", poll_interval, allow_none=False)
+        self.steps = check_positive("steps", steps, integer=True, optional=True)
+        self.max_evaluations = check_positive("max_evaluations", max_evaluations, integer=True, optional=True)
+        self.idle_timeout = check_positive("idle_timeout", idle_timeout, optional=True, finite=True, unit="seconds")
+        self.settle_time = check_positive("settle_time", settle_time, allow_zero=True, finite=True, unit="seconds")
+        self.poll_interval = check_positive("poll_interval", poll_interval, finite=True, unit="seconds")
         self.callbacks = list(callbacks or [])
         self.model_key = model_key
         self.log_dir = os.path.abspath(os.fspath(log_dir)) if log_dir is not None \

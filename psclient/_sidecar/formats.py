@@ -15,7 +15,9 @@ Scanning is cheap and imports nothing heavy; loading imports TensorFlow/h5py.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import logging
 import os
 import re
 import warnings
@@ -32,6 +34,7 @@ KERAS_SUFFIXES = (".weights.h5", ".keras")
 _CKPT_NUMBER = re.compile(r"-(\d+)$")
 # Keras 3 optimizers hold `iterations` as their first variable.
 _H5_ITERATIONS = "optimizer/vars/0"
+_log = logging.getLogger("psclient.sidecar")
 
 
 class CheckpointMismatchError(PSClientError, ValueError):
@@ -108,9 +111,11 @@ def _scan_tf(checkpoint_dir: str) -> list[CheckpointRef]:
         return []  # Cheap check first: importing TensorFlow is not.
     import tensorflow as tf
 
+    # TF returns None (and logs why) for a state file it cannot read or parse.
     try:
         state = tf.train.get_checkpoint_state(checkpoint_dir)
-    except Exception:  # A state file being replaced reads as missing until the next poll.
+    except ValueError as e:  # A state file that names no checkpoint: none to read yet.
+        _log.debug("no checkpoint in %s: %s", state_path, e)
         return []
     if state is None:
         return []
@@ -131,6 +136,37 @@ def _scan_tf(checkpoint_dir: str) -> list[CheckpointRef]:
     return refs
 
 
+# Reading ------------------------------------------------------------------------
+
+
+def _read_errors(kind: str) -> tuple[type[BaseException], ...]:
+    """What reading a half-written, corrupt or deleted checkpoint of `kind` raises."""
+    if kind == TF:
+        import tensorflow as tf
+        from google.protobuf.message import DecodeError
+
+        # IndexError: TF's checkpoint reader reports a truncated data file
+        # (OUT_OF_RANGE, "Read less bytes than requested") as one.
+        return (tf.errors.OpError, OSError, IndexError, DecodeError)
+    # h5py: OSError ("truncated file"); a .keras file: a zip archive.
+    return (OSError, zipfile.BadZipFile, EOFError)
+
+
+@contextlib.contextmanager
+def _reading(ref: CheckpointRef):
+    """Turns the errors of reading a damaged checkpoint into CheckpointUnreadableError.
+
+    Wraps only the calls that read files: an error in the logic around them
+    (a bug) propagates as it is, and is never reported as "unreadable".
+    """
+    try:
+        yield
+    except CheckpointUnreadableError:
+        raise
+    except _read_errors(ref.kind) as e:
+        raise CheckpointUnreadableError(f"cannot read {ref.name}: {type(e).__name__}: {e}") from e
+
+
 # Steps --------------------------------------------------------------------------
 
 
@@ -142,12 +178,14 @@ def tf_step(ref: CheckpointRef) -> int | None:
     """
     import tensorflow as tf
 
-    reader = tf.train.load_checkpoint(ref.path)
+    with _reading(ref):
+        reader = tf.train.load_checkpoint(ref.path)
     for key in ("step", "optimizer/_iterations", "optimizer/iterations",
                 "model/optimizer/_iterations", "model/optimizer/iterations"):
         full = key + "/.ATTRIBUTES/VARIABLE_VALUE"
         if reader.has_tensor(full):
-            value = reader.get_tensor(full)
+            with _reading(ref):
+                value = reader.get_tensor(full)
             if getattr(value, "shape", ()) == () and str(getattr(value, "dtype", "")).startswith(("int", "uint")):
                 return int(value)
     return None
@@ -158,13 +196,17 @@ def _open_h5(ref: CheckpointRef):
 
     if ref.path.endswith(".keras"):  # A zip that holds model.weights.h5.
         with zipfile.ZipFile(ref.path) as archive:
-            return h5py.File(io.BytesIO(archive.read("model.weights.h5")), "r")
+            try:
+                data = archive.read("model.weights.h5")
+            except KeyError as e:  # Another zip, or a .keras file being written.
+                raise CheckpointUnreadableError(f"cannot read {ref.name}: it holds no model.weights.h5") from e
+        return h5py.File(io.BytesIO(data), "r")
     return h5py.File(ref.path, "r")
 
 
 def keras_step(ref: CheckpointRef) -> int | None:
     """The optimizer's `iterations` saved in a Keras file, or None (no optimizer saved)."""
-    with _open_h5(ref) as f:
+    with _reading(ref), _open_h5(ref) as f:
         if _H5_ITERATIONS in f and f[_H5_ITERATIONS].shape == ():
             return int(f[_H5_ITERATIONS][()])
     return None
@@ -204,7 +246,7 @@ def check_keras_structure(ref: CheckpointRef, expected: dict[str, tuple]) -> Non
 
     Keras itself ignores a file's extra layers silently; this names them.
     """
-    with _open_h5(ref) as f:
+    with _reading(ref), _open_h5(ref) as f:
         found = _h5_variables(f)
     missing = [f"{k} {list(s)}" for k, s in expected.items() if k not in found]
     extra = [f"{k} {list(s)}" for k, s in found.items() if k not in expected]
@@ -241,9 +283,10 @@ def check_tf_structure(ref: CheckpointRef, model: Any, model_key: str) -> None:
     """
     import tensorflow as tf
 
-    reader = tf.train.load_checkpoint(ref.path)
-    shapes = reader.get_variable_to_shape_map()
-    graph = _graph(reader)
+    with _reading(ref):
+        reader = tf.train.load_checkpoint(ref.path)
+        shapes = reader.get_variable_to_shape_map()
+        graph = _graph(reader)
     roots = {c.local_name: c.node_id for c in graph.nodes[0].children}
     if model_key not in roots:
         raise CheckpointMismatchError(
@@ -312,28 +355,25 @@ def restore(ref: CheckpointRef, model: Any, model_key: str, keras_expected: dict
         CheckpointUnreadableError: the checkpoint cannot be read (it may still
             be being written, be corrupt, or have been deleted).
     """
-    try:
-        if ref.kind == TF:
-            import tensorflow as tf
+    if ref.kind == TF:
+        import tensorflow as tf
 
-            check_tf_structure(ref, model, model_key)
+        check_tf_structure(ref, model, model_key)
+        with _reading(ref):
             tf.train.Checkpoint(**{model_key: model}).read(ref.path).expect_partial()
-        else:
-            check_keras_structure(ref, keras_expected or {})
-            with warnings.catch_warnings():
-                # The evaluator never trains: its optimizer is not built, and
-                # Keras warns on every load that it skips the saved optimizer state.
-                warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")
-                model.load_weights(ref.path)
-    except CheckpointMismatchError:
-        raise
-    except Exception as e:  # TF's DataLossError/NotFoundError, h5py's OSError, zipfile's...
-        raise CheckpointUnreadableError(f"cannot read {ref.name}: {type(e).__name__}: {e}") from e
+    else:
+        check_keras_structure(ref, keras_expected or {})
+        with _reading(ref), warnings.catch_warnings():
+            # The evaluator never trains: its optimizer is not built, and
+            # Keras warns on every load that it skips the saved optimizer state.
+            warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")
+            model.load_weights(ref.path)
 
 
 def step_of(ref: CheckpointRef) -> int | None:
-    """The checkpoint's saved training step, or None when it holds none (or cannot be read)."""
-    try:
-        return tf_step(ref) if ref.kind == TF else keras_step(ref)
-    except Exception:  # Reported by restore(), which runs first.
-        return None
+    """The checkpoint's saved training step, or None when it holds none.
+
+    Raises:
+        CheckpointUnreadableError: it cannot be read (e.g. deleted since `restore`).
+    """
+    return tf_step(ref) if ref.kind == TF else keras_step(ref)
