@@ -119,6 +119,32 @@ def test_batch_level_hooks_get_real_logs_and_can_stop_training(strategy):
     assert int(model.optimizer.iterations.numpy()) == 7
 
 
+@pytest.mark.parametrize("as_list", [True, False], ids=["list", "CallbackList"])
+def test_stop_mid_epoch_gives_the_exact_logs_of_every_step_run(strategy, as_list):
+    # steps_per_execution=1 and many steps: several are still in flight when
+    # the callback stops; the epoch's logs must include every one of them.
+    model = make_model(strategy)
+
+    class StopAtBatch5(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 5:
+                self.model.stop_training = True
+
+    callbacks = [StopAtBatch5()]
+    if not as_list:
+        history_callback = keras.callbacks.History()
+        callbacks = keras.callbacks.CallbackList([*callbacks, history_callback], model=model)
+    history = model.fit(X, Y, batch_size=4, epochs=2, verbose=0, callbacks=callbacks)
+    if not as_list:
+        history = history_callback
+    assert int(model.optimizer.iterations.numpy()) == 6
+    # The metric variables after fit hold what the epoch's logs were read from.
+    final = {name: float(value) for name, value in model.get_metrics_result().items()}
+    assert len(history.history["loss"]) == 1
+    assert history.history["loss"][0] == pytest.approx(final["loss"], rel=1e-6)
+    assert history.history["accuracy"][0] == pytest.approx(final["accuracy"], rel=1e-6)
+
+
 @pytest.mark.parametrize("callback_class", [keras.callbacks.BackupAndRestore, BackupAndRestore])
 def test_backup_and_restore_resumes_after_an_interrupted_fit(strategy, tmp_path, callback_class):
     model = make_model(strategy)

@@ -147,3 +147,14 @@ def test_train_step_override_is_used(strategy):
     history = model.fit(X, Y, batch_size=64, epochs=1, verbose=0, callbacks=[Record()])
     assert seen and all(value == 7.0 for value in seen)
     assert history.history["custom"] == [7.0]
+
+
+def test_fit_arguments_supported_and_unknown(strategy):
+    model = make_model(strategy)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'epoch'"):
+        model.fit(X, Y, epoch=2, verbose=0)
+    # Every argument of Keras's fit is handled; a few rarely used ones together:
+    history = model.fit(X, Y, batch_size=64, epochs=2, verbose=0, shuffle=False, initial_epoch=1,
+                        validation_split=0.25, validation_batch_size=32, validation_steps=1, validation_freq=1)
+    assert sorted(history.history) == ["accuracy", "loss", "val_accuracy", "val_loss"]
+    assert history.epoch == [1]

@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import inspect
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = [
     "PerWorker",
     "PerWorkerDataset",
     "PerWorkerIterator",
+    "call_dataset_fn",
     "check_dataset_fn",
+    "dataset_cloner",
+    "deserialize_dataset",
     "has_per_worker",
     "per_worker_datasets",
     "per_worker_resource",
     "resolve_per_worker",
+    "serialize_dataset",
 ]
 
 
@@ -69,7 +74,7 @@ class PerWorkerDataset(PerWorker):
         self._make_iterator = make_iterator
         self._on_new = on_new
 
-    def __iter__(self) -> "PerWorkerIterator":
+    def __iter__(self) -> PerWorkerIterator:
         iterator = PerWorkerIterator(self, self._make_iterator)
         self._on_new(iterator)
         return iterator
@@ -101,12 +106,15 @@ class PerWorkerIterator(PerWorker):
         )
 
 
-def check_dataset_fn(dataset_fn: Callable) -> None:
-    """Reject a dataset function that cannot take a `tf.distribute.InputContext`."""
+def check_dataset_fn(dataset_fn: Callable, argument: str = "dataset_fn") -> None:
+    """Reject what cannot be a dataset function: not callable, or not taking one argument.
+
+    `argument` is the name the user gave it (`dataset_fn`, or `x` in Keras's fit).
+    """
     if not callable(dataset_fn):
         raise TypeError(
-            "Invalid value for argument `dataset_fn`. Received: "
-            f"dataset_fn={dataset_fn!r} of type {type(dataset_fn).__name__}. Expected a "
+            f"Invalid value for argument `{argument}`. Received: "
+            f"{argument}={dataset_fn!r} of type {type(dataset_fn).__name__}. Expected a "
             "tf.data.Dataset or a function input_context -> tf.data.Dataset."
         )
     try:
@@ -117,11 +125,25 @@ def check_dataset_fn(dataset_fn: Callable) -> None:
         signature.bind(object())
     except TypeError:
         raise TypeError(
-            "Invalid value for argument `dataset_fn`. Received: a function with signature "
+            f"Invalid value for argument `{argument}`. Received: a function with signature "
             f"{getattr(dataset_fn, '__name__', 'dataset_fn')}{signature}. Expected a function "
             "taking exactly one argument, the tf.distribute.InputContext (use "
-            "input_context.num_input_pipelines and input_context.input_pipeline_id to shard)."
+            "input_context.num_input_pipelines and input_context.input_pipeline_id to shard), "
+            "and returning a tf.data.Dataset."
         ) from None
+
+
+def call_dataset_fn(dataset_fn: Callable, input_context, argument: str = "dataset_fn"):
+    """`dataset_fn(input_context)`, which must be a `tf.data.Dataset`."""
+    import tensorflow as tf
+
+    dataset = dataset_fn(input_context)
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(
+            f"Invalid value for argument `{argument}`: the dataset function returned an "
+            f"object of type {type(dataset).__name__}. Expected a tf.data.Dataset."
+        )
+    return dataset
 
 
 def has_per_worker(args: tuple, kwargs: dict) -> bool:
@@ -157,13 +179,7 @@ def per_worker_datasets(dataset_fn, num_workers: int, *, on_new) -> PerWorkerDat
             num_input_pipelines=num_workers, input_pipeline_id=worker, num_replicas_in_sync=num_workers
         )
         with tf.device(_runtime.worker_device(worker)):
-            result = build_dataset(ctx)
-        if not isinstance(result, tf.data.Dataset):
-            raise TypeError(
-                f"`dataset_fn` must return a tf.data.Dataset. Received: {result!r} "
-                f"of type {type(result).__name__} for worker {worker}."
-            )
-        return result
+            return call_dataset_fn(build_dataset, ctx)
 
     def make_iterator(worker: int, dataset):
         with tf.device(_runtime.worker_device(worker)):
@@ -198,16 +214,27 @@ def dataset_cloner(dataset) -> Callable:
     under a worker's device would still read on the coordinator. So the
     dataset's graph is serialized once and re-created on each worker.
     """
+    graph_def, spec = serialize_dataset(dataset), dataset.element_spec
+
+    def clone(_input_context):
+        return deserialize_dataset(graph_def, spec)
+
+    return clone
+
+
+def serialize_dataset(dataset):
+    """The dataset's graph as a string tensor, to rebuild it on any worker (`deserialize_dataset`)."""
     import tensorflow as tf
 
-    graph_def = dataset._as_serialized_graph(  # TF-internal, the only way to clone a dataset
+    return dataset._as_serialized_graph(  # TF-internal, the only way to move a dataset
         strip_device_assignment=True,
         external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
     )
-    spec = dataset.element_spec
 
-    def clone(_input_context):
-        variant = tf.raw_ops.DatasetFromGraph(graph_def=graph_def)
-        return tf.data.experimental.from_variant(variant, spec)
 
-    return clone
+def deserialize_dataset(graph_def, element_spec):
+    """The dataset whose graph `serialize_dataset` gave, built where this runs."""
+    import tensorflow as tf
+
+    variant = tf.raw_ops.DatasetFromGraph(graph_def=graph_def)
+    return tf.data.experimental.from_variant(variant, element_spec)

@@ -34,10 +34,9 @@ def _commit(directory: str, final: str, suffix: str, write) -> None:
         with open(temp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(temp, final)
-    except BaseException:
-        if os.path.exists(temp):
+    finally:
+        if os.path.exists(temp):  # only when something failed before the rename
             os.remove(temp)
-        raise
 
 
 class BackupAndRestore(_KerasBackupAndRestore):

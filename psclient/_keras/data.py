@@ -12,16 +12,15 @@ and are refused with a clear error.
 from __future__ import annotations
 
 import functools
-import inspect
 import types
 from typing import Any
 
+from psclient._coordinator.per_worker import call_dataset_fn, check_dataset_fn
+
 __all__ = [
-    "deserialize",
     "finite_dataset",
     "is_dataset_fn",
     "per_worker_adapter",
-    "serialize",
     "training_data",
 ]
 
@@ -34,25 +33,9 @@ def is_dataset_fn(x: Any) -> bool:
 
 
 def _is_host_data(x: Any) -> bool:
-    from keras.src.trainers.data_adapters import py_dataset_adapter
+    import keras
 
-    return isinstance(x, (types.GeneratorType, py_dataset_adapter.PyDataset))
-
-
-def _check_dataset_fn(dataset_fn, argument: str) -> None:
-    try:
-        signature = inspect.signature(dataset_fn)
-    except (TypeError, ValueError):
-        return  # builtins and C functions: the call itself decides
-    try:
-        signature.bind(object())
-    except TypeError:
-        raise TypeError(
-            f"Invalid value for argument `{argument}`. Received: a function with signature "
-            f"{getattr(dataset_fn, '__name__', 'dataset_fn')}{signature}. Expected a dataset "
-            "function taking exactly one argument, the tf.distribute.InputContext, and "
-            "returning a tf.data.Dataset."
-        ) from None
+    return isinstance(x, (types.GeneratorType, keras.utils.PyDataset))
 
 
 def _refuse_host_data(x: Any, argument: str) -> None:
@@ -74,18 +57,6 @@ def _refuse_extras(argument: str, **given: Any) -> None:
             )
 
 
-def _call_dataset_fn(dataset_fn, ctx, argument: str):
-    import tensorflow as tf
-
-    dataset = dataset_fn(ctx)
-    if not isinstance(dataset, tf.data.Dataset):
-        raise TypeError(
-            f"Invalid value for argument `{argument}`: the dataset function returned an "
-            f"object of type {type(dataset).__name__}. Expected a tf.data.Dataset."
-        )
-    return dataset
-
-
 def training_data(
     strategy, x, y, sample_weight, batch_size, shuffle, class_weight, steps_per_epoch
 ) -> tuple[Any, int]:
@@ -101,13 +72,13 @@ def training_data(
 
     _check_steps("steps_per_epoch", steps_per_epoch)
     if is_dataset_fn(x):
-        _check_dataset_fn(x, "x")
+        check_dataset_fn(x, "x")
         _refuse_extras("x", y=y, sample_weight=sample_weight, class_weight=class_weight)
         if steps_per_epoch is None:
             raise ValueError(_steps_required("steps_per_epoch", "a dataset function as `x`"))
 
         def per_worker(ctx):
-            return _call_dataset_fn(x, ctx, "x").repeat()
+            return call_dataset_fn(x, ctx, "x").repeat()
 
         return per_worker_adapter(strategy.distribute_datasets_from_function(per_worker)), steps_per_epoch
     if _is_host_data(x):
@@ -140,9 +111,9 @@ def finite_dataset(x, y, sample_weight, batch_size, steps, *, with_targets: bool
 
     _check_steps("steps", steps)
     if is_dataset_fn(x):
-        _check_dataset_fn(x, "x")
+        check_dataset_fn(x, "x")
         _refuse_extras("x", y=y, sample_weight=sample_weight)
-        dataset = _call_dataset_fn(x, tf.distribute.InputContext(), "x")
+        dataset = call_dataset_fn(x, tf.distribute.InputContext(), "x")
     else:
         if _is_host_data(x):
             _refuse_host_data(x, "x")
@@ -176,23 +147,6 @@ def _steps_required(name: str, what: str) -> str:
         f"Expected an integer >= 1: on a parameter-server cluster psclient cannot tell "
         f"where an epoch of this data ends, so `{name}` must say how many batches it has."
     )
-
-
-def serialize(dataset):
-    """The dataset's graph as a string tensor, to rebuild it inside a closure on any worker."""
-    import tensorflow as tf
-
-    return dataset._as_serialized_graph(  # TF-internal, the only way to move a dataset
-        strip_device_assignment=True,
-        external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
-    )
-
-
-def deserialize(graph_def, element_spec):
-    import tensorflow as tf
-
-    variant = tf.raw_ops.DatasetFromGraph(graph_def=graph_def)
-    return tf.data.experimental.from_variant(variant, element_spec)
 
 
 @functools.cache

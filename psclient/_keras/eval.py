@@ -22,8 +22,9 @@ from __future__ import annotations
 import concurrent.futures
 import weakref
 
+from psclient._coordinator.per_worker import deserialize_dataset, serialize_dataset
 from psclient._keras import data as _keras_data
-from psclient._keras.trainer import prepare_model
+from psclient._keras.trainer import prepare_model, result_or_first_error
 
 __all__ = ["SHARDS_PER_WORKER", "evaluate", "predict"]
 
@@ -99,11 +100,11 @@ def predict(model, strategy, x, batch_size=None, verbose="auto", steps=None, cal
 
 # -------------------------------------------------------------------- internals
 def _callback_list(model, callbacks, verbose, num_batches):
-    from keras.src import callbacks as callbacks_module
+    import keras
 
-    if isinstance(callbacks, callbacks_module.CallbackList):
+    if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks  # fit's, during validation
-    return callbacks_module.CallbackList(
+    return keras.callbacks.CallbackList(
         callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1, steps=num_batches, model=model
     )
 
@@ -125,25 +126,23 @@ def _run_ranges(strategy, function, dataset, num_batches, extra_args, model, sto
     """Schedule one closure per range; yield ((start, count), result) as each finishes."""
     import tensorflow as tf
 
-    graph = _keras_data.serialize(dataset)
+    graph = serialize_dataset(dataset)
     futures = {}
     for start, count in _ranges(num_batches, strategy.num_workers):
         args = (graph, tf.constant(start, tf.int64), tf.constant(count, tf.int32), *extra_args)
         futures[strategy.schedule(function, args=args)] = (start, count)
     pending = set(futures)
+
+    def cancel_pending():
+        for future in pending:
+            future.cancel()
+
     try:
         for future in concurrent.futures.as_completed(futures):
             pending.discard(future)
-            yield futures[future], future.result()
-            if getattr(model, stop_flag, False):
+            yield futures[future], result_or_first_error(strategy, future, cancel_pending)
+            if getattr(model, stop_flag):  # set to False by evaluate/predict, maybe True by a callback
                 break
-    except Exception:
-        # The scheduler keeps the first failure for join(): raise it from
-        # there, once, rather than from this future.
-        for future in pending:
-            future.cancel()
-        strategy.join()
-        raise
     finally:
         for future in pending:
             future.cancel()
@@ -168,7 +167,7 @@ def _build_evaluate(model_ref, element_spec, variables):
     from keras.src.backend.common.stateless_scope import StatelessScope
 
     def evaluate_range(graph, start, count, state):
-        iterator = iter(_keras_data.deserialize(graph, element_spec).skip(start).take(tf.cast(count, tf.int64)))
+        iterator = iter(deserialize_dataset(graph, element_spec).skip(start).take(tf.cast(count, tf.int64)))
 
         def body(i, state):
             # Metric updates land in the scope, not in the ps variables.
@@ -194,7 +193,7 @@ def _build_predict(model_ref, element_spec):
     import tensorflow as tf
 
     def predict_range(graph, start, count):
-        iterator = iter(_keras_data.deserialize(graph, element_spec).skip(start).take(tf.cast(count, tf.int64)))
+        iterator = iter(deserialize_dataset(graph, element_spec).skip(start).take(tf.cast(count, tf.int64)))
         first = model_ref().predict_step(iterator.get_next())
         arrays = tf.nest.map_structure(
             lambda t: tf.TensorArray(

@@ -11,7 +11,12 @@ that do not live on a psclient strategy's ps tasks:
    op on the ps, so psclient routes Keras's TF-backend variables to it. The
    arithmetic is identical; only the race goes. Optimizer weight updates
    already use `tf.Variable.assign_sub` directly.
-2. `model.fit/evaluate/predict` on the cluster (`_keras_trainer`).
+2. `model.fit/evaluate/predict` on the cluster (`psclient._keras.trainer`,
+   `psclient._keras.eval`): `TensorFlowTrainer.fit/evaluate/predict` wrapped.
+
+Nothing else in psclient patches Keras. Before patching, every private Keras
+name psclient uses (`psclient._keras.seam.KERAS_INTERNALS`) is looked up, so a
+Keras that moved one fails here, loudly, naming it.
 
 Keras's other backends keep their variables outside TensorFlow, where no ps
 task can hold them: with Keras imported under another backend, entering the
@@ -26,9 +31,15 @@ import sys
 import threading
 
 from psclient._keras import eval as _keras_eval
-from psclient._keras.trainer import TrainFunction, cluster_strategy, prepare_model
+from psclient._keras import seam
+from psclient._keras.trainer import (
+    TrainFunction,
+    cluster_strategy,
+    fit_callbacks,
+    prepare_model,
+)
 
-__all__ = ["check_keras_backend", "install"]
+__all__ = ["FIT_ARGUMENTS", "check_keras_backend", "fit_arguments", "install"]
 
 _lock = threading.Lock()
 _done = False
@@ -44,9 +55,12 @@ def check_keras_backend() -> bool:
     user_imported = "keras" in sys.modules
     try:
         import keras
-        from keras.src.backend import backend
-    except ImportError:  # no Keras 3
+    except ImportError:  # Keras is optional: without it there is nothing to patch
         return False
+    if not keras.__version__.startswith("3."):
+        return False  # Keras 2 (tf_keras) keeps its variables as tf.Variables already
+    from keras.src.backend import backend
+
     name = backend()
     if name == "tensorflow":
         return True
@@ -61,56 +75,49 @@ def check_keras_backend() -> bool:
 
 
 def install() -> None:
-    """Install psclient's Keras 3 support once (the name is the scope's hook)."""
+    """Install psclient's Keras 3 support once (the name is the scope's hook).
+
+    Raises `psclient._keras.seam.KerasSeamError` if the installed Keras lacks
+    an internal psclient needs; then nothing is patched.
+    """
     global _done
     with _lock:
         if _done:
             return
         if not check_keras_backend():
             return
-        try:
-            from keras.src.backend.common.stateless_scope import in_stateless_scope
-            from keras.src.backend.tensorflow.core import Variable
-        except ImportError:  # a Keras layout this version does not know
-            return
-        import tensorflow as tf
-
-        plain_add, plain_sub = Variable.assign_add, Variable.assign_sub
-
-        def atomic(plain, method_name):
-            def update(self, value):
-                tf_variable = getattr(self, "_value", None)
-                if tf_variable is None or not isinstance(tf_variable, tf.Variable) or in_stateless_scope():
-                    return plain(self, value)
-                return getattr(tf_variable, method_name)(tf.cast(value, tf_variable.dtype))
-
-            update.__name__ = method_name
-            update.__doc__ = f"Atomic `{method_name}` on the underlying tf.Variable (patched by psclient)."
-            return update
-
-        Variable.assign_add = atomic(plain_add, "assign_add")
-        Variable.assign_sub = atomic(plain_sub, "assign_sub")
-
+        seam.check()
+        _install_atomic_increments()
         _install_trainer_patches()
         _done = True
 
 
-def _install_trainer_patches() -> None:
-    """Patch `keras.src.backend.tensorflow.trainer.TensorFlowTrainer`; idempotent."""
-    if True:  # called under _lock by install()
-        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+def _install_atomic_increments() -> None:
+    import tensorflow as tf
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+    from keras.src.backend.tensorflow.core import Variable
 
-        for name, make in (
-            ("fit", _patched_fit),
-            ("evaluate", _patched_evaluate),
-            ("predict", _patched_predict),
-            ("_get_metrics_result_or_logs", _patched_metrics_result_or_logs),
-        ):
-            stock = getattr(TensorFlowTrainer, name)
-            patched = make(stock)
-            functools.update_wrapper(patched, stock)
-            patched.__psclient_stock__ = stock
-            setattr(TensorFlowTrainer, name, patched)
+    def atomic(plain, method_name):
+        def update(self, value):
+            tf_variable = seam.internal(self, "_value")
+            if not isinstance(tf_variable, tf.Variable) or in_stateless_scope():
+                return plain(self, value)
+            return getattr(tf_variable, method_name)(tf.cast(value, tf_variable.dtype))
+
+        functools.update_wrapper(update, plain)
+        update.__doc__ = f"Atomic `{method_name}` on the underlying tf.Variable (patched by psclient)."
+        return update
+
+    Variable.assign_add = atomic(Variable.assign_add, "assign_add")
+    Variable.assign_sub = atomic(Variable.assign_sub, "assign_sub")
+
+
+def _install_trainer_patches() -> None:
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    for name, make in (("fit", _patched_fit), ("evaluate", _patched_evaluate), ("predict", _patched_predict)):
+        stock = getattr(TensorFlowTrainer, name)
+        setattr(TensorFlowTrainer, name, functools.update_wrapper(make(stock), stock))
 
 
 def _bind(stock, model, args, kwargs) -> dict:
@@ -123,17 +130,62 @@ def _bind(stock, model, args, kwargs) -> dict:
     return arguments
 
 
+# ------------------------------------------------------------------------ fit
+#: fit's arguments, each with what psclient does with it: consumed (turned
+#: into the per-worker data and the epoch's steps) or forwarded to Keras's own
+#: fit unchanged. Keras 3.10-3.15's fit takes exactly these; an argument a later
+#: Keras adds is refused (`fit_arguments`) rather than silently dropped.
+FIT_ARGUMENTS = {
+    "x": "consumed", "y": "consumed", "sample_weight": "consumed", "batch_size": "consumed",
+    "shuffle": "consumed", "class_weight": "consumed", "steps_per_epoch": "consumed",
+    "validation_split": "consumed", "validation_data": "consumed",
+    "epochs": "forwarded", "verbose": "forwarded", "callbacks": "forwarded",
+    "initial_epoch": "forwarded", "validation_steps": "forwarded",
+    "validation_batch_size": "forwarded", "validation_freq": "forwarded",
+}
+
+
+def fit_arguments(signature: inspect.Signature, model, args: tuple, kwargs: dict) -> dict:
+    """fit's arguments by name, defaults filled in; refuse one psclient does not handle.
+
+    An argument Python cannot bind to `signature` raises Python's own
+    TypeError, as Keras's fit does.
+    """
+    bound = signature.bind(model, *args, **kwargs)
+    given = {name: value for name, value in bound.arguments.items() if name != "self"}
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            given.update(given.pop(name, {}))
+    for name, value in given.items():
+        if name not in FIT_ARGUMENTS:
+            import keras
+
+            raise ValueError(
+                f"Invalid argument `{name}` for model.fit() on a parameter-server cluster. "
+                f"Received: {name}={value!r}. Expected it left out: psclient runs fit with "
+                f"the arguments {', '.join(sorted(FIT_ARGUMENTS))} and does not know what "
+                f"`{name}` of Keras {keras.__version__} needs on a cluster "
+                f"(psclient is tested with keras{seam.keras_range()})."
+            )
+    bound.apply_defaults()
+    arguments = {name: bound.arguments[name] for name in FIT_ARGUMENTS if name in bound.arguments}
+    return arguments
+
+
 def _patched_fit(stock):
+    signature = inspect.signature(stock)
+
     def fit(self, *args, **kwargs):
         strategy = cluster_strategy(self, "fit")
         if strategy is None:
             return stock(self, *args, **kwargs)
-        return _fit(stock, self, strategy, _bind(stock, self, args, kwargs))
+        return _fit(stock, self, strategy, fit_arguments(signature, self, args, kwargs))
 
     return fit
 
 
 def _fit(stock, model, strategy, a: dict):
+    import keras
     from keras.src.trainers.data_adapters import array_slicing
 
     from psclient._keras import data as _keras_data
@@ -154,19 +206,23 @@ def _fit(stock, model, strategy, a: dict):
         strategy, x, y, sample_weight, a["batch_size"], a["shuffle"], a["class_weight"], a["steps_per_epoch"]
     )
     prepare_model(model, strategy, adapter.element_spec, "fit")
-    previous = model.train_function
-    train_function = TrainFunction(model, strategy, steps_per_epoch)
+    # The steps Keras's loop will run per epoch: it caps them for debugging
+    # runs (keras.config.set_max_steps_per_epoch), and so the epochs.
+    epoch_steps = min(steps_per_epoch, keras.config.max_steps_per_epoch() or steps_per_epoch)
+    epochs = min(a["epochs"], keras.config.max_epochs() or a["epochs"])
+    previous = seam.internal(model, "train_function")
+    train_function = TrainFunction(model, strategy, epoch_steps)
     # Keras's fit calls make_train_function(), which keeps a train function
     # already set: this one, for the duration of this fit.
     model.train_function = train_function
+    callbacks = fit_callbacks(model, train_function, a["callbacks"], a["verbose"], epochs, epoch_steps)
     ok = False
     try:
+        forwarded = {name: a[name] for name, use in FIT_ARGUMENTS.items() if use == "forwarded"}
+        forwarded["callbacks"] = callbacks
         history = stock(
-            model, x=adapter, batch_size=None, epochs=a["epochs"], verbose=a["verbose"],
-            callbacks=a["callbacks"], validation_data=validation_data, shuffle=False,
-            initial_epoch=a["initial_epoch"], steps_per_epoch=steps_per_epoch,
-            validation_steps=a["validation_steps"], validation_batch_size=a["validation_batch_size"],
-            validation_freq=a["validation_freq"],
+            model, x=adapter, batch_size=None, validation_data=validation_data, shuffle=False,
+            steps_per_epoch=steps_per_epoch, **forwarded,
         )
         ok = True
         return history
@@ -176,18 +232,7 @@ def _fit(stock, model, strategy, a: dict):
         model.train_function = previous
 
 
-def _patched_metrics_result_or_logs(stock):
-    # Keras calls this at the end of every epoch (and after a stop) to read
-    # the epoch's logs from the metric variables: the moment to join.
-    def _get_metrics_result_or_logs(self, logs):
-        train_function = getattr(self, "train_function", None)
-        if isinstance(train_function, TrainFunction):
-            logs = train_function.finish(logs)
-        return stock(self, logs)
-
-    return _get_metrics_result_or_logs
-
-
+# ------------------------------------------------------------ evaluate, predict
 def _patched_evaluate(stock):
     def evaluate(self, *args, **kwargs):
         strategy = cluster_strategy(self, "evaluate")
@@ -195,10 +240,9 @@ def _patched_evaluate(stock):
             return stock(self, *args, **kwargs)
         a = _bind(stock, self, args, kwargs)
         a.pop("_use_cached_eval_dataset", None)  # fit's validation passes the data itself too
-        if a:
-            unknown = set(a) - set(inspect.signature(_keras_eval.evaluate).parameters)
-            if unknown:
-                raise ValueError(f"Arguments not recognized: {sorted(unknown)}")
+        unknown = set(a) - set(inspect.signature(_keras_eval.evaluate).parameters)
+        if unknown:
+            raise ValueError(f"Arguments not recognized: {sorted(unknown)}")
         return _keras_eval.evaluate(self, strategy, **a)
 
     return evaluate

@@ -11,13 +11,14 @@ For a cluster model:
   train function that schedules `steps_per_execution` steps per call on a free
   worker and returns without waiting: the logs it returns are those of the most
   recent finished call, so batch-level callbacks and the progress bar see
-  real numbers that lag a few steps behind. At the end of every epoch the
-  pending steps are joined and the epoch's logs are read from the metric
-  variables, which live on the ps and are updated atomically by every worker,
-  so they aggregate all workers exactly.
+  real numbers that lag a few steps behind. The epoch's last call waits for
+  every pending step (as does the call after which a callback sets
+  `model.stop_training`, through `fit_callbacks`), so when Keras reads the
+  epoch's logs from the metric variables, which live on the ps and are updated
+  atomically by every worker, they aggregate all workers exactly.
 - `evaluate` and `predict` cannot keep Keras's one-call-per-batch loop and
   still visit every example exactly once when a worker dies mid-way, so they
-  split the data into contiguous ranges of batches instead (`_keras_eval`).
+  split the data into contiguous ranges of batches instead (`psclient._keras.eval`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ import weakref
 
 from psclient._coordinator import registry
 from psclient._coordinator import runtime as _runtime
+from psclient._keras import seam
 
-__all__ = ["TrainFunction", "cluster_strategy", "prepare_model"]
+__all__ = ["TrainFunction", "cluster_strategy", "fit_callbacks", "prepare_model", "result_or_first_error"]
 
 log = logging.getLogger("psclient")
 
@@ -38,18 +40,24 @@ _warned_local: weakref.WeakSet = weakref.WeakSet()
 
 
 # --------------------------------------------------------------- which models
+def _tf_variable(variable):
+    """The tf.Variable behind a Keras variable (None before it is created), or `variable`."""
+    import tensorflow as tf
+
+    return variable if isinstance(variable, tf.Variable) else seam.internal(variable, "_value")
+
+
 def _device(variable) -> str | None:
-    value = getattr(variable, "_value", variable)  # a Keras variable wraps a tf.Variable
-    return getattr(value, "device", None)
+    return getattr(_tf_variable(variable), "device", None)
 
 
 def _state(model) -> list:
     """Every variable fit/evaluate/predict touch: weights, optimizer, metrics."""
     seen, result = set(), []
-    optimizer = getattr(model, "optimizer", None)
-    groups = [model.variables, getattr(optimizer, "variables", []), model.metrics_variables]
+    optimizer = getattr(model, "optimizer", None)  # set by compile()
+    groups = [model.variables, optimizer.variables if optimizer is not None else [], model.metrics_variables]
     for variable in (v for group in groups for v in group):
-        if id(variable) not in seen and getattr(variable, "_value", True) is not None:
+        if id(variable) not in seen and _tf_variable(variable) is not None:
             seen.add(id(variable))
             result.append(variable)
     return result
@@ -103,7 +111,7 @@ def _check_all_on_ps(model, variables, method: str) -> None:
 
 
 def _check_mode(model, method: str) -> None:
-    if getattr(model, "run_eagerly", False):
+    if model.run_eagerly:
         raise ValueError(
             f"Invalid value for argument `run_eagerly` of compile(). Received: run_eagerly=True "
             f"for {model.name!r}, whose variables live on ps tasks. Expected False: on a "
@@ -122,9 +130,10 @@ def prepare_model(model, strategy, element_spec, method: str) -> None:
 
 def _needs_build(model) -> bool:
     unbuilt = [not layer.built for layer in model._flatten_layers()]
-    compile_metrics = getattr(model, "_compile_metrics", None)
-    compile_loss = getattr(model, "_compile_loss", None)
-    optimizer = getattr(model, "optimizer", None)
+    # None when compile() got no metrics / no loss.
+    compile_metrics = seam.internal(model, "_compile_metrics")
+    compile_loss = seam.internal(model, "_compile_loss")
+    optimizer = getattr(model, "optimizer", None)  # set by compile(); predict needs none
     return (
         any(unbuilt)
         or (compile_metrics is not None and not compile_metrics.built)
@@ -142,7 +151,9 @@ class TrainFunction:
     the logs of the most recent finished closure (waiting only for the first
     closure of an epoch, so that callbacks always get real numbers). At most
     `max_in_flight` closures are unfinished at a time, so the coordinator never
-    queues more than a few steps ahead of the workers. `finish()` joins them.
+    queues more than a few steps ahead of the workers. The epoch's last call
+    (`steps_per_epoch` steps scheduled) waits for all of them (`finish`), so
+    the metric variables hold the whole epoch when Keras reads its logs.
     """
 
     def __init__(self, model, strategy, steps_per_epoch: int):
@@ -188,10 +199,8 @@ class TrainFunction:
     def __call__(self, iterator):
         import tensorflow as tf
 
-        count = self._steps_per_execution
-        if self._steps_per_epoch:
-            # Keras asks for whole executions; never run past the epoch's end.
-            count = max(1, min(count, self._steps_per_epoch - self._steps_scheduled))
+        # Keras asks for whole executions; never run past the epoch's end.
+        count = max(1, min(self._steps_per_execution, self._steps_per_epoch - self._steps_scheduled))
         if count == 1:
             future = self._strategy.schedule(self._one_step, args=(iterator,))
         else:
@@ -200,6 +209,8 @@ class TrainFunction:
             future = self._strategy.schedule(self._many_steps, args=(iterator, self._counts[count]))
         self._in_flight.append(future)
         self._steps_scheduled += count
+        if self._steps_scheduled >= self._steps_per_epoch:
+            return self.finish()  # the epoch's last call
         while len(self._in_flight) > self._max_in_flight:
             self._settle(self._in_flight.popleft())
         while self._in_flight and self._in_flight[0].done():
@@ -208,13 +219,13 @@ class TrainFunction:
             self._settle(self._in_flight.popleft())
         return self._latest
 
-    def finish(self, logs=None):
-        """Wait for every scheduled step; return the newest logs (`logs` if none ran)."""
+    def finish(self):
+        """Wait for every scheduled step and start a new epoch; return the newest logs."""
         self._strategy.join()  # raises the first error of a step, if any
         while self._in_flight:
             self._settle(self._in_flight.popleft())
         latest, self._latest, self._steps_scheduled = self._latest, None, 0
-        return latest if latest is not None else logs
+        return latest
 
     def abandon(self) -> None:
         """After an error elsewhere: wait for the pending steps, logging their errors."""
@@ -222,15 +233,54 @@ class TrainFunction:
         self._latest, self._steps_scheduled = None, 0
         try:
             self._strategy.join()
-        except Exception as error:  # noqa: BLE001 - the error being raised already matters more
+        except Exception as error:  # noqa: BLE001 - any step error; the one being raised matters more
             log.warning("a train step failed while fit() was stopping: %s: %s", type(error).__name__, error)
 
     def _settle(self, future) -> None:
-        try:
-            self._latest = future.result()
-        except BaseException:
-            # The scheduler also keeps the first error for join(); raise it
-            # there so it is raised once, with the closures after it cancelled.
-            self._in_flight.clear()
-            self._strategy.join()
-            raise
+        self._latest = result_or_first_error(self._strategy, future, self._in_flight.clear)
+
+
+def result_or_first_error(strategy, future, on_error=None):
+    """`future.result()`; if it fails, the strategy's first error instead, raised once.
+
+    The scheduler keeps the first error of any closure for `join()` and
+    cancels the closures after it, so a failed or cancelled future is answered
+    by `join()`'s error: the root cause, not this future's echo of it.
+    `on_error()` runs first (drop what is pending).
+    """
+    settled = False
+    try:
+        result = future.result()
+        settled = True
+        return result
+    finally:
+        if not settled:
+            if on_error is not None:
+                on_error()
+            strategy.join()
+
+
+def fit_callbacks(model, train_function: TrainFunction, callbacks, verbose, epochs: int, steps: int):
+    """fit's callbacks, made as Keras's fit makes them, that also join when training stops.
+
+    A callback that sets `model.stop_training` in a batch hook ends the epoch
+    early: the list waits for the pending steps right after the batch's hooks,
+    before Keras reads the epoch's logs from the metric variables. Keras's
+    own list is kept otherwise (History, progress bar, asynchronous batch
+    hooks); a `CallbackList` the user passes is wrapped, not changed.
+    """
+    import keras
+
+    class _StopJoins(keras.callbacks.CallbackList):
+        def on_train_batch_end(self, batch, logs=None):
+            super().on_train_batch_end(batch, logs)
+            if model_ref().stop_training:
+                train_function.finish()
+
+    model_ref = weakref.ref(model)
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return _StopJoins([callbacks], model=model)
+    return _StopJoins(
+        callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose, epochs=epochs,
+        steps=steps, model=model,
+    )

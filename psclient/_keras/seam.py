@@ -1,0 +1,189 @@
+"""Every private Keras name psclient uses, and the checks that keep them honest.
+
+psclient plugs into Keras 3 through public seams where Keras has them (a
+`DataAdapter` passed as `x`, a train function Keras keeps once set, callbacks)
+and through a few private names where it has none. Those are all listed in
+`KERAS_INTERNALS`, the one place to look when Keras moves something.
+`check()` runs when the Keras support is installed (`psclient._keras.install`):
+it imports every listed module and finds every listed class attribute, and a
+missing one is a `KerasSeamError` naming it and the Keras version, rather than
+a patch silently not applied. Attributes that exist only on instances
+(`model._compile_metrics`) are read through `internal()`, which fails the
+same way. tests/test_keras_seam.py checks the list against the installed
+Keras and scans psclient's source for a private Keras name that is not listed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import warnings
+from typing import Any, NamedTuple
+
+__all__ = [
+    "KERAS_INTERNALS",
+    "KERAS_VERSIONS",
+    "Internal",
+    "KerasSeamError",
+    "check",
+    "internal",
+    "keras_range",
+    "resolve",
+]
+
+#: The Keras versions psclient is tested with; pyproject.toml requires the same
+#: range. Tested here with Keras 3.15.1. The lower bound is the oldest release
+#: in which every name of `KERAS_INTERNALS` exists and tests/test_keras_seam.py
+#: passes (checked with `pip install --no-deps keras==3.N` of older releases);
+#: the upper bound is the next minor release, which nobody has tested yet.
+KERAS_VERSIONS = ((3, 10), (3, 16))  # >=3.10, <3.16
+
+_TRAINER = "keras.src.backend.tensorflow.trainer.TensorFlowTrainer"
+_BASE_TRAINER = "keras.src.trainers.trainer.Trainer"
+_VARIABLE = "keras.src.backend.tensorflow.core.Variable"
+_BACKUP = "keras.src.callbacks.backup_and_restore.BackupAndRestore"
+
+
+class Internal(NamedTuple):
+    """One private Keras name: `path` is module.name[.attribute...]."""
+
+    path: str
+    why: str
+    #: "attr": a module or class attribute; "instance": an attribute set on
+    #: instances (by `__init__` or `compile`), not found on the class;
+    #: "keyword": a keyword argument named `name` that the function `path`
+    #: passes or takes through **kwargs (found in its source).
+    kind: str = "attr"
+    name: str = ""
+
+    @property
+    def last(self) -> str:
+        """The name as it appears in psclient's code."""
+        return self.name or self.path.rsplit(".", 1)[-1]
+
+
+KERAS_INTERNALS: tuple[Internal, ...] = (
+    # Patched (psclient._keras.install).
+    Internal(f"{_VARIABLE}.assign_add", "made atomic on the ps: one tf.Variable.assign_add"),
+    Internal(f"{_VARIABLE}.assign_sub", "made atomic on the ps: one tf.Variable.assign_sub"),
+    Internal(f"{_TRAINER}.fit", "patched: runs on the cluster for a model on the ps"),
+    Internal(f"{_TRAINER}.evaluate", "patched: exact-once ranges of batches on the cluster"),
+    Internal(f"{_TRAINER}.predict", "patched: ranges of batches on the cluster, in input order"),
+    Internal(f"{_TRAINER}.fit", "fit's validation passes it to evaluate; psclient's evaluate drops it",
+             kind="keyword", name="_use_cached_eval_dataset"),
+    # Variables.
+    Internal(f"{_VARIABLE}._value", "the tf.Variable inside: its device says ps or local", kind="instance"),
+    Internal("keras.src.backend.backend", "the configured backend, read before Keras is imported"),
+    Internal("keras.src.backend.common.stateless_scope.in_stateless_scope",
+             "assign_add inside a StatelessScope keeps Keras's own path"),
+    Internal("keras.src.backend.common.stateless_scope.StatelessScope",
+             "evaluate's metric states, computed without writing the ps"),
+    # The model.
+    Internal(f"{_BASE_TRAINER}._assert_compile_called", "fit/evaluate before compile(): Keras's own error"),
+    Internal(f"{_BASE_TRAINER}._symbolic_build", "build what is unbuilt, on the ps, from the data's spec"),
+    Internal("keras.src.layers.layer.Layer._flatten_layers", "is every layer built?"),
+    Internal(f"{_BASE_TRAINER}._compile_metrics", "are the compiled metrics built?", kind="instance"),
+    Internal(f"{_BASE_TRAINER}._compile_loss", "is the compiled loss built?", kind="instance"),
+    Internal(f"{_BASE_TRAINER}._flatten_metrics_in_order", "evaluate's list result, in Keras's order"),
+    Internal(f"{_BASE_TRAINER}.train_function", "fit keeps a train function already set (psclient's)",
+             kind="instance"),
+    # Data.
+    Internal("keras.src.trainers.data_adapters.get_data_adapter", "arrays batched by Keras's own adapter"),
+    Internal("keras.src.trainers.data_adapters.array_slicing.train_validation_split",
+             "validation_split, done before the data goes to the workers"),
+    Internal("keras.src.trainers.data_adapters.data_adapter.DataAdapter",
+             "fit's `x`: an adapter over per-worker datasets"),
+    Internal("keras.src.utils.python_utils.pythonify_logs", "evaluate's logs as Python numbers, as Keras's"),
+    # BackupAndRestore with atomic files (psclient._keras.callbacks).
+    Internal(f"{_BACKUP}._save_model", "overridden: write each file, then rename it into place"),
+    Internal(f"{_BACKUP}._weights_path", "where Keras reads the weights back", kind="instance"),
+    Internal(f"{_BACKUP}._training_metadata_path", "where Keras reads the epoch back", kind="instance"),
+    Internal(f"{_BACKUP}._current_epoch", "the epoch to save", kind="instance"),
+    Internal(f"{_BACKUP}._last_batch_seen", "the batch to save", kind="instance"),
+)
+
+
+class KerasSeamError(RuntimeError):
+    """A Keras internal that psclient needs is missing from the installed Keras."""
+
+
+def _keras_version() -> str:
+    import keras
+
+    return keras.__version__
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+def keras_range() -> str:
+    """`KERAS_VERSIONS` as a pip requirement's version range."""
+    (lo_major, lo_minor), (hi_major, hi_minor) = KERAS_VERSIONS
+    return f">={lo_major}.{lo_minor},<{hi_major}.{hi_minor}"
+
+
+def _missing(what: str) -> KerasSeamError:
+    return KerasSeamError(
+        f"psclient's Keras support needs the Keras internal {what}, which Keras "
+        f"{_keras_version()} does not have. psclient is tested with keras{keras_range()}: "
+        f"install a Keras in that range (pip install 'keras{keras_range()}'), or a psclient "
+        "release that supports this Keras."
+    )
+
+
+def resolve(entry: Internal) -> Any:
+    """The object `entry.path` names (for "instance" entries, the class that sets it)."""
+    parts = entry.path.split(".")
+    target = parts if entry.kind != "instance" else parts[:-1]
+    for split in range(len(target), 0, -1):
+        module_name = ".".join(target[:split])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name is not None and module_name.startswith(error.name):
+                continue  # a shorter prefix is the module, the rest are attributes
+            raise
+        for depth, attribute in enumerate(target[split:], start=split):
+            if not hasattr(obj, attribute):
+                raise _missing(f"`{'.'.join(target[:depth + 1])}`")
+            obj = getattr(obj, attribute)
+        if entry.kind == "keyword" and f"{entry.name}=" not in inspect.getsource(obj):
+            raise _missing(f"keyword argument `{entry.name}` of `{entry.path}`")
+        return obj
+    raise _missing(f"module `{entry.path}`")
+
+
+def check() -> None:
+    """Find every class and module name of `KERAS_INTERNALS` in the installed Keras.
+
+    Raises `KerasSeamError` for the first one missing. A Keras outside
+    `KERAS_VERSIONS` with every name present gets a warning: it may work, but
+    nobody has run psclient's tests with it.
+    """
+    for entry in KERAS_INTERNALS:
+        resolve(entry)
+    version = _keras_version()
+    low, high = KERAS_VERSIONS
+    if not low <= _version_tuple(version) < high:
+        warnings.warn(
+            f"psclient is tested with keras{keras_range()}; this is Keras {version}. "
+            "Every Keras internal psclient uses is present, but fit/evaluate/predict on "
+            "the cluster are untested with it.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+_INSTANCE_NAMES = frozenset(e.last for e in KERAS_INTERNALS if e.kind == "instance")
+
+
+def internal(obj: Any, name: str) -> Any:
+    """`obj.<name>` for a listed instance attribute of Keras; `KerasSeamError` if absent."""
+    assert name in _INSTANCE_NAMES, f"{name} is not listed in KERAS_INTERNALS"
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise _missing(f"attribute `{name}` of {type(obj).__module__}.{type(obj).__qualname__}") from None
