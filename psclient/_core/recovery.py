@@ -142,6 +142,10 @@ class RecoveryMachine:
         self._ps_back_at: float | None = None
         self._ps_requeued = False
         self._ps_failures = 0
+        self._ps_retry_next_round = False
+        # Rounds seen, so that a running count from before a pause is never used.
+        self._rounds = 0
+        self._paused_at_round = 0
         # checkpoints
         self._has_checkpoint = config.has_checkpoint
         self._saved_once = False
@@ -188,6 +192,8 @@ class RecoveryMachine:
     # ------------------------------------------------------------- events
     def _on_Tick(self, event: Tick, now: float) -> list:
         self._running, self._completed = event.running, event.completed
+        self._rounds += 1
+        self._ps_retry_next_round = False
         since = self._all_down_since
         if since is not None and now - since >= self.config.worker_timeout:
             first = self._gave_up_since != since
@@ -318,9 +324,14 @@ class RecoveryMachine:
             return True
         if not self._idle_pause:
             self._idle_pause = True
+            self._paused_at_round = self._rounds
             actions.append(PauseDispatch("reconnect"))
-            return False  # the running count comes with the next Tick
-        return self._running == 0
+            return False
+        return self._idle_since_pause()
+
+    def _idle_since_pause(self) -> bool:
+        """No closure runs, by a round counted after the newest pause."""
+        return self._rounds > self._paused_at_round and self._running == 0
 
     def _start(self, op: Any) -> list:
         self.op = op
@@ -341,8 +352,6 @@ class RecoveryMachine:
         if self.broken:
             return []
         for worker in sorted(self._back_since):
-            if self.workers[worker] in (TaskState.UP, TaskState.REJOINING):
-                continue
             # (It answers again, so it does not count as hanging itself.)
             actions: list = []
             if not self._may_reconnect(actions):
@@ -355,7 +364,7 @@ class RecoveryMachine:
         worker = op.returning if isinstance(op, Reconnect) else op.worker
         if self.workers[worker] is not TaskState.REJOINING:
             return []
-        if self.closed or self.lost_ps():
+        if self.lost_ps():
             # A ps was lost meanwhile: its recovery reconnects everything first.
             self.workers[worker] = TaskState.SUSPECT
             return []
@@ -374,7 +383,7 @@ class RecoveryMachine:
         return [BringUp(worker, recovered_after=now - since)]
 
     def _advance_ps(self, now: float) -> list:
-        if self.broken or self._ps_since is None:
+        if self.broken or self._ps_since is None or self._ps_retry_next_round:
             return []
         lost = tuple(self.lost_ps())
         if self._running and not self._ps_requeued:
@@ -400,6 +409,7 @@ class RecoveryMachine:
         if self.closed or not lost:
             return []
         if not event.ok:
+            self._ps_retry_next_round = True
             if event.error is None:
                 return []  # named workers did not answer (taken out): tried again next round
             self._ps_failures += 1
@@ -448,11 +458,12 @@ class RecoveryMachine:
             if hung or self._gone_in_view() or any(s is TaskState.REJOINING for s in self.workers):
                 return []  # wait until the view is clean
             self._ckpt_waiting_since, self._ckpt_reason = now, reason
-            return [PauseDispatch("checkpoint")]  # the running count comes with the next Tick
+            self._paused_at_round = self._rounds
+            return [PauseDispatch("checkpoint")]
         if hung or self._gone_in_view():
             self._ckpt_waiting_since = None
             return [ResumeDispatch("checkpoint")]  # started again once the view is clean
-        if self._running == 0:
+        if self._idle_since_pause():
             self._ckpt_waiting_since = None
             return self._start(Checkpoint(self._ckpt_reason))
         if now - self._ckpt_waiting_since >= self.config.hang_timeout:
