@@ -12,8 +12,8 @@ import pytest
 
 keras = pytest.importorskip("keras")
 
-from psclient._keras import install as _install  # noqa: E402
-from psclient._keras import seam  # noqa: E402
+from psclient._keras import install as _install
+from psclient._keras import seam
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "psclient"
 KERAS_DIR = PACKAGE / "_keras"
