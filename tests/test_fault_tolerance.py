@@ -295,3 +295,29 @@ def test_keras_fit_goes_on_through_a_ps_restart_mid_epoch(heal, tmp_path):
         if killer is not None:
             killer.join(60)
         strategy.shutdown()
+
+
+def test_a_forgotten_strategy_is_collected_and_never_blocks_the_next_one(local_cluster):
+    import gc
+    import threading
+    import weakref
+
+    before = set(threading.enumerate())
+    strategy = psclient.ParameterServerStrategy(local_cluster.cluster, hang_timeout=HANG_TIMEOUT)
+    _, step = counting_step(strategy)
+    assert strategy.schedule(step).result(60) >= 1
+    threads = [t for t in set(threading.enumerate()) - before if t.name.startswith("psclient-")]
+    assert any(t.name == "psclient-health" for t in threads)
+    forgotten = weakref.ref(strategy)
+    del strategy  # no shutdown(): its threads and finalizer must not keep it alive
+    gc.collect()
+    assert forgotten() is None
+    for thread in threads:
+        thread.join(30)
+    assert not [t.name for t in threads if t.is_alive()]
+    following = psclient.ParameterServerStrategy(local_cluster.cluster, hang_timeout=HANG_TIMEOUT)
+    try:
+        _, step = counting_step(following)
+        assert following.schedule(step).result(60) >= 1
+    finally:
+        following.shutdown()

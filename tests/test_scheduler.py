@@ -243,18 +243,23 @@ def test_worker_up_counts_rejoins_and_recovery_time():
     assert stats["rejoins"] == 1 and stats["last_recovery_s"] == 0.7
 
 
-def test_all_down_since_tracks_the_last_worker_going_down():
-    clock = FakeClock()
-    s = Scheduler(num_workers=2, clock=clock)
-    assert s.all_down_since() is None
-    clock.now = 1.0
-    s.worker_lost(0)
-    assert s.all_down_since() is None
-    clock.now = 2.0
-    s.worker_lost(1)
-    assert s.all_down_since() == 2.0
-    s.worker_up(1)
-    assert s.all_down_since() is None
+def test_running_counts_and_wait_released_returns_once_the_attempt_is_taken_away():
+    s = Scheduler(num_workers=2)
+    a = make("a")
+    s.submit(a)
+    taken = s.take(1, timeout=0)
+    assert s.running() == 1
+    assert not s.wait_released(1, taken, taken.attempts, timeout=0.01)
+    requeuer = threading.Thread(target=s.worker_lost, args=(1,))
+    requeuer.start()
+    assert s.wait_released(1, taken, 1, timeout=10)  # taken out: requeued
+    requeuer.join()
+    assert s.running() == 0
+    again = s.take(0, timeout=0)
+    assert again is a and again.attempts == 2
+    assert s.wait_released(1, a, 1, timeout=0)  # an older attempt is released
+    s.close()
+    assert s.wait_released(0, a, 2, timeout=0)  # closed
 
 
 def test_pause_holds_work_and_wait_idle_waits_for_running_closures():

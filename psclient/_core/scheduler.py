@@ -134,8 +134,6 @@ class Scheduler:
         self._submitted = 0
         self._paused = 0
         self._stale = 0
-        # When the last up worker went down (None while any worker is up).
-        self._all_down_since: float | None = None
 
     # ------------------------------------------------------------ producer side
     def submit(self, closure: Closure) -> None:
@@ -245,11 +243,6 @@ class Scheduler:
                 stats.last_recovery_s = recovered_after
             self._set_up_locked(worker, True)
             self._cond.notify_all()
-
-    def all_down_since(self) -> float | None:
-        """When the last worker went down, on this scheduler's clock; None if any is up."""
-        with self._cond:
-            return self._all_down_since
 
     def pause(self) -> None:
         """Hand out nothing until `resume()` (calls nest)."""
@@ -390,10 +383,6 @@ class Scheduler:
 
     def _set_up_locked(self, worker: int, up: bool) -> None:
         self._workers[worker].up = up
-        if any(w.up for w in self._workers):
-            self._all_down_since = None
-        elif self._all_down_since is None:
-            self._all_down_since = self._clock()
 
     def _keep_error_locked(self, error: BaseException) -> list[Closure]:
         """Keep the first error for join(); cancel (and return) what is queued."""
