@@ -423,3 +423,41 @@ def test_poll_interval_is_short_only_while_something_waits():
     assert d.m.poll_interval() == 0.75
     d(rm.CheckpointRequested("t", "requested"))
     assert d.m.poll_interval() < 0.1
+
+
+def test_recovery_thread_that_dies_fails_pending_work_and_waiting_callers():
+    """The executor side: a bug in carrying out an action must not leave callers waiting."""
+    import threading
+
+    from psclient._coordinator.recovery import Recovery, RecoveryConfig
+    from psclient._core.errors import StrategyClosedError
+    from psclient._core.future import Future
+    from psclient._core.scheduler import Closure, Scheduler
+
+    class FakeCluster:
+        num_workers, num_ps, workers = 1, 1, ["w:1"]
+
+        def address(self, job, index):
+            return "localhost:1"
+
+    scheduler = Scheduler(1)
+    closure = Closure(None, (), {}, Future("f"))
+    scheduler.submit(closure)
+    recovery = Recovery(
+        RecoveryConfig(checkpoint_dir=None, interval=3600.0), cluster=FakeCluster(), scheduler=scheduler,
+        prober=None, store=None, per_worker=None, retrace=lambda: None, connect=lambda workers: None,
+    )
+    died = threading.Event()
+    hook = threading.excepthook
+    threading.excepthook = lambda args: died.set()
+    try:
+        recovery.report(rm.PsFailed(0))  # not an event: the machine has no handler, the thread dies
+        recovery.start()
+        assert died.wait(30)
+    finally:
+        threading.excepthook = hook
+    assert isinstance(recovery.broken, RuntimeError)
+    with pytest.raises(RuntimeError, match="recovery thread failed"):
+        closure.future.result(timeout=10)
+    with pytest.raises(StrategyClosedError):
+        recovery.checkpoint("requested")

@@ -5,7 +5,7 @@ probes of the workers in rotation, TCP state of those out of it and of lost
 ps tasks), feeds what it saw to the `RecoveryMachine` as events, and carries
 out the actions that come back, one at a time, reporting each operation's
 outcome as a `Done` event. Dispatcher threads and callers only post events
-(`report`, `request_checkpoint`); they never wait on this thread's work while
+(`report`, `checkpoint`); they never wait on this thread's work while
 holding a lock, and this thread holds no lock while it calls TensorFlow or waits.
 
 It works with narrow collaborators passed in (the scheduler, the prober, the
@@ -201,14 +201,23 @@ class Recovery:
         """Post an event (from a dispatcher thread or a caller); never blocks."""
         self._inbox.put(event)
 
-    def request_checkpoint(self, reason: str) -> concurrent.futures.Future:
-        """A future for the path of a checkpoint taken between closures (None if skipped)."""
+    def checkpoint(self, reason: str) -> str | None:
+        """Take a checkpoint between closures on the recovery thread and wait for it.
+
+        Returns its path, or None if running closures did not stop within
+        hang_timeout (skipped). Raises what the save raised, or
+        StrategyClosedError if the strategy shuts down first.
+        """
         ticket: concurrent.futures.Future = concurrent.futures.Future()
-        if self._stopping:
-            ticket.set_exception(StrategyClosedError("the strategy was shut down"))
-        else:
+        if not self._stopping:
             self.report(rm.CheckpointRequested(ticket, reason))
-        return ticket
+        while not ticket.done():
+            if self._stopping and not self._thread.is_alive():
+                # Posted after the thread's last look at its inbox: nobody will answer.
+                _finish(rm.Finish(ticket, error="closed"))
+                break
+            concurrent.futures.wait([ticket], timeout=1.0)
+        return ticket.result()
 
     def restore(self) -> dict | None:
         """On the caller's thread (before scheduling): newest checkpoint into every variable."""
@@ -238,6 +247,17 @@ class Recovery:
 
     # ------------------------------------------------------------ the thread
     def _loop(self) -> None:
+        ended = False
+        try:
+            self._rounds()
+            ended = True
+        finally:
+            self._stopping = True
+            if not ended:
+                self._died()  # the exception goes on to threading.excepthook, which prints it
+            self._answer_leftover_requests()
+
+    def _rounds(self) -> None:
         next_round = self._clock()
         while not self._machine.closed:
             timeout = max(0.0, next_round - self._clock())
@@ -253,6 +273,27 @@ class Recovery:
                 self._handle(observed)
                 if self._machine.closed:
                     return
+
+    def _died(self) -> None:
+        error = RuntimeError(
+            "psclient's recovery thread failed (traceback in the log): this strategy can no "
+            "longer recover from task failures. Call shutdown() and create a new strategy."
+        )
+        log.error("%s", error)
+        self.broken = error
+        for action in self._machine.handle(rm.Shutdown(), self._clock()):
+            if isinstance(action, rm.Finish):
+                _finish(rm.Finish(action.ticket, error=error))
+        self._scheduler.fail_all(error)
+
+    def _answer_leftover_requests(self) -> None:
+        while True:
+            try:
+                event = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(event, rm.CheckpointRequested):
+                _finish(rm.Finish(event.ticket, error="closed"))
 
     def _observe(self) -> list:
         now = self._clock()

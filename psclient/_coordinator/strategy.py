@@ -347,7 +347,7 @@ class ParameterServerStrategy:
         """
         self._check_open("save_checkpoint")
         self._require_checkpoint_dir("save_checkpoint")
-        path = self._recovery.request_checkpoint("requested").result()
+        path = self._recovery.checkpoint("requested")
         if path is None:
             raise TimeoutError(
                 f"save_checkpoint() could not pause: functions still ran after "
@@ -411,7 +411,7 @@ class ParameterServerStrategy:
         """
         recovery = self._recovery
         if recovery.checkpoints is not None and self._store.count() != recovery.saved_created:
-            recovery.request_checkpoint("new variables").result()
+            recovery.checkpoint("new variables")
 
 
 def _prepare(closure: Closure, worker: int) -> tuple:
