@@ -12,6 +12,17 @@ creation index (`v000012`), so the same training script, run again, finds its
 variables again in the same order; its name and shape are checked on restore.
 The checkpoint also records how many scheduled functions had completed when
 it was taken, so a rollback can say how many steps it undid.
+
+No checkpoint call may wait on a worker: a hung one would stall the
+coordinator. TF's own saver, given variables on several tasks, traces a new
+function at every save (registered on every task, hung ones too) and ends with
+a sync of every task. So each ps variable has a mirror variable on the
+coordinator: a save copies ps -> mirror with eager ops (which involve only the
+ps and the coordinator), then TF writes the mirrors, all on one task, without
+tracing (and without the sync of every task, see runtime.connect); a restore reads into the mirrors and assigns them to the ps
+variables. The file format is TF's usual object-based checkpoint, the keys
+those of `tf.train.Checkpoint(v000000=..., ...)`. The mirrors cost one copy of
+the variables in the coordinator's memory.
 """
 
 from __future__ import annotations
@@ -19,6 +30,8 @@ from __future__ import annotations
 import logging
 import os
 from typing import Any
+
+from psclient._coordinator import runtime as _runtime
 
 __all__ = ["Checkpoints", "variable_key"]
 
@@ -43,6 +56,7 @@ class Checkpoints:
         self._manager = None
         self._keys: tuple[str, ...] | None = None
         self._completed = None
+        self._mirrors: dict[str, Any] = {}
 
     def latest(self) -> str | None:
         import tensorflow as tf
@@ -51,9 +65,14 @@ class Checkpoints:
 
     def save(self, variables: dict[str, Any], completed: int) -> str:
         """Write one checkpoint of `variables` (key -> tf.Variable); return its path."""
+        import tensorflow as tf
+
         manager = self._manager_for(variables)
-        self._completed.assign(completed)
-        return manager.save()
+        with tf.device(_runtime.coordinator_cpu()):
+            for key, variable in variables.items():
+                self._mirrors[key].assign(variable.read_value())  # read on its ps, copied here
+            self._completed.assign(completed)
+            return manager.save(checkpoint_number=self._next_number())
 
     def restore(self, variables: dict[str, Any], path: str | None = None) -> int | None:
         """Assign every variable its value in the newest (or the given) checkpoint.
@@ -65,12 +84,33 @@ class Checkpoints:
         path = path or self.latest()
         if path is None:
             return None
+        import tensorflow as tf
+
         self._check_matches(variables, path)
         manager = self._manager_for(variables)
-        manager.checkpoint.read(path).assert_existing_objects_matched()
+        with tf.device(_runtime.coordinator_cpu()):
+            manager.checkpoint.read(path).assert_existing_objects_matched()
+        for key, variable in variables.items():
+            variable.assign(self._mirrors[key])  # eager: one assign on the variable's ps
         return int(self._completed.numpy())
 
     # ---------------------------------------------------------------- private
+    def _next_number(self) -> int:
+        """One past the highest `ckpt-N` in the directory: no save overwrites another.
+
+        TF numbers by the root object's save counter, which starts again at 1
+        for a new root (the variables grew, or a new run in the same directory).
+        """
+        import tensorflow as tf
+
+        numbers = [0]
+        for name in tf.io.gfile.listdir(self.directory):
+            stem, _, ext = name.partition(".")
+            prefix, _, number = stem.rpartition("-")
+            if prefix == "ckpt" and number.isdigit() and ext.startswith(("index", "data")):
+                numbers.append(int(number))
+        return max(numbers) + 1
+
     def _manager_for(self, variables: dict[str, Any]):
         import tensorflow as tf
 
@@ -78,10 +118,19 @@ class Checkpoints:
         if self._manager is None or keys != self._keys:
             # The set of variables grew (or shrank): a new root object, same
             # directory and numbering (the manager reads the state file).
-            if self._completed is None:
-                with tf.device("/job:chief/replica:0/task:0/device:CPU:0"):
+            with tf.device(_runtime.coordinator_cpu()):
+                if self._completed is None:
                     self._completed = tf.Variable(0, dtype=tf.int64, trainable=False)
-            root = tf.train.Checkpoint(**variables, **{_COMPLETED_KEY: self._completed})
+                for key, variable in variables.items():
+                    mirror = self._mirrors.get(key)
+                    if mirror is None or mirror.shape != variable.shape or mirror.dtype != variable.dtype:
+                        self._mirrors[key] = tf.Variable(
+                            tf.zeros(variable.shape, variable.dtype), trainable=False)
+                for key in set(self._mirrors) - set(variables):
+                    del self._mirrors[key]
+                root = tf.train.Checkpoint(
+                    **{key: self._mirrors[key] for key in keys}, **{_COMPLETED_KEY: self._completed})
+                root.save_counter  # noqa: B018 - created here, on the coordinator, not on a ps
             self._manager = tf.train.CheckpointManager(root, self.directory, max_to_keep=self.keep)
             self._keys = keys
         return self._manager

@@ -51,6 +51,7 @@ class Dispatcher:
         self._probes = probes
         self._report = report
         self._release_timeout = release_timeout
+        self._pipeline_depth = pipeline_depth
         self._threads = [
             threading.Thread(
                 target=self._run,
@@ -83,7 +84,9 @@ class Dispatcher:
         import tensorflow as tf
 
         device = _runtime.worker_device(worker)
-        with tf.device(device):
+        # An executor of this thread's own: one call at a time at depth 1
+        # (errors at the call), streaming beyond; see runtime.dispatch_executor.
+        with _runtime.dispatch_executor(self._pipeline_depth), tf.device(device):
             while True:
                 closure = self._scheduler.take(worker)
                 if closure is None:

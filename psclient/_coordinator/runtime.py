@@ -8,6 +8,7 @@ turning outputs into numpy values. Nothing here decides policy.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import re
@@ -34,6 +35,10 @@ __all__ = [
     "name_error",
     "probe",
     "renew_variable_handle",
+    "place_default_updates",
+    "dispatch_executor",
+    "tracing_scope",
+    "coordinator_cpu",
 ]
 
 log = logging.getLogger("psclient")
@@ -125,9 +130,28 @@ def wait_reachable(cluster: Cluster, timeout: float) -> None:
 # same one after shutdown) reuse it and update the running server's view.
 _coordinator_lock = threading.Lock()
 _coordinator_address: str | None = None
+#: How long a connect waits for another thread's connect to finish. TF's
+#: update_server_def waits for every task it names, and a task that hangs
+#: holds it (in its own thread, GIL released) until the task answers.
+CONNECTION_LOCK_TIMEOUT = 60.0
 
 
-def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None) -> None:
+@contextlib.contextmanager
+def _connection_lock(what: str):
+    if not _coordinator_lock.acquire(timeout=CONNECTION_LOCK_TIMEOUT):
+        raise TimeoutError(
+            f"Cannot {what}: another thread of this process has been reconnecting to the "
+            f"cluster for over {CONNECTION_LOCK_TIMEOUT:g} s (TensorFlow's update_server_def "
+            "waits for a task that does not answer). Resume or kill the hung task, or restart "
+            "this process."
+        )
+    try:
+        yield
+    finally:
+        _coordinator_lock.release()
+
+
+def connect(cluster: Cluster, *, workers=None) -> None:
     """Connect this process, as the coordinator, to the cluster's task servers.
 
     `workers` (indices) limits the workers in TF's view of the cluster, for
@@ -137,10 +161,19 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None) -> None:
     global _coordinator_address
     # Environment knobs TF reads: set in this one place. GRPC_FAIL_FAST makes a
     # dead task surface as an error in the caller instead of retries inside
-    # gRPC. Streaming enqueue lets several calls be in flight per worker
-    # (pipelining); without it TF allows one outstanding call per worker.
+    # gRPC. Streaming enqueue stays on for the process (TF's default): without
+    # it, registering a new function on every task (a first trace) is a
+    # blocking RPC made with the GIL held, and one hung task freezes every
+    # thread of the coordinator (measured: as long as the task hangs). The
+    # pipeline depth is set per dispatcher thread instead (`dispatch_executor`).
+    # TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY makes `context.async_wait()` a no-op
+    # (TF's own ParameterServerStrategy sets it too): it syncs every task of
+    # the cluster, a hung one included, and Keras calls it at the end of every
+    # epoch and TF's checkpoints after every save and restore. psclient runs
+    # nothing asynchronously that it would need to wait for.
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
-    os.environ["TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"] = str(bool(streaming_enqueue))
+    os.environ["TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"] = "True"
+    os.environ["TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY"] = "True"
 
     import tensorflow as tf
 
@@ -148,7 +181,7 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None) -> None:
     wanted = (spec.get(COORDINATOR_JOB) or [None])[0]
     if workers is not None:
         spec["worker"] = {i: spec["worker"][i] for i in sorted(workers)}
-    with _coordinator_lock:
+    with _connection_lock("connect to the cluster"):
         first = _coordinator_address is None
         if first:
             _coordinator_address = wanted or f"localhost:{portpicker.pick_unused_port()}"
@@ -186,7 +219,7 @@ def disconnect() -> None:
     """
     import tensorflow as tf
 
-    with _coordinator_lock:
+    with _connection_lock("leave the cluster"):
         if _coordinator_address is None:
             return
         spec = tf.train.ClusterSpec({COORDINATOR_JOB: [_coordinator_address]})
@@ -276,3 +309,97 @@ def name_error(error: BaseException, fn_name: str, where: str) -> BaseException:
     if hasattr(error, "add_note"):
         error.add_note(context)
     return error
+
+
+# ------------------------------------------------ executors: who waits for whom
+_thread_executors = threading.local()
+
+
+@contextlib.contextmanager
+def dispatch_executor(pipeline_depth: int):
+    """The executor a dispatcher thread runs its worker's calls in.
+
+    One per thread, always calling the same worker. With `pipeline_depth` 1
+    it does not stream, so each call completes (and fails) at the call; with
+    more, calls stream and several travel at once. A thread of its own also
+    keeps TF from syncing every task when one executor alternates between
+    workers. Traces made on this thread go through `tracing_scope`.
+    """
+    from tensorflow.python.eager import context, executor
+
+    calls = executor.new_executor(enable_async=False, enable_streaming_enqueue=pipeline_depth > 1)
+    _thread_executors.tracing = executor.new_executor(enable_async=False, enable_streaming_enqueue=True)
+    try:
+        with context.executor_scope(calls):
+            yield
+    finally:
+        # Deleting an executor waits for what it queued (a registration on a
+        # hung task, say): that happens when this thread ends, not before.
+        _thread_executors.kept = (calls, _thread_executors.tracing)
+        _thread_executors.tracing = None
+
+
+@contextlib.contextmanager
+def tracing_scope():
+    """Trace through a streaming executor, whatever executor the thread is in.
+
+    A trace registers the new function on every task; through a streaming
+    executor that is queued and returns at once, even towards a hung task.
+    Through a dispatcher's non-streaming one it would wait for every task with
+    the GIL held. Other threads use TF's default executor, which streams.
+    """
+    tracing = getattr(_thread_executors, "tracing", None)
+    if tracing is None:
+        yield
+        return
+    from tensorflow.python.eager import context
+
+    with context.executor_scope(tracing):
+        yield
+
+
+def coordinator_cpu() -> str:
+    """The coordinator's own CPU device (for state that must not live on a task)."""
+    from tensorflow.python.eager import context
+
+    return context.context().host_address_space() + "/device:CPU:0"
+
+
+# ------------------------------------------- optimizer updates: where they run
+_update_placement_lock = threading.Lock()
+_update_placement_installed = False
+
+
+def place_default_updates(device_of) -> None:
+    """Run TF's default-strategy variable updates on `device_of(variable)` (TF-internal).
+
+    `strategy.extended.update(var, fn)` made outside any tf.distribute strategy
+    (how Keras 3's and tf_keras's optimizers apply each variable's update under
+    psclient) ends in `_DefaultDistributionExtended._update_non_slot`, which
+    runs `fn` with no device: on the caller. The replacement runs it under
+    `tf.device(device)` when `device_of(var)` names a device, as TF's own
+    ParameterServerStrategy colocates an update with its variable, and exactly
+    as before when it returns None. Installed once per process, class-wide;
+    later calls do nothing.
+    """
+    global _update_placement_installed
+    with _update_placement_lock:
+        if _update_placement_installed:
+            return
+        import tensorflow as tf
+        from tensorflow.python.distribute import distribute_lib
+
+        extended = distribute_lib._DefaultDistributionExtended  # noqa: SLF001
+        stock = extended._update_non_slot  # noqa: SLF001
+
+        def _update_non_slot(self, colocate_with, fn, args, kwargs, should_group):
+            device = device_of(colocate_with)
+            if device is None:
+                return stock(self, colocate_with, fn, args, kwargs, should_group)
+            with tf.device(device):
+                return stock(self, colocate_with, fn, args, kwargs, should_group)
+
+        _update_non_slot.__doc__ = "TF's default-strategy update, on its variable's device (psclient)."
+        _update_non_slot.__wrapped__ = stock
+        extended._update_non_slot = _update_non_slot  # noqa: SLF001
+        _update_placement_installed = True

@@ -108,7 +108,7 @@ class ParameterServerStrategy:
         check_positive("connect_timeout", connect_timeout, unit="seconds")
         _runtime.wait_reachable(cluster, connect_timeout)
         self._closed = False
-        registry.claim(self, lambda: _runtime.connect(cluster, streaming_enqueue=pipeline_depth > 1))
+        registry.claim(self, lambda: _runtime.connect(cluster))
 
         self._cluster = cluster
         self._pipeline_depth = pipeline_depth
@@ -122,7 +122,7 @@ class ParameterServerStrategy:
         self._per_worker = PerWorkerRegistry()
         self._tracer = Tracer(self._store.create)
         prober = Prober(_runtime.probe)
-        tracer, scheduler, streaming = self._tracer, self._scheduler, pipeline_depth > 1
+        tracer, scheduler = self._tracer, self._scheduler
         self._recovery = Recovery(
             RecoveryConfig(
                 checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
@@ -135,7 +135,7 @@ class ParameterServerStrategy:
             per_worker=self._per_worker,
             # After variables got new resources: trace what is queued again.
             retrace=lambda: tracer.retrace(scheduler.queued()),
-            connect=lambda workers: _runtime.connect(cluster, streaming_enqueue=streaming, workers=workers),
+            connect=lambda workers: _runtime.connect(cluster, workers=workers),
         )
         self._dispatcher = Dispatcher(
             self._scheduler,
@@ -433,7 +433,7 @@ def _shutdown_quietly(
     # later tf.function in this process (plain local Keras too) would fail.
     # Not while a worker hangs: TF's update_server_def would wait on it forever;
     # nor while the recovery thread is still inside a TF call (it may hold
-    # the connection lock, which disconnect() takes without a timeout).
+    # the connection lock).
     hung = recovery.hung_in_view() if stopped else []
     if not stopped:
         log.warning("shutdown: the recovery thread is still inside a TensorFlow call; TF's "

@@ -1,0 +1,199 @@
+"""A hung task never freezes the coordinator.
+
+A heartbeat thread in the coordinator records the longest gap between its
+ticks while one worker is SIGSTOPped: when checkpoints fall due, when a new
+function is first scheduled, when Keras `fit` starts, and when workers are
+restarted while another runs a long function. TF calls that block inside C++
+with the GIL held stop every Python thread of the process, the heartbeat's
+too, so its longest gap is the coordinator's longest stall.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from _polling import wait_for
+
+import psclient
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+HANG_TIMEOUT = 3.0
+#: The longest the coordinator's threads may stall (issue: never more than 1 s).
+MAX_STALL_S = 1.0
+
+
+class Heartbeat:
+    """Ticks every 20 ms on its own thread; `longest` is the longest gap seen."""
+
+    def __init__(self):
+        self.longest = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="test-heartbeat", daemon=True)
+
+    def _run(self):
+        last = time.monotonic()
+        # Event.wait releases the GIL; a gap longer than the period means the
+        # process did not let this thread run.
+        while not self._stop.wait(0.02):
+            now = time.monotonic()
+            self.longest = max(self.longest, now - last)
+            last = now
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with psclient.LocalCluster(num_workers=3, num_ps=1) as local:
+        yield local
+
+
+@pytest.fixture
+def heal(cluster):
+    yield cluster
+    for index in range(3):
+        if cluster.is_running("worker", index):
+            cluster.resume("worker", index)
+        else:
+            cluster.restart("worker", index)
+
+
+def counting_step(strategy):
+    with strategy.scope():
+        steps = tf.Variable(0, dtype=tf.int64)
+
+    @tf.function
+    def step():
+        x = tf.random.uniform([64, 64])
+        steps.assign_add(1)
+        return tf.reduce_sum(x) + tf.cast(steps.read_value(), tf.float32)
+
+    return steps, step
+
+
+def stopped_worker_is_taken_out(strategy, worker):
+    return not strategy.stats()["workers"][worker]["up"]
+
+
+def test_checkpoints_due_while_a_worker_hangs(heal, tmp_path):
+    cluster = heal
+    strategy = psclient.ParameterServerStrategy(
+        cluster.cluster, hang_timeout=HANG_TIMEOUT, checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=20,
+    )
+    try:
+        steps, step = counting_step(strategy)
+        for _ in range(50):
+            strategy.schedule(step)
+        strategy.join()
+        written = strategy.stats()["checkpoints_written"]
+        with Heartbeat() as beat:
+            cluster.stop("worker", 2)
+            deadline = time.monotonic() + 8 * HANG_TIMEOUT
+            while time.monotonic() < deadline and not stopped_worker_is_taken_out(strategy, 2):
+                for _ in range(20):
+                    strategy.schedule(step)
+                strategy.join(timeout=60)
+            assert stopped_worker_is_taken_out(strategy, 2)
+            for _ in range(100):  # checkpoints fall due with the worker still stopped
+                strategy.schedule(step)
+            strategy.join(timeout=60)
+            wait_for(lambda: strategy.stats()["checkpoints_written"] >= written + 2, 30,
+                     "checkpoints written while a worker hangs")
+        assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s"
+    finally:
+        cluster.resume("worker", 2)
+        strategy.shutdown()
+
+
+def test_new_function_first_scheduled_while_a_worker_hangs(heal):
+    cluster = heal
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=HANG_TIMEOUT)
+    try:
+        steps, step = counting_step(strategy)
+        strategy.schedule(step).result(timeout=60)
+        with Heartbeat() as beat:
+            cluster.stop("worker", 1)
+
+            @tf.function
+            def another_step():
+                steps.assign_add(10)
+                return steps.read_value()
+
+            futures = [strategy.schedule(another_step) for _ in range(5)]
+            for future in futures:
+                future.result(timeout=60)
+        assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s"
+        assert int(steps.numpy()) == 51
+    finally:
+        cluster.resume("worker", 1)
+        strategy.shutdown()
+
+
+def test_keras_fit_starts_while_a_worker_hangs(heal):
+    import keras
+
+    cluster = heal
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=HANG_TIMEOUT)
+    try:
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(512, 8)).astype("float32")
+        y = (x.sum(axis=1) > 0).astype("int32")
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+            model.compile(optimizer="sgd",
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        with Heartbeat() as beat:
+            cluster.stop("worker", 0)
+            history = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+        assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s"
+        assert len(history.history["loss"]) == 2
+    finally:
+        cluster.resume("worker", 0)
+        strategy.shutdown()
+
+
+def test_worker_restarts_while_another_runs_a_long_function(heal):
+    cluster = heal
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=HANG_TIMEOUT)
+    try:
+        with strategy.scope():
+            keep_going = tf.Variable(True)
+            spins = tf.Variable(0, dtype=tf.int64)
+
+        @tf.function
+        def spin():
+            # Runs until the coordinator clears the flag (TF's "two workers
+            # preempted" fault-tolerance case).
+            def body():
+                spins.assign_add(1)
+                return ()
+
+            tf.while_loop(lambda: keep_going.read_value(), body, ())
+            return spins.read_value()
+
+        long_call = strategy.schedule(spin)
+        wait_for(lambda: int(spins.numpy()) > 0, 60, "the long function to start")
+        with Heartbeat() as beat:
+            for index in range(3):
+                if strategy.stats()["workers"][index]["in_flight"]:
+                    continue  # the one running the long function
+                cluster.kill("worker", index)
+                cluster.restart("worker", index)
+            wait_for(lambda: all(w["up"] for w in strategy.stats()["workers"]), 120,
+                     "the restarted workers to rejoin")
+            keep_going.assign(False)
+            long_call.result(timeout=60)
+        assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s"
+    finally:
+        keep_going.assign(False)
+        strategy.shutdown()
