@@ -183,25 +183,6 @@ def test_race_a_hung_worker_that_answers_again_rejoins():
     assert actions == [rm.Reconnect(frozenset({0, 1}), "rejoin", returning=0)]
 
 
-def test_reconnect_when_idle_pauses_dispatch_and_waits_for_running_closures():
-    d = Driver(reconnect_when_idle=True)
-    d(rm.WorkerNotAnswering(1))
-    assert d(rm.WorkerSeen(1, "open", False)) == [rm.PauseDispatch("reconnect")]
-    assert d.m.poll_interval() < 0.1
-    assert d.tick(running=2) == []
-    actions = d.tick(running=0)
-    assert actions == [rm.Reconnect(frozenset({0, 1}), "rejoin", returning=1)]
-    assert d.done() == [rm.ResumeDispatch("reconnect"), rm.CheckAnswers(1)]
-
-
-def test_reconnect_when_idle_resumes_if_the_reconnect_is_no_longer_wanted():
-    d = Driver(reconnect_when_idle=True)
-    d(rm.WorkerNotAnswering(1))
-    d(rm.WorkerSeen(1, "open", False))
-    actions = d(rm.WorkerSeen(1, "open", probe_pending=True))  # hangs again before the reconnect
-    assert actions == [rm.ResumeDispatch("reconnect")]
-
-
 # ---------------------------------------------------------------- all gone
 def test_every_worker_gone_for_worker_timeout_fails_all_every_round_until_one_is_back():
     d = Driver(worker_timeout=30.0)

@@ -54,11 +54,8 @@ class RecoveryConfig:
     probe_timeout: float = 10.0
     #: Seconds between rounds (heartbeat probes, rejoin checks).
     interval: float = 1.0
-    #: See `MachineConfig`. A reconnect does not wait for functions running
-    #: on other workers (measured: 0.01 s beside a 10 s function), so it need
-    #: not wait for idle. Checkpoints involve only the ps tasks and the
+    #: See `MachineConfig`. Checkpoints involve only the ps tasks and the
     #: coordinator (see checkpoint.py), so a hung worker does not stop them.
-    reconnect_when_idle: bool = False
     checkpoint_while_hung: bool = True
 
 
@@ -181,7 +178,6 @@ class Recovery:
             checkpointing=self.checkpoints is not None,
             checkpoint_interval=config.checkpoint_interval, checkpoint_every=config.checkpoint_every,
             has_checkpoint=self.checkpoints is not None and self.checkpoints.latest() is not None,
-            reconnect_when_idle=config.reconnect_when_idle,
             checkpoint_while_hung=config.checkpoint_while_hung,
         ), clock())
         self._published = _Published(cluster.num_workers)

@@ -46,9 +46,9 @@ Flows, tried after each event in this order, one at a time:
 4. rejoin: Reconnect(UP workers + it) -> CheckAnswers -> RebuildWorker -> BringUp.
 
 Guards: no Reconnect while a worker in TF's view hangs (SUSPECT or HUNG and
-not answering): TF's `update_server_def` would wait on it for good. With
-`reconnect_when_idle`, dispatch is paused until no closure runs before any
-Reconnect. Without `checkpoint_while_hung`, no checkpoint while a worker in
+not answering): TF's `update_server_def` would wait on it for good. It does
+not wait for closures running on other workers (measured), so dispatch goes on
+during a Reconnect. Without `checkpoint_while_hung`, no checkpoint while a worker in
 the view hangs (registering the saver's function would wait on it).
 Reports carry the epoch they were made in (`epoch` of a worker, `ps_epoch`):
 one made before the task came back is stale and ignored.
@@ -109,8 +109,6 @@ class MachineConfig:
     checkpoint_every: int | None = None
     #: checkpoint_dir already holds a checkpoint.
     has_checkpoint: bool = False
-    #: Pause dispatch and wait for running closures before any Reconnect.
-    reconnect_when_idle: bool = False
     #: Allow checkpoints while a worker in TF's view hangs.
     checkpoint_while_hung: bool = False
     #: Failed attempts at recovering a ps that came back before giving up.
@@ -154,8 +152,6 @@ class RecoveryMachine:
         self._requests: list[tuple[Any, str]] = []
         self._ckpt_waiting_since: float | None = None
         self._ckpt_reason = ""
-        # reconnect_when_idle
-        self._idle_pause = False
 
     # ------------------------------------------------------------ queries
     def blocking(self) -> list[int]:
@@ -170,7 +166,7 @@ class RecoveryMachine:
 
     def poll_interval(self) -> float:
         """How soon the next round is wanted."""
-        if self._ckpt_waiting_since is not None or self._idle_pause:
+        if self._ckpt_waiting_since is not None:
             return 0.02  # waiting for running closures to end
         if self.lost_ps():
             return 0.2
@@ -270,9 +266,6 @@ class RecoveryMachine:
     def _on_Done(self, event: Done, now: float) -> list:
         op, self.op = event.op, None
         actions = []
-        if self._idle_pause and isinstance(op, Reconnect):
-            self._idle_pause = False
-            actions.append(ResumeDispatch("reconnect"))
         if isinstance(op, Reconnect) and event.ok:
             self.view = frozenset(op.workers)
         if isinstance(op, Reconnect) and not event.ok:
@@ -302,13 +295,7 @@ class RecoveryMachine:
             actions += self._advance_checkpoint(now)
         if self.op is None and self._ckpt_waiting_since is None:
             actions += self._advance_rejoin(now)
-        if self.op is None and self._idle_pause and not self._wants_reconnect():
-            self._idle_pause = False
-            actions.append(ResumeDispatch("reconnect"))
         return actions
-
-    def _wants_reconnect(self) -> bool:
-        return bool(self._gone_in_view()) or (bool(self._back_since) and self._ckpt_waiting_since is None)
 
     def _gone_in_view(self) -> list[int]:
         return [w for w in self.view if self.workers[w] is TaskState.LOST]
@@ -317,17 +304,8 @@ class RecoveryMachine:
         return frozenset(w for w, s in enumerate(self.workers) if s is TaskState.UP)
 
     def _may_reconnect(self, actions: list) -> bool:
-        """The guards every Reconnect passes; may pause dispatch to wait for idle."""
-        if self.blocking():
-            return False
-        if not self.config.reconnect_when_idle:
-            return True
-        if not self._idle_pause:
-            self._idle_pause = True
-            self._paused_at_round = self._rounds
-            actions.append(PauseDispatch("reconnect"))
-            return False
-        return self._idle_since_pause()
+        """The guards every Reconnect passes."""
+        return not self.blocking()
 
     def _idle_since_pause(self) -> bool:
         """No closure runs, by a round counted after the newest pause."""
