@@ -18,7 +18,9 @@ import contextlib
 import json
 import os
 import platform
+import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -33,6 +35,7 @@ __all__ = [
     "child_exit",
     "cpu_seconds",
     "environment",
+    "LoopbackBytes",
     "exit_with_parent",
     "local_cluster",
     "log",
@@ -80,6 +83,7 @@ def environment(argv: Sequence[str]) -> dict:
         usable_cpus = os.cpu_count()
     return {
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *argv]),
+        **_git_state(),
         "python": platform.python_version(),
         **{name: version(name) for name in ("tensorflow", "keras", "tf-keras", "numpy", "psutil")},
         "psclient": psclient.__version__,
@@ -87,6 +91,24 @@ def environment(argv: Sequence[str]) -> dict:
         "cpu_count": os.cpu_count(),
         "usable_cpus": usable_cpus,
     }
+
+
+def _git_state() -> dict:
+    """The commit of the psclient being measured, and whether psclient/ differs from it."""
+    import psclient
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(psclient.__file__)))
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--", "psclient")
+    return {"git_commit": commit, "psclient_uncommitted_changes": None if status is None else bool(status)}
 
 
 # -------------------------------------------------------------- processes
@@ -225,3 +247,142 @@ def stop_on_sigterm() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# ------------------------------------------------------------ bytes moved
+_SS_ADDRESS = re.compile(r"^(?P<host>.*):(?P<port>\d+)$")
+_SS_PID = re.compile(r"pid=(\d+)")
+_SS_COUNTER = re.compile(r"\b(bytes_sent|bytes_received|bytes_acked):(\d+)")
+
+
+class LoopbackBytes:
+    """TCP bytes moved between a cluster's processes, from the kernel's per-socket counters.
+
+    Per-process network counters do not exist for loopback, so this reads what
+    `ss -tinpe` prints for every TCP socket on the machine (`bytes_sent` and
+    `bytes_received` of each socket, its owner's pid and inode) and keeps only
+    the sockets that are the *server* end of a connection to one of the
+    cluster's ports: every gRPC connection in the cluster is opened by some
+    process to a task's (or the coordinator's) listening port, so counting
+    server ends counts each connection once, and other processes' loopback
+    traffic (a different port) is left out. The client end is looked up by its
+    port to name the peer (coordinator, worker:i, ps:j or "other").
+
+    The bytes are TCP payload: tensors plus gRPC/HTTP2 framing and protobuf
+    headers, including health probes and keep-alives during the window.
+
+        meter = LoopbackBytes({"chief": ["127.0.0.1:1234"], "worker": [...], "ps": [...]},
+                              coordinator_pid=os.getpid())
+        before = meter.snapshot()
+        ... the measured steps ...
+        per_step = meter.per_step(before, meter.snapshot(), steps)
+
+    Caveats, reported in the result: a connection closed during the window
+    takes its counters with it (counted as "closed_connections", its bytes
+    lost); one opened during the window counts from zero. If `ss` is missing,
+    `per_step` is {"total": None, "reason": ...}: never a made-up number.
+    """
+
+    def __init__(self, jobs: dict[str, Sequence[str]], *, coordinator_pid: int | None = None,
+                 task_pids: dict[str, int] | None = None):
+        self.ports: dict[int, str] = {}  # listening port -> "worker:0", "ps:1", "coordinator"
+        for job, addresses in jobs.items():
+            for index, address in enumerate(addresses):
+                name = "coordinator" if job == "chief" else f"{job}:{index}"
+                self.ports[int(address.rsplit(":", 1)[1])] = name
+        self.pid_names: dict[int, str] = {pid: name for name, pid in (task_pids or {}).items()}
+        if coordinator_pid is not None:
+            self.pid_names[coordinator_pid] = "coordinator"
+        self.ss = shutil.which("ss")
+        self.unavailable: str | None = None if self.ss else "the `ss` command (iproute2) is not installed"
+
+    def snapshot(self) -> dict | None:
+        """{(inode, local_port, peer_port): (owner name, bytes_sent, bytes_received)} of cluster sockets."""
+        if self.unavailable:
+            return None
+        try:
+            text = subprocess.run([self.ss, "-tinpeH", "state", "established"], capture_output=True,
+                                  text=True, timeout=20, check=True).stdout
+        except (OSError, subprocess.SubprocessError) as error:
+            self.unavailable = f"`ss -tinpe` failed: {error}"
+            return None
+        sockets = {}
+        # A socket is one line of addresses, then an indented line of tcp_info.
+        for head, info in zip(*[iter(_ss_records(text))] * 2):
+            fields = head.split()
+            addresses = [f for f in fields if _SS_ADDRESS.match(f) and not f.startswith(("ino:", "uid:", "sk:"))]
+            if len(addresses) < 2:
+                continue
+            local, peer = (int(_SS_ADDRESS.match(a)["port"]) for a in addresses[:2])
+            if local not in self.ports and peer not in self.ports:
+                continue
+            counters = dict((k, int(v)) for k, v in _SS_COUNTER.findall(info))
+            if "bytes_received" not in counters:
+                self.unavailable = "this kernel's tcp_info has no bytes_received counter"
+                return None
+            inode = re.search(r"\bino:(\d+)", head)
+            pid = _SS_PID.search(head)
+            owner = self.pid_names.get(int(pid.group(1)), "other") if pid else "unknown"
+            sent = counters.get("bytes_sent", counters.get("bytes_acked", 0))
+            sockets[(inode.group(1) if inode else "", local, peer)] = (owner, sent, counters["bytes_received"])
+        return sockets
+
+    def per_step(self, before: dict | None, after: dict | None, steps: int) -> dict:
+        """Bytes per step moved over the cluster's connections between two snapshots."""
+        if before is None or after is None:
+            return {"total": None, "reason": self.unavailable or "no snapshot"}
+        # Client ends: their local port names the peer of a server end.
+        client_owner = {local: owner for (_, local, _), (owner, _, _) in after.items()
+                        if local not in self.ports}
+        client_owner.update({local: owner for (_, local, _), (owner, _, _) in before.items()
+                             if local not in self.ports and local not in client_owner})
+        by_direction: dict[str, float] = {}
+        total = 0
+        for key, (_, sent, received) in after.items():
+            _, local, peer = key
+            if local not in self.ports:
+                continue  # a client end: its bytes are counted at the server end
+            _, sent0, received0 = before.get(key, ("", 0, 0))
+            server, client = self.ports[local], client_owner.get(peer, "other")
+            for source, target, count in ((client, server, received - received0),
+                                          (server, client, sent - sent0)):
+                if count:
+                    name = f"{source} -> {target}"
+                    by_direction[name] = by_direction.get(name, 0) + count
+                    total += count
+        closed = sum(1 for key in before if key not in after and key[1] in self.ports)
+        by_role: dict[str, float] = {}
+        for name, count in by_direction.items():
+            source, target = (_role(part) for part in name.split(" -> "))
+            key = f"{source} -> {target}"
+            by_role[key] = by_role.get(key, 0) + count
+        return {
+            "total": round(total / steps),
+            "by_role": {k: round(v / steps) for k, v in sorted(by_role.items())},
+            "by_task": {k: round(v / steps) for k, v in sorted(by_direction.items())},
+            "closed_connections": closed,
+            "method": "TCP payload bytes (gRPC/HTTP2 framing included) of the server ends of "
+                      "connections to the cluster's ports, from `ss -tinpe`",
+        }
+
+
+def _ss_records(text: str) -> list[str]:
+    """`ss -i` output as alternating [address line, info line] (info lines are indented)."""
+    records: list[str] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        if line[0].isspace() and records and len(records) % 2 == 1:
+            records.append(line)
+        elif not line[0].isspace():
+            if len(records) % 2 == 1:
+                records.append("")  # an address line without info
+            records.append(line)
+    if len(records) % 2 == 1:
+        records.append("")
+    return records
+
+
+def _role(name: str) -> str:
+    job = name.split(":", 1)[0]
+    return "workers" if job == "worker" else job
