@@ -10,24 +10,33 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.checkpoint import variable_key
 from psclient._coordinator.per_worker import PerWorker, PerWorkerDataset, PerWorkerIterator
+from psclient._coordinator.sharding import create_partitioned, is_partitioned
+from psclient._core.partitioning import can_split, row_ranges, shard_count, shard_tasks
 from psclient._core.placement import Placer
 
 __all__ = ["VariableStore", "PerWorkerRegistry"]
 
 
 class VariableStore:
-    """Every variable created in scope(), in creation order, with its ps task."""
+    """Every variable created in scope(), in creation order, with its ps task(s).
 
-    def __init__(self, num_ps: int):
+    With a `partitioner`, a variable it cuts into several shards is a
+    `PartitionedVariable` whose shards sit on consecutive ps tasks (see
+    `psclient._core.partitioning`); it counts as one variable here (one
+    checkpoint key) with one ps task per shard.
+    """
+
+    def __init__(self, num_ps: int, partitioner: Callable | None = None):
         self._num_ps = num_ps
+        self._partitioner = partitioner
         self.placer = Placer(num_ps)
         self._lock = threading.Lock()
-        self._variables: list[tuple[weakref.ref, int]] = []
+        self._variables: list[tuple[weakref.ref, tuple[int, ...]]] = []
 
     def create(self, next_creator, **kwargs):
         """A `tf.variable_creator_scope` creator: place the variable on a ps task."""
@@ -59,15 +68,51 @@ class VariableStore:
         if requested is not None and requested < self._num_ps:
             ps, reason = requested, "requested"
         else:
-            ps, reason = self.placer.choose(nbytes), "balanced"
+            ps, reason = None, "balanced"
+        shards = self._shards(kwargs.get("name"), value)
+        if shards > 1:
+            return self._create_partitioned(next_creator, kwargs, value, shards, ps, reason)
+        if ps is None:
+            ps = self.placer.choose(nbytes)
         with tf.device(_runtime.ps_device(ps)):
             variable = next_creator(**kwargs)
         with self._lock:
-            self._variables.append((weakref.ref(variable), ps))
+            self._variables.append((weakref.ref(variable), (ps,)))
         self.placer.record(
             variable.name, variable.shape.as_list() if variable.shape.rank is not None else (),
             variable.dtype.name, nbytes, ps, reason,
         )
+        return variable
+
+    def _shards(self, name, value) -> int:
+        """How many shards the partitioner wants for `value` (1: keep it whole)."""
+        if self._partitioner is None or value is None:
+            return 1
+        shape = value.shape.as_list() if value.shape.rank is not None else None
+        if not can_split(shape):
+            return 1  # a scalar, an unknown shape or a single row: never offered
+        import tensorflow as tf
+
+        result = self._partitioner(tf.TensorShape(shape), value.dtype)
+        return shard_count(name or "Variable", shape, result)
+
+    def _create_partitioned(self, next_creator, kwargs, value, shards, first, reason):
+        shape = value.shape.as_list()
+        row_bytes = value.dtype.size
+        for dim in shape[1:]:
+            row_bytes *= dim
+        if first is None:
+            first = self.placer.choose(shape[0] * row_bytes)
+        tasks = shard_tasks(first, shards, self._num_ps)
+        variable = create_partitioned(next_creator, kwargs, value, [_runtime.ps_device(ps) for ps in tasks])
+        with self._lock:
+            self._variables.append((weakref.ref(variable), tuple(tasks)))
+        for index, (shard, ps, (start, stop)) in enumerate(
+                zip(variable.variables, tasks, row_ranges(shape[0], shards))):
+            self.placer.record(
+                shard.name, shard.shape.as_list(), shard.dtype.name, (stop - start) * row_bytes, ps, reason,
+                part=(index, shards), rows=(start, stop), of=shard.name.rsplit("/part_", 1)[0],
+            )
         return variable
 
     def count(self) -> int:
@@ -79,7 +124,7 @@ class VariableStore:
         with self._lock:
             entries = list(self._variables)
         named = {}
-        for index, (ref, _ps) in enumerate(entries):
+        for index, (ref, _tasks) in enumerate(entries):
             variable = ref()
             if variable is not None:
                 named[variable_key(index)] = variable
@@ -90,11 +135,15 @@ class VariableStore:
         with self._lock:
             entries = list(self._variables)
         count = 0
-        for ref, ps in entries:
+        for ref, tasks in entries:
             variable = ref()
-            if variable is not None and ps in lost_ps:
-                _runtime.renew_variable_handle(variable, _runtime.ps_device(ps))
-                count += 1
+            if variable is None:
+                continue
+            parts = variable.variables if is_partitioned(variable) else (variable,)
+            for part, ps in zip(parts, tasks):
+                if ps in lost_ps:
+                    _runtime.renew_variable_handle(part, _runtime.ps_device(ps))
+                    count += 1
         return count
 
 

@@ -62,6 +62,13 @@ class ParameterServerStrategy:
         work fails with `WorkerUnavailableError` instead of waiting.
       ps_timeout: how long to wait for a lost ps task to come back (with a
         `checkpoint_dir`) before failing with `PSUnavailableError`.
+      variable_partitioner: None (every variable whole on one ps task, the
+        default) or a callable `(shape, dtype) -> shards per axis` such as
+        TF's `tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=128 << 10, max_shards=num_ps)`. A variable it cuts
+        into several shards (along axis 0 only) has one shard per ps task,
+        on consecutive tasks; scalars and single-row variables are never
+        offered to it. See README "Partitioned variables".
 
     Only one strategy may be connected per process at a time (TF's eager
     context is global); `shutdown()` one before creating the next.
@@ -80,8 +87,17 @@ class ParameterServerStrategy:
         hang_timeout: float = 30.0,
         worker_timeout: float = 300.0,
         ps_timeout: float = 300.0,
+        variable_partitioner: Callable | None = None,
     ):
         cluster = Cluster.coerce(cluster)
+        if variable_partitioner is not None and not callable(variable_partitioner):
+            raise TypeError(
+                "Invalid value for argument `variable_partitioner`. Received: "
+                f"variable_partitioner={variable_partitioner!r} of type "
+                f"{type(variable_partitioner).__name__}. Expected None or a callable "
+                "(shape, dtype) -> shards per axis, e.g. "
+                "tf.distribute.experimental.partitioners.MinSizePartitioner(...)."
+            )
         for name, value, integer in (
             ("checkpoint_interval", checkpoint_interval, False),
             ("checkpoint_every", checkpoint_every, True),
@@ -118,7 +134,8 @@ class ParameterServerStrategy:
         # What recovery works with: narrow collaborators, none of which holds
         # this strategy, so a forgotten strategy is collected (its finalizer
         # shuts it down) and its threads never keep it alive.
-        self._store = VariableStore(cluster.num_ps)
+        self._store = VariableStore(cluster.num_ps, variable_partitioner)
+        self._variable_partitioner = variable_partitioner
         self._per_worker = PerWorkerRegistry()
         self._tracer = Tracer(self._store.create)
         prober = Prober(_runtime.probe)
@@ -200,8 +217,17 @@ class ParameterServerStrategy:
         with tf.variable_creator_scope(self._store.create):
             yield self
 
+    @property
+    def variable_partitioner(self) -> Callable | None:
+        return self._variable_partitioner
+
     def placement(self) -> dict:
-        """Where every variable created in `scope()` lives, and bytes per ps task."""
+        """Where every variable created in `scope()` lives, and bytes per ps task.
+
+        `variables` lists each variable, or each shard of a partitioned one
+        (with `part` = (index, shards), `rows` = (start, stop) and `of` = the
+        full variable's name), with its ps task and bytes.
+        """
         return self._store.placer.report()
 
     # ------------------------------------------------------------ scheduling

@@ -7,6 +7,10 @@ holding the fewest bytes so far. Round robin (TF's default) balances *counts*,
 so a model of kernel/bias pairs ends with every kernel on one ps and every bias
 on the other; greedy by bytes keeps the load (memory and bandwidth) even.
 
+A partitioned variable is recorded shard by shard (`part`, `rows`, `of`
+say which shard of what); `psclient._core.partitioning` decides its shards'
+tasks.
+
 Variables whose ps task is already decided, such as an optimizer's slot that
 must sit beside its variable, or a user's explicit `tf.device("/job:ps/task:K")`,
 are recorded with `record(...)` so the balance accounts for them.
@@ -32,6 +36,11 @@ class VariablePlacement:
     #: Why it is there: "balanced" (the least-loaded task) or "requested" (the
     #: caller chose the task, e.g. `tf.device("/job:ps/task:K")`).
     reason: str = "balanced"
+    #: For a shard of a partitioned variable: (index, number of shards), its
+    #: rows (start, stop) of the full variable, and the full variable's name.
+    part: tuple | None = None
+    rows: tuple | None = None
+    of: str | None = None
 
 
 class Placer:
@@ -75,8 +84,12 @@ class Placer:
         nbytes: int,
         ps_index: int,
         reason: str = "balanced",
+        *,
+        part: tuple | None = None,
+        rows: tuple | None = None,
+        of: str | None = None,
     ) -> VariablePlacement:
-        """Account for a variable now living on `ps_index`."""
+        """Account for a variable (or one shard of a partitioned one) now living on `ps_index`."""
         if not 0 <= ps_index < self._num_ps:
             raise ValueError(
                 f"Variable {name!r} was placed on ps task {ps_index}, but the cluster "
@@ -89,6 +102,9 @@ class Placer:
             nbytes=int(nbytes),
             ps_index=ps_index,
             reason=reason,
+            part=None if part is None else tuple(part),
+            rows=None if rows is None else tuple(rows),
+            of=of,
         )
         with self._lock:
             self._bytes[ps_index] += placement.nbytes
