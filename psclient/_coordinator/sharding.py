@@ -17,7 +17,8 @@ usable as the value of a Keras 3 variable, which TF's is not:
   (how a Keras optimizer places a slot) asks the variable creator for the
   first shard's ps task; the creator then puts slot shard `i` beside shard `i`
   (see `psclient._core.partitioning.shard_tasks`).
-- `read_value()` is the full value (what a checkpoint saves).
+- `read_value()` and `__array__` give the full value (what a checkpoint
+  and `model.save` write).
 
 TF internals used here (no public equivalent): `sharded_variable.ShardedVariable`,
 `composite_tensor_gradient.CompositeTensorGradient`.
@@ -71,6 +72,11 @@ def _class():
 
         def value(self):
             return self.read_value()
+
+        def __array__(self, dtype=None, copy=None):
+            # What Keras's `Variable.__array__` forwards to (model.save writes weights with it).
+            value = self.read_value().numpy()
+            return value if dtype is None else value.astype(dtype, copy=False)
 
         @property
         def shard_devices(self) -> list[str]:

@@ -1,0 +1,229 @@
+"""Partitioned variables on a real cluster (2 workers, 2 ps): Keras 3 models unchanged.
+
+The fit comparisons run on a second cluster with one worker (fit on two is
+asynchronous, so its order of steps is not a local run's); the custom loop
+joins after every step, so two workers give the local order.
+
+Weights are compared with a local Keras run of the same model, initial
+weights and batches. Tolerance: 1e-5 absolute (float32; the sharded run
+concatenates shards and splits updates, which reorders no arithmetic, so the
+runs observed agree to 0.0).
+"""
+
+import contextlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import psclient
+from psclient._core.partitioning import PartitionError
+
+keras = pytest.importorskip("keras")
+pytestmark = pytest.mark.cluster
+
+ATOL = 1e-5
+partitioners = tf.distribute.experimental.partitioners
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with psclient.LocalCluster(num_workers=2, num_ps=2) as local:
+        yield local.cluster
+
+
+@pytest.fixture(scope="module")
+def one_worker_cluster():
+    """For fit runs compared with local Keras: one worker gives the local order of steps.
+
+    Its own tasks: a strategy on a subset of another cluster's workers would
+    leave TF's device filters of the first connection in force.
+    """
+    with psclient.LocalCluster(num_workers=1, num_ps=2) as local:
+        yield local.cluster
+
+
+@contextlib.contextmanager
+def connected(cluster, **kwargs):
+    strategy = psclient.ParameterServerStrategy(cluster, **kwargs)
+    try:
+        yield strategy
+    finally:
+        strategy.shutdown()
+
+
+def ps_of(device):
+    assert "/job:ps/" in device, device
+    return int(device.split("/task:")[1].split("/")[0])
+
+
+def shard_tasks(variable):
+    value = variable.value if isinstance(variable, keras.Variable) else variable
+    return [ps_of(shard.device) for shard in getattr(value, "variables", [value])]
+
+
+def build_model(seed=1, rows=64):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((4,), dtype="int32")
+    x = keras.layers.Embedding(rows, 8)(inputs)
+    x = keras.layers.Flatten()(x)
+    x = keras.layers.Dense(32, activation="relu")(x)
+    return keras.Model(inputs, keras.layers.Dense(3)(x))
+
+
+def make_optimizer(name):
+    return keras.optimizers.SGD(0.1) if name == "sgd" else keras.optimizers.Adam(0.01)
+
+
+def compile_model(model, optimizer):
+    model.compile(optimizer=make_optimizer(optimizer),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def data(rows=64):
+    rng = np.random.default_rng(0)
+    return rng.integers(0, rows, (64, 4)).astype("int32"), rng.integers(0, 3, (64,)).astype("int64")
+
+
+def local_weights(optimizer, epochs=2):
+    x, y = data()
+    model = build_model()
+    compile_model(model, optimizer)
+    model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+    return [w.numpy() for w in model.weights]
+
+
+def assert_close(got, want):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+
+
+def test_custom_loop_matches_local_keras(cluster):
+    x, y = data()
+    with connected(cluster, variable_partitioner=partitioners.FixedShardsPartitioner(2)) as strategy:
+        with strategy.scope():
+            model = build_model()
+            optimizer = make_optimizer("adam")
+            optimizer.build(model.trainable_variables)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+        @tf.function
+        def step(features, labels):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(labels, model(features, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        for _epoch in range(2):
+            for start in range(0, 64, 16):
+                # One step at a time (join): the order of a local run, on either worker.
+                strategy.schedule(step, args=(x[start:start + 16], y[start:start + 16]))
+                strategy.join()
+        # Optimizer slots are partitioned like their variable, shard by shard on the same ps.
+        for variable, m, v in zip(model.trainable_variables, optimizer._momentums, optimizer._velocities):
+            assert shard_tasks(m) == shard_tasks(v) == shard_tasks(variable), variable.path
+        got = [w.numpy() for w in model.weights]
+    assert_close(got, local_weights("adam"))
+
+
+def test_recommended_partitioner_balances_the_issue_model(cluster):
+    """Dense(256) on 256 inputs + Dense(10), Adam slots, 2 ps: within 1.25x by bytes."""
+    partitioner = partitioners.MinSizePartitioner(min_shard_bytes=128 << 10, max_shards=2)
+    with connected(cluster, variable_partitioner=partitioner) as strategy:
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256), keras.layers.Dense(10)])
+            optimizer = keras.optimizers.Adam(1e-3)
+            optimizer.build(model.trainable_variables)
+        report = strategy.placement()
+        loads = report["bytes_per_ps"]
+        assert max(loads) / min(loads) <= 1.25, loads
+        kernel = model.layers[0].kernel
+        assert shard_tasks(kernel) == [0, 1] or shard_tasks(kernel) == [1, 0]
+        shards = [entry for entry in report["variables"] if entry["part"] is not None]
+        assert {entry["ps_index"] for entry in shards} == {0, 1}
+        assert all(entry["rows"] in ((0, 128), (128, 256)) and entry["nbytes"] == 128 * 256 * 4
+                   for entry in shards), shards
+        # Small variables stay whole.
+        assert len(shard_tasks(model.layers[1].kernel)) == 1
+        assert len(shard_tasks(model.layers[0].bias)) == 1
+        for variable, m, v in zip(model.trainable_variables, optimizer._momentums, optimizer._velocities):
+            assert shard_tasks(m) == shard_tasks(v) == shard_tasks(variable), variable.path
+
+
+def test_checkpoint_round_trip_saves_full_values(cluster, tmp_path):
+    with connected(cluster, checkpoint_dir=tmp_path,
+                   variable_partitioner=partitioners.FixedShardsPartitioner(2)) as strategy:
+        with strategy.scope():
+            model = build_model()
+            compile_model(model, "adam")
+        x, y = data()
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=1, steps_per_epoch=2, verbose=0)
+        path = strategy.save_checkpoint()
+        saved = [w.numpy() for w in model.weights]
+        # Full, unpartitioned shapes under each variable's key.
+        shapes = sorted(tuple(shape) for name, shape in tf.train.list_variables(path)
+                        if name.endswith(".ATTRIBUTES/VARIABLE_VALUE") and name.startswith("v"))
+        assert (64, 8) in shapes and (32, 32) in shapes, shapes
+        for weight in model.weights:
+            weight.assign(np.zeros(weight.shape, "float32"))
+        assert strategy.restore()["path"] == path
+        assert_close([w.numpy() for w in model.weights], saved)
+
+
+def test_model_save_writes_full_weights_load_model_reads_without_cluster(cluster, tmp_path):
+    with connected(cluster, variable_partitioner=partitioners.FixedShardsPartitioner(2)) as strategy:
+        with strategy.scope():
+            model = build_model()
+            compile_model(model, "sgd")
+        x, y = data()
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=1, steps_per_epoch=2, verbose=0)
+        model.save(tmp_path / "m.keras")
+        weights = [w.numpy() for w in model.weights]
+    loaded = keras.models.load_model(tmp_path / "m.keras")  # no strategy: plain local variables
+    assert all(isinstance(w.value, tf.Variable) for w in loaded.weights)
+    assert [tuple(w.shape) for w in loaded.weights] == [w.shape for w in weights]
+    assert_close([w.numpy() for w in loaded.weights], weights)
+
+
+def test_bad_partitioners_name_the_variable(cluster):
+    with pytest.raises(TypeError, match="variable_partitioner=3 of type int"):
+        psclient.ParameterServerStrategy(cluster, variable_partitioner=3)
+    offered = []
+
+    def partitioner(shape, dtype):
+        offered.append(shape.as_list())
+        # [6, 4]: splits axis 1 too (refused); [6]: more shards than rows (refused).
+        return [2, 2] if shape.rank == 2 else [7]
+
+    with connected(cluster, variable_partitioner=partitioner) as strategy:
+        with strategy.scope():
+            scalar = tf.Variable(1.0, name="scalar")
+            one_row = tf.Variable(tf.zeros([1, 8]), name="one_row")
+            with pytest.raises(PartitionError, match=r"'table' of shape \[6, 4\].*Received: \[2, 2\]"):
+                tf.Variable(tf.zeros([6, 4]), name="table")
+            with pytest.raises(PartitionError, match=r"'wide' of shape \[6\]: 7 shards for 6 rows"):
+                tf.Variable(tf.zeros([6]), name="wide")
+        # Scalars and single-row variables are never offered: they stay whole.
+        assert offered == [[6, 4], [6]]
+        assert len(shard_tasks(scalar)) == 1 and len(shard_tasks(one_row)) == 1
+        # Nothing half-created: the refused variables are not in the placement.
+        names = [entry["name"] for entry in strategy.placement()["variables"]]
+        assert not any("table" in name or "wide" in name for name in names), names
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_fit_matches_local_keras(one_worker_cluster, optimizer):
+    x, y = data()
+    with connected(one_worker_cluster,
+                   variable_partitioner=partitioners.FixedShardsPartitioner(2)) as strategy:
+        with strategy.scope():
+            model = build_model()
+            compile_model(model, optimizer)
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        model.fit(dataset, epochs=2, steps_per_epoch=4, verbose=0)
+        # Every weight (embedding table, kernels, biases) is cut in two, one shard per ps.
+        assert all(shard_tasks(w) == [0, 1] for w in model.weights), [shard_tasks(w) for w in model.weights]
+        got = [w.numpy() for w in model.weights]
+    assert_close(got, local_weights(optimizer))
