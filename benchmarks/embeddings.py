@@ -136,10 +136,12 @@ def psclient_has_partitioner() -> bool:
 
 
 def setup(path: str, cluster, rows: int):
-    """Returns (fit(steps) -> last loss, strategy, extra facts for the JSON)."""
+    """Returns (fit(steps) -> last loss, strategy, describe() -> facts for the JSON).
+
+    describe() is called after the fits: optimizer slots exist only then.
+    """
     import tensorflow as tf
 
-    extra: dict = {}
     if path == "tf_keras_pss":
         import tf_keras
 
@@ -151,10 +153,12 @@ def setup(path: str, cluster, rows: int):
         with strategy.scope():
             model = build_model(tf_keras, rows)
         data = tf_keras.utils.experimental.DatasetCreator(lambda ctx: make_dataset(rows))
-        table = model.layers[0].embeddings
-        shards = getattr(table, "variables", [table])
-        extra["embedding_shards"] = [[int(d) for d in v.shape] for v in shards]
-        extra["embedding_shard_devices"] = [v.device for v in shards]
+
+        def describe() -> dict:
+            table = model.layers[0].embeddings
+            shards = getattr(table, "variables", [table])
+            return {"embedding_shards": [[int(d) for d in v.shape] for v in shards],
+                    "embedding_shard_devices": [v.device for v in shards]}
     else:
         import keras
 
@@ -167,15 +171,18 @@ def setup(path: str, cluster, rows: int):
         with strategy.scope():
             model = build_model(keras, rows)
         data = lambda ctx: make_dataset(rows)  # noqa: E731 - one dataset per worker
-        placement = strategy.placement()
-        extra["placement_bytes_per_ps"] = placement.get("bytes_per_ps", placement.get("bytes"))
+
+        def describe() -> dict:
+            placement = strategy.placement()
+            return {"placement_bytes_per_ps": placement.get("bytes_per_ps"),
+                    "placement_entries": len(placement.get("variables", []))}
 
     def fit(steps: int) -> float:
         history = model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
         return float(history.history["loss"][-1])
 
     # psclient's owners hold a strategy weakly: the caller keeps it alive.
-    return fit, strategy, extra
+    return fit, strategy, describe
 
 
 # ----------------------------------------------------------------------------
@@ -189,7 +196,7 @@ def child_main(args: argparse.Namespace) -> None:
     meter = _common.LoopbackBytes(cluster.jobs, coordinator_pid=os.getpid(), task_pids=task_pids)
 
     t0 = time.perf_counter()
-    fit, strategy, extra = setup(args._child, cluster, args.rows)
+    fit, strategy, describe = setup(args._child, cluster, args.rows)
     setup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     first_loss = fit(args.warmup)
@@ -233,7 +240,7 @@ def child_main(args: argparse.Namespace) -> None:
         "other_processes_cpu_share": round(max(0.0, other) / (seconds * (os.cpu_count() or 1)), 3),
         "load_average_1min": round(os.getloadavg()[0], 2),
         "tasks_after": _common.task_usage(list(task_pids.values())),
-        **extra,
+        **describe(),
     }
     del strategy
     _common.child_exit(result)
