@@ -33,10 +33,13 @@ def test_listed_instance_attributes_exist_on_instances(tmp_path):
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
     backup = keras.callbacks.BackupAndRestore(str(tmp_path))
+    ema = keras.optimizers.Adam(use_ema=True)
+    ema.build(model.trainable_variables)
     instances = {
         "keras.src.backend.tensorflow.core.Variable": model.variables[0],
         "keras.src.trainers.trainer.Trainer": model,
         "keras.src.callbacks.backup_and_restore.BackupAndRestore": backup,
+        "keras.src.optimizers.base_optimizer.BaseOptimizer": ema,
     }
     instance_entries = [e for e in seam.KERAS_INTERNALS if e.kind == "instance"]
     assert instance_entries

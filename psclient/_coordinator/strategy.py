@@ -25,6 +25,7 @@ from psclient._coordinator.per_worker import (
 from psclient._coordinator.recovery import Recovery, RecoveryConfig
 from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
 from psclient._coordinator.tracing import Tracer
+from psclient._coordinator.updates import place_updates_on_ps
 from psclient._core.checks import check_positive
 from psclient._core.errors import StrategyClosedError
 from psclient._core.future import Future
@@ -214,6 +215,7 @@ class ParameterServerStrategy:
 
         self._check_open("scope")
         registry.run_scope_hooks()  # e.g. the Keras integration, registered by psclient/__init__
+        place_updates_on_ps()  # optimizer updates run where their variable lives
         with tf.variable_creator_scope(self._store.create):
             yield self
 

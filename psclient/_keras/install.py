@@ -13,6 +13,12 @@ that do not live on a psclient strategy's ps tasks:
    already use `tf.Variable.assign_sub` directly.
 2. `model.fit/evaluate/predict` on the cluster (`psclient._keras.trainer`,
    `psclient._keras.eval`): `TensorFlowTrainer.fit/evaluate/predict` wrapped.
+3. The data path (README "The data path"). Optimizer updates already run on
+   the ps of their variable (`psclient._coordinator.updates`); two Keras paths
+   do not go through it and are placed here: embedding lookups (`ops.take` on
+   axis 0 of a ps variable gathers the rows on the ps, so only the looked-up
+   rows travel, not the table) and the EMA's moving averages (`use_ema`),
+   updated on the ps of each average.
 
 Nothing else in psclient patches Keras. Before patching, every private Keras
 name psclient uses (`psclient._keras.seam.KERAS_INTERNALS`) is looked up, so a
@@ -89,6 +95,8 @@ def install() -> None:
         seam.check()
         _install_atomic_increments()
         _install_trainer_patches()
+        _install_ps_gather()
+        _install_moving_average_on_ps()
         _done = True
 
 
@@ -110,6 +118,89 @@ def _install_atomic_increments() -> None:
 
     Variable.assign_add = atomic(Variable.assign_add, "assign_add")
     Variable.assign_sub = atomic(Variable.assign_sub, "assign_sub")
+
+
+def _install_ps_gather() -> None:
+    """`take(table, ids, axis=0)` on a ps variable: gather the rows on the ps.
+
+    Keras's TF `take` (Embedding's lookup) starts with `convert_to_tensor(x)`:
+    for a variable that reads the whole table, which then crosses from the ps
+    to the worker every step. `tf.gather` on the `tf.Variable` itself is a
+    ResourceGather, which runs where the variable lives, so only the rows
+    travel; its gradient is the same `tf.IndexedSlices`. Keras's negative-index
+    semantics ("fill": -1 is the last row) are kept. Anything else (another
+    axis, sparse or ragged or non-integer indices, a variable in this process,
+    a value that an autocast or stateless scope replaces) is Keras's own take.
+    """
+    import keras
+    import tensorflow as tf
+    from keras.src.backend.tensorflow import numpy as tf_numpy
+
+    from psclient._coordinator.updates import ps_device_of
+
+    stock = tf_numpy.take
+
+    def take(x, indices, axis=None):
+        # `.value` of a Keras variable: the tf.Variable itself unless a scope
+        # substitutes or casts it (then a tensor: Keras's path).
+        variable = x.value if isinstance(x, keras.Variable) else x
+        if (
+            axis == 0
+            and isinstance(variable, tf.Variable)
+            and ps_device_of(variable) is not None
+            and not isinstance(indices, (tf.SparseTensor, tf.RaggedTensor))
+        ):
+            ids = tf.convert_to_tensor(indices)
+            if ids.dtype.is_integer:
+                # Static when known: tf.shape() of a variable would read it whole.
+                rows = variable.shape[0]
+                rows = tf.shape(variable, out_type=ids.dtype)[0] if rows is None else tf.constant(rows, ids.dtype)
+                ids = tf.where(ids < 0, ids + rows, ids)  # Keras's "fill" mode
+                return tf.gather(variable, ids)  # ResourceGather, on the ps
+        return stock(x, indices, axis=axis)
+
+    functools.update_wrapper(take, stock)
+    take.__doc__ = f"{stock.__doc__ or ''}\n\nOn a ps variable, axis 0: rows gathered on the ps (psclient)."
+    tf_numpy.take = take
+
+
+def _install_moving_average_on_ps() -> None:
+    """The EMA's moving averages (`use_ema=True`) updated on the ps of each average.
+
+    Keras updates them outside `extended.update`, so the arithmetic would run
+    on the worker and read each weight and its average over the network. The
+    formula is Keras's own (`BaseOptimizer._update_model_variables_moving_average`
+    in Keras 3.10-3.15), written with the same ops so results are identical;
+    optimizers without an average on a ps task keep Keras's method.
+    """
+    import contextlib
+
+    import tensorflow as tf
+    from keras import ops
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    from psclient._coordinator.updates import ps_device_of
+
+    stock = TFOptimizer._update_model_variables_moving_average
+
+    def update_moving_average(self, trainable_variables):
+        averages = seam.internal(self, "_model_variables_moving_average") if self.use_ema else []
+        devices = [None if average is None else ps_device_of(average) for average in averages]
+        if not any(devices):
+            return stock(self, trainable_variables)
+        for var, average, device in zip(trainable_variables, averages, devices):
+            if average is None:
+                continue
+            with tf.device(device) if device else contextlib.nullcontext():
+                not_first_step = ops.not_equal(self.iterations, 0)
+                momentum = ops.multiply(ops.cast(not_first_step, var.dtype), self.ema_momentum)
+                average.assign(
+                    ops.add(ops.multiply(momentum, average), ops.multiply(ops.subtract(1, momentum), var))
+                )
+
+    functools.update_wrapper(update_moving_average, stock)
+    update_moving_average.__doc__ = f"{stock.__doc__ or ''} On the ps of each average (psclient)."
+    TFOptimizer._update_model_variables_moving_average = update_moving_average
 
 
 def _install_trainer_patches() -> None:

@@ -44,6 +44,8 @@ _TRAINER = "keras.src.backend.tensorflow.trainer.TensorFlowTrainer"
 _BASE_TRAINER = "keras.src.trainers.trainer.Trainer"
 _VARIABLE = "keras.src.backend.tensorflow.core.Variable"
 _BACKUP = "keras.src.callbacks.backup_and_restore.BackupAndRestore"
+_TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer.TFOptimizer"
+_BASE_OPTIMIZER = "keras.src.optimizers.base_optimizer.BaseOptimizer"
 
 
 class Internal(NamedTuple):
@@ -73,6 +75,13 @@ KERAS_INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_TRAINER}.predict", "patched: ranges of batches on the cluster, in input order"),
     Internal(f"{_TRAINER}.fit", "fit's validation passes it to evaluate; psclient's evaluate drops it",
              kind="keyword", name="_use_cached_eval_dataset"),
+    Internal("keras.src.backend.tensorflow.numpy.take",
+             "patched: on axis 0 of a ps variable (Embedding's lookup) the rows are gathered on the "
+             "ps, so only looked-up rows travel, not the whole table"),
+    Internal(f"{_TF_OPTIMIZER}._update_model_variables_moving_average",
+             "patched: the EMA's averages (use_ema) updated on their ps, not read to the worker"),
+    Internal(f"{_BASE_OPTIMIZER}._model_variables_moving_average", "the EMA's averages, one per weight",
+             kind="instance"),
     # Variables.
     Internal(f"{_VARIABLE}._value", "the tf.Variable inside: its device says ps or local", kind="instance"),
     Internal("keras.src.backend.backend", "the configured backend, read before Keras is imported"),
