@@ -128,7 +128,9 @@ def _install_ps_gather() -> None:
     to the worker every step. `tf.gather` on the `tf.Variable` itself is a
     ResourceGather, which runs where the variable lives, so only the rows
     travel; its gradient is the same `tf.IndexedSlices`. Keras's negative-index
-    semantics ("fill": -1 is the last row) are kept. Anything else (another
+    semantics ("fill": -1 is the last row) are kept. A partitioned table
+    (`psclient._coordinator.sharding`) is looked up shard by shard, each
+    shard's rows gathered on its ps. Anything else (another
     axis, sparse or ragged or non-integer indices, a variable in this process,
     a value that an autocast or stateless scope replaces) is Keras's own take.
     """
@@ -136,6 +138,7 @@ def _install_ps_gather() -> None:
     import tensorflow as tf
     from keras.src.backend.tensorflow import numpy as tf_numpy
 
+    from psclient._coordinator.sharding import is_partitioned
     from psclient._coordinator.updates import ps_device_of
 
     stock = tf_numpy.take
@@ -144,10 +147,10 @@ def _install_ps_gather() -> None:
         # `.value` of a Keras variable: the tf.Variable itself unless a scope
         # substitutes or casts it (then a tensor: Keras's path).
         variable = x.value if isinstance(x, keras.Variable) else x
+        partitioned = is_partitioned(variable)
         if (
             axis == 0
-            and isinstance(variable, tf.Variable)
-            and ps_device_of(variable) is not None
+            and (partitioned or (isinstance(variable, tf.Variable) and ps_device_of(variable) is not None))
             and not isinstance(indices, (tf.SparseTensor, tf.RaggedTensor))
         ):
             ids = tf.convert_to_tensor(indices)
@@ -156,6 +159,9 @@ def _install_ps_gather() -> None:
                 rows = variable.shape[0]
                 rows = tf.shape(variable, out_type=ids.dtype)[0] if rows is None else tf.constant(rows, ids.dtype)
                 ids = tf.where(ids < 0, ids + rows, ids)  # Keras's "fill" mode
+                if partitioned:
+                    # Each shard's rows gathered on its ps; "div" cuts rows as psclient does.
+                    return tf.nn.embedding_lookup(variable.variables, ids)
                 return tf.gather(variable, ids)  # ResourceGather, on the ps
         return stock(x, indices, axis=axis)
 
