@@ -248,8 +248,11 @@ def child_main(args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------------
 def summarize(runs: dict, rows_list: list[int]) -> dict:
+    def rounded(value):
+        return None if value is None else round(value, 3)
+
     def med(rs: list, key: str):
-        return _common.median([r[key] for r in rs if key in r])
+        return rounded(_common.median([r[key] for r in rs if key in r]))
 
     def med_bytes(rs: list, role: str | None = None):
         values = []
@@ -259,7 +262,7 @@ def summarize(runs: dict, rows_list: list[int]) -> dict:
                 continue
             values.append(moved["total"] if role is None else sum(
                 v for k, v in moved.get("by_role", {}).items() if role in k.split(" -> ")))
-        return _common.median(values)
+        return rounded(_common.median(values))
 
     per_size = {}
     for rows in rows_list:
@@ -270,10 +273,10 @@ def summarize(runs: dict, rows_list: list[int]) -> dict:
                 "median_steps_per_s": med(rs, "steps_per_s"),
                 "median_step_ms": med(rs, "step_ms"),
                 "median_tasks_cpu_us_per_step": med(rs, "tasks_cpu_us_per_step"),
-                "median_ps_cpu_us_per_step": _common.median(
-                    [r["tasks_cpu_us_per_step_by_role"]["ps"] for r in rs]),
-                "median_workers_cpu_us_per_step": _common.median(
-                    [r["tasks_cpu_us_per_step_by_role"]["workers"] for r in rs]),
+                "median_ps_cpu_us_per_step": rounded(_common.median(
+                    [r["tasks_cpu_us_per_step_by_role"]["ps"] for r in rs])),
+                "median_workers_cpu_us_per_step": rounded(_common.median(
+                    [r["tasks_cpu_us_per_step_by_role"]["workers"] for r in rs])),
                 "median_coordinator_cpu_us_per_step": med(rs, "coordinator_cpu_us_per_step"),
                 "median_bytes_per_step": med_bytes(rs),
                 "median_bytes_per_step_to_or_from_ps": med_bytes(rs, "ps"),
