@@ -27,9 +27,14 @@ partitioners = tf.distribute.experimental.partitioners
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with psclient.LocalCluster(num_workers=2, num_ps=2) as local:
-        yield local.cluster
+def local():
+    with psclient.LocalCluster(num_workers=2, num_ps=2) as local_cluster:
+        yield local_cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(local):
+    return local.cluster
 
 
 @pytest.fixture(scope="module")
@@ -242,3 +247,59 @@ def test_fit_matches_local_keras(one_worker_cluster, optimizer):
         assert all(sorted(shard_tasks(w)) == [0, 1] for w in model.weights), [shard_tasks(w) for w in model.weights]
         got = [w.numpy() for w in model.weights]
     assert_close(got, local_weights(optimizer))
+
+
+def test_checkpoint_restores_into_another_partitioning(cluster, tmp_path):
+    """Values are saved whole: a checkpoint of 2 shards restores into whole variables and back."""
+    x, y = data()
+    with connected(cluster, checkpoint_dir=tmp_path,
+                   variable_partitioner=partitioners.FixedShardsPartitioner(2)) as strategy:
+        with strategy.scope():
+            model = build_model()
+            compile_model(model, "adam")
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=1, steps_per_epoch=2, verbose=0)
+        strategy.save_checkpoint()
+        saved = [w.numpy() for w in model.weights] + [v.numpy() for v in model.optimizer.variables]
+    for partitioner in (None, partitioners.FixedShardsPartitioner(3)):
+        with connected(cluster, checkpoint_dir=tmp_path, variable_partitioner=partitioner) as strategy:
+            with strategy.scope():
+                model = build_model(seed=7)  # other initial values
+                compile_model(model, "adam")
+                model.optimizer.build(model.trainable_variables)
+            assert strategy.restore() is not None
+            assert {len(shard_tasks(w)) for w in model.weights} == ({1} if partitioner is None else {3})
+            assert_close([w.numpy() for w in model.weights] + [v.numpy() for v in model.optimizer.variables],
+                         saved)
+
+
+def test_lost_ps_gets_its_shards_back_from_the_checkpoint(local, cluster, tmp_path):
+    x, y = data()
+    with connected(cluster, checkpoint_dir=tmp_path, checkpoint_every=20,
+                   variable_partitioner=partitioners.FixedShardsPartitioner(2)) as strategy:
+        with strategy.scope():
+            model = build_model()
+            optimizer = make_optimizer("adam")
+            optimizer.build(model.trainable_variables)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                          model.trainable_variables))
+            return loss
+
+        futures = [strategy.schedule(step) for _ in range(120)]
+        psclient.wait(futures[:60], timeout=180)
+        try:
+            local.kill("ps", 1)
+        finally:
+            local.restart("ps", 1)
+        strategy.join(timeout=200)
+        assert all(f.exception() is None for f in futures)
+        ps = strategy.stats()["ps"][1]
+        assert ps["failures"] == 1 and ps["recoveries"] == 1
+        # Both shards of every weight answer again, and training goes on from the restored values.
+        assert all(np.isfinite(w.numpy()).all() for w in model.weights)
+        assert float(strategy.schedule(step).result(60)) < float(futures[0].result())
