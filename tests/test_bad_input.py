@@ -106,9 +106,9 @@ def test_restore_into_other_variables_names_them(local_cluster, strategy, tmp_pa
     with strategy.scope():
         b = tf.Variable(tf.zeros([4]))
     with pytest.raises(ValueError, match=r"shape \[3\] there but \[4\] here"):
-        Checkpoints(str(tmp_path), keep=1).restore({"v000000": b})
+        Checkpoints(str(tmp_path), keep=1).restore({"v000000": b}, adopt=True)
     with pytest.raises(ValueError, match="v000001 .* is not in it"):
-        Checkpoints(str(tmp_path), keep=1).restore({"v000000": a, "v000001": b})
+        Checkpoints(str(tmp_path), keep=1).restore({"v000000": a, "v000001": b}, adopt=True)
 
 
 # Last: it shuts the module's shared strategy down.

@@ -90,3 +90,13 @@ def test_evaluate_job_on_tf_checkpoints_then_a_mismatching_model(tmp_path):
     assert result.returncode == 1
     assert "does not match the checkpoint ckpt-1" in result.stderr
     assert "missing from the checkpoint" in result.stderr and "[64, 10]" in result.stderr
+
+
+def test_evaluate_on_a_regular_file_says_what_it_is_and_fails(tmp_path):
+    a_file = tmp_path / "ckpt"
+    a_file.write_text("not a directory")
+    result = psclient("evaluate", "--checkpoint-dir", str(a_file), "--model", f"{EXAMPLE}:model",
+                      "--data", f"{EXAMPLE}:data", "--idle-timeout", "1")
+    assert result.returncode == 2, result.stderr
+    assert f"Invalid value for --checkpoint-dir. Received: {str(a_file)!r}, which is a file" in result.stderr
+    assert "does not exist" not in result.stderr

@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import stat
 import subprocess
 import sys
 
@@ -159,6 +160,11 @@ def test_backup_and_restore_resumes_after_an_interrupted_fit(strategy, tmp_path,
         fit(model, epochs=4, callbacks=[backup, Interrupt()])
     saved = model.get_weights()
     assert json.loads((tmp_path / "backup" / "training_metadata.json").read_text())["epoch"] == 2
+    if callback_class is BackupAndRestore:  # no temporary left; readable like any new file (was 0600)
+        umask = os.umask(0o022)
+        os.umask(umask)
+        modes = {n: stat.S_IMODE(os.stat(tmp_path / "backup" / n).st_mode) for n in os.listdir(tmp_path / "backup")}
+        assert modes == {"latest.weights.h5": 0o666 & ~umask, "training_metadata.json": 0o666 & ~umask}
 
     model = make_model(strategy)  # fresh weights: the backup must restore them
     history = fit(model, epochs=4, callbacks=[callback_class(backup_dir=str(tmp_path / "backup"))])
@@ -206,7 +212,7 @@ def test_backup_and_restore_resumes_in_a_new_coordinator_process(local_cluster, 
     first = run(3)
     assert first.returncode == 17, first.stderr[-3000:]
     assert json.loads((tmp_path / "backup" / "training_metadata.json").read_text())["epoch"] == 3
-    assert not [name for name in os.listdir(backup) if name.startswith(".tmp-")]
+    assert not [name for name in os.listdir(backup) if name.startswith(".")]  # no temporary left
     second = run(-1)
     assert second.returncode == 0, second.stderr[-3000:]
     result = json.loads(second.stdout.strip().splitlines()[-1])

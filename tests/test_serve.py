@@ -204,3 +204,20 @@ def test_help_shows_an_example(args):
     assert result.returncode == 0
     assert "example:" in result.stdout
     assert "psclient serve --job worker --index 0 --cluster cluster.json" in result.stdout
+
+
+def test_serve_refuses_an_address_that_is_not_on_this_host(tmp_path):
+    # 192.0.2.0/24 is TEST-NET-1: never an address of this machine.
+    jobs = {"worker": ["192.0.2.1:2222"], "ps": [f"127.0.0.1:{portpicker.pick_unused_port()}"]}
+    result = psclient("serve", "--job", "worker", "--index", "0", "--cluster", write_json(tmp_path, jobs))
+    assert result.returncode == 1, result.stderr
+    assert "error: cannot start worker:0 at 192.0.2.1:2222" in result.stderr
+    assert "is not an address of this machine" in result.stderr
+    assert "ready" not in result.stderr
+
+
+def test_serve_refuses_a_host_that_does_not_resolve(tmp_path):
+    jobs = {"worker": ["no-such-host.invalid:2222"], "ps": [f"127.0.0.1:{portpicker.pick_unused_port()}"]}
+    result = psclient("serve", "--job", "worker", "--index", "0", "--cluster", write_json(tmp_path, jobs))
+    assert result.returncode == 1, result.stderr
+    assert "'no-such-host.invalid' does not resolve" in result.stderr

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import threading
 from typing import NoReturn
@@ -47,6 +48,29 @@ def check_inter_op_threads(value: int, *, name: str = "argument `inter_op_thread
             "on a ps task deadlocks."
         )
     return value
+
+
+def local_address_problem(address: str) -> str | None:
+    """Why `host:port` cannot be served on this host (None if it can).
+
+    A host is local when one of the addresses it resolves to can be bound
+    here (port 0: the task's own port is left alone).
+    """
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror as e:
+        return f"its host {host!r} does not resolve ({e.strerror})"
+    resolved = sorted({info[4][0] for info in infos})
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((sockaddr[0], 0, *sockaddr[2:]))
+            except OSError:
+                continue
+            return None
+    return (f"its host {host!r} ({', '.join(resolved)}) is not an address of this machine: run "
+            "`psclient serve` on the host the cluster names for this task")
 
 
 def _log(message: str) -> None:
@@ -170,6 +194,10 @@ def serve(
         inter_op_threads = default_inter_op_threads(cluster)
     check_inter_op_threads(inter_op_threads)
     task = f"{job}:{index}"
+    problem = local_address_problem(address)
+    if problem is not None:  # TF would start, say nothing, and serve nobody
+        _log(f"psclient serve: error: cannot start {task} at {address}: {problem}")
+        _exit(1)
 
     # Failures of other tasks must reach callers as errors instead of being
     # retried forever inside gRPC. Set before TensorFlow is imported.

@@ -47,6 +47,8 @@ class RecoveryConfig:
     checkpoint_interval: float | None = None
     checkpoint_every: int | None = None
     checkpoints_to_keep: int = 3
+    #: Start over in a checkpoint_dir that holds another run's checkpoints (see checkpoint.py).
+    overwrite_checkpoints: bool = False
     hang_timeout: float = 30.0
     worker_timeout: float = 300.0
     ps_timeout: float = 300.0
@@ -169,8 +171,9 @@ class Recovery:
         self._retrace = retrace
         self._connect = connect
         self._clock = clock
-        self.checkpoints = Checkpoints(config.checkpoint_dir, keep=config.checkpoints_to_keep) if (
-            config.checkpoint_dir is not None) else None
+        self.checkpoints = Checkpoints(
+            config.checkpoint_dir, keep=config.checkpoints_to_keep, overwrite=config.overwrite_checkpoints,
+        ) if config.checkpoint_dir is not None else None
         self._machine = rm.RecoveryMachine(rm.MachineConfig(
             num_workers=cluster.num_workers, num_ps=cluster.num_ps,
             hang_timeout=config.hang_timeout, worker_timeout=config.worker_timeout,
@@ -207,6 +210,8 @@ class Recovery:
         hang_timeout (skipped). Raises what the save raised, or
         StrategyClosedError if the strategy shuts down first.
         """
+        if self.checkpoints is not None:
+            self.checkpoints.check_writable()  # another run's checkpoints: refused here, at once
         ticket: concurrent.futures.Future = concurrent.futures.Future()
         if not self._stopping:
             self.report(rm.CheckpointRequested(ticket, reason))
@@ -219,15 +224,15 @@ class Recovery:
         return ticket.result()
 
     def restore(self) -> dict | None:
-        """On the caller's thread (before scheduling): newest checkpoint into every variable."""
+        """On the caller's thread (before scheduling): newest complete checkpoint into every variable."""
         created = self._store.count()
-        path = self.checkpoints.latest()
-        completed = self.checkpoints.restore(self._store.named(), path)
-        if completed is None:
+        restored = self.checkpoints.restore(self._store.named(), adopt=True)
+        if restored is None:
             return None
         self.saved_created = created
         self.report(rm.Restored())
-        return {"path": path, "completed_closures": completed}
+        log.info("restored %s (%s closures completed)", restored["path"], restored["completed_closures"])
+        return restored
 
     def stop(self, timeout: float | None) -> bool:
         """Stop the thread; False if it is still inside a call after `timeout`."""
@@ -389,7 +394,8 @@ class Recovery:
             return True
         if isinstance(action, rm.RenewAndRestore):
             renewed = self._store.renew(set(action.lost))
-            self._completed_then = self.checkpoints.restore(self._store.named())
+            restored = self.checkpoints.restore(self._store.named())
+            self._completed_then = None if restored is None else restored["completed_closures"]
             log.info("ps task(s) %s: %d variables re-created, every variable restored", action.lost, renewed)
             return True
         if isinstance(action, rm.Retrace):

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from psclient._cluster.spec import Cluster
 from psclient._coordinator import registry
 from psclient._coordinator import runtime as _runtime
+from psclient._coordinator.checkpoint import check_directory
 from psclient._coordinator.dispatch import Dispatcher
 from psclient._coordinator.per_worker import (
     PerWorker,
@@ -56,7 +57,13 @@ class ParameterServerStrategy:
         before the first scheduled function after variables are created,
         then every `checkpoint_interval` seconds and/or every
         `checkpoint_every` completed functions, keeping the newest
-        `checkpoints_to_keep`.
+        `checkpoints_to_keep`. Checkpoints already in the directory are
+        another run's: the first save (the first `schedule()`) raises
+        FileExistsError unless `restore()` resumed from them or
+        `overwrite_checkpoints=True`.
+      overwrite_checkpoints: start over in a `checkpoint_dir` that holds
+        another run's checkpoints: they are never restored, and are deleted
+        as this run's are written (keeping `checkpoints_to_keep` in all).
       hang_timeout: a worker that does not answer a probe for this many
         seconds is treated as failed; its closures run elsewhere.
       worker_timeout: with every worker gone this long, pending and new
@@ -85,6 +92,7 @@ class ParameterServerStrategy:
         checkpoint_interval: float | None = None,
         checkpoint_every: int | None = None,
         checkpoints_to_keep: int = 3,
+        overwrite_checkpoints: bool = False,
         hang_timeout: float = 30.0,
         worker_timeout: float = 300.0,
         ps_timeout: float = 300.0,
@@ -121,11 +129,18 @@ class ParameterServerStrategy:
                 f"with checkpoint_interval={checkpoint_interval!r}, checkpoint_every="
                 f"{checkpoint_every!r}. Expected a directory to write the checkpoints to."
             )
+        if not isinstance(overwrite_checkpoints, bool) or (overwrite_checkpoints and checkpoint_dir is None):
+            raise ValueError(
+                "Invalid value for argument `overwrite_checkpoints`. Received: overwrite_checkpoints="
+                f"{overwrite_checkpoints!r} with checkpoint_dir={checkpoint_dir!r}. Expected True or "
+                "False, and True only with a checkpoint_dir."
+            )
         check_positive("pipeline_depth", pipeline_depth, integer=True)
         check_positive("connect_timeout", connect_timeout, unit="seconds")
+        if checkpoint_dir is not None:
+            checkpoint_dir = check_directory(checkpoint_dir)  # a regular file fails before connecting
         _runtime.wait_reachable(cluster, connect_timeout)
         self._closed = False
-        registry.claim(self, lambda: _runtime.connect(cluster))
 
         self._cluster = cluster
         self._pipeline_depth = pipeline_depth
@@ -143,7 +158,7 @@ class ParameterServerStrategy:
         tracer, scheduler = self._tracer, self._scheduler
         self._recovery = Recovery(
             RecoveryConfig(
-                checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
+                checkpoint_dir=checkpoint_dir, overwrite_checkpoints=overwrite_checkpoints,
                 checkpoint_interval=checkpoint_interval, checkpoint_every=checkpoint_every,
                 checkpoints_to_keep=checkpoints_to_keep, hang_timeout=hang_timeout,
                 worker_timeout=worker_timeout, ps_timeout=ps_timeout,
@@ -155,16 +170,23 @@ class ParameterServerStrategy:
             retrace=lambda: tracer.retrace(scheduler.queued()),
             connect=lambda workers: _runtime.connect(cluster, workers=workers),
         )
-        self._dispatcher = Dispatcher(
-            self._scheduler,
-            num_workers=cluster.num_workers,
-            pipeline_depth=pipeline_depth,
-            prepare=_prepare,
-            probes=self._recovery.probes,
-            report=self._recovery.report,
-            release_timeout=hang_timeout,
-        )
-        self._recovery.start()
+        # Connected only once everything that checks arguments or the checkpoint
+        # directory has passed; a failure after that undoes the connection.
+        registry.claim(self, lambda: _runtime.connect(cluster))
+        with contextlib.ExitStack() as undo:
+            undo.callback(_leave, self)
+            self._dispatcher = Dispatcher(
+                self._scheduler,
+                num_workers=cluster.num_workers,
+                pipeline_depth=pipeline_depth,
+                prepare=_prepare,
+                probes=self._recovery.probes,
+                report=self._recovery.report,
+                release_timeout=hang_timeout,
+            )
+            undo.callback(_stop_dispatch, self._scheduler, self._dispatcher, hang_timeout)
+            self._recovery.start()
+            undo.pop_all()
         # Shuts down when shutdown() is called, the strategy is collected, or at exit.
         self._finalizer = weakref.finalize(
             self, _shutdown_quietly, self._scheduler, self._dispatcher, self._recovery, prober, hang_timeout,
@@ -281,6 +303,7 @@ class ParameterServerStrategy:
         `concurrent.futures.CancelledError`). The strategy stays usable.
         Raises `TimeoutError` if `timeout` seconds pass first.
         """
+        check_positive("timeout", timeout, optional=True, allow_zero=True, unit="seconds")
         if not self._scheduler.join(timeout):
             raise TimeoutError(
                 f"join(timeout={timeout}) timed out with "
@@ -448,6 +471,17 @@ def _prepare(closure: Closure, worker: int) -> tuple:
         return closure.fn, closure.args, closure.kwargs
     args, kwargs = resolve_per_worker(closure.args, closure.kwargs, worker)
     return closure.fn, args, kwargs
+
+
+def _leave(strategy: ParameterServerStrategy) -> None:
+    """Undo a constructor's connection: the next strategy can connect at once."""
+    _runtime.disconnect()
+    registry.release(strategy)
+
+
+def _stop_dispatch(scheduler: Scheduler, dispatcher: Dispatcher, timeout: float) -> None:
+    scheduler.close()
+    dispatcher.stop(timeout)
 
 
 def _shutdown_quietly(

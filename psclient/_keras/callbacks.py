@@ -7,8 +7,10 @@ But it writes its two files in place. A coordinator killed in the middle of
 writing leaves a truncated weights file, and the next run fails to load it
 (unless `double_checkpoint=True`, which keeps a copy).
 
-This subclass writes each file under a temporary name in the same directory
-and renames it into place (`os.replace`, atomic on POSIX), weights first,
+This subclass writes each file in a private temporary directory of an
+unpredictable name beside it (`psclient._core.files`; the file gets the mode
+any new file there gets, like Keras's own) and renames it into place
+(`os.replace`, atomic on POSIX), weights first,
 then the epoch. A reader therefore sees whole files only; a crash between the
 two renames costs one repeated epoch (newer weights, older epoch number), never
 a skipped one. Remote paths (`gs://...`) fall back to Keras's own writes.
@@ -18,25 +20,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 from keras.callbacks import BackupAndRestore as _KerasBackupAndRestore
 
+from psclient._core.files import replaced_atomically
+
 __all__ = ["BackupAndRestore"]
-
-
-def _commit(directory: str, final: str, suffix: str, write) -> None:
-    """Have `write(temp_path)` write a file, then rename it to `final` atomically."""
-    fd, temp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
-    os.close(fd)
-    try:
-        write(temp)
-        with open(temp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(temp, final)
-    finally:
-        if os.path.exists(temp):  # only when something failed before the rename
-            os.remove(temp)
 
 
 class BackupAndRestore(_KerasBackupAndRestore):
@@ -53,13 +42,9 @@ class BackupAndRestore(_KerasBackupAndRestore):
         if "://" in str(self.backup_dir) or self.double_checkpoint:
             return super()._save_model()  # remote storage, or Keras's own spare copy
         os.makedirs(self.backup_dir, exist_ok=True)
-        # Keras insists that a weights file name ends in ".weights.h5".
-        _commit(self.backup_dir, self._weights_path, ".weights.h5",
-                lambda temp: self.model.save_weights(temp, overwrite=True))
+        # Each under its own name in a private temporary directory, then renamed into place.
+        with replaced_atomically(self._weights_path) as temp:
+            self.model.save_weights(temp, overwrite=True)
         metadata = json.dumps({"epoch": self._current_epoch, "batch": self._last_batch_seen})
-
-        def write_metadata(temp):
-            with open(temp, "w") as f:
-                f.write(metadata)
-
-        _commit(self.backup_dir, self._training_metadata_path, ".json", write_metadata)
+        with replaced_atomically(self._training_metadata_path) as temp, open(temp, "w") as f:
+            f.write(metadata)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from psclient._core.checks import check_positive
+from psclient._core.files import replaced_atomically
 from psclient._sidecar import formats
 from psclient._sidecar.formats import (  # The errors are re-exported for psclient's API.
     CheckpointMismatchError,  # noqa: F401
@@ -55,8 +56,9 @@ def write_final_marker(checkpoint_dir: str | os.PathLike, checkpoint: str | os.P
 
     Writes `<checkpoint_dir>/psclient-final.json` = {"checkpoint": path relative
     to the directory, "step": int or null, "written_at": unix time}, atomically
-    (a temporary file in the same directory, then `os.replace`), so a reader
-    sees the whole marker or none. Call it after the checkpoint is saved.
+    (a temporary file of an unpredictable name beside it, then `os.replace`), so a reader
+    sees the whole marker or none, readable by whoever can read the checkpoints
+    (the mode of any new file there). Call it after the checkpoint is saved.
     """
     checkpoint_dir = os.fspath(checkpoint_dir)
     checkpoint = os.fspath(checkpoint)
@@ -65,17 +67,9 @@ def write_final_marker(checkpoint_dir: str | os.PathLike, checkpoint: str | os.P
     if os.path.isabs(checkpoint):
         checkpoint = os.path.relpath(checkpoint, checkpoint_dir)
     body = json.dumps({"checkpoint": checkpoint, "step": step, "written_at": time.time()})
-    fd, temp = tempfile.mkstemp(prefix=".psclient-final-", dir=checkpoint_dir)
     path = os.path.join(checkpoint_dir, FINAL_MARKER)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    finally:
-        if os.path.exists(temp):  # Only when the write failed: replace() moved it.
-            os.unlink(temp)
+    with replaced_atomically(path) as temp, open(temp, "w", encoding="utf-8") as f:
+        f.write(body)
     return path
 
 
@@ -257,6 +251,9 @@ class SidecarEvaluator:
                              "Expected a compiled model: compile(loss=..., metrics=[...]) names what is reported.")
         self.model, self.data = model, data
         self.checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
+        if os.path.exists(self.checkpoint_dir) and not os.path.isdir(self.checkpoint_dir):
+            raise ValueError(f"Invalid value for argument `checkpoint_dir`. Received: checkpoint_dir={checkpoint_dir!r}, "
+                             "which is a file, not a directory. Expected the directory training writes checkpoints to.")
         self.steps = check_positive("steps", steps, integer=True, optional=True)
         self.max_evaluations = check_positive("max_evaluations", max_evaluations, integer=True, optional=True)
         self.idle_timeout = check_positive("idle_timeout", idle_timeout, optional=True, finite=True, unit="seconds")
@@ -386,11 +383,9 @@ class SidecarEvaluator:
             previous = best["metrics"][self.best_metric]
             if not (value > previous if self.best_mode == "max" else value < previous):
                 return best
-        directory = os.path.dirname(self.export_best)
-        os.makedirs(directory, exist_ok=True)
-        # Keras insists on the .keras suffix; the dot keeps the temporary out of scans.
-        temp = os.path.join(directory, f".{os.path.basename(self.export_best)}.tmp-{os.getpid()}.keras")
-        self.model.save(temp)
-        os.replace(temp, self.export_best)
+        os.makedirs(os.path.dirname(self.export_best), exist_ok=True)
+        # Saved in a private temporary directory beside it (a dot-name: out of scans), then renamed.
+        with replaced_atomically(self.export_best) as temp:
+            self.model.save(temp)
         _log.info("exported %s (%s=%.4f) to %s", record["checkpoint"], self.best_metric, value, self.export_best)
         return record
