@@ -410,10 +410,16 @@ class ParameterServerStrategy:
         """Resume: give every variable created in scope() its newest checkpointed value.
 
         Call it after creating the model, optimizer and counters (in the same
-        order as the run that wrote the checkpoints) and before scheduling.
-        Returns `{"path": ..., "completed_closures": N}`, or None when
-        `checkpoint_dir` holds no checkpoint yet (a fresh start). Raises
-        ValueError naming the variables that do not match the checkpoint.
+        order as the run that wrote the checkpoints) and before scheduling;
+        this run then writes beside those checkpoints. Uses the newest
+        complete checkpoint: a missing, corrupt or truncated newer one is
+        passed over (logged). Returns `{"path": ..., "completed_closures": N,
+        "skipped": [{"path", "error"}, ...]}`, or None when `checkpoint_dir`
+        holds no checkpoint yet (a fresh start). Every value is read and
+        checked before any is assigned: raises ValueError naming the
+        checkpoint and the variables that do not match it (missing, other
+        shape or dtype), or, when no checkpoint is complete, each one with
+        the variable and the error.
         """
         self._check_open("restore")
         self._require_checkpoint_dir("restore")
