@@ -267,6 +267,13 @@ def summarize(runs: dict, target: float) -> dict:
         if ours and theirs:
             entry["psclient/tf_keras_pss"] = round(ours / theirs, 3)
             entry[f"target psclient/tf_keras_pss >= {target}"] = ours / theirs >= target
+        pairs = [(a["steps_per_s"], b["steps_per_s"]) for a, b in
+                 zip(per_path.get("psclient_keras3", []), per_path.get("tf_keras_pss", []))
+                 if "steps_per_s" in a and "steps_per_s" in b]
+        if pairs:
+            # Runs of one repeat are neighbours in time: their ratio drifts less with the machine's load.
+            entry["psclient/tf_keras_pss per repeat"] = [round(a / b, 3) for a, b in pairs]
+            entry["median psclient/tf_keras_pss per repeat"] = round(_common.median([a / b for a, b in pairs]), 3)
         if moved.get("psclient_keras3") and moved.get("tf_keras_pss"):
             entry["bytes psclient/tf_keras_pss"] = round(moved["psclient_keras3"] / moved["tf_keras_pss"], 3)
         if ceiling and theirs:
