@@ -76,8 +76,22 @@ def build_model(seed=1, rows=65):  # 65 rows: shards of 33 and 32
     return keras.Model(inputs, keras.layers.Dense(3)(x))
 
 
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "sgd_nesterov": lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
+    "lion": lambda: keras.optimizers.Lion(0.001),
+    "ftrl": lambda: keras.optimizers.Ftrl(0.1, l1_regularization_strength=0.01),
+    "nadam": lambda: keras.optimizers.Nadam(0.01),
+    "adafactor": lambda: keras.optimizers.Adafactor(0.01),  # not split: its slots are factored
+}
+
+
 def make_optimizer(name):
-    return keras.optimizers.SGD(0.1) if name == "sgd" else keras.optimizers.Adam(0.01)
+    return OPTIMIZERS[name]()
 
 
 def compile_model(model, optimizer):
@@ -104,12 +118,13 @@ def assert_close(got, want):
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
 
 
-def test_custom_loop_matches_local_keras(cluster):
+@pytest.mark.parametrize("name", sorted(set(OPTIMIZERS) - {"sgd"}))
+def test_custom_loop_matches_local_keras(cluster, name):
     x, y = data()
     with connected(cluster, variable_partitioner=partitioners.FixedShardsPartitioner(2)) as strategy:
         with strategy.scope():
             model = build_model()
-            optimizer = make_optimizer("adam")
+            optimizer = make_optimizer(name)
             optimizer.build(model.trainable_variables)
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -126,11 +141,59 @@ def test_custom_loop_matches_local_keras(cluster):
                 # One step at a time (join): the order of a local run, on either worker.
                 strategy.schedule(step, args=(x[start:start + 16], y[start:start + 16]))
                 strategy.join()
-        # Optimizer slots are partitioned like their variable, shard by shard on the same ps.
-        for variable, m, v in zip(model.trainable_variables, optimizer._momentums, optimizer._velocities):
-            assert shard_tasks(m) == shard_tasks(v) == shard_tasks(variable), variable.path
+        if name == "adam":
+            # Optimizer slots are partitioned like their variable, shard by shard on the same ps.
+            for variable, m, v in zip(model.trainable_variables, optimizer._momentums, optimizer._velocities):
+                assert shard_tasks(m) == shard_tasks(v) == shard_tasks(variable), variable.path
         got = [w.numpy() for w in model.weights]
-    assert_close(got, local_weights("adam"))
+    assert_close(got, local_weights(name))
+
+
+@pytest.mark.parametrize("name", ["adam", "adagrad"])
+def test_update_of_each_shard_runs_on_its_ps(cluster, name):
+    """Every op that touches a slot's shard is placed on that shard's ps: slots never travel."""
+    x, y = data()
+    with connected(cluster, variable_partitioner=partitioners.FixedShardsPartitioner(2)) as strategy:
+        with strategy.scope():
+            model = build_model()
+            optimizer = make_optimizer(name)
+            optimizer.build(model.trainable_variables)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+        @tf.function
+        def step(features, labels):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(labels, model(features, training=True))
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                          model.trainable_variables))
+
+        graph = step.get_concrete_function(x[:16], y[:16]).graph
+        weights = {id(w) for w in model.weights}
+        slot_shards = {
+            id(shard.handle): shard.device
+            for slot in optimizer.variables if id(slot) not in weights and hasattr(slot.value, "variables")
+            for shard in slot.value.variables
+        }
+        assert len(slot_shards) >= 2 * len(model.trainable_variables)
+        placeholders = {internal.name: slot_shards[id(external)]
+                        for external, internal in graph.captures if id(external) in slot_shards}
+        assert len(placeholders) == len(slot_shards)  # every slot shard is used by the step
+        touching = [(op, placeholders[t.name]) for op in graph.get_operations()
+                    for t in op.inputs if t.name in placeholders]
+        assert touching
+
+        def on(op, device):
+            return tf.DeviceSpec.from_string(op.device) == tf.DeviceSpec.from_string(device)
+
+        # An op on a resource runs where the resource is (TF's placer); what
+        # matters is where its value goes or comes from: that shard's ps.
+        for op, device in touching:
+            if op.type == "ReadVariableOp":
+                neighbours = [consumer for consumer in op.outputs[0].consumers()]
+            else:  # a write (Assign*, ResourceScatter*): the value written is computed there
+                neighbours = [t.op for t in op.inputs[-1:] if t.op.type != "Const"]
+            assert neighbours and all(on(other, device) for other in neighbours), (
+                op.name, device, [(other.name, other.device) for other in neighbours])
 
 
 def test_embedding_lookup_gathers_each_shard_on_its_ps(cluster):

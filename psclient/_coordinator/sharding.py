@@ -26,13 +26,15 @@ TF internals used here (no public equivalent): `sharded_variable.ShardedVariable
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 from psclient._core.partitioning import row_ranges
 
-__all__ = ["PartitionedVariable", "create_partitioned", "is_partitioned"]
+__all__ = ["create_partitioned", "is_partitioned", "split_updates"]
 
 _CLASS = None
+_FOCUS = threading.local()  # .value: (layout, shard index) while a split update is traced
 
 
 def _class():
@@ -67,7 +69,26 @@ def _class():
         def device(self) -> str:
             return self.variables[0].device
 
+        @property
+        def layout(self) -> tuple:
+            """Full shape and rows per shard: equal for a variable and its slots."""
+            return tuple(self._shape.as_list()), tuple(int(v.shape[0]) for v in self.variables)
+
+        @property
+        def focused(self):
+            """The shard a split update works on now (see `split_updates`), else None."""
+            focus = getattr(_FOCUS, "value", None)
+            return self.variables[focus[1]] if focus is not None and focus[0] == self.layout else None
+
+        @property
+        def shape(self):
+            shard = self.focused
+            return self._shape if shard is None else shard.shape
+
         def read_value(self):
+            shard = self.focused
+            if shard is not None:
+                return shard.read_value()
             return tf.concat([shard.read_value() for shard in self.variables], axis=0)
 
         def value(self):
@@ -82,15 +103,42 @@ def _class():
         def shard_devices(self) -> list[str]:
             return [shard.device for shard in self.variables]
 
+        @classmethod
+        def _overload_operator(cls, operator):
+            tensor_operator = getattr(tf.Tensor, operator)
+
+            def _operator(v, *args, **kwargs):
+                return tensor_operator(_to_tensor(v), *args, **kwargs)
+
+            setattr(cls, operator, _operator)
+
+    def _focused_method(name):
+        whole = getattr(sharded_variable.ShardedVariableMixin, name)
+
+        def method(self, *args, **kwargs):
+            shard = self.focused
+            return whole(self, *args, **kwargs) if shard is None else getattr(shard, name)(*args, **kwargs)
+
+        method.__name__ = name
+        return method
+
+    for _name in ("assign", "assign_add", "assign_sub", "scatter_add", "scatter_sub", "scatter_update",
+                  "scatter_max", "scatter_min", "scatter_mul", "scatter_div"):
+        setattr(PartitionedVariable, _name, _focused_method(_name))
+
     def _to_tensor(value, dtype=None, name=None, as_ref=False):
         if as_ref:
             # `ops.colocate_with` in a graph asks for a reference op: the
             # first shard's (a slot then starts on the same ps task).
             return value.variables[0].handle
+        shard = value.focused
+        if shard is not None:
+            return tf.convert_to_tensor(shard, dtype=dtype)
         return sharded_variable._var_to_tensor(value, dtype=dtype, name=name)  # noqa: SLF001
 
     # Before ShardedVariable's own (priority 100), which refuses as_ref.
     tensor_conversion_registry.register_tensor_conversion_function(PartitionedVariable, _to_tensor, priority=90)
+    PartitionedVariable._overload_all_operators()
     _CLASS = PartitionedVariable
     return _CLASS
 
@@ -145,3 +193,105 @@ def create_partitioned(next_creator: Callable, kwargs: dict, value, devices: lis
         with tf.device(device):
             shards.append(next_creator(**shard_kwargs))
     return cls(shards, name=name)
+
+
+# Keras optimizers whose update is elementwise in the variable, its slots and
+# its gradient, so applying it to each shard's rows gives the update of the
+# whole (not Adafactor: its factored slots average over rows and columns).
+_ELEMENTWISE_OPTIMIZERS = frozenset(
+    {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "Lion", "Ftrl", "Adadelta", "Nadam"}
+)
+_split_installed = False
+_split_lock = threading.Lock()
+
+
+def split_updates() -> None:
+    """Run an optimizer's update of a partitioned variable shard by shard, each on its ps.
+
+    Keras applies each variable's update as `extended.update(var, fn)`, which
+    ends in TF's default strategy's `_update_non_slot` (TF-internal). For a
+    Keras variable whose value is a `PartitionedVariable` and an optimizer in
+    `_ELEMENTWISE_OPTIMIZERS`, `fn` is traced once per shard, under that
+    shard's ps device, with the gradient's rows of that shard (sliced on the
+    worker: only they travel) and every partitioned variable of the same
+    layout (the variable and its slots) standing for its shard while `fn`
+    runs. So the arithmetic, the slot reads and the writes happen on each
+    shard's ps. Any other update runs as before (the whole variable, on the
+    worker). Installed once per process; inert without partitioned variables.
+    """
+    global _split_installed
+    with _split_lock:
+        if _split_installed:
+            return
+        import tensorflow as tf
+        from tensorflow.python.distribute import distribute_lib
+
+        extended = distribute_lib._DefaultDistributionExtended  # noqa: SLF001
+        inner = extended._update_non_slot  # noqa: SLF001
+
+        def _update_non_slot(self, colocate_with, fn, args, kwargs, should_group):
+            value = colocate_with if is_partitioned(colocate_with) else getattr(colocate_with, "value", None)
+            if not is_partitioned(value) or value.focused is not None or not _elementwise(fn):
+                return inner(self, colocate_with, fn, args, kwargs, should_group)
+            results, start = [], 0
+            for index, shard in enumerate(value.variables):
+                stop = start + int(shard.shape[0])
+                shard_args = tuple(_rows(arg, start, stop, value) for arg in args)  # on the worker
+                _FOCUS.value = (value.layout, index)
+                try:
+                    with tf.device(shard.device):
+                        results.append(inner(self, colocate_with, fn, shard_args, kwargs, should_group))
+                finally:
+                    _FOCUS.value = None
+                start = stop
+            return tuple(results)
+
+        _update_non_slot.__doc__ = "TF's default-strategy update, shard by shard for a partitioned variable (psclient)."
+        _update_non_slot.__wrapped__ = inner
+        extended._update_non_slot = _update_non_slot  # noqa: SLF001
+        _split_installed = True
+
+
+def _elementwise(fn) -> bool:
+    """Whether `fn` is the update of an optimizer known to be elementwise.
+
+    Keras's update function is a closure over its optimizer (TF's autograph
+    may wrap it in a closure of its own, hence the search a few levels
+    deep); one not found there (another caller of `extended.update`) is not
+    split.
+    """
+    functions, seen = [fn], set()
+    for _depth in range(3):
+        inner = []
+        for function in functions:
+            if id(function) in seen:
+                continue
+            seen.add(id(function))
+            for cell in getattr(function, "__closure__", None) or ():
+                try:
+                    owner = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if hasattr(owner, "update_step") and hasattr(owner, "iterations"):
+                    return type(owner).__name__ in _ELEMENTWISE_OPTIMIZERS
+                if callable(owner) and hasattr(owner, "__closure__"):
+                    inner.append(owner)
+        functions = inner
+    return False
+
+
+def _rows(arg, start: int, stop: int, value):
+    """`arg`'s rows start:stop if it is a gradient of `value`'s full shape, else `arg`."""
+    import tensorflow as tf
+
+    full = value._shape  # noqa: SLF001 - the full shape (`shape` follows the focus)
+    if isinstance(arg, tf.IndexedSlices):
+        rows = tf.logical_and(arg.indices >= start, arg.indices < stop)
+        return tf.IndexedSlices(
+            tf.boolean_mask(arg.values, rows),
+            tf.boolean_mask(arg.indices, rows) - tf.cast(start, arg.indices.dtype),
+            tf.constant([stop - start] + full.as_list()[1:], dtype=tf.int64),
+        )
+    if isinstance(arg, (tf.Tensor, tf.Variable)) and arg.shape == full:
+        return arg[start:stop]
+    return arg

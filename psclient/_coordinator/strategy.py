@@ -24,6 +24,7 @@ from psclient._coordinator.per_worker import (
     resolve_per_worker,
 )
 from psclient._coordinator.recovery import Recovery, RecoveryConfig
+from psclient._coordinator.sharding import split_updates
 from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
 from psclient._coordinator.tracing import Tracer
 from psclient._coordinator.updates import place_updates_on_ps
@@ -238,6 +239,7 @@ class ParameterServerStrategy:
         self._check_open("scope")
         registry.run_scope_hooks()  # e.g. the Keras integration, registered by psclient/__init__
         place_updates_on_ps()  # optimizer updates run where their variable lives
+        split_updates()  # and shard by shard for a partitioned one
         with tf.variable_creator_scope(self._store.create):
             yield self
 

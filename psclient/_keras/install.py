@@ -97,6 +97,7 @@ def install() -> None:
         _install_trainer_patches()
         _install_ps_gather()
         _install_moving_average_on_ps()
+        _install_partitioned_shape()
         _done = True
 
 
@@ -168,6 +169,30 @@ def _install_ps_gather() -> None:
     functools.update_wrapper(take, stock)
     take.__doc__ = f"{stock.__doc__ or ''}\n\nOn a ps variable, axis 0: rows gathered on the ps (psclient)."
     tf_numpy.take = take
+
+
+def _install_partitioned_shape() -> None:
+    """A Keras variable's `shape` follows its partitioned value's focus on one shard.
+
+    While psclient traces an optimizer's update of a partitioned variable one
+    shard at a time (`psclient._coordinator.sharding.split_updates`), the
+    variable and its slots stand for that shard; Keras's `assign` compares a
+    value's shape with the variable's, so the variable reports the shard's.
+    Any other variable, and any other time, Keras's own shape.
+    """
+    from keras.src.backend.tensorflow.core import Variable
+
+    from psclient._coordinator.sharding import is_partitioned
+
+    stock = Variable.shape
+
+    def shape(self):
+        value = seam.internal(self, "_value")
+        if is_partitioned(value) and value.focused is not None:
+            return value.shape
+        return stock.fget(self)
+
+    Variable.shape = property(shape, doc=stock.__doc__)
 
 
 def _install_moving_average_on_ps() -> None:

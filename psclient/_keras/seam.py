@@ -70,6 +70,7 @@ KERAS_INTERNALS: tuple[Internal, ...] = (
     # Patched (psclient._keras.install).
     Internal(f"{_VARIABLE}.assign_add", "made atomic on the ps: one tf.Variable.assign_add"),
     Internal(f"{_VARIABLE}.assign_sub", "made atomic on the ps: one tf.Variable.assign_sub"),
+    Internal(f"{_VARIABLE}.shape", "follows a partitioned value's shard while its update is traced per shard"),
     Internal(f"{_TRAINER}.fit", "patched: runs on the cluster for a model on the ps"),
     Internal(f"{_TRAINER}.evaluate", "patched: exact-once ranges of batches on the cluster"),
     Internal(f"{_TRAINER}.predict", "patched: ranges of batches on the cluster, in input order"),
