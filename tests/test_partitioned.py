@@ -255,6 +255,21 @@ def test_checkpoint_round_trip_saves_full_values(cluster, tmp_path):
         assert_close([w.numpy() for w in model.weights], saved)
 
 
+def test_evaluate_and_predict_match_local_keras(cluster):
+    x, y = data()
+    with connected(cluster, variable_partitioner=partitioners.FixedShardsPartitioner(2)) as strategy:
+        with strategy.scope():
+            model = build_model()
+            compile_model(model, "sgd")
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        loss = model.evaluate(dataset, steps=4, verbose=0)
+        predictions = model.predict(tf.data.Dataset.from_tensor_slices(x).batch(16), steps=4, verbose=0)
+    local = build_model()
+    compile_model(local, "sgd")
+    np.testing.assert_allclose(predictions, local.predict(x, batch_size=16, verbose=0), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(loss, local.evaluate(x, y, batch_size=16, verbose=0), atol=ATOL, rtol=1e-6)
+
+
 def test_model_save_writes_full_weights_load_model_reads_without_cluster(cluster, tmp_path):
     with connected(cluster, variable_partitioner=partitioners.FixedShardsPartitioner(2)) as strategy:
         with strategy.scope():

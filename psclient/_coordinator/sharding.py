@@ -20,8 +20,12 @@ usable as the value of a Keras 3 variable, which TF's is not:
 - `read_value()` and `__array__` give the full value (what a checkpoint
   and `model.save` write).
 
+`split_updates` runs an optimizer's update of a partitioned variable shard by
+shard on each shard's ps (see its docstring).
+
 TF internals used here (no public equivalent): `sharded_variable.ShardedVariable`,
-`composite_tensor_gradient.CompositeTensorGradient`.
+`composite_tensor_gradient.CompositeTensorGradient`,
+`tensor_conversion_registry`, `distribute_lib._DefaultDistributionExtended._update_non_slot`.
 """
 
 from __future__ import annotations
