@@ -103,6 +103,20 @@ def _class():
             value = self.read_value().numpy()
             return value if dtype is None else value.astype(dtype, copy=False)
 
+        # Saved whole, as one variable (a Keras variable forwards to these):
+        # tf.train.Checkpoint(model=...) files hold full values, which a
+        # model in another process, partitioned or not, reads back.
+        def _serialize_to_tensors(self):
+            return {"VARIABLE_VALUE": self.read_value()}
+
+        def _restore_from_tensors(self, restored_tensors):
+            value, start, writes = restored_tensors["VARIABLE_VALUE"], 0, []
+            for shard in self.variables:
+                stop = start + int(shard.shape[0])
+                writes.append(shard.assign(value[start:stop], read_value=False))
+                start = stop
+            return tf.group(*writes)
+
         @property
         def shard_devices(self) -> list[str]:
             return [shard.device for shard in self.variables]

@@ -129,13 +129,7 @@ class Tracer:
             args, kwargs = resolve_per_worker(args, kwargs, 0)
         concrete = self._trace(function, closure.name, args, kwargs)
         if key is None:
-            if closure.per_worker:
-                # Looked up (and traced if new) on the dispatcher thread, but
-                # outside its executor (see `_trace`), then called there.
-                name = closure.name
-                closure.fn = _TraceThenCall(lambda a, k: self._trace(function, name, a, k))
-            else:
-                closure.fn = concrete
+            closure.fn = function if closure.per_worker else concrete
             return
         if closure.per_worker:
             # Each worker's values (its iterator, its table) get their own
@@ -182,9 +176,7 @@ class Tracer:
             concrete = function
         else:
             try:
-                # Tracing registers the function on every task: through a
-                # streaming executor, so a hung task cannot hold this thread.
-                with _runtime.tracing_scope(), tf.variable_creator_scope(self._create_variable):
+                with tf.variable_creator_scope(self._create_variable):
                     concrete = function.get_concrete_function(*args, **kwargs)
             except (TypeError, ValueError) as error:
                 raise TypeError(
@@ -293,13 +285,3 @@ class _PerWorkerTraces:
                 while len(self._traces) > _MAX_REMEMBERED:
                     self._traces.pop(next(iter(self._traces)))
         return known[1](*args, **kwargs)
-
-
-class _TraceThenCall:
-    """Find the trace for these arguments with `trace(args, kwargs)`, then call it."""
-
-    def __init__(self, trace: Callable[[tuple, dict], Any]):
-        self._trace = trace
-
-    def __call__(self, *args, **kwargs):
-        return self._trace(args, kwargs)(*args, **kwargs)
