@@ -202,8 +202,14 @@ def create_partitioned(next_creator: Callable, kwargs: dict, value, devices: lis
     cls = _class()
     name = kwargs.get("name") or "Variable"
     ranges = row_ranges(value.shape[0], len(devices))
-    with tf.init_scope():  # the value is eager (evaluated by the creator): cut it eagerly
+    if tf.is_symbolic_tensor(value):
+        # A value computed inside a trace (an optimizer built by its first
+        # step): cut it there; TF lifts each shard's initializer as it would
+        # the whole one.
         parts = [value[start:stop] for start, stop in ranges]
+    else:
+        with tf.init_scope():  # an eager value (evaluated by the creator): cut it eagerly
+            parts = [value[start:stop] for start, stop in ranges]
     shards = []
     for index, (part, device) in enumerate(zip(parts, devices)):
         shard_kwargs = dict(kwargs, initial_value=part, name=f"{name}/part_{index}")

@@ -37,12 +37,18 @@ class VariableStore:
         self.placer = Placer(num_ps)
         self._lock = threading.Lock()
         self._variables: list[tuple[weakref.ref, tuple[int, ...]]] = []
+        # Set while this thread creates the shards of a partitioned variable:
+        # a nested scope's creator (the tracer's inside the user's scope)
+        # passes a shard straight through instead of cutting it again.
+        self._making_shards = threading.local()
 
     def create(self, next_creator, **kwargs):
         """A `tf.variable_creator_scope` creator: place the variable on a ps task."""
         import tensorflow as tf
         from tensorflow.python.eager import context
 
+        if getattr(self._making_shards, "active", False):
+            return next_creator(**kwargs)
         # A device already in force names a ps task when Keras asks to
         # colocate a slot with its variable (its optimizer enters
         # `colocate_vars_with`, which in eager mode is a device scope) or when
@@ -104,7 +110,11 @@ class VariableStore:
         if first is None:
             first = self.placer.choose(shape[0] * row_bytes)
         tasks = shard_tasks(first, shards, self._num_ps)
-        variable = create_partitioned(next_creator, kwargs, value, [_runtime.ps_device(ps) for ps in tasks])
+        self._making_shards.active = True
+        try:
+            variable = create_partitioned(next_creator, kwargs, value, [_runtime.ps_device(ps) for ps in tasks])
+        finally:
+            self._making_shards.active = False
         with self._lock:
             self._variables.append((weakref.ref(variable), tuple(tasks)))
         for index, (shard, ps, (start, stop)) in enumerate(
