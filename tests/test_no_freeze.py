@@ -184,11 +184,9 @@ def test_worker_restarts_while_another_runs_a_long_function(heal):
         long_call = strategy.schedule(spin)
         wait_for(lambda: int(spins.numpy()) > 0, 60, "the long function to start")
         with Heartbeat() as beat:
-            for index in range(3):
-                if strategy.stats()["workers"][index]["in_flight"]:
-                    continue  # the one running the long function
-                cluster.kill("worker", index)
-                cluster.restart("worker", index)
+            idle = next(i for i, w in enumerate(strategy.stats()["workers"]) if not w["in_flight"])
+            cluster.kill("worker", idle)
+            cluster.restart("worker", idle)
             wait_for(lambda: all(w["up"] for w in strategy.stats()["workers"]), 120,
                      "the restarted workers to rejoin")
             keep_going.assign(False)

@@ -37,7 +37,7 @@ __all__ = [
     "renew_variable_handle",
     "place_default_updates",
     "dispatch_executor",
-    "tracing_scope",
+    "is_unregistered_function",
     "coordinator_cpu",
 ]
 
@@ -161,11 +161,11 @@ def connect(cluster: Cluster, *, workers=None) -> None:
     global _coordinator_address
     # Environment knobs TF reads: set in this one place. GRPC_FAIL_FAST makes a
     # dead task surface as an error in the caller instead of retries inside
-    # gRPC. Streaming enqueue stays on for the process (TF's default): without
-    # it, registering a new function on every task (a first trace) is a
-    # blocking RPC made with the GIL held, and one hung task freezes every
-    # thread of the coordinator (measured: as long as the task hangs). The
-    # pipeline depth is set per dispatcher thread instead (`dispatch_executor`).
+    # gRPC. Streaming enqueue stays on (TF's default): without it, a first
+    # trace, and the first eager op of each kind, registers a function on
+    # every task with an RPC waited for with the GIL held, and one hung task
+    # stops every thread of the process. Each dispatcher thread has a
+    # streaming executor of its own (`dispatch_executor`).
     # TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY makes `context.async_wait()` a no-op
     # (TF's own ParameterServerStrategy sets it too): it syncs every task of
     # the cluster, a hung one included, and Keras calls it at the end of every
@@ -249,13 +249,19 @@ def probe(device: str) -> None:
 
     Raises whatever TF raises if the task is gone or lost its state (a
     restarted task no longer knows the coordinator's context). Blocks while
-    the task is hung: call it with a timeout (`_health.Prober`).
+    the task is hung: call it with a timeout (`psclient._core.health.Prober`).
+
+    It travels as a call of its own, not on a stream: a task handles the
+    requests of one stream in order, so a probe streamed behind a function
+    that runs for minutes would wait for it, and a busy worker would look hung.
     """
     import tensorflow as tf
+    from tensorflow.python.eager import context, executor
 
-    with tf.device(f"{device}/device:CPU:0"):
+    own = executor.new_executor(enable_async=False, enable_streaming_enqueue=False)
+    with context.executor_scope(own), tf.device(f"{device}/device:CPU:0"):
         value = tf.constant(1, dtype=tf.int32) + 1
-    value.numpy()
+        value.numpy()
 
 
 def renew_variable_handle(variable: Any, device: str) -> None:
@@ -312,50 +318,36 @@ def name_error(error: BaseException, fn_name: str, where: str) -> BaseException:
 
 
 # ------------------------------------------------ executors: who waits for whom
-_thread_executors = threading.local()
-
-
 @contextlib.contextmanager
-def dispatch_executor(pipeline_depth: int):
+def dispatch_executor():
     """The executor a dispatcher thread runs its worker's calls in.
 
-    One per thread, always calling the same worker. With `pipeline_depth` 1
-    it does not stream, so each call completes (and fails) at the call; with
-    more, calls stream and several travel at once. A thread of its own also
-    keeps TF from syncing every task when one executor alternates between
-    workers. Traces made on this thread go through `tracing_scope`.
+    One per thread, always calling the same worker: with one executor shared
+    by threads that call different workers, TF syncs every task whenever the
+    worker changes, and a hung worker then holds calls to healthy ones
+    (measured: a call on a healthy worker took as long as the other hung). It
+    streams, like TF's default executor, so a call reaches its worker after
+    what the coordinator sent there before it (a registered function, a new
+    iterator); it is synchronous, so each call completes, or fails, at the
+    call.
     """
     from tensorflow.python.eager import context, executor
 
-    calls = executor.new_executor(enable_async=False, enable_streaming_enqueue=pipeline_depth > 1)
-    _thread_executors.tracing = executor.new_executor(enable_async=False, enable_streaming_enqueue=True)
-    try:
-        with context.executor_scope(calls):
-            yield
-    finally:
-        # Deleting an executor waits for what it queued (a registration on a
-        # hung task, say): that happens when this thread ends, not before.
-        _thread_executors.kept = (calls, _thread_executors.tracing)
-        _thread_executors.tracing = None
+    own = executor.new_executor(enable_async=False, enable_streaming_enqueue=True)
+    with context.executor_scope(own):
+        yield
 
 
-@contextlib.contextmanager
-def tracing_scope():
-    """Trace through a streaming executor, whatever executor the thread is in.
+def is_unregistered_function(error: BaseException) -> bool:
+    """Whether a task refused a call because the function is not registered there (yet).
 
-    A trace registers the new function on every task; through a streaming
-    executor that is queued and returns at once, even towards a hung task.
-    Through a dispatcher's non-streaming one it would wait for every task with
-    the GIL held. Other threads use TF's default executor, which streams.
+    TF's NotFoundError at function instantiation; nothing of the function ran.
     """
-    tracing = getattr(_thread_executors, "tracing", None)
-    if tracing is None:
-        yield
-        return
-    from tensorflow.python.eager import context
+    import tensorflow as tf
 
-    with context.executor_scope(tracing):
-        yield
+    return isinstance(error, tf.errors.NotFoundError) and (
+        "is neither a type of a primitive operation nor a name of a function registered"
+        in (error.message or ""))
 
 
 def coordinator_cpu() -> str:
