@@ -188,12 +188,63 @@ def test_update_of_each_shard_runs_on_its_ps(cluster, name):
         # An op on a resource runs where the resource is (TF's placer); what
         # matters is where its value goes or comes from: that shard's ps.
         for op, device in touching:
-            if op.type == "ReadVariableOp":
+            if op.type in ("ReadVariableOp", "ResourceGather"):  # a read (Adagrad's sparse update gathers rows)
                 neighbours = [consumer for consumer in op.outputs[0].consumers()]
             else:  # a write (Assign*, ResourceScatter*): the value written is computed there
                 neighbours = [t.op for t in op.inputs[-1:] if t.op.type != "Const"]
             assert neighbours and all(on(other, device) for other in neighbours), (
                 op.name, device, [(other.name, other.device) for other in neighbours])
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+def test_sparse_update_of_each_shard_touches_rows_only_and_equals_local_keras(cluster, name):
+    """No op of a shard's (or the table's) size in the step; weights and slots equal a local run.
+
+    Ids drawn from 12 rows, so every batch repeats ids (duplicates in the
+    gradient's IndexedSlices) and hits both shards. Exact equality: the
+    sparse Adagrad update (psclient._keras.install) is Keras's arithmetic on
+    the touched rows.
+    """
+    rows = 4099  # shards of 2050 and 2049 rows: sizes no other tensor has
+    rng = np.random.default_rng(3)
+    hot = rng.choice(rows, 12, replace=False)
+    x, y = hot[rng.integers(0, 12, (64, 4))].astype("int32"), rng.integers(0, 3, (64,)).astype("int64")
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def make_step(model, optimizer):
+        @tf.function
+        def step(features, labels):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(labels, model(features, training=True))
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                          model.trainable_variables))
+
+        return step
+
+    with connected(cluster, variable_partitioner=partitioners.FixedShardsPartitioner(2)) as strategy:
+        with strategy.scope():
+            model = build_model(rows=rows)
+            optimizer = make_optimizer(name)
+            optimizer.build(model.trainable_variables)
+        assert shard_tasks(model.layers[1].embeddings) == [0, 1]
+        step = make_step(model, optimizer)
+        graph = step.get_concrete_function(x[:16], y[:16]).graph
+        sized = [f"{op.type} {out.shape}" for op in graph.get_operations() for out in op.outputs
+                 if out.dtype != tf.resource and out.shape.rank and out.shape[0] in (rows, 2050, 2049)]
+        for start in range(0, 64, 16):
+            strategy.schedule(step, args=(x[start:start + 16], y[start:start + 16])).result(timeout=120)
+        got = {v.path: np.asarray(v.numpy()) for v in model.weights + optimizer.variables}
+    assert sized == []
+    local = build_model(rows=rows)
+    local_optimizer = make_optimizer(name)
+    local_optimizer.build(local.trainable_variables)
+    local_step = make_step(local, local_optimizer)
+    for start in range(0, 64, 16):
+        local_step(x[start:start + 16], y[start:start + 16])
+    want = [np.asarray(v.numpy()) for v in local.weights + local_optimizer.variables]
+    assert len(got) == len(want)
+    for (path, a), b in zip(got.items(), want):
+        np.testing.assert_array_equal(a, b, err_msg=path)
 
 
 def test_embedding_lookup_gathers_each_shard_on_its_ps(cluster):

@@ -388,3 +388,93 @@ def test_variables_off_the_ps_keep_tfs_own_update(strategy):
     concrete = make_step(model, optimizer).get_concrete_function(*batches("dense", n=1)[0])
     placed = {op.device for op in concrete.graph.get_operations() if op.type in {*WRITES, *READS, "Mul", "Sqrt"}}
     assert placed == {""}  # a local model's step: no device given, as without psclient
+
+
+# ------------------------------------ (e) sparse updates: row work, not table
+#: A table size no other tensor of these steps has.
+SPARSE_ROWS = 4099
+
+
+def table_sized(concrete, rows=SPARSE_ROWS):
+    """Ops with an output of `rows` rows (a full table or slot), resource handles aside."""
+    return sorted(
+        f"{op.type} {op.name} {out.shape}" for op in concrete.graph.get_operations() for out in op.outputs
+        if out.dtype != tf.resource and out.shape.rank and out.shape[0] == rows
+    )
+
+
+def sparse_batches(n=STEPS, rows=SPARSE_ROWS):
+    """Ids with duplicates in every batch (ids from 40 rows spread over the table), 16 x 8 per batch."""
+    rng = np.random.default_rng(5)
+    hot = rng.choice(rows, 40, replace=False)
+    xs = [hot[rng.integers(0, 40, (16, 8))].astype("int32") for _ in range(n)]
+    ys = [rng.integers(0, 4, 16).astype("int32") for _ in range(n)]
+    for x in xs:
+        assert len(np.unique(x)) < x.size  # duplicate ids in the batch
+    return [(tf.constant(x), tf.constant(y)) for x, y in zip(xs, ys)]
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+def test_sparse_update_of_a_ps_table_touches_rows_only(strategy, name):
+    """No full-table op: Keras's Adagrad builds sqrt(accumulator + epsilon) over the table; psclient's does not."""
+    data = sparse_batches(n=1)
+    with strategy.scope():
+        model = embedding_model(rows=SPARSE_ROWS)
+        optimizer = OPTIMIZERS[name]()
+        optimizer.build(model.trainable_variables)
+        concrete = make_step(model, optimizer).get_concrete_function(*data[0])
+    assert table_sized(concrete) == []
+    graph = StepGraph(concrete, list(model.trainable_variables) + list(optimizer.variables))
+    assert_updates_on_ps(graph, model, optimizer)
+    table = model.layers[0].embeddings
+    slots = [v for v in optimizer.variables if tuple(v.shape) == tuple(table.shape)]
+    assert {op.type for op, _ in graph.writes([table, *slots])} == (
+        {"ResourceScatterSub"} if name == "sgd" else {"ResourceScatterSub", "ResourceScatterAdd"}
+    )
+    # The same step of a model in this process: Keras's own update, whose
+    # Adagrad works on the whole table (what the check above would catch).
+    local = embedding_model(rows=SPARSE_ROWS)
+    local_optimizer = OPTIMIZERS[name]()
+    local_optimizer.build(local.trainable_variables)
+    local_ops = table_sized(make_step(local, local_optimizer).get_concrete_function(*data[0]))
+    if name == "adagrad":
+        assert any(line.startswith("Sqrt ") for line in local_ops), local_ops
+
+
+def test_sparse_adagrad_equals_local_keras_with_duplicate_ids(strategy):
+    """Weights and accumulators after N sparse steps: bit-identical to a local Keras run.
+
+    Keras's own arithmetic on the touched rows (each duplicate's square added
+    to the accumulator, each duplicate's step subtracted, as Keras does); the
+    untouched rows of the table and accumulator never change.
+    """
+    data = sparse_batches()
+    keras.utils.set_random_seed(1)
+    local = embedding_model(rows=SPARSE_ROWS)
+    initial = [w.copy() for w in local.get_weights()]
+    local_optimizer = keras.optimizers.Adagrad(0.1)
+    local_optimizer.build(local.trainable_variables)
+    local_step = make_step(local, local_optimizer)
+    for x, y in data:
+        local_step(x, y)
+
+    with strategy.scope():
+        model = embedding_model(rows=SPARSE_ROWS)
+        model.set_weights(initial)
+        optimizer = keras.optimizers.Adagrad(0.1)
+        optimizer.build(model.trainable_variables)
+        step = make_step(model, optimizer)
+    for x, y in data:
+        strategy.schedule(step, args=(x, y)).result(timeout=120)
+
+    for got, expected in zip(model.get_weights(), local.get_weights()):
+        np.testing.assert_array_equal(got, expected)
+    for got, expected in zip(optimizer.variables, local_optimizer.variables):
+        np.testing.assert_array_equal(got.numpy(), expected.numpy(), err_msg=got.path)
+    touched = np.unique(np.concatenate([x.numpy().ravel() for x, _ in data]))
+    untouched = np.setdiff1d(np.arange(SPARSE_ROWS), touched)
+    table, accumulator = model.get_weights()[0], optimizer._accumulators[0].numpy()
+    np.testing.assert_array_equal(table[untouched], initial[0][untouched])
+    np.testing.assert_array_equal(accumulator[untouched], np.full((len(untouched), 16), 0.1, "float32"))
+    assert np.all(table[touched] != initial[0][touched])
+    assert int(optimizer.iterations.numpy()) == STEPS

@@ -46,6 +46,7 @@ _VARIABLE = "keras.src.backend.tensorflow.core.Variable"
 _BACKUP = "keras.src.callbacks.backup_and_restore.BackupAndRestore"
 _TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer.TFOptimizer"
 _BASE_OPTIMIZER = "keras.src.optimizers.base_optimizer.BaseOptimizer"
+_ADAGRAD = "keras.src.optimizers.adagrad.Adagrad"
 
 
 class Internal(NamedTuple):
@@ -83,6 +84,12 @@ KERAS_INTERNALS: tuple[Internal, ...] = (
              "patched: the EMA's averages (use_ema) updated on their ps, not read to the worker"),
     Internal(f"{_BASE_OPTIMIZER}._model_variables_moving_average", "the EMA's averages, one per weight",
              kind="instance"),
+    Internal(f"{_ADAGRAD}.update_step",
+             "patched: a tf.IndexedSlices gradient of a ps variable (or shard) updates the touched rows "
+             "only, with Keras's arithmetic, not sqrt(accumulator + epsilon) over the whole table"),
+    Internal(f"{_ADAGRAD}._accumulators", "Adagrad's accumulators, one per weight: the rows to gather",
+             kind="instance"),
+    Internal(f"{_BASE_OPTIMIZER}._get_variable_index", "a weight's index into its optimizer's slot lists"),
     # Variables.
     Internal(f"{_VARIABLE}._value", "the tf.Variable inside: its device says ps or local", kind="instance"),
     Internal("keras.src.backend.backend", "the configured backend, read before Keras is imported"),
