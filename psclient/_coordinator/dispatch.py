@@ -29,9 +29,6 @@ __all__ = ["Dispatcher"]
 
 log = logging.getLogger("psclient")
 
-#: How long a call waits for its function's registration to reach the worker.
-REGISTRATION_WAIT_S = 30.0
-
 
 class Dispatcher:
     """Owns the dispatcher threads of every worker; `stop()` joins them all."""
@@ -86,8 +83,7 @@ class Dispatcher:
         import tensorflow as tf
 
         device = _runtime.worker_device(worker)
-        # An executor of this thread's own (see runtime.dispatch_executor).
-        with _runtime.dispatch_executor(), tf.device(device):
+        with tf.device(device):
             while True:
                 closure = self._scheduler.take(worker)
                 if closure is None:
@@ -98,34 +94,11 @@ class Dispatcher:
         attempt = closure.attempts
         try:
             fn, args, kwargs = self._prepare(closure, worker)
-            value = self._call(fn, args, kwargs)
+            value = _runtime.to_numpy(fn(*args, **kwargs))
         except Exception as error:  # noqa: BLE001 - every error of the user's function is routed to its future
             self._failed(worker, device, closure, attempt, error)
         else:
             self._scheduler.succeeded(worker, closure, value, attempt=attempt)
-
-    def _call(self, fn, args: tuple, kwargs: dict):
-        """Call `fn` here, once its trace has reached the worker.
-
-        A trace is registered on the workers asynchronously (streamed, see
-        runtime.connect). The call follows it on the same stream, so it should
-        not overtake it; should it (not seen since dispatchers stream too), the
-        worker refuses the call before running any of it, and calling again a
-        moment later is safe.
-        """
-        import tensorflow as tf
-
-        deadline = time.monotonic() + REGISTRATION_WAIT_S
-        pause = 0.005
-        while True:
-            try:
-                return _runtime.to_numpy(fn(*args, **kwargs))
-            except tf.errors.NotFoundError as error:
-                if not _runtime.is_unregistered_function(error) or time.monotonic() > deadline:
-                    raise
-                log.debug("worker has not received the trace yet (%s); calling again", error.message[:80])
-            time.sleep(pause)  # the registration is on its way on another stream
-            pause = min(0.1, 2 * pause)
 
     def _failed(self, worker: int, device: str, closure: Closure, attempt: int, error: Exception) -> None:
         failed_at = time.monotonic()

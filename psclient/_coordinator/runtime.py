@@ -36,8 +36,6 @@ __all__ = [
     "probe",
     "renew_variable_handle",
     "place_default_updates",
-    "dispatch_executor",
-    "is_unregistered_function",
     "coordinator_cpu",
 ]
 
@@ -151,7 +149,7 @@ def _connection_lock(what: str):
         _coordinator_lock.release()
 
 
-def connect(cluster: Cluster, *, workers=None) -> None:
+def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None) -> None:
     """Connect this process, as the coordinator, to the cluster's task servers.
 
     `workers` (indices) limits the workers in TF's view of the cluster, for
@@ -161,18 +159,20 @@ def connect(cluster: Cluster, *, workers=None) -> None:
     global _coordinator_address
     # Environment knobs TF reads: set in this one place. GRPC_FAIL_FAST makes a
     # dead task surface as an error in the caller instead of retries inside
-    # gRPC. Streaming enqueue stays on (TF's default): without it, a first
-    # trace, and the first eager op of each kind, registers a function on
-    # every task with an RPC waited for with the GIL held, and one hung task
-    # stops every thread of the process. Each dispatcher thread has a
-    # streaming executor of its own (`dispatch_executor`).
+    # gRPC. Streaming enqueue lets several calls be in flight per worker
+    # (pipelining); without it TF allows one outstanding call per worker.
+    # Kept off at depth 1: with it on, calls to a task that died could wait
+    # for good, and a dispatcher's own executor (to keep a hung worker from
+    # holding calls to the others) deadlocked TF's cache clearing (measured;
+    # README "Limits"). The price: a first trace while a worker hangs waits
+    # for it with the GIL held.
     # TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY makes `context.async_wait()` a no-op
     # (TF's own ParameterServerStrategy sets it too): it syncs every task of
     # the cluster, a hung one included, and Keras calls it at the end of every
     # epoch and TF's checkpoints after every save and restore. psclient runs
     # nothing asynchronously that it would need to wait for.
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
-    os.environ["TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"] = "True"
+    os.environ["TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"] = str(bool(streaming_enqueue))
     os.environ["TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY"] = "True"
 
     import tensorflow as tf
@@ -250,18 +250,12 @@ def probe(device: str) -> None:
     Raises whatever TF raises if the task is gone or lost its state (a
     restarted task no longer knows the coordinator's context). Blocks while
     the task is hung: call it with a timeout (`psclient._core.health.Prober`).
-
-    It travels as a call of its own, not on a stream: a task handles the
-    requests of one stream in order, so a probe streamed behind a function
-    that runs for minutes would wait for it, and a busy worker would look hung.
     """
     import tensorflow as tf
-    from tensorflow.python.eager import context, executor
 
-    own = executor.new_executor(enable_async=False, enable_streaming_enqueue=False)
-    with context.executor_scope(own), tf.device(f"{device}/device:CPU:0"):
+    with tf.device(f"{device}/device:CPU:0"):
         value = tf.constant(1, dtype=tf.int32) + 1
-        value.numpy()
+    value.numpy()
 
 
 def renew_variable_handle(variable: Any, device: str) -> None:
@@ -315,39 +309,6 @@ def name_error(error: BaseException, fn_name: str, where: str) -> BaseException:
     if hasattr(error, "add_note"):
         error.add_note(context)
     return error
-
-
-# ------------------------------------------------ executors: who waits for whom
-@contextlib.contextmanager
-def dispatch_executor():
-    """The executor a dispatcher thread runs its worker's calls in.
-
-    One per thread, always calling the same worker: with one executor shared
-    by threads that call different workers, TF syncs every task whenever the
-    worker changes, and a hung worker then holds calls to healthy ones
-    (measured: a call on a healthy worker took as long as the other hung). It
-    streams, like TF's default executor, so a call reaches its worker after
-    what the coordinator sent there before it (a registered function, a new
-    iterator); it is synchronous, so each call completes, or fails, at the
-    call.
-    """
-    from tensorflow.python.eager import context, executor
-
-    own = executor.new_executor(enable_async=False, enable_streaming_enqueue=True)
-    with context.executor_scope(own):
-        yield
-
-
-def is_unregistered_function(error: BaseException) -> bool:
-    """Whether a task refused a call because the function is not registered there (yet).
-
-    TF's NotFoundError at function instantiation; nothing of the function ran.
-    """
-    import tensorflow as tf
-
-    return isinstance(error, tf.errors.NotFoundError) and (
-        "is neither a type of a primitive operation nor a name of a function registered"
-        in (error.message or ""))
 
 
 def coordinator_cpu() -> str:

@@ -156,7 +156,7 @@ class ParameterServerStrategy:
         self._per_worker = PerWorkerRegistry()
         self._tracer = Tracer(self._store.create)
         prober = Prober(_runtime.probe)
-        tracer, scheduler = self._tracer, self._scheduler
+        tracer, scheduler, streaming = self._tracer, self._scheduler, pipeline_depth > 1
         self._recovery = Recovery(
             RecoveryConfig(
                 checkpoint_dir=checkpoint_dir, overwrite_checkpoints=overwrite_checkpoints,
@@ -169,11 +169,11 @@ class ParameterServerStrategy:
             per_worker=self._per_worker,
             # After variables got new resources: trace what is queued again.
             retrace=lambda: tracer.retrace(scheduler.queued()),
-            connect=lambda workers: _runtime.connect(cluster, workers=workers),
+            connect=lambda workers: _runtime.connect(cluster, streaming_enqueue=streaming, workers=workers),
         )
         # Connected only once everything that checks arguments or the checkpoint
         # directory has passed; a failure after that undoes the connection.
-        registry.claim(self, lambda: _runtime.connect(cluster))
+        registry.claim(self, lambda: _runtime.connect(cluster, streaming_enqueue=pipeline_depth > 1))
         with contextlib.ExitStack() as undo:
             undo.callback(_leave, self)
             self._dispatcher = Dispatcher(
