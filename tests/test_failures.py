@@ -67,3 +67,43 @@ def test_unexplained_connection_error_is_retried_a_few_times_then_is_the_functio
     assert classify(err, lambda: True, attempts=MAX_TRANSIENT_ATTEMPTS) is Verdict.FUNCTION_ERROR
     not_connection = tf.errors.InvalidArgumentError(None, None, "bad shape")
     assert classify(not_connection, lambda: True, attempts=1) is Verdict.FUNCTION_ERROR
+
+
+def test_cancelled_iterator_is_recognised_by_type_and_op_name():
+    from psclient._core.failures import iterator_cancelled
+
+    cancelled = tf.errors.CancelledError(None, None, "Operation was cancelled\n\t [[{{node IteratorGetNext}}]]")
+    assert iterator_cancelled(cancelled)
+    assert not iterator_cancelled(tf.errors.CancelledError(None, None, "Operation was cancelled"))
+    assert not iterator_cancelled(tf.errors.UnavailableError(None, None, "[[{{node IteratorGetNext}}]]"))
+    assert not iterator_cancelled(ValueError("IteratorGetNext"))
+
+
+def test_renewing_cancelled_iterators_happens_once_per_breakage():
+    # Several calls that failed on the same cancelled iterators renew them once;
+    # the dataset (fine on a worker that did not fail) is kept.
+    from psclient._coordinator.per_worker import PerWorkerDataset
+    from psclient._coordinator.stores import PerWorkerRegistry
+
+    registry = PerWorkerRegistry()
+    made, datasets = [], []
+
+    def build(worker):
+        datasets.append(worker)
+        return f"dataset{worker}"
+
+    def make_iterator(worker, dataset):
+        made.append((worker, dataset))
+        return f"iterator{len(made)}"
+
+    dataset = PerWorkerDataset(build, 2, "d", make_iterator=make_iterator, on_new=registry.track)
+    iterator = iter(dataset)
+    assert made == [(0, "dataset0"), (1, "dataset1")]
+    seen = registry.generation(0)
+    assert registry.renew_iterators(0, seen) == 1
+    assert registry.renew_iterators(0, seen) == 0  # a second caller that saw the same breakage
+    assert made[-1] == (0, "dataset0") and len(made) == 3
+    assert iterator.value(0) == "iterator3" and iterator.value(1) == "iterator2"
+    assert datasets == [0, 1]
+    assert registry.renew_iterators(0, registry.generation(0)) == 1  # a later breakage
+    assert registry.generation(1) == 0

@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable
 
 from psclient._coordinator import runtime as _runtime
-from psclient._core.failures import Verdict, classify, retry_pause
+from psclient._core.failures import Verdict, classify, iterator_cancelled, retry_pause
 from psclient._core.recovery import PsNotAnswering, WorkerNotAnswering
 from psclient._core.scheduler import Closure, Scheduler
 
@@ -43,14 +43,17 @@ class Dispatcher:
         probes: Any,
         report: Callable[[Any], None],
         release_timeout: float,
+        iterators: Any,
     ):
         # `prepare(closure, worker)` -> (function, args, kwargs) for that worker;
-        # `probes`: a `FailureProbes`; `report(event)` posts to the recovery thread.
+        # `probes`: a `FailureProbes`; `report(event)` posts to the recovery thread;
+        # `iterators`: the `PerWorkerRegistry`, to renew a worker's cancelled iterators.
         self._scheduler = scheduler
         self._prepare = prepare
         self._probes = probes
         self._report = report
         self._release_timeout = release_timeout
+        self._iterators = iterators
         self._threads = [
             threading.Thread(
                 target=self._run,
@@ -92,15 +95,34 @@ class Dispatcher:
 
     def _execute(self, worker: int, device: str, closure: Closure) -> None:
         attempt = closure.attempts
+        iterators_generation = self._iterators.generation(worker)
         try:
             fn, args, kwargs = self._prepare(closure, worker)
             value = _runtime.to_numpy(fn(*args, **kwargs))
         except Exception as error:  # noqa: BLE001 - every error of the user's function is routed to its future
-            self._failed(worker, device, closure, attempt, error)
+            self._failed(worker, device, closure, attempt, error, iterators_generation)
         else:
             self._scheduler.succeeded(worker, closure, value, attempt=attempt)
 
-    def _failed(self, worker: int, device: str, closure: Closure, attempt: int, error: Exception) -> None:
+    def _renew_iterators(self, worker: int, seen_generation: int) -> None:
+        import tensorflow as tf
+
+        try:
+            renewed = self._iterators.renew_iterators(worker, seen_generation)
+        except tf.errors.OpError as error:  # the worker went away too: its rejoin rebuilds them
+            log.warning("worker %d: could not make its cancelled iterators again (%s)", worker, error)
+            return
+        if renewed:
+            log.warning(
+                "worker %d: a dataset iterator was cancelled (its step broke while a task was "
+                "away); %d iterator(s) made again, starting over from their datasets' beginning",
+                worker, renewed,
+            )
+
+    def _failed(
+        self, worker: int, device: str, closure: Closure, attempt: int, error: Exception,
+        iterators_generation: int,
+    ) -> None:
         failed_at = time.monotonic()
         probes = self._probes
         # Reports carry the epoch they were made in: one made before a task came back is stale.
@@ -122,7 +144,7 @@ class Dispatcher:
 
         verdict = classify(
             error, lambda: probes.worker_answers(worker), others_lost=others_lost, ps_lost=ps_lost,
-            attempts=closure.attempts,
+            attempts=closure.unexplained_failures + 1,
         )
         if verdict is Verdict.WORKER_LOST:
             log.warning("worker %d does not answer (%s); re-queueing its closures for other workers",
@@ -138,7 +160,14 @@ class Dispatcher:
         else:
             if verdict is Verdict.PS_LOST:
                 self._report(PsNotAnswering(lost_ps, ps_epoch))
-            pause = retry_pause(verdict, closure.attempts)
+            pause = 0.0
+            if verdict is Verdict.TRANSIENT:
+                closure.unexplained_failures += 1
+                pause = retry_pause(verdict, closure.unexplained_failures)
+                if iterator_cancelled(error):
+                    # Retrying on the same cancelled iterator fails the same way.
+                    self._renew_iterators(worker, iterators_generation)
+                    pause = 0.0
             log.warning(
                 "%r on worker %d failed with %s (%s); re-queueing it%s", closure, worker,
                 type(error).__name__, verdict.value, f" in {pause:.1f} s" if pause else "",

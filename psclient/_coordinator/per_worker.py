@@ -99,6 +99,10 @@ class PerWorkerIterator(PerWorker):
         self._dataset.rebuild(worker)
         super().rebuild(worker)
 
+    def renew(self, worker: int) -> None:
+        """A new iterator over the worker's existing dataset (the old one broke, the worker did not)."""
+        super().rebuild(worker)
+
     def __next__(self):
         raise TypeError(
             "A per-worker iterator cannot be advanced on the coordinator; pass it to "

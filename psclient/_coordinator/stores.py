@@ -163,6 +163,9 @@ class PerWorkerRegistry:
     def __init__(self):
         self._lock = threading.Lock()
         self._refs: list[weakref.ref] = []
+        # Per worker: how many times its iterators were renewed (see renew_iterators).
+        self._renew_lock = threading.Lock()
+        self._generations: dict[int, int] = {}
 
     def track(self, value: PerWorker) -> None:
         with self._lock:
@@ -173,6 +176,27 @@ class PerWorkerRegistry:
             self._refs = [ref for ref in self._refs if ref() is not None]
             refs = list(self._refs)
         return [value for value in (ref() for ref in refs) if value is not None]
+
+    def generation(self, worker: int) -> int:
+        """Changes each time `worker`'s iterators are renewed."""
+        return self._generations.get(worker, 0)
+
+    def renew_iterators(self, worker: int, seen_generation: int) -> int:
+        """Make `worker`'s iterators again from their datasets (kept).
+
+        For an iterator that was cancelled on a worker that is fine. Several
+        calls that failed on the same cancelled iterators renew them once: a
+        caller passes the `generation` it saw before its call, and nothing is
+        done if the iterators were renewed since. Returns how many were made.
+        """
+        with self._renew_lock:
+            if self.generation(worker) != seen_generation:
+                return 0
+            iterators = [v for v in self.values() if isinstance(v, PerWorkerIterator)]
+            for iterator in iterators:
+                iterator.renew(worker)
+            self._generations[worker] = seen_generation + 1
+            return len(iterators)
 
     def rebuild(self, worker: int | None, *, resources_only: bool) -> None:
         """Build the per-worker values of `worker` (or of every worker) again.

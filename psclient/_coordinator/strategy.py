@@ -184,6 +184,7 @@ class ParameterServerStrategy:
                 probes=self._recovery.probes,
                 report=self._recovery.report,
                 release_timeout=hang_timeout,
+                iterators=self._per_worker,
             )
             undo.callback(_stop_dispatch, self._scheduler, self._dispatcher, hang_timeout)
             self._recovery.start()

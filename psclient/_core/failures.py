@@ -30,7 +30,10 @@ from __future__ import annotations
 import enum
 from typing import Callable
 
-__all__ = ["Verdict", "classify", "retry_pause", "CONNECTION_ERROR_NAMES", "MAX_TRANSIENT_ATTEMPTS"]
+__all__ = [
+    "Verdict", "classify", "retry_pause", "iterator_cancelled", "CONNECTION_ERROR_NAMES",
+    "MAX_TRANSIENT_ATTEMPTS",
+]
 
 #: TF error class names that a lost or broken connection can produce.
 CONNECTION_ERROR_NAMES = frozenset(
@@ -79,9 +82,10 @@ def classify(
     `ps_lost` probes the ps tasks; `worker_answers` the closure's worker;
     `others_lost` the other workers (and takes lost ones out of rotation).
     Probes run only for connection-type errors, in that order, each only if
-    the one before found nothing. `attempts` is how many times the closure
-    has run: a connection error that no probe explains is retried until
-    MAX_TRANSIENT_ATTEMPTS, then it is the function's own.
+    the one before found nothing. `attempts` is how many of the closure's
+    attempts, this one included, failed with a connection error that no
+    probe explained (retries after a lost task do not count): such an error
+    is retried until MAX_TRANSIENT_ATTEMPTS, then it is the function's own.
     """
     if not is_connection_error_type(error):
         return Verdict.FUNCTION_ERROR
@@ -96,6 +100,20 @@ def classify(
     if attempts < MAX_TRANSIENT_ATTEMPTS:
         return Verdict.TRANSIENT
     return Verdict.FUNCTION_ERROR
+
+
+def iterator_cancelled(error: BaseException) -> bool:
+    """Whether `error` is a dataset iterator op that was cancelled.
+
+    A tf.data iterator whose GetNext was cancelled mid-way (its step aborted
+    because a ps task went away under it) can stay cancelled: every later
+    GetNext on it fails the same way although every task answers. Retrying
+    cannot help; the worker's iterators must be made again. TF names the op
+    in the message (`[[{{node IteratorGetNext}}]]`).
+    """
+    if not any(cls.__name__ == "CancelledError" for cls in type(error).__mro__):
+        return False
+    return "Iterator" in str(error)
 
 
 def retry_pause(verdict: Verdict, attempts: int) -> float:

@@ -54,7 +54,7 @@ class Closure:
 
     __slots__ = (
         "id", "fn", "args", "kwargs", "future", "attempts", "started_at", "per_worker",
-        "worker", "function",
+        "worker", "function", "unexplained_failures",
     )
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, future: Future):
@@ -64,6 +64,10 @@ class Closure:
         self.kwargs = kwargs
         self.future = future
         self.attempts = 0
+        #: Failed attempts whose connection error no lost task explained (only
+        #: these count against the transient-retry budget: retries after a
+        #: ps or worker loss do not).
+        self.unexplained_failures = 0
         self.started_at = 0.0
         #: Whether `args`/`kwargs` hold per-worker values to resolve per worker.
         self.per_worker = False
