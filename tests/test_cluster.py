@@ -196,6 +196,15 @@ def test_coerce(value):
     assert Cluster.coerce(value) == Cluster(JOBS)
 
 
+def test_coerce_takes_a_local_clusters_cluster():
+    # What `ParameterServerStrategy(local)` receives for a LocalCluster `local`:
+    # anything whose `.cluster` is a Cluster (no processes needed to check it).
+    class HasCluster:
+        cluster = Cluster(JOBS)
+
+    assert Cluster.coerce(HasCluster()) is HasCluster.cluster
+
+
 def test_coerce_returns_the_same_cluster():
     c = Cluster(JOBS)
     assert Cluster.coerce(c) is c

@@ -212,9 +212,11 @@ class Cluster:
 
     @classmethod
     def coerce(cls, cluster: Any) -> Cluster:
-        """Converts a Cluster, dict, `tf.train.ClusterSpec` or cluster resolver."""
+        """Converts a Cluster, LocalCluster, dict, `tf.train.ClusterSpec` or cluster resolver."""
         if isinstance(cluster, Cluster):
             return cluster
+        if isinstance(getattr(cluster, "cluster", None), Cluster):
+            return cluster.cluster  # a LocalCluster: the cluster of its tasks
         if isinstance(cluster, Mapping):
             return cls.from_dict(cluster)
         if callable(getattr(cluster, "cluster_spec", None)):
@@ -223,7 +225,7 @@ class Cluster:
             return cls.from_cluster_spec(cluster)
         raise TypeError(
             f"Invalid type for argument `cluster`. Received: {type(cluster).__name__} "
-            f"({cluster!r}). Expected a psclient.Cluster, a dict of jobs, a "
+            f"({cluster!r}). Expected a psclient.Cluster or LocalCluster, a dict of jobs, a "
             "tf.train.ClusterSpec or a tf.distribute.cluster_resolver.ClusterResolver."
         )
 
