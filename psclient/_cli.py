@@ -46,7 +46,7 @@ example:
   psclient serve --job worker --index 0 --cluster cluster.json
 
   # Run a job of 4 workers and 2 ps on Kubernetes:
-  psclient k8s --name mnist --image registry.example.com/train:1 --workers 4 --ps 2 \
+  psclient k8s --name mnist --image registry.example.com/train:1 --workers 4 --ps 2 \\
       -- python train.py | kubectl apply -f -
 
 Run `psclient COMMAND --help` for a command's options.
@@ -318,9 +318,10 @@ def _run_launch(args: argparse.Namespace) -> int:
 
 _K8S_EPILOG = """\
 example:
-  psclient k8s --name mnist --image registry.example.com/train:1 --workers 4 --ps 2 \
-      --evaluator --evaluator-model train:model --evaluator-data train:data \
-      -- python train.py --checkpoint-dir '$(PSCLIENT_CHECKPOINT_DIR)' > mnist.yaml
+  psclient k8s --name mnist --image registry.example.com/train:1 --workers 4 --ps 2 \\
+      --evaluator --evaluator-model train:model --evaluator-data train:data \\
+      --evaluator-checkpoint-dir /checkpoints/model \\
+      -- python train.py --checkpoint-dir '$(PSCLIENT_CHECKPOINT_DIR)/model' > mnist.yaml
   kubectl apply -n NAMESPACE -f mnist.yaml
 
 Objects (all labelled app.kubernetes.io/instance=NAME): a headless Service

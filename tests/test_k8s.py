@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -296,11 +297,17 @@ def test_psclient_serve_accepts_a_worker_pods_environment():
     assert "cannot start worker:2 at mnist-worker-2.mnist:2222" in result.stderr
 
 
-def test_help_has_an_example():
+def test_help_has_an_example_that_works():
     result = psclient("k8s", "--help")
     assert result.returncode == 0, result.stderr
-    assert "example:" in result.stdout and "psclient k8s --name mnist" in result.stdout
     assert "--worker-memory" in result.stdout and "unauthenticated RPCs" in result.stdout
+    example = result.stdout.split("example:\n", 1)[1].split("kubectl apply")[0]
+    argv = shlex.split(example.replace("\\\n", " "))
+    assert argv[:2] == ["psclient", "k8s"] and argv[-2] == ">"
+    run = psclient(*argv[1:-2])  # as typed, less the redirection
+    assert run.returncode == 0, run.stderr
+    docs = list(yaml.safe_load_all(run.stdout))
+    assert {d["kind"] for d in docs} >= {"StatefulSet", "Job", "NetworkPolicy", "Service"}
 
 
 BASE = {"--name": "mnist", "--image": "train:1", "--workers": "2", "--ps": "1"}
