@@ -241,8 +241,8 @@ def _run_evaluate(args: argparse.Namespace) -> int:
 _LAUNCH_EPILOG = """\
 example:
   # 2 workers and 1 ps on 127.0.0.1, the script as coordinator, an evaluator beside:
-  psclient launch --workers 2 --ps 1 \
-      --evaluator "psclient evaluate --checkpoint-dir /tmp/ckpts --model train:model --data train:data" \
+  psclient launch --workers 2 --ps 1 \\
+      --evaluator "psclient evaluate --checkpoint-dir /tmp/ckpts --model train:model --data train:data" \\
       -- python train.py --checkpoint-dir /tmp/ckpts
 
 The script finds the cluster in TF_CONFIG:
