@@ -297,6 +297,20 @@ def test_psclient_serve_accepts_a_worker_pods_environment():
     assert "cannot start worker:2 at mnist-worker-2.mnist:2222" in result.stderr
 
 
+def test_a_worker_pod_scaled_beyond_the_cluster_is_refused():
+    """`kubectl scale` past --workers makes pods whose index TF_CONFIG does not have:
+    their `psclient serve` stops with an argument error naming the index (the README
+    says so; adding workers at run time is issue 17's elastic-workers item)."""
+    docs = manifests(JOBS["plain"])
+    pod = next(p for p in _pods(docs) if p[0] == "mnist-worker-0")
+    labels = dict(pod[3], **{POD_INDEX_LABEL: "3"})  # what a 4th replica would carry
+    env = dict(os.environ, PYTHONPATH=ROOT, **_environment(pod[4]["containers"][0], labels))
+    result = subprocess.run([sys.executable, "-m", "psclient", "serve"], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT, env=env)
+    assert result.returncode == 2, result.stderr
+    assert "Received: 3. Expected an integer in 0..2: the cluster has 3 worker task(s)" in result.stderr
+
+
 def test_help_has_an_example_that_works():
     result = psclient("k8s", "--help")
     assert result.returncode == 0, result.stderr
