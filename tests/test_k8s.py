@@ -26,7 +26,13 @@ import pytest
 
 from psclient import Cluster
 from psclient._cli import _resolve_task
-from psclient._cluster.k8s import CHECKPOINT_ENV, POD_INDEX_LABEL, K8sJob, manifests, to_yaml
+from psclient._cluster.k8s import (
+    CHECKPOINT_ENV,
+    POD_INDEX_LABEL,
+    K8sJob,
+    manifests,
+    to_yaml,
+)
 from psclient._cluster.spec import cluster_from_config, read_tf_config, task_from_config
 
 yaml = pytest.importorskip("yaml", reason="PyYAML (the k8s/test extra) is not installed")
@@ -40,7 +46,7 @@ pytestmark = pytest.mark.timeout(120)
 def psclient(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("TF_CONFIG", None)
-    return subprocess.run([sys.executable, "-m", "psclient", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "psclient", *args], capture_output=True, text=True, check=False,
                           timeout=60, cwd=ROOT, env=env)
 
 
@@ -52,6 +58,9 @@ JOBS = {
                         evaluator=True, evaluator_model="train:model", evaluator_data="train:data",
                         evaluator_checkpoint_dir="/checkpoints/model", port=5000, storage_class="nfs",
                         worker_cpu="500m", worker_memory="1.5Gi"),
+    # The longest name: every derived name (pods, hostnames, revision labels) still fits.
+    "longest-name": K8sJob(name="j" + "-" * 43 + "9", image="i", command=["train"], workers=2, ps=1,
+                           evaluator=True, evaluator_model="m:f", evaluator_data="m:g", chief_restarts=0),
 }
 
 
@@ -104,8 +113,7 @@ def _volume_claims(pod_spec: dict) -> dict[str, str]:
     """mountPath -> PersistentVolumeClaim name of the pod's only container."""
     claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
               for v in pod_spec.get("volumes", []) if "persistentVolumeClaim" in v}
-    return {m["mountPath"]: claims[m["volumeName"] if "volumeName" in m else m["name"]]
-            for m in pod_spec["containers"][0].get("volumeMounts", [])}
+    return {m["mountPath"]: claims[m["name"]] for m in pod_spec["containers"][0].get("volumeMounts", [])}
 
 
 def _selects(selector: dict, labels: dict[str, str]) -> bool:
@@ -258,8 +266,12 @@ def test_every_object_is_labelled_with_the_job_and_every_pod_requests_resources(
     docs = manifests(job)
     for doc in docs:
         assert doc["metadata"]["name"].startswith(job.name)
+        # Names are DNS labels (63 characters); a StatefulSet's pods are labelled
+        # controller-revision-hash=<set name>-<hash of up to 10 characters>.
+        assert len(doc["metadata"]["name"]) <= (52 if doc["kind"] == "StatefulSet" else 63)
         assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == job.name
-    for pod_name, _, _, labels, spec in _pods(docs):
+    for pod_name, hostname, _, labels, spec in _pods(docs):
+        assert len(pod_name) <= 63 and len(hostname) <= 63
         role = labels["app.kubernetes.io/component"]
         resources = spec["containers"][0]["resources"]
         assert resources["requests"] == {"cpu": getattr(job, f"{role}_cpu"),
@@ -291,7 +303,7 @@ def test_psclient_serve_accepts_a_worker_pods_environment():
     docs = manifests(JOBS["plain"])
     pod = next(p for p in _pods(docs) if p[0] == "mnist-worker-2")
     env = dict(os.environ, PYTHONPATH=ROOT, **_environment(pod[4]["containers"][0], pod[3]))
-    result = subprocess.run([sys.executable, "-m", "psclient", "serve"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "psclient", "serve"], capture_output=True, text=True, check=False,
                             timeout=60, cwd=ROOT, env=env)
     assert result.returncode == 1, result.stderr
     assert "cannot start worker:2 at mnist-worker-2.mnist:2222" in result.stderr
@@ -305,7 +317,7 @@ def test_a_worker_pod_scaled_beyond_the_cluster_is_refused():
     pod = next(p for p in _pods(docs) if p[0] == "mnist-worker-0")
     labels = dict(pod[3], **{POD_INDEX_LABEL: "3"})  # what a 4th replica would carry
     env = dict(os.environ, PYTHONPATH=ROOT, **_environment(pod[4]["containers"][0], labels))
-    result = subprocess.run([sys.executable, "-m", "psclient", "serve"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "psclient", "serve"], capture_output=True, text=True, check=False,
                             timeout=60, cwd=ROOT, env=env)
     assert result.returncode == 2, result.stderr
     assert "Received: 3. Expected an integer in 0..2: the cluster has 3 worker task(s)" in result.stderr
@@ -347,8 +359,8 @@ def _argv(args: list[str]) -> list[str]:
     (["--workers", "two"], "argument --workers: invalid int value: 'two'"),
     (["--port", "70000"], "Invalid value for --port. Received: 70000. Expected an integer in 1..65535."),
     (["--chief-restarts", "-1"], "Invalid value for --chief-restarts. Received: -1. Expected an integer >= 0."),
-    (["--worker-memory", "4GB"], "Invalid value for --worker-memory. Received: '4GB'. Expected a positive "
-                                 "Kubernetes quantity"),
+    (["--worker-memory", "4GB"], ("Invalid value for --worker-memory. Received: '4GB'. Expected a positive "
+                                  "Kubernetes quantity")),
     (["--ps-cpu", "0"], "Invalid value for --ps-cpu. Received: '0'."),
     (["--checkpoint-size", "lots"], "Invalid value for --checkpoint-size. Received: 'lots'."),
     (["--storage-class", "Fast SSD"], "Invalid value for --storage-class. Received: 'Fast SSD'."),
@@ -359,8 +371,8 @@ def _argv(args: list[str]) -> list[str]:
     (["--evaluator-model", "train:model"],
      "Invalid value for --evaluator-model. Received: 'train:model'. Expected it only together with --evaluator"),
     (["--evaluator", "--evaluator-model", "t:m", "--evaluator-data", "t:d", "--evaluator-checkpoint-dir", "/data"],
-     "Invalid value for --evaluator-checkpoint-dir. Received: '/data'. Expected a normalised path on the "
-     "checkpoint volume: /checkpoints or under it."),
+     ("Invalid value for --evaluator-checkpoint-dir. Received: '/data'. Expected a normalised path on the "
+      "checkpoint volume: /checkpoints or under it.")),
 ])
 def test_bad_arguments_name_the_option(args, message):
     result = psclient(*_argv(args), "--", "python", "train.py")

@@ -112,6 +112,7 @@ class K8sJob:
                 isinstance(a, str) for a in self.command) or not self.command[0]:
             raise ValueError(f"Invalid training command. Received: {self.command!r}. Expected the "
                              "chief's command line after --, e.g. -- python train.py")
+        object.__setattr__(self, "command", tuple(self.command))  # frozen: no list to change later
         check_positive("workers", self.workers, integer=True)
         check_positive("ps", self.ps, integer=True)
         check_positive("chief_restarts", self.chief_restarts, integer=True, allow_zero=True)
