@@ -3,6 +3,7 @@
 - `psclient serve`: one TensorFlow task server (a worker or ps task).
 - `psclient launch`: a local cluster plus a training script, as one job.
 - `psclient evaluate`: the sidecar evaluator, as a job of its own.
+- `psclient k8s`: Kubernetes manifests for one job, printed as YAML.
 - `psclient demo`: the main example, end to end, offline.
 
 Nothing heavy is imported here: `psclient --help` answers without loading
@@ -43,6 +44,10 @@ example:
 
   # Start worker 0 of the cluster described in cluster.json:
   psclient serve --job worker --index 0 --cluster cluster.json
+
+  # Run a job of 4 workers and 2 ps on Kubernetes:
+  psclient k8s --name mnist --image registry.example.com/train:1 --workers 4 --ps 2 \\
+      -- python train.py | kubectl apply -f -
 
 Run `psclient COMMAND --help` for a command's options.
 """
@@ -236,8 +241,8 @@ def _run_evaluate(args: argparse.Namespace) -> int:
 _LAUNCH_EPILOG = """\
 example:
   # 2 workers and 1 ps on 127.0.0.1, the script as coordinator, an evaluator beside:
-  psclient launch --workers 2 --ps 1 \
-      --evaluator "psclient evaluate --checkpoint-dir /tmp/ckpts --model train:model --data train:data" \
+  psclient launch --workers 2 --ps 1 \\
+      --evaluator "psclient evaluate --checkpoint-dir /tmp/ckpts --model train:model --data train:data" \\
       -- python train.py --checkpoint-dir /tmp/ckpts
 
 The script finds the cluster in TF_CONFIG:
@@ -311,6 +316,96 @@ def _run_launch(args: argparse.Namespace) -> int:
         return 127
 
 
+_K8S_EPILOG = """\
+example:
+  psclient k8s --name mnist --image registry.example.com/train:1 --workers 4 --ps 2 \\
+      --evaluator --evaluator-model train:model --evaluator-data train:data \\
+      --evaluator-checkpoint-dir /checkpoints/model \\
+      -- python train.py --checkpoint-dir '$(PSCLIENT_CHECKPOINT_DIR)/model' > mnist.yaml
+  kubectl apply -n NAMESPACE -f mnist.yaml
+
+Objects (all labelled app.kubernetes.io/instance=NAME): a headless Service
+NAME (every pod's DNS name, NAME-ROLE-I.NAME, is its address in TF_CONFIG),
+StatefulSets NAME-ps and NAME-worker running `psclient serve`, a Job
+NAME-chief running COMMAND (restarted on failure, up to --chief-restarts), an
+optional Job NAME-evaluator running `psclient evaluate`, the checkpoint
+volume claim NAME-checkpoints mounted at /checkpoints (PSCLIENT_CHECKPOINT_DIR)
+in the chief and the evaluator, and a NetworkPolicy NAME-tasks that admits
+only the job's chief, ps and worker pods to the task port. The image must hold
+psclient and your code. Needs Kubernetes 1.28 or later (each StatefulSet pod
+reads its index from its apps.kubernetes.io/pod-index label). COMMAND runs
+without a shell; Kubernetes replaces $(VAR) in it by the container's
+variables. Task servers accept unauthenticated RPCs: the NetworkPolicy works
+only where the cluster's network plugin enforces NetworkPolicies.
+"""
+
+
+def _add_k8s_parser(commands: argparse._SubParsersAction) -> None:
+    from psclient._cluster.k8s import DEFAULT_PORT, DEFAULT_RESOURCES
+
+    k8s = commands.add_parser(
+        "k8s",
+        help="print the Kubernetes manifests of a job (YAML, for kubectl apply)",
+        description="Print, as one multi-document YAML on stdout, the Kubernetes manifests of "
+        "one psclient job: ps and worker tasks, the chief running COMMAND, an optional "
+        "evaluator, a checkpoint volume and a NetworkPolicy.",
+        epilog=_K8S_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    k8s.add_argument("--name", required=True, help="the job's name, a DNS label; prefixes every object")
+    k8s.add_argument("--image", required=True, help="the container image of every pod (psclient and your code)")
+    k8s.add_argument("--workers", required=True, type=int, metavar="N", help="worker tasks")
+    k8s.add_argument("--ps", required=True, type=int, metavar="M", help="ps tasks")
+    k8s.add_argument("--evaluator", action="store_true", help="also run psclient evaluate on the checkpoints")
+    k8s.add_argument("--evaluator-model", metavar="MODULE:FN", help="with --evaluator: psclient evaluate's --model")
+    k8s.add_argument("--evaluator-data", metavar="MODULE:FN", help="with --evaluator: psclient evaluate's --data")
+    k8s.add_argument("--evaluator-checkpoint-dir", default="/checkpoints", metavar="DIR",
+                     help="with --evaluator: the directory it evaluates, on the volume (default: /checkpoints)")
+    k8s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"every task's port (default: {DEFAULT_PORT})")
+    k8s.add_argument("--checkpoint-size", default="10Gi", metavar="QTY",
+                     help="the checkpoint volume's size (default: 10Gi)")
+    k8s.add_argument("--storage-class", metavar="CLASS",
+                     help="its StorageClass (default: the cluster's); ReadWriteMany with --evaluator")
+    k8s.add_argument("--chief-restarts", type=int, default=6, metavar="K",
+                     help="restarts of a failing chief (or evaluator) before the Job fails (default: 6)")
+    for role, (cpu, memory) in DEFAULT_RESOURCES.items():
+        k8s.add_argument(f"--{role}-cpu", default=cpu, metavar="QTY", help=f"CPU request per {role} (default: {cpu})")
+        k8s.add_argument(f"--{role}-memory", default=memory, metavar="QTY",
+                         help=f"memory request and limit per {role} (default: {memory})")
+    k8s.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                     help="the chief's (coordinator's) command line, after --")
+    k8s.set_defaults(handler=_run_k8s, command_parser=k8s)
+
+
+def _run_k8s(args: argparse.Namespace) -> int:
+    from psclient._cluster.k8s import K8sJob, manifests, to_yaml
+
+    parser = args.command_parser
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("No training command given. Expected the chief's command after --, e.g. "
+                     "psclient k8s --name mnist --image IMAGE --workers 2 --ps 1 -- python train.py")
+    fields = {f: getattr(args, f) for f in (
+        "name", "image", "workers", "ps", "evaluator", "evaluator_model", "evaluator_data",
+        "evaluator_checkpoint_dir", "port", "checkpoint_size", "storage_class", "chief_restarts",
+        *(f"{role}_{what}" for role in ("worker", "ps", "chief", "evaluator") for what in ("cpu", "memory")),
+    )}
+    try:
+        job = K8sJob(command=command, **fields)
+    except ValueError as e:
+        parser.error(_as_option(str(e)))
+    header = (f"# psclient k8s: job {job.name}, {job.workers} worker(s), {job.ps} ps"
+              f"{', an evaluator' if job.evaluator else ''}. kubectl apply -f this file.\n")
+    try:
+        text = to_yaml(manifests(job), header=header)
+    except ImportError as e:  # PyYAML, an extra: say how to get it.
+        print(f"psclient k8s: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    return 0
+
+
 _DEMO_EPILOG = """\
 example:
   pip install -e ".[examples]" && psclient demo
@@ -364,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(commands)
     _add_launch_parser(commands)
     _add_evaluate_parser(commands)
+    _add_k8s_parser(commands)
     return parser
 
 
