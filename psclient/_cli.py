@@ -329,8 +329,9 @@ It starts a local cluster (2 workers, 1 ps on 127.0.0.1), trains a Keras 3
 classifier with model.fit on scikit-learn's bundled digits (offline), runs
 the sidecar evaluator beside it in its own process, and prints the test
 accuracy and where the checkpoints and TensorBoard logs are. About a minute
-on 2 cores. On Linux, its ports drop every packet that does not come over
-loopback; other users of this machine can still reach them.
+on 2 cores. Task servers accept unauthenticated RPCs; on Linux, its ports
+drop every packet that does not come over loopback, but other users of this
+machine can still reach them.
 """
 
 

@@ -269,3 +269,16 @@ def test_serve_restrict_to_peers_lets_only_the_cluster_in(other_host, run_child,
         pass
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) == 0
+
+
+def test_a_connection_that_got_in_before_the_filter_is_refused(other_host):
+    from psclient._cluster import exposure
+
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as listener:
+        listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        listener.bind(("::", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert probe(other_host, [[STRANGER_V4, HOST_V4, port]]) == {f"{STRANGER_V4}->{HOST_V4}:{port}": "connected"}
+        with pytest.raises(exposure.PortExposedError, match=rf"port {port} was reached from {STRANGER_V4}:\d+"):
+            exposure.restrict_port(port, set(), what="the test's listener")
