@@ -41,6 +41,18 @@ RESTRICTED_WARNING = _UNAUTHENTICATED + (
 )
 
 
+LOCAL_WARNING = _UNAUTHENTICATED + (
+    "TensorFlow binds the ports on ALL network interfaces; those of this local cluster "
+    "drop every packet that does not come over loopback: any process on this machine "
+    "can still reach them."
+)
+
+
+def local_security_warning() -> str:
+    """What `launch` and `demo` say about their local cluster's ports."""
+    return LOCAL_WARNING if exposure.supported() else SECURITY_WARNING
+
+
 def peer_hosts(cluster: Cluster) -> list[str]:
     """The hosts of every task that talks to a task server: all jobs but "evaluator"."""
     return sorted({address.rsplit(":", 1)[0] for job, addresses in cluster.jobs.items()
