@@ -63,7 +63,8 @@ example:
 
 The task runs until SIGTERM or SIGINT, then exits with status 0.
 Task servers accept unauthenticated RPCs and TensorFlow binds ALL network
-interfaces: run them only on a trusted network.
+interfaces: run them only on a trusted network, and with --restrict-to-peers
+so that only the cluster's own hosts reach the port.
 """
 
 
@@ -89,6 +90,13 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         type=int,
         metavar="N",
         help="TensorFlow inter-op threads, at least 2 (default: max(CPU count, workers + 1))",
+    )
+    serve.add_argument(
+        "--restrict-to-peers",
+        action="store_true",
+        help="drop every packet to this task's port that comes neither over loopback nor from "
+        "the cluster's hosts (all jobs but evaluator, resolved at start; the cluster must name "
+        'a "chief", the coordinator). Linux only; no privilege needed',
     )
     # Used by LocalCluster only: see psclient._cluster.server.serve.
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
@@ -255,7 +263,9 @@ exits, and launch exits with the script's exit status. After a script that
 succeeded, the evaluator may run on (it stops at training's final marker) for
 at most --evaluator-timeout seconds; after one that failed, it is stopped.
 Task servers accept unauthenticated RPCs and TensorFlow binds ALL network
-interfaces: run this only on a trusted machine.
+interfaces: on Linux the tasks' ports (and the coordinator's, if the script
+uses psclient) drop every packet that does not come over loopback; other
+users of this machine can still reach them.
 """
 
 
@@ -414,8 +424,9 @@ It starts a local cluster (2 workers, 1 ps on 127.0.0.1), trains a Keras 3
 classifier with model.fit on scikit-learn's bundled digits (offline), runs
 the sidecar evaluator beside it in its own process, and prints the test
 accuracy and where the checkpoints and TensorBoard logs are. About a minute
-on 2 cores. Task servers accept unauthenticated RPCs and TensorFlow binds ALL
-network interfaces: run it on a trusted machine.
+on 2 cores. Task servers accept unauthenticated RPCs; on Linux, its ports
+drop every packet that does not come over loopback, but other users of this
+machine can still reach them.
 """
 
 
@@ -539,6 +550,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         inter_op_threads=args.inter_op_threads,
         ready_fd=args.ready_fd,
         parent_fd=args.parent_fd,
+        restrict_to_peers=args.restrict_to_peers,
     )
 
 

@@ -89,7 +89,7 @@ def _start_evaluator(checkpoint_dir: str, log_dir: str, best: str):
 def run(epochs: int = 8, workdir: str | None = None, num_workers: int = 2, num_ps: int = 1) -> int:
     """Runs the demo; returns an exit status."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # Keep TensorFlow's start-up chatter out.
-    from psclient._cluster.server import SECURITY_WARNING
+    from psclient._cluster.server import local_security_warning
 
     start = time.monotonic()
     workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="psclient-demo-"))
@@ -98,7 +98,7 @@ def run(epochs: int = 8, workdir: str | None = None, num_workers: int = 2, num_p
     best = os.path.join(workdir, "best.keras")
     os.makedirs(checkpoint_dir, exist_ok=True)
     _say(f"working in {workdir}")
-    _say(SECURITY_WARNING)
+    _say(local_security_warning())
     evaluator = _start_evaluator(checkpoint_dir, log_dir, best)  # Its TF import overlaps ours.
     _say("started the sidecar evaluator (its own process; it only reads the checkpoints)")
     try:

@@ -221,3 +221,21 @@ def test_serve_refuses_a_host_that_does_not_resolve(tmp_path):
     result = psclient("serve", "--job", "worker", "--index", "0", "--cluster", write_json(tmp_path, jobs))
     assert result.returncode == 1, result.stderr
     assert "'no-such-host.invalid' does not resolve" in result.stderr
+
+
+def test_restrict_to_peers_needs_the_coordinator_in_the_cluster(tmp_path):
+    result = psclient("serve", "--job", "worker", "--index", "0", "--restrict-to-peers",
+                      "--cluster", write_json(tmp_path, cluster_jobs()))
+    assert result.returncode == 1, result.stderr
+    assert "cannot start worker:0 with --restrict-to-peers: the cluster names no coordinator" in result.stderr
+    assert 'Expected a "chief" job' in result.stderr
+    assert "ready" not in result.stderr
+
+
+def test_restrict_to_peers_refuses_a_peer_that_does_not_resolve(tmp_path):
+    jobs = dict(cluster_jobs(), chief=["no-such-host.invalid:2222"])
+    result = psclient("serve", "--job", "worker", "--index", "0", "--restrict-to-peers",
+                      "--cluster", write_json(tmp_path, jobs))
+    assert result.returncode == 1, result.stderr
+    assert "cannot resolve the cluster host 'no-such-host.invalid'" in result.stderr
+    assert "ready" not in result.stderr

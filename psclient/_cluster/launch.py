@@ -33,7 +33,7 @@ from typing import IO
 import portpicker
 
 from psclient._cluster.process import child_env, is_tf_banner
-from psclient._cluster.server import SECURITY_WARNING
+from psclient._cluster.server import local_security_warning
 from psclient._cluster.spec import Cluster
 from psclient._core.errors import TaskUnreachableError
 
@@ -239,7 +239,7 @@ class Launcher:
         # the tasks' last lines after close(), which would delete LocalCluster's.
         tempdir = tempfile.TemporaryDirectory(prefix="psclient-launch-") if c.log_dir is None else None
         try:
-            self._say(SECURITY_WARNING)
+            self._say(local_security_warning())
             self._say(f"starting a local cluster: {c.num_workers} worker(s), {c.num_ps} ps on 127.0.0.1")
             local = LocalCluster(c.num_workers, c.num_ps, log_dir=c.log_dir or tempdir.name)
             tailer = _LogTailer({name: local.log_path(*_split(name)) for name in task_names}, self._output)

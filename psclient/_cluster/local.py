@@ -8,6 +8,12 @@ Each task process is owned by the `LocalCluster` that started it:
 `close()` (also run by a `weakref.finalize` at interpreter exit) ends and reaps
 every task, and a pipe whose write end only this process holds makes the tasks
 exit by themselves if this process dies without closing, even by SIGKILL.
+Children this process forks close their copies of those write ends at once
+(`os.register_at_fork`), and on Linux each task also gets a parent-death
+signal, which ends a task whose owner is gone even while it is stopped.
+
+On Linux, each task's port drops every packet that does not come over
+loopback (`psclient serve --restrict-to-peers`; the cluster is all 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -21,12 +27,14 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import portpicker
 
+from psclient._cluster import exposure
 from psclient._cluster.process import child_env
 from psclient._cluster.server import check_inter_op_threads
 from psclient._cluster.spec import Cluster
@@ -42,7 +50,7 @@ _REAP_TIMEOUT_S = 30.0
 _LOG_TAIL_LINES = 20
 
 
-@dataclass
+@dataclass(eq=False)  # Hashed by identity: _LIVE_TASKS holds them.
 class _Task:
     """One task process and the pipes that tie it to this process."""
 
@@ -88,6 +96,21 @@ class _Task:
         return f"exited {code}"
 
 
+# Every task whose pipe ends this process holds: a child forked from here
+# closes them at once, so that only this process keeps its tasks alive.
+_LIVE_TASKS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forget_tasks_in_child() -> None:
+    for task in list(_LIVE_TASKS):
+        task.close_fds()
+        task.process = None  # Not this child's to signal or reap.
+    _LIVE_TASKS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_tasks_in_child)
+
+
 def _log_tail(path: str) -> str:
     try:
         with open(path, "rb") as f:
@@ -107,8 +130,11 @@ def _launch(task: _Task, env: dict[str, str], inter_op_threads: int | None) -> N
     # them, also when Popen fails below.
     task.ready_r, ready_w = os.pipe()
     parent_r, task.parent_w = os.pipe()
+    _LIVE_TASKS.add(task)
     argv = [sys.executable, "-m", "psclient", "serve", "--job", task.job,
             "--index", str(task.index), "--ready-fd", str(ready_w), "--parent-fd", str(parent_r)]
+    if exposure.supported():
+        argv.append("--restrict-to-peers")
     if inter_op_threads is not None:
         argv += ["--inter-op-threads", str(inter_op_threads)]
     try:
@@ -163,8 +189,14 @@ def _wait_ready(tasks: list[_Task], deadline: float, timeout: float) -> None:
                     raise _failure(task, f"exited with status {code} before it was ready")
 
 
-def _shutdown(tasks: list[_Task], tempdir: tempfile.TemporaryDirectory | None) -> None:
-    """Ends every task: SIGTERM, a grace period, then SIGKILL; reaps all of them."""
+def _shutdown(tasks: list[_Task], tempdir: tempfile.TemporaryDirectory | None, owner: int) -> None:
+    """Ends every task: SIGTERM, a grace period, then SIGKILL; reaps all of them.
+
+    Only in the process that started them (`owner`): a forked child that
+    exits runs this finalizer too, and must leave its parent's tasks alone.
+    """
+    if os.getpid() != owner:
+        return
     live = [t for t in tasks if t.alive()]
     for task in live:
         if task.stopped:
@@ -205,9 +237,13 @@ class LocalCluster:
             local.kill("worker", 1)      # Fault injection...
             local.restart("worker", 1)   # ...and recovery, at the same address.
 
-    Security: the addresses are 127.0.0.1 only, but TensorFlow binds each
-    task's port on ALL network interfaces (it has no option to bind one), and
-    task servers accept unauthenticated RPCs. Use it on a trusted machine only.
+    Security: task servers accept unauthenticated RPCs, and TensorFlow binds
+    each task's port on ALL network interfaces (it has no option to bind one).
+    On Linux every task's port drops packets that do not come over loopback,
+    so no other host or network namespace reaches it (the coordinator's port
+    likewise, once a `ParameterServerStrategy` connects); elsewhere a
+    `RuntimeWarning` says the ports are open. Other users of this machine can
+    still reach the tasks over loopback: use it on a trusted machine.
 
     Args:
         num_workers: number of worker tasks, at least 1.
@@ -250,6 +286,12 @@ class LocalCluster:
         self._log_dir = os.fspath(log_dir)
         os.makedirs(self._log_dir, exist_ok=True)
 
+        if not exposure.supported():
+            warnings.warn(
+                f"LocalCluster: on {sys.platform} the tasks' ports cannot be restricted: TensorFlow "
+                "binds them on all network interfaces and they accept unauthenticated RPCs from any "
+                "host that reaches them. Use it only on a trusted network.",
+                RuntimeWarning, stacklevel=2)
         ports = _pick_ports(num_workers + num_ps + 1)
         addresses = [f"{_HOST}:{port}" for port in ports]
         self._cluster = Cluster(
@@ -265,7 +307,8 @@ class LocalCluster:
         self._closed = False
         # Holds no reference to self, so a forgotten cluster is still collected
         # and its tasks ended (at the latest at interpreter exit).
-        self._finalizer = weakref.finalize(self, _shutdown, list(self._tasks.values()), self._tempdir)
+        self._finalizer = weakref.finalize(
+            self, _shutdown, list(self._tasks.values()), self._tempdir, os.getpid())
         with contextlib.ExitStack() as on_failure:  # Whatever stops the start ends every task.
             on_failure.callback(self.close)
             self._start(list(self._tasks.values()), self._start_timeout)

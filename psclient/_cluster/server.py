@@ -18,16 +18,45 @@ import sys
 import threading
 from typing import NoReturn
 
+from psclient._cluster import exposure
 from psclient._cluster.spec import Cluster
 
 SERVED_JOBS = ("worker", "ps")
 
-SECURITY_WARNING = (
+_UNAUTHENTICATED = (
     "WARNING: TensorFlow task servers accept unauthenticated RPCs: anyone who can "
     "reach this port can read and change its variables and run code in this process. "
-    "TensorFlow also binds the port on ALL network interfaces, even for a 127.0.0.1 "
-    "address, and has no option to bind only one. Run tasks only on a trusted network."
 )
+
+SECURITY_WARNING = _UNAUTHENTICATED + (
+    "TensorFlow also binds the port on ALL network interfaces, even for a 127.0.0.1 "
+    "address, and has no option to bind only one. Run tasks only on a trusted network, "
+    "or with --restrict-to-peers."
+)
+
+RESTRICTED_WARNING = _UNAUTHENTICATED + (
+    "TensorFlow binds the port on ALL network interfaces; this task's port drops every "
+    "packet that comes neither over loopback nor from the cluster's own hosts ({peers}): "
+    "any process on this machine or on those hosts can still reach it."
+)
+
+
+LOCAL_WARNING = _UNAUTHENTICATED + (
+    "TensorFlow binds the ports on ALL network interfaces; those of this local cluster "
+    "drop every packet that does not come over loopback: any process on this machine "
+    "can still reach them."
+)
+
+
+def local_security_warning() -> str:
+    """What `launch` and `demo` say about their local cluster's ports."""
+    return LOCAL_WARNING if exposure.supported() else SECURITY_WARNING
+
+
+def peer_hosts(cluster: Cluster) -> list[str]:
+    """The hosts of every task that talks to a task server: all jobs but "evaluator"."""
+    return sorted({address.rsplit(":", 1)[0] for job, addresses in cluster.jobs.items()
+                   if job != "evaluator" for address in addresses})
 
 
 def default_inter_op_threads(cluster: Cluster) -> int:
@@ -109,21 +138,61 @@ class _StopSignals:
             # the work is done by wait().
             signal.signal(sig, lambda signum, frame: None)
 
+    def watch_owner(self, task: str) -> None:
+        """Exits the process when its parent (the owner that started it) is gone,
+        even while the process is stopped (SIGSTOP) or the owner's children
+        still hold the lifeline pipe.
+
+        Linux sends the parent-death signal when the thread that started this
+        process ends, or its whole process. SIGCONT is the one signal that
+        both resumes a stopped process and can be handled; wait() then asks
+        whether the parent process is still the same (when only a thread of it
+        ended, it is: nothing happens). Must run in the main thread, first.
+        """
+        self._owner = os.getppid()
+        self._task = task
+        signal.signal(signal.SIGCONT, lambda signum, frame: None)  # The wakeup fd hears it.
+        if not _set_parent_death_signal(signal.SIGCONT):
+            return  # Not Linux: the lifeline pipe alone.
+        if os.getppid() != self._owner:  # Gone between the two calls.
+            _owner_gone(task)
+
     def wait(self) -> str:
         """Blocks until SIGTERM or SIGINT; returns its name."""
         while True:
             for signum in os.read(self._read_fd, 64):
                 if signum in self._SIGNALS:
                     return signal.Signals(signum).name
+                if signum == signal.SIGCONT and getattr(self, "_owner", None) not in (None, os.getppid()):
+                    _owner_gone(self._task)
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    """prctl(PR_SET_PDEATHSIG, sig) on Linux; False where there is no such call."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (AttributeError, OSError):
+        return False
+    return prctl(1, int(sig), 0, 0, 0) == 0  # 1 = PR_SET_PDEATHSIG
+
+
+def _owner_gone(task: str) -> NoReturn:
+    _log(f"psclient serve: {task} exiting: its parent process is gone")
+    _exit(1)
 
 
 def _exit_when_parent_dies(parent_fd: int, task: str) -> None:
     """Exits the process when the read end `parent_fd` of the parent's pipe sees EOF.
 
-    Only the parent holds the write end and never writes to it, so EOF means
-    the parent is gone, even if it was SIGKILLed. (PR_SET_PDEATHSIG would fire
-    when the parent's forking *thread* exits, not the parent process.)
-    The thread lives as long as the process, which it ends itself.
+    Only the parent holds the write end and never writes to it (LocalCluster
+    closes it in children the parent forks), so EOF means the parent is gone,
+    even if it was SIGKILLed. The thread lives as long as the process, which
+    it ends itself. `_StopSignals.watch_owner` covers what a thread cannot: a
+    stopped process, and a pipe end kept open by another process.
     """
 
     def watch() -> None:
@@ -131,8 +200,7 @@ def _exit_when_parent_dies(parent_fd: int, task: str) -> None:
             os.read(parent_fd, 1)
         except OSError:
             pass  # A broken pipe also means the parent is gone.
-        _log(f"psclient serve: {task} exiting: its parent process is gone")
-        _exit(1)
+        _owner_gone(task)
 
     threading.Thread(target=watch, name="psclient-parent-watch", daemon=True).start()
 
@@ -167,6 +235,7 @@ def serve(
     inter_op_threads: int | None = None,
     ready_fd: int | None = None,
     parent_fd: int | None = None,
+    restrict_to_peers: bool = False,
 ) -> NoReturn:
     """Runs task `job:index` of `cluster` until SIGTERM or SIGINT, then exits 0.
 
@@ -182,7 +251,13 @@ def serve(
         ready_fd: a pipe's write end; "ready\\n" is written to it, and it is
             closed, once the server has started.
         parent_fd: the read end of a pipe whose write end only the parent holds;
-            its EOF (the parent died) ends the task.
+            its EOF (the parent died) ends the task. Also arms Linux's
+            parent-death signal, which ends the task if its parent process is
+            gone (even while the task is stopped).
+        restrict_to_peers: drop every packet to the task's port that comes
+            neither over loopback nor from an address of the cluster's hosts
+            (every job but "evaluator"; resolved once, at start), before saying
+            "ready"; exit 1 if that cannot be done (see `exposure.restrict_port`).
     """
     if job not in SERVED_JOBS:
         raise ValueError(
@@ -205,8 +280,22 @@ def serve(
     stop = _StopSignals()
     stop.install()
     if parent_fd is not None:
+        stop.watch_owner(task)
         _exit_when_parent_dies(parent_fd, task)
-    _log(f"psclient serve: {SECURITY_WARNING}")
+    peers = None
+    if restrict_to_peers:
+        if cluster.chief is None:
+            _log(f"psclient serve: error: cannot start {task} with --restrict-to-peers: the cluster "
+                 "names no coordinator, so its host would be shut out. Expected a \"chief\" job "
+                 "with the coordinator's address.")
+            _exit(1)
+        try:
+            peers = exposure.resolve_peers(peer_hosts(cluster))
+        except exposure.PortExposedError as e:
+            _log(f"psclient serve: error: cannot start {task} with --restrict-to-peers: {e}")
+            _exit(1)
+    else:
+        _log(f"psclient serve: {SECURITY_WARNING}")
     import tensorflow as tf  # Lazily, and only after GRPC_FAIL_FAST is set.
 
     try:
@@ -214,6 +303,13 @@ def serve(
     except (tf.errors.OpError, ValueError) as e:  # UnknownError for a port in use; a bad spec.
         _log(f"psclient serve: error: cannot start {task} at {address}: {e}")
         _exit(1)
+    if peers is not None:
+        try:
+            exposure.restrict_port(int(address.rsplit(":", 1)[1]), peers, what=task)
+        except exposure.PortExposedError as e:
+            _log(f"psclient serve: error: {e}")
+            _exit(1)
+        _log("psclient serve: " + RESTRICTED_WARNING.format(peers=", ".join(sorted(str(p) for p in peers))))
     _log(f"psclient serve: {task} ready at {address} (pid {os.getpid()})")
     if ready_fd is not None:
         _signal_ready(ready_fd)

@@ -207,6 +207,36 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None) -> None:
             )
         else:
             _update_connection(cluster_spec, filters)
+        _restrict_coordinator_port(cluster)
+
+
+def _restrict_coordinator_port(cluster: Cluster) -> None:
+    """Close the coordinator's own server port (TF binds it on every interface)
+    to all but loopback and the hosts of every cluster this process connected to.
+
+    Raises:
+        PortExposedError: someone else connected to it before it was closed.
+    """
+    from tensorflow.python.eager import context
+
+    from psclient._cluster import exposure
+    from psclient._cluster.server import peer_hosts
+
+    # TF starts the server (and binds the port) lazily, when the context is
+    # first used: now, so that the port is closed before anything else runs.
+    context.ensure_initialized()
+    port = int(_coordinator_address.rsplit(":", 1)[1])
+    if not exposure.supported():
+        log.warning("the coordinator's port %d is open to every host that reaches it: TensorFlow "
+                    "binds all interfaces, and socket filters need Linux", port)
+        return
+    _coordinator_peers.update(exposure.resolve_peers(peer_hosts(cluster)))
+    # Not locked: a later connection to another cluster widens it.
+    exposure.restrict_port(port, _coordinator_peers, what="the coordinator", lock=False)
+
+
+# Addresses allowed to reach the coordinator's port (see _restrict_coordinator_port).
+_coordinator_peers: set = set()
 
 
 def disconnect() -> None:
