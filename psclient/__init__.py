@@ -56,6 +56,7 @@ from psclient._sidecar.evaluator import (
     read_final_marker,
     write_final_marker,
 )
+from psclient._cluster.exposure import PortExposedError
 from psclient._sidecar.formats import CheckpointMismatchError
 
 __version__ = "0.1.0"
@@ -93,6 +94,7 @@ __all__ = [
     "LocalCluster",
     "ParameterServerStrategy",
     "PSClientError",
+    "PortExposedError",
     "PSUnavailableError",
     "PerWorker",
     "PerWorkerDataset",

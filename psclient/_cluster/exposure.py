@@ -25,6 +25,8 @@ import socket
 import sys
 from collections.abc import Iterable
 
+from psclient._core.errors import PSClientError
+
 _Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 # Linux (asm-generic) socket options: attach a classic BPF program; lock it.
@@ -45,7 +47,7 @@ _DROP = 0
 _TCP_LISTEN = "0A"
 
 
-class PortExposedError(RuntimeError):
+class PortExposedError(PSClientError, RuntimeError):
     """A port could not be restricted, or someone else connected before it was."""
 
 
