@@ -303,20 +303,39 @@ def shard_fn():
     return tf.data.Dataset.range(100_000).shard(NUM_WORKERS, worker_index()).repeat()
 
 
+def take_out_worker_1(coordinator, strategy, probe_fn):
+    """Schedule until the dead worker 1 has been taken out (an idle dead worker is
+    only noticed when a closure sent to it fails)."""
+    for _ in range(60):
+        if not strategy.stats()["workers"][1]["up"]:
+            return
+        run_steps(coordinator, probe_fn, (), 4)
+    pytest.fail("worker 1 was not taken out after 240 closures")
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("source", ["dataset_fn", "dataset"])
 @pytest.mark.parametrize("when", ["before_detection", "after_detection"])
 def test_per_worker_dataset_created_while_a_worker_is_down(local_cluster, coordinator, strategy, source, when):
+    @tf.function
+    def where():
+        return worker_index()
+
+    # Both workers connected and working before one dies.
+    assert {int(v) for v in run_steps(coordinator, where, (), 20)} == set(range(NUM_WORKERS))
     try:
         local_cluster.kill("worker", 1)
         if when == "after_detection":
-            wait_for(lambda: not strategy.stats()["workers"][1]["up"], 60, "worker 1 taken out")
+            take_out_worker_1(coordinator, strategy, where)
         if source == "dataset_fn":
             per_worker = coordinator.create_per_worker_dataset(shard_fn)
         else:
             per_worker = coordinator.create_per_worker_dataset(tf.data.Dataset.range(7, 100_000).repeat())
         iterator = iter(per_worker)
         table = coordinator.create_per_worker_resources(lambda: tf.constant(5, tf.int64))
+        # Nothing raised, and the datasets were not built on the dead worker (an eager
+        # constant "on" it, like `table`, fails only when used, so it is not checked).
+        assert not per_worker.built(1) and not iterator.built(1)
 
         @tf.function
         def step(it, t):
@@ -324,11 +343,12 @@ def test_per_worker_dataset_created_while_a_worker_is_down(local_cluster, coordi
 
         before = run_steps(coordinator, step, (iterator, table), 10)
         assert {int(i) for _, i in before} == {0}
-        wait_for(lambda: not strategy.stats()["workers"][1]["up"], 60, "worker 1 taken out")
+        take_out_worker_1(coordinator, strategy, where)
         rejoins = strategy.stats()["workers"][1]["rejoins"]
         local_cluster.restart("worker", 1)
         wait_for(lambda: strategy.stats()["workers"][1]["rejoins"] > rejoins, 90, "worker 1 to rejoin")
 
+        assert all(v.built(1) for v in (per_worker, iterator, table))  # rebuilt at its rejoin
         after = run_steps(coordinator, step, (iterator, table), 40)
         on_1 = [int(v) for v, i in after if int(i) == 1]
         assert on_1, "the restarted worker read nothing from its iterator"
@@ -339,4 +359,15 @@ def test_per_worker_dataset_created_while_a_worker_is_down(local_cluster, coordi
     finally:
         if not local_cluster.is_running("worker", 1):
             local_cluster.restart("worker", 1)
-        wait_for(lambda: strategy.stats()["workers"][1]["up"], 90, "worker 1 back in rotation")
+        serve_on_both_workers(coordinator, where)
+
+
+def serve_on_both_workers(coordinator, probe_fn):
+    """Schedule until both workers run closures (a worker restarted unnoticed is
+    taken out by its first failed closure, then rejoins)."""
+    seen = set()
+    for _ in range(40):
+        seen |= {int(v) for v in run_steps(coordinator, probe_fn, (), 6)}
+        if seen == set(range(NUM_WORKERS)):
+            return
+    pytest.fail(f"after 240 closures only workers {sorted(seen)} ran any")
