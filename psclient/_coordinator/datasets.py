@@ -43,9 +43,13 @@ from psclient._coordinator.per_worker import (
 
 __all__ = [
     "TracedDatasetFunction",
+    "check_distributable",
+    "check_not_in_function",
     "dataset_in_trace",
+    "inside_per_worker_dataset_fn",
     "per_worker_datasets",
     "trace_dataset_function",
+    "trace_or_fall_back",
     "tracing_per_worker_dataset_fn",
 ]
 
@@ -90,13 +94,13 @@ def worker_input_context(num_workers: int):
     )
 
 
-def dataset_in_trace(dataset_or_fn, num_workers: int, what: str):
-    """What the strategy's `what` returns inside a traced `per_worker_dataset_fn`:
-    the dataset the traced function builds on each worker."""
+def dataset_in_trace(dataset_or_fn, num_workers: int):
+    """What the strategy's dataset methods return inside a traced
+    `per_worker_dataset_fn`: the dataset the traced function builds on each worker."""
     import tensorflow as tf
 
     if isinstance(dataset_or_fn, tf.data.Dataset):
-        if tf.is_symbolic_tensor(dataset_or_fn._variant_tensor):
+        if tf.is_symbolic_tensor(tf.data.experimental.to_variant(dataset_or_fn)):
             return dataset_or_fn  # made inside the trace: built on each worker as it is
         # Made on the coordinator: its graph travels, not the dataset (see dataset_cloner).
         with tf.init_scope():
@@ -106,13 +110,33 @@ def dataset_in_trace(dataset_or_fn, num_workers: int, what: str):
     return call_dataset_fn(dataset_or_fn, worker_input_context(num_workers))
 
 
-def refuse_in_function(what: str) -> None:
-    """`what` was called inside a tf.function other than a traced `per_worker_dataset_fn`."""
+def check_not_in_function(what: str) -> None:
+    """Refuse `what` inside a tf.function other than a traced `per_worker_dataset_fn`."""
+    import tensorflow as tf
+
+    if not tf.inside_function():
+        return
     raise RuntimeError(
         f"{what}() was called inside a tf.function. Call it eagerly (outside any tf.function): "
         "it builds a dataset on every worker. Only the `per_worker_dataset_fn` given to "
         "ClusterCoordinator.create_per_worker_dataset may call it inside a tf.function, as in TF."
     )
+
+
+def check_distributable(dataset, options) -> None:
+    """The arguments of `strategy.experimental_distribute_dataset`."""
+    import tensorflow as tf
+
+    if options is not None:
+        raise ValueError(
+            f"Invalid value for argument `options`. Received: options={options!r}. Expected "
+            "None: psclient builds each worker's dataset on that worker, without input options."
+        )
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(
+            f"Invalid value for argument `dataset`. Received: dataset={dataset!r} of type "
+            f"{type(dataset).__name__}. Expected a tf.data.Dataset."
+        )
 
 
 def trace_dataset_function(make: Callable[[], Any], name: str, argument: str = "dataset_fn"):

@@ -15,10 +15,11 @@ from psclient._coordinator import registry
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.checkpoint import check_directory
 from psclient._coordinator.datasets import (
+    check_distributable,
+    check_not_in_function,
     dataset_in_trace,
     inside_per_worker_dataset_fn,
     per_worker_datasets,
-    refuse_in_function,
 )
 from psclient._coordinator.dispatch import Dispatcher
 from psclient._coordinator.per_worker import (
@@ -357,24 +358,20 @@ class ParameterServerStrategy:
 
     # ---------------------------------------------------- per-worker values
     def distribute_datasets_from_function(self, dataset_fn) -> PerWorkerDataset:
-        """One dataset per worker, built on that worker.
+        """One dataset per worker, built on that worker; `iter()` of it is a
+        per-worker iterator to pass to `schedule`.
 
-        `dataset_fn(input_context)` is traced once, on the coordinator, and
-        the traced function builds the dataset on each worker (as TF's
-        coordinator does). Its `tf.distribute.InputContext` has
-        `num_input_pipelines` = number of workers and `input_pipeline_id` =
-        the worker's index (a scalar int64 tensor, filled in on each worker),
-        so `dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)`
-        really shards. A function that needs the index as a Python int is
-        called once per worker instead (see README "Datasets and per-worker
-        values"). A `tf.data.Dataset` is also accepted and cloned to every
-        worker. Creating a `tf.Variable` in `dataset_fn` raises ValueError.
-        Workers out of rotation get theirs when they rejoin. `iter()` of the
-        result is a per-worker iterator to pass to `schedule`.
+        `dataset_fn(input_context)` is traced once and the traced function
+        builds the dataset on each worker, as TF's coordinator does; its
+        `InputContext` has `num_input_pipelines` = number of workers and
+        `input_pipeline_id` = the worker's index (a scalar int64 tensor), so
+        `shard()` really shards. A `tf.data.Dataset` is cloned to every
+        worker. See `psclient._coordinator.datasets` and README "Datasets and
+        per-worker values" (variables refused, workers out of rotation).
         """
         if inside_per_worker_dataset_fn():
-            return dataset_in_trace(dataset_fn, self.num_workers, "distribute_datasets_from_function")
-        self._check_not_in_function("distribute_datasets_from_function")
+            return dataset_in_trace(dataset_fn, self.num_workers)
+        check_not_in_function("distribute_datasets_from_function")
         self._check_open("distribute_datasets_from_function")
         per_worker = per_worker_datasets(dataset_fn, self.num_workers, on_new=self._per_worker.track,
                                          is_up=self._scheduler.worker_is_up)
@@ -382,34 +379,19 @@ class ParameterServerStrategy:
         return per_worker
 
     def experimental_distribute_dataset(self, dataset, options=None) -> PerWorkerDataset:
-        """TF's name for distributing a `tf.data.Dataset`: cloned to every worker.
-
-        The whole dataset on each worker, as with TF's ParameterServerStrategy
-        (shard it in a dataset function to split it). `options` must be None.
-        """
-        if options is not None:
-            raise ValueError(
-                f"Invalid value for argument `options`. Received: options={options!r}. Expected "
-                "None: psclient builds each worker's dataset on that worker, without input options."
-            )
+        """TF's name for a `tf.data.Dataset` cloned whole to every worker (`options` must be None)."""
+        check_distributable(dataset, options)
         if inside_per_worker_dataset_fn():
-            return dataset_in_trace(dataset, self.num_workers, "experimental_distribute_dataset")
-        import tensorflow as tf
-
-        if not isinstance(dataset, tf.data.Dataset):
-            raise TypeError(
-                f"Invalid value for argument `dataset`. Received: dataset={dataset!r} of type "
-                f"{type(dataset).__name__}. Expected a tf.data.Dataset."
-            )
+            return dataset_in_trace(dataset, self.num_workers)
         return self.distribute_datasets_from_function(dataset)
 
     def create_per_worker_resource(self, fn: Callable[[], Any]) -> PerWorker:
         """Call `fn()` on every worker; pass the result to `schedule` as an argument.
 
         For per-worker state such as lookup tables or counters: each worker's
-        value is created on that worker's device (a worker out of rotation:
-        when it rejoins). An op error while creating one worker's value is
-        raised, as TF's `ClosureInputError`, by the closures given it there.
+        value is created on that worker's device (one out of rotation: when it
+        rejoins). An op error there fails the closures given it, with TF's
+        `ClosureInputError` (see `psclient._coordinator.per_worker`).
         """
         self._check_open("create_per_worker_resource")
         per_worker = per_worker_resource(fn, self.num_workers, is_up=self._scheduler.worker_is_up)
@@ -505,13 +487,6 @@ class ParameterServerStrategy:
                 f"Cannot call {what}(): this ParameterServerStrategy was shut down. "
                 "Create a new one to continue."
             )
-
-    @staticmethod
-    def _check_not_in_function(what: str) -> None:
-        import tensorflow as tf
-
-        if tf.inside_function():
-            refuse_in_function(what)
 
     def _checkpoint_new_variables(self) -> None:
         """Checkpoint first if variables were created since the last one.
