@@ -102,7 +102,8 @@ def test_dataset_function_gets_each_workers_input_context(strategy):
 
     model = make_model(strategy)
     history = model.fit(dataset_fn, epochs=2, steps_per_epoch=10, verbose=0)
-    assert sorted(set(contexts)) == [(0, 2), (1, 2)]
+    # Traced once (as TF does); the worker's index is a tensor filled in on each worker.
+    assert len(contexts) == 1 and tf.is_tensor(contexts[0][0]) and contexts[0][1] == 2
     assert len(history.history["loss"]) == 2
     assert int(model.optimizer.iterations.numpy()) == 20
 

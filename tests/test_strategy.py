@@ -221,7 +221,8 @@ def test_datasets_from_function_shard_by_worker(strategy):
         return tf.data.Dataset.range(40).shard(ctx.num_input_pipelines, ctx.input_pipeline_id).batch(4).repeat()
 
     per_worker = strategy.distribute_datasets_from_function(dataset_fn)
-    assert sorted(contexts) == [(2, 0), (2, 1)]
+    # Traced once (as TF does); the worker's index is a tensor filled in on each worker.
+    assert len(contexts) == 1 and contexts[0][0] == 2 and tf.is_tensor(contexts[0][1])
     iterator = iter(per_worker)
 
     @tf.function

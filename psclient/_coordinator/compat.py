@@ -12,7 +12,12 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-from psclient._coordinator.per_worker import PerWorker, PerWorkerDataset
+from psclient._coordinator.datasets import (
+    TracedDatasetFunction,
+    trace_or_fall_back,
+    tracing_per_worker_dataset_fn,
+)
+from psclient._coordinator.per_worker import PerWorker, PerWorkerDataset, refuse_variables
 from psclient._coordinator.strategy import ParameterServerStrategy
 from psclient._core.future import Future
 
@@ -53,23 +58,43 @@ class ClusterCoordinator:
     def create_per_worker_dataset(self, dataset_fn) -> PerWorkerDataset:
         """Per-worker datasets, from any of the forms TF's coordinator accepts.
 
-        `dataset_fn` may be a `tf.data.Dataset`, a function of the
-        `InputContext`, a function of no arguments returning a dataset, or the
-        result of `strategy.distribute_datasets_from_function`.
+        `dataset_fn` may be a `tf.data.Dataset` (cloned to every worker), a
+        function of no arguments returning a dataset (TF's form; it may call
+        `strategy.distribute_datasets_from_function(fn)` or
+        `strategy.experimental_distribute_dataset(ds)`, as TF's tutorial
+        does), a function of the `InputContext`, or the result of
+        `strategy.distribute_datasets_from_function`. A function is traced
+        once, as TF does, and the traced function builds the dataset on each
+        worker (see `psclient._coordinator.datasets`).
         """
         import tensorflow as tf
 
         if isinstance(dataset_fn, PerWorkerDataset):
             return dataset_fn
-        # TF's tutorial wraps the dataset function in tf.function; TF's
-        # coordinator runs it on each worker, psclient runs the Python function.
-        dataset_fn = getattr(dataset_fn, "python_function", dataset_fn)
-        if callable(dataset_fn) and not isinstance(dataset_fn, tf.data.Dataset) and _takes_no_args(dataset_fn):
-            made = dataset_fn()
-            if isinstance(made, PerWorkerDataset):
-                return made
-            return self._strategy.distribute_datasets_from_function(lambda _ctx: dataset_fn())
-        return self._strategy.distribute_datasets_from_function(dataset_fn)
+        if isinstance(dataset_fn, tf.data.Dataset):
+            return self._strategy.distribute_datasets_from_function(dataset_fn)
+        # TF's tutorial wraps the dataset function in tf.function: psclient
+        # traces the Python function itself (once, with its own checks).
+        python_fn = getattr(dataset_fn, "python_function", dataset_fn)
+        if not (callable(python_fn) and _takes_no_args(python_fn)):
+            return self._strategy.distribute_datasets_from_function(python_fn)
+        name = getattr(python_fn, "__name__", None) or "dataset_fn"
+        with tracing_per_worker_dataset_fn():
+            concrete = trace_or_fall_back(python_fn, name)
+        if concrete is not None:
+            return self._strategy.distribute_datasets_from_function(TracedDatasetFunction(concrete, name))
+        # Not traceable (module doc of datasets.py): called once, eagerly.
+        with refuse_variables(f"`dataset_fn` ({name})"):
+            made = python_fn()
+        if isinstance(made, PerWorkerDataset):
+            return made
+        if not isinstance(made, tf.data.Dataset):
+            raise TypeError(
+                f"Invalid value for argument `dataset_fn`: the dataset function {name!r} returned "
+                f"an object of type {type(made).__name__}. Expected a tf.data.Dataset (or the "
+                "result of strategy.distribute_datasets_from_function)."
+            )
+        return self._strategy.distribute_datasets_from_function(made)
 
     def create_per_worker_resources(self, fn: Callable[[], Any]) -> PerWorker:
         return self._strategy.create_per_worker_resource(fn)

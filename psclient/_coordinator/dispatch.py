@@ -86,7 +86,9 @@ class Dispatcher:
         import tensorflow as tf
 
         device = _runtime.worker_device(worker)
-        with tf.device(device):
+        # The worker index TF's experimental_get_current_worker_index() reads
+        # in a scheduled function: this thread only ever calls this worker.
+        with tf.device(device), _runtime.worker_index_scope(worker):
             while True:
                 closure = self._scheduler.take(worker)
                 if closure is None:

@@ -5,14 +5,29 @@ builder function. Passed to `schedule`, it resolves to the value of whichever
 worker runs the closure. Builders are kept, so a worker that comes back after
 a failure gets its values rebuilt (datasets before the iterators made from
 them) before it takes work again.
+
+A worker's value is in one of three states:
+- built;
+- pending: the worker was out of rotation, or its connection failed, when the
+  value was made. It is built when the worker rejoins (the registry's
+  rebuild) or, at the latest, by the first closure that needs it there (so a
+  connection that failed for a moment costs nothing but that closure's retry);
+- failed: building it raised an error of its own (an op error, not a lost
+  connection). As with TF's coordinator, a closure given that value fails
+  with TF's `ClosureInputError` without running, at `join()` or its future;
+  so does every later one on that worker, until the worker restarts and the
+  value is built again.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from psclient._core.failures import is_connection_error_type
 
 __all__ = [
     "PerWorker",
@@ -23,21 +38,56 @@ __all__ = [
     "dataset_cloner",
     "deserialize_dataset",
     "has_per_worker",
-    "per_worker_datasets",
     "per_worker_resource",
+    "refuse_variables",
     "resolve_per_worker",
     "serialize_dataset",
 ]
 
+log = logging.getLogger("psclient")
+
+#: A worker's value not built yet (see the module doc).
+_PENDING = object()
+
+
+class _Failed:
+    """A worker's value whose build raised `error` (see the module doc)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
 
 class PerWorker:
-    """One value per worker, built by `build(worker_index)` on that worker."""
+    """One value per worker, built by `build(worker_index)` on that worker.
 
-    def __init__(self, build: Callable[[int], Any], num_workers: int, name: str):
+    `is_up(worker)` (optional) tells which workers are in rotation: the others
+    get their value when they rejoin. Lost connections while building leave the
+    value pending; other op errors leave it failed (module doc). Any other
+    exception (a bug in the function) is raised here.
+    """
+
+    def __init__(self, build: Callable[[int], Any], num_workers: int, name: str, *,
+                 is_up: Callable[[int], bool] | None = None):
         self._build = build
         self._name = name
         self._lock = threading.Lock()
-        self._values = [build(i) for i in range(num_workers)]
+        # One build at a time per worker: pipeline_depth threads may need it at once.
+        self._build_locks = [threading.Lock() for _ in range(num_workers)]
+        self._values: list[Any] = [_PENDING] * num_workers
+        import tensorflow as tf
+
+        for worker in range(num_workers):
+            if is_up is not None and not is_up(worker):
+                log.info("%s: worker %d is out of rotation; its value is built when it rejoins",
+                         name, worker)
+                continue
+            try:
+                self._values[worker] = self._attempt(worker)
+            except tf.errors.OpError as error:  # only a lost connection gets out of _attempt
+                log.warning("%s: could not build worker %d's value now (%s); it is built when "
+                            "the worker answers again", name, worker, type(error).__name__)
 
     @property
     def name(self) -> str:
@@ -48,34 +98,140 @@ class PerWorker:
         return len(self._values)
 
     def value(self, worker: int) -> Any:
-        """The value that lives on worker `worker`."""
-        return self._values[worker]
+        """The value that lives on worker `worker` (built now if it is pending).
+
+        Raises TF's `ClosureInputError` if building it failed, and the
+        connection error if the worker cannot be reached to build it.
+        """
+        value = self._values[worker]
+        if value is _PENDING:
+            with self._build_locks[worker]:
+                value = self._values[worker]
+                if value is _PENDING:
+                    value = self._attempt(worker)  # a lost connection raises: the caller's call fails
+                    with self._lock:
+                        self._values[worker] = value
+        if isinstance(value, _Failed):
+            raise self._input_error(worker, value.error)
+        return value
 
     @property
     def values(self) -> tuple:
-        """Every worker's value, in worker order."""
-        return tuple(self._values)
+        """Every worker's value, in worker order (None where pending or failed)."""
+        return tuple(None if v is _PENDING or isinstance(v, _Failed) else v for v in self._values)
+
+    def built(self, worker: int) -> bool:
+        """Whether worker `worker`'s value is built (neither pending nor failed)."""
+        value = self._values[worker]
+        return value is not _PENDING and not isinstance(value, _Failed)
+
+    def sample(self) -> Any:
+        """What a function is traced with for this argument: a built value.
+
+        Raises TF's `ClosureInputError` if every worker failed to build it.
+        """
+        for worker in range(self.num_workers):
+            if self.built(worker):
+                return self._values[worker]
+        for worker, value in enumerate(self._values):
+            if isinstance(value, _Failed):
+                raise self._input_error(worker, value.error)
+        raise RuntimeError(
+            f"{self._name!r} has no value on any worker yet: every worker was out of rotation "
+            "or failed to build it. Schedule again once a worker is back (it is built then)."
+        )
 
     def rebuild(self, worker: int) -> None:
-        """Build worker `worker`'s value again (its old one died with it)."""
-        value = self._build(worker)
+        """Build worker `worker`'s value again (its old one died with it).
+
+        A lost connection raises (the caller retries later) and leaves the
+        value pending; an op error leaves it failed.
+        """
+        with self._lock:
+            self._values[worker] = _PENDING
+        value = self._attempt(worker)
         with self._lock:
             self._values[worker] = value
+
+    def _attempt(self, worker: int) -> Any:
+        """`build(worker)`, or `_Failed` for an op error that is not a lost connection."""
+        import tensorflow as tf
+
+        from psclient._coordinator import runtime as _runtime
+
+        try:
+            return self._build(worker)
+        except _runtime.closure_input_error_type() as error:  # a value it is built from failed
+            return _Failed(error.original_exception)
+        except tf.errors.OpError as error:
+            if is_connection_error_type(error):
+                raise
+            log.warning("%s: building worker %d's value failed: %s: %s", self._name, worker,
+                        type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+            return _Failed(error)
+
+    def _input_error(self, worker: int, original: BaseException) -> Exception:
+        from psclient._coordinator import runtime as _runtime
+
+        first = str(original).splitlines()[0] if str(original) else ""
+        return _runtime.closure_input_error(original, (
+            f"Input has an error: the per-worker value {self._name!r} could not be built on "
+            f"worker {worker} ({type(original).__name__}: {first}). The scheduled function was "
+            "not run. Every closure given this value on that worker fails the same way until "
+            "the worker restarts and the value is built again; fix what its function does."
+        ))
 
     def __repr__(self) -> str:
         return f"<psclient.PerWorker {self._name!r} on {len(self._values)} workers>"
 
 
 class PerWorkerDataset(PerWorker):
-    """A `tf.data.Dataset` per worker; `iter()` gives a per-worker iterator."""
+    """A `tf.data.Dataset` per worker; `iter()` gives a per-worker iterator.
 
-    def __init__(self, build, num_workers, name, *, make_iterator: Callable[[int, Any], Any], on_new):
-        super().__init__(build, num_workers, name)
+    `element_spec` is known without any worker when the dataset function was
+    traced (or the dataset given); otherwise it is read from a built dataset.
+    """
+
+    def __init__(self, build, num_workers, name, *, make_iterator: Callable[[int, Any], Any], on_new,
+                 element_spec=None, is_up: Callable[[int], bool] | None = None):
+        self._element_spec = element_spec
         self._make_iterator = make_iterator
         self._on_new = on_new
+        self._is_up = is_up
+        super().__init__(build, num_workers, name, is_up=is_up)
+
+    @property
+    def element_spec(self):
+        """The type specification of an element of each worker's dataset."""
+        if self._element_spec is None:
+            self._element_spec = PerWorker.sample(self).element_spec
+        return self._element_spec
+
+    @property
+    def _type_spec(self):
+        import tensorflow as tf
+
+        return tf.data.DatasetSpec(self.element_spec)
+
+    def __tf_tracing_type__(self, context):
+        # tf.function traces a function given this as it would one given a worker's dataset.
+        return self._type_spec
+
+    def sample(self):
+        return self._type_spec
+
+    def build(self) -> PerWorkerDataset:
+        """TF's `build()`: make the datasets on the workers without an iterator.
+
+        psclient makes them when the per-worker dataset is created (a worker
+        that is out of rotation gets its own when it rejoins), so this returns
+        the object itself; passed to `schedule`, it resolves to the executing
+        worker's dataset.
+        """
+        return self
 
     def __iter__(self) -> PerWorkerIterator:
-        iterator = PerWorkerIterator(self, self._make_iterator)
+        iterator = PerWorkerIterator(self, self._make_iterator, is_up=self._is_up)
         self._on_new(iterator)
         return iterator
 
@@ -84,16 +240,36 @@ class PerWorkerIterator(PerWorker):
     """An iterator per worker over that worker's dataset.
 
     Rebuilding a worker's iterator rebuilds its dataset first, because the
-    dataset's resources died with the worker too.
+    dataset's resources died with the worker too. Its type spec is that of
+    each worker's iterator, so `tf_function.get_concrete_function(iterator)`
+    traces the trace `schedule` then uses.
     """
 
-    def __init__(self, dataset: PerWorkerDataset, make_iterator: Callable[[int, Any], Any]):
+    def __init__(self, dataset: PerWorkerDataset, make_iterator: Callable[[int, Any], Any], *,
+                 is_up: Callable[[int], bool] | None = None):
         self._dataset = dataset
         super().__init__(
             lambda i: make_iterator(i, dataset.value(i)),
             dataset.num_workers,
             f"iter({dataset.name})",
+            is_up=is_up,
         )
+
+    @property
+    def element_spec(self):
+        return self._dataset.element_spec
+
+    @property
+    def _type_spec(self):
+        import tensorflow as tf
+
+        return tf.data.IteratorSpec(self.element_spec)
+
+    def __tf_tracing_type__(self, context):
+        return self._type_spec
+
+    def sample(self):
+        return self._type_spec
 
     def rebuild(self, worker: int) -> None:
         self._dataset.rebuild(worker)
@@ -156,44 +332,42 @@ def has_per_worker(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(x, PerWorker) for x in tf.nest.flatten((args, kwargs)))
 
 
-def resolve_per_worker(args: tuple, kwargs: dict, worker: int) -> tuple[tuple, dict]:
+def resolve_per_worker(args: tuple, kwargs: dict, worker: int | None) -> tuple[tuple, dict]:
+    """Each per-worker value replaced by worker `worker`'s, or, with None, by what
+    a function is traced with (a dataset's or iterator's type spec, a built value)."""
     import tensorflow as tf
 
     def pick(x):
-        return x.value(worker) if isinstance(x, PerWorker) else x
+        if not isinstance(x, PerWorker):
+            return x
+        return x.sample() if worker is None else x.value(worker)
 
     return tf.nest.map_structure(pick, (args, kwargs))
 
 
-def per_worker_datasets(dataset_fn, num_workers: int, *, on_new) -> PerWorkerDataset:
-    """`dataset_fn(input_context)` (or a dataset, cloned) built on every worker."""
+def refuse_variables(what: str):
+    """A variable creator scope in which creating a `tf.Variable` raises ValueError.
+
+    TF's coordinator refuses variables in a dataset function: the function runs
+    once per worker, and a variable would be created on each (or on the ps
+    tasks, shared by datasets that should not share state).
+    """
     import tensorflow as tf
 
-    from psclient._coordinator import runtime as _runtime
-
-    if isinstance(dataset_fn, tf.data.Dataset):
-        build_dataset, name = dataset_cloner(dataset_fn), "dataset"
-    else:
-        check_dataset_fn(dataset_fn)
-        build_dataset = dataset_fn
-        name = getattr(dataset_fn, "__name__", "dataset_fn")
-
-    def build(worker: int):
-        ctx = tf.distribute.InputContext(
-            num_input_pipelines=num_workers, input_pipeline_id=worker, num_replicas_in_sync=num_workers
+    def refuse(next_creator, **kwargs):
+        raise ValueError(
+            f"Creating variables in {what} is not allowed (a tf.Variable named "
+            f"{kwargs.get('name')!r} was being created): it runs on every worker. Create the "
+            "variable outside it (in strategy.scope() for a ps variable) and use it there, "
+            "or use strategy.create_per_worker_resource for per-worker state."
         )
-        with tf.device(_runtime.worker_device(worker)):
-            return call_dataset_fn(build_dataset, ctx)
 
-    def make_iterator(worker: int, dataset):
-        with tf.device(_runtime.worker_device(worker)):
-            return iter(dataset)
-
-    return PerWorkerDataset(build, num_workers, name, make_iterator=make_iterator, on_new=on_new)
+    return tf.variable_creator_scope(refuse)
 
 
-def per_worker_resource(fn: Callable[[], Any], num_workers: int) -> PerWorker:
-    """`fn()` called on every worker's device."""
+def per_worker_resource(fn: Callable[[], Any], num_workers: int, *,
+                        is_up: Callable[[int], bool] | None = None) -> PerWorker:
+    """`fn()` called on every worker's device (those out of rotation: when they rejoin)."""
     import tensorflow as tf
 
     from psclient._coordinator import runtime as _runtime
@@ -205,10 +379,10 @@ def per_worker_resource(fn: Callable[[], Any], num_workers: int) -> PerWorker:
         )
 
     def build(worker: int):
-        with tf.device(_runtime.worker_device(worker)):
+        with tf.device(_runtime.worker_device(worker)), _runtime.worker_index_scope(worker):
             return fn()
 
-    return PerWorker(build, num_workers, getattr(fn, "__name__", "resource"))
+    return PerWorker(build, num_workers, getattr(fn, "__name__", "resource"), is_up=is_up)
 
 
 def dataset_cloner(dataset) -> Callable:

@@ -37,6 +37,9 @@ __all__ = [
     "renew_variable_handle",
     "place_default_updates",
     "coordinator_cpu",
+    "worker_index_scope",
+    "closure_input_error",
+    "closure_input_error_type",
 ]
 
 log = logging.getLogger("psclient")
@@ -346,6 +349,46 @@ def coordinator_cpu() -> str:
     from tensorflow.python.eager import context
 
     return context.context().host_address_space() + "/device:CPU:0"
+
+
+# ------------------------------------------------- TF's coordinator contract
+class _WorkerIndex:
+    """What TF's dispatch context reads: the index of the worker a call runs on."""
+
+    __slots__ = ("worker_index",)
+
+    def __init__(self, worker_index: int):
+        self.worker_index = worker_index
+
+
+def worker_index_scope(worker: int):
+    """A context in which a call runs "on worker `worker`" as far as TF can tell (TF-internal).
+
+    A function that called `tf.distribute.coordinator.experimental_get_current_worker_index()`
+    when traced reads the index from TF's thread-local dispatch context each
+    time it is called; TF's coordinator enters it around every closure.
+    """
+    from tensorflow.python.distribute.coordinator import coordinator_context
+
+    return coordinator_context.with_dispatch_context(_WorkerIndex(worker))
+
+
+def closure_input_error_type() -> type:
+    """TF's `ClosureInputError` class (TF-internal)."""
+    from tensorflow.python.distribute.coordinator.cluster_coordinator import ClosureInputError
+
+    return ClosureInputError
+
+
+def closure_input_error(original: BaseException, message: str) -> Exception:
+    """TF's `ClosureInputError` (TF-internal class), with psclient's message.
+
+    TF's coordinator raises it when a scheduled function's per-worker input
+    could not be built; code written for TF may catch that class.
+    """
+    error = closure_input_error_type()(original)
+    error.args = (message,)
+    return error
 
 
 # ------------------------------------------- optimizer updates: where they run

@@ -14,12 +14,18 @@ from psclient._cluster.spec import Cluster
 from psclient._coordinator import registry
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.checkpoint import check_directory
+from psclient._coordinator.datasets import (
+    check_distributable,
+    check_not_in_function,
+    dataset_in_trace,
+    inside_per_worker_dataset_fn,
+    per_worker_datasets,
+)
 from psclient._coordinator.dispatch import Dispatcher
 from psclient._coordinator.per_worker import (
     PerWorker,
     PerWorkerDataset,
     has_per_worker,
-    per_worker_datasets,
     per_worker_resource,
     resolve_per_worker,
 )
@@ -293,7 +299,12 @@ class ParameterServerStrategy:
         closure.per_worker = per_worker  # only walk the arguments when needed
         closure.function = function
         with self._tracer.lock:  # a ps recovery retraces under this lock
-            self._tracer.prepare(closure)
+            try:
+                self._tracer.prepare(closure)
+            except _runtime.closure_input_error_type() as error:
+                # No worker could build a per-worker argument: as in TF, the
+                # closure fails with the input error when it runs (join() raises it).
+                closure.fn = _raise(error)
             self._scheduler.submit(closure)
         return closure.future
 
@@ -347,28 +358,43 @@ class ParameterServerStrategy:
 
     # ---------------------------------------------------- per-worker values
     def distribute_datasets_from_function(self, dataset_fn) -> PerWorkerDataset:
-        """One dataset per worker, built on that worker.
-
-        `dataset_fn(input_context)` receives a `tf.distribute.InputContext` with
-        `num_input_pipelines` = number of workers and `input_pipeline_id` = the
-        worker's index, so `dataset.shard(ctx.num_input_pipelines,
-        ctx.input_pipeline_id)` really shards. A `tf.data.Dataset` is also
-        accepted and cloned to every worker. `iter()` of the result is a
+        """One dataset per worker, built on that worker; `iter()` of it is a
         per-worker iterator to pass to `schedule`.
+
+        `dataset_fn(input_context)` is traced once and the traced function
+        builds the dataset on each worker, as TF's coordinator does; its
+        `InputContext` has `num_input_pipelines` = number of workers and
+        `input_pipeline_id` = the worker's index (a scalar int64 tensor), so
+        `shard()` really shards. A `tf.data.Dataset` is cloned to every
+        worker. See `psclient._coordinator.datasets` and README "Datasets and
+        per-worker values" (variables refused, workers out of rotation).
         """
+        if inside_per_worker_dataset_fn():
+            return dataset_in_trace(dataset_fn, self.num_workers)
+        check_not_in_function("distribute_datasets_from_function")
         self._check_open("distribute_datasets_from_function")
-        per_worker = per_worker_datasets(dataset_fn, self.num_workers, on_new=self._per_worker.track)
+        per_worker = per_worker_datasets(dataset_fn, self.num_workers, on_new=self._per_worker.track,
+                                         is_up=self._scheduler.worker_is_up)
         self._per_worker.track(per_worker)
         return per_worker
+
+    def experimental_distribute_dataset(self, dataset, options=None) -> PerWorkerDataset:
+        """TF's name for a `tf.data.Dataset` cloned whole to every worker (`options` must be None)."""
+        check_distributable(dataset, options)
+        if inside_per_worker_dataset_fn():
+            return dataset_in_trace(dataset, self.num_workers)
+        return self.distribute_datasets_from_function(dataset)
 
     def create_per_worker_resource(self, fn: Callable[[], Any]) -> PerWorker:
         """Call `fn()` on every worker; pass the result to `schedule` as an argument.
 
         For per-worker state such as lookup tables or counters: each worker's
-        value is created on that worker's device.
+        value is created on that worker's device (one out of rotation: when it
+        rejoins). An op error there fails the closures given it, with TF's
+        `ClosureInputError` (see `psclient._coordinator.per_worker`).
         """
         self._check_open("create_per_worker_resource")
-        per_worker = per_worker_resource(fn, self.num_workers)
+        per_worker = per_worker_resource(fn, self.num_workers, is_up=self._scheduler.worker_is_up)
         self._per_worker.track(per_worker)
         return per_worker
 
@@ -480,6 +506,13 @@ def _prepare(closure: Closure, worker: int) -> tuple:
         return closure.fn, closure.args, closure.kwargs
     args, kwargs = resolve_per_worker(closure.args, closure.kwargs, worker)
     return closure.fn, args, kwargs
+
+
+def _raise(error: BaseException) -> Callable:
+    def fail(*_args, **_kwargs):
+        raise error
+
+    return fail
 
 
 def _leave(strategy: ParameterServerStrategy) -> None:

@@ -126,7 +126,8 @@ class Tracer:
                 return
         args, kwargs = closure.args, closure.kwargs
         if closure.per_worker:
-            args, kwargs = resolve_per_worker(args, kwargs, 0)
+            # Traced with type specs (or a built value): a worker out of rotation is not needed.
+            args, kwargs = resolve_per_worker(args, kwargs, None)
         concrete = self._trace(function, closure.name, args, kwargs)
         if key is None:
             closure.fn = function if closure.per_worker else concrete

@@ -171,7 +171,7 @@ def _adapter_class():
 
         @property
         def element_spec(self):
-            return self._per_worker.value(0).element_spec
+            return self._per_worker.element_spec
 
     class PerWorkerAdapter(DataAdapter):
         def __init__(self, per_worker):
