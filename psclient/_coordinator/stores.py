@@ -8,6 +8,7 @@ strategy: nothing it holds keeps a strategy alive.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from typing import Any, Callable
@@ -16,10 +17,13 @@ from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.checkpoint import variable_key
 from psclient._coordinator.per_worker import PerWorker, PerWorkerDataset, PerWorkerIterator
 from psclient._coordinator.sharding import create_partitioned, is_partitioned
+from psclient._core.failures import is_connection_error_type
 from psclient._core.partitioning import can_split, row_ranges, shard_count, shard_tasks
 from psclient._core.placement import Placer
 
 __all__ = ["VariableStore", "PerWorkerRegistry"]
+
+log = logging.getLogger("psclient")
 
 
 class VariableStore:
@@ -205,8 +209,22 @@ class PerWorkerRegistry:
         on workers that did not fail; after a ps recovery they read on from where
         they were); resources from `create_per_worker_resource` are rebuilt.
         """
+        import tensorflow as tf
+
         for value in self.values():
             if resources_only and isinstance(value, (PerWorkerDataset, PerWorkerIterator)):
                 continue
-            for index in range(value.num_workers) if worker is None else (worker,):
-                value.rebuild(index)
+            if worker is not None:
+                value.rebuild(worker)  # a rejoin: its failure is the rejoin's, retried by it
+                continue
+            for index in range(value.num_workers):
+                try:
+                    value.rebuild(index)
+                except tf.errors.OpError as error:
+                    if not is_connection_error_type(error):
+                        raise
+                    # A worker that is down (after a ps recovery, say) keeps its value
+                    # pending: it is built when the worker rejoins, or by the first
+                    # closure that needs it there. The other workers' go on.
+                    log.info("%s: worker %d did not answer (%s); its value is built when it is back",
+                             value.name, index, type(error).__name__)
