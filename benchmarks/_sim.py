@@ -359,9 +359,23 @@ class Harness:
                 self.injected.append(entry)
             (self.sim.kill if kind == "death" else self.sim.hang)(worker)
             back = self.config.restart_after if kind == "death" else self.config.resume_after
-            self._timer(back, functools.partial(self.sim.revive, worker))
+            self._timer(back, functools.partial(self._revive, worker, entry))
 
         self._timer(max(0.0, at - time.monotonic()), begin)
+
+    def _revive(self, worker: int, entry: dict) -> None:
+        now = time.monotonic()
+        if not any(t >= entry["at"] for t in self.scheduler.taken_out.get(worker, ())):
+            # Not taken out in time: what psclient saw of it, for the report.
+            device = self.sim.worker_device(worker)
+            entry["not_taken_out"] = {
+                "state": self.recovery._machine.workers[worker].name,  # noqa: SLF001 - diagnostics
+                "probe_waited_s": self.prober.overdue(device, now),
+                "since_answered_s": now - self.prober.answered_at(device),
+                "since_done_s": now - self.scheduler.last_done_times()[worker],
+                "probe_threads": self.prober.threads,
+            }
+        self.sim.revive(worker)
 
     def _timer(self, delay: float, fn) -> None:
         timer = threading.Timer(delay, fn)
@@ -387,6 +401,7 @@ class Harness:
                 "detected_s": None if out is None else round(out - at, 3),
                 "requeued_closures": len(reruns),
                 "rerun_elsewhere_s": round(max(reruns) - at, 3) if reruns else None,
+                **({"not_taken_out": entry["not_taken_out"]} if "not_taken_out" in entry else {}),
             })
         return report
 

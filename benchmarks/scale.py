@@ -7,6 +7,10 @@ worker's step time (10 ms by default, +-20% jitter, 5% of workers 3x slower);
 deaths and hangs are injected on workers and at times drawn from the seed.
 No TensorFlow is imported. Each size runs in its own subprocess, in phases:
 
+  own_path    psclient's own code per closure on one thread (Closure, Future,
+              submit, take, prepare, a no-op call, succeeded): no contention
+  scheduler_alone  one thread per worker taking closures from the Scheduler and
+              reporting them done at once (the issue's first measurement)
   fake_only   the same threads calling the fake step in a loop, no psclient:
               the simulation's own CPU per call (subtracted to estimate
               psclient's own share)
@@ -88,6 +92,60 @@ def fake_only(config, seconds: float) -> dict:
             "threads_left": sum(t.is_alive() for t in threads)}
 
 
+def scheduler_alone(workers: int, seconds: float) -> dict:
+    """The issue's first measurement: one thread per worker taking closures from
+    the real Scheduler and reporting them done at once (no calls, no dispatch)."""
+    from psclient._core.future import Future
+    from psclient._core.scheduler import Closure, Scheduler
+
+    scheduler = Scheduler(workers)
+
+    def dispatcher(worker):
+        while (closure := scheduler.take(worker)) is not None:
+            scheduler.succeeded(worker, closure, None)
+
+    threads = [threading.Thread(target=dispatcher, args=(w,), daemon=True) for w in range(workers)]
+    for t in threads:
+        t.start()
+    n, cpu0, t0 = 0, time.process_time(), time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        for _ in range(100):
+            scheduler.submit(Closure(None, (), {}, Future("f")))
+        n += 100
+        if n - scheduler.completed() > 2000:
+            scheduler.join(60)
+    scheduler.join(60)
+    wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
+    scheduler.close()
+    for t in threads:
+        t.join(30)
+    return {"closures_per_s": round(n / wall), "cpu_us_per_closure": round(cpu / n * 1e6, 2),
+            "wakeups_per_closure": round(scheduler.wakeups / n, 3),
+            "threads_left": sum(t.is_alive() for t in threads)}
+
+
+def own_path(workers: int, closures: int = 20000) -> dict:
+    """psclient's own code per closure, on one thread (no contention, no sleep):
+    Closure and Future, submit, take, the dispatcher's prepare and call of a
+    no-op function, succeeded (the future resolved). With `workers` workers."""
+    import _sim
+    from psclient._core.future import Future
+    from psclient._core.scheduler import Closure, Scheduler
+
+    scheduler = Scheduler(workers)
+    sim = _sim.SimCluster(_sim.SimConfig(workers=workers))
+    noop = lambda value: value  # noqa: E731 - the call, without its step
+    cpu0 = time.process_time()
+    for n in range(closures):
+        scheduler.submit(Closure(None, (n,), {}, Future("f")))
+        worker = n % workers
+        closure = scheduler.take(worker, timeout=0)
+        _, args, kwargs = sim.prepare(closure, worker)
+        scheduler.succeeded(worker, closure, sim.to_numpy(noop(*args, **kwargs)), attempt=closure.attempts)
+    cpu = time.process_time() - cpu0
+    return {"cpu_us_per_closure": round(cpu / closures * 1e6, 2), "closures": closures}
+
+
 def drive(harness, seconds: float, workers: int, sample) -> tuple[int, float, float]:
     """Submit closures for `seconds`, 2-3 per worker in flight. Returns
     (completed, wall s, process CPU s) over the window."""
@@ -102,7 +160,9 @@ def child(args) -> dict:
     config = _sim.SimConfig(workers=args.workers, seed=args.seed, step_s=args.step_ms / 1000,
                             hang_timeout=args.hang_timeout, resume_after=args.hang_timeout + 1.0,
                             pipeline_depth=1)
-    result: dict = {"workers": args.workers, "fake_only": fake_only(config, min(3.0, args.duration))}
+    result: dict = {"workers": args.workers, "own_path": own_path(args.workers),
+                    "scheduler_alone": scheduler_alone(args.workers, 3.0),
+                    "fake_only": fake_only(config, min(3.0, args.duration))}
     rss0 = _sim.rss_mib()
     harness = _sim.Harness(config)
     errors: list[str] = []

@@ -33,11 +33,13 @@ log = logging.getLogger("psclient")
 
 
 class _Probe:
-    __slots__ = ("device", "started_at", "done", "ok")
+    __slots__ = ("device", "started_at", "running_since", "done", "ok")
 
     def __init__(self, device: str, started_at: float):
         self.device = device
+        #: When it was asked for, and when a pool thread began it (None while queued).
         self.started_at = started_at
+        self.running_since: float | None = None
         self.done = threading.Event()
         self.ok = False
 
@@ -47,7 +49,7 @@ class Prober:
 
     def __init__(
         self, run_probe: Callable[[str], None], *, clock: Callable[[], float] = time.monotonic,
-        threads: int = 4, stuck_after: float = 0.5, idle_exit: float = 30.0,
+        threads: int = 4, stuck_after: float = 1.0, idle_exit: float = 30.0,
     ):
         # `run_probe(device)` returns if the task answered and raises otherwise.
         self._run_probe = run_probe
@@ -135,7 +137,9 @@ class Prober:
         """Start a thread if there are fewer than `threads`, or if every one is
         busy and some are stuck in a probe (one more per stuck probe)."""
         now = self._clock()
-        stuck = sum(now - p.started_at >= self._stuck_after for p in self._busy.values())
+        # Time inside the probe, not in the queue: a burst of heartbeats waiting
+        # their turn is no reason to grow.
+        stuck = sum(now - p.running_since >= self._stuck_after for p in self._busy.values())
         if len(self._threads) >= self._base + stuck:
             return
         thread = threading.Thread(target=self._serve, name=f"psclient-probe-{self.threads_started}",
@@ -162,6 +166,7 @@ class Prober:
                         self._threads.discard(me)  # an extra thread with nothing to do
                         return
                 probe = self._requests.popleft()
+                probe.running_since = self._clock()
                 self._busy[me] = probe
             self._run(probe)
 
