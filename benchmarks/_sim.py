@@ -299,28 +299,24 @@ class Harness:
         )
         self.recovery.start()
 
-    def submit(self, count: int, outstanding: threading.Semaphore | None = None, *,
-               counted: bool = False) -> list[Future]:
-        """Schedule `count` closures (each returns its own number); with a semaphore, one
-        permit per closure in flight, given back when its future resolves."""
+    def submit(self, count: int, *, counted: bool = False) -> list[Future]:
+        """Schedule `count` closures, each returning its own number (`counted`: in
+        submit_for's count of closures in flight). From one thread at a time."""
         futures = []
-        if counted:
-            outstanding = True
         for _ in range(count):
-            if outstanding is not None and outstanding is not True:
-                outstanding.acquire()
             future = Future("sim_step")
             n = self.submitted
             self.submitted += 1
             self.resolutions.append(0)
-            future.add_done_callback(functools.partial(self._resolved, n, outstanding))
+            future.add_done_callback(functools.partial(self._resolved, n, counted))
             futures.append(future)
             self.scheduler.submit(Closure(None, (n,), {}, future))
         return futures
 
     def submit_for(self, seconds: float, high: int, low: int, sample=None) -> None:
         """Keep between `low` and `high` closures in flight for `seconds`: refill to
-        `high` whenever they fall to `low` (the queue never runs dry)."""
+        `high` whenever they fall to `low` (this thread is woken once per batch,
+        not per completion)."""
         end = time.monotonic() + seconds
         self._low_water = low
         while True:
@@ -336,18 +332,16 @@ class Harness:
             if sample is not None:
                 sample()
 
-    def _resolved(self, n: int, outstanding, future: Future) -> None:
+    def _resolved(self, n: int, counted: bool, future: Future) -> None:
         if future.cancelled() or future.exception() is not None or future.result() != n:
             self.wrong += 1
         else:
             self.resolutions[n] = min(255, self.resolutions[n] + 1)
-        if outstanding is True:
+        if counted:
             with self._flight:
                 self._in_flight -= 1
                 if self._in_flight == self._low_water:
                     self._flight.notify()
-        elif outstanding is not None:
-            outstanding.release()
 
     # ------------------------------------------------------------- failures
     def inject(self, kind: str, worker: int, at: float) -> None:
