@@ -54,3 +54,37 @@ def test_close_names_the_probes_still_hanging():
     assert prober.close(timeout=0.05) == ["w0"]
     release.set()
     assert prober.close(timeout=10) == []
+
+
+def test_probes_reuse_a_small_pool_of_threads():
+    prober = Prober(lambda device: None, threads=2)
+    for _ in range(50):
+        for worker in range(20):
+            assert prober.answers(f"w{worker}", timeout=10)
+    assert prober.threads_started <= 2
+    assert prober.threads <= 2
+    assert prober.close(timeout=10) == []
+    assert prober.threads == 0
+
+
+def test_a_hung_probe_gets_one_more_thread_and_does_not_hold_up_the_others():
+    clock = FakeClock()
+    release, entered = threading.Event(), threading.Event()
+
+    def run_probe(device):
+        if device == "hung":
+            entered.set()
+            release.wait(30)
+
+    prober = Prober(run_probe, clock=clock, threads=1, stuck_after=0.5)
+    hung = prober.start("hung")
+    assert entered.wait(10)  # the pool's only thread is inside it
+    clock.now = 1.0  # the only thread has been inside that probe for 1 s: stuck
+    assert prober.answers("w1", timeout=10)  # served by one more thread
+    assert prober.threads_started == 2
+    assert prober.answers("w2", timeout=10)
+    assert prober.threads_started == 2  # no thread per probe
+    assert prober.close(timeout=0.05) == ["hung"]
+    release.set()
+    assert hung.done.wait(10) and hung.ok
+    assert prober.close(timeout=10) == []

@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import threading
+import time
 
 import pytest
 
@@ -309,3 +310,105 @@ def test_requeue_running_abandons_every_running_attempt_but_keeps_workers_up():
     assert not b.future.done()
     assert s.queued() == [a, b]
     assert s.wait_idle(timeout=0)
+
+
+# ------------------------------------------------------- wakeups (issue 15)
+def _wait_until(predicate, what, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def _takers(s, workers):
+    taken = []
+
+    def take(worker):
+        closure = s.take(worker, timeout=30)
+        if closure is not None:
+            taken.append((worker, closure))
+
+    threads = [threading.Thread(target=take, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    return threads, taken
+
+
+def test_a_submit_wakes_one_waiting_dispatcher_and_a_completion_wakes_none():
+    s = Scheduler(num_workers=50)
+    threads, taken = _takers(s, range(50))
+    _wait_until(lambda: s.waiting_threads() == (50, 0), "50 waiting dispatchers")
+    c = make()
+    s.submit(c)
+    _wait_until(lambda: taken, "a dispatcher to take the closure")
+    assert s.wakeups == 1
+    worker, closure = taken[0]
+    s.succeeded(worker, closure, "v")
+    assert c.future.result(timeout=0) == "v"
+    assert s.wakeups == 1  # the completion woke nobody
+    assert s.waiting_threads() == (49, 0)  # the other 49 never left their wait
+    s.close()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_a_down_workers_dispatcher_is_never_woken_until_it_is_back():
+    s = Scheduler(num_workers=2)
+    s.worker_lost(0)
+    threads, taken = _takers(s, [0])
+    _wait_until(lambda: s.waiting_threads() == (0, 1), "worker 0's dispatcher parked")
+    s.submit(make("a"))
+    assert s.wakeups == 0 and not taken  # nobody who can take it is waiting
+    assert s.take(1, timeout=0).name == "a"
+    s.submit(make("b"))
+    s.worker_up(0)
+    _wait_until(lambda: taken, "worker 0's dispatcher to take 'b'")
+    assert taken[0][0] == 0 and taken[0][1].name == "b"
+    assert s.wakeups == 1
+    for t in threads:
+        t.join(10)
+
+
+def test_wakeups_per_closure_stay_flat_with_many_idle_dispatchers():
+    s = Scheduler(num_workers=200)
+    stop = threading.Event()
+
+    def dispatcher(worker):
+        while not stop.is_set():
+            closure = s.take(worker, timeout=30)
+            if closure is None:
+                return
+            s.succeeded(worker, closure, None)
+
+    threads = [threading.Thread(target=dispatcher, args=(w,)) for w in range(200)]
+    for t in threads:
+        t.start()
+    _wait_until(lambda: s.waiting_threads()[0] == 200, "200 waiting dispatchers")
+    for _ in range(500):
+        s.submit(make())
+    assert s.join(timeout=60)
+    # At most one wakeup per closure (a busy dispatcher takes queued work without one).
+    assert s.wakeups <= 500
+    assert s.completed() == 500 and s.running() == 0
+    stop.set()
+    s.close()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_latency_summary_matches_a_sort_of_the_recent_window():
+    import random
+
+    from psclient._core.worker_stats import LATENCY_WINDOW, WorkerStats
+
+    rng = random.Random(0)
+    stats = WorkerStats()
+    values = [rng.expovariate(10) for _ in range(LATENCY_WINDOW * 2 + 77)]
+    for v in values:
+        stats.record_latency(v)
+    window = sorted(values[-LATENCY_WINDOW:])
+    summary = stats.summary()
+    assert summary["latency_mean_s"] == pytest.approx(sum(window) / len(window), rel=1e-9)
+    assert summary["latency_p99_s"] == window[int(0.99 * len(window))]

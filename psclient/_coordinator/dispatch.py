@@ -44,10 +44,13 @@ class Dispatcher:
         report: Callable[[Any], None],
         release_timeout: float,
         iterators: Any,
+        edge: Any = _runtime,
     ):
         # `prepare(closure, worker)` -> (function, args, kwargs) for that worker;
         # `probes`: a `FailureProbes`; `report(event)` posts to the recovery thread;
-        # `iterators`: the `PerWorkerRegistry`, to renew a worker's cancelled iterators.
+        # `iterators`: the `PerWorkerRegistry`, to renew a worker's cancelled iterators;
+        # `edge`: what is asked of TensorFlow (`runtime.EDGE_NAMES`), a fake in benchmarks/scale.py.
+        self._edge = edge
         self._scheduler = scheduler
         self._prepare = prepare
         self._probes = probes
@@ -83,12 +86,8 @@ class Dispatcher:
         return sum(t.is_alive() for t in self._threads)
 
     def _run(self, worker: int) -> None:
-        import tensorflow as tf
-
-        device = _runtime.worker_device(worker)
-        # The worker index TF's experimental_get_current_worker_index() reads
-        # in a scheduled function: this thread only ever calls this worker.
-        with tf.device(device), _runtime.worker_index_scope(worker):
+        device = self._edge.worker_device(worker)
+        with self._edge.device_scope(device, worker):
             while True:
                 closure = self._scheduler.take(worker)
                 if closure is None:
@@ -100,18 +99,16 @@ class Dispatcher:
         iterators_generation = self._iterators.generation(worker)
         try:
             fn, args, kwargs = self._prepare(closure, worker)
-            value = _runtime.to_numpy(fn(*args, **kwargs))
+            value = self._edge.to_numpy(fn(*args, **kwargs))
         except Exception as error:  # noqa: BLE001 - every error of the user's function is routed to its future
             self._failed(worker, device, closure, attempt, error, iterators_generation)
         else:
             self._scheduler.succeeded(worker, closure, value, attempt=attempt)
 
     def _renew_iterators(self, worker: int, seen_generation: int) -> None:
-        import tensorflow as tf
-
         try:
             renewed = self._iterators.renew_iterators(worker, seen_generation)
-        except tf.errors.OpError as error:  # the worker went away too: its rejoin rebuilds them
+        except self._edge.op_error() as error:  # the worker went away too: its rejoin rebuilds them
             log.warning("worker %d: could not make its cancelled iterators again (%s)", worker, error)
             return
         if renewed:
@@ -157,7 +154,7 @@ class Dispatcher:
             if not self._scheduler.wait_released(worker, closure, attempt, self._release_timeout):
                 self._scheduler.failed(worker, closure, error, retry=True, attempt=attempt)
         elif verdict is Verdict.FUNCTION_ERROR:
-            named = _runtime.name_error(error, closure.name, device)
+            named = self._edge.name_error(error, closure.name, device)
             self._scheduler.failed(worker, closure, named, retry=False, attempt=attempt)
         else:
             if verdict is Verdict.PS_LOST:

@@ -83,7 +83,8 @@ class FailureProbes:
     """Bounded probes a dispatcher makes to classify a failed call."""
 
     def __init__(self, cluster: Cluster, prober: Prober, scheduler: Scheduler, published: _Published,
-                 probe_timeout: float):
+                 probe_timeout: float, edge: Any = _runtime):
+        self._edge = edge
         self._cluster = cluster
         self._prober = prober
         self._scheduler = scheduler
@@ -97,25 +98,39 @@ class FailureProbes:
         on a healthy task for a moment; a dead task fails every probe. A probe
         that times out is not repeated: the task is hung.
         """
+        return not self._not_answering({device: device}, attempts, spacing)
+
+    def _not_answering(self, devices: dict, attempts: int = 3, spacing: float = 0.2) -> list:
+        """The keys of `devices` whose task answers none of a few probes.
+
+        Every task is probed at once, against one deadline per round, so
+        judging a thousand workers takes one probe's time, not a thousand.
+        """
+        pending, silent = dict(devices), []
         for attempt in range(attempts):
+            if not pending:
+                break
             if attempt:
                 time.sleep(spacing)  # spacing between probes, not synchronisation
-            probe = self._prober.start(device)
-            if not probe.done.wait(self._probe_timeout):
-                return False
-            if probe.ok:
-                return True
-        return False
+            probes = {key: self._prober.start(device) for key, device in pending.items()}
+            deadline = time.monotonic() + self._probe_timeout
+            failed = {}
+            for key, probe in probes.items():
+                if not probe.done.wait(max(0.0, deadline - time.monotonic())):
+                    silent.append(key)  # timed out: hung, not asked again
+                elif not probe.ok:
+                    failed[key] = pending[key]
+            pending = failed
+        return silent + list(pending)
 
     def lost_ps(self) -> tuple:
         """The ps tasks that do not answer (those known lost without probing)."""
         known = self._published.ps_down
         if known:
             return tuple(sorted(known))
-        return tuple(
-            ps for ps in range(self._cluster.num_ps)
-            if not self.answers(_runtime.ps_device(ps).rsplit("/device:", 1)[0])
-        )
+        return tuple(sorted(self._not_answering(
+            {ps: self._edge.ps_device(ps).rsplit("/device:", 1)[0] for ps in range(self._cluster.num_ps)}
+        )))
 
     def worker_answers(self, worker: int) -> bool:
         """Whether `worker` answers, or cannot be judged yet.
@@ -124,20 +139,19 @@ class FailureProbes:
         ones fail too: while one is there (its TCP connect is refused), this
         worker is not judged; the gone one is (see `lost_workers`).
         """
-        if self.answers(_runtime.worker_device(worker)):
+        if self.answers(self._edge.worker_device(worker)):
             return True
         return any(
-            w != worker and _runtime.tcp_state(self._cluster.address("worker", w), 1.0) == "closed"
+            w != worker and self._edge.tcp_state(self._cluster.address("worker", w), 1.0) == "closed"
             for w in self._published.view
         )
 
     def lost_workers(self, worker: int) -> list[int]:
         """The other workers in rotation that do not answer."""
-        return [
-            other for other in range(self._cluster.num_workers)
+        return sorted(self._not_answering({
+            other: self._edge.worker_device(other) for other in range(self._cluster.num_workers)
             if other != worker and self._scheduler.worker_is_up(other)
-            and not self.answers(_runtime.worker_device(other))
-        ]
+        }))
 
     def epochs(self) -> tuple:
         return self._published.epochs
@@ -161,7 +175,10 @@ class Recovery:
         retrace: Callable[[], None],
         connect: Callable[[list], None],
         clock: Callable[[], float] = time.monotonic,
+        edge: Any = _runtime,
     ):
+        # `edge`: what is asked of TensorFlow (`runtime.EDGE_NAMES`), a fake in benchmarks/scale.py.
+        self._edge = edge
         self.config = config
         self._cluster = cluster
         self._scheduler = scheduler
@@ -184,7 +201,7 @@ class Recovery:
             checkpoint_while_hung=config.checkpoint_while_hung,
         ), clock())
         self._published = _Published(cluster.num_workers)
-        self.probes = FailureProbes(cluster, prober, scheduler, self._published, config.probe_timeout)
+        self.probes = FailureProbes(cluster, prober, scheduler, self._published, config.probe_timeout, edge)
         self._inbox: queue.Queue = queue.Queue()
         self.broken: BaseException | None = None
         self.ps_stats = [PSStats() for _ in range(cluster.num_ps)]
@@ -246,7 +263,7 @@ class Recovery:
         """Workers in TF's view that may hang (TCP not refused): no reconnect while any."""
         return [
             w for w in self._machine.blocking()
-            if _runtime.tcp_state(self._cluster.address("worker", w), 1.0) != "closed"
+            if self._edge.tcp_state(self._cluster.address("worker", w), 1.0) != "closed"
         ]
 
     # ------------------------------------------------------------ the thread
@@ -303,20 +320,31 @@ class Recovery:
         now = self._clock()
         events: list = []
         machine = self._machine
+        interval = self.config.interval
+        # (The scheduler, the prober and this thread read the same monotonic clock.)
+        last_done = self._scheduler.last_done_times()
         for worker, state in enumerate(machine.workers):
-            device = _runtime.worker_device(worker)
+            device = self._edge.worker_device(worker)
             if state is rm.TaskState.UP:
                 waited = self._prober.overdue(device, now)
                 if waited is None:
-                    self._prober.start(device)  # the heartbeat: one round trip per round
-                else:
-                    events.append(rm.ProbeOverdue(worker, waited))
+                    # The heartbeat: one round trip per round, unless a closure
+                    # finished there within the round (that is a sign of life too).
+                    if now - last_done[worker] >= interval:
+                        self._prober.start(device)
+                    continue
+                # Silent since its last sign of life (an answer, a finished
+                # closure), counted from at most one round before this probe.
+                life = max(self._prober.answered_at(device), last_done[worker])
+                if life != float("-inf"):
+                    waited = min(now - life, waited + interval)
+                events.append(rm.ProbeOverdue(worker, waited))
             elif state is not rm.TaskState.REJOINING:
                 pending = self._prober.overdue(device, now) is not None
-                tcp = _runtime.tcp_state(self._cluster.address("worker", worker), 1.0)
+                tcp = self._edge.tcp_state(self._cluster.address("worker", worker), 1.0)
                 events.append(rm.WorkerSeen(worker, tcp, pending))
         for ps in machine.lost_ps():
-            events.append(rm.PsSeen(ps, _runtime.tcp_state(self._cluster.address("ps", ps), 1.0)))
+            events.append(rm.PsSeen(ps, self._edge.tcp_state(self._cluster.address("ps", ps), 1.0)))
         events.append(rm.Tick(running=self._scheduler.running(), completed=self._scheduler.completed()))
         return events
 
@@ -385,7 +413,7 @@ class Recovery:
         if isinstance(action, rm.Reconnect):
             return self._reconnect(action)
         if isinstance(action, rm.CheckAnswers):
-            if not self.probes.answers(_runtime.worker_device(action.worker)):
+            if not self.probes.answers(self._edge.worker_device(action.worker)):
                 log.info("worker %d accepts connections but does not answer yet; retrying", action.worker)
                 return False
             return True
@@ -413,7 +441,7 @@ class Recovery:
         """Every named worker (but the returning one) must answer first: TF's
         `update_server_def` waits for good on a task that does not."""
         probes = {
-            worker: self._prober.start(_runtime.worker_device(worker))
+            worker: self._prober.start(self._edge.worker_device(worker))
             for worker in action.workers if worker != action.returning
         }
         deadline = time.monotonic() + min(2.0, self.config.probe_timeout)
@@ -422,7 +450,7 @@ class Recovery:
             # Any answer, even an error, means the process is there; an error
             # can come from the stale view this reconnect replaces.
             answered = probe.done.wait(max(0.0, deadline - time.monotonic()))
-            state = _runtime.tcp_state(self._cluster.address("worker", worker), 1.0)
+            state = self._edge.tcp_state(self._cluster.address("worker", worker), 1.0)
             if not (answered and (probe.ok or state == "open")):
                 refused[worker] = state
         if refused:

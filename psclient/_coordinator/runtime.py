@@ -3,6 +3,14 @@
 Everything here is a thin call into TF's own gRPC runtime (eager remote
 execution): connecting the coordinator to the task servers, naming devices,
 turning outputs into numpy values. Nothing here decides policy.
+
+The dispatcher and the recovery thread take this module as their `edge`
+argument (the default) and use only `EDGE_NAMES` of it, so another object
+with those names can stand in for TensorFlow: `benchmarks/scale.py` drives
+the real scheduler, dispatch, probes and recovery through a simulated cluster
+that way. Calls themselves go through the `prepare` callable given to the
+dispatcher, probes through the prober's `run_probe`, connects through
+recovery's `connect`.
 """
 
 from __future__ import annotations
@@ -40,9 +48,15 @@ __all__ = [
     "worker_index_scope",
     "closure_input_error",
     "closure_input_error_type",
+    "device_scope",
+    "op_error",
 ]
 
 log = logging.getLogger("psclient")
+
+#: What `Dispatcher` and `Recovery` use of their `edge` (this module by default).
+EDGE_NAMES = ("worker_device", "ps_device", "tcp_state", "device_scope", "to_numpy", "name_error",
+              "op_error")
 
 #: The job name the coordinator takes in the cluster (TF's convention).
 COORDINATOR_JOB = "chief"
@@ -310,6 +324,26 @@ def renew_variable_handle(variable: Any, device: str) -> None:
             name=variable.name.split(":")[0], graph_mode=False,
         )
     variable._handle = handle  # noqa: SLF001
+
+
+@contextlib.contextmanager
+def device_scope(device: str, worker: int):
+    """Ops and calls made inside run on `device`, as worker `worker`'s (a dispatcher thread's whole life).
+
+    Also TF's worker index (`experimental_get_current_worker_index()` in a
+    scheduled function): this thread only ever calls this worker.
+    """
+    import tensorflow as tf
+
+    with tf.device(device), worker_index_scope(worker):
+        yield
+
+
+def op_error() -> type:
+    """The base class of the errors TF's runtime raises for a failed op or call."""
+    import tensorflow as tf
+
+    return tf.errors.OpError
 
 
 def to_numpy(outputs: Any) -> Any:

@@ -1,0 +1,69 @@
+"""Per-worker counts and recent latencies for `stats()`. Pure logic.
+
+Every update is O(log n) at most and `summary()` is O(1), so `stats()` stays
+cheap with thousands of workers (it used to sort every worker's latencies).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+
+__all__ = ["WorkerStats", "LATENCY_WINDOW"]
+
+#: Latencies kept per worker for stats().
+LATENCY_WINDOW = 2048
+
+
+@dataclasses.dataclass
+class WorkerStats:
+    done: int = 0
+    failed: int = 0
+    retried: int = 0
+    in_flight: int = 0
+    up: bool = True
+    #: Times the worker was taken out (died, unreachable, hung) and came back.
+    failures: int = 0
+    rejoins: int = 0
+    #: Seconds from the first sign of the last failure to taking the worker out,
+    #: and from the worker answering again to it taking work.
+    last_detection_s: float | None = None
+    last_recovery_s: float | None = None
+    # Recent latencies only, so memory stays flat however long training runs:
+    # in arrival order (to forget the oldest) and sorted (so summary() reads
+    # the p99 without sorting: stats() stays cheap at thousands of workers).
+    latencies: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=LATENCY_WINDOW)
+    )
+    _sorted: list = dataclasses.field(default_factory=list, repr=False)
+    _sum: float = dataclasses.field(default=0.0, repr=False)
+
+    def record_latency(self, seconds: float) -> None:
+        """Keep `seconds` among the recent latencies (O(log n) search, one memmove)."""
+        window = self.latencies
+        if len(window) == window.maxlen:
+            oldest = window[0]
+            del self._sorted[bisect.bisect_left(self._sorted, oldest)]
+            self._sum -= oldest
+        window.append(seconds)
+        bisect.insort(self._sorted, seconds)
+        self._sum += seconds
+
+    def summary(self) -> dict:
+        lat = self._sorted
+        mean = max(0.0, self._sum / len(lat)) if lat else None
+        p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None
+        return {
+            "done": self.done,
+            "failed": self.failed,
+            "retried": self.retried,
+            "in_flight": self.in_flight,
+            "up": self.up,
+            "failures": self.failures,
+            "rejoins": self.rejoins,
+            "last_detection_s": self.last_detection_s,
+            "last_recovery_s": self.last_recovery_s,
+            "latency_mean_s": mean,
+            "latency_p99_s": p99,
+        }
