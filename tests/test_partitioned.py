@@ -262,15 +262,30 @@ def test_embedding_lookup_gathers_each_shard_on_its_ps(cluster):
         np.testing.assert_array_equal(lookup(ids).numpy(), np.take(layer.embeddings.numpy(), ids, axis=0))
 
 
-def test_recommended_partitioner_balances_the_issue_model(cluster):
-    """Dense(256) on 256 inputs + Dense(10), Adam slots, 2 ps: within 1.25x by bytes."""
-    partitioner = partitioners.MinSizePartitioner(min_shard_bytes=128 << 10, max_shards=2)
-    with connected(cluster, variable_partitioner=partitioner) as strategy:
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256), keras.layers.Dense(10)])
-            optimizer = keras.optimizers.Adam(1e-3)
-            optimizer.build(model.trainable_variables)
-        report = strategy.placement()
+def issue_model_placement(strategy):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256), keras.layers.Dense(10)])
+        optimizer = keras.optimizers.Adam(1e-3)
+        optimizer.build(model.trainable_variables)
+    return model, optimizer, strategy.placement()
+
+
+@pytest.mark.parametrize("setting", ["default", "auto", "explicit"])
+def test_default_partitioner_balances_the_issue_model(cluster, setting):
+    """Dense(256) on 256 inputs + Dense(10), Adam slots, 2 ps: within 1.25x by bytes.
+
+    The default ("auto") is MinSizePartitioner(min_shard_bytes=128 KiB, max_shards=num_ps),
+    the same as passing it explicitly.
+    """
+    kwargs = {"default": {}, "auto": {"variable_partitioner": "auto"},
+              "explicit": {"variable_partitioner": partitioners.MinSizePartitioner(
+                  min_shard_bytes=128 << 10, max_shards=2)}}[setting]
+    with connected(cluster, **kwargs) as strategy:
+        if setting != "explicit":
+            assert isinstance(strategy.variable_partitioner, partitioners.MinSizePartitioner)
+            assert strategy.variable_partitioner(tf.TensorShape([32, 1024]), tf.float32) == [1, 1]  # 128 KiB
+            assert strategy.variable_partitioner(tf.TensorShape([33, 1024]), tf.float32) == [2, 1]
+        model, optimizer, report = issue_model_placement(strategy)
         loads = report["bytes_per_ps"]
         assert max(loads) / min(loads) <= 1.25, loads
         kernel = model.layers[0].kernel
@@ -284,6 +299,16 @@ def test_recommended_partitioner_balances_the_issue_model(cluster):
         assert len(shard_tasks(model.layers[0].bias)) == 1
         for variable, m, v in zip(model.trainable_variables, optimizer._momentums, optimizer._velocities):
             assert shard_tasks(m) == shard_tasks(v) == shard_tasks(variable), variable.path
+
+
+def test_variable_partitioner_none_keeps_every_variable_whole(cluster):
+    with connected(cluster, variable_partitioner=None) as strategy:
+        assert strategy.variable_partitioner is None
+        model, _optimizer, report = issue_model_placement(strategy)
+        assert all(entry["part"] is None for entry in report["variables"]), report["variables"]
+        assert len(shard_tasks(model.layers[0].kernel)) == 1
+        # Whole variables cannot balance this model: the kernel and its two slots on one ps.
+        assert max(report["bytes_per_ps"]) == 3 * 256 * 256 * 4, report["bytes_per_ps"]
 
 
 def test_checkpoint_round_trip_saves_full_values(cluster, tmp_path):
@@ -359,6 +384,8 @@ def test_model_save_writes_full_weights_load_model_reads_without_cluster(cluster
 def test_bad_partitioners_name_the_variable(cluster):
     with pytest.raises(TypeError, match="variable_partitioner=3 of type int"):
         psclient.ParameterServerStrategy(cluster, variable_partitioner=3)
+    with pytest.raises(ValueError, match="variable_partitioner='min'. Expected \"auto\""):
+        psclient.ParameterServerStrategy(cluster, variable_partitioner="min")
     offered = []
 
     def partitioner(shape, dtype):
