@@ -162,9 +162,11 @@ class ParameterServerStrategy:
         # What recovery works with: narrow collaborators, none of which holds
         # this strategy, so a forgotten strategy is collected (its finalizer
         # shuts it down) and its threads never keep it alive.
-        if isinstance(variable_partitioner, str):  # "auto"
+        auto = isinstance(variable_partitioner, str)  # "auto"
+        if auto:
             variable_partitioner = _default_partitioner(cluster.num_ps)
-        self._store = VariableStore(cluster.num_ps, variable_partitioner)
+        # With one ps task the default never splits anything: it is not even asked.
+        self._store = VariableStore(cluster.num_ps, None if auto and cluster.num_ps == 1 else variable_partitioner)
         self._variable_partitioner = variable_partitioner
         self._per_worker = PerWorkerRegistry()
         self._tracer = Tracer(self._store.create)
