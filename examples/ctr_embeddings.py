@@ -4,8 +4,9 @@ The kind of model parameter servers are for: many categorical features (user,
 ad, site, ...), each a raw 40-bit id hashed into a large embedding table, plus
 a few dense features. Trained with an ordinary `model.fit` on a local cluster
 (2 workers, 2 ps on 127.0.0.1); the big tables are split in two, one shard per
-ps, by psclient's default partitioner; lookups gather each shard's rows on its
-ps and Adagrad updates only the rows a batch touched, there.
+ps, by psclient's recommended partitioner (`variable_partitioner="auto"`);
+lookups gather each shard's rows on its ps and Adagrad updates only the rows a
+batch touched, there.
 
 The clicks are synthetic, drawn offline (seeded) from a KNOWN generating model:
 
@@ -185,10 +186,10 @@ def main(argv=None) -> int:
     keras.utils.set_random_seed(args.seed)
     print(f"Starting a local cluster: {args.workers} workers, {args.ps} ps (127.0.0.1 only) ...", flush=True)
     with psclient.LocalCluster(num_workers=args.workers, num_ps=args.ps) as cluster:
-        # The default partitioner splits every variable of more than 128 KiB
-        # into one shard per ps; None keeps each variable whole on one ps.
-        kwargs = {"variable_partitioner": None} if args.no_partition else {}
-        strategy = psclient.ParameterServerStrategy(cluster.cluster, **kwargs)
+        # "auto" splits every variable of more than 128 KiB into one shard per
+        # ps; None (the default) keeps each variable whole on one ps.
+        strategy = psclient.ParameterServerStrategy(
+            cluster.cluster, variable_partitioner=None if args.no_partition else "auto")
         try:
             with strategy.scope():
                 model = build_model(keras, args.rows, args.dim)

@@ -46,8 +46,8 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 @pytest.fixture(scope="module")
 def strategy():
     with LocalCluster(num_workers=1, num_ps=2) as local:
-        # Whole variables: this module reads the data path of unpartitioned
-        # ones (partitioned ones, the default with 2 ps: tests/test_partitioned.py).
+        # Whole variables, said explicitly: this module reads the data path of
+        # unpartitioned ones (partitioned ones: tests/test_partitioned.py).
         s = ParameterServerStrategy(local.cluster, variable_partitioner=None)
         yield s
         s.shutdown()

@@ -25,15 +25,13 @@ def test_variables_in_scope_live_on_ps(strategy):
     assert strategy.placement()["bytes_per_ps"][0] >= 48
 
 
-def test_default_partitioner_splits_nothing_with_one_ps(strategy):
-    """The default ("auto") is MinSizePartitioner(128 KiB, max_shards=num_ps): with one ps, nothing to split."""
-    partitioner = strategy.variable_partitioner
-    assert isinstance(partitioner, tf.distribute.experimental.partitioners.MinSizePartitioner)
-    assert partitioner(tf.TensorShape([1000, 1000]), tf.float32) == [1, 1]
+def test_no_partitioner_by_default(strategy):
+    """variable_partitioner=None by default: a large variable stays one tf.Variable on one ps."""
+    assert strategy.variable_partitioner is None
     with strategy.scope():
-        big = tf.Variable(tf.zeros([1000, 100]), name="big_on_one_ps")  # 400 KB
+        big = tf.Variable(tf.zeros([1000, 100]), name="big_whole")  # 400 KB
     assert isinstance(big, tf.Variable) and "/job:ps/replica:0/task:0/" in big.device
-    entry = [p for p in strategy.placement()["variables"] if p["name"] == "big_on_one_ps:0"][0]
+    entry = [p for p in strategy.placement()["variables"] if p["name"] == "big_whole:0"][0]
     assert entry["part"] is None and entry["nbytes"] == 400_000
 
 

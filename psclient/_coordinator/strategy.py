@@ -29,7 +29,7 @@ from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
 from psclient._coordinator.tracing import Tracer
 from psclient._coordinator.updates import place_updates_on_ps
 from psclient._core.checks import check_positive
-from psclient._core.partitioning import DEFAULT_MIN_SHARD_BYTES
+from psclient._core.partitioning import AUTO_MIN_SHARD_BYTES
 from psclient._core.errors import StrategyClosedError
 from psclient._core.future import Future
 from psclient._core.health import Prober
@@ -73,16 +73,17 @@ class ParameterServerStrategy:
       ps_timeout: how long to wait for a lost ps task to come back (with a
         `checkpoint_dir`) before failing with `PSUnavailableError`.
       variable_partitioner: how variables are split into shards along axis 0,
-        one shard per ps task. "auto" (the default): TF's
+        one shard per ps task. None (the default): every variable whole on
+        one ps task. "auto", the recommended setting where a variable is too
+        big for one ps or the ps tasks run on separate machines: TF's
         `tf.distribute.experimental.partitioners.MinSizePartitioner(
-        min_shard_bytes=128 << 10, max_shards=num_ps)`, so variables under
-        256 KiB stay whole and larger ones are split over up to `num_ps`
-        tasks (with one ps task nothing is split). None: every variable whole
-        on one ps task. Or any callable `(shape, dtype) -> shards per axis`
+        min_shard_bytes=128 << 10, max_shards=num_ps)`, so variables of at
+        most 128 KiB stay whole and larger ones are split over up to
+        `num_ps` tasks. Or any callable `(shape, dtype) -> shards per axis`
         (TF's `MinSizePartitioner`, `MaxSizePartitioner`,
         `FixedShardsPartitioner`...). Shards sit on consecutive ps tasks;
         scalars and single-row variables are never offered to it. See README
-        "Partitioned variables".
+        "Partitioned variables" (and why "auto" is not the default).
 
     Only one strategy may be connected per process at a time (TF's eager
     context is global); `shutdown()` one before creating the next.
@@ -102,21 +103,21 @@ class ParameterServerStrategy:
         hang_timeout: float = 30.0,
         worker_timeout: float = 300.0,
         ps_timeout: float = 300.0,
-        variable_partitioner: Callable | str | None = "auto",
+        variable_partitioner: Callable | str | None = None,
     ):
         cluster = Cluster.coerce(cluster)
         if isinstance(variable_partitioner, str) and variable_partitioner != "auto":
             raise ValueError(
                 "Invalid value for argument `variable_partitioner`. Received: "
-                f"variable_partitioner={variable_partitioner!r}. Expected \"auto\" (the default), None "
-                "(no partitioning) or a callable (shape, dtype) -> shards per axis."
+                f"variable_partitioner={variable_partitioner!r}. Expected None (the default, no "
+                "partitioning), \"auto\" or a callable (shape, dtype) -> shards per axis."
             )
         if not (variable_partitioner is None or isinstance(variable_partitioner, str) or callable(variable_partitioner)):
             raise TypeError(
                 "Invalid value for argument `variable_partitioner`. Received: "
                 f"variable_partitioner={variable_partitioner!r} of type "
-                f"{type(variable_partitioner).__name__}. Expected \"auto\" (the default), None (no "
-                "partitioning) or a callable (shape, dtype) -> shards per axis, e.g. "
+                f"{type(variable_partitioner).__name__}. Expected None (the default, no partitioning), "
+                "\"auto\" or a callable (shape, dtype) -> shards per axis, e.g. "
                 "tf.distribute.experimental.partitioners.MinSizePartitioner(...)."
             )
         for name, value, integer in (
@@ -162,11 +163,9 @@ class ParameterServerStrategy:
         # What recovery works with: narrow collaborators, none of which holds
         # this strategy, so a forgotten strategy is collected (its finalizer
         # shuts it down) and its threads never keep it alive.
-        auto = isinstance(variable_partitioner, str)  # "auto"
-        if auto:
-            variable_partitioner = _default_partitioner(cluster.num_ps)
-        # With one ps task the default never splits anything: it is not even asked.
-        self._store = VariableStore(cluster.num_ps, None if auto and cluster.num_ps == 1 else variable_partitioner)
+        if isinstance(variable_partitioner, str):  # "auto"
+            variable_partitioner = _recommended_partitioner(cluster.num_ps)
+        self._store = VariableStore(cluster.num_ps, variable_partitioner)
         self._variable_partitioner = variable_partitioner
         self._per_worker = PerWorkerRegistry()
         self._tracer = Tracer(self._store.create)
@@ -261,7 +260,7 @@ class ParameterServerStrategy:
 
     @property
     def variable_partitioner(self) -> Callable | None:
-        """The partitioner in use (with "auto", the default `MinSizePartitioner`), or None."""
+        """The partitioner in use (with "auto", the recommended `MinSizePartitioner`), or None."""
         return self._variable_partitioner
 
     def placement(self) -> dict:
@@ -498,12 +497,12 @@ def _prepare(closure: Closure, worker: int) -> tuple:
     return closure.fn, args, kwargs
 
 
-def _default_partitioner(num_ps: int) -> Callable:
+def _recommended_partitioner(num_ps: int) -> Callable:
     """`variable_partitioner="auto"`: TF's MinSizePartitioner, 128 KiB, one shard per ps at most."""
     import tensorflow as tf
 
     return tf.distribute.experimental.partitioners.MinSizePartitioner(
-        min_shard_bytes=DEFAULT_MIN_SHARD_BYTES, max_shards=num_ps)
+        min_shard_bytes=AUTO_MIN_SHARD_BYTES, max_shards=num_ps)
 
 
 def _leave(strategy: ParameterServerStrategy) -> None:

@@ -17,10 +17,10 @@ psclient splits along axis 0 only, like TF's `ShardedVariable`:
   which asks for the task of the reference's first shard) gets every shard
   beside the reference's shard of the same rows.
 - `min_size_shards` is the arithmetic of TF's `MinSizePartitioner`, used by
-  tests and the documented default.
+  tests and the documented recommendation.
 
-The default (`variable_partitioner="auto"`) is TF's `MinSizePartitioner` with
-`DEFAULT_MIN_SHARD_BYTES` and at most one shard per ps task: a variable of at
+The recommended setting (`variable_partitioner="auto"`) is TF's `MinSizePartitioner` with
+`AUTO_MIN_SHARD_BYTES` and at most one shard per ps task: a variable of at
 most that size stays whole, a larger one is split across up to `num_ps` tasks.
 """
 
@@ -30,15 +30,15 @@ import operator
 from collections.abc import Sequence
 
 __all__ = [
-    "DEFAULT_MIN_SHARD_BYTES", "PartitionError", "can_split", "shard_count", "row_ranges", "shard_tasks",
+    "AUTO_MIN_SHARD_BYTES", "PartitionError", "can_split", "shard_count", "row_ranges", "shard_tasks",
     "min_size_shards",
 ]
 
-# 128 KiB: variables of more than 128 KiB are split. Small enough that a model's
+# "auto": variables of more than 128 KiB are split. Small enough that a model's
 # big kernels and tables spread over the ps tasks (the 2-ps model of issue 12
 # is balanced within 1.07x by bytes), large enough that biases, small kernels
 # and optimizer scalars stay whole (one variable, one read).
-DEFAULT_MIN_SHARD_BYTES = 128 << 10
+AUTO_MIN_SHARD_BYTES = 128 << 10
 
 
 class PartitionError(ValueError):
