@@ -31,7 +31,7 @@ def test_no_partitioner_by_default(strategy):
     with strategy.scope():
         big = tf.Variable(tf.zeros([1000, 100]), name="big_whole")  # 400 KB
     assert isinstance(big, tf.Variable) and "/job:ps/replica:0/task:0/" in big.device
-    entry = [p for p in strategy.placement()["variables"] if p["name"] == "big_whole:0"][0]
+    entry = next(p for p in strategy.placement()["variables"] if p["name"] == "big_whole:0")
     assert entry["part"] is None and entry["nbytes"] == 400_000
 
 

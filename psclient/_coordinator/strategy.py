@@ -29,10 +29,10 @@ from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
 from psclient._coordinator.tracing import Tracer
 from psclient._coordinator.updates import place_updates_on_ps
 from psclient._core.checks import check_positive
-from psclient._core.partitioning import AUTO_MIN_SHARD_BYTES
 from psclient._core.errors import StrategyClosedError
 from psclient._core.future import Future
 from psclient._core.health import Prober
+from psclient._core.partitioning import AUTO_MIN_SHARD_BYTES
 from psclient._core.scheduler import Closure, Scheduler
 
 __all__ = ["ParameterServerStrategy"]

@@ -30,8 +30,8 @@ import operator
 from collections.abc import Sequence
 
 __all__ = [
-    "AUTO_MIN_SHARD_BYTES", "PartitionError", "can_split", "shard_count", "row_ranges", "shard_tasks",
-    "min_size_shards",
+    "AUTO_MIN_SHARD_BYTES", "PartitionError", "can_split", "min_size_shards", "row_ranges", "shard_count",
+    "shard_tasks",
 ]
 
 # "auto": variables of more than 128 KiB are split. Small enough that a model's
