@@ -262,15 +262,29 @@ def test_embedding_lookup_gathers_each_shard_on_its_ps(cluster):
         np.testing.assert_array_equal(lookup(ids).numpy(), np.take(layer.embeddings.numpy(), ids, axis=0))
 
 
-def test_recommended_partitioner_balances_the_issue_model(cluster):
-    """Dense(256) on 256 inputs + Dense(10), Adam slots, 2 ps: within 1.25x by bytes."""
-    partitioner = partitioners.MinSizePartitioner(min_shard_bytes=128 << 10, max_shards=2)
+def issue_model_placement(strategy):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256), keras.layers.Dense(10)])
+        optimizer = keras.optimizers.Adam(1e-3)
+        optimizer.build(model.trainable_variables)
+    return model, optimizer, strategy.placement()
+
+
+@pytest.mark.parametrize("setting", ["auto", "explicit"])
+def test_recommended_partitioner_balances_the_issue_model(cluster, setting):
+    """Dense(256) on 256 inputs + Dense(10), Adam slots, 2 ps: within 1.25x by bytes.
+
+    "auto" is MinSizePartitioner(min_shard_bytes=128 KiB, max_shards=num_ps),
+    the same as passing it explicitly.
+    """
+    partitioner = "auto" if setting == "auto" else partitioners.MinSizePartitioner(
+        min_shard_bytes=128 << 10, max_shards=2)
     with connected(cluster, variable_partitioner=partitioner) as strategy:
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256), keras.layers.Dense(10)])
-            optimizer = keras.optimizers.Adam(1e-3)
-            optimizer.build(model.trainable_variables)
-        report = strategy.placement()
+        if setting == "auto":
+            assert isinstance(strategy.variable_partitioner, partitioners.MinSizePartitioner)
+            assert strategy.variable_partitioner(tf.TensorShape([32, 1024]), tf.float32) == [1, 1]  # 128 KiB
+            assert strategy.variable_partitioner(tf.TensorShape([33, 1024]), tf.float32) == [2, 1]
+        model, optimizer, report = issue_model_placement(strategy)
         loads = report["bytes_per_ps"]
         assert max(loads) / min(loads) <= 1.25, loads
         kernel = model.layers[0].kernel
@@ -284,6 +298,17 @@ def test_recommended_partitioner_balances_the_issue_model(cluster):
         assert len(shard_tasks(model.layers[0].bias)) == 1
         for variable, m, v in zip(model.trainable_variables, optimizer._momentums, optimizer._velocities):
             assert shard_tasks(m) == shard_tasks(v) == shard_tasks(variable), variable.path
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"variable_partitioner": None}], ids=["default", "none"])
+def test_no_partitioner_by_default_keeps_every_variable_whole(cluster, kwargs):
+    with connected(cluster, **kwargs) as strategy:
+        assert strategy.variable_partitioner is None
+        model, _optimizer, report = issue_model_placement(strategy)
+        assert all(entry["part"] is None for entry in report["variables"]), report["variables"]
+        assert len(shard_tasks(model.layers[0].kernel)) == 1
+        # Whole variables cannot balance this model: the kernel and its two slots on one ps.
+        assert max(report["bytes_per_ps"]) == 3 * 256 * 256 * 4, report["bytes_per_ps"]
 
 
 def test_checkpoint_round_trip_saves_full_values(cluster, tmp_path):
@@ -359,6 +384,8 @@ def test_model_save_writes_full_weights_load_model_reads_without_cluster(cluster
 def test_bad_partitioners_name_the_variable(cluster):
     with pytest.raises(TypeError, match="variable_partitioner=3 of type int"):
         psclient.ParameterServerStrategy(cluster, variable_partitioner=3)
+    with pytest.raises(ValueError, match="variable_partitioner='min'. Expected None"):
+        psclient.ParameterServerStrategy(cluster, variable_partitioner="min")
     offered = []
 
     def partitioner(shape, dtype):
@@ -452,3 +479,99 @@ def test_lost_ps_gets_its_shards_back_from_the_checkpoint(local, cluster, tmp_pa
         # Both shards of every weight answer again, and training goes on from the restored values.
         assert all(np.isfinite(w.numpy()).all() for w in model.weights)
         assert float(strategy.schedule(step).result(60)) < float(futures[0].result())
+
+
+# --------------------------------------- the sidecar evaluator, BackupAndRestore
+def compile_with_accuracy(model, optimizer="adam"):
+    model.compile(optimizer=make_optimizer(optimizer),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+
+
+def local_evaluation(weights):
+    """What a model in this process with `weights` scores on data(): what the sidecar must report."""
+    model = build_model(seed=9)
+    compile_with_accuracy(model)
+    model.set_weights(weights)
+    x, y = data()
+    return model.evaluate(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), verbose=0, return_dict=True)
+
+
+def test_sidecar_evaluates_a_partitioned_models_checkpoints(cluster, tmp_path):
+    """TF checkpoints (CheckpointManager) and Keras ModelCheckpoint files written by a partitioned model."""
+    from psclient import SidecarEvaluator, write_final_marker
+
+    x, y = data()
+    tf_dir, keras_dir = tmp_path / "tf", tmp_path / "keras"
+    with connected(cluster, variable_partitioner=partitioners.FixedShardsPartitioner(2)) as strategy:
+        with strategy.scope():
+            model = build_model()
+            compile_with_accuracy(model)
+        assert all(len(shard_tasks(w)) == 2 for w in model.weights)
+        manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model), str(tf_dir), max_to_keep=None)
+        weights = []
+        for _epoch in range(2):
+            model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=1, verbose=0,
+                      callbacks=[keras.callbacks.ModelCheckpoint(str(keras_dir / "last.weights.h5"),
+                                                                 save_weights_only=True)])
+            last = manager.save()
+            weights.append([w.numpy() for w in model.weights])
+        write_final_marker(tf_dir, last, step=int(model.optimizer.iterations.numpy()))
+        write_final_marker(keras_dir, str(keras_dir / "last.weights.h5"))
+
+    def evaluate(directory):
+        evaluator_model = build_model(seed=5)  # other initial values: the checkpoint must replace them
+        compile_with_accuracy(evaluator_model)
+        return SidecarEvaluator(evaluator_model, tf.data.Dataset.from_tensor_slices((x, y)).batch(16),
+                                directory, poll_interval=0.05, idle_timeout=60, settle_time=0).start()
+
+    want = local_evaluation(weights[-1])
+    for directory in (tf_dir, keras_dir):
+        report = evaluate(directory)
+        assert report.stop_reason.startswith("the final checkpoint"), report
+        assert report.unreadable == [], report.unreadable
+        assert len(report.evaluations) == 1, report.evaluations
+        assert report.evaluations[0]["metrics"] == pytest.approx(want, rel=1e-5, abs=1e-6), directory
+    assert report.evaluations[0]["step"] == 8  # the optimizer's iterations, from the Keras file
+
+
+@pytest.mark.parametrize("first, then", [(2, 2), (2, 1), (1, 2)])
+def test_backup_and_restore_resumes_a_partitioned_fit(one_worker_cluster, tmp_path, first, then):
+    """An interrupted fit resumes from psclient.BackupAndRestore's backup: the weights equal an
+    uninterrupted local Keras run (one worker: the local order of steps). The backup holds full
+    values, so it restores into another partitioning: shards into whole variables, and a backup
+    of whole variables (e.g. written with variable_partitioner=None) into shards."""
+    x, y = data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 2:
+                raise RuntimeError("interrupted")
+
+    class RecordStart(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.weights = [w.numpy() for w in self.model.weights]
+
+    def partitioner(shards):
+        return partitioners.FixedShardsPartitioner(2) if shards == 2 else None
+
+    backup = str(tmp_path / "backup")
+    with connected(one_worker_cluster, variable_partitioner=partitioner(first)) as strategy:
+        with strategy.scope():
+            model = build_model()
+            compile_model(model, "adam")
+        with pytest.raises(RuntimeError, match="interrupted"):
+            model.fit(dataset, epochs=4, verbose=0, callbacks=[psclient.BackupAndRestore(backup), Interrupt()])
+        saved = [w.numpy() for w in model.weights]
+    with connected(one_worker_cluster, variable_partitioner=partitioner(then)) as strategy:
+        with strategy.scope():
+            model = build_model(seed=7)  # other initial values: the backup must replace them
+            compile_model(model, "adam")
+        assert {len(shard_tasks(w)) for w in model.weights} == {then}
+        start = RecordStart()
+        history = model.fit(dataset, epochs=4, verbose=0, callbacks=[psclient.BackupAndRestore(backup), start])
+        assert history.epoch == [2, 3]
+        assert int(model.optimizer.iterations.numpy()) == 16
+        assert_close(start.weights, saved)
+        got = [w.numpy() for w in model.weights]
+    assert_close(got, local_weights("adam", epochs=4))

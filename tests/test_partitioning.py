@@ -1,4 +1,4 @@
-"""The pure partitioning logic: shard counts, row ranges, shard tasks (no TensorFlow)."""
+"""The pure partitioning logic: shard counts, row ranges, shard tasks (TensorFlow only to cross-check)."""
 
 import pytest
 
@@ -73,6 +73,20 @@ def test_min_size_shards_matches_tf_arithmetic():
     assert min_size_shards((256, 10), 4, 128 * kib, 2) == 1    # 10 KiB: whole
     assert min_size_shards((2_000_000, 16), 4, 256 * kib, 2) == 2
     assert min_size_shards((3, 1_000_000), 4, 1, 8) == 3       # never more shards than rows
+    assert min_size_shards((100, 512), 4, 128 * kib, 2) == 2   # 200 KiB: TF rounds up (two of 100 KiB)
+    assert min_size_shards((32, 1024), 4, 128 * kib, 2) == 1   # exactly 128 KiB: whole
+    assert min_size_shards((2_000_000, 16), 4, 128 * kib, 8) == 8
+
+
+def test_min_size_shards_agrees_with_tf_min_size_partitioner():
+    tf = pytest.importorskip("tensorflow")
+    kib = 1 << 10
+    for shape in [(256, 256), (256, 10), (100, 512), (32, 1024), (33, 1024), (3, 1_000_000), (2_000_000, 16),
+                  (65, 8), (5000,), (4, 3, 2)]:
+        for min_bytes, max_shards in [(128 * kib, 2), (128 * kib, 3), (256 * kib, 2), (1, 8), (100, 4)]:
+            partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(min_bytes, max_shards)
+            want = partitioner(tf.TensorShape(shape), tf.float32)[0]
+            assert min_size_shards(shape, 4, min_bytes, max_shards) == want, (shape, min_bytes, max_shards)
 
 
 def test_recommended_setting_balances_the_issue_model_within_1_25x():

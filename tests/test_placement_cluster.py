@@ -13,7 +13,9 @@ pytestmark = pytest.mark.cluster
 @pytest.fixture(scope="module")
 def strategy():
     with psclient.LocalCluster(num_workers=1, num_ps=2) as cluster:
-        s = psclient.ParameterServerStrategy(cluster.cluster)
+        # Whole variables, said explicitly: this module tests placing them
+        # (partitioned ones are tests/test_partitioned.py's).
+        s = psclient.ParameterServerStrategy(cluster.cluster, variable_partitioner=None)
         yield s
         s.shutdown()
 

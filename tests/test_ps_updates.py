@@ -46,7 +46,9 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 @pytest.fixture(scope="module")
 def strategy():
     with LocalCluster(num_workers=1, num_ps=2) as local:
-        s = ParameterServerStrategy(local.cluster)
+        # Whole variables, said explicitly: this module reads the data path of
+        # unpartitioned ones (partitioned ones: tests/test_partitioned.py).
+        s = ParameterServerStrategy(local.cluster, variable_partitioner=None)
         yield s
         s.shutdown()
 

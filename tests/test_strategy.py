@@ -25,6 +25,16 @@ def test_variables_in_scope_live_on_ps(strategy):
     assert strategy.placement()["bytes_per_ps"][0] >= 48
 
 
+def test_no_partitioner_by_default(strategy):
+    """variable_partitioner=None by default: a large variable stays one tf.Variable on one ps."""
+    assert strategy.variable_partitioner is None
+    with strategy.scope():
+        big = tf.Variable(tf.zeros([1000, 100]), name="big_whole")  # 400 KB
+    assert isinstance(big, tf.Variable) and "/job:ps/replica:0/task:0/" in big.device
+    entry = next(p for p in strategy.placement()["variables"] if p["name"] == "big_whole:0")
+    assert entry["part"] is None and entry["nbytes"] == 400_000
+
+
 def test_schedule_returns_numpy_nested_outputs(strategy):
     with strategy.scope():
         counter = tf.Variable(0, dtype=tf.int64)

@@ -38,6 +38,7 @@ from psclient._core.checks import check_positive
 from psclient._core.errors import StrategyClosedError
 from psclient._core.future import Future
 from psclient._core.health import Prober
+from psclient._core.partitioning import AUTO_MIN_SHARD_BYTES
 from psclient._core.scheduler import Closure, Scheduler
 
 __all__ = ["ParameterServerStrategy"]
@@ -77,13 +78,18 @@ class ParameterServerStrategy:
         work fails with `WorkerUnavailableError` instead of waiting.
       ps_timeout: how long to wait for a lost ps task to come back (with a
         `checkpoint_dir`) before failing with `PSUnavailableError`.
-      variable_partitioner: None (every variable whole on one ps task, the
-        default) or a callable `(shape, dtype) -> shards per axis` such as
-        TF's `tf.distribute.experimental.partitioners.MinSizePartitioner(
-        min_shard_bytes=128 << 10, max_shards=num_ps)`. A variable it cuts
-        into several shards (along axis 0 only) has one shard per ps task,
-        on consecutive tasks; scalars and single-row variables are never
-        offered to it. See README "Partitioned variables".
+      variable_partitioner: how variables are split into shards along axis 0,
+        one shard per ps task. None (the default): every variable whole on
+        one ps task. "auto", the recommended setting where a variable is too
+        big for one ps or the ps tasks run on separate machines: TF's
+        `tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=128 << 10, max_shards=num_ps)`, so variables of at
+        most 128 KiB stay whole and larger ones are split over up to
+        `num_ps` tasks. Or any callable `(shape, dtype) -> shards per axis`
+        (TF's `MinSizePartitioner`, `MaxSizePartitioner`,
+        `FixedShardsPartitioner`...). Shards sit on consecutive ps tasks;
+        scalars and single-row variables are never offered to it. See README
+        "Partitioned variables" (and why "auto" is not the default).
 
     Only one strategy may be connected per process at a time (TF's eager
     context is global); `shutdown()` one before creating the next.
@@ -103,15 +109,21 @@ class ParameterServerStrategy:
         hang_timeout: float = 30.0,
         worker_timeout: float = 300.0,
         ps_timeout: float = 300.0,
-        variable_partitioner: Callable | None = None,
+        variable_partitioner: Callable | str | None = None,
     ):
         cluster = Cluster.coerce(cluster)
-        if variable_partitioner is not None and not callable(variable_partitioner):
+        if isinstance(variable_partitioner, str) and variable_partitioner != "auto":
+            raise ValueError(
+                "Invalid value for argument `variable_partitioner`. Received: "
+                f"variable_partitioner={variable_partitioner!r}. Expected None (the default, no "
+                "partitioning), \"auto\" or a callable (shape, dtype) -> shards per axis."
+            )
+        if not (variable_partitioner is None or isinstance(variable_partitioner, str) or callable(variable_partitioner)):
             raise TypeError(
                 "Invalid value for argument `variable_partitioner`. Received: "
                 f"variable_partitioner={variable_partitioner!r} of type "
-                f"{type(variable_partitioner).__name__}. Expected None or a callable "
-                "(shape, dtype) -> shards per axis, e.g. "
+                f"{type(variable_partitioner).__name__}. Expected None (the default, no partitioning), "
+                "\"auto\" or a callable (shape, dtype) -> shards per axis, e.g. "
                 "tf.distribute.experimental.partitioners.MinSizePartitioner(...)."
             )
         for name, value, integer in (
@@ -157,6 +169,8 @@ class ParameterServerStrategy:
         # What recovery works with: narrow collaborators, none of which holds
         # this strategy, so a forgotten strategy is collected (its finalizer
         # shuts it down) and its threads never keep it alive.
+        if isinstance(variable_partitioner, str):  # "auto"
+            variable_partitioner = _recommended_partitioner(cluster.num_ps)
         self._store = VariableStore(cluster.num_ps, variable_partitioner)
         self._variable_partitioner = variable_partitioner
         self._per_worker = PerWorkerRegistry()
@@ -252,6 +266,7 @@ class ParameterServerStrategy:
 
     @property
     def variable_partitioner(self) -> Callable | None:
+        """The partitioner in use (with "auto", the recommended `MinSizePartitioner`), or None."""
         return self._variable_partitioner
 
     def placement(self) -> dict:
@@ -513,6 +528,14 @@ def _raise(error: BaseException) -> Callable:
         raise error
 
     return fail
+
+
+def _recommended_partitioner(num_ps: int) -> Callable:
+    """`variable_partitioner="auto"`: TF's MinSizePartitioner, 128 KiB, one shard per ps at most."""
+    import tensorflow as tf
+
+    return tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=AUTO_MIN_SHARD_BYTES, max_shards=num_ps)
 
 
 def _leave(strategy: ParameterServerStrategy) -> None:

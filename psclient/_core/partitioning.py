@@ -18,6 +18,10 @@ psclient splits along axis 0 only, like TF's `ShardedVariable`:
   beside the reference's shard of the same rows.
 - `min_size_shards` is the arithmetic of TF's `MinSizePartitioner`, used by
   tests and the documented recommendation.
+
+The recommended setting (`variable_partitioner="auto"`) is TF's `MinSizePartitioner` with
+`AUTO_MIN_SHARD_BYTES` and at most one shard per ps task: a variable of at
+most that size stays whole, a larger one is split across up to `num_ps` tasks.
 """
 
 from __future__ import annotations
@@ -25,7 +29,16 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
-__all__ = ["PartitionError", "can_split", "shard_count", "row_ranges", "shard_tasks", "min_size_shards"]
+__all__ = [
+    "AUTO_MIN_SHARD_BYTES", "PartitionError", "can_split", "min_size_shards", "row_ranges", "shard_count",
+    "shard_tasks",
+]
+
+# "auto": variables of more than 128 KiB are split. Small enough that a model's
+# big kernels and tables spread over the ps tasks (the 2-ps model of issue 12
+# is balanced within 1.07x by bytes), large enough that biases, small kernels
+# and optimizer scalars stay whole (one variable, one read).
+AUTO_MIN_SHARD_BYTES = 128 << 10
 
 
 class PartitionError(ValueError):
@@ -101,9 +114,15 @@ def shard_tasks(first: int, shards: int, num_ps: int) -> list[int]:
 
 
 def min_size_shards(shape: Sequence[int], itemsize: int, min_shard_bytes: int, max_shards: int) -> int:
-    """TF's `MinSizePartitioner` along axis 0: as many shards as keep each >= `min_shard_bytes`."""
+    """TF's `MinSizePartitioner` along axis 0: ceil(bytes / `min_shard_bytes`), capped.
+
+    Capped by `max_shards` and the number of rows. Like TF, it rounds up: a
+    variable of more than `min_shard_bytes` gets at least two shards (when
+    allowed), which may then each be smaller than `min_shard_bytes`.
+    """
     shape = tuple(shape)
     total = itemsize
     for dim in shape:
         total *= dim
-    return max(1, min(max_shards, total // min_shard_bytes, shape[0] if shape else 1))
+    wanted = -(-total // min_shard_bytes)  # ceil
+    return max(1, min(max_shards, wanted, shape[0] if shape else 1))
