@@ -37,6 +37,7 @@ __all__ = [
     "renew_variable_handle",
     "place_default_updates",
     "coordinator_cpu",
+    "cross_replica_context",
 ]
 
 log = logging.getLogger("psclient")
@@ -356,3 +357,24 @@ def place_default_updates(device_of) -> None:
         _update_non_slot.__wrapped__ = stock
         extended._update_non_slot = _update_non_slot  # noqa: SLF001
         _update_placement_installed = True
+
+
+@contextlib.contextmanager
+def cross_replica_context():
+    """Make `tf.distribute.in_cross_replica_context()` True, as in TF's strategy scope.
+
+    Pushes TF's cross-replica mode for its *default* strategy onto this
+    thread's stack (TF-internal: only a real `tf.distribute.Strategy`'s scope
+    does this publicly). `tf.distribute.get_strategy()` stays the default one,
+    so Keras and TF take the same code paths as without a strategy; only
+    `in_cross_replica_context()` / `get_replica_context()` answer as TF's
+    parameter-server strategy's scope does.
+    """
+    from tensorflow.python.distribute import distribute_lib
+
+    mode = distribute_lib._CrossReplicaThreadMode(distribute_lib._get_default_strategy())  # noqa: SLF001
+    distribute_lib._push_per_thread_mode(mode)  # noqa: SLF001
+    try:
+        yield
+    finally:
+        distribute_lib._pop_per_thread_mode()  # noqa: SLF001

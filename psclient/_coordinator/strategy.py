@@ -26,7 +26,7 @@ from psclient._coordinator.per_worker import (
 from psclient._coordinator.recovery import Recovery, RecoveryConfig
 from psclient._coordinator.sharding import split_updates
 from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
-from psclient._coordinator.tracing import Tracer
+from psclient._coordinator.tracing import Tracer, reject_futures, warn_unless_scheduling
 from psclient._coordinator.updates import place_updates_on_ps
 from psclient._core.checks import check_positive
 from psclient._core.errors import StrategyClosedError
@@ -142,6 +142,7 @@ class ParameterServerStrategy:
             checkpoint_dir = check_directory(checkpoint_dir)  # a regular file fails before connecting
         _runtime.wait_reachable(cluster, connect_timeout)
         self._closed = False
+        self._cluster_coordinator = None  # set by the first ClusterCoordinator(self)
 
         self._cluster = cluster
         self._pipeline_depth = pipeline_depth
@@ -241,7 +242,8 @@ class ParameterServerStrategy:
         registry.run_scope_hooks()  # e.g. the Keras integration, registered by psclient/__init__
         place_updates_on_ps()  # optimizer updates run where their variable lives
         split_updates()  # and shard by shard for a partitioned one
-        with tf.variable_creator_scope(self._store.create):
+        # As in TF's strategy scope, code in it is in a cross-replica context.
+        with tf.variable_creator_scope(self._store.create), _runtime.cross_replica_context():
             yield self
 
     @property
@@ -287,6 +289,7 @@ class ParameterServerStrategy:
                 f"{type(kwargs).__name__}. Expected a mapping of keyword arguments or None."
             )
         args, kwargs = self._tracer.with_defaults(function, tuple(args), dict(kwargs or {}))
+        reject_futures(args, kwargs, name)
         per_worker = has_per_worker(args, kwargs)
         self._checkpoint_new_variables()
         closure = Closure(None, args, kwargs, Future(name))
@@ -325,25 +328,39 @@ class ParameterServerStrategy:
     num_replicas_in_sync = 1
 
     def run(self, fn: Callable, args: tuple = (), kwargs: Mapping | None = None):
-        """Call `fn` inside a step: there is one replica per worker call, so this
-        is `fn(*args, **kwargs)`. Present so code written for TF's strategies runs."""
-        return fn(*args, **(kwargs or {}))
+        """Call `fn` as the one replica of a step: `fn(*args, **kwargs)`.
 
-    def reduce(self, reduce_op, value, axis=None):
-        """Reduce a per-replica value; with one replica per call only `axis` matters."""
+        Present so code written for TF's strategies runs. Inside `fn`,
+        `tf.distribute.in_cross_replica_context()` is False and
+        `tf.distribute.get_replica_context()` is the (only) replica's context.
+        As TF's does, it logs a warning when called outside a function being
+        scheduled: that runs on the coordinator, not on a worker.
+        """
         import tensorflow as tf
 
+        warn_unless_scheduling("run")
+        # TF's public replica context of its default strategy: replica 0 of 1.
+        with tf.distribute.ReplicaContext(tf.distribute.get_strategy(), replica_id_in_sync_group=0):
+            return fn(*args, **(kwargs or {}))
+
+    def reduce(self, reduce_op, value, axis=None):
+        """Reduce a per-replica value; with one replica per call only `axis` matters.
+
+        `reduce_op` is a `tf.distribute.ReduceOp` or its name ("SUM", "MEAN").
+        """
+        import tensorflow as tf
+
+        warn_unless_scheduling("reduce")
+        op = str(getattr(reduce_op, "value", reduce_op)).upper()
+        if op not in ("SUM", "MEAN"):
+            raise ValueError(
+                f"Invalid value for argument `reduce_op`. Received: reduce_op={reduce_op!r}. "
+                "Expected tf.distribute.ReduceOp.SUM or MEAN (or \"SUM\" / \"MEAN\")."
+            )
         if axis is None:
             return value
-        op = getattr(reduce_op, "value", reduce_op)
-        if str(op).upper() == "SUM":
-            return tf.nest.map_structure(lambda v: tf.reduce_sum(v, axis=axis), value)
-        if str(op).upper() == "MEAN":
-            return tf.nest.map_structure(lambda v: tf.reduce_mean(v, axis=axis), value)
-        raise ValueError(
-            f"Invalid value for argument `reduce_op`. Received: {reduce_op!r}. "
-            "Expected tf.distribute.ReduceOp.SUM or MEAN."
-        )
+        reduce = tf.reduce_sum if op == "SUM" else tf.reduce_mean
+        return tf.nest.map_structure(lambda v: reduce(v, axis=axis), value)
 
     # ---------------------------------------------------- per-worker values
     def distribute_datasets_from_function(self, dataset_fn) -> PerWorkerDataset:

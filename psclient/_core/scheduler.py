@@ -29,6 +29,9 @@ fail_all(error)                    | every queued and running closure gets `erro
 The same pending error is also raised by the next `submit()` or `done()`,
 whichever comes first (as TF's coordinator does): a long scheduling loop stops
 early instead of queueing thousands of closures that would be cancelled.
+As in TF, raising it clears every error collected so far: `submit()`/`done()`
+first wait for the closures still running, whose own errors are absorbed, and
+a closure that would run again while the error is pending is cancelled.
 """
 
 from __future__ import annotations
@@ -138,6 +141,8 @@ class Scheduler:
         self._submitted = 0
         self._paused = 0
         self._stale = 0
+        #: Closures cancelled instead of re-queued (error pending), resolved outside the lock.
+        self._cancelled_on_requeue: list[Closure] = []
 
     # ------------------------------------------------------------ producer side
     def submit(self, closure: Closure) -> None:
@@ -200,15 +205,22 @@ class Scheduler:
             if not self._release_locked(worker, closure, attempt):
                 return
             stats = self._workers[worker]
-            if retry and not self._closed:
+            if retry and not self._closed and self._error is None:
                 stats.retried += 1
                 self._queue.appendleft(closure)
                 self._cond.notify()
                 return
-            stats.failed += 1
-            self._finish_locked()
-            cancelled = self._keep_error_locked(error)
-        closure.future.set_exception(error)
+            if retry:
+                # An error is pending: what would run again is cancelled
+                # instead, as everything queued was when the error came.
+                self._finish_locked()
+                cancelled, error = [closure], None
+            else:
+                stats.failed += 1
+                self._finish_locked()
+                cancelled = self._keep_error_locked(error)
+        if error is not None:
+            closure.future.set_exception(error)
         _cancel_all(cancelled, f"an earlier closure ({closure.name!r}) failed")
 
     def worker_lost(self, worker: int, *, detected_after: float | None = None) -> list[Closure]:
@@ -224,7 +236,9 @@ class Scheduler:
                 stats.failures += 1
                 stats.last_detection_s = detected_after
             self._set_up_locked(worker, False)
-            return self._requeue_running_locked([worker])
+            requeued = self._requeue_running_locked([worker])
+        self._resolve_cancelled_on_requeue()
+        return requeued
 
     def requeue_running(self) -> list[Closure]:
         """Abandon every running attempt and queue those closures again, in order.
@@ -233,7 +247,9 @@ class Scheduler:
         their late reports are stale and ignored.
         """
         with self._cond:
-            return self._requeue_running_locked(range(len(self._workers)))
+            requeued = self._requeue_running_locked(range(len(self._workers)))
+        self._resolve_cancelled_on_requeue()
+        return requeued
 
     def worker_is_up(self, worker: int) -> bool:
         with self._cond:
@@ -379,11 +395,24 @@ class Scheduler:
             self._workers[worker].retried += len(running)
             requeued.extend(running)
         requeued.sort(key=lambda c: c.id)
+        if self._error is not None and requeued:
+            # An error is pending: cancelled, not run again (see failed()).
+            for closure in requeued:
+                closure.worker = None
+            self._unfinished -= len(requeued)
+            self._cond.notify_all()
+            self._cancelled_on_requeue.extend(requeued)
+            return []
         for closure in reversed(requeued):
             closure.worker = None
             self._queue.appendleft(closure)
         self._cond.notify_all()
         return requeued
+
+    def _resolve_cancelled_on_requeue(self) -> None:
+        with self._cond:
+            cancelled, self._cancelled_on_requeue = self._cancelled_on_requeue, []
+        _cancel_all(cancelled, "an earlier closure failed")
 
     def _set_up_locked(self, worker: int, up: bool) -> None:
         self._workers[worker].up = up
@@ -413,6 +442,10 @@ class Scheduler:
 
     def _raise_pending_error(self) -> None:
         if self._error is not None:
+            # As TF's coordinator: before the error is raised (and cleared),
+            # wait for the closures still running; their own errors are
+            # absorbed by it, so a later join() does not raise them.
+            self._cond.wait_for(lambda: not any(self._running))
             error, self._error = self._error, None
             raise error
 
