@@ -124,7 +124,8 @@ def test_two_workers_preempted_while_functions_run():
             strategy.shutdown()
 
 
-def test_released_coordinator_and_strategy_stop_their_threads():
+@pytest.mark.parametrize("used", [False, True], ids=["idle", "after_work"])
+def test_released_coordinator_and_strategy_stop_their_threads(used):
     before = _psclient_threads()
     with psclient.LocalCluster(num_workers=2, num_ps=1) as local:
         strategy = _strategy(local)
@@ -134,7 +135,14 @@ def test_released_coordinator_and_strategy_stop_their_threads():
         def one():
             return tf.constant(1)
 
-        assert coordinator.schedule(one).result(timeout=120) == 1
+        if used:
+            model = _Training(coordinator)
+            model.schedule(4)
+            model.join()
+            assert coordinator.schedule(one).result(timeout=120) == 1
+            del model
+        else:
+            wait_for(lambda: "psclient-health" in _psclient_threads(), 60, "the health thread")
         running = _psclient_threads()
         assert any(n.startswith("psclient-worker") for n in running)
         assert "psclient-health" in running

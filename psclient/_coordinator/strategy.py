@@ -157,7 +157,7 @@ class ParameterServerStrategy:
         self._per_worker = PerWorkerRegistry()
         self._tracer = Tracer(self._store.create)
         prober = Prober(_runtime.probe)
-        tracer, scheduler, streaming = self._tracer, self._scheduler, pipeline_depth > 1
+        tracer_ref, scheduler, streaming = weakref.ref(self._tracer), self._scheduler, pipeline_depth > 1
         self._recovery = Recovery(
             RecoveryConfig(
                 checkpoint_dir=checkpoint_dir, overwrite_checkpoints=overwrite_checkpoints,
@@ -169,7 +169,10 @@ class ParameterServerStrategy:
             cluster=cluster, scheduler=scheduler, prober=prober, store=self._store,
             per_worker=self._per_worker,
             # After variables got new resources: trace what is queued again.
-            retrace=lambda: tracer.retrace(scheduler.queued()),
+            # By weak reference: the tracer holds the user's functions, which
+            # may hold this strategy (a model holding the coordinator), and
+            # the recovery thread must not keep them alive.
+            retrace=lambda: _retrace(tracer_ref, scheduler),
             connect=lambda workers: _runtime.connect(cluster, streaming_enqueue=streaming, workers=workers),
         )
         # Connected only once everything that checks arguments or the checkpoint
@@ -489,6 +492,12 @@ class ParameterServerStrategy:
         recovery = self._recovery
         if recovery.checkpoints is not None and self._store.count() != recovery.saved_created:
             recovery.checkpoint("new variables")
+
+
+def _retrace(tracer_ref: "weakref.ref[Tracer]", scheduler: Scheduler) -> None:
+    tracer = tracer_ref()
+    if tracer is not None:  # None: the strategy is being collected
+        tracer.retrace(scheduler.queued())
 
 
 def _prepare(closure: Closure, worker: int) -> tuple:
