@@ -10,6 +10,7 @@ import and the strategy constructor. Everything is delegated to the strategy;
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any, Callable
 
 from psclient._coordinator.datasets import (
@@ -23,11 +24,23 @@ from psclient._core.future import Future
 
 __all__ = ["ClusterCoordinator"]
 
+_lock = threading.Lock()
+
 
 class ClusterCoordinator:
     """Drop-in for `tf.distribute.coordinator.ClusterCoordinator`."""
 
+    def __new__(cls, strategy: ParameterServerStrategy):
+        # As TF's: one coordinator per strategy; a second call returns the first.
+        with _lock:
+            existing = getattr(strategy, "_cluster_coordinator", None)
+            if isinstance(existing, cls):
+                return existing
+            return super().__new__(cls)
+
     def __init__(self, strategy: ParameterServerStrategy):
+        if getattr(self, "_strategy", None) is not None:
+            return  # the strategy's existing coordinator
         if not isinstance(strategy, ParameterServerStrategy):
             raise TypeError(
                 "Invalid value for argument `strategy`. Received: "
@@ -35,6 +48,11 @@ class ClusterCoordinator:
                 "(TF's own strategy works only with TF's own coordinator)."
             )
         self._strategy = strategy
+        # The strategy holds its coordinator (a reference cycle, as in TF):
+        # when both are dropped, gc collects them and the strategy's finalizer
+        # stops its threads.
+        with _lock:
+            strategy._cluster_coordinator = self
 
     @property
     def strategy(self) -> ParameterServerStrategy:

@@ -93,6 +93,10 @@ class Dispatcher:
                 if closure is None:
                     return
                 self._execute(worker, device, closure)
+                # An idle thread must not hold its last closure: through the
+                # user's function it can reach the strategy, whose collection
+                # (and finalizer, which stops these threads) it would prevent.
+                del closure
 
     def _execute(self, worker: int, device: str, closure: Closure) -> None:
         attempt = closure.attempts

@@ -50,6 +50,8 @@ __all__ = [
     "closure_input_error_type",
     "device_scope",
     "op_error",
+    "cross_replica_context",
+    "own_executor",
 ]
 
 log = logging.getLogger("psclient")
@@ -331,11 +333,12 @@ def device_scope(device: str, worker: int):
     """Ops and calls made inside run on `device`, as worker `worker`'s (a dispatcher thread's whole life).
 
     Also TF's worker index (`experimental_get_current_worker_index()` in a
-    scheduled function): this thread only ever calls this worker.
+    scheduled function): this thread only ever calls this worker; and an
+    executor of the thread's own (`own_executor`).
     """
     import tensorflow as tf
 
-    with tf.device(device), worker_index_scope(worker):
+    with own_executor(), tf.device(device), worker_index_scope(worker):
         yield
 
 
@@ -463,3 +466,43 @@ def place_default_updates(device_of) -> None:
         _update_non_slot.__wrapped__ = stock
         extended._update_non_slot = _update_non_slot  # noqa: SLF001
         _update_placement_installed = True
+
+
+@contextlib.contextmanager
+def cross_replica_context():
+    """Make `tf.distribute.in_cross_replica_context()` True, as in TF's strategy scope.
+
+    Pushes TF's cross-replica mode for its *default* strategy onto this
+    thread's stack (TF-internal: only a real `tf.distribute.Strategy`'s scope
+    does this publicly). `tf.distribute.get_strategy()` stays the default one,
+    so Keras and TF take the same code paths as without a strategy; only
+    `in_cross_replica_context()` / `get_replica_context()` answer as TF's
+    parameter-server strategy's scope does.
+    """
+    from tensorflow.python.distribute import distribute_lib
+
+    mode = distribute_lib._CrossReplicaThreadMode(distribute_lib._get_default_strategy())  # noqa: SLF001
+    distribute_lib._push_per_thread_mode(mode)  # noqa: SLF001
+    try:
+        yield
+    finally:
+        distribute_lib._pop_per_thread_mode()  # noqa: SLF001
+
+
+@contextlib.contextmanager
+def own_executor():
+    """Run this thread's ops in a synchronous executor of its own (TF-internal).
+
+    TF's default executor is shared by every thread of the process: a call
+    that fails on a task that is down (a dispatcher's, just after a worker
+    restarted) also surfaced its error in another thread's next op, e.g. a
+    user's `v.assign(...)` on a ps variable raised UnavailableError from the
+    worker. TF's own coordinator runs each worker's calls in an executor of
+    their own too. Synchronous and without streaming, as the default one here
+    (see `connect`): ops run inline, nothing is left pending to wait for.
+    """
+    from tensorflow.python.eager import context, executor
+
+    own = executor.new_executor(enable_async=False, enable_streaming_enqueue=False)
+    with context.executor_scope(own):
+        yield

@@ -33,9 +33,9 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from psclient._core.partitioning import row_ranges
+from psclient._core.partitioning import AUTO_MIN_SHARD_BYTES, row_ranges
 
-__all__ = ["create_partitioned", "is_partitioned", "split_updates"]
+__all__ = ["create_partitioned", "is_partitioned", "partitioner_argument", "split_updates"]
 
 _CLASS = None
 _FOCUS = threading.local()  # .value: (layout, shard index) while a split update is traced
@@ -319,3 +319,31 @@ def _rows(arg, start: int, stop: int, value):
     if isinstance(arg, (tf.Tensor, tf.Variable)) and arg.shape == full:
         return arg[start:stop]
     return arg
+
+
+def partitioner_argument(variable_partitioner: Any, num_ps: int) -> Callable | None:
+    """`ParameterServerStrategy(variable_partitioner=...)` checked, "auto" made concrete.
+
+    "auto" is the recommended setting: TF's MinSizePartitioner, 128 KiB per
+    shard at least, one shard per ps at most.
+    """
+    if isinstance(variable_partitioner, str) and variable_partitioner != "auto":
+        raise ValueError(
+            "Invalid value for argument `variable_partitioner`. Received: "
+            f"variable_partitioner={variable_partitioner!r}. Expected None (the default, no "
+            "partitioning), \"auto\" or a callable (shape, dtype) -> shards per axis."
+        )
+    if not (variable_partitioner is None or isinstance(variable_partitioner, str) or callable(variable_partitioner)):
+        raise TypeError(
+            "Invalid value for argument `variable_partitioner`. Received: "
+            f"variable_partitioner={variable_partitioner!r} of type "
+            f"{type(variable_partitioner).__name__}. Expected None (the default, no partitioning), "
+            "\"auto\" or a callable (shape, dtype) -> shards per axis, e.g. "
+            "tf.distribute.experimental.partitioners.MinSizePartitioner(...)."
+        )
+    if variable_partitioner != "auto":
+        return variable_partitioner
+    import tensorflow as tf
+
+    return tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=AUTO_MIN_SHARD_BYTES, max_shards=num_ps)

@@ -51,6 +51,16 @@ class VariableStore:
         import tensorflow as tf
         from tensorflow.python.eager import context
 
+        if kwargs.pop("per_worker_variable", False):
+            raise ValueError(
+                "Invalid value for argument `per_worker_variable` of tf.Variable. Received: "
+                "per_worker_variable=True inside psclient's strategy.scope(). Expected False: "
+                "psclient does not make TF's PerWorkerVariable (a variable whose reads in a "
+                "scheduled function resolve to the running worker's copy). Make one variable per "
+                "worker with `per_worker = strategy.create_per_worker_resource(lambda: "
+                "tf.Variable(...))`, pass `per_worker` to schedule() as an argument, and read "
+                "every copy with `[v.numpy() for v in per_worker.values]` (TF's read_all())."
+            )
         if getattr(self._making_shards, "active", False):
             return next_creator(**kwargs)
         # A device already in force names a ps task when Keras asks to
@@ -71,7 +81,12 @@ class VariableStore:
                 initial_value = initial_value()
             kwargs["initial_value"] = initial_value
         dtype = kwargs.get("dtype")
-        value = tf.convert_to_tensor(initial_value, dtype=dtype) if initial_value is not None else None
+        # Under init_scope: while a function is traced (an optimizer making its
+        # slots at its first apply_gradients) the value would otherwise be
+        # captured as a placeholder, and the shards cut from it could not be
+        # lifted out of the function.
+        with tf.init_scope():
+            value = tf.convert_to_tensor(initial_value, dtype=dtype) if initial_value is not None else None
         nbytes = 0
         if value is not None and value.shape.is_fully_defined():
             nbytes = value.shape.num_elements() * value.dtype.size
@@ -81,10 +96,11 @@ class VariableStore:
             ps, reason = None, "balanced"
         shards = self._shards(kwargs.get("name"), value)
         if shards > 1:
-            return self._create_partitioned(next_creator, kwargs, value, shards, ps, reason)
+            with tf.init_scope():
+                return self._create_partitioned(next_creator, kwargs, value, shards, ps, reason)
         if ps is None:
             ps = self.placer.choose(nbytes)
-        with tf.device(_runtime.ps_device(ps)):
+        with tf.init_scope(), tf.device(_runtime.ps_device(ps)):  # init_scope: see above
             variable = next_creator(**kwargs)
         with self._lock:
             self._variables.append((weakref.ref(variable), (ps,)))

@@ -30,15 +30,14 @@ from psclient._coordinator.per_worker import (
     resolve_per_worker,
 )
 from psclient._coordinator.recovery import Recovery, RecoveryConfig
-from psclient._coordinator.sharding import split_updates
+from psclient._coordinator.sharding import partitioner_argument, split_updates
 from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
-from psclient._coordinator.tracing import Tracer
+from psclient._coordinator.tracing import Tracer, reject_futures, warn_unless_scheduling
 from psclient._coordinator.updates import place_updates_on_ps
 from psclient._core.checks import check_positive
 from psclient._core.errors import StrategyClosedError
 from psclient._core.future import Future
 from psclient._core.health import Prober
-from psclient._core.partitioning import AUTO_MIN_SHARD_BYTES
 from psclient._core.scheduler import Closure, Scheduler
 
 __all__ = ["ParameterServerStrategy"]
@@ -112,20 +111,7 @@ class ParameterServerStrategy:
         variable_partitioner: Callable | str | None = None,
     ):
         cluster = Cluster.coerce(cluster)
-        if isinstance(variable_partitioner, str) and variable_partitioner != "auto":
-            raise ValueError(
-                "Invalid value for argument `variable_partitioner`. Received: "
-                f"variable_partitioner={variable_partitioner!r}. Expected None (the default, no "
-                "partitioning), \"auto\" or a callable (shape, dtype) -> shards per axis."
-            )
-        if not (variable_partitioner is None or isinstance(variable_partitioner, str) or callable(variable_partitioner)):
-            raise TypeError(
-                "Invalid value for argument `variable_partitioner`. Received: "
-                f"variable_partitioner={variable_partitioner!r} of type "
-                f"{type(variable_partitioner).__name__}. Expected None (the default, no partitioning), "
-                "\"auto\" or a callable (shape, dtype) -> shards per axis, e.g. "
-                "tf.distribute.experimental.partitioners.MinSizePartitioner(...)."
-            )
+        variable_partitioner = partitioner_argument(variable_partitioner, cluster.num_ps)
         for name, value, integer in (
             ("checkpoint_interval", checkpoint_interval, False),
             ("checkpoint_every", checkpoint_every, True),
@@ -160,6 +146,7 @@ class ParameterServerStrategy:
             checkpoint_dir = check_directory(checkpoint_dir)  # a regular file fails before connecting
         _runtime.wait_reachable(cluster, connect_timeout)
         self._closed = False
+        self._cluster_coordinator = None  # set by the first ClusterCoordinator(self)
 
         self._cluster = cluster
         self._pipeline_depth = pipeline_depth
@@ -169,14 +156,12 @@ class ParameterServerStrategy:
         # What recovery works with: narrow collaborators, none of which holds
         # this strategy, so a forgotten strategy is collected (its finalizer
         # shuts it down) and its threads never keep it alive.
-        if isinstance(variable_partitioner, str):  # "auto"
-            variable_partitioner = _recommended_partitioner(cluster.num_ps)
         self._store = VariableStore(cluster.num_ps, variable_partitioner)
         self._variable_partitioner = variable_partitioner
         self._per_worker = PerWorkerRegistry()
         self._tracer = Tracer(self._store.create)
         prober = Prober(_runtime.probe)
-        tracer, scheduler, streaming = self._tracer, self._scheduler, pipeline_depth > 1
+        tracer_ref, scheduler, streaming = weakref.ref(self._tracer), self._scheduler, pipeline_depth > 1
         self._recovery = Recovery(
             RecoveryConfig(
                 checkpoint_dir=checkpoint_dir, overwrite_checkpoints=overwrite_checkpoints,
@@ -188,7 +173,10 @@ class ParameterServerStrategy:
             cluster=cluster, scheduler=scheduler, prober=prober, store=self._store,
             per_worker=self._per_worker,
             # After variables got new resources: trace what is queued again.
-            retrace=lambda: tracer.retrace(scheduler.queued()),
+            # By weak reference: the tracer holds the user's functions, which
+            # may hold this strategy (a model holding the coordinator), and
+            # the recovery thread must not keep them alive.
+            retrace=lambda: _retrace(tracer_ref, scheduler),
             connect=lambda workers: _runtime.connect(cluster, streaming_enqueue=streaming, workers=workers),
         )
         # Connected only once everything that checks arguments or the checkpoint
@@ -261,7 +249,8 @@ class ParameterServerStrategy:
         registry.run_scope_hooks()  # e.g. the Keras integration, registered by psclient/__init__
         place_updates_on_ps()  # optimizer updates run where their variable lives
         split_updates()  # and shard by shard for a partitioned one
-        with tf.variable_creator_scope(self._store.create):
+        # As in TF's strategy scope, code in it is in a cross-replica context.
+        with tf.variable_creator_scope(self._store.create), _runtime.cross_replica_context():
             yield self
 
     @property
@@ -308,6 +297,7 @@ class ParameterServerStrategy:
                 f"{type(kwargs).__name__}. Expected a mapping of keyword arguments or None."
             )
         args, kwargs = self._tracer.with_defaults(function, tuple(args), dict(kwargs or {}))
+        reject_futures(args, kwargs, name)
         per_worker = has_per_worker(args, kwargs)
         self._checkpoint_new_variables()
         closure = Closure(None, args, kwargs, Future(name))
@@ -351,25 +341,39 @@ class ParameterServerStrategy:
     num_replicas_in_sync = 1
 
     def run(self, fn: Callable, args: tuple = (), kwargs: Mapping | None = None):
-        """Call `fn` inside a step: there is one replica per worker call, so this
-        is `fn(*args, **kwargs)`. Present so code written for TF's strategies runs."""
-        return fn(*args, **(kwargs or {}))
+        """Call `fn` as the one replica of a step: `fn(*args, **kwargs)`.
 
-    def reduce(self, reduce_op, value, axis=None):
-        """Reduce a per-replica value; with one replica per call only `axis` matters."""
+        Present so code written for TF's strategies runs. Inside `fn`,
+        `tf.distribute.in_cross_replica_context()` is False and
+        `tf.distribute.get_replica_context()` is the (only) replica's context.
+        As TF's does, it logs a warning when called outside a function being
+        scheduled: that runs on the coordinator, not on a worker.
+        """
         import tensorflow as tf
 
+        warn_unless_scheduling("run")
+        # TF's public replica context of its default strategy: replica 0 of 1.
+        with tf.distribute.ReplicaContext(tf.distribute.get_strategy(), replica_id_in_sync_group=0):
+            return fn(*args, **(kwargs or {}))
+
+    def reduce(self, reduce_op, value, axis=None):
+        """Reduce a per-replica value; with one replica per call only `axis` matters.
+
+        `reduce_op` is a `tf.distribute.ReduceOp` or its name ("SUM", "MEAN").
+        """
+        import tensorflow as tf
+
+        warn_unless_scheduling("reduce")
+        op = str(getattr(reduce_op, "value", reduce_op)).upper()
+        if op not in ("SUM", "MEAN"):
+            raise ValueError(
+                f"Invalid value for argument `reduce_op`. Received: reduce_op={reduce_op!r}. "
+                "Expected tf.distribute.ReduceOp.SUM or MEAN (or \"SUM\" / \"MEAN\")."
+            )
         if axis is None:
             return value
-        op = getattr(reduce_op, "value", reduce_op)
-        if str(op).upper() == "SUM":
-            return tf.nest.map_structure(lambda v: tf.reduce_sum(v, axis=axis), value)
-        if str(op).upper() == "MEAN":
-            return tf.nest.map_structure(lambda v: tf.reduce_mean(v, axis=axis), value)
-        raise ValueError(
-            f"Invalid value for argument `reduce_op`. Received: {reduce_op!r}. "
-            "Expected tf.distribute.ReduceOp.SUM or MEAN."
-        )
+        reduce = tf.reduce_sum if op == "SUM" else tf.reduce_mean
+        return tf.nest.map_structure(lambda v: reduce(v, axis=axis), value)
 
     # ---------------------------------------------------- per-worker values
     def distribute_datasets_from_function(self, dataset_fn) -> PerWorkerDataset:
@@ -515,6 +519,12 @@ class ParameterServerStrategy:
             recovery.checkpoint("new variables")
 
 
+def _retrace(tracer_ref: "weakref.ref[Tracer]", scheduler: Scheduler) -> None:
+    tracer = tracer_ref()
+    if tracer is not None:  # None: the strategy is being collected
+        tracer.retrace(scheduler.queued())
+
+
 def _prepare(closure: Closure, worker: int) -> tuple:
     """What a dispatcher calls for `closure` on `worker` (per-worker values resolved)."""
     if not closure.per_worker:
@@ -528,14 +538,6 @@ def _raise(error: BaseException) -> Callable:
         raise error
 
     return fail
-
-
-def _recommended_partitioner(num_ps: int) -> Callable:
-    """`variable_partitioner="auto"`: TF's MinSizePartitioner, 128 KiB, one shard per ps at most."""
-    import tensorflow as tf
-
-    return tf.distribute.experimental.partitioners.MinSizePartitioner(
-        min_shard_bytes=AUTO_MIN_SHARD_BYTES, max_shards=num_ps)
 
 
 def _leave(strategy: ParameterServerStrategy) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import logging
 import threading
 import warnings
 import weakref
@@ -32,9 +33,45 @@ from typing import Any, Callable
 
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.per_worker import PerWorker, resolve_per_worker
+from psclient._core.future import Future
 from psclient._core.scheduler import Closure
 
-__all__ = ["Tracer"]
+__all__ = ["Tracer", "reject_futures", "warn_unless_scheduling"]
+
+log = logging.getLogger("psclient")
+
+#: depth > 0 while this thread traces a function given to schedule().
+_scheduling = threading.local()
+
+
+def reject_futures(args: tuple, kwargs: dict, name: str) -> None:
+    """Refuse a psclient Future among a schedule() call's arguments."""
+    import tensorflow as tf
+
+    # A future's value exists only once its call finished, on the coordinator;
+    # TF's coordinator refuses its RemoteValue as an input the same way.
+    for value in tf.nest.flatten((args, kwargs)):
+        if isinstance(value, Future):
+            raise ValueError(
+                f"Invalid value for argument `args`/`kwargs` of schedule({name!r}). Received: "
+                f"{value!r}, the result of an earlier schedule(). Expected tensors, Python values "
+                "or per-worker values: a scheduled call's result cannot be an input of another "
+                "(TF's coordinator does not support RemoteValue inputs either). Wait for it "
+                "and pass its value: future.result() (or coordinator.fetch(future))."
+            )
+
+
+def warn_unless_scheduling(method: str) -> None:
+    """Log TF's warning for run/reduce called outside a function being scheduled."""
+    # TF's parameter-server strategy says the same when run/reduce execute
+    # outside the tracing of a function given to schedule().
+    if not getattr(_scheduling, "depth", 0):
+        log.warning(
+            "ParameterServerStrategy.%s() is invoked without using `ClusterCoordinator.schedule` "
+            "(or strategy.schedule). If you are not tracing a tf.function, this runs on the "
+            "coordinator, which can be slow. To run on workers, call run/reduce inside a "
+            "function passed to schedule().", method,
+        )
 
 
 class Tracer:
@@ -176,13 +213,19 @@ class Tracer:
         if isinstance(function, tf.types.experimental.ConcreteFunction):
             concrete = function
         else:
+            # Traced as TF's coordinator does: inside the strategy's variable
+            # creator and in a cross-replica context (strategy.run in the
+            # function enters the replica's).
+            _scheduling.depth = getattr(_scheduling, "depth", 0) + 1
             try:
-                with tf.variable_creator_scope(self._create_variable):
+                with tf.variable_creator_scope(self._create_variable), _runtime.cross_replica_context():
                     concrete = function.get_concrete_function(*args, **kwargs)
             except (TypeError, ValueError) as error:
                 raise TypeError(
                     f"The arguments given to schedule() do not match {name!r}: {error}"
                 ) from error
+            finally:
+                _scheduling.depth -= 1
         if id(concrete) not in self._checked:
             self._checked.add(id(concrete))
             self._warn_unplaced_variables(concrete, name)

@@ -36,6 +36,9 @@ dispatcher, told by every completion, gave 54 closures/s at 1,000 threads).
 The same pending error is also raised by the next `submit()` or `done()`,
 whichever comes first (as TF's coordinator does): a long scheduling loop stops
 early instead of queueing thousands of closures that would be cancelled.
+As in TF, raising it clears every error collected so far: `submit()`/`done()`
+first wait for the closures still running, whose own errors are absorbed, and
+a closure that would run again while the error is pending is cancelled.
 """
 
 from __future__ import annotations
@@ -147,6 +150,8 @@ class Scheduler:
         self._signalled = 0
         #: Wakeups given to dispatcher threads (for tests and benchmarks).
         self.wakeups = 0
+        #: Closures cancelled instead of re-queued (error pending), resolved outside the lock.
+        self._cancelled_on_requeue: list[Closure] = []
 
     # ------------------------------------------------------------ producer side
     def submit(self, closure: Closure) -> None:
@@ -226,15 +231,22 @@ class Scheduler:
             if not self._release_locked(worker, closure, attempt):
                 return
             stats = self._workers[worker]
-            if retry and not self._closed:
+            if retry and not self._closed and self._error is None:
                 stats.retried += 1
                 self._queue.appendleft(closure)
                 self._wake_locked()
                 return
-            stats.failed += 1
-            self._finish_locked()
-            cancelled = self._keep_error_locked(error)
-        closure.future.set_exception(error)
+            if retry:
+                # An error is pending: what would run again is cancelled
+                # instead, as everything queued was when the error came.
+                self._finish_locked()
+                cancelled, error = [closure], None
+            else:
+                stats.failed += 1
+                self._finish_locked()
+                cancelled = self._keep_error_locked(error)
+        if error is not None:
+            closure.future.set_exception(error)
         _cancel_all(cancelled, f"an earlier closure ({closure.name!r}) failed")
 
     def worker_lost(self, worker: int, *, detected_after: float | None = None) -> list[Closure]:
@@ -250,7 +262,9 @@ class Scheduler:
                 stats.failures += 1
                 stats.last_detection_s = detected_after
             stats.up = False
-            return self._requeue_running_locked([worker])
+            requeued = self._requeue_running_locked([worker])
+        self._resolve_cancelled_on_requeue()
+        return requeued
 
     def requeue_running(self) -> list[Closure]:
         """Abandon every running attempt and queue those closures again, in order.
@@ -259,9 +273,11 @@ class Scheduler:
         their late reports are stale and ignored.
         """
         with self._lock:
-            return self._requeue_running_locked(
+            requeued = self._requeue_running_locked(
                 [w for w, running in enumerate(self._running) if running]
             )
+        self._resolve_cancelled_on_requeue()
+        return requeued
 
     def worker_is_up(self, worker: int) -> bool:
         with self._lock:
@@ -466,12 +482,27 @@ class Scheduler:
             self._running_total -= len(running)
             requeued.extend(running)
         requeued.sort(key=lambda c: c.id)
+        if self._error is not None and requeued:
+            # An error is pending: cancelled, not run again (see failed()).
+            for closure in requeued:
+                closure.worker = None
+            self._unfinished -= len(requeued)
+            if self._unfinished == 0:
+                self._finished.notify_all()
+            self._released.notify_all()
+            self._cancelled_on_requeue.extend(requeued)
+            return []
         for closure in reversed(requeued):
             closure.worker = None
             self._queue.appendleft(closure)
         self._released.notify_all()
         self._wake_locked()
         return requeued
+
+    def _resolve_cancelled_on_requeue(self) -> None:
+        with self._lock:
+            cancelled, self._cancelled_on_requeue = self._cancelled_on_requeue, []
+        _cancel_all(cancelled, "an earlier closure failed")
 
     def _keep_error_locked(self, error: BaseException) -> list[Closure]:
         """Keep the first error for join(); cancel (and return) what is queued."""
@@ -499,6 +530,10 @@ class Scheduler:
 
     def _raise_pending_error(self) -> None:
         if self._error is not None:
+            # As TF's coordinator: before the error is raised (and cleared),
+            # wait for the closures still running; their own errors are
+            # absorbed by it, so a later join() does not raise them.
+            self._released.wait_for(lambda: self._running_total == 0)
             error, self._error = self._error, None
             raise error
 

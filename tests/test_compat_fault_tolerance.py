@@ -1,0 +1,161 @@
+"""TF's ClusterCoordinator fault-tolerance contract, with real task processes.
+
+Written from TF's documented promise (`ClusterCoordinator` docstring: a
+worker's failure is handled by re-running its functions elsewhere, training
+goes on when it comes back) and the situations TF's own fault-tolerance
+cases put a coordinator in: a worker killed and restarted between functions,
+both workers killed and restarted while functions run, and a coordinator
+released without `shutdown()`. Each case gets a fresh LocalCluster.
+"""
+
+import gc
+import threading
+import time
+
+import pytest
+import tensorflow as tf
+from _polling import wait_for
+
+import psclient
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
+
+
+def _psclient_threads():
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("psclient-") and t.is_alive())
+
+
+class _Training:
+    """Variables on the ps, two per-worker iterators, and a step that can spin.
+
+    While `spin` is True a scheduled step keeps working (reading `spin` from
+    its ps task each round), so functions are surely running when tasks die.
+    """
+
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
+        strategy = coordinator.strategy
+        with strategy.scope():
+            self.w = tf.Variable(tf.random.uniform((10, 10)) / 10.0)
+            self.iterations = tf.Variable(0, dtype=tf.int32)
+            self.spin = tf.Variable(False)
+
+        def dataset_fn(_):
+            return tf.data.Dataset.from_tensors(tf.random.uniform((10, 10))).repeat()
+
+        self.first = iter(coordinator.create_per_worker_dataset(dataset_fn))
+        self.second = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+        @tf.function
+        def train(first, second):
+            def one_round():
+                x = tf.matmul(next(first), self.w)
+                x = tf.matmul(next(second), x)
+                self.w.assign(tf.math.l2_normalize(self.w + 0.01 * x))
+
+            one_round()
+            while self.spin:
+                one_round()
+            self.iterations.assign_add(1)
+
+        self.train = train
+
+    def schedule(self, count):
+        return [self.coordinator.schedule(self.train, args=(self.first, self.second)) for _ in range(count)]
+
+    def join(self):
+        # A coordinator-side write to a ps variable, then join: TF's sequence.
+        self.spin.assign(False)
+        self.coordinator.join()
+
+
+def _strategy(local, **kwargs):
+    kwargs.setdefault("hang_timeout", 5.0)
+    return psclient.ParameterServerStrategy(local.cluster, **kwargs)
+
+
+@pytest.mark.parametrize("num_workers,num_ps", [(1, 1), (2, 2)])
+def test_worker_restarted_between_functions_then_ps_variable_written_on_the_coordinator(num_workers, num_ps):
+    with psclient.LocalCluster(num_workers=num_workers, num_ps=num_ps) as local:
+        strategy = _strategy(local, worker_timeout=300.0)
+        try:
+            coordinator = psclient.ClusterCoordinator(strategy)
+            model = _Training(coordinator)
+            model.schedule(2)
+            model.join()
+            assert model.iterations.numpy() == 2
+
+            local.kill("worker", 0)
+            time.sleep(2)  # TF's case: the worker stays down a while (not a synchronisation)
+            local.restart("worker", 0)  # returns once it serves again
+            # The worker is back; a write to a ps variable on the coordinator
+            # must not fail because of the worker's restart.
+            model.schedule(2)
+            model.join()
+            assert model.iterations.numpy() == 4
+            model.spin.assign(True)
+            model.spin.assign(False)
+            assert model.iterations.numpy() == 4
+        finally:
+            strategy.shutdown()
+
+
+def test_two_workers_preempted_while_functions_run():
+    with psclient.LocalCluster(num_workers=2, num_ps=2) as local:
+        strategy = _strategy(local, worker_timeout=300.0)
+        try:
+            coordinator = psclient.ClusterCoordinator(strategy)
+            model = _Training(coordinator)
+            model.spin.assign(True)
+            futures = model.schedule(10)
+            wait_for(lambda: sum(w["in_flight"] for w in strategy.stats()["workers"]) >= 2, 120,
+                     "a spinning function on each worker")
+            assert not coordinator.done()
+            local.kill("worker", 0)
+            local.kill("worker", 1)
+            local.restart("worker", 0)
+            local.restart("worker", 1)
+            started = time.monotonic()
+            model.join()
+            assert all(f.done() and f.exception() is None for f in futures)
+            assert model.iterations.numpy() >= 10
+            assert time.monotonic() - started < 300
+        finally:
+            strategy.shutdown()
+
+
+@pytest.mark.parametrize("used", [False, True], ids=["idle", "after_work"])
+def test_released_coordinator_and_strategy_stop_their_threads(used):
+    before = _psclient_threads()
+    with psclient.LocalCluster(num_workers=2, num_ps=1) as local:
+        strategy = _strategy(local)
+        coordinator = psclient.ClusterCoordinator(strategy)
+
+        @tf.function
+        def one():
+            return tf.constant(1)
+
+        if used:
+            model = _Training(coordinator)
+            model.schedule(4)
+            model.join()
+            assert coordinator.schedule(one).result(timeout=120) == 1
+            del model
+        else:
+            wait_for(lambda: "psclient-health" in _psclient_threads(), 60, "the health thread")
+        running = _psclient_threads()
+        assert any(n.startswith("psclient-worker") for n in running)
+        assert "psclient-health" in running
+        # No shutdown(): the last references go away.
+        del coordinator, strategy, running
+        gc.collect()
+        deadline = time.monotonic() + 60
+        while _psclient_threads() != before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _psclient_threads() == before
+        # The process's single cluster connection is free for the next strategy.
+        again = _strategy(local)
+        try:
+            assert psclient.ClusterCoordinator(again).schedule(one).result(timeout=120) == 1
+        finally:
+            again.shutdown()
