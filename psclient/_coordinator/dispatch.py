@@ -86,7 +86,7 @@ class Dispatcher:
         import tensorflow as tf
 
         device = _runtime.worker_device(worker)
-        with _runtime.own_executor(), tf.device(device):
+        with tf.device(device):
             while True:
                 closure = self._scheduler.take(worker)
                 if closure is None:

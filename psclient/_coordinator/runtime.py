@@ -38,7 +38,6 @@ __all__ = [
     "place_default_updates",
     "coordinator_cpu",
     "cross_replica_context",
-    "own_executor",
 ]
 
 log = logging.getLogger("psclient")
@@ -380,21 +379,3 @@ def cross_replica_context():
     finally:
         distribute_lib._pop_per_thread_mode()  # noqa: SLF001
 
-
-@contextlib.contextmanager
-def own_executor():
-    """Run this thread's ops in a synchronous executor of its own (TF-internal).
-
-    TF's default executor is shared by every thread of the process: a call
-    that fails on a task that is down (a dispatcher's, just after a worker
-    restarted) also surfaced its error in another thread's next op, e.g. a
-    user's `v.assign(...)` on a ps variable raised UnavailableError from the
-    worker. TF's own coordinator runs each worker's calls in an executor of
-    their own too. Synchronous and without streaming, as the default one here
-    (see `connect`): ops run inline, nothing is left pending to wait for.
-    """
-    from tensorflow.python.eager import context, executor
-
-    own = executor.new_executor(enable_async=False, enable_streaming_enqueue=False)
-    with context.executor_scope(own):
-        yield
