@@ -51,7 +51,6 @@ __all__ = [
     "device_scope",
     "op_error",
     "cross_replica_context",
-    "own_executor",
 ]
 
 log = logging.getLogger("psclient")
@@ -333,12 +332,11 @@ def device_scope(device: str, worker: int):
     """Ops and calls made inside run on `device`, as worker `worker`'s (a dispatcher thread's whole life).
 
     Also TF's worker index (`experimental_get_current_worker_index()` in a
-    scheduled function): this thread only ever calls this worker; and an
-    executor of the thread's own (`own_executor`).
+    scheduled function): this thread only ever calls this worker.
     """
     import tensorflow as tf
 
-    with own_executor(), tf.device(device), worker_index_scope(worker):
+    with tf.device(device), worker_index_scope(worker):
         yield
 
 
@@ -488,21 +486,3 @@ def cross_replica_context():
     finally:
         distribute_lib._pop_per_thread_mode()  # noqa: SLF001
 
-
-@contextlib.contextmanager
-def own_executor():
-    """Run this thread's ops in a synchronous executor of its own (TF-internal).
-
-    TF's default executor is shared by every thread of the process: a call
-    that fails on a task that is down (a dispatcher's, just after a worker
-    restarted) also surfaced its error in another thread's next op, e.g. a
-    user's `v.assign(...)` on a ps variable raised UnavailableError from the
-    worker. TF's own coordinator runs each worker's calls in an executor of
-    their own too. Synchronous and without streaming, as the default one here
-    (see `connect`): ops run inline, nothing is left pending to wait for.
-    """
-    from tensorflow.python.eager import context, executor
-
-    own = executor.new_executor(enable_async=False, enable_streaming_enqueue=False)
-    with context.executor_scope(own):
-        yield
