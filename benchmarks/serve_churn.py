@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--ps", type=int, default=1)
     parser.add_argument("--keep-alive", type=int, default=None,
-                        help="KEEP_ALIVE_SECS in the coordinators (default: psclient's)")
+                        help="keep-alive (s) the coordinators ask the tasks for (default: TF's 600, as psclient)")
     parser.add_argument("--settle", type=float, default=1.0)
     parser.add_argument("--max-release-wait", type=float, default=120.0,
                         help="in kill mode, wait for the keep-alive to run out if it is this short")
