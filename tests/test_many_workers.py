@@ -1,0 +1,89 @@
+"""Eight workers, two ps, several workers killed and restarted while a schedule loop runs.
+
+Every future resolves once, with its own closure's value, and the ps
+counters show each closure ran at least once and at most once more per
+retried closure. Waits are generous: the cluster is ten TensorFlow processes
+on a machine that may have two cores and other jobs beside it.
+"""
+
+import pytest
+import tensorflow as tf
+
+import psclient
+from tests._polling import wait_for
+
+pytestmark = pytest.mark.cluster
+
+# Not passing yet: a reproducer (run it with `pytest --runxfail`; about 3.5
+# minutes). Three runs on the 2-core machine, all failed. One kill at a time:
+# worker 2, killed after worker 1 had been taken out, stayed "up" for over
+# 180 s; its calls failed inside TF (SetShape "Connection refused", "Unable to
+# destroy remote tensor handle") yet psclient logged nothing about it. Workers
+# 1 and 2 killed at once: worker 1 stayed "up" for over 180 s. The first run's
+# failure was not captured (its log shows workers 2, 1 and 5 taken out).
+KNOWN_FAILURE = ("a worker killed after another worker was taken out is not taken out "
+                 "(8 workers, 2 ps; see the comment above)")
+
+NUM_WORKERS, NUM_PS = 8, 2
+PER_ROUND = 40
+# (kill, restart) per round: worker indices, never worker 0 (always up). One
+# kill at a time (two at once is a harder case; see above).
+PLAN = [((1,), ()), ((2,), (1,)), ((5,), (2,)), ((6,), (5,)), ((), (6,))]
+
+
+@pytest.mark.xfail(run=False, strict=True, reason=KNOWN_FAILURE)
+def test_kills_and_restarts_among_eight_workers():
+    with psclient.LocalCluster(num_workers=NUM_WORKERS, num_ps=NUM_PS) as local:
+        strategy = psclient.ParameterServerStrategy(local.cluster, connect_timeout=180)
+        try:
+            with strategy.scope():
+                counters = [tf.Variable(0, dtype=tf.int64) for _ in range(NUM_PS)]
+            devices = {c.device for c in counters}
+            assert len(devices) == NUM_PS, f"counters not spread over the ps tasks: {devices}"
+
+            @tf.function
+            def step(i):
+                x = tf.random.uniform([64, 64])
+                noise = tf.reduce_sum(tf.linalg.matmul(x, x)) * 0.0
+                for counter in counters:
+                    counter.assign_add(1)
+                return i * 2 + tf.cast(noise, tf.int64)
+
+            futures, expected = [], []
+            for round_, (kills, restarts) in enumerate(PLAN):
+                for n in range(PER_ROUND):
+                    i = round_ * PER_ROUND + n
+                    futures.append(strategy.schedule(step, args=(tf.constant(i, tf.int64),)))
+                    expected.append(2 * i)
+                psclient.wait(futures[-PER_ROUND // 2:], timeout=300)
+                for w in kills:
+                    local.kill("worker", w)
+                    wait_for(lambda w=w: not strategy.stats()["workers"][w]["up"], 180,
+                             f"worker {w} taken out after its kill")
+                for w in restarts:
+                    local.restart("worker", w, timeout=180)
+                for w in restarts:
+                    wait_for(lambda w=w: strategy.stats()["workers"][w]["up"], 180,
+                             f"worker {w} back in rotation after its restart")
+            strategy.join(timeout=600)
+
+            results = [f.result(timeout=60) for f in futures]
+            assert results == expected
+            stats = strategy.stats()
+            killed = sorted({w for kills, _ in PLAN for w in kills})
+            for w in killed:
+                assert stats["workers"][w]["failures"] >= 1, stats["workers"][w]
+                assert stats["workers"][w]["rejoins"] >= 1, stats["workers"][w]
+                assert stats["workers"][w]["up"], stats["workers"][w]
+            retried = sum(w["retried"] for w in stats["workers"])
+            total = len(futures)
+            for counter in counters:
+                # At least once each; a closure cut off by a kill may have
+                # counted before it died and then ran again elsewhere.
+                assert total <= int(counter.numpy()) <= total + retried
+            # Restarted workers take work again.
+            after = [strategy.schedule(step, args=(tf.constant(1000 + k, tf.int64),)) for k in range(40)]
+            strategy.join(timeout=300)
+            assert [f.result() for f in after] == [2 * (1000 + k) for k in range(40)]
+        finally:
+            strategy.shutdown()
