@@ -140,7 +140,11 @@ def test_dataset_fn_and_its_map_function_are_traced_once(coordinator, strategy):
     assert traced == {"dataset_fn": 1, "map": 1, "per_worker_dataset_fn": 1}
 
 
-def test_worker_fn_traced_once_when_its_concrete_function_was_made_first(coordinator):
+def test_worker_fn_traced_once_when_its_concrete_function_was_made_first(coordinator, strategy):
+    # psclient traces a scheduled function in the strategy's cross-replica
+    # context (as TF's schedule() traces inside the strategy's scope), which is
+    # part of tf.function's cache key: a concrete function made inside
+    # scope() is the one schedule() uses.
     traced = {"per_worker_dataset_fn": 0, "worker_fn": 0}
 
     def per_worker_dataset_fn():
@@ -153,7 +157,8 @@ def test_worker_fn_traced_once_when_its_concrete_function_was_made_first(coordin
         return next(iterator)
 
     iterator = iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
-    concrete = worker_fn.get_concrete_function(iterator)
+    with strategy.scope():
+        concrete = worker_fn.get_concrete_function(iterator)
     assert concrete.structured_outputs.dtype == tf.int64
     results = run_steps(coordinator, worker_fn, (iterator,), 10)
     assert all(0 <= int(r) < 10 for r in results)
