@@ -59,6 +59,18 @@ def _ip(*args):
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
 
+def _remove_leftovers():
+    """Namespaces of this test left by a run that was killed before its
+    teardown (their veth pair goes with them): same subnets, so they would
+    confuse this run's routes."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    for line in listed.splitlines()[:100]:
+        name = line.split()[0] if line.split() else ""
+        pid = name.removeprefix("psc-exp-")
+        if name.startswith("psc-exp-") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
 @pytest.fixture(scope="module")
 def other_host(request):
     """The namespace's name; it and the veth pair go at teardown, also after a failure."""
@@ -69,6 +81,7 @@ def other_host(request):
         subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
 
     request.addfinalizer(remove)
+    _remove_leftovers()
     _ip("netns", "add", name)
     _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
     _ip("link", "set", ns_if, "netns", name)
