@@ -273,6 +273,26 @@ def test_ps_recovery_goes_on_while_a_worker_is_down_and_its_resources_follow_it(
         strategy.shutdown()
 
 
+def test_a_worker_that_dies_while_idle_is_taken_out_and_rejoins(heal):
+    # No closure runs there: only the heartbeat can notice (its probe fails and
+    # the port refuses). Before, such a worker stayed "up" until work reached it.
+    cluster = heal
+    strategy = make_strategy(cluster)
+    try:
+        steps, step = counting_step(strategy, work=1)
+        psclient.wait([strategy.schedule(step) for _ in range(4)], timeout=120)
+        cluster.kill("worker", 1)
+        wait_for(lambda: not strategy.stats()["workers"][1]["up"], 60, "idle dead worker 1 taken out")
+        assert strategy.stats()["workers"][0]["up"]
+        cluster.restart("worker", 1)
+        wait_for(lambda: strategy.stats()["workers"][1]["up"], 120, "worker 1 back")
+        futures = [strategy.schedule(step) for _ in range(40)]
+        strategy.join(timeout=120)
+        assert all(f.exception() is None for f in futures)
+    finally:
+        strategy.shutdown()
+
+
 def test_shutdown_with_a_hung_worker_returns_within_hang_timeout(heal):
     import threading
 

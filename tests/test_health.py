@@ -88,3 +88,30 @@ def test_a_hung_probe_gets_one_more_thread_and_does_not_hold_up_the_others():
     release.set()
     assert hung.done.wait(10) and hung.ok
     assert prober.close(timeout=10) == []
+
+
+def test_last_failed_tells_an_ended_probe_without_answer_from_one_pending_or_answered():
+    release = threading.Event()
+    answering = {"w0"}
+
+    def run_probe(device):
+        if device == "w2":
+            release.wait(30)
+        if device not in answering:
+            raise ConnectionError(device)
+
+    prober = Prober(run_probe)
+    try:
+        assert not prober.last_failed("w0")  # never probed
+        assert prober.answers("w0", timeout=10)
+        assert not prober.last_failed("w0")
+        assert not prober.answers("w1", timeout=10)
+        assert prober.last_failed("w1")
+        prober.start("w2")
+        assert not prober.last_failed("w2")  # still waiting: not an ended probe
+        answering.add("w1")
+        assert prober.answers("w1", timeout=10)
+        assert not prober.last_failed("w1")  # the latest answered
+    finally:
+        release.set()
+        prober.close(10)

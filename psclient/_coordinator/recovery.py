@@ -328,6 +328,13 @@ class Recovery:
             if state is rm.TaskState.UP:
                 waited = self._prober.overdue(device, now)
                 if waited is None:
+                    if self._prober.last_failed(device) and self._edge.tcp_state(
+                            self._cluster.address("worker", worker), 1.0) == "closed":
+                        # Its heartbeat failed and its port refuses: the process is
+                        # gone. Without this, a worker that dies with no closure
+                        # running stays "up" until a closure is sent to it.
+                        events.append(rm.WorkerNotAnswering(worker, None, machine.epochs[worker]))
+                        continue
                     # The heartbeat: one round trip per round, unless a closure
                     # finished there within the round (that is a sign of life too).
                     if now - last_done[worker] >= interval:

@@ -104,6 +104,12 @@ class Prober:
             return None
         return now - probe.started_at
 
+    def last_failed(self, device: str) -> bool:
+        """Whether the latest probe of `device` has ended without an answer."""
+        with self._cond:
+            probe = self._probes.get(device)
+        return probe is not None and probe.done.is_set() and not probe.ok
+
     def answered_at(self, device: str) -> float:
         """When `device`'s task last answered a probe; -inf if it never did."""
         return self._answered.get(device, float("-inf"))

@@ -24,7 +24,8 @@ Events in                                 | actions out
 Tick(running, completed) every round      | FailAll(workers) when none UP for worker_timeout;
                                           | starts what is due (below)
 ProbeOverdue(worker, waited) of an UP one | >= hang_timeout: TakeOut, HUNG
-WorkerNotAnswering(worker) (dispatcher)   | TakeOut, SUSPECT
+WorkerNotAnswering(worker) (dispatcher,   | TakeOut, SUSPECT
+  or a failed heartbeat, port refused)    |
 WorkerSeen(worker, tcp, probe_pending)    | a worker that is out: LOST / HUNG / answers
                                           | again (a rejoin candidate)
 PsNotAnswering(ps) (dispatcher)           | PsFailed, PauseDispatch; without a checkpoint
