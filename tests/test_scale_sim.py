@@ -60,13 +60,18 @@ def _run_through_failures(harness, closures: int, failures: list[tuple[str, int,
 def _check_detected(harness, hang_timeout: float) -> list[dict]:
     report = harness.failure_report()
     for failure in report:
-        # A dead worker fails its call: found by probing it (3 probes, 0.2 s apart).
+        # A dead worker fails its call, or its heartbeat: found by probing it.
         # A hung one: its heartbeat probe goes unanswered for hang_timeout.
         limit = hang_timeout + 1.0
         assert failure["detected_s"] is not None, f"never taken out: {failure}"
         assert failure["detected_s"] <= limit, f"taken out after {failure['detected_s']} s > {limit}: {failure}"
-        assert failure["requeued_closures"] >= 1, f"nothing was running there: {failure}"
-        assert failure["rerun_elsewhere_s"] <= limit + 0.5, failure
+        if failure["kind"] == "hang":
+            # The hung call is running there when it is taken out.
+            assert failure["requeued_closures"] >= 1, f"nothing was running there: {failure}"
+        # A dead worker can be found idle by its heartbeat (failed probe, port
+        # refused) before a call fails there: nothing to requeue then.
+        if failure["requeued_closures"]:
+            assert failure["rerun_elsewhere_s"] <= limit + 0.5, failure
     return report
 
 
