@@ -134,6 +134,14 @@ class SimCluster:
         return contextlib.nullcontext()
 
     @staticmethod
+    def function_not_registered_yet(error: BaseException) -> bool:
+        return False
+
+    @staticmethod
+    def cancellable_call():
+        return contextlib.nullcontext(lambda: None)
+
+    @staticmethod
     def to_numpy(outputs: Any) -> Any:
         return outputs
 

@@ -74,13 +74,9 @@ def _strategy(local, **kwargs):
     return psclient.ParameterServerStrategy(local.cluster, **kwargs)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known issue, not fixed: a dispatcher's call failing on the just-restarted worker "
-    "surfaces its UnavailableError/AbortedError in the user's next op (the v.assign) through TF's "
-    "shared default executor, in about half the runs with 2 workers + 2 ps; an executor per "
-    "dispatcher thread fixes it but stalls keras.utils.set_random_seed while a worker hangs",
-)
+# Each dispatcher thread calls through an executor of its own: with TF's shared
+# default one, a call failing on the just-restarted worker surfaced its error in
+# the user's next op (the v.assign), in about half the runs with 2 workers + 2 ps.
 @pytest.mark.parametrize("num_workers,num_ps", [(1, 1), (2, 2)])
 def test_worker_restarted_between_functions_then_ps_variable_written_on_the_coordinator(num_workers, num_ps):
     with psclient.LocalCluster(num_workers=num_workers, num_ps=num_ps) as local:

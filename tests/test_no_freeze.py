@@ -2,8 +2,8 @@
 
 A heartbeat thread in the coordinator records the longest gap between its
 ticks while one worker is SIGSTOPped: when checkpoints fall due and when workers are
-restarted while another runs a long function. (A first trace while a worker
-hangs still stalls the process: a known limit, README "Development".) TF calls that block inside C++
+restarted while another runs a long function, when a new function is first
+scheduled and when Keras fit starts. TF calls that block inside C++
 with the GIL held stop every Python thread of the process, the heartbeat's
 too, so its longest gap is the coordinator's longest stall.
 """
@@ -146,4 +146,58 @@ def test_worker_restarts_while_another_runs_a_long_function(heal):
         assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s"
     finally:
         keep_going.assign(False)
+        strategy.shutdown()
+
+
+def test_a_new_function_first_scheduled_while_a_worker_hangs(heal):
+    # Tracing registers the function on every task; TF's default executor
+    # sends that down each task's stream without waiting for the answers, so a
+    # hung worker does not hold the trace (it did for as long as it hung).
+    cluster = heal
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=HANG_TIMEOUT)
+    try:
+        steps, step = counting_step(strategy)
+        for _ in range(10):
+            strategy.schedule(step)
+        strategy.join()
+        with Heartbeat() as beat:
+            cluster.stop("worker", 2)
+
+            @tf.function
+            def fresh():
+                steps.assign_add(10)
+                return steps.read_value()
+
+            futures = [strategy.schedule(fresh) for _ in range(20)]
+            strategy.join(timeout=120)
+            wait_for(lambda: stopped_worker_is_taken_out(strategy, 2), 8 * HANG_TIMEOUT,
+                     "the stopped worker to be taken out")
+        assert all(f.done() for f in futures)
+        assert int(steps.numpy()) == 10 + 20 * 10
+        assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s"
+    finally:
+        cluster.resume("worker", 2)
+        strategy.shutdown()
+
+
+def test_keras_fit_starts_while_a_worker_hangs(heal):
+    import keras
+    import numpy as np
+
+    cluster = heal
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=HANG_TIMEOUT)
+    try:
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+        y = x.sum(axis=1, keepdims=True)
+        with Heartbeat() as beat:
+            cluster.stop("worker", 2)
+            history = model.fit(x, y, batch_size=8, epochs=2, steps_per_epoch=8, verbose=0)
+        assert len(history.history["loss"]) == 2
+        assert int(model.optimizer.iterations.numpy()) >= 16
+        assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s"
+    finally:
+        cluster.resume("worker", 2)
         strategy.shutdown()

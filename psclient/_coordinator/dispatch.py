@@ -29,6 +29,10 @@ __all__ = ["Dispatcher"]
 
 log = logging.getLogger("psclient")
 
+#: Calls made while their function's registration has not reached the worker
+#: (bounded: about 10 s in all, the registration's stream to a live worker takes far less).
+_NOT_REGISTERED_ATTEMPTS = 25
+
 
 class Dispatcher:
     """Owns the dispatcher threads of every worker; `stop()` joins them all."""
@@ -56,6 +60,9 @@ class Dispatcher:
         self._probes = probes
         self._report = report
         self._release_timeout = release_timeout
+        # The call each thread is inside, by thread: (worker, its cancel()).
+        self._calls: dict[int, tuple[int, Callable[[], None]]] = {}
+        self._calls_lock = threading.Lock()
         self._iterators = iterators
         self._threads = [
             threading.Thread(
@@ -73,13 +80,30 @@ class Dispatcher:
     def stop(self, timeout: float | None = None) -> list[str]:
         """Wait for every thread to exit (the scheduler must be closed first).
 
-        Returns the names of threads still inside a call after `timeout`
-        (a hung worker holds them until it answers or dies).
+        Calls still running after `timeout` are cancelled (a hung worker
+        would hold their threads until it answers or dies). Returns the names
+        of threads still alive after that.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         for thread in self._threads:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if timeout is not None and self.cancel_calls():
+            for thread in self._threads:
+                thread.join(max(0.0, min(timeout, 5.0)))
         return [t.name for t in self._threads if t.is_alive()]
+
+    def cancel_calls(self, worker: int | None = None) -> int:
+        """Cancel the calls running on `worker` (every worker: None); returns how many.
+
+        For a worker taken out: its closures were re-queued already, and a
+        hung worker's calls would otherwise hold their threads (and TF's
+        cache clearing) until it answers.
+        """
+        with self._calls_lock:
+            cancels = [cancel for w, cancel in self._calls.values() if worker is None or w == worker]
+        for cancel in cancels:
+            cancel()
+        return len(cancels)
 
     @property
     def alive_threads(self) -> int:
@@ -103,11 +127,31 @@ class Dispatcher:
         iterators_generation = self._iterators.generation(worker)
         try:
             fn, args, kwargs = self._prepare(closure, worker)
-            value = self._edge.to_numpy(fn(*args, **kwargs))
+            value = self._edge.to_numpy(self._call(worker, fn, args, kwargs))
         except Exception as error:  # noqa: BLE001 - every error of the user's function is routed to its future
             self._failed(worker, device, closure, attempt, error, iterators_generation)
         else:
             self._scheduler.succeeded(worker, closure, value, attempt=attempt)
+
+    def _call(self, worker: int, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        me = threading.get_ident()
+        for attempt in range(_NOT_REGISTERED_ATTEMPTS):
+            with self._edge.cancellable_call() as cancel:
+                with self._calls_lock:
+                    self._calls[me] = (worker, cancel)
+                try:
+                    return fn(*args, **kwargs)
+                except self._edge.op_error() as error:
+                    # A new function's registration travels down the worker's
+                    # stream unwaited and this call can overtake it: call again.
+                    if attempt + 1 == _NOT_REGISTERED_ATTEMPTS or \
+                            not self._edge.function_not_registered_yet(error):
+                        raise
+                finally:
+                    with self._calls_lock:
+                        self._calls.pop(me, None)
+            time.sleep(min(0.5, 0.01 * 2 ** attempt))
+        raise AssertionError("unreachable")
 
     def _renew_iterators(self, worker: int, seen_generation: int) -> None:
         try:

@@ -187,6 +187,8 @@ class Recovery:
         self._per_worker = per_worker
         self._retrace = retrace
         self._connect = connect
+        #: Cancels the calls running on a worker (the dispatcher's, set once it exists).
+        self.cancel_calls: Callable[[int], int] = lambda worker: 0
         self._clock = clock
         self.checkpoints = Checkpoints(
             config.checkpoint_dir, keep=config.checkpoints_to_keep, overwrite=config.overwrite_checkpoints,
@@ -394,6 +396,9 @@ class Recovery:
             log.warning("worker %d %s: taking it out and running its closures elsewhere",
                         action.worker, action.why)
             scheduler.worker_lost(action.worker, detected_after=action.detected_after)
+            # Its closures are queued again: calls still running there (a hung
+            # worker's) would hold their threads until it answers.
+            self.cancel_calls(action.worker)
         elif isinstance(action, rm.BringUp):
             scheduler.worker_up(action.worker, recovered_after=action.recovered_after)
             log.info("worker %d rejoined (%.2f s after it answered again)", action.worker,

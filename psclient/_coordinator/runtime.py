@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Any
 
+from psclient._coordinator.calls import cancellable_call
+
 import portpicker
 
 from psclient._cluster.spec import Cluster
@@ -51,13 +53,15 @@ __all__ = [
     "device_scope",
     "op_error",
     "cross_replica_context",
+    "cancellable_call",
+    "function_not_registered_yet",
 ]
 
 log = logging.getLogger("psclient")
 
 #: What `Dispatcher` and `Recovery` use of their `edge` (this module by default).
-EDGE_NAMES = ("worker_device", "ps_device", "tcp_state", "device_scope", "to_numpy", "name_error",
-              "op_error")
+EDGE_NAMES = ("worker_device", "ps_device", "tcp_state", "device_scope", "cancellable_call",
+              "function_not_registered_yet", "to_numpy", "name_error", "op_error")
 
 #: The job name the coordinator takes in the cluster (TF's convention).
 COORDINATOR_JOB = "chief"
@@ -145,6 +149,8 @@ def wait_reachable(cluster: Cluster, timeout: float) -> None:
 # process's coordinator address; later connections (another cluster, or the
 # same one after shutdown) reuse it and update the running server's view.
 _coordinator_lock = threading.Lock()
+#: Whether dispatcher threads call through streaming executors (pipeline depth > 1).
+_calls_stream = False
 _coordinator_address: str | None = None
 #: How long a connect waits for another thread's connect to finish. TF's
 #: update_server_def waits for every task it names, and a task that hangs
@@ -177,20 +183,22 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None) -> None:
     global _coordinator_address
     # Environment knobs TF reads: set in this one place. GRPC_FAIL_FAST makes a
     # dead task surface as an error in the caller instead of retries inside
-    # gRPC. Streaming enqueue lets several calls be in flight per worker
-    # (pipelining); without it TF allows one outstanding call per worker.
-    # Kept off at depth 1: with it on, calls to a task that died could wait
-    # for good, and a dispatcher's own executor (to keep a hung worker from
-    # holding calls to the others) deadlocked TF's cache clearing (measured;
-    # README "Limits"). The price: a first trace while a worker hangs waits
-    # for it with the GIL held.
+    # gRPC. Streaming enqueue is on for the process: TF's default executor then
+    # sends what it registers on every task (a new function, an eager op's
+    # kernel) down each task's stream without waiting for the answers, so a
+    # first trace while a worker hangs does not hold the process (with the GIL)
+    # until that worker answers. Dispatcher threads call through executors of
+    # their own (`device_scope`): unary (one call in flight, a dead task's error
+    # comes back) at pipeline depth 1, streaming (pipelining) above.
     # TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY makes `context.async_wait()` a no-op
     # (TF's own ParameterServerStrategy sets it too): it syncs every task of
     # the cluster, a hung one included, and Keras calls it at the end of every
     # epoch and TF's checkpoints after every save and restore. psclient runs
     # nothing asynchronously that it would need to wait for.
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
-    os.environ["TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"] = str(bool(streaming_enqueue))
+    global _calls_stream
+    os.environ["TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"] = "True"
+    _calls_stream = bool(streaming_enqueue)
     os.environ["TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY"] = "True"
 
     import tensorflow as tf
@@ -301,6 +309,10 @@ def probe(device: str) -> None:
     """
     import tensorflow as tf
 
+    # On TF's default executor, so down each task's stream at pipeline depth 1
+    # (see `connect`): with a unary executor, the kernel this probe's op needs
+    # on a worker not probed before was registered on every task with a
+    # blocking RPC, so one hung worker made every probe hang (all workers looked hung).
     with tf.device(f"{device}/device:CPU:0"):
         value = tf.constant(1, dtype=tf.int32) + 1
     value.numpy()
@@ -332,12 +344,45 @@ def device_scope(device: str, worker: int):
     """Ops and calls made inside run on `device`, as worker `worker`'s (a dispatcher thread's whole life).
 
     Also TF's worker index (`experimental_get_current_worker_index()` in a
-    scheduled function): this thread only ever calls this worker.
+    scheduled function): this thread only ever calls this worker. And an
+    executor of this thread's own (TF's own coordinator gives each worker one
+    too): with the process-wide default one, a call failing on a worker just
+    restarted surfaced its error in another thread's next op (a user's
+    `v.assign(...)` raised the worker's UnavailableError), and a call to a hung
+    worker made other threads' ops wait. Unary at pipeline depth 1, so a
+    dead task's error comes back to the caller.
+    """
+    import tensorflow as tf
+    from tensorflow.python.eager import context, executor
+
+    own = executor.new_executor(enable_async=False, enable_streaming_enqueue=_calls_stream)  # kept referenced: deleting it deletes TF's
+    try:
+        with context.executor_scope(own), tf.device(device), worker_index_scope(worker):
+            yield
+    finally:
+        # An error a call left on it would be raised again when TF deletes it.
+        own.clear_error()
+
+
+
+
+def function_not_registered_yet(error: BaseException) -> bool:
+    """Whether a call failed because its function's registration had not reached the worker yet.
+
+    Registrations travel down each task's stream without being waited for
+    (see `connect`); a dispatcher's call travels its own way and can arrive first.
     """
     import tensorflow as tf
 
-    with tf.device(device), worker_index_scope(worker):
-        yield
+    if not isinstance(error, tf.errors.NotFoundError):
+        return False
+    return _NOT_REGISTERED.search(str(error)) is not None
+
+
+# The worker looks the call up as an op type (TF's OpRegistry: "Op type not
+# registered '<function>' in binary running on ...") or in its function
+# library ("Unable to find Function(Def) with name: ...").
+_NOT_REGISTERED = re.compile(r"Op type not registered '|Unable to find Function(?:Def)? (?:with name:|for )")
 
 
 def op_error() -> type:

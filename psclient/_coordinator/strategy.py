@@ -195,6 +195,7 @@ class ParameterServerStrategy:
                 iterators=self._per_worker,
             )
             undo.callback(_stop_dispatch, self._scheduler, self._dispatcher, hang_timeout)
+            self._recovery.cancel_calls = self._dispatcher.cancel_calls
             self._recovery.start()
             undo.pop_all()
         # Shuts down when shutdown() is called, the strategy is collected, or at exit.

@@ -1,0 +1,135 @@
+"""How a dispatcher's call is made cancellable, and kept out of TF's cache clearing.
+
+TensorFlow internals, like `runtime` (which the dispatcher reaches through
+its edge, `runtime.cancellable_call`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+__all__ = ["cancellable_call"]
+
+log = logging.getLogger("psclient")
+
+# TF finds the cancellation manager of a call in one process-wide global
+# (`cancellation.context()`), which threads calling at once would overwrite;
+# psclient's calls keep theirs per thread.
+_thread_cancellation = threading.local()
+_cancellation_lock = threading.Lock()
+_cancellation_installed = False
+
+
+def _install_thread_cancellation() -> None:
+    global _cancellation_installed
+    from tensorflow.python.eager import cancellation
+
+    with _cancellation_lock:
+        if _cancellation_installed:
+            return
+        global_context = cancellation.context
+
+        def context():
+            manager = getattr(_thread_cancellation, "manager", None)
+            return manager if manager is not None else global_context()
+
+        cancellation.context = context
+        _cancellation_installed = True
+
+
+class _CallGate:
+    """Counts psclient's calls in flight; holds new ones while TF clears its caches.
+
+    TF's cache clearing (`tf.random.set_seed`, `clear_kernel_cache`) waits,
+    with the GIL held, for every call in flight in the process: one on a hung
+    worker froze every thread, so also the one that would take the worker out
+    and cancel the call. Cleared through this gate, it first waits with the
+    GIL released until no call runs (calls on a hung worker are cancelled
+    once it is taken out) and lets no new call start until it is done. TF's
+    clearing itself still waits, GIL held, for anything else in flight to a
+    hung task (a health probe, a remote handle's deletion): while a task
+    hangs, `tf.random.set_seed` can stall the process until it answers
+    (README "Fault tolerance").
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._running = 0
+        self._clearing = 0
+
+    @contextlib.contextmanager
+    def call(self):
+        with self._cond:
+            while self._clearing:
+                self._cond.wait()
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    def clear(self, clear_caches, handle, warn_every: float = 10.0) -> None:
+        with self._cond:
+            self._clearing += 1
+            try:
+                waited = 0.0
+                while self._running:
+                    if not self._cond.wait(warn_every):
+                        waited += warn_every
+                        log.warning("clearing TensorFlow's caches (tf.random.set_seed?) waits for %d "
+                                    "call(s) running on workers (%.0f s so far)", self._running, waited)
+                clear_caches(handle)
+            finally:
+                self._clearing -= 1
+                self._cond.notify_all()
+
+
+_call_gate = _CallGate()
+_gate_installed = False
+
+
+def _install_cache_clearing_gate() -> None:
+    global _gate_installed
+    from tensorflow.python import pywrap_tfe
+
+    with _cancellation_lock:
+        if _gate_installed:
+            return
+        original = pywrap_tfe.TFE_ContextClearCaches
+        # Not through ctypes without the GIL: while it waits for a hung
+        # task's nodes it holds TF's kernel-cache lock, which stopped every
+        # other TF op of the process (health probes too: tasks looked lost).
+        pywrap_tfe.TFE_ContextClearCaches = lambda handle: _call_gate.clear(original, handle)
+        _gate_installed = True
+
+
+@contextlib.contextmanager
+def cancellable_call():
+    """The call this thread makes inside can be cancelled: yields a `cancel()` for any thread.
+
+    A cancelled call returns at once with CancelledError (the RPC is cancelled
+    on the coordinator's side), also when its worker hangs: a dispatcher
+    thread is not held by a hung worker after it was taken out. The call
+    also passes the gate of TF's cache clearing (`_CallGate`).
+    """
+    import tensorflow as tf
+    from tensorflow.python.eager import cancellation, context
+
+    _install_thread_cancellation()
+    _install_cache_clearing_gate()
+    manager = cancellation.CancellationManager()  # one per call: a cancelled one stays cancelled
+    with _call_gate.call():
+        _thread_cancellation.manager = manager
+        try:
+            yield manager.start_cancel
+        except tf.errors.OpError:
+            # A failed call leaves its error on this thread's executor, which
+            # would raise it again when the executor is waited for or deleted.
+            context.context().executor.clear_error()
+            raise
+        finally:
+            _thread_cancellation.manager = None
