@@ -160,7 +160,7 @@ class PerWorker:
         from psclient._coordinator import runtime as _runtime
 
         try:
-            return self._build(worker)
+            return _runtime.until_registered(lambda: self._build(worker))
         except _runtime.closure_input_error_type() as error:  # a value it is built from failed
             return _Failed(error.original_exception)
         except tf.errors.OpError as error:

@@ -23,7 +23,7 @@ import re
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from psclient._coordinator.calls import cancellable_call
 
@@ -56,6 +56,7 @@ __all__ = [
     "cancellable_call",
     "function_not_registered_yet",
     "streamed_registrations",
+    "until_registered",
 ]
 
 log = logging.getLogger("psclient")
@@ -350,7 +351,7 @@ def device_scope(device: str, worker: int):
 
     own = executor.new_executor(enable_async=False, enable_streaming_enqueue=_calls_stream)  # kept referenced: deleting it deletes TF's
     try:
-        with context.executor_scope(own), tf.device(device), worker_index_scope(worker):
+        with _executor_scope(own), tf.device(device), worker_index_scope(worker):
             yield
     finally:
         # An error a call left on it would be raised again when TF deletes it.
@@ -371,6 +372,7 @@ _STREAMING_ENV = "TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"
 _env_lock = threading.Lock()
 #: Threads inside `streamed_registrations` (the env stays True while any is).
 _streamed_traces = 0
+_streaming_executor = None
 
 
 @contextlib.contextmanager
@@ -384,27 +386,106 @@ def streamed_registrations():
     scheduled, Keras building its train function). Streamed, the registration
     is queued and the trace returns. TF streams when the calling thread's
     executor allows it and the environment switch is on (read at every
-    enqueue), so this thread gets a streaming executor of its own for the
-    trace and the switch is on while any thread traces. A call that overtakes
+    enqueue), so the trace runs on a streaming executor (one for the
+    process) and the switch is on while any thread traces. Other threads'
+    ops made meanwhile on TF's default executor stream too (a health probe:
+    it is waited for with a timeout anyway). A call that overtakes
     its function's registration on a worker is made again
     (`function_not_registered_yet`).
     """
-    global _streamed_traces
-    from tensorflow.python.eager import context, executor
+    global _streamed_traces, _streaming_executor
 
-    own = executor.new_executor(enable_async=False, enable_streaming_enqueue=True)
     with _env_lock:
+        if _streaming_executor is None:
+            # One for the process, never deleted: TF's Executor waits, when
+            # deleted, for everything sent through it, a registration still
+            # on its way to a hung task included (a trace then stalled until
+            # the task answered).
+            _streaming_executor = _kept_streaming_executor()
+        # A streamed registration that failed (a task gone) leaves its error
+        # on the executor, which would fail the next trace with it.
+        _streaming_executor.clear_error()
         _streamed_traces += 1
         os.environ[_STREAMING_ENV] = "True"
     try:
-        with context.executor_scope(own):
+        with _executor_scope(_streaming_executor):
             yield
     finally:
         with _env_lock:
             _streamed_traces -= 1
             if not _streamed_traces:
                 os.environ[_STREAMING_ENV] = str(_calls_stream)
-        own.clear_error()
+
+
+@contextlib.contextmanager
+def _executor_scope(executor_in_scope):
+    """TF's `context.executor_scope`, without waiting for the executor it replaces.
+
+    TF's wraps the thread's previous executor in a Python `Executor` whose
+    deletion (when the scope ends) waits for every node pending on it: the
+    default executor's, a health probe's op to a hung task included; a
+    `schedule()` then stalled until the task answered.
+    """
+    from tensorflow.python import pywrap_tfe
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    ctx.ensure_initialized()
+    handle = ctx._context_handle  # noqa: SLF001 - TF's own scope uses it the same way
+    previous = _UnwaitedExecutor(pywrap_tfe.TFE_ContextGetExecutorForThread(handle),
+                                 pywrap_tfe.TFE_DeleteExecutor)
+    pywrap_tfe.TFE_ContextSetExecutorForThread(handle, executor_in_scope.handle())
+    try:
+        yield
+    finally:
+        pywrap_tfe.TFE_ContextSetExecutorForThread(handle, previous.handle())
+
+
+class _UnwaitedExecutor:
+    """A borrowed TF executor handle, freed (not waited for) when dropped."""
+
+    __slots__ = ("_handle", "_delete")
+
+    def __init__(self, handle, delete):
+        self._handle = handle
+        self._delete = delete
+
+    def handle(self):
+        return self._handle
+
+    def __del__(self):
+        # Only the wrapper goes: the executor belongs to TF's context.
+        self._delete(self._handle)
+
+
+def _kept_streaming_executor():
+    """A streaming executor that is never waited for nor deleted (see `streamed_registrations`)."""
+    from tensorflow.python import pywrap_tfe
+    from tensorflow.python.eager import executor
+
+    class _Kept(executor.Executor):
+        __slots__ = ()
+
+        def __del__(self):
+            pass  # TF's waits for nodes still on their way to a hung task
+
+    return _Kept(pywrap_tfe.TFE_NewExecutor(False, True, 0))
+
+
+def until_registered(build: Callable[[], Any], attempts: int = 25) -> Any:
+    """`build()`, made again (bounded: about 10 s) while the worker does not know
+    a function yet (`function_not_registered_yet`): a per-worker value built
+    right after its dataset function was traced can overtake the registration."""
+    import tensorflow as tf
+
+    for attempt in range(attempts):
+        try:
+            return build()
+        except tf.errors.NotFoundError as error:
+            if attempt + 1 == attempts or not function_not_registered_yet(error):
+                raise
+        time.sleep(min(0.5, 0.01 * 2 ** attempt))
+    raise AssertionError("unreachable")
 
 
 def function_not_registered_yet(error: BaseException) -> bool:
@@ -421,9 +502,14 @@ def function_not_registered_yet(error: BaseException) -> bool:
 
 
 # The worker looks the call up as an op type (TF's OpRegistry: "Op type not
-# registered '<function>' in binary running on ...") or in its function
-# library ("Unable to find Function(Def) with name: ...").
-_NOT_REGISTERED = re.compile(r"Op type not registered '|Unable to find Function(?:Def)? (?:with name:|for )")
+# registered '<function>' in binary running on ...", or in TF 2.21 "'<function>'
+# is neither a type of a primitive operation nor a name of a function
+# registered in binary ...") or in its function library ("Unable to find
+# Function(Def) with name: ...").
+_NOT_REGISTERED = re.compile(
+    r"Op type not registered '|Unable to find Function(?:Def)? (?:with name:|for )"
+    r"|is neither a type of a primitive operation nor a name of a function registered"
+)
 
 
 def op_error() -> type:
