@@ -23,9 +23,15 @@ import re
 import socket
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
+from psclient._coordinator import executors as _executors
 from psclient._coordinator.calls import cancellable_call
+from psclient._coordinator.executors import (
+    function_not_registered_yet,
+    streamed_registrations,
+    until_registered,
+)
 
 import portpicker
 
@@ -151,8 +157,6 @@ def wait_reachable(cluster: Cluster, timeout: float) -> None:
 # process's coordinator address; later connections (another cluster, or the
 # same one after shutdown) reuse it and update the running server's view.
 _coordinator_lock = threading.Lock()
-#: Whether dispatcher threads call through streaming executors (pipeline depth > 1).
-_calls_stream = False
 _coordinator_address: str | None = None
 #: How long a connect waits for another thread's connect to finish. TF's
 #: update_server_def waits for every task it names, and a task that hangs
@@ -196,7 +200,7 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None) -> None:
     # epoch and TF's checkpoints after every save and restore. psclient runs
     # nothing asynchronously that it would need to wait for.
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
-    _set_streaming_env(bool(streaming_enqueue))
+    _executors.set_streaming_env(bool(streaming_enqueue))
     os.environ["TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY"] = "True"
 
     import tensorflow as tf
@@ -347,169 +351,15 @@ def device_scope(device: str, worker: int):
     dead task's error comes back to the caller.
     """
     import tensorflow as tf
-    from tensorflow.python.eager import context, executor
-
-    own = executor.new_executor(enable_async=False, enable_streaming_enqueue=_calls_stream)  # kept referenced: deleting it deletes TF's
+    own = _executors.new_call_executor()  # kept referenced: deleting it deletes TF's
     try:
-        with _executor_scope(own), tf.device(device), worker_index_scope(worker):
+        with _executors.executor_scope(own), tf.device(device), worker_index_scope(worker):
             yield
     finally:
         # An error a call left on it would be raised again when TF deletes it.
         own.clear_error()
 
 
-
-
-def _set_streaming_env(streaming: bool) -> None:
-    global _calls_stream
-    with _env_lock:
-        _calls_stream = streaming
-        if not _streamed_traces:
-            os.environ[_STREAMING_ENV] = str(streaming)
-
-
-_STREAMING_ENV = "TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"
-_env_lock = threading.Lock()
-#: Threads inside `streamed_registrations` (the env stays True while any is).
-_streamed_traces = 0
-_streaming_executor = None
-
-
-@contextlib.contextmanager
-def streamed_registrations():
-    """Inside, what TF registers on every task (a traced function, an eager
-    op's kernel) goes down each task's stream without waiting for the answers.
-
-    TF registers a new function on every task of the cluster with a blocking
-    RPC per task, holding the GIL: one hung worker froze the whole coordinator
-    for as long as it hung (a checkpoint saver traced, a new function
-    scheduled, Keras building its train function). Streamed, the registration
-    is queued and the trace returns. TF streams when the calling thread's
-    executor allows it and the environment switch is on (read at every
-    enqueue), so the trace runs on a streaming executor (one for the
-    process) and the switch is on while any thread traces. Other threads'
-    ops made meanwhile on TF's default executor stream too (a health probe:
-    it is waited for with a timeout anyway). A call that overtakes
-    its function's registration on a worker is made again
-    (`function_not_registered_yet`).
-    """
-    global _streamed_traces, _streaming_executor
-
-    with _env_lock:
-        if _streaming_executor is None:
-            # One for the process, never deleted: TF's Executor waits, when
-            # deleted, for everything sent through it, a registration still
-            # on its way to a hung task included (a trace then stalled until
-            # the task answered).
-            _streaming_executor = _kept_streaming_executor()
-        # A streamed registration that failed (a task gone) leaves its error
-        # on the executor, which would fail the next trace with it.
-        _streaming_executor.clear_error()
-        _streamed_traces += 1
-        os.environ[_STREAMING_ENV] = "True"
-    try:
-        with _executor_scope(_streaming_executor):
-            yield
-    finally:
-        with _env_lock:
-            _streamed_traces -= 1
-            if not _streamed_traces:
-                os.environ[_STREAMING_ENV] = str(_calls_stream)
-
-
-@contextlib.contextmanager
-def _executor_scope(executor_in_scope):
-    """TF's `context.executor_scope`, without waiting for the executor it replaces.
-
-    TF's wraps the thread's previous executor in a Python `Executor` whose
-    deletion (when the scope ends) waits for every node pending on it: the
-    default executor's, a health probe's op to a hung task included; a
-    `schedule()` then stalled until the task answered.
-    """
-    from tensorflow.python import pywrap_tfe
-    from tensorflow.python.eager import context
-
-    ctx = context.context()
-    ctx.ensure_initialized()
-    handle = ctx._context_handle  # noqa: SLF001 - TF's own scope uses it the same way
-    previous = _UnwaitedExecutor(pywrap_tfe.TFE_ContextGetExecutorForThread(handle),
-                                 pywrap_tfe.TFE_DeleteExecutor)
-    pywrap_tfe.TFE_ContextSetExecutorForThread(handle, executor_in_scope.handle())
-    try:
-        yield
-    finally:
-        pywrap_tfe.TFE_ContextSetExecutorForThread(handle, previous.handle())
-
-
-class _UnwaitedExecutor:
-    """A borrowed TF executor handle, freed (not waited for) when dropped."""
-
-    __slots__ = ("_handle", "_delete")
-
-    def __init__(self, handle, delete):
-        self._handle = handle
-        self._delete = delete
-
-    def handle(self):
-        return self._handle
-
-    def __del__(self):
-        # Only the wrapper goes: the executor belongs to TF's context.
-        self._delete(self._handle)
-
-
-def _kept_streaming_executor():
-    """A streaming executor that is never waited for nor deleted (see `streamed_registrations`)."""
-    from tensorflow.python import pywrap_tfe
-    from tensorflow.python.eager import executor
-
-    class _Kept(executor.Executor):
-        __slots__ = ()
-
-        def __del__(self):
-            pass  # TF's waits for nodes still on their way to a hung task
-
-    return _Kept(pywrap_tfe.TFE_NewExecutor(False, True, 0))
-
-
-def until_registered(build: Callable[[], Any], attempts: int = 25) -> Any:
-    """`build()`, made again (bounded: about 10 s) while the worker does not know
-    a function yet (`function_not_registered_yet`): a per-worker value built
-    right after its dataset function was traced can overtake the registration."""
-    import tensorflow as tf
-
-    for attempt in range(attempts):
-        try:
-            return build()
-        except tf.errors.NotFoundError as error:
-            if attempt + 1 == attempts or not function_not_registered_yet(error):
-                raise
-        time.sleep(min(0.5, 0.01 * 2 ** attempt))
-    raise AssertionError("unreachable")
-
-
-def function_not_registered_yet(error: BaseException) -> bool:
-    """Whether a call failed because its function's registration had not reached the worker yet.
-
-    Registrations travel down each task's stream without being waited for
-    (see `connect`); a dispatcher's call travels its own way and can arrive first.
-    """
-    import tensorflow as tf
-
-    if not isinstance(error, tf.errors.NotFoundError):
-        return False
-    return _NOT_REGISTERED.search(str(error)) is not None
-
-
-# The worker looks the call up as an op type (TF's OpRegistry: "Op type not
-# registered '<function>' in binary running on ...", or in TF 2.21 "'<function>'
-# is neither a type of a primitive operation nor a name of a function
-# registered in binary ...") or in its function library ("Unable to find
-# Function(Def) with name: ...").
-_NOT_REGISTERED = re.compile(
-    r"Op type not registered '|Unable to find Function(?:Def)? (?:with name:|for )"
-    r"|is neither a type of a primitive operation nor a name of a function registered"
-)
 
 
 def op_error() -> type:
