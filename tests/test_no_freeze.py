@@ -181,10 +181,10 @@ def test_a_new_function_first_scheduled_while_a_worker_hangs(heal):
 
 
 @pytest.mark.xfail(run=False, reason=(
-    "known limit (README Fault tolerance): the first eager op of a new kind in the process "
-    "(here Keras building its dataset) registers its kernel on every task with a blocking RPC, so "
-    "it waits for a hung worker until that worker answers; making every registration stream "
-    "process-wide left ops to a dead worker waiting for good"))
+    "known limit (README Development): fit waits for a hung worker until it answers. Its first "
+    "eager ops of a new kind register their kernels on every task with a blocking RPC (streaming "
+    "them process-wide left ops to a dead worker waiting for good), and, with those streamed, its "
+    "per-worker iterators are made on every worker from the calling thread, the hung one too"))
 def test_keras_fit_starts_while_a_worker_hangs(heal):
     import keras
     import numpy as np
