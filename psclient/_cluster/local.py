@@ -14,6 +14,9 @@ signal, which ends a task whose owner is gone even while it is stopped.
 
 On Linux, each task's port drops every packet that does not come over
 loopback (`psclient serve --restrict-to-peers`; the cluster is all 127.0.0.1).
+
+`throttle` makes a straggler: a helper process owned the same way
+(`throttle.py`) runs the task on a SIGSTOP/SIGCONT duty cycle.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import portpicker
 from psclient._cluster import exposure
 from psclient._cluster.process import child_env
 from psclient._cluster.server import check_inter_op_threads
+from psclient._cluster.throttle import DEFAULT_PERIOD_S, Throttler, check_fraction, check_period
 from psclient._cluster.spec import Cluster
 from psclient._core.checks import check_positive
 from psclient._core.errors import TaskUnreachableError
@@ -62,6 +66,8 @@ class _Task:
     parent_w: int | None = None  # Held, never written: EOF tells the task we are gone.
     ready_r: int | None = None  # Open only while waiting for "ready".
     stopped: bool = False
+    throttle: float = 1.0  # The fraction of its speed `LocalCluster.throttle` set...
+    period: float = DEFAULT_PERIOD_S  # ...and the length of its duty cycle.
 
     @property
     def name(self) -> str:
@@ -189,18 +195,20 @@ def _wait_ready(tasks: list[_Task], deadline: float, timeout: float) -> None:
                     raise _failure(task, f"exited with status {code} before it was ready")
 
 
-def _shutdown(tasks: list[_Task], tempdir: tempfile.TemporaryDirectory | None, owner: int) -> None:
-    """Ends every task: SIGTERM, a grace period, then SIGKILL; reaps all of them.
+def _shutdown(tasks: list[_Task], tempdir: tempfile.TemporaryDirectory | None, owner: int,
+              throttler: Throttler) -> None:
+    """Ends the throttle helper, then every task: SIGTERM, a grace period, then SIGKILL; reaps all.
 
     Only in the process that started them (`owner`): a forked child that
     exits runs this finalizer too, and must leave its parent's tasks alone.
     """
     if os.getpid() != owner:
         return
+    throttler.close()  # First: it continues the tasks it stopped.
     live = [t for t in tasks if t.alive()]
     for task in live:
-        if task.stopped:
-            task.process.send_signal(signal.SIGCONT)  # A stopped task cannot handle SIGTERM.
+        # A stopped task cannot handle SIGTERM (stop(), or a throttle helper that was killed).
+        task.process.send_signal(signal.SIGCONT)
         task.process.terminate()
     deadline = time.monotonic() + _TERM_GRACE_S
     for task in live:
@@ -305,10 +313,11 @@ class LocalCluster:
         # logs, and the lines quoted when a task fails, show what matters.
         self._env = child_env(env, quiet_tf=True)
         self._closed = False
+        self._throttler = Throttler()
         # Holds no reference to self, so a forgotten cluster is still collected
         # and its tasks ended (at the latest at interpreter exit).
         self._finalizer = weakref.finalize(
-            self, _shutdown, list(self._tasks.values()), self._tempdir, os.getpid())
+            self, _shutdown, list(self._tasks.values()), self._tempdir, os.getpid(), self._throttler)
         with contextlib.ExitStack() as on_failure:  # Whatever stops the start ends every task.
             on_failure.callback(self.close)
             self._start(list(self._tasks.values()), self._start_timeout)
@@ -374,10 +383,12 @@ class LocalCluster:
             raise RuntimeError("This LocalCluster is closed; create a new one.")
 
     def kill(self, job: str, index: int) -> None:
-        """SIGKILLs the task and waits for its process to be gone."""
+        """SIGKILLs the task and waits for its process to be gone (its throttle ends)."""
         with self._lock:
             self._check_open()
-            self._task(job, index).reap()
+            task = self._task(job, index)
+            self._unthrottle(task, forget=True)
+            task.reap()
 
     def _signal_live(self, job: str, index: int, sig: signal.Signals) -> _Task:
         with self._lock:
@@ -389,12 +400,59 @@ class LocalCluster:
             return task
 
     def stop(self, job: str, index: int) -> None:
-        """Freezes the task (SIGSTOP): it keeps its connections but answers nothing."""
-        self._signal_live(job, index, signal.SIGSTOP).stopped = True
+        """Freezes the task (SIGSTOP): it keeps its connections but answers nothing.
+
+        A throttle pauses meanwhile and goes on at `resume`.
+        """
+        with self._lock:
+            self._check_open()
+            task = self._task(job, index)
+            if not task.stopped:
+                self._unthrottle(task)
+            self._signal_live(job, index, signal.SIGSTOP).stopped = True
 
     def resume(self, job: str, index: int) -> None:
-        """Unfreezes a stopped task (SIGCONT)."""
-        self._signal_live(job, index, signal.SIGCONT).stopped = False
+        """Unfreezes a stopped task (SIGCONT); a throttle set before goes on."""
+        with self._lock:
+            task = self._signal_live(job, index, signal.SIGCONT)
+            task.stopped = False
+            if task.throttle < 1:
+                self._throttler.set(task.process.pid, task.throttle, task.period)
+
+    def throttle(self, job: str, index: int, fraction: float, *, period: float = DEFAULT_PERIOD_S) -> None:
+        """Runs the task at `fraction` of its normal speed (1.0 restores it), to make a straggler.
+
+        A helper process stops and continues the task on a duty cycle: it runs
+        `fraction * period` s of every `period` s. A call in flight there
+        takes longer by the stopped parts; the task still answers, late.
+        Returns once applied. The throttle lasts until another `throttle`,
+        `kill` or `restart` (the new process runs at full speed) or `close`;
+        `stop`/`resume` pause it.
+
+        Raises:
+            ValueError: `fraction` not in (0, 1], or `period` not in [0.005, 10] s.
+            RuntimeError: the task is not running, or the cluster is closed.
+        """
+        fraction, period = check_fraction(fraction), check_period(period)
+        with self._lock:
+            self._check_open()
+            task = self._task(job, index)
+            if not task.alive():
+                raise RuntimeError(f"Task {task.name} is not running ({task.state()}); restart() it first.")
+            task.throttle, task.period = fraction, period
+            if not task.stopped:
+                self._throttler.set(task.process.pid, fraction, period)
+
+    def throttled(self) -> dict[tuple[str, int], float]:
+        """{(job, index): fraction} of every task running below full speed."""
+        with self._lock:
+            return {key: t.throttle for key, t in self._tasks.items() if t.throttle < 1 and t.alive()}
+
+    def _unthrottle(self, task: _Task, forget: bool = False) -> None:
+        if task.throttle < 1 and task.alive():
+            self._throttler.set(task.process.pid, 1.0)
+        if forget:
+            task.throttle = 1.0
 
     def restart(self, job: str, index: int, timeout: float | None = None) -> None:
         """Kills the task if it is alive, starts it again at the same address and
@@ -406,6 +464,7 @@ class LocalCluster:
         with self._lock:
             self._check_open()
             task = self._task(job, index)
+            self._unthrottle(task, forget=True)
             task.reap()
             with open(task.log_path, "a", encoding="utf-8") as log:
                 log.write(f"--- psclient LocalCluster: restarting {task.name} ---\n")
