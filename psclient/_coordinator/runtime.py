@@ -421,9 +421,14 @@ def function_not_registered_yet(error: BaseException) -> bool:
 
 
 # The worker looks the call up as an op type (TF's OpRegistry: "Op type not
-# registered '<function>' in binary running on ...") or in its function
-# library ("Unable to find Function(Def) with name: ...").
-_NOT_REGISTERED = re.compile(r"Op type not registered '|Unable to find Function(?:Def)? (?:with name:|for )")
+# registered '<function>' in binary running on ...", or "'<function>' is
+# neither a type of a primitive operation nor a name of a function registered
+# in binary running on ...": seen on a worker throttled by LocalCluster.throttle,
+# and retried by TF's own ClusterCoordinator) or in its function library
+# ("Unable to find Function(Def) with name: ...").
+_NOT_REGISTERED = re.compile(
+    r"Op type not registered '|Unable to find Function(?:Def)? (?:with name:|for )"
+    r"|is neither a type of a primitive operation nor a name of a function registered")
 
 
 def op_error() -> type:
