@@ -540,7 +540,15 @@ class Scheduler:
 
 def _cancel_all(closures: list[Closure], why: str) -> None:
     for closure in closures:
-        if not closure.future.cancel():
+        future = closure.future
+        if future.cancel():
+            # cancel() alone leaves concurrent.futures.wait()/as_completed()
+            # waiting for good: only set_running_or_notify_cancel() wakes them,
+            # and it may run once (a second call raises).
+            with future._condition:
+                if future._state == "CANCELLED":
+                    future.set_running_or_notify_cancel()
+        else:
             # A retried closure is already RUNNING, which stdlib futures cannot
             # cancel; resolve it with the same exception type instead.
             closure.future.set_exception(concurrent.futures.CancelledError(why))
