@@ -44,7 +44,7 @@ def test_futures_cancelled_by_close_are_done_for_wait():
         s.submit(c)
     queued[0].future.cancel()  # The user cancelled one first: closing must not trip over it.
     s.close()
-    done, not_done = concurrent.futures.wait([c.future for c in queued], timeout=5)
+    _, not_done = concurrent.futures.wait([c.future for c in queued], timeout=5)
     assert not not_done and all(c.future.cancelled() for c in queued)
 
 

@@ -40,8 +40,8 @@ import portpicker
 from psclient._cluster import exposure
 from psclient._cluster.process import child_env
 from psclient._cluster.server import check_inter_op_threads
-from psclient._cluster.throttle import DEFAULT_PERIOD_S, Throttler, check_fraction, check_period
 from psclient._cluster.spec import Cluster
+from psclient._cluster.throttle import DEFAULT_PERIOD_S, Throttler, check_fraction, check_period
 from psclient._core.checks import check_positive
 from psclient._core.errors import TaskUnreachableError
 
