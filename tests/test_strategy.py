@@ -154,12 +154,26 @@ def test_error_cancels_what_was_queued(strategy):
 
     futures = [strategy.schedule(work, args=(tf.constant(1),)) for _ in range(20)]
     futures.append(strategy.schedule(work, args=(tf.constant(-1),)))
-    futures += [strategy.schedule(work, args=(tf.constant(1),)) for _ in range(200)]
-    with pytest.raises(tf.errors.InvalidArgumentError, match="bad input"):
-        strategy.join()
+    # On a loaded machine the bad closure can fail before the next 200 are all
+    # scheduled: then schedule() raises its error (once), as documented.
+    raised_by_schedule = False
+    for _ in range(200):
+        try:
+            futures.append(strategy.schedule(work, args=(tf.constant(1),)))
+        except tf.errors.InvalidArgumentError as error:
+            assert "bad input" in str(error)
+            raised_by_schedule = True
+            break
+    if raised_by_schedule:
+        strategy.join()  # raised once already: not again
+    else:
+        with pytest.raises(tf.errors.InvalidArgumentError, match="bad input"):
+            strategy.join()
     cancelled = [f for f in futures if f.cancelled()]
     finished = [f for f in futures if f.done() and not f.cancelled() and f.exception() is None]
-    assert len(cancelled) > 0
+    # Queued closures behind the failure were cancelled, unless the error
+    # surfaced so early that nothing was queued behind it.
+    assert len(cancelled) > 0 or raised_by_schedule
     assert all(f.done() for f in futures)
     failed = [f for f in futures if f.done() and not f.cancelled() and f.exception() is not None]
     assert 1 <= len(failed) <= 2  # the bad one, and maybe one running beside it (see README)
