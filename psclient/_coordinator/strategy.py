@@ -78,17 +78,16 @@ class ParameterServerStrategy:
       ps_timeout: how long to wait for a lost ps task to come back (with a
         `checkpoint_dir`) before failing with `PSUnavailableError`.
       variable_partitioner: how variables are split into shards along axis 0,
-        one shard per ps task. None (the default): every variable whole on
-        one ps task. "auto", the recommended setting where a variable is too
-        big for one ps or the ps tasks run on separate machines: TF's
+        one shard per ps task. "auto" (the default): TF's
         `tf.distribute.experimental.partitioners.MinSizePartitioner(
         min_shard_bytes=128 << 10, max_shards=num_ps)`, so variables of at
         most 128 KiB stay whole and larger ones are split over up to
-        `num_ps` tasks. Or any callable `(shape, dtype) -> shards per axis`
-        (TF's `MinSizePartitioner`, `MaxSizePartitioner`,
+        `num_ps` tasks (with one ps task nothing is split). None: every
+        variable whole on one ps task. Or any callable `(shape, dtype) ->
+        shards per axis` (TF's `MinSizePartitioner`, `MaxSizePartitioner`,
         `FixedShardsPartitioner`...). Shards sit on consecutive ps tasks;
         scalars and single-row variables are never offered to it. See README
-        "Partitioned variables" (and why "auto" is not the default).
+        "Partitioned variables" (and what the default costs on one machine).
 
     Only one strategy may be connected per process at a time (TF's eager
     context is global); `shutdown()` one before creating the next.
@@ -108,7 +107,7 @@ class ParameterServerStrategy:
         hang_timeout: float = 30.0,
         worker_timeout: float = 300.0,
         ps_timeout: float = 300.0,
-        variable_partitioner: Callable | str | None = None,
+        variable_partitioner: Callable | str | None = "auto",
     ):
         cluster = Cluster.coerce(cluster)
         variable_partitioner = partitioner_argument(variable_partitioner, cluster.num_ps)
@@ -256,7 +255,7 @@ class ParameterServerStrategy:
 
     @property
     def variable_partitioner(self) -> Callable | None:
-        """The partitioner in use (with "auto", the recommended `MinSizePartitioner`), or None."""
+        """The partitioner in use (the default "auto": a `MinSizePartitioner`; None with one ps task), or None."""
         return self._variable_partitioner
 
     def placement(self) -> dict:
