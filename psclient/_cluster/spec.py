@@ -65,6 +65,10 @@ def _address_problem(address: Any) -> str | None:
     return None
 
 
+#: Why an address is not a valid 'host:port' string, or None (for other modules' messages).
+address_problem = _address_problem
+
+
 def _check_address(job: str, index: int, address: Any) -> str:
     problem = _address_problem(address)
     if problem is not None:

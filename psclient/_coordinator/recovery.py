@@ -405,9 +405,8 @@ class Recovery:
             self.cancel_calls(action.worker)
         elif isinstance(action, rm.BringUp):
             scheduler.worker_up(action.worker, recovered_after=action.recovered_after)
-            log.info("worker %d %s (%.2f s after it %s)", action.worker,
-                     *(("joined", "was added") if action.joined else ("rejoined", "answered again")),
-                     action.recovered_after)
+            joined, since = ("joined", "was added") if action.joined else ("rejoined", "answered again")
+            log.info("worker %d %s (%.2f s after it %s)", action.worker, joined, action.recovered_after, since)
         elif isinstance(action, rm.PauseDispatch):
             scheduler.pause()
         elif isinstance(action, rm.ResumeDispatch):
@@ -476,8 +475,8 @@ class Recovery:
         if refused:
             return _Refused(refused)
         self._connect(sorted(action.workers))
-        if action.purpose == "drop":
-            gone = sorted(set(range(self._cluster.num_workers)) - set(action.workers))
+        gone = sorted(set(range(self._cluster.num_workers)) - set(action.workers) - self._scheduler.retired())
+        if action.purpose == "drop" and gone:  # (a removed worker is no longer expected back)
             log.info("worker(s) %s left out of the cluster until they answer again", gone)
         return True
 

@@ -64,7 +64,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["TaskState", "MachineConfig", "RecoveryMachine"]
+__all__ = ["TaskState", "MachineConfig", "RecoveryMachine", "OPERATIONS", "BringUp", "WorkerAdded", "WorkerRetired"]
 
 
 from psclient._core.recovery_messages import (  # noqa: F401 - the machine's vocabulary, re-exported
