@@ -11,7 +11,8 @@ import pytest
 
 from psclient._cluster.k8s import K8sJob
 from psclient._cluster.k8s_watch import kubernetes_workers, worker_labels
-from psclient._coordinator.watch import WorkerWatcher, read_cluster_file
+from psclient._cluster.spec import Cluster
+from psclient._coordinator.watch import WorkerWatcher
 from psclient._core.errors import ClusterConfigError, StrategyClosedError, TaskUnreachableError
 
 PS = ["10.0.0.9:2222"]
@@ -170,13 +171,15 @@ def test_bad_arguments():
         WorkerWatcher(strategy, "x.json", drain="no")
 
 
-def test_read_cluster_file_names_the_file(tmp_path):
+def test_cluster_from_file_names_the_file(tmp_path):
     path = tmp_path / "c.json"
     write(path, ["w0:1"])
-    assert read_cluster_file(path).workers == ("w0:1",)
+    assert Cluster.from_file(path).workers == ("w0:1",)
+    write(path, ["w0:1"], tf_config=False)
+    assert Cluster.from_file(str(path)).ps == tuple(PS)
     path.write_text("nope")
-    with pytest.raises(ClusterConfigError, match="c.json"):
-        read_cluster_file(path)
+    with pytest.raises(ClusterConfigError, match="c.json.*not valid JSON"):
+        Cluster.from_file(path)
 
 
 # ------------------------------------------------------------- Kubernetes

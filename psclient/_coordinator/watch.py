@@ -30,36 +30,13 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from psclient._cluster.spec import Cluster, cluster_from_config, parse_config_json
+from psclient._cluster.spec import Cluster
 from psclient._core.checks import check_positive
 from psclient._core.errors import ClusterConfigError, StrategyClosedError, TaskUnreachableError
 
-__all__ = ["WorkerWatcher", "read_cluster_file"]
+__all__ = ["WorkerWatcher"]
 
 log = logging.getLogger("psclient")
-
-
-def read_cluster_file(path: str | os.PathLike) -> Cluster:
-    """The cluster of a JSON file: TF_CONFIG-style {"cluster": {...}, "task": ...}, or the jobs alone.
-
-    Raises:
-        ClusterConfigError: the file cannot be read, is not JSON, or is not a valid cluster.
-    """
-    source = f"cluster file {os.fspath(path)!r}"
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ClusterConfigError(f"Cannot read {source}: {e.strerror}. Expected a readable JSON file.") from e
-    config = parse_config_json(text, source=source)
-    if isinstance(config, dict) and "cluster" in config:
-        return cluster_from_config(config, source=source)
-    if not isinstance(config, dict):
-        raise ClusterConfigError(f"Invalid {source}. Received: {text[:200]!r}. Expected a JSON object.")
-    try:
-        return Cluster(config)
-    except ClusterConfigError as e:
-        raise ClusterConfigError(f"Invalid {source}: {e}") from e
 
 
 class WorkerWatcher:
@@ -108,7 +85,7 @@ class WorkerWatcher:
         self.changes: list[tuple[float, str, int, str]] = []
 
     def _file_workers(self, path: str) -> list[str]:
-        cluster = read_cluster_file(path)
+        cluster = Cluster.from_file(path)
         if cluster.ps != self._ps:
             raise ClusterConfigError(
                 f"cluster file {path!r} names the ps tasks {list(cluster.ps)}, but the strategy's "
