@@ -8,6 +8,13 @@ strategy with `checkpoint_dir` and the default hang/worker timeouts):
   worker_chaos  every --interval seconds (seeded jitter) a random up worker is
                 SIGKILLed and restarted at the same address
   ps_chaos      the ps is SIGKILLed once, a third of the way in, and restarted
+  elastic       2 -> 4 -> 3 workers while training: the strategy starts on 2
+                workers; a third of the way in `strategy.add_worker` adds two
+                more (their task processes were started before training, so
+                the phase does not time TensorFlow's import), two thirds in
+                `remove_worker(0, drain=True)` retires one; the throughput of
+                each phase, the time of each add and of the drain, and the
+                optimizer's step count (exactly --steps: no step lost or doubled)
 
 Prints one JSON object (progress on stderr): for each run, futures scheduled
 vs resolved, errors surfaced, retried closures, kills, rejoin times (from a
@@ -15,6 +22,7 @@ restart, i.e. the task serving again, to that worker's first completed closure),
 ps recovery time and steps rolled back, wall time and final loss, plus ratios
 to the clean run and the issue's targets (0 futures lost, 0 errors, 0 hangs,
 median rejoin <= 2 s, ps recovery <= 15 s).
+The clean, worker and ps runs use 3 workers; the elastic run its own counts.
 
 Usage:
   python benchmarks/chaos.py [--steps 3000] [--seed 0] > chaos.json
@@ -34,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import environment, log, median, print_json  # noqa: E402
 
 NUM_WORKERS, NUM_PS = 3, 1
+ELASTIC_START, ELASTIC_SPARES = 2, 2  # the elastic run: 2 -> 4 -> 3 workers
 TARGETS = {"futures_lost": 0, "errors_surfaced": 0, "hangs": 0, "median_rejoin_s": 2.0, "ps_recovery_s": 15.0}
 
 
@@ -70,6 +79,7 @@ def build(strategy):
     def final_loss():
         return float(np.mean((model(x).numpy() - y) ** 2))
 
+    final_loss.steps = lambda: int(optimizer.iterations.numpy())  # steps applied on the ps
     return step, iterator, final_loss
 
 
@@ -85,6 +95,11 @@ class Chaos:
         self.rejoin_s: list[float] = []
         self.unrejoined = 0
         self.watchers: list[threading.Thread] = []
+        #: elastic: the spare workers' addresses, and what happened when.
+        self.spares: list[str] = []
+        self.marks: list[tuple[str, float, int]] = []  # (event, monotonic time, completed steps)
+        self.add_s: list[float] = []
+        self.remove_s: float | None = None
         self.thread = threading.Thread(target=self._run, name="chaos", daemon=True)
 
     def _completed(self):
@@ -98,7 +113,35 @@ class Chaos:
             time.sleep(0.01)  # polling stats, the benchmark's own clock
         return True
 
+    def _mark(self, event: str) -> None:
+        self.marks.append((event, time.monotonic(), self._completed()))
+
+    def _elastic(self):
+        """2 -> 4 -> 3 workers (module docstring)."""
+        self._mark("start")
+        if not self._wait(lambda: self._completed() >= self.total_steps // 3, 600):
+            return
+        self._mark("adding")
+        for address in self.spares:
+            started = time.monotonic()
+            index = self.strategy.add_worker(address)
+            self.add_s.append(time.monotonic() - started)
+            log(f"elastic: worker {index} ({address}) added in {self.add_s[-1]:.2f} s")
+        self._mark("added")
+        if not self._wait(lambda: self._completed() >= 2 * self.total_steps // 3, 600):
+            return
+        self._mark("removing")
+        started = time.monotonic()
+        self.strategy.remove_worker(0, drain=True)
+        self.remove_s = time.monotonic() - started
+        self._mark("removed")
+        log(f"elastic: worker 0 drained and removed in {self.remove_s:.2f} s")
+        self.local.kill("worker", 0)  # out of TF's view: its process may go
+
     def _run(self):
+        if self.mode == "elastic":
+            self._elastic()
+            return
         if self.mode == "ps_chaos":
             self._wait(lambda: self._completed() >= self.total_steps // 3, 600)
             if not self.stop.is_set():
@@ -144,16 +187,23 @@ class Chaos:
 def run(mode: str, args) -> dict:
     import psclient
 
-    log(f"{mode}: starting a cluster ({NUM_WORKERS} workers, {NUM_PS} ps)")
-    with psclient.LocalCluster(num_workers=NUM_WORKERS, num_ps=NUM_PS) as local, \
+    workers = ELASTIC_START if mode == "elastic" else NUM_WORKERS
+    log(f"{mode}: starting a cluster ({workers} workers, {NUM_PS} ps)")
+    with psclient.LocalCluster(num_workers=workers, num_ps=NUM_PS) as local, \
             tempfile.TemporaryDirectory() as ckpt:
+        cluster = local.cluster  # the strategy starts on these workers
+        spares = []
+        for _ in range(ELASTIC_SPARES if mode == "elastic" else 0):
+            index = local.add_worker()  # started now, added to the strategy a third of the way in
+            spares.append(local.cluster.address("worker", index))
         strategy = psclient.ParameterServerStrategy(
-            local.cluster, checkpoint_dir=ckpt, checkpoint_interval=args.checkpoint_interval,
+            cluster, checkpoint_dir=ckpt, checkpoint_interval=args.checkpoint_interval,
         )
         chaos = None
         try:
             step, iterator, final_loss = build(strategy)
             chaos = Chaos(local, strategy, mode, args.seed, args.interval, args.steps)
+            chaos.spares = spares
             started = time.monotonic()
             if mode != "clean":
                 chaos.thread.start()
@@ -193,6 +243,8 @@ def run(mode: str, args) -> dict:
                 "steps_per_s": round(args.steps / wall, 1),
                 "final_loss": final_loss(),
             }
+            if mode == "elastic":
+                result.update(_elastic_result(chaos, started + wall, stats, final_loss.steps()))
             log(f"{mode}: {result['futures_resolved']}/{len(futures)} resolved, {errors} errors, "
                 f"{len(chaos.kills)} kills, wall {wall:.1f} s")
             return result
@@ -202,6 +254,32 @@ def run(mode: str, args) -> dict:
             strategy.shutdown()
 
 
+def _elastic_result(chaos: Chaos, ended: float, stats: dict, steps_applied: int) -> dict:
+    """Each phase's steps and throughput, the adds and the drain, the step count on the ps."""
+    marks = {event: (at, done) for event, at, done in chaos.marks}
+    completed = stats["completed"]
+    bounds = [("start", "adding", ELASTIC_START), ("added", "removing", ELASTIC_START + ELASTIC_SPARES),
+              ("removed", None, ELASTIC_START + ELASTIC_SPARES - 1)]
+    phases = []
+    for begin, end, workers in bounds:
+        if begin not in marks or (end is not None and end not in marks):
+            continue  # the run ended before this phase
+        (t0, c0), (t1, c1) = marks[begin], marks[end] if end else (ended, completed)
+        phases.append({"workers": workers, "steps": c1 - c0, "seconds": round(t1 - t0, 2),
+                       "steps_per_s": round((c1 - c0) / (t1 - t0), 1) if t1 > t0 else None})
+    return {
+        "phases": phases,
+        # Steps completed while the adds and the drain ran (between the phases).
+        "steps_while_adding": marks["added"][1] - marks["adding"][1] if "added" in marks else None,
+        "steps_while_draining": marks["removed"][1] - marks["removing"][1] if "removed" in marks else None,
+        "add_worker_s": [round(s, 3) for s in chaos.add_s],
+        "remove_worker_drain_s": None if chaos.remove_s is None else round(chaos.remove_s, 3),
+        "steps_applied_on_ps": steps_applied,
+        "workers_at_end": {str(i): w["done"] for i, w in enumerate(stats["workers"]) if not w["retired"]},
+        "done_per_worker": [w["done"] for w in stats["workers"]],
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3000)
@@ -209,7 +287,7 @@ def main(argv=None) -> int:
     parser.add_argument("--interval", type=float, default=3.0, help="seconds between worker kills (jittered)")
     parser.add_argument("--checkpoint-interval", type=float, default=5.0)
     parser.add_argument("--timeout", type=float, default=900.0, help="a run that takes longer counts as a hang")
-    parser.add_argument("--runs", default="clean,worker_chaos,ps_chaos")
+    parser.add_argument("--runs", default="clean,worker_chaos,ps_chaos,elastic")
     parser.add_argument("--output", help="also write the JSON here")
     args = parser.parse_args(argv)
 
@@ -237,6 +315,10 @@ def main(argv=None) -> int:
             row["max_rejoin_s"] = result["max_rejoin_s"]
             row["meets_rejoin_target"] = (
                 result["median_rejoin_s"] is not None and result["median_rejoin_s"] <= TARGETS["median_rejoin_s"])
+        if mode == "elastic":
+            row["phases_steps_per_s"] = {f"{p['workers']} workers": p["steps_per_s"] for p in result["phases"]}
+            row["steps_applied_on_ps"] = result["steps_applied_on_ps"]
+            row["no_step_lost_or_doubled"] = result["steps_applied_on_ps"] == result["steps_scheduled"]
         if mode == "ps_chaos":
             row["ps_recovery_s"] = result["ps_recovery_s"]
             row["steps_rolled_back"] = result["steps_rolled_back"]

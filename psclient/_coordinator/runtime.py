@@ -234,6 +234,7 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None) -> None:
                 cluster_device_filters=filters,
             )
         else:
+            _restrict_coordinator_port(cluster)  # first: a worker that joins may call back while TF updates
             _update_connection(cluster_spec, filters)
         _restrict_coordinator_port(cluster)
 

@@ -22,6 +22,7 @@ from psclient._coordinator.datasets import (
     per_worker_datasets,
 )
 from psclient._coordinator.dispatch import Dispatcher
+from psclient._coordinator.elastic import Elastic, ElasticWorkers
 from psclient._coordinator.per_worker import (
     PerWorker,
     PerWorkerDataset,
@@ -44,7 +45,7 @@ __all__ = ["ParameterServerStrategy"]
 
 log = logging.getLogger("psclient")
 
-class ParameterServerStrategy:
+class ParameterServerStrategy(ElasticWorkers):
     """Train with variables on parameter servers and steps on workers.
 
     Args:
@@ -147,7 +148,7 @@ class ParameterServerStrategy:
         self._closed = False
         self._cluster_coordinator = None  # set by the first ClusterCoordinator(self)
 
-        self._cluster = cluster
+        self._elastic = elastic = Elastic(cluster, connect_timeout=connect_timeout, hang_timeout=hang_timeout)
         self._pipeline_depth = pipeline_depth
         self._hang_timeout = hang_timeout
         self._shutdown_lock = threading.Lock()
@@ -176,7 +177,7 @@ class ParameterServerStrategy:
             # may hold this strategy (a model holding the coordinator), and
             # the recovery thread must not keep them alive.
             retrace=lambda: _retrace(tracer_ref, scheduler),
-            connect=lambda workers: _runtime.connect(cluster, streaming_enqueue=streaming, workers=workers),
+            connect=lambda workers: _runtime.connect(elastic.cluster, streaming_enqueue=streaming, workers=workers),
         )
         # Connected only once everything that checks arguments or the checkpoint
         # directory has passed; a failure after that undoes the connection.
@@ -195,6 +196,7 @@ class ParameterServerStrategy:
             )
             undo.callback(_stop_dispatch, self._scheduler, self._dispatcher, hang_timeout)
             self._recovery.cancel_calls = self._dispatcher.cancel_calls
+            elastic.attach(scheduler=self._scheduler, dispatcher=self._dispatcher, recovery=self._recovery)
             self._recovery.start()
             undo.pop_all()
         # Shuts down when shutdown() is called, the strategy is collected, or at exit.
@@ -204,16 +206,8 @@ class ParameterServerStrategy:
 
     # ------------------------------------------------------------------ info
     @property
-    def cluster(self) -> Cluster:
-        return self._cluster
-
-    @property
-    def num_workers(self) -> int:
-        return self._cluster.num_workers
-
-    @property
     def num_ps(self) -> int:
-        return self._cluster.num_ps
+        return self._elastic.cluster.num_ps
 
     @property
     def closed(self) -> bool:
@@ -389,10 +383,10 @@ class ParameterServerStrategy:
         per-worker values" (variables refused, workers out of rotation).
         """
         if inside_per_worker_dataset_fn():
-            return dataset_in_trace(dataset_fn, self.num_workers)
+            return dataset_in_trace(dataset_fn, self.cluster.num_workers)
         check_not_in_function("distribute_datasets_from_function")
         self._check_open("distribute_datasets_from_function")
-        per_worker = per_worker_datasets(dataset_fn, self.num_workers, on_new=self._per_worker.track,
+        per_worker = per_worker_datasets(dataset_fn, self.cluster.num_workers, on_new=self._per_worker.track,
                                          is_up=self._scheduler.worker_is_up)
         self._per_worker.track(per_worker)
         return per_worker
@@ -401,7 +395,7 @@ class ParameterServerStrategy:
         """TF's name for a `tf.data.Dataset` cloned whole to every worker (`options` must be None)."""
         check_distributable(dataset, options)
         if inside_per_worker_dataset_fn():
-            return dataset_in_trace(dataset, self.num_workers)
+            return dataset_in_trace(dataset, self.cluster.num_workers)
         return self.distribute_datasets_from_function(dataset)
 
     def create_per_worker_resource(self, fn: Callable[[], Any]) -> PerWorker:
@@ -413,7 +407,7 @@ class ParameterServerStrategy:
         `ClosureInputError` (see `psclient._coordinator.per_worker`).
         """
         self._check_open("create_per_worker_resource")
-        per_worker = per_worker_resource(fn, self.num_workers, is_up=self._scheduler.worker_is_up)
+        per_worker = per_worker_resource(fn, self.cluster.num_workers, is_up=self._scheduler.worker_is_up)
         self._per_worker.track(per_worker)
         return per_worker
 
