@@ -133,17 +133,18 @@ def test_the_thread_polls_until_stopped_and_ends_with_the_strategy(tmp_path):
     write(path, ["w0:1"])
     strategy = FakeStrategy(["w0:1"])
     polled = threading.Event()
-    with WorkerWatcher(strategy, path, interval=0.01) as watcher:
+    watcher = WorkerWatcher(strategy, path, interval=0.01)
+    original = watcher.poll
+
+    def poll():
+        result = original()
+        if result["added"]:
+            polled.set()
+        return result
+
+    watcher.poll = poll  # before the thread starts: every poll it makes is seen
+    with watcher:
         write(path, ["w0:1", "w1:1"])
-        original = watcher.poll
-
-        def poll():
-            result = original()
-            if result["added"]:
-                polled.set()
-            return result
-
-        watcher.poll = poll
         assert polled.wait(10)
         assert watcher.running
         with pytest.raises(RuntimeError, match="started already"):
