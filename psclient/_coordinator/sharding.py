@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from psclient._core.partitioning import AUTO_MIN_SHARD_BYTES, row_ranges
 
-__all__ = ["create_partitioned", "is_partitioned", "partitioner_argument", "split_updates"]
+__all__ = ["create_partitioned", "is_partitioned", "partitioner_argument", "per_shard", "split_updates"]
 
 _CLASS = None
 _FOCUS = threading.local()  # .value: (layout, shard index) while a split update is traced
@@ -319,6 +319,16 @@ def _rows(arg, start: int, stop: int, value):
     if isinstance(arg, (tf.Tensor, tf.Variable)) and arg.shape == full:
         return arg[start:stop]
     return arg
+
+
+def per_shard(grad, variable) -> list:
+    """`grad`, a gradient of the whole partitioned `variable`, cut into its shards' rows."""
+    pieces, start = [], 0
+    for shard in variable.variables:
+        stop = start + int(shard.shape[0])
+        pieces.append(_rows(grad, start, stop, variable))
+        start = stop
+    return pieces
 
 
 def partitioner_argument(variable_partitioner: Any, num_ps: int) -> Callable | None:

@@ -45,6 +45,8 @@ class VariableStore:
         # a nested scope's creator (the tracer's inside the user's scope)
         # passes a shard straight through instead of cutting it again.
         self._making_shards = threading.local()
+        #: Called with the lost ps tasks after `renew`: state of psclient's own lived there too.
+        self.on_renew: list[Callable[[set], None]] = []
 
     def create(self, next_creator, **kwargs):
         """A `tf.variable_creator_scope` creator: place the variable on a ps task."""
@@ -174,6 +176,8 @@ class VariableStore:
                 if ps in lost_ps:
                     _runtime.renew_variable_handle(part, _runtime.ps_device(ps))
                     count += 1
+        for hook in self.on_renew:
+            hook(set(lost_ps))
         return count
 
 

@@ -33,6 +33,7 @@ from psclient._coordinator.per_worker import (
 from psclient._coordinator.recovery import Recovery, RecoveryConfig
 from psclient._coordinator.sharding import partitioner_argument, split_updates
 from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
+from psclient._coordinator.sync import Steps, check_arguments
 from psclient._coordinator.tracing import Tracer, reject_futures, warn_unless_scheduling
 from psclient._coordinator.updates import place_updates_on_ps
 from psclient._core.checks import check_positive
@@ -89,6 +90,9 @@ class ParameterServerStrategy(ElasticWorkers):
         `FixedShardsPartitioner`...). Shards sit on consecutive ps tasks;
         scalars and single-row variables are never offered to it. See README
         "Partitioned variables" (and what the default costs on one machine).
+      max_staleness, replicas_to_aggregate: bounded-staleness and synchronous
+        training (None, the defaults: asynchronous); README "Staleness and
+        synchronous training". `stats()["staleness"]` measures it in any mode.
 
     Only one strategy may be connected per process at a time (TF's eager
     context is global); `shutdown()` one before creating the next.
@@ -109,8 +113,11 @@ class ParameterServerStrategy(ElasticWorkers):
         worker_timeout: float = 300.0,
         ps_timeout: float = 300.0,
         variable_partitioner: Callable | str | None = "auto",
+        max_staleness: int | None = None,
+        replicas_to_aggregate: int | None = None,
     ):
         cluster = Cluster.coerce(cluster)
+        check_arguments(max_staleness, replicas_to_aggregate, cluster.num_workers)
         variable_partitioner = partitioner_argument(variable_partitioner, cluster.num_ps)
         for name, value, integer in (
             ("checkpoint_interval", checkpoint_interval, False),
@@ -159,7 +166,9 @@ class ParameterServerStrategy(ElasticWorkers):
         self._store = VariableStore(cluster.num_ps, variable_partitioner)
         self._variable_partitioner = variable_partitioner
         self._per_worker = PerWorkerRegistry()
-        self._tracer = Tracer(self._store.create)
+        self._steps = Steps(self._scheduler, max_staleness, replicas_to_aggregate, timeout=hang_timeout)
+        self._store.on_renew.append(self._steps.renew)
+        self._tracer = Tracer(self._store.create, self._steps)
         prober = Prober(_runtime.probe)
         tracer_ref, scheduler, streaming = weakref.ref(self._tracer), self._scheduler, pipeline_depth > 1
         self._recovery = Recovery(
@@ -428,6 +437,7 @@ class ParameterServerStrategy(ElasticWorkers):
         stats["checkpoints_written"] = self._recovery.checkpoints_written
         stats["pipeline_depth"] = self._pipeline_depth
         stats["dispatcher_threads_alive"] = self._dispatcher.alive_threads
+        stats["staleness"] = self._steps.summary()
         return stats
 
     # ------------------------------------------------------------ checkpoints

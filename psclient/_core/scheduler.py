@@ -414,6 +414,11 @@ class Scheduler(Membership):
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def paused(self) -> bool:
+        """Whether nothing is handed out now (a checkpoint, a ps recovery)."""
+        return bool(self._paused)
+
     def stats(self) -> dict:
         """Counts and latencies per worker: O(workers), no sorting (cheap at 1,000 workers)."""
         with self._lock:
