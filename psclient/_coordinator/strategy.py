@@ -167,7 +167,7 @@ class ParameterServerStrategy(ElasticWorkers):
         self._variable_partitioner = variable_partitioner
         self._per_worker = PerWorkerRegistry()
         self._steps = Steps(self._scheduler, max_staleness, replicas_to_aggregate, timeout=hang_timeout)
-        self._store.on_renew.append(self._steps.renew)
+        self._store.add_renew_hook(self._steps.renew)
         self._tracer = Tracer(self._store.create, self._steps)
         prober = Prober(_runtime.probe)
         tracer_ref, scheduler, streaming = weakref.ref(self._tracer), self._scheduler, pipeline_depth > 1
