@@ -281,3 +281,38 @@ def test_a_watched_cluster_file_adds_and_removes_workers(local, tmp_path):
         assert sorted(strategy.workers.values()) == sorted([*cluster.workers[1:], new])
     finally:
         strategy.shutdown()
+
+
+def test_a_task_started_under_another_index_serves_at_the_index_the_strategy_gives(local, tmp_path):
+    import subprocess
+    import sys
+
+    import portpicker
+
+    cluster = running_cluster(local)
+    address = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    own = tmp_path / "own.json"  # a cluster of its own, where it is worker 0
+    own.write_text(json.dumps({"worker": [address], "ps": list(cluster.ps), "chief": [cluster.chief]}))
+    process = subprocess.Popen([sys.executable, "-m", "psclient", "serve", "--cluster", str(own), "--job", "worker",
+                                "--index", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    strategy = psclient.ParameterServerStrategy(cluster, connect_timeout=120.0)
+    try:
+        with strategy.scope():
+            count = tf.Variable(0, dtype=tf.int64)
+
+        @tf.function
+        def step():
+            count.assign_add(1)
+            return tf.distribute.coordinator.experimental_get_current_worker_index()
+
+        index = strategy.add_worker(address)
+        assert index == cluster.num_workers
+        for worker in list(strategy.workers):
+            if worker != index:
+                strategy.remove_worker(worker)
+        assert [strategy.schedule(step).result(60) for _ in range(3)] == [index] * 3
+        assert int(count.numpy()) == 3
+    finally:
+        strategy.shutdown()
+        process.kill()
+        process.wait(timeout=60)
