@@ -1,6 +1,6 @@
 """Training through failures: workers and a ps killed and restarted while steps run.
 
-Three runs of the same job (1 ps, 3 workers, --steps scheduled training steps of
+Three runs of the same job (1 ps, 3 workers: `--ps`, `--workers`; --steps scheduled training steps of
 a small MLP on fixed random data, each on a fresh `psclient.LocalCluster`, one
 strategy with `checkpoint_dir` and the default hang/worker timeouts):
 
@@ -21,11 +21,16 @@ vs resolved, errors surfaced, retried closures, kills, rejoin times (from a
 restart, i.e. the task serving again, to that worker's first completed closure),
 ps recovery time and steps rolled back, wall time and final loss, plus ratios
 to the clean run and the issue's targets (0 futures lost, 0 errors, 0 hangs,
-median rejoin <= 2 s, ps recovery <= 15 s).
-The clean, worker and ps runs use 3 workers; the elastic run its own counts.
+median rejoin <= 2 s, ps recovery <= 15 s). Also the coordinator's CPU per
+step and its Python threads at peak, and a count of the steps that ran: each
+step also adds one to a counter on a ps, which must end between the steps
+that count (scheduled minus those a ps recovery rolled back) and that plus
+the retried closures (a closure cut off by a kill may have counted before).
+The clean, worker and ps runs use --workers workers; the elastic run its own counts.
 
 Usage:
   python benchmarks/chaos.py [--steps 3000] [--seed 0] > chaos.json
+  python benchmarks/chaos.py --workers 16 --ps 4 > chaos-16x4.json
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import environment, log, median, print_json  # noqa: E402
 
-NUM_WORKERS, NUM_PS = 3, 1
+DEFAULT_WORKERS, DEFAULT_PS = 3, 1
 ELASTIC_START, ELASTIC_SPARES = 2, 2  # the elastic run: 2 -> 4 -> 3 workers
 TARGETS = {"futures_lost": 0, "errors_surfaced": 0, "hangs": 0, "median_rejoin_s": 2.0, "ps_recovery_s": 15.0}
 
@@ -61,6 +66,7 @@ def build(strategy):
         ])
         optimizer = keras.optimizers.SGD(0.01)
         optimizer.build(model.trainable_variables)
+        counted = tf.Variable(0, dtype=tf.int64, name="steps_counted")
     # Every worker reads all the data (its own shuffle order), so a worker out
     # of rotation does not hide part of it and final losses compare training.
     iterator = iter(strategy.distribute_datasets_from_function(
@@ -74,13 +80,14 @@ def build(strategy):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean((model(features) - labels) ** 2)
         optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        counted.assign_add(1)
         return loss
 
     def final_loss():
         return float(np.mean((model(x).numpy() - y) ** 2))
 
     final_loss.steps = lambda: int(optimizer.iterations.numpy())  # steps applied on the ps
-    return step, iterator, final_loss
+    return step, iterator, final_loss, counted
 
 
 class Chaos:
@@ -151,7 +158,7 @@ class Chaos:
             return
         while not self.stop.wait(self.interval * self.rng.uniform(0.7, 1.3)):
             stats = self.strategy.stats()["workers"]
-            up = [w for w in range(NUM_WORKERS) if stats[w]["up"]]
+            up = [w for w in range(len(stats)) if stats[w]["up"]]
             if len(up) < 2:
                 continue  # keep one worker at least; the test suite covers all-gone
             worker = self.rng.choice(up)
@@ -187,9 +194,9 @@ class Chaos:
 def run(mode: str, args) -> dict:
     import psclient
 
-    workers = ELASTIC_START if mode == "elastic" else NUM_WORKERS
-    log(f"{mode}: starting a cluster ({workers} workers, {NUM_PS} ps)")
-    with psclient.LocalCluster(num_workers=workers, num_ps=NUM_PS) as local, \
+    workers = ELASTIC_START if mode == "elastic" else args.workers
+    log(f"{mode}: starting a cluster ({workers} workers, {args.ps} ps)")
+    with psclient.LocalCluster(num_workers=workers, num_ps=args.ps) as local, \
             tempfile.TemporaryDirectory() as ckpt:
         cluster = local.cluster  # the strategy starts on these workers
         spares = []
@@ -201,10 +208,19 @@ def run(mode: str, args) -> dict:
         )
         chaos = None
         try:
-            step, iterator, final_loss = build(strategy)
+            step, iterator, final_loss, counted = build(strategy)
             chaos = Chaos(local, strategy, mode, args.seed, args.interval, args.steps)
             chaos.spares = spares
-            started = time.monotonic()
+            peak_threads = [threading.active_count()]
+            sampling = threading.Event()
+
+            def sample():  # the coordinator's Python threads, every 50 ms (this one not counted)
+                while not sampling.wait(0.05):
+                    peak_threads[0] = max(peak_threads[0], threading.active_count() - 1)
+
+            sampler = threading.Thread(target=sample, name="thread-sampler", daemon=True)
+            sampler.start()
+            started, cpu0 = time.monotonic(), time.process_time()
             if mode != "clean":
                 chaos.thread.start()
             futures = [strategy.schedule(step, args=(iterator,)) for _ in range(args.steps)]
@@ -215,12 +231,17 @@ def run(mode: str, args) -> dict:
                 hung = True
             except Exception as error:  # noqa: BLE001 - counted below, per future
                 log(f"{mode}: join raised {type(error).__name__}: {error}")
-            wall = time.monotonic() - started
+            wall, cpu = time.monotonic() - started, time.process_time() - cpu0
+            sampling.set()
+            sampler.join()
             chaos.join()
             resolved = sum(f.done() for f in futures)
             errors = sum(1 for f in futures if f.done() and (f.cancelled() or f.exception() is not None))
             stats = strategy.stats()
-            ps = stats["ps"][0]
+            ps = stats["ps"][0]  # the one ps_chaos kills
+            retried = sum(w["retried"] for w in stats["workers"])
+            counts = len(futures) - ps["rolled_back_closures"]
+            steps_counted = int(counted.numpy())
             result = {
                 "steps_scheduled": len(futures),
                 "futures_resolved": resolved,
@@ -229,7 +250,9 @@ def run(mode: str, args) -> dict:
                 "hangs": int(hung),
                 "kills": len(chaos.kills),
                 "killed": chaos.kills,
-                "retried_closures": sum(w["retried"] for w in stats["workers"]),
+                "retried_closures": retried,
+                "steps_counted": steps_counted,
+                "steps_counted_in_range": counts <= steps_counted <= counts + retried,
                 "rejoins": sum(w["rejoins"] for w in stats["workers"]),
                 "rejoin_s": [round(s, 3) for s in chaos.rejoin_s],
                 "median_rejoin_s": median(chaos.rejoin_s),
@@ -241,12 +264,16 @@ def run(mode: str, args) -> dict:
                 "checkpoints_written": stats["checkpoints_written"],
                 "wall_s": round(wall, 2),
                 "steps_per_s": round(args.steps / wall, 1),
+                "coordinator_cpu_us_per_step": round(cpu / args.steps * 1e6, 1),
+                "coordinator_python_threads_peak": peak_threads[0],
                 "final_loss": final_loss(),
             }
             if mode == "elastic":
                 result.update(_elastic_result(chaos, started + wall, stats, final_loss.steps()))
             log(f"{mode}: {result['futures_resolved']}/{len(futures)} resolved, {errors} errors, "
-                f"{len(chaos.kills)} kills, wall {wall:.1f} s")
+                f"{len(chaos.kills)} kills, wall {wall:.1f} s, coordinator "
+                f"{result['coordinator_cpu_us_per_step']:.0f} us/step, {peak_threads[0]} Python threads at peak, "
+                f"{steps_counted} steps counted ({retried} retried, {ps['rolled_back_closures']} rolled back)")
             return result
         finally:
             if chaos is not None:
@@ -289,7 +316,13 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="a run that takes longer counts as a hang")
     parser.add_argument("--runs", default="clean,worker_chaos,ps_chaos,elastic")
     parser.add_argument("--output", help="also write the JSON here")
+    parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="workers of each run's LocalCluster")
+    parser.add_argument("--ps", type=int, default=DEFAULT_PS, help="ps tasks of each run's LocalCluster")
     args = parser.parse_args(argv)
+    if args.workers < 2:
+        parser.error(f"--workers must be >= 2 (worker_chaos keeps one up). Received: {args.workers}.")
+    if args.ps < 1:
+        parser.error(f"--ps must be >= 1. Received: {args.ps}.")
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import logging
@@ -306,6 +339,7 @@ def main(argv=None) -> int:
             "futures_lost": result["futures_lost"],
             "errors_surfaced": result["errors_surfaced"],
             "hangs": result["hangs"],
+            "steps_counted_in_range": result["steps_counted_in_range"],
         }
         if clean:
             row["wall_time_vs_clean"] = round(result["wall_s"] / clean["wall_s"], 2)
@@ -324,10 +358,10 @@ def main(argv=None) -> int:
             row["steps_rolled_back"] = result["steps_rolled_back"]
             row["meets_recovery_target"] = (
                 result["ps_recovery_s"] is not None and result["ps_recovery_s"] <= TARGETS["ps_recovery_s"])
-        row["meets_no_loss_targets"] = row["futures_lost"] == 0 and row["errors_surfaced"] == 0 and row["hangs"] == 0
+        row["meets_no_loss_targets"] = (row["futures_lost"] == 0 and row["errors_surfaced"] == 0
+                                        and row["hangs"] == 0 and row["steps_counted_in_range"])
         summary[mode] = row
-    output = {"benchmark": "chaos", "config": {**environment(sys.argv), **vars(args),
-                                               "workers": NUM_WORKERS, "ps": NUM_PS},
+    output = {"benchmark": "chaos", "config": {**environment(sys.argv), **vars(args)},
               "targets": TARGETS, "runs": results, "summary": summary}
     print_json(output)
     if args.output:

@@ -1,20 +1,29 @@
 """How fast each way of driving a parameter-server cluster dispatches the same step.
 
-On one `psclient.LocalCluster` (1 ps, 2 workers), the same training step runs
-through these paths, each in its own coordinator subprocess:
+On one `psclient.LocalCluster` (1 ps, 2 workers; `--workers`, `--ps`), the same
+training step runs through these paths, each in its own coordinator subprocess:
 
   psclient_d1, psclient_d2  psclient.ParameterServerStrategy.schedule, pipeline_depth 1 and 2
   tf_coordinator            TF's ClusterCoordinator + tf.distribute.experimental.ParameterServerStrategy
   plain_threads             one Python thread per worker calling the tf.function synchronously
 
-for two workloads: "linear" (784->10 softmax, batch 32: bound by dispatch
+for the workloads: "linear" (784->10 softmax, batch 32: bound by dispatch
 overhead) and "mlp" (784-512-512-10 ReLU, batch 128: bound by ps bandwidth).
 Every path uses the same variables (on the ps), the same per-worker dataset of
 random data, the same step (next(iterator), forward, loss, gradient,
-assign_sub) and fetches every call's loss to the coordinator.
+assign_sub) and fetches every call's loss to the coordinator. "tiny" (not in
+the default set) is the coordinator's cost alone: no arguments, no data, one
+int64 counter on each ps task and one assign_add on each per closure; after
+the run every counter must equal the number of closures scheduled (each ran
+exactly once).
+
+Every run also reports the coordinator's threads: Python threads and OS
+threads (TensorFlow's too) at peak during the timed steps, and then, over
+`--idle` seconds of doing nothing, the Python threads started and the CPU used.
 
 Usage:
   python benchmarks/dispatch.py [--repeats 3] [--quick] > dispatch.json
+  python benchmarks/dispatch.py --workers 16 --ps 4 --workloads tiny --paths psclient_d1 > scale.json
 
 Prints one JSON object on stdout (progress on stderr): steps/s of every
 repeat and their median, coordinator CPU per closure, task CPU per step, and
@@ -36,24 +45,46 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # _common, and the psclient of this checkout
 import _common  # noqa: E402
 
+# Counts every Python thread started in this process (a coordinator
+# subprocess installs it before anything starts one).
+_threads_started = [0]
+
+
+def _count_thread_starts() -> None:
+    start = threading.Thread.start
+
+    def counting_start(self):
+        _threads_started[0] += 1
+        return start(self)
+
+    threading.Thread.start = counting_start
+
+
 PATHS = ("psclient_d1", "psclient_d2", "tf_coordinator", "plain_threads")
 PSCLIENT_PATHS = ("psclient_d1", "psclient_d2")
 WORKLOADS = {
     # units: layer widths; lr: SGD learning rate.
     "linear": {"units": (784, 10), "batch": 32, "lr": 0.01},
     "mlp": {"units": (784, 512, 512, 10), "batch": 128, "lr": 0.01},
+    # One int64 counter per ps task, one assign_add on each per closure.
+    "tiny": {"counters": True},
 }
+DEFAULT_WORKLOADS = ("linear", "mlp")
 # Timed steps per run, chosen so a run lasts several seconds here; and warm-up
 # steps, run (and waited for) before the timed section so tracing is excluded.
-STEPS = {"linear": 3000, "mlp": 1000}
-QUICK_STEPS = {"linear": 300, "mlp": 100}
+STEPS = {"linear": 3000, "mlp": 1000, "tiny": 4000}
+QUICK_STEPS = {"linear": 300, "mlp": 100, "tiny": 400}
 WARMUP, QUICK_WARMUP = 50, 20
 # psclient / path (ratio of median steps/s) that the issue asks for.
 TARGETS = {
     "linear": {"tf_coordinator": 2.0, "plain_threads": 1.0},
     "mlp": {"tf_coordinator": 1.1, "plain_threads": 1.0},
+    "tiny": {},
 }
-NUM_WORKERS, NUM_PS = 2, 1
+# What the issue asks of psclient's coordinator on "tiny" (16 workers, 4 ps).
+TINY_TARGETS = {"coordinator_cpu_us_per_closure": 300, "python_threads_over_workers": 24}
+DEFAULT_WORKERS, DEFAULT_PS = 2, 1
+IDLE_S = 10.0
 
 
 # ----------------------------------------------------------------------------
@@ -103,27 +134,55 @@ def train_on_batch(variables: list, lr: float, x, y):
 
 
 # ----------------------------------------------------------------------------
-# The paths. Each sets up, then returns run(n) -> list of the n losses (floats),
-# which schedules n steps, waits for them and fetches every loss.
+# The paths. Each sets up, then returns (run, stats, counters): run(n) -> list
+# of the n losses (floats), which schedules n steps, waits for them and fetches
+# every loss; psclient's stats() or None; the "tiny" counters or None.
 def setup_psclient(cluster, workload: str, depth: int):
-    import tensorflow as tf
-
     import psclient
 
     strategy = psclient.ParameterServerStrategy(cluster, pipeline_depth=depth)
-    with strategy.scope():
-        variables = make_variables(workload)
-    iterator = iter(strategy.distribute_datasets_from_function(lambda ctx: make_dataset(workload)))
-    lr = WORKLOADS[workload]["lr"]
-
-    step = make_step(variables, lr)
+    if workload == "tiny":
+        with strategy.scope():
+            counters = make_counters(cluster.num_ps)
+        step, args = make_tiny_step(counters), ()
+    else:
+        with strategy.scope():
+            variables = make_variables(workload)
+        iterator = iter(strategy.distribute_datasets_from_function(lambda ctx: make_dataset(workload)))
+        step, args, counters = make_step(variables, WORKLOADS[workload]["lr"]), (iterator,), None
 
     def run(n: int) -> list[float]:
-        futures = [strategy.schedule(step, args=(iterator,)) for _ in range(n)]
+        futures = [strategy.schedule(step, args=args) for _ in range(n)]
         strategy.join()
         return [float(f.result()) for f in futures]
 
-    return run, strategy.stats
+    return run, strategy.stats, counters
+
+
+def make_counters(num_ps: int, place=None) -> list:
+    """One int64 counter per ps task (`place(i)`: a device scope for counter i, if given)."""
+    import contextlib
+
+    import tensorflow as tf
+
+    counters = []
+    for i in range(num_ps):
+        with place(i) if place else contextlib.nullcontext():
+            counters.append(tf.Variable(0, dtype=tf.int64, name=f"counter{i}"))
+    return counters
+
+
+def make_tiny_step(counters):
+    """One assign_add on each counter; returns 0.0 (the runs' contract: a float per call)."""
+    import tensorflow as tf
+
+    @tf.function
+    def tiny():
+        for counter in counters:
+            counter.assign_add(1)
+        return tf.constant(0.0)
+
+    return tiny
 
 
 def make_step(variables, lr):
@@ -146,6 +205,21 @@ def setup_tf_coordinator(cluster, workload: str):
     )
     strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    if workload == "tiny":
+        with strategy.scope():  # TF places variables round-robin over the ps tasks
+            counters = make_counters(cluster.num_ps)
+        tiny = make_tiny_step(counters)
+
+        @tf.function
+        def tiny_step():
+            return strategy.run(tiny)
+
+        def run_tiny(n: int) -> list[float]:
+            remote_values = [coordinator.schedule(tiny_step) for _ in range(n)]
+            coordinator.join()
+            return [float(v) for v in coordinator.fetch(remote_values)]
+
+        return run_tiny, None, counters
     with strategy.scope():
         variables = make_variables(workload)
 
@@ -166,7 +240,7 @@ def setup_tf_coordinator(cluster, workload: str):
         coordinator.join()
         return [float(v) for v in coordinator.fetch(remote_values)]
 
-    return run, None
+    return run, None, None
 
 
 def setup_plain_threads(cluster, workload: str):
@@ -175,16 +249,20 @@ def setup_plain_threads(cluster, workload: str):
     tf.config.experimental_connect_to_cluster(
         tf.train.ClusterSpec(cluster.training_spec()), job_name="chief", task_index=0, protocol="grpc"
     )
-    with tf.device("/job:ps/task:0"):
-        variables = make_variables(workload)
     devices = [f"/job:worker/task:{i}" for i in range(cluster.num_workers)]
-    iterators = []
-    for device in devices:
-        with tf.device(device):
-            iterators.append(iter(make_dataset(workload)))
-    lr = WORKLOADS[workload]["lr"]
-
-    step = make_step(variables, lr)
+    counters = None
+    if workload == "tiny":
+        counters = make_counters(cluster.num_ps, place=lambda i: tf.device(f"/job:ps/task:{i}"))
+        tiny = make_tiny_step(counters)
+        step, iterators = (lambda _iterator: tiny()), [None] * len(devices)
+    else:
+        with tf.device("/job:ps/task:0"):
+            variables = make_variables(workload)
+        iterators = []
+        for device in devices:
+            with tf.device(device):
+                iterators.append(iter(make_dataset(workload)))
+        step = make_step(variables, WORKLOADS[workload]["lr"])
 
     def run(n: int) -> list[float]:
         # Static split: each worker's thread makes n / workers synchronous calls.
@@ -208,12 +286,13 @@ def setup_plain_threads(cluster, workload: str):
             raise errors[0]
         return [loss for per_worker in losses for loss in per_worker]
 
-    return run, None
+    return run, None, counters
 
 
 # ----------------------------------------------------------------------------
 def child_main(args: argparse.Namespace) -> None:
     """One coordinator subprocess: set up one path, warm up, time, print one JSON line."""
+    _count_thread_starts()
     _common.exit_with_parent()
     import psclient
 
@@ -221,17 +300,19 @@ def child_main(args: argparse.Namespace) -> None:
     task_pids = json.loads(args.task_pids)
     path, workload = args._child, args.workload
     if path in PSCLIENT_PATHS:
-        run, stats = setup_psclient(cluster, workload, depth=int(path[-1]))
+        run, stats, counters = setup_psclient(cluster, workload, depth=int(path[-1]))
     elif path == "tf_coordinator":
-        run, stats = setup_tf_coordinator(cluster, workload)
+        run, stats, counters = setup_tf_coordinator(cluster, workload)
     else:
-        run, stats = setup_plain_threads(cluster, workload)
+        run, stats, counters = setup_plain_threads(cluster, workload)
 
     first = run(args.warmup)
     task_cpu0 = {task: _common.cpu_seconds([pid]) for task, pid in task_pids.items()}
+    sampler = _ThreadSampler()
     busy0, cpu0, t0 = _common.machine_busy_seconds(), time.process_time(), time.perf_counter()
     losses = run(args.steps)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    threads_peak = sampler.stop()
     busy = _common.machine_busy_seconds() - busy0
     task_cpu = {task: _common.cpu_seconds([pid]) - task_cpu0[task] for task, pid in task_pids.items()}
     # CPU that neither this coordinator nor the cluster used: other processes on
@@ -239,8 +320,9 @@ def child_main(args: argparse.Namespace) -> None:
     other = busy - cpu - sum(task_cpu.values())
 
     steps = len(losses)
-    if steps != args.steps - args.steps % NUM_WORKERS and steps != args.steps:
+    if steps != args.steps - args.steps % cluster.num_workers and steps != args.steps:
         raise RuntimeError(f"{path} returned {steps} losses for {args.steps} steps")
+    idle = _idle(args.idle)
     per_step_us = lambda s: round(s / steps * 1e6, 1)  # noqa: E731
     result = {
         "steps": steps,
@@ -255,14 +337,64 @@ def child_main(args: argparse.Namespace) -> None:
         "other_processes_cpu_share": round(max(0.0, other) / (seconds * (os.cpu_count() or 1)), 3),
         "load_average_1min": round(os.getloadavg()[0], 2),
         "tasks_after": _common.task_usage(list(task_pids.values())),
+        "coordinator_threads_peak": threads_peak,
+        "coordinator_idle": idle,
     }
+    if counters is not None:
+        # Every closure ran exactly once: each counter counted each of them once.
+        scheduled = len(first) + steps
+        values = [int(c.numpy()) for c in counters]
+        result["counters"] = {"devices": sorted({c.device for c in counters}), "values": values,
+                              "closures_scheduled": scheduled}
+        result["every_closure_once"] = all(v == scheduled for v in values)
     if stats is not None:
         s = stats()
         result["psclient_stats"] = {k: s[k] for k in ("pipeline_depth", "dispatcher_threads_alive") if k in s}
+        result["psclient_stats"]["retried"] = sum(w["retried"] for w in s["workers"])
+        result["psclient_stats"]["failed"] = sum(w["failed"] for w in s["workers"])
     _common.child_exit(result)
 
 
-def summarize(runs: dict, workloads: list[str], paths: list[str]) -> dict:
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+class _ThreadSampler:
+    """Peak Python and OS thread counts of this process, sampled every 20 ms (itself not counted)."""
+
+    def __init__(self):
+        self._stopped = threading.Event()
+        self.python = self.os = 0
+        self._thread = threading.Thread(target=self._run, name="thread-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(0.02):
+            self.python = max(self.python, threading.active_count() - 1)
+            self.os = max(self.os, _os_threads() - 1)
+
+    def stop(self) -> dict:
+        self._stopped.set()
+        self._thread.join()
+        return {"python": self.python, "os": self.os}
+
+
+def _idle(seconds: float) -> dict | None:
+    """Python threads started, OS threads before/after and CPU over `seconds` of doing nothing."""
+    if seconds <= 0:
+        return None
+    started0, os0, cpu0 = _threads_started[0], _os_threads(), time.process_time()
+    time.sleep(seconds)  # the measurement: nothing runs but the coordinator's own threads
+    return {
+        "seconds": seconds,
+        "python_threads_started": _threads_started[0] - started0,
+        "python_threads_alive": threading.active_count(),
+        "os_threads_before": os0, "os_threads_after": _os_threads(),
+        "cpu_ms_per_s": round((time.process_time() - cpu0) / seconds * 1e3, 2),
+    }
+
+
+def summarize(runs: dict, workloads: list[str], paths: list[str], num_workers: int) -> dict:
     """Medians per workload and path, psclient's best depth, ratios and targets."""
     summary = {}
     for workload in workloads:
@@ -275,6 +407,13 @@ def summarize(runs: dict, workloads: list[str], paths: list[str]) -> dict:
                 "coordinator_cpu_us_per_step": _common.median([r["coordinator_cpu_us_per_step"] for r in ok]),
                 "tasks_cpu_us_per_step": _common.median([r["tasks_cpu_us_per_step"] for r in ok]),
                 "other_processes_cpu_share": _common.median([r["other_processes_cpu_share"] for r in ok]),
+                "python_threads_peak": max((r["coordinator_threads_peak"]["python"] for r in ok), default=None),
+                "python_threads_started_while_idle": max(
+                    (r["coordinator_idle"]["python_threads_started"] for r in ok if r.get("coordinator_idle")),
+                    default=None),
+                # Checked by "tiny" only (its counters); None elsewhere.
+                "every_closure_once": (all(r["every_closure_once"] for r in ok)
+                                       if ok and all("every_closure_once" in r for r in ok) else None),
                 "failed_runs": len(runs[workload][path]) - len(ok),
             }
         entry = {"paths": per_path}
@@ -289,6 +428,15 @@ def summarize(runs: dict, workloads: list[str], paths: list[str]) -> dict:
                 if theirs:
                     ratios[f"psclient/{other}"] = round(per_path[best]["median_steps_per_s"] / theirs, 3)
                     met[f"psclient/{other} >= {target}"] = ratios[f"psclient/{other}"] >= target
+            if workload == "tiny":
+                mine = per_path[best]
+                limit = num_workers + TINY_TARGETS["python_threads_over_workers"]
+                met[f"coordinator CPU <= {TINY_TARGETS['coordinator_cpu_us_per_closure']} us/closure"] = (
+                    mine["coordinator_cpu_us_per_step"] <= TINY_TARGETS["coordinator_cpu_us_per_closure"])
+                met[f"Python threads <= workers + {TINY_TARGETS['python_threads_over_workers']} ({limit})"] = (
+                    mine["python_threads_peak"] <= limit)
+                met["no thread started while idle"] = mine["python_threads_started_while_idle"] == 0
+                met["every closure once"] = mine["every_closure_once"]
             entry["ratios"] = ratios
             entry["targets_met"] = met
         summary[workload] = entry
@@ -307,7 +455,7 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
     output = {
         "config": {
             **_common.environment(argv),
-            "num_workers": NUM_WORKERS, "num_ps": NUM_PS, "repeats": args.repeats,
+            "num_workers": args.workers, "num_ps": args.ps, "repeats": args.repeats, "idle_s": args.idle,
             "warmup_steps": warmup, "timed_steps": steps, "workloads": {w: WORKLOADS[w] for w in workloads},
             "paths": paths, "order": "interleaved: per repeat, per workload, every path in turn",
         },
@@ -316,8 +464,8 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
     env = _common.quiet_tf_env(GRPC_FAIL_FAST="use_caller")
     started = time.perf_counter()
     with _common.stop_on_sigterm():
-        _common.log(f"starting a LocalCluster ({NUM_WORKERS} workers, {NUM_PS} ps)")
-        with _common.local_cluster(NUM_WORKERS, NUM_PS) as (cluster, task_pids):
+        _common.log(f"starting a LocalCluster ({args.workers} workers, {args.ps} ps)")
+        with _common.local_cluster(args.workers, args.ps) as (cluster, task_pids):
             output["config"]["cluster"] = cluster.jobs
             _common.log("cluster up: " + ", ".join(f"{t} pid {pid}" for t, pid in task_pids.items()))
             for repeat in range(args.repeats):
@@ -325,11 +473,13 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
                     for path in paths:
                         child = [os.path.abspath(__file__), "--_child", path, "--workload", workload,
                                  "--cluster", json.dumps(cluster.jobs), "--task-pids", json.dumps(task_pids),
-                                 "--steps", str(steps[workload]), "--warmup", str(warmup)]
+                                 "--steps", str(steps[workload]), "--warmup", str(warmup),
+                                 "--idle", str(args.idle)]
                         tag = f"repeat {repeat + 1}/{args.repeats} {workload:6} {path:14}"
                         try:
-                            # Generous: TF start-up plus the steps at 20 steps/s.
-                            result = _common.run_child(child, timeout=120 + steps[workload] / 20, env=env)
+                            # Generous: TF start-up plus the steps at 20 steps/s, and the idle time.
+                            result = _common.run_child(
+                                child, timeout=120 + args.idle + steps[workload] / 20, env=env)
                         except _common.ChildError as error:
                             _common.log(f"{tag} FAILED: {error}")
                             result = {"error": str(error)}
@@ -337,10 +487,11 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
                             _common.log(f"{tag} {result['steps_per_s']:8.1f} steps/s, coordinator "
                                         f"{result['coordinator_cpu_us_per_step']:.0f} us/step, tasks "
                                         f"{result['tasks_cpu_us_per_step']:.0f} us/step, other processes "
-                                        f"{result['other_processes_cpu_share']:.0%} of the CPUs")
+                                        f"{result['other_processes_cpu_share']:.0%} of the CPUs, "
+                                        f"{result['coordinator_threads_peak']['python']} Python threads")
                         runs[workload][path].append(result)
     output["config"]["wall_s"] = round(time.perf_counter() - started, 1)
-    output["results"] = summarize(runs, workloads, paths)
+    output["results"] = summarize(runs, workloads, paths, args.workers)
     output["runs"] = runs
     _common.print_json(output)
     failed = sum("error" in r for w in runs.values() for rs in w.values() for r in rs)
@@ -354,7 +505,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a short smoke run: few steps")
     parser.add_argument("--steps", type=int, help="timed steps per run, for every workload")
     parser.add_argument("--warmup", type=int, help="warm-up steps per run, not timed")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated (default: all)")
+    parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                        help=f"comma-separated, of {', '.join(WORKLOADS)} (default: {','.join(DEFAULT_WORKLOADS)})")
+    parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="workers of the LocalCluster")
+    parser.add_argument("--ps", type=int, default=DEFAULT_PS, help="ps tasks of the LocalCluster")
+    parser.add_argument("--idle", type=float, default=IDLE_S,
+                        help="seconds of idle after each run's timed steps, watched for new threads (0: skip)")
     parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated (default: all)")
     # Internal: run one path as a coordinator subprocess.
     parser.add_argument("--_child", choices=PATHS, help=argparse.SUPPRESS)
@@ -372,6 +528,9 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats = 1 if args.quick else 3
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1. Received: {args.repeats}.")
+    for flag, value in (("--workers", args.workers), ("--ps", args.ps)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1. Received: {value}.")
     try:
         return parent_main(args, ["benchmarks/dispatch.py", *argv])
     except KeyboardInterrupt:

@@ -208,8 +208,8 @@ class Dispatcher:
             attempts=closure.unexplained_failures + 1,
         )
         if verdict is Verdict.WORKER_LOST:
-            log.warning("worker %d does not answer (%s); re-queueing its closures for other workers",
-                        worker, type(error).__name__)
+            log.warning("worker %d does not answer (%s: %s); re-queueing its closures for other workers",
+                        worker, type(error).__name__, _first_line(error))
             self._report(WorkerNotAnswering(worker, time.monotonic() - failed_at, epochs[worker]))
             # Taking the worker out re-queues this closure (and any other running
             # there); this attempt's own report would then be stale.
@@ -230,9 +230,15 @@ class Dispatcher:
                     self._renew_iterators(worker, iterators_generation)
                     pause = 0.0
             log.warning(
-                "%r on worker %d failed with %s (%s); re-queueing it%s", closure, worker,
-                type(error).__name__, verdict.value, f" in {pause:.1f} s" if pause else "",
+                "%r on worker %d failed with %s (%s: %s); re-queueing it%s", closure, worker,
+                type(error).__name__, verdict.value, _first_line(error), f" in {pause:.1f} s" if pause else "",
             )
             if pause:
                 time.sleep(pause)  # back off in this worker's thread: the channel needs the time
             self._scheduler.failed(worker, closure, error, retry=True, attempt=attempt)
+
+
+def _first_line(error: BaseException) -> str:
+    """The start of an error's message, for a log line (TF's run to many lines)."""
+    text = str(error)
+    return text.splitlines()[0][:300] if text else ""

@@ -30,12 +30,37 @@ __all__ = [
 _calls_stream = False
 
 
-def new_call_executor():
+def new_call_executor(streaming: bool | None = None):
     """A synchronous executor for one dispatcher thread: unary calls at pipeline
-    depth 1 (a dead task's error comes back), streaming above."""
+    depth 1 (a dead task's error comes back), streaming above (`streaming`: as
+    the dispatchers' when None).
+
+    Made without TF's "async wait for remote functions": before a call of a
+    function with inputs on other tasks (a step reading ps variables), such
+    an executor syncs *every* task of the cluster whenever the call goes to
+    another worker's client than its previous one did. A dispatcher thread
+    only ever calls its own worker and waits for each call's outputs, so the
+    sync protects nothing here; but a reconnect gives every worker a new
+    client, so after each one every dispatcher's next call synced the whole
+    cluster, and with a dead worker still in TF's view that sync failed, on
+    every call, naming the dead worker: healthy workers' calls failed for as
+    long as it stayed in the view (TF does not forget the stale client when
+    the sync fails), then with "Client for target ... not found" once it was
+    dropped. TF reads the switch when it makes the executor.
+    """
     from tensorflow.python.eager import executor
 
-    return executor.new_executor(enable_async=False, enable_streaming_enqueue=_calls_stream)
+    with _env_lock:
+        saved = os.environ.get(_ASYNC_WAIT_ENV)
+        os.environ[_ASYNC_WAIT_ENV] = "false"
+        try:
+            return executor.new_executor(
+                enable_async=False, enable_streaming_enqueue=_calls_stream if streaming is None else streaming)
+        finally:
+            if saved is None:
+                del os.environ[_ASYNC_WAIT_ENV]
+            else:
+                os.environ[_ASYNC_WAIT_ENV] = saved
 
 
 def set_streaming_env(streaming: bool) -> None:
@@ -47,6 +72,7 @@ def set_streaming_env(streaming: bool) -> None:
 
 
 _STREAMING_ENV = "TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"
+_ASYNC_WAIT_ENV = "TF_ENABLE_ASYNC_WAIT_FOR_REMOTE_FUNCTION"
 _env_lock = threading.Lock()
 #: Threads inside `streamed_registrations` (the env stays True while any is).
 _streamed_traces = 0

@@ -313,9 +313,24 @@ def probe(device: str) -> None:
     """
     import tensorflow as tf
 
-    with tf.device(f"{device}/device:CPU:0"):
-        value = tf.constant(1, dtype=tf.int32) + 1
-    value.numpy()
+    own = getattr(_probe_executors, "executor", None)
+    if own is None:
+        # Each probing thread calls through an executor of its own, made as the
+        # dispatchers' are (`new_call_executor`): on TF's default one, shared
+        # with every other thread of the process, a probe of a healthy worker
+        # failed with another, dead worker's error.
+        own = _probe_executors.executor = _executors.new_call_executor(streaming=False)
+    try:
+        with _executors.executor_scope(own), tf.device(f"{device}/device:CPU:0"):
+            value = tf.constant(1, dtype=tf.int32) + 1
+            value.numpy()
+    except tf.errors.OpError:
+        own.clear_error()  # or the next probe on this thread fails with it
+        raise
+
+
+#: The executor of each thread that probes (a pool thread's, for its life).
+_probe_executors = threading.local()
 
 
 def renew_variable_handle(variable: Any, device: str) -> None:
