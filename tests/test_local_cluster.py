@@ -271,3 +271,30 @@ def test_invalid_arguments_start_nothing(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LocalCluster(**kwargs)
     assert serve_children() == before
+
+
+def test_a_port_taken_before_its_task_binds_it_starts_the_cluster_on_new_ports(monkeypatch):
+    """Another process may take a picked port before the task binds it (many clusters
+    starting at once on one machine): the cluster starts again on new ports."""
+    local_module = psclient._cluster.local
+    blocker = socket.socket()
+    blocker.bind(("0.0.0.0", 0))  # TF binds every interface: so does the other process here
+    blocker.listen()
+    taken = blocker.getsockname()[1]
+    real_pick, picks = local_module._pick_ports, []
+
+    def pick(count):
+        ports = real_pick(count)
+        if not picks:
+            ports[0] = taken  # worker 0's port, taken
+        picks.append(ports)
+        return ports
+
+    monkeypatch.setattr(local_module, "_pick_ports", pick)
+    try:
+        with LocalCluster(num_workers=1, num_ps=1) as local:
+            assert len(picks) == 2
+            assert local.cluster.address("worker", 0) == f"127.0.0.1:{picks[1][0]}" != f"127.0.0.1:{taken}"
+            assert all(local.is_running(job, 0) for job in ("worker", "ps"))
+    finally:
+        blocker.close()

@@ -223,6 +223,15 @@ def _shutdown(tasks: list[_Task], tempdir: tempfile.TemporaryDirectory | None, o
         tempdir.cleanup()
 
 
+_PORT_ATTEMPTS = 3
+# What `psclient serve` logs when TensorFlow could not bind its port.
+_PORT_TAKEN = ("Could not start gRPC server", "Failed to add port to server")
+
+
+def _port_was_taken(error: TaskUnreachableError) -> bool:
+    return any(sign in str(error) for sign in _PORT_TAKEN)
+
+
 def _pick_ports(count: int) -> list[int]:
     ports: list[int] = []
     while len(ports) < count:
@@ -303,15 +312,7 @@ class LocalCluster(ElasticWorkers):
                 "binds them on all network interfaces and they accept unauthenticated RPCs from any "
                 "host that reaches them. Use it only on a trusted network.",
                 RuntimeWarning, stacklevel=2)
-        ports = _pick_ports(num_workers + num_ps + 1)
-        addresses = [f"{_HOST}:{port}" for port in ports]
-        self._cluster = Cluster(
-            {"worker": addresses[:num_workers], "ps": addresses[num_workers:-1], "chief": addresses[-1:]}
-        )
-        self._tasks = {
-            (job, index): _Task(job, index, address, os.path.join(self._log_dir, f"{job}-{index}.log"))
-            for job, index, address in self._cluster.tasks()
-        }
+        self._assign_ports(num_workers, num_ps)
         # TF's INFO banners off in the tasks (warnings and errors stay): their
         # logs, and the lines quoted when a task fails, show what matters.
         self._env = child_env(env, quiet_tf=True)
@@ -324,8 +325,33 @@ class LocalCluster(ElasticWorkers):
             self, _shutdown, self._task_list, self._tempdir, os.getpid(), self._throttler)
         with contextlib.ExitStack() as on_failure:  # Whatever stops the start ends every task.
             on_failure.callback(self.close)
-            self._start(list(self._tasks.values()), self._start_timeout)
+            for attempt in range(_PORT_ATTEMPTS):
+                try:
+                    self._start(list(self._tasks.values()), self._start_timeout)
+                    break
+                except TaskUnreachableError as error:
+                    # A free port picked here can be taken by another process
+                    # before the task binds it (many clusters starting on one
+                    # machine): every task's TF_CONFIG names every address, so
+                    # start them all again on new ports.
+                    if attempt + 1 == _PORT_ATTEMPTS or not _port_was_taken(error):
+                        raise
+                    for task in self._task_list:
+                        task.reap()
+                    self._assign_ports(num_workers, num_ps)
+                    self._task_list[:] = self._tasks.values()
             on_failure.pop_all()
+
+    def _assign_ports(self, num_workers: int, num_ps: int) -> None:
+        ports = _pick_ports(num_workers + num_ps + 1)
+        addresses = [f"{_HOST}:{port}" for port in ports]
+        self._cluster = Cluster(
+            {"worker": addresses[:num_workers], "ps": addresses[num_workers:-1], "chief": addresses[-1:]}
+        )
+        self._tasks = {
+            (job, index): _Task(job, index, address, os.path.join(self._log_dir, f"{job}-{index}.log"))
+            for job, index, address in self._cluster.tasks()
+        }
 
     def _start(self, tasks: list[_Task], timeout: float) -> None:
         deadline = time.monotonic() + timeout
