@@ -120,6 +120,7 @@ class Steps:
             interrupted=lambda: scheduler.paused or scheduler.closed)
         self._lock = threading.RLock()
         self._instrumented: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._applying: weakref.WeakSet = weakref.WeakSet()  # tf.functions whose traces applied
         self._version = None  # int64 ResourceVariable on ps 0, made on first use
         self._mutex = None  # the CriticalSection of synchronous mode
         self._accumulators: dict[tuple, Accumulators] = {}
@@ -159,6 +160,20 @@ class Steps:
         )
         with self._lock:
             return self._instrumented.setdefault(function, cached)
+
+    def known_to_apply(self, function) -> bool:
+        """Whether a trace of `function` (a tf.function) applied gradients before."""
+        with self._lock:
+            return function in self._applying
+
+    def mark_applies(self, function) -> None:
+        with self._lock:
+            self._applying.add(function)
+
+    @staticmethod
+    def applied_untracked(concrete) -> bool:
+        """Whether the plain trace `concrete` applies gradients with a Keras optimizer."""
+        return concrete.graph in _applied_untracked
 
     def start_trace(self) -> None:
         _tracing.last = None

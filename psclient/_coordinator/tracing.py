@@ -224,18 +224,38 @@ class Tracer:
             if steps is not None:
                 steps.check_concrete(concrete, name)
         else:
-            if steps is not None:
-                steps.start_trace()
-                concrete = self._concrete(steps.instrumented(function), name, args, kwargs)
-                if steps.applies(concrete):
-                    self._check(concrete, name)
-                    call = getattr(concrete, "_psclient_call", None)
-                    if call is None:
-                        call = concrete._psclient_call = steps.caller(concrete)
+            # Asynchronous (staleness only measured): a function is traced
+            # plainly until one of its traces applies gradients, from then on
+            # instrumented; so one that never applies (evaluation, a dataset
+            # step) is traced once, as by TF, and a training step twice at its
+            # first schedule() only. With max_staleness/replicas_to_aggregate
+            # the instrumented trace comes first: it also refuses what those
+            # modes cannot follow (an extended.update outside an optimizer).
+            if steps is not None and (steps.argument is not None or steps.known_to_apply(function)):
+                call = self._instrumented_call(function, name, args, kwargs)
+                if call is not None:
                     return call
             concrete = self._concrete(function, name, args, kwargs)
+            if steps is not None and steps.applied_untracked(concrete):
+                steps.mark_applies(function)
+                call = self._instrumented_call(function, name, args, kwargs)
+                if call is not None:
+                    return call
         self._check(concrete, name)
         return concrete
+
+    def _instrumented_call(self, function, name: str, args: tuple, kwargs: dict):
+        """The caller of `function`'s instrumented trace, or None if that trace applies nothing."""
+        steps = self._steps
+        steps.start_trace()
+        concrete = self._concrete(steps.instrumented(function), name, args, kwargs)
+        if not steps.applies(concrete):
+            return None
+        self._check(concrete, name)
+        call = getattr(concrete, "_psclient_call", None)
+        if call is None:
+            call = concrete._psclient_call = steps.caller(concrete)
+        return call
 
     def _concrete(self, function, name: str, args: tuple, kwargs: dict):
         import tensorflow as tf
