@@ -8,6 +8,13 @@ strategy with `checkpoint_dir` and the default hang/worker timeouts):
   worker_chaos  every --interval seconds (seeded jitter) a random up worker is
                 SIGKILLed and restarted at the same address
   ps_chaos      the ps is SIGKILLed once, a third of the way in, and restarted
+  elastic       2 -> 4 -> 3 workers while training: the strategy starts on 2
+                workers; a third of the way in `strategy.add_worker` adds two
+                more (their task processes were started before training, so
+                the phase does not time TensorFlow's import), two thirds in
+                `remove_worker(0, drain=True)` retires one; the throughput of
+                each phase, the time of each add and of the drain, and the
+                optimizer's step count (exactly --steps: no step lost or doubled)
 
 Prints one JSON object (progress on stderr): for each run, futures scheduled
 vs resolved, errors surfaced, retried closures, kills, rejoin times (from a
@@ -19,6 +26,7 @@ step and its Python threads at peak, and a count of the steps that ran: each
 step also adds one to a counter on a ps, which must end between the steps
 that count (scheduled minus those a ps recovery rolled back) and that plus
 the retried closures (a closure cut off by a kill may have counted before).
+The clean, worker and ps runs use --workers workers; the elastic run its own counts.
 
 Usage:
   python benchmarks/chaos.py [--steps 3000] [--seed 0] > chaos.json
@@ -41,6 +49,7 @@ from _common import environment, log, median, print_json  # noqa: E402
 DEFAULT_WORKERS, DEFAULT_PS = 3, 1
 #: How long a restarted task may take to serve (TensorFlow's import on a loaded machine).
 RESTART_TIMEOUT_S = 300.0
+ELASTIC_START, ELASTIC_SPARES = 2, 2  # the elastic run: 2 -> 4 -> 3 workers
 TARGETS = {"futures_lost": 0, "errors_surfaced": 0, "hangs": 0, "median_rejoin_s": 2.0, "ps_recovery_s": 15.0}
 
 
@@ -79,6 +88,7 @@ def build(strategy):
     def final_loss():
         return float(np.mean((model(x).numpy() - y) ** 2))
 
+    final_loss.steps = lambda: int(optimizer.iterations.numpy())  # steps applied on the ps
     return step, iterator, final_loss, counted
 
 
@@ -96,6 +106,11 @@ class Chaos:
         #: Restarts that did not serve within RESTART_TIMEOUT_S (the task stays down).
         self.restarts_failed: list[str] = []
         self.watchers: list[threading.Thread] = []
+        #: elastic: the spare workers' addresses, and what happened when.
+        self.spares: list[str] = []
+        self.marks: list[tuple[str, float, int]] = []  # (event, monotonic time, completed steps)
+        self.add_s: list[float] = []
+        self.remove_s: float | None = None
         self.thread = threading.Thread(target=self._run, name="chaos", daemon=True)
 
     def _completed(self):
@@ -109,7 +124,35 @@ class Chaos:
             time.sleep(0.01)  # polling stats, the benchmark's own clock
         return True
 
+    def _mark(self, event: str) -> None:
+        self.marks.append((event, time.monotonic(), self._completed()))
+
+    def _elastic(self):
+        """2 -> 4 -> 3 workers (module docstring)."""
+        self._mark("start")
+        if not self._wait(lambda: self._completed() >= self.total_steps // 3, 600):
+            return
+        self._mark("adding")
+        for address in self.spares:
+            started = time.monotonic()
+            index = self.strategy.add_worker(address)
+            self.add_s.append(time.monotonic() - started)
+            log(f"elastic: worker {index} ({address}) added in {self.add_s[-1]:.2f} s")
+        self._mark("added")
+        if not self._wait(lambda: self._completed() >= 2 * self.total_steps // 3, 600):
+            return
+        self._mark("removing")
+        started = time.monotonic()
+        self.strategy.remove_worker(0, drain=True)
+        self.remove_s = time.monotonic() - started
+        self._mark("removed")
+        log(f"elastic: worker 0 drained and removed in {self.remove_s:.2f} s")
+        self.local.kill("worker", 0)  # out of TF's view: its process may go
+
     def _run(self):
+        if self.mode == "elastic":
+            self._elastic()
+            return
         if self.mode == "ps_chaos":
             self._wait(lambda: self._completed() >= self.total_steps // 3, 600)
             if not self.stop.is_set():
@@ -169,16 +212,23 @@ class Chaos:
 def run(mode: str, args) -> dict:
     import psclient
 
-    log(f"{mode}: starting a cluster ({args.workers} workers, {args.ps} ps)")
-    with psclient.LocalCluster(num_workers=args.workers, num_ps=args.ps) as local, \
+    workers = ELASTIC_START if mode == "elastic" else args.workers
+    log(f"{mode}: starting a cluster ({workers} workers, {args.ps} ps)")
+    with psclient.LocalCluster(num_workers=workers, num_ps=args.ps) as local, \
             tempfile.TemporaryDirectory() as ckpt:
+        cluster = local.cluster  # the strategy starts on these workers
+        spares = []
+        for _ in range(ELASTIC_SPARES if mode == "elastic" else 0):
+            index = local.add_worker()  # started now, added to the strategy a third of the way in
+            spares.append(local.cluster.address("worker", index))
         strategy = psclient.ParameterServerStrategy(
-            local.cluster, checkpoint_dir=ckpt, checkpoint_interval=args.checkpoint_interval,
+            cluster, checkpoint_dir=ckpt, checkpoint_interval=args.checkpoint_interval,
         )
         chaos = None
         try:
             step, iterator, final_loss, counted = build(strategy)
             chaos = Chaos(local, strategy, mode, args.seed, args.interval, args.steps)
+            chaos.spares = spares
             peak_threads = [threading.active_count()]
             sampling = threading.Event()
 
@@ -237,6 +287,8 @@ def run(mode: str, args) -> dict:
                 "coordinator_python_threads_peak": peak_threads[0],
                 "final_loss": final_loss(),
             }
+            if mode == "elastic":
+                result.update(_elastic_result(chaos, started + wall, stats, final_loss.steps()))
             log(f"{mode}: {result['futures_resolved']}/{len(futures)} resolved, {errors} errors, "
                 f"{len(chaos.kills)} kills, wall {wall:.1f} s, coordinator "
                 f"{result['coordinator_cpu_us_per_step']:.0f} us/step, {peak_threads[0]} Python threads at peak, "
@@ -248,6 +300,32 @@ def run(mode: str, args) -> dict:
             strategy.shutdown()
 
 
+def _elastic_result(chaos: Chaos, ended: float, stats: dict, steps_applied: int) -> dict:
+    """Each phase's steps and throughput, the adds and the drain, the step count on the ps."""
+    marks = {event: (at, done) for event, at, done in chaos.marks}
+    completed = stats["completed"]
+    bounds = [("start", "adding", ELASTIC_START), ("added", "removing", ELASTIC_START + ELASTIC_SPARES),
+              ("removed", None, ELASTIC_START + ELASTIC_SPARES - 1)]
+    phases = []
+    for begin, end, workers in bounds:
+        if begin not in marks or (end is not None and end not in marks):
+            continue  # the run ended before this phase
+        (t0, c0), (t1, c1) = marks[begin], marks[end] if end else (ended, completed)
+        phases.append({"workers": workers, "steps": c1 - c0, "seconds": round(t1 - t0, 2),
+                       "steps_per_s": round((c1 - c0) / (t1 - t0), 1) if t1 > t0 else None})
+    return {
+        "phases": phases,
+        # Steps completed while the adds and the drain ran (between the phases).
+        "steps_while_adding": marks["added"][1] - marks["adding"][1] if "added" in marks else None,
+        "steps_while_draining": marks["removed"][1] - marks["removing"][1] if "removed" in marks else None,
+        "add_worker_s": [round(s, 3) for s in chaos.add_s],
+        "remove_worker_drain_s": None if chaos.remove_s is None else round(chaos.remove_s, 3),
+        "steps_applied_on_ps": steps_applied,
+        "workers_at_end": {str(i): w["done"] for i, w in enumerate(stats["workers"]) if not w["retired"]},
+        "done_per_worker": [w["done"] for w in stats["workers"]],
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3000)
@@ -255,7 +333,7 @@ def main(argv=None) -> int:
     parser.add_argument("--interval", type=float, default=3.0, help="seconds between worker kills (jittered)")
     parser.add_argument("--checkpoint-interval", type=float, default=5.0)
     parser.add_argument("--timeout", type=float, default=900.0, help="a run that takes longer counts as a hang")
-    parser.add_argument("--runs", default="clean,worker_chaos,ps_chaos")
+    parser.add_argument("--runs", default="clean,worker_chaos,ps_chaos,elastic")
     parser.add_argument("--output", help="also write the JSON here")
     parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="workers of each run's LocalCluster")
     parser.add_argument("--ps", type=int, default=DEFAULT_PS, help="ps tasks of each run's LocalCluster")
@@ -290,6 +368,10 @@ def main(argv=None) -> int:
             row["max_rejoin_s"] = result["max_rejoin_s"]
             row["meets_rejoin_target"] = (
                 result["median_rejoin_s"] is not None and result["median_rejoin_s"] <= TARGETS["median_rejoin_s"])
+        if mode == "elastic":
+            row["phases_steps_per_s"] = {f"{p['workers']} workers": p["steps_per_s"] for p in result["phases"]}
+            row["steps_applied_on_ps"] = result["steps_applied_on_ps"]
+            row["no_step_lost_or_doubled"] = result["steps_applied_on_ps"] == result["steps_scheduled"]
         if mode == "ps_chaos":
             row["ps_recovery_s"] = result["ps_recovery_s"]
             row["steps_rolled_back"] = result["steps_rolled_back"]

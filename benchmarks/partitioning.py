@@ -1,4 +1,4 @@
-"""What partitioning costs here: variable_partitioner="auto" (the recommended setting) vs None (the default).
+"""What partitioning costs here: variable_partitioner="auto" (the default) vs None.
 
 Two models on one LocalCluster (2 workers, 2 ps), Keras 3 `model.fit`:
 

@@ -4,7 +4,7 @@ The kind of model parameter servers are for: many categorical features (user,
 ad, site, ...), each a raw 40-bit id hashed into a large embedding table, plus
 a few dense features. Trained with an ordinary `model.fit` on a local cluster
 (2 workers, 2 ps on 127.0.0.1); the big tables are split in two, one shard per
-ps, by psclient's recommended partitioner (`variable_partitioner="auto"`);
+ps, by psclient's default partitioner (`variable_partitioner="auto"`);
 lookups gather each shard's rows on its ps and Adagrad updates only the rows a
 batch touched, there.
 

@@ -34,6 +34,8 @@ from psclient._coordinator.per_worker import (
     PerWorkerIterator,
 )
 from psclient._coordinator.strategy import ParameterServerStrategy
+from psclient._coordinator.watch import WorkerWatcher
+from psclient._cluster.k8s_watch import kubernetes_workers
 from psclient._core.errors import (
     ClusterConfigError,
     PSClientError,
@@ -104,7 +106,9 @@ __all__ = [
     "StrategyClosedError",
     "TaskUnreachableError",
     "WorkerUnavailableError",
+    "WorkerWatcher",
     "as_completed",
+    "kubernetes_workers",
     "read_final_marker",
     "wait",
     "write_final_marker",

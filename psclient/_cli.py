@@ -98,6 +98,13 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         "the cluster's hosts (all jobs but evaluator, resolved at start; the cluster must name "
         'a "chief", the coordinator). Linux only; no privilege needed',
     )
+    serve.add_argument(
+        "--peers-file",
+        metavar="FILE.json",
+        help="with --restrict-to-peers: also admit the hosts of this JSON cluster file (same "
+        "format as --cluster), read again whenever it changes, for workers that join later "
+        "from other hosts (the file a psclient.WorkerWatcher follows)",
+    )
     # Used by LocalCluster only: see psclient._cluster.server.serve.
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     serve.add_argument("--parent-fd", type=int, help=argparse.SUPPRESS)
@@ -541,6 +548,9 @@ def _run_serve(args: argparse.Namespace) -> int:
             _server.check_inter_op_threads(args.inter_op_threads, name="--inter-op-threads")
         cluster, task = _load_config_file(args.cluster) if args.cluster else _load_tf_config()
         job, index = _resolve_task(args, cluster, task)
+        if args.peers_file is not None and not args.restrict_to_peers:
+            raise ValueError(f"Invalid value for --peers-file. Received: {args.peers_file!r} without "
+                             "--restrict-to-peers. Expected it together with --restrict-to-peers.")
     except ValueError as e:  # ClusterConfigError is a ValueError.
         args.command_parser.error(str(e))  # Prints usage and the message; exits 2.
     _server.serve(
@@ -551,6 +561,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         ready_fd=args.ready_fd,
         parent_fd=args.parent_fd,
         restrict_to_peers=args.restrict_to_peers,
+        peers_file=args.peers_file,
     )
 
 

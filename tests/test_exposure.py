@@ -298,3 +298,35 @@ def test_a_connection_that_got_in_before_the_filter_is_refused(other_host):
         assert probe(other_host, [[STRANGER_V4, HOST_V4, port]]) == {f"{STRANGER_V4}->{HOST_V4}:{port}": "connected"}
         with pytest.raises(exposure.PortExposedError, match=rf"port {port} was reached from {STRANGER_V4}:\d+"):
             exposure.restrict_port(port, set(), what="the test's listener")
+
+
+def test_serve_peers_file_admits_a_worker_host_that_joins_and_drops_it_when_it_leaves(
+        other_host, run_child, tmp_path):
+    with socket.socket() as s:  # A free port on this host.
+        s.bind(("0.0.0.0", 0))
+        port = s.getsockname()[1]
+    cluster = {"worker": ["127.0.0.1:1"], "ps": [f"{HOST_V4}:{port}"], "chief": [f"{PEER_V4}:2"]}
+    (tmp_path / "cluster.json").write_text(json.dumps(cluster))
+    peers = tmp_path / "peers.json"
+    peers.write_text(json.dumps({"cluster": cluster}))
+    process, lines = run_child([sys.executable, "-m", "psclient", "serve", "--job", "ps", "--index", "0",
+                                "--cluster", str(tmp_path / "cluster.json"), "--restrict-to-peers",
+                                "--peers-file", str(peers)])
+    lines.wait_for("ready at", timeout=120)
+    stranger = [[STRANGER_V4, HOST_V4, port]]
+    assert probe(other_host, stranger) == {f"{STRANGER_V4}->{HOST_V4}:{port}": "TimeoutError"}
+    # The operator adds a worker on the stranger's host: the ps task admits it, and nobody else.
+    peers.write_text(json.dumps({"cluster": dict(cluster, worker=["127.0.0.1:1", f"{STRANGER_V4}:2222"])}))
+    assert STRANGER_V4 in lines.wait_for("admits", timeout=60)
+    results = probe(other_host, [*stranger, [OTHER_V6, HOST_V6, port]])
+    assert results == {f"{STRANGER_V4}->{HOST_V4}:{port}": "connected",
+                       f"{OTHER_V6}->{HOST_V6}:{port}": "TimeoutError"}
+    # A half-written file changes nothing; then the worker leaves: its host is dropped again.
+    peers.write_text('{"cluster": {')
+    lines.wait_for("the peers in force stay", timeout=60)
+    assert probe(other_host, stranger) == {f"{STRANGER_V4}->{HOST_V4}:{port}": "connected"}
+    peers.write_text(json.dumps({"cluster": cluster}))
+    assert STRANGER_V4 not in lines.wait_for("admits", timeout=60)
+    assert probe(other_host, stranger) == {f"{STRANGER_V4}->{HOST_V4}:{port}": "TimeoutError"}
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0

@@ -172,6 +172,30 @@ def test_startup_time_and_close_leaves_no_process(capsys):
         cluster.restart("worker", 0)
 
 
+def test_add_worker_starts_a_task_at_a_new_port_owned_like_the_others():
+    with LocalCluster(num_workers=1, num_ps=1) as cluster:
+        before = cluster.cluster
+        index = cluster.add_worker()
+        assert index == 1
+        address = cluster.cluster.address("worker", 1)
+        assert cluster.cluster.workers == (*before.workers, address)
+        assert cluster.cluster.ps == before.ps and cluster.cluster.chief == before.chief
+        assert address not in before.jobs["worker"] + before.jobs["ps"] + [before.chief]
+        assert answers(address)
+        assert "worker:1 ready at " + address in cluster.logs("worker", 1)
+        assert cluster.add_worker(timeout=60) == 2  # and another
+        processes = [psutil.Process(cluster.pid("worker", i)) for i in (1, 2)]
+        cluster.kill("worker", 2)  # retired: its slot and address stay, restart brings it back
+        assert not cluster.is_running("worker", 2) and cluster.cluster.num_workers == 3
+        cluster.restart("worker", 2)
+        processes.append(psutil.Process(cluster.pid("worker", 2)))
+        with pytest.raises(ValueError, match="timeout"):
+            cluster.add_worker(timeout=0)
+    wait_until_gone(processes, timeout=1)  # close() ended the added ones too
+    with pytest.raises(RuntimeError, match="closed"):
+        cluster.add_worker()
+
+
 def test_tasks_exit_when_the_coordinator_is_sigkilled(tmp_path):
     script = f"""
 import json, sys

@@ -270,17 +270,18 @@ def issue_model_placement(strategy):
     return model, optimizer, strategy.placement()
 
 
-@pytest.mark.parametrize("setting", ["auto", "explicit"])
-def test_recommended_partitioner_balances_the_issue_model(cluster, setting):
+@pytest.mark.parametrize("setting", ["default", "auto", "explicit"])
+def test_default_partitioner_balances_the_issue_model(cluster, setting):
     """Dense(256) on 256 inputs + Dense(10), Adam slots, 2 ps: within 1.25x by bytes.
 
-    "auto" is MinSizePartitioner(min_shard_bytes=128 KiB, max_shards=num_ps),
-    the same as passing it explicitly.
+    The default, "auto", is MinSizePartitioner(min_shard_bytes=128 KiB,
+    max_shards=num_ps), the same as passing it explicitly.
     """
-    partitioner = "auto" if setting == "auto" else partitioners.MinSizePartitioner(
-        min_shard_bytes=128 << 10, max_shards=2)
-    with connected(cluster, variable_partitioner=partitioner) as strategy:
-        if setting == "auto":
+    kwargs = {} if setting == "default" else {"variable_partitioner": "auto" if setting == "auto" else
+                                              partitioners.MinSizePartitioner(min_shard_bytes=128 << 10,
+                                                                              max_shards=2)}
+    with connected(cluster, **kwargs) as strategy:
+        if setting != "explicit":
             assert isinstance(strategy.variable_partitioner, partitioners.MinSizePartitioner)
             assert strategy.variable_partitioner(tf.TensorShape([32, 1024]), tf.float32) == [1, 1]  # 128 KiB
             assert strategy.variable_partitioner(tf.TensorShape([33, 1024]), tf.float32) == [2, 1]
@@ -300,9 +301,8 @@ def test_recommended_partitioner_balances_the_issue_model(cluster, setting):
             assert shard_tasks(m) == shard_tasks(v) == shard_tasks(variable), variable.path
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"variable_partitioner": None}], ids=["default", "none"])
-def test_no_partitioner_by_default_keeps_every_variable_whole(cluster, kwargs):
-    with connected(cluster, **kwargs) as strategy:
+def test_no_partitioner_keeps_every_variable_whole(cluster):
+    with connected(cluster, variable_partitioner=None) as strategy:
         assert strategy.variable_partitioner is None
         model, _optimizer, report = issue_model_placement(strategy)
         assert all(entry["part"] is None for entry in report["variables"]), report["variables"]
@@ -384,7 +384,7 @@ def test_model_save_writes_full_weights_load_model_reads_without_cluster(cluster
 def test_bad_partitioners_name_the_variable(cluster):
     with pytest.raises(TypeError, match="variable_partitioner=3 of type int"):
         psclient.ParameterServerStrategy(cluster, variable_partitioner=3)
-    with pytest.raises(ValueError, match="variable_partitioner='min'. Expected None"):
+    with pytest.raises(ValueError, match="variable_partitioner='min'. Expected \"auto\" \\(the default\\), None"):
         psclient.ParameterServerStrategy(cluster, variable_partitioner="min")
     offered = []
 

@@ -25,9 +25,9 @@ def test_variables_in_scope_live_on_ps(strategy):
     assert strategy.placement()["bytes_per_ps"][0] >= 48
 
 
-def test_no_partitioner_by_default(strategy):
-    """variable_partitioner=None by default: a large variable stays one tf.Variable on one ps."""
-    assert strategy.variable_partitioner is None
+def test_nothing_is_split_with_one_ps_task(strategy):
+    """The default ("auto") splits over ps tasks; with one there is nothing to split over."""
+    assert strategy.num_ps == 1 and strategy.variable_partitioner is None
     with strategy.scope():
         big = tf.Variable(tf.zeros([1000, 100]), name="big_whole")  # 400 KB
     assert isinstance(big, tf.Variable) and "/job:ps/replica:0/task:0/" in big.device

@@ -201,13 +201,16 @@ def foreign_connections(port: int, peers: Iterable[_Address]) -> list[str]:
     return found
 
 
-def restrict_port(port: int, peers: Iterable[_Address], *, what: str, lock: bool = True) -> int:
+def restrict_port(port: int, peers: Iterable[_Address], *, what: str, lock: bool = True,
+                  established_ok: Iterable[_Address] = ()) -> int:
     """Drops packets to this process's listening sockets on `port` unless they come
     over loopback or from `peers`; returns how many sockets were filtered.
 
     `what` names the server in error messages ("worker:0", "the coordinator").
     `lock`: nothing can detach or replace the filter afterwards (SO_LOCK_FILTER);
     without it, a later call replaces it (a wider set of peers).
+    `established_ok`: addresses whose connections made before this call are
+    not intruders (the peers of the filter this call replaces).
 
     Raises:
         PortExposedError: not Linux, no socket listens on `port` in this process,
@@ -234,7 +237,7 @@ def restrict_port(port: int, peers: Iterable[_Address], *, what: str, lock: bool
                                    f"socket filter ({e.strerror})") from e
         finally:
             sock.close()
-    intruders = foreign_connections(port, peers)
+    intruders = foreign_connections(port, peers | set(established_ok))
     if intruders:
         raise PortExposedError(
             f"{what}'s port {port} was reached from {', '.join(intruders)} (neither this host nor "

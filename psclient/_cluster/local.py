@@ -38,6 +38,7 @@ from typing import Any
 import portpicker
 
 from psclient._cluster import exposure
+from psclient._cluster.local_elastic import ElasticWorkers
 from psclient._cluster.process import child_env
 from psclient._cluster.server import check_inter_op_threads
 from psclient._cluster.spec import Cluster
@@ -231,7 +232,7 @@ def _pick_ports(count: int) -> list[int]:
     return ports
 
 
-class LocalCluster:
+class LocalCluster(ElasticWorkers):
     """A cluster of real worker and ps task processes on 127.0.0.1.
 
     `LocalCluster()` returns once every task is serving. It also reserves a
@@ -268,6 +269,8 @@ class LocalCluster:
             message names it and quotes the end of its log. The other tasks
             are ended first.
     """
+
+    _TASK = _Task  # what add_worker (local_elastic.py) makes
 
     def __init__(
         self,
@@ -315,9 +318,10 @@ class LocalCluster:
         self._closed = False
         self._throttler = Throttler()
         # Holds no reference to self, so a forgotten cluster is still collected
-        # and its tasks ended (at the latest at interpreter exit).
+        # and its tasks ended (at the latest at interpreter exit). `add_worker` appends to the list.
+        self._task_list = list(self._tasks.values())
         self._finalizer = weakref.finalize(
-            self, _shutdown, list(self._tasks.values()), self._tempdir, os.getpid(), self._throttler)
+            self, _shutdown, self._task_list, self._tempdir, os.getpid(), self._throttler)
         with contextlib.ExitStack() as on_failure:  # Whatever stops the start ends every task.
             on_failure.callback(self.close)
             self._start(list(self._tasks.values()), self._start_timeout)

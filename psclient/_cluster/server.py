@@ -19,6 +19,7 @@ import threading
 from typing import NoReturn
 
 from psclient._cluster import exposure
+from psclient._cluster.peers import PeerFile, cluster_hosts
 from psclient._cluster.spec import Cluster
 
 SERVED_JOBS = ("worker", "ps")
@@ -53,10 +54,8 @@ def local_security_warning() -> str:
     return LOCAL_WARNING if exposure.supported() else SECURITY_WARNING
 
 
-def peer_hosts(cluster: Cluster) -> list[str]:
-    """The hosts of every task that talks to a task server: all jobs but "evaluator"."""
-    return sorted({address.rsplit(":", 1)[0] for job, addresses in cluster.jobs.items()
-                   if job != "evaluator" for address in addresses})
+#: The hosts of every task that talks to a task server: all jobs but "evaluator".
+peer_hosts = cluster_hosts
 
 
 def default_inter_op_threads(cluster: Cluster) -> int:
@@ -236,6 +235,7 @@ def serve(
     ready_fd: int | None = None,
     parent_fd: int | None = None,
     restrict_to_peers: bool = False,
+    peers_file: str | None = None,
 ) -> NoReturn:
     """Runs task `job:index` of `cluster` until SIGTERM or SIGINT, then exits 0.
 
@@ -258,6 +258,9 @@ def serve(
             neither over loopback nor from an address of the cluster's hosts
             (every job but "evaluator"; resolved once, at start), before saying
             "ready"; exit 1 if that cannot be done (see `exposure.restrict_port`).
+        peers_file: with `restrict_to_peers`, a JSON cluster file whose hosts
+            are admitted too, read again whenever it changes (workers that
+            join from other hosts; see peers.py); exit 1 if it is unreadable at start.
     """
     if job not in SERVED_JOBS:
         raise ValueError(
@@ -282,7 +285,7 @@ def serve(
     if parent_fd is not None:
         stop.watch_owner(task)
         _exit_when_parent_dies(parent_fd, task)
-    peers = None
+    peers = peer_file = None
     if restrict_to_peers:
         if cluster.chief is None:
             _log(f"psclient serve: error: cannot start {task} with --restrict-to-peers: the cluster "
@@ -291,7 +294,11 @@ def serve(
             _exit(1)
         try:
             peers = exposure.resolve_peers(peer_hosts(cluster))
-        except exposure.PortExposedError as e:
+            if peers_file is not None:
+                peer_file = PeerFile(peers_file, peers, int(address.rsplit(":", 1)[1]), what=task,
+                                     say=lambda line: _log(f"psclient serve: {line}"))
+                peers = peer_file.wanted()
+        except (exposure.PortExposedError, ValueError) as e:  # ClusterConfigError: a bad peers file
             _log(f"psclient serve: error: cannot start {task} with --restrict-to-peers: {e}")
             _exit(1)
     else:
@@ -305,10 +312,15 @@ def serve(
         _exit(1)
     if peers is not None:
         try:
-            exposure.restrict_port(int(address.rsplit(":", 1)[1]), peers, what=task)
+            # Replaceable (not locked) when a peers file may widen it later.
+            exposure.restrict_port(int(address.rsplit(":", 1)[1]), peers, what=task, lock=peers_file is None)
         except exposure.PortExposedError as e:
             _log(f"psclient serve: error: {e}")
             _exit(1)
+        if peer_file is not None:
+            peer_file.peers = set(peers)
+            peer_file.check()  # marks the file as read (and applies a change made meanwhile)
+            peer_file.watch(on_error=lambda e: (_log(f"psclient serve: error: {e}"), _exit(1)))
         _log("psclient serve: " + RESTRICTED_WARNING.format(peers=", ".join(sorted(str(p) for p in peers))))
     _log(f"psclient serve: {task} ready at {address} (pid {os.getpid()})")
     if ready_fd is not None:

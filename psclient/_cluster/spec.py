@@ -65,6 +65,10 @@ def _address_problem(address: Any) -> str | None:
     return None
 
 
+#: Why an address is not a valid 'host:port' string, or None (for other modules' messages).
+address_problem = _address_problem
+
+
 def _check_address(job: str, index: int, address: Any) -> str:
     problem = _address_problem(address)
     if problem is not None:
@@ -209,6 +213,32 @@ class Cluster:
                 usable "cluster" object, or holds a bad address.
         """
         return cluster_from_config(read_tf_config(environ), source="TF_CONFIG")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> Cluster:
+        """Builds a cluster from a JSON file: TF_CONFIG-style {"cluster": ...}, or the jobs alone.
+
+        The file an operator rewrites as workers come and go (`WorkerWatcher`,
+        `psclient serve --peers-file`).
+
+        Raises:
+            ClusterConfigError: the file cannot be read, is not JSON, or holds a bad cluster.
+        """
+        source = f"cluster file {os.fspath(path)!r}"
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ClusterConfigError(f"Cannot read {source}: {e.strerror}. Expected a readable JSON file.") from e
+        config = parse_config_json(text, source=source)
+        if isinstance(config, dict) and "cluster" in config:
+            return cluster_from_config(config, source=source)
+        if not isinstance(config, dict):
+            raise ClusterConfigError(f"Invalid {source}. Received: {_truncate(text)!r}. Expected a JSON object.")
+        try:
+            return cls(config)
+        except ClusterConfigError as e:
+            raise ClusterConfigError(f"Invalid {source}: {e}") from e
 
     @classmethod
     def coerce(cls, cluster: Any) -> Cluster:

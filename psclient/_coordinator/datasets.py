@@ -193,7 +193,7 @@ def per_worker_datasets(dataset_fn, num_workers: int, *, on_new,
 
     element_spec = None
     if isinstance(dataset_fn, TracedDatasetFunction):
-        build, name, element_spec = _traced_builder(dataset_fn.concrete), dataset_fn.name, \
+        build, name, element_spec = _traced_builder(dataset_fn.concrete, num_workers), dataset_fn.name, \
             dataset_fn.concrete.structured_outputs.element_spec
     elif isinstance(dataset_fn, tf.data.Dataset):
         build, name, element_spec = _eager_builder(dataset_cloner(dataset_fn), num_workers), \
@@ -205,7 +205,7 @@ def per_worker_datasets(dataset_fn, num_workers: int, *, on_new,
         if concrete is None:
             build = _eager_builder(dataset_fn, num_workers)
         else:
-            build, element_spec = _traced_builder(concrete), concrete.structured_outputs.element_spec
+            build, element_spec = _traced_builder(concrete, num_workers), concrete.structured_outputs.element_spec
 
     def make_iterator(worker: int, dataset):
         with tf.device(_runtime.worker_device(worker)):
@@ -230,11 +230,18 @@ def trace_or_fall_back(make: Callable[[], Any], name: str, argument: str = "data
         return None
 
 
-def _traced_builder(concrete) -> Callable[[int], Any]:
+def _pipeline(worker: int, num_workers: int) -> int:
+    """The input pipeline of `worker`: its index, or for a worker that joined after the
+    dataset was made (`strategy.add_worker`), the pipeline of index modulo their number."""
+    return worker % num_workers
+
+
+def _traced_builder(concrete, num_workers: int) -> Callable[[int], Any]:
     import tensorflow as tf
 
     def build(worker: int):
-        with tf.device(_runtime.worker_device(worker)), _runtime.worker_index_scope(worker):
+        # The pipeline id the traced function reads is the dispatch context's worker index.
+        with tf.device(_runtime.worker_device(worker)), _runtime.worker_index_scope(_pipeline(worker, num_workers)):
             return concrete()
 
     return build
@@ -246,9 +253,9 @@ def _eager_builder(dataset_fn, num_workers: int) -> Callable[[int], Any]:
     name = getattr(dataset_fn, "__name__", None) or "dataset_fn"
 
     def build(worker: int):
-        ctx = tf.distribute.InputContext(
-            num_input_pipelines=num_workers, input_pipeline_id=worker, num_replicas_in_sync=num_workers
-        )
+        ctx = tf.distribute.InputContext(num_input_pipelines=num_workers,
+                                         input_pipeline_id=_pipeline(worker, num_workers),
+                                         num_replicas_in_sync=num_workers)
         with tf.device(_runtime.worker_device(worker)), _runtime.worker_index_scope(worker), \
                 refuse_variables(f"`dataset_fn` ({name})"):
             return call_dataset_fn(dataset_fn, ctx)

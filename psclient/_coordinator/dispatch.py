@@ -64,18 +64,31 @@ class Dispatcher:
         self._calls: dict[int, tuple[int, Callable[[], None]]] = {}
         self._calls_lock = threading.Lock()
         self._iterators = iterators
-        self._threads = [
+        self._pipeline_depth = pipeline_depth
+        self._threads: list[threading.Thread] = []
+        for worker in range(num_workers):
+            self.add_worker(worker)
+
+    def add_worker(self, worker: int) -> None:
+        """Start `pipeline_depth` threads for `worker` (a new one: elastic.py); they
+        wait in the scheduler until it is up, and end when it is retired."""
+        threads = [
             threading.Thread(
                 target=self._run,
                 args=(worker,),
                 name=f"psclient-worker{worker}-{slot}",
                 daemon=True,  # joined by stop(); daemon only so a crash can't wedge exit
             )
-            for worker in range(num_workers)
-            for slot in range(pipeline_depth)
+            for slot in range(self._pipeline_depth)
         ]
-        for thread in self._threads:
+        self._threads = [t for t in self._threads if t.is_alive() or t.ident is None] + threads
+        for thread in threads:
             thread.start()
+
+    def worker_threads(self, worker: int) -> list[threading.Thread]:
+        """The threads of `worker` still running (a retired worker's end after their call)."""
+        prefix = f"psclient-worker{worker}-"
+        return [t for t in self._threads if t.name.startswith(prefix) and t.is_alive()]
 
     def stop(self, timeout: float | None = None) -> list[str]:
         """Wait for every thread to exit (the scheduler must be closed first).
@@ -185,8 +198,9 @@ class Dispatcher:
             lost = probes.lost_workers(worker)
             for other in lost:
                 self._report(WorkerNotAnswering(other, None, epochs[other]))
-            return bool(lost) or any(
-                not self._scheduler.worker_is_up(w) for w in range(len(epochs)) if w != worker
+            return bool(lost) or any(  # a retired worker is not lost: it left on purpose
+                not self._scheduler.worker_is_up(w) and not self._scheduler.is_retired(w)
+                for w in range(len(epochs)) if w != worker
             )
 
         verdict = classify(

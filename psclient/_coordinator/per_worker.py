@@ -97,12 +97,21 @@ class PerWorker:
     def num_workers(self) -> int:
         return len(self._values)
 
+    def _grow(self, worker: int) -> None:
+        """Slots up to `worker`, pending: a worker that joined after this value was made
+        (`strategy.add_worker`) gets its value built as any pending one."""
+        with self._lock:
+            while len(self._values) <= worker:
+                self._values.append(_PENDING)
+                self._build_locks.append(threading.Lock())
+
     def value(self, worker: int) -> Any:
         """The value that lives on worker `worker` (built now if it is pending).
 
         Raises TF's `ClosureInputError` if building it failed, and the
         connection error if the worker cannot be reached to build it.
         """
+        self._grow(worker)
         value = self._values[worker]
         if value is _PENDING:
             with self._build_locks[worker]:
@@ -122,6 +131,7 @@ class PerWorker:
 
     def built(self, worker: int) -> bool:
         """Whether worker `worker`'s value is built (neither pending nor failed)."""
+        self._grow(worker)
         value = self._values[worker]
         return value is not _PENDING and not isinstance(value, _Failed)
 
@@ -147,6 +157,7 @@ class PerWorker:
         A lost connection raises (the caller retries later) and leaves the
         value pending; an op error leaves it failed.
         """
+        self._grow(worker)
         with self._lock:
             self._values[worker] = _PENDING
         value = self._attempt(worker)

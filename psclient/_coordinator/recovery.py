@@ -218,6 +218,10 @@ class Recovery:
     def start(self) -> None:
         self._thread.start()
 
+    def set_cluster(self, cluster: Cluster) -> None:
+        """The cluster grew (`add_worker`, elastic.py): addresses are read from this one now."""
+        self._cluster = self.probes._cluster = cluster
+
     def report(self, event: Any) -> None:
         """Post an event (from a dispatcher thread or a caller); never blocks."""
         self._inbox.put(event)
@@ -348,7 +352,7 @@ class Recovery:
                 if life != float("-inf"):
                     waited = min(now - life, waited + interval)
                 events.append(rm.ProbeOverdue(worker, waited))
-            elif state is not rm.TaskState.REJOINING:
+            elif state not in (rm.TaskState.REJOINING, rm.TaskState.RETIRED):
                 pending = self._prober.overdue(device, now) is not None
                 tcp = self._edge.tcp_state(self._cluster.address("worker", worker), 1.0)
                 events.append(rm.WorkerSeen(worker, tcp, pending))
@@ -401,8 +405,8 @@ class Recovery:
             self.cancel_calls(action.worker)
         elif isinstance(action, rm.BringUp):
             scheduler.worker_up(action.worker, recovered_after=action.recovered_after)
-            log.info("worker %d rejoined (%.2f s after it answered again)", action.worker,
-                     action.recovered_after)
+            joined, since = ("joined", "was added") if action.joined else ("rejoined", "answered again")
+            log.info("worker %d %s (%.2f s after it %s)", action.worker, joined, action.recovered_after, since)
         elif isinstance(action, rm.PauseDispatch):
             scheduler.pause()
         elif isinstance(action, rm.ResumeDispatch):
@@ -451,10 +455,13 @@ class Recovery:
     # ------------------------------------------------------------- steps
     def _reconnect(self, action: rm.Reconnect) -> Any:
         """Every named worker (but the returning one) must answer first: TF's
-        `update_server_def` waits for good on a task that does not."""
+        `update_server_def` waits for good on a task that does not. So must
+        each leaving one it drops (retired), unless its port refuses (gone)."""
+        leaving = [w for w in action.leaving
+                   if self._edge.tcp_state(self._cluster.address("worker", w), 1.0) != "closed"]
         probes = {
             worker: self._prober.start(self._edge.worker_device(worker))
-            for worker in action.workers if worker != action.returning
+            for worker in [*action.workers, *leaving] if worker != action.returning
         }
         deadline = time.monotonic() + min(2.0, self.config.probe_timeout)
         refused = {}
@@ -468,8 +475,8 @@ class Recovery:
         if refused:
             return _Refused(refused)
         self._connect(sorted(action.workers))
-        if action.purpose == "drop":
-            gone = sorted(set(range(self._cluster.num_workers)) - set(action.workers))
+        gone = sorted(set(range(self._cluster.num_workers)) - set(action.workers) - self._scheduler.retired())
+        if action.purpose == "drop" and gone:  # (a removed worker is no longer expected back)
             log.info("worker(s) %s left out of the cluster until they answer again", gone)
         return True
 

@@ -54,6 +54,7 @@ __all__ = [
     "place_default_updates",
     "coordinator_cpu",
     "worker_index_scope",
+    "current_worker",
     "closure_input_error",
     "closure_input_error_type",
     "device_scope",
@@ -234,6 +235,7 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None) -> None:
                 cluster_device_filters=filters,
             )
         else:
+            _restrict_coordinator_port(cluster)  # first: a worker that joins may call back while TF updates
             _update_connection(cluster_spec, filters)
         _restrict_coordinator_port(cluster)
 
@@ -443,6 +445,14 @@ def worker_index_scope(worker: int):
     from tensorflow.python.distribute.coordinator import coordinator_context
 
     return coordinator_context.with_dispatch_context(_WorkerIndex(worker))
+
+
+def current_worker() -> int | None:
+    """The index of the worker this thread calls (a dispatcher thread's), else None (TF-internal context)."""
+    from tensorflow.python.distribute.coordinator import coordinator_context
+
+    context = coordinator_context.get_current_dispatch_context()
+    return None if context is None else context.worker_index
 
 
 def closure_input_error_type() -> type:

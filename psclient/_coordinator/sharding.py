@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from psclient._core.partitioning import AUTO_MIN_SHARD_BYTES, row_ranges
 
-__all__ = ["create_partitioned", "is_partitioned", "partitioner_argument", "split_updates"]
+__all__ = ["create_partitioned", "is_partitioned", "partitioner_argument", "per_shard", "split_updates"]
 
 _CLASS = None
 _FOCUS = threading.local()  # .value: (layout, shard index) while a split update is traced
@@ -321,28 +321,41 @@ def _rows(arg, start: int, stop: int, value):
     return arg
 
 
+def per_shard(grad, variable) -> list:
+    """`grad`, a gradient of the whole partitioned `variable`, cut into its shards' rows."""
+    pieces, start = [], 0
+    for shard in variable.variables:
+        stop = start + int(shard.shape[0])
+        pieces.append(_rows(grad, start, stop, variable))
+        start = stop
+    return pieces
+
+
 def partitioner_argument(variable_partitioner: Any, num_ps: int) -> Callable | None:
     """`ParameterServerStrategy(variable_partitioner=...)` checked, "auto" made concrete.
 
-    "auto" is the recommended setting: TF's MinSizePartitioner, 128 KiB per
-    shard at least, one shard per ps at most.
+    "auto" is the default: TF's MinSizePartitioner, 128 KiB per shard at
+    least, one shard per ps at most (None with a single ps task: nothing to
+    split over).
     """
     if isinstance(variable_partitioner, str) and variable_partitioner != "auto":
         raise ValueError(
             "Invalid value for argument `variable_partitioner`. Received: "
-            f"variable_partitioner={variable_partitioner!r}. Expected None (the default, no "
-            "partitioning), \"auto\" or a callable (shape, dtype) -> shards per axis."
+            f"variable_partitioner={variable_partitioner!r}. Expected \"auto\" (the default), "
+            "None (no partitioning) or a callable (shape, dtype) -> shards per axis."
         )
     if not (variable_partitioner is None or isinstance(variable_partitioner, str) or callable(variable_partitioner)):
         raise TypeError(
             "Invalid value for argument `variable_partitioner`. Received: "
             f"variable_partitioner={variable_partitioner!r} of type "
-            f"{type(variable_partitioner).__name__}. Expected None (the default, no partitioning), "
-            "\"auto\" or a callable (shape, dtype) -> shards per axis, e.g. "
+            f"{type(variable_partitioner).__name__}. Expected \"auto\" (the default), None (no "
+            "partitioning) or a callable (shape, dtype) -> shards per axis, e.g. "
             "tf.distribute.experimental.partitioners.MinSizePartitioner(...)."
         )
     if variable_partitioner != "auto":
         return variable_partitioner
+    if num_ps == 1:
+        return None  # one task: a split would only add ops
     import tensorflow as tf
 
     return tf.distribute.experimental.partitioners.MinSizePartitioner(

@@ -45,6 +45,11 @@ class VariableStore:
         # a nested scope's creator (the tracer's inside the user's scope)
         # passes a shard straight through instead of cutting it again.
         self._making_shards = threading.local()
+        # Bound methods called with the lost ps tasks after `renew` (state of
+        # psclient's own lived there too), held weakly: the recovery thread
+        # holds this store, and their owners hold the user's functions, which
+        # may hold the strategy (a forgotten strategy must be collected).
+        self._on_renew: list[weakref.WeakMethod] = []
 
     def create(self, next_creator, **kwargs):
         """A `tf.variable_creator_scope` creator: place the variable on a ps task."""
@@ -174,7 +179,15 @@ class VariableStore:
                 if ps in lost_ps:
                     _runtime.renew_variable_handle(part, _runtime.ps_device(ps))
                     count += 1
+        for ref in self._on_renew:
+            hook = ref()
+            if hook is not None:
+                hook(set(lost_ps))
         return count
+
+    def add_renew_hook(self, method: Callable[[set], None]) -> None:
+        """Call bound `method(lost_ps)` after each `renew`, while its object lives."""
+        self._on_renew.append(weakref.WeakMethod(method))
 
 
 class PerWorkerRegistry:

@@ -22,6 +22,7 @@ from psclient._coordinator.datasets import (
     per_worker_datasets,
 )
 from psclient._coordinator.dispatch import Dispatcher
+from psclient._coordinator.elastic import Elastic, ElasticWorkers
 from psclient._coordinator.per_worker import (
     PerWorker,
     PerWorkerDataset,
@@ -32,6 +33,7 @@ from psclient._coordinator.per_worker import (
 from psclient._coordinator.recovery import Recovery, RecoveryConfig
 from psclient._coordinator.sharding import partitioner_argument, split_updates
 from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
+from psclient._coordinator.sync import Steps, check_arguments
 from psclient._coordinator.tracing import Tracer, reject_futures, warn_unless_scheduling
 from psclient._coordinator.updates import place_updates_on_ps
 from psclient._core.checks import check_positive
@@ -44,7 +46,7 @@ __all__ = ["ParameterServerStrategy"]
 
 log = logging.getLogger("psclient")
 
-class ParameterServerStrategy:
+class ParameterServerStrategy(ElasticWorkers):
     """Train with variables on parameter servers and steps on workers.
 
     Args:
@@ -78,17 +80,19 @@ class ParameterServerStrategy:
       ps_timeout: how long to wait for a lost ps task to come back (with a
         `checkpoint_dir`) before failing with `PSUnavailableError`.
       variable_partitioner: how variables are split into shards along axis 0,
-        one shard per ps task. None (the default): every variable whole on
-        one ps task. "auto", the recommended setting where a variable is too
-        big for one ps or the ps tasks run on separate machines: TF's
+        one shard per ps task. "auto" (the default): TF's
         `tf.distribute.experimental.partitioners.MinSizePartitioner(
         min_shard_bytes=128 << 10, max_shards=num_ps)`, so variables of at
         most 128 KiB stay whole and larger ones are split over up to
-        `num_ps` tasks. Or any callable `(shape, dtype) -> shards per axis`
-        (TF's `MinSizePartitioner`, `MaxSizePartitioner`,
+        `num_ps` tasks (with one ps task nothing is split). None: every
+        variable whole on one ps task. Or any callable `(shape, dtype) ->
+        shards per axis` (TF's `MinSizePartitioner`, `MaxSizePartitioner`,
         `FixedShardsPartitioner`...). Shards sit on consecutive ps tasks;
         scalars and single-row variables are never offered to it. See README
-        "Partitioned variables" (and why "auto" is not the default).
+        "Partitioned variables" (and what the default costs on one machine).
+      max_staleness, replicas_to_aggregate: bounded-staleness and synchronous
+        training (None, the defaults: asynchronous); README "Staleness and
+        synchronous training". `stats()["staleness"]` measures it in any mode.
 
     Only one strategy may be connected per process at a time (TF's eager
     context is global); `shutdown()` one before creating the next.
@@ -108,9 +112,12 @@ class ParameterServerStrategy:
         hang_timeout: float = 30.0,
         worker_timeout: float = 300.0,
         ps_timeout: float = 300.0,
-        variable_partitioner: Callable | str | None = None,
+        variable_partitioner: Callable | str | None = "auto",
+        max_staleness: int | None = None,
+        replicas_to_aggregate: int | None = None,
     ):
         cluster = Cluster.coerce(cluster)
+        check_arguments(max_staleness, replicas_to_aggregate, cluster.num_workers)
         variable_partitioner = partitioner_argument(variable_partitioner, cluster.num_ps)
         for name, value, integer in (
             ("checkpoint_interval", checkpoint_interval, False),
@@ -148,7 +155,7 @@ class ParameterServerStrategy:
         self._closed = False
         self._cluster_coordinator = None  # set by the first ClusterCoordinator(self)
 
-        self._cluster = cluster
+        self._elastic = elastic = Elastic(cluster, connect_timeout=connect_timeout, hang_timeout=hang_timeout)
         self._pipeline_depth = pipeline_depth
         self._hang_timeout = hang_timeout
         self._shutdown_lock = threading.Lock()
@@ -159,7 +166,9 @@ class ParameterServerStrategy:
         self._store = VariableStore(cluster.num_ps, variable_partitioner)
         self._variable_partitioner = variable_partitioner
         self._per_worker = PerWorkerRegistry()
-        self._tracer = Tracer(self._store.create)
+        self._steps = Steps(self._scheduler, max_staleness, replicas_to_aggregate, timeout=hang_timeout)
+        self._store.add_renew_hook(self._steps.renew)
+        self._tracer = Tracer(self._store.create, self._steps)
         prober = Prober(_runtime.probe)
         tracer_ref, scheduler, streaming = weakref.ref(self._tracer), self._scheduler, pipeline_depth > 1
         self._recovery = Recovery(
@@ -177,7 +186,7 @@ class ParameterServerStrategy:
             # may hold this strategy (a model holding the coordinator), and
             # the recovery thread must not keep them alive.
             retrace=lambda: _retrace(tracer_ref, scheduler),
-            connect=lambda workers: _runtime.connect(cluster, streaming_enqueue=streaming, workers=workers),
+            connect=lambda workers: _runtime.connect(elastic.cluster, streaming_enqueue=streaming, workers=workers),
         )
         # Connected only once everything that checks arguments or the checkpoint
         # directory has passed; a failure after that undoes the connection.
@@ -196,6 +205,7 @@ class ParameterServerStrategy:
             )
             undo.callback(_stop_dispatch, self._scheduler, self._dispatcher, hang_timeout)
             self._recovery.cancel_calls = self._dispatcher.cancel_calls
+            elastic.attach(scheduler=self._scheduler, dispatcher=self._dispatcher, recovery=self._recovery)
             self._recovery.start()
             undo.pop_all()
         # Shuts down when shutdown() is called, the strategy is collected, or at exit.
@@ -205,16 +215,8 @@ class ParameterServerStrategy:
 
     # ------------------------------------------------------------------ info
     @property
-    def cluster(self) -> Cluster:
-        return self._cluster
-
-    @property
-    def num_workers(self) -> int:
-        return self._cluster.num_workers
-
-    @property
     def num_ps(self) -> int:
-        return self._cluster.num_ps
+        return self._elastic.cluster.num_ps
 
     @property
     def closed(self) -> bool:
@@ -256,7 +258,7 @@ class ParameterServerStrategy:
 
     @property
     def variable_partitioner(self) -> Callable | None:
-        """The partitioner in use (with "auto", the recommended `MinSizePartitioner`), or None."""
+        """The partitioner in use (the default "auto": a `MinSizePartitioner`; None with one ps task), or None."""
         return self._variable_partitioner
 
     def placement(self) -> dict:
@@ -390,10 +392,10 @@ class ParameterServerStrategy:
         per-worker values" (variables refused, workers out of rotation).
         """
         if inside_per_worker_dataset_fn():
-            return dataset_in_trace(dataset_fn, self.num_workers)
+            return dataset_in_trace(dataset_fn, self.cluster.num_workers)
         check_not_in_function("distribute_datasets_from_function")
         self._check_open("distribute_datasets_from_function")
-        per_worker = per_worker_datasets(dataset_fn, self.num_workers, on_new=self._per_worker.track,
+        per_worker = per_worker_datasets(dataset_fn, self.cluster.num_workers, on_new=self._per_worker.track,
                                          is_up=self._scheduler.worker_is_up)
         self._per_worker.track(per_worker)
         return per_worker
@@ -402,7 +404,7 @@ class ParameterServerStrategy:
         """TF's name for a `tf.data.Dataset` cloned whole to every worker (`options` must be None)."""
         check_distributable(dataset, options)
         if inside_per_worker_dataset_fn():
-            return dataset_in_trace(dataset, self.num_workers)
+            return dataset_in_trace(dataset, self.cluster.num_workers)
         return self.distribute_datasets_from_function(dataset)
 
     def create_per_worker_resource(self, fn: Callable[[], Any]) -> PerWorker:
@@ -414,7 +416,7 @@ class ParameterServerStrategy:
         `ClosureInputError` (see `psclient._coordinator.per_worker`).
         """
         self._check_open("create_per_worker_resource")
-        per_worker = per_worker_resource(fn, self.num_workers, is_up=self._scheduler.worker_is_up)
+        per_worker = per_worker_resource(fn, self.cluster.num_workers, is_up=self._scheduler.worker_is_up)
         self._per_worker.track(per_worker)
         return per_worker
 
@@ -435,6 +437,7 @@ class ParameterServerStrategy:
         stats["checkpoints_written"] = self._recovery.checkpoints_written
         stats["pipeline_depth"] = self._pipeline_depth
         stats["dispatcher_threads_alive"] = self._dispatcher.alive_threads
+        stats["staleness"] = self._steps.summary()
         return stats
 
     # ------------------------------------------------------------ checkpoints

@@ -75,8 +75,11 @@ def warn_unless_scheduling(method: str) -> None:
 
 
 class Tracer:
-    def __init__(self, create_variable: Callable):
+    def __init__(self, create_variable: Callable, steps: Any = None):
         self._create_variable = create_variable
+        # `psclient._coordinator.sync.Steps`: a function that applies gradients is
+        # traced instrumented (its model versions reported), others plainly.
+        self._steps = steps
         # Plain callables wrapped in a tf.function once, so their traces are reused.
         self._wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._fresh: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -167,7 +170,11 @@ class Tracer:
             args, kwargs = resolve_per_worker(args, kwargs, None)
         concrete = self._trace(function, closure.name, args, kwargs)
         if key is None:
-            closure.fn = function if closure.per_worker else concrete
+            if closure.per_worker:
+                # TF's lookup on every call; with instrumentation, psclient's (a trace per signature).
+                closure.fn = function if self._steps is None else _Retracing(self._trace, function, closure.name)
+            else:
+                closure.fn = concrete
             return
         if closure.per_worker:
             # Each worker's values (its iterator, its table) get their own
@@ -208,29 +215,54 @@ class Tracer:
         return cached[1]
 
     def _trace(self, function, name: str, args: tuple, kwargs: dict):
+        """What to call for these arguments: a concrete function, or (instrumented) its caller."""
         import tensorflow as tf
 
+        steps = self._steps
         if isinstance(function, tf.types.experimental.ConcreteFunction):
             concrete = function
+            if steps is not None:
+                steps.check_concrete(concrete, name)
         else:
-            # Traced as TF's coordinator does: inside the strategy's variable
-            # creator and in a cross-replica context (strategy.run in the
-            # function enters the replica's).
-            _scheduling.depth = getattr(_scheduling, "depth", 0) + 1
-            try:
-                with tf.variable_creator_scope(self._create_variable), _runtime.cross_replica_context(), \
-                        _runtime.streamed_registrations():
-                    concrete = function.get_concrete_function(*args, **kwargs)
-            except (TypeError, ValueError) as error:
-                raise TypeError(
-                    f"The arguments given to schedule() do not match {name!r}: {error}"
-                ) from error
-            finally:
-                _scheduling.depth -= 1
+            if steps is not None:
+                steps.start_trace()
+                concrete = self._concrete(steps.instrumented(function), name, args, kwargs)
+                if steps.applies(concrete):
+                    self._check(concrete, name)
+                    call = getattr(concrete, "_psclient_call", None)
+                    if call is None:
+                        call = concrete._psclient_call = steps.caller(concrete)
+                    return call
+            concrete = self._concrete(function, name, args, kwargs)
+        self._check(concrete, name)
+        return concrete
+
+    def _concrete(self, function, name: str, args: tuple, kwargs: dict):
+        import tensorflow as tf
+
+        from psclient._coordinator.sync import UnsupportedStep
+
+        # Traced as TF's coordinator does: inside the strategy's variable
+        # creator and in a cross-replica context (strategy.run in the
+        # function enters the replica's).
+        _scheduling.depth = getattr(_scheduling, "depth", 0) + 1
+        try:
+            with tf.variable_creator_scope(self._create_variable), _runtime.cross_replica_context(), \
+                    _runtime.streamed_registrations():
+                return function.get_concrete_function(*args, **kwargs)
+        except UnsupportedStep:
+            raise  # says what is wrong with the function itself
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"The arguments given to schedule() do not match {name!r}: {error}"
+            ) from error
+        finally:
+            _scheduling.depth -= 1
+
+    def _check(self, concrete, name: str) -> None:
         if id(concrete) not in self._checked:
             self._checked.add(id(concrete))
             self._warn_unplaced_variables(concrete, name)
-        return concrete
 
     def _warn_unplaced_variables(self, concrete, name: str) -> None:
         for variable in getattr(concrete, "variables", ()):
@@ -242,7 +274,7 @@ class Tracer:
                 f"outside strategy.scope() and lives on {variable.device or 'the coordinator'}; "
                 "every step reads and writes it there. Create it inside strategy.scope() to "
                 "place it on a parameter server.",
-                stacklevel=5,
+                stacklevel=6,
             )
 
 
@@ -306,6 +338,16 @@ class _Trace:
 
     def matches(self, function, args: tuple, kwargs: dict) -> bool:
         return self._function() is function and self._holds.same(args, kwargs)
+
+
+class _Retracing:
+    """Calls `function` through `trace(function, name, args, kwargs)` on every call."""
+
+    def __init__(self, trace: Callable, function, name: str):
+        self._trace, self._function, self._name = trace, function, name
+
+    def __call__(self, *args, **kwargs):
+        return self._trace(self._function, self._name, args, kwargs)(*args, **kwargs)
 
 
 class _PerWorkerTraces:

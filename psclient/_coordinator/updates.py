@@ -56,4 +56,15 @@ def place_updates_on_ps() -> None:
     Idempotent and class-wide; updates of any other variable run exactly as
     before (inert for local Keras).
     """
-    _runtime.place_default_updates(ps_device_of)
+    _runtime.place_default_updates(_placed)
+
+
+def _placed(variable: Any) -> str | None:
+    device = ps_device_of(variable)
+    if device is not None:
+        # An update outside a Keras optimizer's apply, in a step traced for schedule():
+        # max_staleness / replicas_to_aggregate cannot follow it (an error there).
+        from psclient._coordinator import sync
+
+        sync.note_update()
+    return device

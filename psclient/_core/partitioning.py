@@ -19,7 +19,7 @@ psclient splits along axis 0 only, like TF's `ShardedVariable`:
 - `min_size_shards` is the arithmetic of TF's `MinSizePartitioner`, used by
   tests and the documented recommendation.
 
-The recommended setting (`variable_partitioner="auto"`) is TF's `MinSizePartitioner` with
+The default (`variable_partitioner="auto"`) is TF's `MinSizePartitioner` with
 `AUTO_MIN_SHARD_BYTES` and at most one shard per ps task: a variable of at
 most that size stays whole, a larger one is split across up to `num_ps` tasks.
 """

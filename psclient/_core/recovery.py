@@ -34,6 +34,10 @@ PsSeen(ps, tcp)                           | "open": RECOVERING
 CheckpointRequested(ticket, reason)       | queued; Finish(ticket, ...) when done
 Restored()                                | a checkpoint exists from now on
 Done(op, ok, value, error)                | the next step of the flow that started op
+WorkerAdded(worker, ticket)               | a rejoin candidate; Finish(ticket) once up
+WorkerRetired(worker, ticket)             | out of every Reconnect; RETIRED and
+                                          | Finish(ticket) once out of TF's view
+                                          | (both: recovery_elastic.py)
 Shutdown()                                | Finish every waiting ticket; nothing after
 
 Flows, tried after each event in this order, one at a time:
@@ -60,7 +64,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["TaskState", "MachineConfig", "RecoveryMachine"]
+__all__ = ["TaskState", "MachineConfig", "RecoveryMachine", "OPERATIONS", "BringUp", "WorkerAdded", "WorkerRetired"]
 
 
 from psclient._core.recovery_messages import (  # noqa: F401 - the machine's vocabulary, re-exported
@@ -90,9 +94,12 @@ from psclient._core.recovery_messages import (  # noqa: F401 - the machine's voc
     TakeOut,
     TaskState,
     Tick,
+    WorkerAdded,
     WorkerNotAnswering,
+    WorkerRetired,
     WorkerSeen,
 )
+from psclient._core.recovery_elastic import ElasticFlows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +123,9 @@ class MachineConfig:
     ps_attempts: int = 3
 
 
-class RecoveryMachine:
-    """The recovery state of every task; see the module docstring."""
+class RecoveryMachine(ElasticFlows):
+    """The recovery state of every task; see the module docstring. Workers join and
+    leave at run time (`ElasticFlows`, recovery_elastic.py)."""
 
     def __init__(self, config: MachineConfig, now: float):
         self.config = config
@@ -153,6 +161,7 @@ class RecoveryMachine:
         self._requests: list[tuple[Any, str]] = []
         self._ckpt_waiting_since: float | None = None
         self._ckpt_reason = ""
+        self._init_elastic()
 
     # ------------------------------------------------------------ queries
     def blocking(self) -> list[int]:
@@ -211,7 +220,7 @@ class RecoveryMachine:
 
     def _on_WorkerSeen(self, event: WorkerSeen, now: float) -> list:
         worker = event.worker
-        if self.workers[worker] in (TaskState.UP, TaskState.REJOINING):
+        if self.workers[worker] in (TaskState.UP, TaskState.REJOINING, TaskState.RETIRED):
             return []
         if event.tcp == "closed":
             self.workers[worker] = TaskState.LOST
@@ -262,13 +271,15 @@ class RecoveryMachine:
         self.closed = True
         actions = [Finish(ticket, error="closed") for ticket, _ in self._requests]
         self._requests.clear()
-        return actions
+        return actions + self._elastic_shutdown()
 
     def _on_Done(self, event: Done, now: float) -> list:
         op, self.op = event.op, None
         actions = []
         if isinstance(op, Reconnect) and event.ok:
             self.view = frozenset(op.workers)
+        if isinstance(op, Reconnect):
+            actions += self._retire_out_of_view()
         if isinstance(op, Reconnect) and not event.ok:
             # Named workers that did not answer: out of rotation, decided next round.
             for worker, tcp in (event.value or {}).items():
@@ -299,10 +310,14 @@ class RecoveryMachine:
         return actions
 
     def _gone_in_view(self) -> list[int]:
-        return [w for w in self.view if self.workers[w] is TaskState.LOST]
+        return [w for w in self.view if self.workers[w] is TaskState.LOST or w in self._leaving]
 
     def _up(self) -> frozenset:
-        return frozenset(w for w, s in enumerate(self.workers) if s is TaskState.UP)
+        """Workers that take work (a leaving one is no longer among them)."""
+        return frozenset(w for w, s in enumerate(self.workers) if s is TaskState.UP and w not in self._leaving)
+
+    def _reconnect(self, workers: frozenset, purpose: str, returning: int | None = None) -> list:
+        return self._start(Reconnect(workers, purpose, returning, self._leaving_in_view(workers)))
 
     def _may_reconnect(self, actions: list) -> bool:
         """The guards every Reconnect passes."""
@@ -325,23 +340,26 @@ class RecoveryMachine:
         actions: list = []
         if not self._may_reconnect(actions):
             return actions
-        return actions + self._start(Reconnect(target, "drop"))
+        return actions + self._reconnect(target, "drop")
 
     def _advance_rejoin(self, now: float) -> list:
         if self.broken:
             return []
-        for worker in sorted(self._back_since):
+        for worker in sorted(w for w in self._back_since if w not in self._leaving):
             # (It answers again, so it does not count as hanging itself.)
             actions: list = []
             if not self._may_reconnect(actions):
                 return actions
             self.workers[worker] = TaskState.REJOINING
-            return actions + self._start(Reconnect(self._up() | {worker}, "rejoin", returning=worker))
+            return actions + self._reconnect(self._up() | {worker}, "rejoin", returning=worker)
         return []
 
     def _rejoin_step(self, op: Any, event: Done, now: float) -> list:
         worker = op.returning if isinstance(op, Reconnect) else op.worker
         if self.workers[worker] is not TaskState.REJOINING:
+            return []
+        if worker in self._leaving:  # removed meanwhile: the flow ends, the drop flow takes it out
+            self.workers[worker] = TaskState.UP if event.ok else TaskState.SUSPECT
             return []
         if self.lost_ps():
             # A ps was lost meanwhile: its recovery reconnects everything first.
@@ -359,7 +377,7 @@ class RecoveryMachine:
         self.workers[worker] = TaskState.UP
         self.epochs[worker] += 1
         self._all_down_since = None
-        return [BringUp(worker, recovered_after=now - since)]
+        return self._joined(worker, since, now)
 
     def _advance_ps(self, now: float) -> list:
         if self.broken or self._ps_since is None or self._ps_retry_next_round:
@@ -381,7 +399,7 @@ class RecoveryMachine:
         actions: list = []
         if not self._may_reconnect(actions):
             return actions  # a hung worker in the view: wait until it answers or dies
-        return actions + self._start(Reconnect(self._up(), "ps"))
+        return actions + self._reconnect(self._up(), "ps")
 
     def _ps_step(self, op: Any, event: Done, now: float) -> list:
         lost = tuple(self.lost_ps())
@@ -466,6 +484,6 @@ class RecoveryMachine:
     def _take_out(self, worker: int, state: TaskState, detected_after, now: float, why: str) -> list:
         self.workers[worker] = state
         self._back_since.pop(worker, None)
-        if TaskState.UP not in self.workers and self._all_down_since is None:
+        if not self._up() and self._all_down_since is None:
             self._all_down_since = now
         return [TakeOut(worker, detected_after, why)]

@@ -24,6 +24,8 @@ class TaskState(enum.Enum):
     REJOINING = "rejoining"
     #: Ps: accepts connections again; its variables are being renewed and restored.
     RECOVERING = "recovering"
+    #: Worker: removed from the strategy (`remove_worker`) and out of TF's view; never probed.
+    RETIRED = "retired"
 
 
 # ---------------------------------------------------------------- events
@@ -77,6 +79,22 @@ class Restored:
 
 
 @dataclasses.dataclass(frozen=True)
+class WorkerAdded:
+    """A worker joins (a new slot, or a retired one at the same address again); `ticket`
+    is finished with its index once it takes work."""
+    worker: int
+    ticket: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerRetired:
+    """A worker leaves for good (the scheduler already gives it nothing); `ticket` is
+    finished once it is out of TF's view."""
+    worker: int
+    ticket: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class Done:
     op: Any
     ok: bool
@@ -102,10 +120,13 @@ class TakeOut:
 class Reconnect:
     """Operation: point TF's view at the ps tasks and `workers`. `returning` cannot be
     probed before; every other worker named must answer first, else Done(ok=False,
-    value={worker: tcp state}) names those that did not."""
+    value={worker: tcp state}) names those that did not. So must each worker of
+    `leaving` (retired, dropped from the view by this Reconnect) whose port does not refuse:
+    TF's `update_server_def` waits for good on a dropped task that hangs."""
     workers: frozenset
     purpose: str
     returning: int | None = None
+    leaving: frozenset = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +145,8 @@ class RebuildWorker:
 class BringUp:
     worker: int
     recovered_after: float
+    #: A new worker's first (not a rejoin).
+    joined: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,6 +52,7 @@ from typing import Any, Callable
 
 from psclient._core.errors import StrategyClosedError
 from psclient._core.future import Future
+from psclient._core.membership import Membership
 from psclient._core.worker_stats import WorkerStats
 
 __all__ = ["Closure", "Scheduler", "WorkerStats"]
@@ -109,7 +110,7 @@ class _Waiter:
         self.home: dict | None = None
 
 
-class Scheduler:
+class Scheduler(Membership):
     """FIFO closure queue shared by every worker's dispatcher threads.
 
     Cost per event does not grow with the number of workers: a dispatcher
@@ -119,6 +120,7 @@ class Scheduler:
     can take it. Counters (running, completed) are kept, not summed over
     workers. Callers that wait for a state (join, wait_idle, wait_released)
     wait on conditions of their own, told only when that state may be reached.
+    Workers join and retire at run time (`Membership`, membership.py).
     """
 
     def __init__(self, num_workers: int, *, clock: Callable[[], float] = time.monotonic):
@@ -152,6 +154,7 @@ class Scheduler:
         self.wakeups = 0
         #: Closures cancelled instead of re-queued (error pending), resolved outside the lock.
         self._cancelled_on_requeue: list[Closure] = []
+        self._init_membership()
 
     # ------------------------------------------------------------ producer side
     def submit(self, closure: Closure) -> None:
@@ -178,7 +181,9 @@ class Scheduler:
                 if woken:
                     waiter.signalled = False
                     self._signalled -= 1
-                if self._closed:
+                if self._closed or self._ends_thread_locked(worker):
+                    if woken and not self._closed:
+                        self._wake_locked()  # retired meanwhile: the wakeup goes to another waiter
                     return None
                 stats = self._workers[worker]
                 if stats.up and not self._paused:
@@ -286,7 +291,10 @@ class Scheduler:
     def worker_up(self, worker: int, *, recovered_after: float | None = None) -> None:
         with self._lock:
             stats = self._workers[worker]
-            if not stats.up:
+            if self._ends_thread_locked(worker):
+                return  # retired: a late rejoin does not bring it back
+            joined = self._first_up_locked(worker)  # a new worker's first up is no rejoin
+            if not stats.up and not joined:
                 stats.rejoins += 1
                 stats.last_recovery_s = recovered_after
             stats.up = True
@@ -406,6 +414,11 @@ class Scheduler:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def paused(self) -> bool:
+        """Whether nothing is handed out now (a checkpoint, a ps recovery)."""
+        return bool(self._paused)
+
     def stats(self) -> dict:
         """Counts and latencies per worker: O(workers), no sorting (cheap at 1,000 workers)."""
         with self._lock:
@@ -470,6 +483,8 @@ class Scheduler:
         self._running_total -= 1
         if self._running_total == 0:
             self._released.notify_all()  # wait_idle
+        else:
+            self._drained_locked(worker)
         return True
 
     def _requeue_running_locked(self, workers) -> list[Closure]:

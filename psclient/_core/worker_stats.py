@@ -23,6 +23,8 @@ class WorkerStats:
     retried: int = 0
     in_flight: int = 0
     up: bool = True
+    #: Removed from the strategy (`remove_worker`): takes no work, its slot kept.
+    retired: bool = False
     #: Times the worker was taken out (died, unreachable, hung) and came back.
     failures: int = 0
     rejoins: int = 0
@@ -60,6 +62,7 @@ class WorkerStats:
             "retried": self.retried,
             "in_flight": self.in_flight,
             "up": self.up,
+            "retired": self.retired,
             "failures": self.failures,
             "rejoins": self.rejoins,
             "last_detection_s": self.last_detection_s,

@@ -103,7 +103,40 @@ def install() -> None:
         _install_moving_average_on_ps()
         _install_partitioned_shape()
         _install_sparse_adagrad()
+        _install_apply_hook()
         _done = True
+
+
+def _install_apply_hook() -> None:
+    """`optimizer.apply(grads, variables)` (`apply_gradients` calls it) inside a step traced for
+    `schedule()` runs under the strategy's rule for model versions: a ticket, `max_staleness`,
+    or `replicas_to_aggregate` (`psclient._coordinator.sync`). Keras's own apply otherwise."""
+    import keras
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    from psclient._coordinator import sync
+
+    stock = BaseOptimizer.apply
+
+    def apply(self, grads, trainable_variables=None):
+        step = sync.current_step()
+        grads = list(grads)
+        if step is None or step.busy or not grads:
+            if step is None:
+                sync.note_untracked_apply()
+            return stock(self, grads, trainable_variables)
+        if trainable_variables is None:
+            variables = list(seam.internal(self, "_trainable_variables"))
+        else:
+            variables = list(trainable_variables)
+        if not self.built:  # as Keras's apply does, before any of it runs under a condition
+            with keras.name_scope(self.name, caller=self):
+                self.build(variables)
+        tf_variables = [seam.internal(v, "_value") if isinstance(v, keras.Variable) else v for v in variables]
+        return step.apply(grads, tf_variables, lambda mean: stock(self, mean, variables))
+
+    functools.update_wrapper(apply, stock)
+    BaseOptimizer.apply = apply
 
 
 def _install_atomic_increments() -> None:

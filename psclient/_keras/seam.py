@@ -89,6 +89,10 @@ KERAS_INTERNALS: tuple[Internal, ...] = (
              "only, with Keras's arithmetic, not sqrt(accumulator + epsilon) over the whole table"),
     Internal(f"{_ADAGRAD}._accumulators", "Adagrad's accumulators, one per weight: the rows to gather",
              kind="instance"),
+    Internal(f"{_BASE_OPTIMIZER}.apply", "patched: inside a scheduled step, applied under the strategy's "
+             "max_staleness / replicas_to_aggregate rule and its staleness measured"),
+    Internal(f"{_BASE_OPTIMIZER}._trainable_variables", "the weights of apply(grads) given no variables",
+             kind="instance"),
     Internal(f"{_BASE_OPTIMIZER}._get_variable_index", "a weight's index into its optimizer's slot lists"),
     # Variables.
     Internal(f"{_VARIABLE}._value", "the tf.Variable inside: its device says ps or local", kind="instance"),
