@@ -14,7 +14,7 @@ from tests._polling import wait_for
 
 pytestmark = pytest.mark.cluster
 
-# Failed before (3 of 3 runs): a healthy worker's calls failed, or hung,
+# Failed before (3 of 3 runs, one kill at a time): a healthy worker's calls failed, or hung,
 # naming a worker killed after another one had been taken out and brought back,
 # and probes of healthy workers failed the same way. TF's executors synced
 # every task of the cluster before a call whenever the call's client changed,
