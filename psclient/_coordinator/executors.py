@@ -31,9 +31,9 @@ _calls_stream = False
 
 
 def new_call_executor(streaming: bool | None = None):
-    """A synchronous executor for one dispatcher thread: unary calls at pipeline
-    depth 1 (a dead task's error comes back), streaming above (`streaming`: as
-    the dispatchers' when None).
+    """A synchronous executor for one dispatcher (or probing) thread: unary
+    calls at pipeline depth 1 (a dead task's error comes back), streaming
+    above (`streaming`: as the dispatchers' when None).
 
     Made without TF's "async wait for remote functions": before a call of a
     function with inputs on other tasks (a step reading ps variables), such
@@ -51,16 +51,15 @@ def new_call_executor(streaming: bool | None = None):
     from tensorflow.python.eager import executor
 
     with _env_lock:
-        saved = os.environ.get(_ASYNC_WAIT_ENV)
+        # Set back afterwards, to TF's default when it was unset, never removed:
+        # TF's threads read the environment while this runs.
+        saved = os.environ.get(_ASYNC_WAIT_ENV, "true")
         os.environ[_ASYNC_WAIT_ENV] = "false"
         try:
             return executor.new_executor(
                 enable_async=False, enable_streaming_enqueue=_calls_stream if streaming is None else streaming)
         finally:
-            if saved is None:
-                del os.environ[_ASYNC_WAIT_ENV]
-            else:
-                os.environ[_ASYNC_WAIT_ENV] = saved
+            os.environ[_ASYNC_WAIT_ENV] = saved
 
 
 def set_streaming_env(streaming: bool) -> None:
