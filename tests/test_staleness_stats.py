@@ -208,3 +208,11 @@ def test_k_of_n_never_waits_for_the_slowest():
         g.after(1, step, APPLIED)
     assert g.before(0) == "free"
     assert g.stats()["waits_released"] == {"advanced": 0, "short": 0, "timeout": 0, "interrupted": 0}
+
+
+def test_contributions_lost_with_a_ps_are_not_waited_for():
+    g, _ = gate()
+    g.before(0)
+    g.after(0, 4, ACCUMULATED)
+    g.forget_contributions()  # a ps task was rebuilt: step 4's sums are gone
+    assert g.before(0) == "free"
