@@ -228,3 +228,11 @@ def test_a_worker_added_at_run_time_takes_part():
     g.after(0, 0, APPLIED)
     assert g.before(2) == "free"  # its step was applied meanwhile: nothing to wait for
     assert g.known_step == 1 and g.stats()["step"] == 1
+
+
+def test_contributions_lost_with_a_ps_are_not_waited_for():
+    g, _ = gate()
+    g.before(0)
+    g.after(0, 4, ACCUMULATED)
+    g.forget_contributions()  # a ps task was rebuilt: step 4's sums are gone
+    assert g.before(0) == "free"

@@ -173,6 +173,21 @@ def test_stale_gradients_of_a_straggler_are_dropped_and_counted(local):
         check_counts(staleness, 2, int(optimizer.iterations.numpy()))
 
 
+def test_synchronous_training_goes_on_through_a_ps_restart(local, tmp_path):
+    # Version, lock and accumulators live on the ps: made again after ps 0 is rebuilt.
+    with connected(local, workers=2, replicas_to_aggregate=2, checkpoint_dir=str(tmp_path)) as strategy:
+        optimizer, train_step = plain_steps(strategy)
+        run_steps(strategy, train_step, 10)
+        local.kill("ps", 0)
+        local.restart("ps", 0)
+        futures = run_steps(strategy, train_step, 20)
+        assert all(np.isfinite(f.result()) for f in futures)
+        assert strategy.stats()["ps"][0]["recoveries"] == 1
+        staleness = strategy.stats()["staleness"]
+        assert staleness["updates"] >= 10  # 5 before, 10 after (the restored ones rolled back)
+        assert int(optimizer.iterations.numpy()) >= 10
+
+
 def test_keras_fit_runs_synchronously_with_the_same_model_code(local):
     with connected(local, replicas_to_aggregate=3) as strategy:
         with strategy.scope():

@@ -5,8 +5,8 @@ scheduled function that applies gradients with a Keras optimizer (its
 `apply`/`apply_gradients`, directly or in Keras's `train_step`) is traced a
 second way, *instrumented* (`Steps.instrumented`):
 
-- its first op reads the version on ps 0 (`start`), and every other op of the
-  step waits for that read, so the weights it reads are at least that new;
+- its first op reads the version on ps 0 (`start`), and every variable read
+  of the step waits for that read, so the weights it reads are at least that new;
 - the optimizer's apply is intercepted (the Keras seam calls
   `current_step().apply(...)`), and the function returns, besides its own
   result, a small report `[start, version, outcome]` that the dispatcher
@@ -61,6 +61,10 @@ __all__ = ["Steps", "UnsupportedStep", "check_arguments", "current_step", "note_
 
 log = logging.getLogger("psclient")
 
+#: Ops that read a variable's value (or rows of it).
+_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
+#: Ops that run a function (a loop, a branch, a call), which may read variables inside.
+_CALLS = frozenset({"While", "If", "Case", "StatefulPartitionedCall", "PartitionedCall"})
 _NO_LIMIT = 2**63 - 1  # ResourceCountUpTo's limit: never reached
 _tracing = threading.local()  # .step: the _StepTrace this thread traces now; .last: the newest one
 
@@ -249,6 +253,8 @@ class Steps:
             if 0 in lost_ps:
                 self._version = self._mutex = None
             self._accumulators.clear()
+        if self.gate is not None:
+            self.gate.forget_contributions()
 
     def _version_variable(self):
         import tensorflow as tf
@@ -279,19 +285,29 @@ class Steps:
 
     @contextlib.contextmanager
     def _enter(self):
-        """Read the version first; every op of the step made inside waits for that read."""
+        """Read the version first: every variable read of the step made inside waits for it."""
         import tensorflow as tf
 
         version = self._version_variable()
         with tf.device(_runtime.ps_device(0)):
             start = version.read_value()
         trace = _StepTrace(self, version, start)
+        graph = tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations())
         previous, _tracing.step = current_step(), trace
         try:
-            with tf.control_dependencies([start]):
-                yield trace
+            yield trace
         finally:
             _tracing.step = previous
+        # Only the reads (not every op, as tf.control_dependencies would: a
+        # control edge from ps 0 to each constant and op of the worker cost 2 ms
+        # of task CPU per step in benchmarks/keras_fit.py). TF-internal: what
+        # tf.CriticalSection does to its lock.
+        for op in graph.get_operations()[first:]:
+            reads = op.type in _READS or (
+                op.type in _CALLS and any(t.dtype == tf.resource for t in op.inputs))
+            if reads and start.op not in op.control_inputs:
+                op._add_control_input(start.op)  # noqa: SLF001
 
 
 class _StepTrace:
@@ -338,8 +354,8 @@ class _StepTrace:
             return self._contribute(grads, variables, run)
         if self.ticket is None:  # one ticket per step, taken at its first apply
             # Once the gradients exist: nothing else orders it after the step's work.
-            computed = tf.nest.flatten([g for g in grads if g is not None], expand_composites=True)
-            with tf.device(_runtime.ps_device(0)), tf.control_dependencies(computed):
+            computed = tf.group(*tf.nest.flatten([g for g in grads if g is not None], expand_composites=True))
+            with tf.device(_runtime.ps_device(0)), tf.control_dependencies([computed]):
                 # Fetch-and-add, atomic under the variable's lock (assign_add's
                 # value is a second read, which another step's ticket can precede).
                 before = tf.raw_ops.ResourceCountUpTo(resource=self.version.handle, limit=_NO_LIMIT, T=tf.int64)
@@ -424,11 +440,13 @@ def _finish(trace: _StepTrace):
     _tracing.last = trace
     if not trace.measured:
         return trace.start
-    if trace.report is not None:
-        return tf.stack([trace.start, trace.report[0], trace.report[1]])
-    outcome = tf.constant(APPLIED, tf.int64) if trace.ok is None else \
-        tf.where(trace.ok, tf.constant(APPLIED, tf.int64), tf.constant(DROPPED, tf.int64))
-    return tf.stack([trace.start, trace.ticket, outcome])
+    # Made on ps 0, where its parts are: one tensor fetched from there, none sent to the worker.
+    with tf.device(_runtime.ps_device(0)):
+        if trace.report is not None:
+            return tf.stack([trace.start, trace.report[0], trace.report[1]])
+        outcome = tf.constant(APPLIED, tf.int64) if trace.ok is None else \
+            tf.where(trace.ok, tf.constant(APPLIED, tf.int64), tf.constant(DROPPED, tf.int64))
+        return tf.stack([trace.start, trace.ticket, outcome])
 
 
 #: Function graphs in which a Keras optimizer applied gradients outside an instrumented step.

@@ -122,6 +122,13 @@ class SyncGate:
             self._in_flight[worker] = False
             self._cond.notify_all()
 
+    def forget_contributions(self) -> None:
+        """The ps lost its accumulated gradients (a ps task was rebuilt): nobody waits for them."""
+        with self._cond:
+            self._contributed = [None] * self._n
+            self._contributors.clear()
+            self._cond.notify_all()
+
     def stats(self) -> dict:
         with self._cond:
             return {
