@@ -373,6 +373,9 @@ def _add_k8s_parser(commands: argparse._SubParsersAction) -> None:
     k8s.add_argument("--image", required=True, help="the container image of every pod (psclient and your code)")
     k8s.add_argument("--workers", required=True, type=int, metavar="N", help="worker tasks")
     k8s.add_argument("--ps", required=True, type=int, metavar="M", help="ps tasks")
+    k8s.add_argument("--max-workers", type=int, metavar="K",
+                     help="the most worker pods the worker StatefulSet may be scaled to (default: "
+                          "--workers); the chief may then list the job's pods (psclient.kubernetes_workers)")
     k8s.add_argument("--evaluator", action="store_true", help="also run psclient evaluate on the checkpoints")
     k8s.add_argument("--evaluator-model", metavar="MODULE:FN", help="with --evaluator: psclient evaluate's --model")
     k8s.add_argument("--evaluator-data", metavar="MODULE:FN", help="with --evaluator: psclient evaluate's --data")
@@ -405,7 +408,7 @@ def _run_k8s(args: argparse.Namespace) -> int:
     fields = {f: getattr(args, f) for f in (
         "name", "image", "workers", "ps", "evaluator", "evaluator_model", "evaluator_data",
         "evaluator_checkpoint_dir", "port", "checkpoint_size", "storage_class", "chief_restarts",
-        *(f"{role}_{what}" for role in ("worker", "ps", "chief", "evaluator") for what in ("cpu", "memory")),
+        "max_workers", *(f"{role}_{what}" for role in ("worker", "ps", "chief", "evaluator") for what in ("cpu", "memory")),
     )}
     try:
         job = K8sJob(command=command, **fields)

@@ -359,6 +359,7 @@ def _argv(args: list[str]) -> list[str]:
     (["--workers", "two"], "argument --workers: invalid int value: 'two'"),
     (["--port", "70000"], "Invalid value for --port. Received: 70000. Expected an integer in 1..65535."),
     (["--chief-restarts", "-1"], "Invalid value for --chief-restarts. Received: -1. Expected an integer >= 0."),
+    (["--max-workers", "1"], "Invalid value for --max-workers. Received: 1. Expected at least --workers"),
     (["--worker-memory", "4GB"], ("Invalid value for --worker-memory. Received: '4GB'. Expected a positive "
                                   "Kubernetes quantity")),
     (["--ps-cpu", "0"], "Invalid value for --ps-cpu. Received: '0'."),
@@ -391,3 +392,65 @@ def test_missing_required_options_are_named():
     result = psclient("k8s", "--name", "mnist", "--", "python", "train.py")
     assert result.returncode == 2
     assert "the following arguments are required: --image, --workers, --ps" in result.stderr
+
+
+# --max-workers: a worker StatefulSet that may be scaled up ----------------------
+
+ELASTIC = K8sJob(name="mnist", image="train:1", command=["python", "train.py"], workers=2, ps=1, max_workers=4)
+
+
+def test_max_workers_manifests_validate_against_the_kubernetes_schemas():
+    import kubernetes_validate
+
+    docs = manifests(ELASTIC)
+    assert {"ServiceAccount", "Role", "RoleBinding"} <= {d["kind"] for d in docs}
+    for version in _schema_versions():
+        for doc in docs:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                pytest.fail(f"{doc['kind']} {doc['metadata']['name']} is invalid for Kubernetes "
+                            f"{version}: {e.message} at {list(e.path)}")
+
+
+def _scaled_pod_env(job: K8sJob, index: int) -> dict[str, str]:
+    pod = next(p for p in _pods(manifests(job)) if p[0] == f"{job.name}-worker-0")
+    return _environment(pod[4]["containers"][0], dict(pod[3], **{POD_INDEX_LABEL: str(index)}))
+
+
+def test_a_worker_pod_scaled_up_to_max_workers_finds_itself_and_the_chief_starts_with_workers():
+    pods = {p[0]: p for p in _pods(manifests(ELASTIC))}
+    chief = Cluster.from_env(_environment(pods["mnist-chief"][4]["containers"][0], pods["mnist-chief"][3]))
+    assert chief.num_workers == 2  # the strategy starts with --workers; a watcher adds the others
+    for index in range(4):  # pods 2 and 3 exist once `kubectl scale ... --replicas=4`
+        env = _scaled_pod_env(ELASTIC, index)
+        cluster = Cluster.from_env(env)
+        assert task_from_config(read_tf_config(env), source="TF_CONFIG") == ("worker", index)
+        assert cluster.address("worker", index) == f"mnist-worker-{index}.mnist:2222"
+        assert cluster.ps == chief.ps
+    # The real `psclient serve` of the 4th pod gets as far as the address check (exit 1:
+    # the DNS name does not resolve here); a 5th, past --max-workers, is an argument error.
+    for index, status, message in ((3, 1, "cannot start worker:3 at mnist-worker-3.mnist:2222"),
+                                   (4, 2, "Received: 4. Expected an integer in 0..3")):
+        env = dict(os.environ, PYTHONPATH=ROOT, **_scaled_pod_env(ELASTIC, index))
+        result = subprocess.run([sys.executable, "-m", "psclient", "serve"], capture_output=True, text=True,
+                                check=False, timeout=60, cwd=ROOT, env=env)
+        assert result.returncode == status, result.stderr
+        assert message in result.stderr
+
+
+def test_only_the_chief_gets_a_token_and_it_can_only_read_pods():
+    docs = manifests(ELASTIC)
+    with_token = [name for name, _h, _s, _l, spec in _pods(docs) if spec.get("automountServiceAccountToken")]
+    assert with_token == ["mnist-chief"]
+    chief = next(spec for name, _h, _s, _l, spec in _pods(docs) if name == "mnist-chief")
+    role = next(d for d in docs if d["kind"] == "Role")
+    binding = next(d for d in docs if d["kind"] == "RoleBinding")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": chief["serviceAccountName"]}]
+    # Without --max-workers (or equal to --workers): no account, no token anywhere.
+    for job in (JOBS["plain"], K8sJob(name="a", image="i", command=["t"], workers=2, ps=1, max_workers=2)):
+        plain = manifests(job)
+        assert not {"ServiceAccount", "Role", "RoleBinding"} & {d["kind"] for d in plain}
+        assert not any(spec.get("automountServiceAccountToken") for *_rest, spec in _pods(plain))

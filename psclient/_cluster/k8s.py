@@ -90,6 +90,7 @@ class K8sJob:
     checkpoint_size: str = "10Gi"
     storage_class: str | None = None
     chief_restarts: int = 6
+    max_workers: int | None = None
     worker_cpu: str = DEFAULT_RESOURCES["worker"][0]
     worker_memory: str = DEFAULT_RESOURCES["worker"][1]
     ps_cpu: str = DEFAULT_RESOURCES["ps"][0]
@@ -116,6 +117,11 @@ class K8sJob:
         check_positive("workers", self.workers, integer=True)
         check_positive("ps", self.ps, integer=True)
         check_positive("chief_restarts", self.chief_restarts, integer=True, allow_zero=True)
+        if self.max_workers is not None:
+            check_positive("max_workers", self.max_workers, integer=True)
+            if self.max_workers < self.workers:
+                raise _invalid("max_workers", self.max_workers,
+                               f"at least --workers ({self.workers}): the most worker pods the job may scale to")
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 1 <= self.port <= 65535:
             raise _invalid("port", self.port, "an integer in 1..65535")
         _check_quantity("checkpoint_size", self.checkpoint_size)
@@ -155,11 +161,17 @@ class K8sJob:
         """The stable DNS name of a pod (resolvable in the job's namespace)."""
         return f"{self.name}-{role}-{index}.{self.name}"
 
-    def cluster(self) -> Cluster:
-        """The cluster every pod's TF_CONFIG names."""
+    @property
+    def elastic(self) -> bool:
+        """Whether worker pods may be added beyond `workers` (up to `max_workers`)."""
+        return self.max_workers is not None and self.max_workers > self.workers
+
+    def cluster(self, *, worker_slots: int | None = None) -> Cluster:
+        """The cluster every pod's TF_CONFIG names (with `worker_slots` workers: a
+        worker pod's own, so that one scaled up to that many finds its index)."""
         jobs = {
             "chief": [f"{self.host('chief', 0)}:{self.port}"],
-            "worker": [f"{self.host('worker', i)}:{self.port}" for i in range(self.workers)],
+            "worker": [f"{self.host('worker', i)}:{self.port}" for i in range(worker_slots or self.workers)],
             "ps": [f"{self.host('ps', i)}:{self.port}" for i in range(self.ps)],
         }
         if self.evaluator:
@@ -194,7 +206,12 @@ def _tf_config_env(job: K8sJob, role: str) -> list[dict[str, Any]]:
     if role in ("chief", "evaluator"):
         return [{"name": "TF_CONFIG", "value": job.cluster().to_tf_config(role, 0)}]
     placeholder = "__psclient_task_index__"
-    text = json.dumps({"cluster": job.cluster().jobs, "task": {"type": role, "index": placeholder}})
+    # A worker pod names every worker slot up to --max-workers, so one the
+    # StatefulSet was scaled up to still finds itself; the coordinator's
+    # cluster starts with --workers, and adds the others as they appear
+    # (psclient.WorkerWatcher with psclient.kubernetes_workers).
+    slots = job.max_workers if role == "worker" and job.elastic else None
+    text = json.dumps({"cluster": job.cluster(worker_slots=slots).jobs, "task": {"type": role, "index": placeholder}})
     return [
         {"name": INDEX_ENV,
          "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}},
@@ -298,8 +315,29 @@ def _task_set(job: K8sJob, role: str, replicas: int) -> dict[str, Any]:
     }
 
 
+def _pod_reader(job: K8sJob) -> list[dict[str, Any]]:
+    """With --max-workers: a service account for the chief that may read the
+    job's pods (what `kubernetes_workers` lists), and nothing else."""
+    name = f"{job.name}-chief"
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(job, name, "chief"),
+         "automountServiceAccountToken": False},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": _metadata(job, f"{job.name}-pod-reader", "chief"),
+         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": _metadata(job, f"{job.name}-pod-reader", "chief"),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"{job.name}-pod-reader"},
+         "subjects": [{"kind": "ServiceAccount", "name": name}]},
+    ]
+
+
 def _singleton_job(job: K8sJob, role: str, command: Sequence[str]) -> dict[str, Any]:
     pod = _pod_spec(job, _container(job, role, command, checkpoints=True), checkpoints=True)
+    if role == "chief" and job.elastic:
+        # Only the chief gets a token, and it can only read the job's pods:
+        # it follows the worker StatefulSet as it is scaled.
+        pod.update({"serviceAccountName": f"{job.name}-chief", "automountServiceAccountToken": True})
     pod.update({
         "restartPolicy": "OnFailure",
         # The stable name in TF_CONFIG, under the job's headless Service.
@@ -333,6 +371,7 @@ def manifests(job: K8sJob) -> list[dict[str, Any]]:
         _volume_claim(job),
         _task_set(job, "ps", job.ps),
         _task_set(job, "worker", job.workers),
+        *(_pod_reader(job) if job.elastic else []),
         _singleton_job(job, "chief", job.command),
     ]
     if job.evaluator:
