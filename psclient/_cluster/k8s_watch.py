@@ -8,9 +8,9 @@ Scaling the StatefulSet up or down then adds or removes workers.
 
 Needs the `kubernetes` package (not a dependency of psclient; pass `api` to
 use another client) and, in the coordinator's pod, a service account
-allowed to list pods in the namespace: the manifests of `psclient k8s` keep
-the API token out of every pod, so this must be granted explicitly (README
-"Elastic workers").
+allowed to list pods in the namespace: `psclient k8s --max-workers K`
+grants the chief that (and only that); without it the manifests keep the API
+token out of every pod (README "Running on Kubernetes").
 """
 
 from __future__ import annotations
