@@ -56,7 +56,7 @@ BATCH = 32
 # A run in which nothing finishes for this long is a bug: it fails, with the strategy's stats.
 STALL_S = 60.0
 CONFIGS = {
-    "async": {},
+    "async": {"measure_staleness": True},  # its staleness reported like the others (README: what it costs)
     "async_bounded": {"max_staleness": None},  # filled from --max-staleness
     "sync_k=n": {"replicas_to_aggregate": NUM_WORKERS},
     "sync_k=n-1": {"replicas_to_aggregate": NUM_WORKERS - 1},

@@ -72,7 +72,7 @@ def run_steps(strategy, fn, count):
 
 
 def test_staleness_of_every_applied_update_is_reported(local):
-    with connected(local) as strategy:
+    with connected(local, measure_staleness=True) as strategy:
         model, optimizer, train_step, evaluate = model_and_steps(strategy)
         results = run_steps(strategy, train_step, 60)
         # The user's result, untouched by the report the step also returns.
@@ -87,10 +87,24 @@ def test_staleness_of_every_applied_update_is_reported(local):
         assert all(w["count"] <= d for w, d in zip(staleness["per_worker"], done))
         assert 0 <= staleness["p50"] <= staleness["p99"] <= staleness["max"] < 60
         assert staleness["max_staleness"] is None and staleness["replicas_to_aggregate"] is None
+        assert staleness["measured"] is True
+
+
+def test_asynchronous_training_is_not_measured_by_default(local):
+    # Measuring costs CPU per step (README): opt-in with measure_staleness=True.
+    with connected(local) as strategy:
+        model, optimizer, train_step, _ = model_and_steps(strategy)
+        results = run_steps(strategy, train_step, 5)
+        assert set(results[0]) == {"loss", "rows"}
+        traced = strategy._tracer._trace(train_step, "train_step", (), {})
+        assert isinstance(traced, tf.types.experimental.ConcreteFunction)  # plain: no report, no version read
+        staleness = strategy.stats()["staleness"]
+        assert staleness["measured"] is False and staleness["count"] == 0
+        assert int(optimizer.iterations.numpy()) == 5
 
 
 def test_evaluation_runs_its_plain_trace(local):
-    with connected(local) as strategy:
+    with connected(local, measure_staleness=True) as strategy:
         _, _, train_step, evaluate = model_and_steps(strategy)
         train_step_future = strategy.schedule(train_step)
         evaluation = strategy.schedule(evaluate)
@@ -108,7 +122,7 @@ def test_evaluation_runs_its_plain_trace(local):
 def test_steps_with_per_worker_and_unhashable_arguments_are_measured(local):
     # A per-worker iterator with a list: no trace cached by argument identity,
     # each call looks its trace up (psclient's instrumented one).
-    with connected(local) as strategy:
+    with connected(local, measure_staleness=True) as strategy:
         model, optimizer, _, _ = model_and_steps(strategy)
         dataset = tf.data.Dataset.from_tensor_slices((X, Y)).repeat().batch(8)
         iterator = iter(strategy.distribute_datasets_from_function(dataset))
@@ -197,6 +211,9 @@ CLUSTER = {"worker": ["127.0.0.1:1", "127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
     ({"replicas_to_aggregate": 3}, r"`replicas_to_aggregate`\. Received: replicas_to_aggregate=3 with 2 "
                                    r"workers\. Expected an integer between 1 and the number of workers"),
     ({"replicas_to_aggregate": 2.0}, r"`replicas_to_aggregate`\. Received: replicas_to_aggregate=2.0"),
+    ({"measure_staleness": "yes"}, r"`measure_staleness`\. Received: measure_staleness='yes'"),
+    ({"measure_staleness": False, "max_staleness": 3}, r"`measure_staleness`\. Received: measure_staleness="
+                                                       r"False with max_staleness=3"),
     ({"replicas_to_aggregate": 2, "max_staleness": 0}, r"`max_staleness`\. Received: max_staleness=0 "
                                                        r"with replicas_to_aggregate=2\. Expected None"),
 ])

@@ -33,7 +33,7 @@ from psclient._coordinator.per_worker import (
 from psclient._coordinator.recovery import Recovery, RecoveryConfig
 from psclient._coordinator.sharding import partitioner_argument, split_updates
 from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
-from psclient._coordinator.sync import Steps, check_arguments
+from psclient._coordinator.sync import Steps, check_arguments, measuring
 from psclient._coordinator.tracing import Tracer, reject_futures, warn_unless_scheduling
 from psclient._coordinator.updates import place_updates_on_ps
 from psclient._core.checks import check_positive
@@ -92,7 +92,9 @@ class ParameterServerStrategy(ElasticWorkers):
         "Partitioned variables" (and what the default costs on one machine).
       max_staleness, replicas_to_aggregate: bounded-staleness and synchronous
         training (None, the defaults: asynchronous); README "Staleness and
-        synchronous training". `stats()["staleness"]` measures it in any mode.
+        synchronous training". measure_staleness: True to measure the
+        staleness of asynchronous updates (`stats()["staleness"]`; it costs
+        CPU per step); None (default) measures only with either of the two.
 
     Only one strategy may be connected per process at a time (TF's eager
     context is global); `shutdown()` one before creating the next.
@@ -115,9 +117,11 @@ class ParameterServerStrategy(ElasticWorkers):
         variable_partitioner: Callable | str | None = "auto",
         max_staleness: int | None = None,
         replicas_to_aggregate: int | None = None,
+        measure_staleness: bool | None = None,
     ):
         cluster = Cluster.coerce(cluster)
         check_arguments(max_staleness, replicas_to_aggregate, cluster.num_workers)
+        measured = measuring(measure_staleness, max_staleness, replicas_to_aggregate)
         variable_partitioner = partitioner_argument(variable_partitioner, cluster.num_ps)
         for name, value, integer in (
             ("checkpoint_interval", checkpoint_interval, False),
@@ -166,9 +170,10 @@ class ParameterServerStrategy(ElasticWorkers):
         self._store = VariableStore(cluster.num_ps, variable_partitioner)
         self._variable_partitioner = variable_partitioner
         self._per_worker = PerWorkerRegistry()
-        self._steps = Steps(self._scheduler, max_staleness, replicas_to_aggregate, timeout=hang_timeout)
+        self._steps = Steps(self._scheduler, max_staleness, replicas_to_aggregate, timeout=hang_timeout,
+                            measured=measured)
         self._store.add_renew_hook(self._steps.renew)
-        self._tracer = Tracer(self._store.create, self._steps)
+        self._tracer = Tracer(self._store.create, self._steps if measured else None)
         prober = Prober(_runtime.probe)
         tracer_ref, scheduler, streaming = weakref.ref(self._tracer), self._scheduler, pipeline_depth > 1
         self._recovery = Recovery(
