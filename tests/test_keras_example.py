@@ -31,7 +31,7 @@ def test_keras_fit_example_reaches_95_percent_on_digits(tmp_path):
 
 @pytest.mark.timeout(450)
 def test_keras_fit_example_mnist_path_with_mock_data(tmp_path):
-    tfds = pytest.importorskip("tensorflow_datasets")
+    pytest.importorskip("tensorflow_datasets")
     # The example runs in a subprocess: mock the data there, through a wrapper.
     wrapper = tmp_path / "run_mocked.py"
     wrapper.write_text(

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import psclient
 
 pytestmark = pytest.mark.cluster
 
@@ -285,7 +284,8 @@ def test_per_worker_resource_resolves_to_the_executing_worker(strategy):
         counter.assign_add(1)
         return counter.read_value()
 
-    futures = [strategy.schedule(bump, args=(counters,)) for _ in range(50)]
+    for _ in range(50):
+        strategy.schedule(bump, args=(counters,))
     strategy.join()
     per_worker = [int(counters.value(i).numpy()) for i in range(2)]
     assert sum(per_worker) == 50
