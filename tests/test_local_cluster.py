@@ -3,6 +3,7 @@
 Tests on the shared `local_cluster` leave every task running when they finish.
 """
 
+import itertools
 import json
 import os
 import socket
@@ -228,7 +229,9 @@ def test_a_task_that_cannot_start_is_named_with_its_log(monkeypatch, tmp_path):
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        ports = iter([psclient._cluster.local.portpicker.pick_unused_port(), port, psclient._cluster.local.portpicker.pick_unused_port()])
+        # Every start (LocalCluster tries new ports 3 times) gives ps:0 the taken port.
+        ports = itertools.cycle([psclient._cluster.local.portpicker.pick_unused_port(), port,
+                                 psclient._cluster.local.portpicker.pick_unused_port()])
         monkeypatch.setattr(psclient._cluster.local.portpicker, "pick_unused_port", lambda: next(ports))
         with pytest.raises(TaskUnreachableError) as info:
             LocalCluster(num_workers=1, num_ps=1, log_dir=tmp_path)
