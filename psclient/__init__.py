@@ -76,10 +76,10 @@ _registry.add_scope_hook(_install_keras_support)
 
 def __getattr__(name):
     # Keras-backed names load Keras on first use, so `import psclient` stays cheap.
-    if name == "BackupAndRestore":
-        from psclient._keras.callbacks import BackupAndRestore
+    if name in ("BackupAndRestore", "StalenessLogger"):
+        from psclient._keras import callbacks
 
-        return BackupAndRestore
+        return getattr(callbacks, name)
     raise AttributeError(f"module 'psclient' has no attribute {name!r}")
 
 
@@ -95,6 +95,7 @@ __all__ = [
     "Future",
     "LocalCluster",
     "ParameterServerStrategy",
+    "StalenessLogger",
     "PSClientError",
     "PortExposedError",
     "PSUnavailableError",

@@ -221,3 +221,27 @@ def test_bad_arguments_name_the_argument(kwargs, message):
     # Checked before anything connects: these addresses serve nothing.
     with pytest.raises(ValueError, match=message):
         psclient.ParameterServerStrategy(CLUSTER, connect_timeout=0.1, **kwargs)
+
+
+def test_staleness_logger_puts_the_figures_in_fits_logs(local):
+    with connected(local, measure_staleness=True) as strategy:
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(4)])
+            model.compile(optimizer=keras.optimizers.SGD(0.01), loss=LOSS)
+        dataset = tf.data.Dataset.from_tensor_slices((X, Y)).repeat().batch(8)
+        history = model.fit(dataset, epochs=2, steps_per_epoch=6, verbose=0,
+                            callbacks=[psclient.StalenessLogger(strategy)])
+        for key in ("staleness_mean", "staleness_p50", "staleness_p99", "staleness_max", "staleness_dropped"):
+            assert len(history.history[key]) == 2, (key, history.history)
+        counted = strategy.stats()["staleness"]
+        assert counted["count"] == 12 == int(model.optimizer.iterations.numpy())
+        assert history.history["staleness_max"][-1] == counted["max"]
+    with connected(local) as strategy:  # not measured: said at once, not 0s in the logs
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(4)])
+            model.compile(optimizer=keras.optimizers.SGD(0.01), loss=LOSS)
+        with pytest.raises(ValueError, match="measure_staleness=True"):
+            model.fit(tf.data.Dataset.from_tensor_slices((X, Y)).repeat().batch(8), epochs=1,
+                      steps_per_epoch=2, verbose=0, callbacks=[psclient.StalenessLogger(strategy)])
+    with pytest.raises(TypeError, match="Invalid value for argument `strategy`"):
+        psclient.StalenessLogger("strategy")

@@ -21,11 +21,12 @@ from __future__ import annotations
 import json
 import os
 
+import keras
 from keras.callbacks import BackupAndRestore as _KerasBackupAndRestore
 
 from psclient._core.files import replaced_atomically
 
-__all__ = ["BackupAndRestore"]
+__all__ = ["BackupAndRestore", "StalenessLogger"]
 
 
 class BackupAndRestore(_KerasBackupAndRestore):
@@ -48,3 +49,41 @@ class BackupAndRestore(_KerasBackupAndRestore):
         metadata = json.dumps({"epoch": self._current_epoch, "batch": self._last_batch_seen})
         with replaced_atomically(self._training_metadata_path) as temp, open(temp, "w") as f:
             f.write(metadata)
+
+
+class StalenessLogger(keras.callbacks.Callback):
+    """Adds the staleness of the updates applied so far to `fit`'s epoch logs.
+
+    `model.fit(..., callbacks=[psclient.StalenessLogger(strategy)])`: at the
+    end of each epoch, `staleness_mean`, `staleness_p50`, `staleness_p99`,
+    `staleness_max` and `staleness_dropped` (since the strategy started; see
+    `strategy.stats()["staleness"]`) join the logs, so the progress bar and
+    `History` show them. The strategy must measure staleness
+    (`measure_staleness=True`, or `max_staleness`/`replicas_to_aggregate`).
+    """
+
+    KEYS = ("mean", "p50", "p99", "max", "dropped")
+
+    def __init__(self, strategy):
+        super().__init__()
+        if not callable(getattr(strategy, "stats", None)):
+            raise TypeError(
+                f"Invalid value for argument `strategy`. Received: strategy={strategy!r} of type "
+                f"{type(strategy).__name__}. Expected the psclient.ParameterServerStrategy that fits the model.")
+        self._strategy = strategy
+
+    def on_train_begin(self, logs=None):
+        if not self._strategy.stats()["staleness"]["measured"]:
+            raise ValueError(
+                "StalenessLogger needs a strategy that measures staleness. Received: a strategy made "
+                "without measure_staleness=True, max_staleness or replicas_to_aggregate. Expected "
+                "ParameterServerStrategy(cluster, measure_staleness=True) (or one of the other two).")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        staleness = self._strategy.stats()["staleness"]
+        for key in self.KEYS:
+            value = staleness.get(key)
+            if value is not None:  # None before any update
+                logs[f"staleness_{key}"] = float(value)
