@@ -6,6 +6,7 @@ worker's process may have been ended), and leaves at least two running.
 """
 
 import collections
+import logging
 import json
 import threading
 
@@ -316,3 +317,15 @@ def test_a_task_started_under_another_index_serves_at_the_index_the_strategy_giv
         strategy.shutdown()
         process.kill()
         process.wait(timeout=60)
+
+
+def test_removing_workers_below_replicas_to_aggregate_warns(local, caplog):
+    cluster = running_cluster(local)
+    strategy = psclient.ParameterServerStrategy(cluster, replicas_to_aggregate=2, connect_timeout=60)
+    try:
+        with caplog.at_level(logging.WARNING, logger="psclient"):
+            strategy.remove_worker(1)
+        assert strategy.num_workers == 1
+        assert any("1 worker(s) left for replicas_to_aggregate=2" in r.getMessage() for r in caplog.records)
+    finally:
+        strategy.shutdown()

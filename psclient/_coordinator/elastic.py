@@ -240,6 +240,13 @@ class ElasticWorkers:
         """
         self._check_open("remove_worker")
         self._elastic.remove_worker(index_or_address, drain=drain)
+        k = getattr(getattr(self, "_steps", None), "replicas_to_aggregate", None)
+        if k is not None and len(self._elastic.workers) < k:
+            log.warning(
+                "%d worker(s) left for replicas_to_aggregate=%d: no step can get %d different workers' "
+                "gradients, so each waits out its bounded wait and workers contribute again (counted as "
+                "'repeats' in stats()['staleness']['sync']); add workers or make a new strategy with a "
+                "smaller replicas_to_aggregate.", len(self._elastic.workers), k, k)
 
 
 def _check_address(address: Any) -> str:
