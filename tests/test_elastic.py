@@ -320,8 +320,9 @@ def test_a_task_started_under_another_index_serves_at_the_index_the_strategy_giv
 
 
 def test_removing_workers_below_replicas_to_aggregate_warns(local, caplog):
-    cluster = running_cluster(local)
-    strategy = psclient.ParameterServerStrategy(cluster, replicas_to_aggregate=2, connect_timeout=60)
+    jobs = running_cluster(local).jobs
+    jobs["worker"] = jobs["worker"][:2]  # earlier tests may have added workers to the LocalCluster
+    strategy = psclient.ParameterServerStrategy(psclient.Cluster(jobs), replicas_to_aggregate=2, connect_timeout=60)
     try:
         with caplog.at_level(logging.WARNING, logger="psclient"):
             strategy.remove_worker(1)
