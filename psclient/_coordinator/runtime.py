@@ -188,9 +188,15 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None) -> None:
     for every task it is given. Indices keep their meaning (a sparse job).
     """
     global _coordinator_address
-    # Environment knobs TF reads: set in this one place. GRPC_FAIL_FAST makes a
-    # dead task surface as an error in the caller instead of retries inside
-    # gRPC. Streaming enqueue lets several calls be in flight per worker
+    # Environment knobs TF reads: set in this one place. GRPC_FAIL_FAST=true
+    # makes every RPC to a task that is down fail at once. TF's own coordinator
+    # sets "use_caller", under which update_server_def (each connect and
+    # reconnect) asks a task named in the spec for its devices with
+    # wait-for-ready: a worker that died between the reconnect's probes and
+    # the call held the recovery thread, and the process-wide connection lock,
+    # until a task listened on its port again (for good if none does).
+    # psclient waits for tasks itself (connect_timeout, rejoin probes). TF reads
+    # the variable per call. Streaming enqueue lets several calls be in flight per worker
     # (pipelining); at depth 1 it stays off for the process: with it on, an
     # op sent to a task that died can wait for good. Registrations made while
     # tracing stream anyway (`streamed_registrations`). Dispatcher threads call
@@ -200,7 +206,7 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None) -> None:
     # the cluster, a hung one included, and Keras calls it at the end of every
     # epoch and TF's checkpoints after every save and restore. psclient runs
     # nothing asynchronously that it would need to wait for.
-    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    os.environ["GRPC_FAIL_FAST"] = "true"
     _executors.set_streaming_env(bool(streaming_enqueue))
     os.environ["TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY"] = "True"
 
