@@ -203,8 +203,8 @@ def test_local_cluster_and_its_coordinator_are_closed_to_another_host(other_host
     ports = [int(a.rsplit(":", 1)[1]) for _, _, a in local_cluster.cluster.tasks()]
     # The coordinator's server is started once per process, at its first
     # connection (an earlier test module's cluster, when run in one session).
-    from psclient._coordinator import runtime as _runtime
-    chief = int(_runtime._coordinator_address.rsplit(":", 1)[1])  # noqa: SLF001
+    from psclient._coordinator import connection
+    chief = int(connection._coordinator_address.rsplit(":", 1)[1])  # noqa: SLF001
     strategy.schedule(step).result(timeout=120)  # Connected and trained once.
     assert chief in listening_ports(os.getpid())  # The coordinator's own server.
     assert probe_ports(other_host, [*ports, chief]) == {}

@@ -18,7 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import os
 import re
 import socket
 import threading
@@ -33,14 +32,14 @@ from psclient._coordinator.executors import (
     until_registered,
 )
 
-import portpicker
-
 from psclient._cluster.spec import Cluster
+from psclient._coordinator.connection import COORDINATOR_JOB, connect, disconnect
 from psclient._core.errors import TaskUnreachableError
 
 __all__ = [
     "COORDINATOR_JOB",
     "connect",
+    "disconnect",
     "worker_device",
     "ps_device",
     "ps_index_of",
@@ -73,7 +72,6 @@ EDGE_NAMES = ("worker_device", "ps_device", "tcp_state", "device_scope", "cancel
               "function_not_registered_yet", "to_numpy", "name_error", "op_error")
 
 #: The job name the coordinator takes in the cluster (TF's convention).
-COORDINATOR_JOB = "chief"
 
 _PS_DEVICE = re.compile(r"/job:ps/(?:replica:\d+/)?task:(\d+)")
 
@@ -151,163 +149,6 @@ def wait_reachable(cluster: Cluster, timeout: float) -> None:
             task=f"{job}:{index}",
             address=address,
         )
-
-
-# TF never stops the gRPC server it starts for the coordinator, so its port
-# stays taken for the life of the process. The first connection fixes this
-# process's coordinator address; later connections (another cluster, or the
-# same one after shutdown) reuse it and update the running server's view.
-_coordinator_lock = threading.Lock()
-_coordinator_address: str | None = None
-#: How long a connect waits for another thread's connect to finish. TF's
-#: update_server_def waits for every task it names, and a task that hangs
-#: holds it (in its own thread, GIL released) until the task answers.
-CONNECTION_LOCK_TIMEOUT = 60.0
-
-
-@contextlib.contextmanager
-def _connection_lock(what: str):
-    if not _coordinator_lock.acquire(timeout=CONNECTION_LOCK_TIMEOUT):
-        raise TimeoutError(
-            f"Cannot {what}: another thread of this process has been reconnecting to the "
-            f"cluster for over {CONNECTION_LOCK_TIMEOUT:g} s (TensorFlow's update_server_def "
-            "waits for a task that does not answer). Resume or kill the hung task, or restart "
-            "this process."
-        )
-    try:
-        yield
-    finally:
-        _coordinator_lock.release()
-
-
-def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None) -> None:
-    """Connect this process, as the coordinator, to the cluster's task servers.
-
-    `workers` (indices) limits the workers in TF's view of the cluster, for
-    reconnecting while some are down: TF's `update_server_def` waits forever
-    for every task it is given. Indices keep their meaning (a sparse job).
-    """
-    global _coordinator_address
-    # Environment knobs TF reads: set in this one place. GRPC_FAIL_FAST=true
-    # makes every RPC to a task that is down fail at once. TF's own coordinator
-    # sets "use_caller", under which update_server_def (each connect and
-    # reconnect) asks a task named in the spec for its devices with
-    # wait-for-ready: a worker that died between the reconnect's probes and
-    # the call held the recovery thread, and the process-wide connection lock,
-    # until a task listened on its port again (for good if none does).
-    # psclient waits for tasks itself (connect_timeout, rejoin probes). TF reads
-    # the variable per call. Streaming enqueue lets several calls be in flight per worker
-    # (pipelining); at depth 1 it stays off for the process: with it on, an
-    # op sent to a task that died can wait for good. Registrations made while
-    # tracing stream anyway (`streamed_registrations`). Dispatcher threads call
-    # through executors of their own (`device_scope`).
-    # TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY makes `context.async_wait()` a no-op
-    # (TF's own ParameterServerStrategy sets it too): it syncs every task of
-    # the cluster, a hung one included, and Keras calls it at the end of every
-    # epoch and TF's checkpoints after every save and restore. psclient runs
-    # nothing asynchronously that it would need to wait for.
-    os.environ["GRPC_FAIL_FAST"] = "true"
-    _executors.set_streaming_env(bool(streaming_enqueue))
-    os.environ["TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY"] = "True"
-
-    import tensorflow as tf
-
-    spec: dict = cluster.training_spec()
-    wanted = (spec.get(COORDINATOR_JOB) or [None])[0]
-    if workers is not None:
-        spec["worker"] = {i: spec["worker"][i] for i in sorted(workers)}
-    with _connection_lock("connect to the cluster"):
-        first = _coordinator_address is None
-        if first:
-            _coordinator_address = wanted or f"localhost:{portpicker.pick_unused_port()}"
-        elif wanted and wanted != _coordinator_address:
-            log.info(
-                "the coordinator of this process already listens at %s; using it instead of %s",
-                _coordinator_address, wanted,
-            )
-        spec[COORDINATOR_JOB] = [_coordinator_address]
-
-        filters = tf.config.experimental.ClusterDeviceFilters()
-        # Workers only need the ps tasks and the coordinator, ps tasks only the
-        # workers and the coordinator: smaller views, no worker waits on another.
-        for i in range(cluster.num_workers) if workers is None else sorted(workers):
-            filters.set_device_filters("worker", i, ["/job:ps", f"/job:{COORDINATOR_JOB}"])
-        for i in range(cluster.num_ps):
-            filters.set_device_filters("ps", i, ["/job:worker", f"/job:{COORDINATOR_JOB}"])
-        cluster_spec = tf.train.ClusterSpec(spec)
-        if first:
-            tf.config.experimental_connect_to_cluster(
-                cluster_spec, job_name=COORDINATOR_JOB, task_index=0, protocol="grpc",
-                cluster_device_filters=filters,
-            )
-        else:
-            _restrict_coordinator_port(cluster)  # first: a worker that joins may call back while TF updates
-            _update_connection(cluster_spec, filters)
-        _restrict_coordinator_port(cluster)
-
-
-def _restrict_coordinator_port(cluster: Cluster) -> None:
-    """Close the coordinator's own server port (TF binds it on every interface)
-    to all but loopback and the hosts of every cluster this process connected to.
-
-    Raises:
-        PortExposedError: someone else connected to it before it was closed.
-    """
-    from tensorflow.python.eager import context
-
-    from psclient._cluster import exposure
-    from psclient._cluster.server import peer_hosts
-
-    # TF starts the server (and binds the port) lazily, when the context is
-    # first used: now, so that the port is closed before anything else runs.
-    context.ensure_initialized()
-    port = int(_coordinator_address.rsplit(":", 1)[1])
-    if not exposure.supported():
-        log.warning("the coordinator's port %d is open to every host that reaches it: TensorFlow "
-                    "binds all interfaces, and socket filters need Linux", port)
-        return
-    _coordinator_peers.update(exposure.resolve_peers(peer_hosts(cluster)))
-    # Not locked: a later connection to another cluster widens it.
-    exposure.restrict_port(port, _coordinator_peers, what="the coordinator", lock=False)
-
-
-# Addresses allowed to reach the coordinator's port (see _restrict_coordinator_port).
-_coordinator_peers: set = set()
-
-
-def disconnect() -> None:
-    """Forget the cluster: TF's view becomes the coordinator alone.
-
-    TF has no way back to a purely local context once connected, and a view
-    that names tasks which are gone makes every later `tf.function` in this
-    process fail (TF registers functions on every task it knows). A view of
-    only this process's own server does neither.
-    """
-    import tensorflow as tf
-
-    with _connection_lock("leave the cluster"):
-        if _coordinator_address is None:
-            return
-        spec = tf.train.ClusterSpec({COORDINATOR_JOB: [_coordinator_address]})
-        _update_connection(spec, tf.config.experimental.ClusterDeviceFilters())
-
-
-def _update_connection(cluster_spec, filters) -> None:
-    """Point the running coordinator server at `cluster_spec` (TF-internal API)."""
-    import copy
-
-    from tensorflow.core.protobuf.tensorflow_server_pb2 import ServerDef
-    from tensorflow.python.eager import context
-
-    server_def = ServerDef(
-        cluster=cluster_spec.as_cluster_def(),
-        job_name=COORDINATOR_JOB,
-        task_index=0,
-        protocol="grpc",
-        default_session_config=copy.deepcopy(context.context().config),
-        cluster_device_filters=filters._as_cluster_device_filters(),
-    )
-    context.context().update_server_def(server_def)
 
 
 def probe(device: str) -> None:
