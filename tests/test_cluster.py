@@ -339,6 +339,7 @@ def test_child_env_runs_this_psclient_without_the_parents_task(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", '{"task": {"type": "chief", "index": 0}}')
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    monkeypatch.setenv("GRPC_FAIL_FAST", "true")  # a coordinator's own setting is not inherited
     env = child_env()
     # The directory that holds the psclient package, before the inherited path.
     root = os.path.dirname(os.path.dirname(os.path.abspath(psclient.__file__)))

@@ -274,6 +274,31 @@ def test_ps_recovery_reconnect_refused_by_a_worker_takes_it_out_and_tries_again_
     assert d.tick() == [rm.Reconnect(frozenset({0}), "ps")]
 
 
+def test_ps_back_but_not_taking_connections_yet_is_tried_each_round_until_ps_timeout():
+    # The edge reports a reconnect that a just-restarted ps did not take yet
+    # (gRPC's channel still backing off) as refused by no worker.
+    d = Driver(checkpointing=True, has_checkpoint=True, ps_timeout=10.0, ps_attempts=2)
+    d(rm.PsNotAnswering((0,)), at=0.0)
+    d(rm.PsSeen(0, "open"), at=1.0)
+    for at in (1.5, 2.0, 2.5):  # more often than ps_attempts: not counted as failures
+        assert d.done(ok=False, value={}) == []
+        assert d.m.ps == [RECOVERING]
+        assert d.tick(at=at) == [rm.Reconnect(frozenset({0, 1}), "ps")]
+    assert d.done() == [rm.RenewAndRestore((0,))]  # it took the connection
+    d.finish_ops([])
+    assert d.m.ps == [UP]
+    # One that never takes connections fails everything at ps_timeout.
+    d = Driver(checkpointing=True, has_checkpoint=True, ps_timeout=10.0)
+    d(rm.PsNotAnswering((0,)), at=0.0)
+    d(rm.PsSeen(0, "open"), at=1.0)
+    assert d.done(ok=False, value={}) == []
+    assert d.tick(at=9.0) == [rm.Reconnect(frozenset({0, 1}), "ps")]
+    d.now = 10.5
+    actions = d.done(ok=False, value={})
+    assert kinds(actions) == ["FailAll", "ResumeDispatch"]
+    assert "take connections within ps_timeout=10" in actions[0].why and actions[0].permanent
+
+
 def test_ps_recovery_waits_while_a_worker_hangs_in_the_view():
     d = Driver(checkpointing=True, has_checkpoint=True)
     d(rm.ProbeOverdue(1, 3.0))

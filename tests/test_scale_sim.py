@@ -80,7 +80,8 @@ def test_every_future_resolves_once_through_deaths_and_hangs(harness_factory):
     _run_through_failures(harness, 3000, [("death", 3, 0.2), ("hang", 7, 0.3)])
     report = _check_detected(harness, 0.6)
     assert harness.every_future_once(), (harness.wrong, harness.submitted)
-    assert [f["kind"] for f in report] == ["death", "hang"]
+    # (Injected by timers of their own: under load the later one can fire first.)
+    assert {f["worker"]: f["kind"] for f in report} == {3: "death", 7: "hang"}
     # Both came back: the dead one restarted, the hung one resumed, and both rejoined.
     wait_for(lambda: all(harness.scheduler.worker_is_up(w) for w in (3, 7)), 30, "workers 3 and 7 to rejoin")
     stats = harness.scheduler.stats()["workers"]

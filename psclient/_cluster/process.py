@@ -50,8 +50,10 @@ def child_env(
     if tf_config is not None:
         env["TF_CONFIG"] = tf_config
     env["PYTHONUNBUFFERED"] = "1"
-    # Failures of other tasks reach callers as errors instead of gRPC retrying forever.
-    env.setdefault("GRPC_FAIL_FAST", "use_caller")
+    # Failures of other tasks reach callers as errors instead of gRPC retrying
+    # forever. Not inherited: a coordinator process sets its own ("true", see
+    # psclient._coordinator.connection) before it starts tasks.
+    env["GRPC_FAIL_FAST"] = (extra or {}).get("GRPC_FAIL_FAST", "use_caller")
     if quiet_tf:
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     pythonpath = env.get("PYTHONPATH")

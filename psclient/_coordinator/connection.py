@@ -63,12 +63,16 @@ def _connection_lock(what: str):
         _coordinator_lock.release()
 
 
-def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None) -> None:
+def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None, patience: float = 0.0) -> None:
     """Connect this process, as the coordinator, to the cluster's task servers.
 
     `workers` (indices) limits the workers in TF's view of the cluster, for
-    reconnecting while some are down: TF's `update_server_def` waits forever
-    for every task it is given. Indices keep their meaning (a sparse job).
+    reconnecting while some are down: TF's `update_server_def` fails for
+    every task it is given that is down. Indices keep their meaning (a
+    sparse job). `patience`: seconds to keep trying while a named task does
+    not take the connection (one restarted moments ago: gRPC's channel to it
+    reconnects on its own schedule, and until then calls fail at once);
+    0 raises TF's UnavailableError at once (the recovery thread decides).
     """
     global _coordinator_address
     # Environment knobs TF reads: set in this one place. GRPC_FAIL_FAST=true
@@ -125,8 +129,24 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None) -> None:
             )
         else:
             _restrict_coordinator_port(cluster)  # first: a worker that joins may call back while TF updates
-            _update_connection(cluster_spec, filters)
+            _update_patiently(cluster_spec, filters, patience)
         _restrict_coordinator_port(cluster)
+
+
+def _update_patiently(cluster_spec, filters, patience: float) -> None:
+    import tensorflow as tf
+
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            _update_connection(cluster_spec, filters)
+            return
+        except tf.errors.UnavailableError as error:
+            if time.monotonic() >= deadline:
+                raise
+            log.info("connect: a task does not take the connection yet (%s); trying again",
+                     str(error).split("\n", 1)[0])
+            time.sleep(0.2)
 
 
 def _restrict_coordinator_port(cluster: Cluster) -> None:

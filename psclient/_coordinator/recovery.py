@@ -39,6 +39,8 @@ from psclient._core.scheduler import Scheduler
 __all__ = ["Recovery", "RecoveryConfig", "FailureProbes"]
 
 log = logging.getLogger("psclient")
+#: TF's (and gRPC's) code for UnavailableError: the task did not take the call.
+_UNAVAILABLE = 14
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,7 +476,20 @@ class Recovery:
                 refused[worker] = state
         if refused:
             return _Refused(refused)
-        self._connect(sorted(action.workers))
+        try:
+            self._connect(sorted(action.workers))
+        except self._edge.op_error() as error:
+            if getattr(error, "error_code", None) != _UNAVAILABLE:
+                raise
+            # A named task did not take the connection: a worker that died
+            # after its probe (its port now refuses: taken out at once), or a
+            # restarted ps whose channel has not reconnected yet (TF's gRPC
+            # channels retry within a second). Not a failed step: next round.
+            log.info("reconnect: a task was not reachable yet (%s); trying again", _first_line(error))
+            return _Refused({
+                worker: state for worker in action.workers
+                if (state := self._edge.tcp_state(self._cluster.address("worker", worker), 1.0)) == "closed"
+            })
         gone = sorted(set(range(self._cluster.num_workers)) - set(action.workers) - self._scheduler.retired())
         if action.purpose == "drop" and gone:  # (a removed worker is no longer expected back)
             log.info("worker(s) %s left out of the cluster until they answer again", gone)

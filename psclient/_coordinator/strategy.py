@@ -195,7 +195,8 @@ class ParameterServerStrategy(ElasticWorkers):
         )
         # Connected only once everything that checks arguments or the checkpoint
         # directory has passed; a failure after that undoes the connection.
-        registry.claim(self, lambda: _runtime.connect(cluster, streaming_enqueue=pipeline_depth > 1))
+        registry.claim(self, lambda: _runtime.connect(cluster, streaming_enqueue=pipeline_depth > 1,
+                                                       patience=connect_timeout))
         with contextlib.ExitStack() as undo:
             undo.callback(_leave, self)
             self._dispatcher = Dispatcher(

@@ -408,7 +408,12 @@ class RecoveryMachine(ElasticFlows):
         if not event.ok:
             self._ps_retry_next_round = True
             if event.error is None:
-                return []  # named workers did not answer (taken out): tried again next round
+                # A named task did not answer (a worker is taken out; a ps just
+                # back may not take connections yet): tried again next round.
+                if now - self._ps_since > self.config.ps_timeout:
+                    return self._give_up_ps(
+                        f"it did not take connections within ps_timeout={self.config.ps_timeout:g} s")
+                return []
             self._ps_failures += 1
             if self._ps_failures >= self.config.ps_attempts:
                 return self._give_up_ps(f"restoring it failed {self._ps_failures} times: {event.error}")
