@@ -1,0 +1,109 @@
+"""Bounded probes a dispatcher thread makes to classify a failed call.
+
+Never text matching: a task that answers a tiny op is healthy. What a verdict
+means for a task is the recovery machine's decision (psclient._core.recovery);
+`Published` is what it last decided, read here without locks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from psclient._cluster.spec import Cluster
+from psclient._coordinator import runtime as _runtime
+from psclient._core.health import Prober
+from psclient._core.scheduler import Scheduler
+
+__all__ = ["FailureProbes", "Published"]
+
+
+class Published:
+    """What the machine last decided, for dispatcher threads to read (replaced whole)."""
+
+    def __init__(self, num_workers: int):
+        self.view = frozenset(range(num_workers))
+        self.ps_down = frozenset()
+        self.epochs = (0,) * num_workers
+        self.ps_epoch = 0
+
+
+class FailureProbes:
+    """Bounded probes a dispatcher makes to classify a failed call."""
+
+    def __init__(self, cluster: Cluster, prober: Prober, scheduler: Scheduler, published: Published,
+                 probe_timeout: float, edge: Any = _runtime):
+        self._edge = edge
+        self._cluster = cluster
+        self._prober = prober
+        self._scheduler = scheduler
+        self._published = published
+        self._probe_timeout = probe_timeout
+
+    def answers(self, device: str, attempts: int = 3, spacing: float = 0.2) -> bool:
+        """Whether the task answers one of a few probes.
+
+        Right after one task dies, TF's runtime can fail a call (and a probe)
+        on a healthy task for a moment; a dead task fails every probe. A probe
+        that times out is not repeated: the task is hung.
+        """
+        return not self._not_answering({device: device}, attempts, spacing)
+
+    def _not_answering(self, devices: dict, attempts: int = 3, spacing: float = 0.2) -> list:
+        """The keys of `devices` whose task answers none of a few probes.
+
+        Every task is probed at once, against one deadline per round, so
+        judging a thousand workers takes one probe's time, not a thousand.
+        """
+        pending, silent = dict(devices), []
+        for attempt in range(attempts):
+            if not pending:
+                break
+            if attempt:
+                time.sleep(spacing)  # spacing between probes, not synchronisation
+            probes = {key: self._prober.start(device) for key, device in pending.items()}
+            deadline = time.monotonic() + self._probe_timeout
+            failed = {}
+            for key, probe in probes.items():
+                if not probe.done.wait(max(0.0, deadline - time.monotonic())):
+                    silent.append(key)  # timed out: hung, not asked again
+                elif not probe.ok:
+                    failed[key] = pending[key]
+            pending = failed
+        return silent + list(pending)
+
+    def lost_ps(self) -> tuple:
+        """The ps tasks that do not answer (those known lost without probing)."""
+        known = self._published.ps_down
+        if known:
+            return tuple(sorted(known))
+        return tuple(sorted(self._not_answering(
+            {ps: self._edge.ps_device(ps).rsplit("/device:", 1)[0] for ps in range(self._cluster.num_ps)}
+        )))
+
+    def worker_answers(self, worker: int) -> bool:
+        """Whether `worker` answers, or cannot be judged yet.
+
+        A gone worker still in TF's view makes calls (and probes) on the healthy
+        ones fail too: while one is there (its TCP connect is refused), this
+        worker is not judged; the gone one is (see `lost_workers`).
+        """
+        if self.answers(self._edge.worker_device(worker)):
+            return True
+        return any(
+            w != worker and self._edge.tcp_state(self._cluster.address("worker", w), 1.0) == "closed"
+            for w in self._published.view
+        )
+
+    def lost_workers(self, worker: int) -> list[int]:
+        """The other workers in rotation that do not answer."""
+        return sorted(self._not_answering({
+            other: self._edge.worker_device(other) for other in range(self._cluster.num_workers)
+            if other != worker and self._scheduler.worker_is_up(other)
+        }))
+
+    def epochs(self) -> tuple:
+        return self._published.epochs
+
+    def ps_epoch(self) -> int:
+        return self._published.ps_epoch
