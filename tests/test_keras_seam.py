@@ -37,12 +37,15 @@ def test_listed_instance_attributes_exist_on_instances(tmp_path):
     ema.build(model.trainable_variables)
     adagrad = keras.optimizers.Adagrad()
     adagrad.build(model.trainable_variables)
+    adafactor = keras.optimizers.Adafactor()
+    adafactor.build(model.trainable_variables)
     instances = {
         "keras.src.backend.tensorflow.core.Variable": model.variables[0],
         "keras.src.trainers.trainer.Trainer": model,
         "keras.src.callbacks.backup_and_restore.BackupAndRestore": backup,
         "keras.src.optimizers.base_optimizer.BaseOptimizer": ema,
         "keras.src.optimizers.adagrad.Adagrad": adagrad,
+        "keras.src.optimizers.adafactor.Adafactor": adafactor,
     }
     instance_entries = [e for e in seam.KERAS_INTERNALS if e.kind == "instance"]
     assert instance_entries

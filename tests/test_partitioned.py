@@ -149,7 +149,7 @@ def test_custom_loop_matches_local_keras(cluster, name):
     assert_close(got, local_weights(name))
 
 
-@pytest.mark.parametrize("name", ["adam", "adagrad"])
+@pytest.mark.parametrize("name", ["adam", "adagrad", "adafactor"])
 def test_update_of_each_shard_runs_on_its_ps(cluster, name):
     """Every op that touches a slot's shard is placed on that shard's ps: slots never travel."""
     x, y = data()
@@ -194,6 +194,63 @@ def test_update_of_each_shard_runs_on_its_ps(cluster, name):
                 neighbours = [t.op for t in op.inputs[-1:] if t.op.type != "Const"]
             assert neighbours and all(on(other, device) for other in neighbours), (
                 op.name, device, [(other.name, other.device) for other in neighbours])
+
+
+def test_adafactor_on_the_default_partitioner_matches_local_keras(cluster, monkeypatch):
+    """The issue's model under "auto": the 256x256 kernel in two shards, its
+    Adafactor row and column factors whole (too small to split), v split
+    like the kernel; sums of both shards make the whole-variable means."""
+
+    def model_and_data():
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256, activation="relu"),
+                                  keras.layers.Dense(10)])
+        rng = np.random.default_rng(5)
+        return model, rng.normal(size=(48, 256)).astype("float32"), rng.integers(0, 10, (48,))
+
+    def optimizer():
+        return keras.optimizers.Adafactor(learning_rate=0.01)
+
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model, x, y = model_and_data()
+    local_optimizer = optimizer()
+    for start in range(0, 48, 16):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y[start:start + 16], model(x[start:start + 16], training=True))
+        local_optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                            model.trainable_variables))
+    want = [w.numpy() for w in model.weights]
+
+    with connected(cluster) as strategy:
+        with strategy.scope():
+            model, x, y = model_and_data()
+            ps_optimizer = optimizer()
+            ps_optimizer.build(model.trainable_variables)
+        kernel = model.layers[0].kernel
+        assert len(shard_tasks(kernel)) == 2
+        index = ps_optimizer._get_variable_index(kernel)
+        assert len(shard_tasks(ps_optimizer._v[index])) == 2
+        assert len(shard_tasks(ps_optimizer._r[index])) == len(shard_tasks(ps_optimizer._c[index])) == 1
+
+        from psclient._keras import adafactor
+
+        split = []  # the variables updated shard by shard (each trace)
+        real = adafactor._update_shards
+        monkeypatch.setattr(adafactor, "_update_shards",
+                            lambda opt, grad, var, *rest: split.append(var.name) or real(opt, grad, var, *rest))
+
+        @tf.function
+        def step(features, labels):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(labels, model(features, training=True))
+            ps_optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                             model.trainable_variables))
+
+        for start in range(0, 48, 16):
+            strategy.schedule(step, args=(x[start:start + 16], y[start:start + 16]))
+            strategy.join()
+        assert split and set(split) == {kernel.value.name}, split  # only the partitioned kernel
+        assert_close([w.numpy() for w in model.weights], want)
 
 
 @pytest.mark.parametrize("name", ["sgd", "adagrad"])

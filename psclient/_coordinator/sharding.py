@@ -221,7 +221,8 @@ def create_partitioned(next_creator: Callable, kwargs: dict, value, devices: lis
 
 # Keras optimizers whose update is elementwise in the variable, its slots and
 # its gradient, so applying it to each shard's rows gives the update of the
-# whole (not Adafactor: its factored slots average over rows and columns).
+# whole (not Adafactor: its factored slots average over rows and columns;
+# psclient._keras.adafactor splits its update with sums from every shard).
 _ELEMENTWISE_OPTIMIZERS = frozenset(
     {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "Lion", "Ftrl", "Adadelta", "Nadam"}
 )

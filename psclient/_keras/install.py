@@ -22,7 +22,8 @@ that do not live on a psclient strategy's ps tasks:
    (or shard) from a `tf.IndexedSlices` gradient works on the touched rows
    only, where Keras's computes `sqrt(accumulator + epsilon)` over the whole
    table every step (same arithmetic on those rows, see
-   `_install_sparse_adagrad`).
+   `_install_sparse_adagrad`). Adafactor's update of a partitioned variable
+   runs on each shard's ps (`psclient._keras.adafactor`).
 
 Nothing else in psclient patches Keras. Before patching, every private Keras
 name psclient uses (`psclient._keras.seam.KERAS_INTERNALS`) is looked up, so a
@@ -40,6 +41,7 @@ import inspect
 import sys
 import threading
 
+from psclient._keras import adafactor
 from psclient._keras import eval as _keras_eval
 from psclient._keras import seam
 from psclient._keras.trainer import (
@@ -103,6 +105,7 @@ def install() -> None:
         _install_moving_average_on_ps()
         _install_partitioned_shape()
         _install_sparse_adagrad()
+        adafactor.install()
         _install_apply_hook()
         _done = True
 

@@ -47,6 +47,7 @@ _BACKUP = "keras.src.callbacks.backup_and_restore.BackupAndRestore"
 _TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer.TFOptimizer"
 _BASE_OPTIMIZER = "keras.src.optimizers.base_optimizer.BaseOptimizer"
 _ADAGRAD = "keras.src.optimizers.adagrad.Adagrad"
+_ADAFACTOR = "keras.src.optimizers.adafactor.Adafactor"
 
 
 class Internal(NamedTuple):
@@ -89,6 +90,16 @@ KERAS_INTERNALS: tuple[Internal, ...] = (
              "only, with Keras's arithmetic, not sqrt(accumulator + epsilon) over the whole table"),
     Internal(f"{_ADAGRAD}._accumulators", "Adagrad's accumulators, one per weight: the rows to gather",
              kind="instance"),
+    Internal(f"{_ADAFACTOR}.update_step",
+             "patched: a partitioned variable's update runs shard by shard on each shard's ps, the "
+             "whole-variable means added up from per-shard sums (psclient._keras.adafactor)"),
+    Internal(f"{_ADAFACTOR}._r", "Adafactor's row factors, one per weight", kind="instance"),
+    Internal(f"{_ADAFACTOR}._c", "Adafactor's column factors, one per weight", kind="instance"),
+    Internal(f"{_ADAFACTOR}._v", "Adafactor's second moments, one per weight", kind="instance"),
+    Internal(f"{_BASE_OPTIMIZER}._learning_rate", "Adafactor's relative_step applies to a fixed rate only",
+             kind="instance"),
+    Internal(f"{_BASE_OPTIMIZER}._overwrite_variable_with_gradient",
+             "weights Keras overwrites with their gradient have no Adafactor slots"),
     Internal(f"{_BASE_OPTIMIZER}.apply", "patched: inside a scheduled step, applied under the strategy's "
              "max_staleness / replicas_to_aggregate rule and its staleness measured"),
     Internal(f"{_BASE_OPTIMIZER}._trainable_variables", "the weights of apply(grads) given no variables",
