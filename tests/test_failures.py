@@ -107,3 +107,27 @@ def test_renewing_cancelled_iterators_happens_once_per_breakage():
     assert datasets == [0, 1]
     assert registry.renew_iterators(0, registry.generation(0)) == 1  # a later breakage
     assert registry.generation(1) == 0
+
+
+def test_another_lost_task_explains_a_closures_failures_a_bounded_number_of_times():
+    from psclient._core.failures import MAX_OTHER_LOST_ATTEMPTS, MAX_TRANSIENT_ATTEMPTS
+
+    # A py_function's own exception arrives as UnknownError, a connection-type code.
+    err = tf.errors.UnknownError(None, None, "RuntimeError: user bug")
+    for n in range(1, MAX_OTHER_LOST_ATTEMPTS + 1):
+        assert classify(err, lambda: True, lambda: True, other_lost_attempts=n) is Verdict.OTHER_TASK_LOST
+    # Then the usual few unexplained attempts, then it is the function's error.
+    past = MAX_OTHER_LOST_ATTEMPTS + 1
+    assert classify(err, lambda: True, lambda: True, attempts=1, other_lost_attempts=past) is Verdict.TRANSIENT
+    assert classify(err, lambda: True, lambda: True, attempts=MAX_TRANSIENT_ATTEMPTS,
+                    other_lost_attempts=past) is Verdict.FUNCTION_ERROR
+
+
+def test_retry_pauses_grow_and_are_bounded():
+    from psclient._core.failures import retry_pause
+
+    assert retry_pause(Verdict.OTHER_TASK_LOST, 1) == 0.0  # the first rerun at once
+    pauses = [retry_pause(Verdict.OTHER_TASK_LOST, n) for n in range(2, 12)]
+    assert pauses == sorted(pauses) and pauses[0] > 0 and max(pauses) == 2.0
+    assert [retry_pause(Verdict.TRANSIENT, n) for n in (1, 2, 3, 9)] == [0.5, 1.0, 2.0, 2.0]
+    assert retry_pause(Verdict.WORKER_LOST, 5) == retry_pause(Verdict.PS_LOST, 5) == 0.0

@@ -198,14 +198,17 @@ class Dispatcher:
             lost = probes.lost_workers(worker)
             for other in lost:
                 self._report(WorkerNotAnswering(other, None, epochs[other]))
-            return bool(lost) or any(  # a retired worker is not lost: it left on purpose
+            # A worker out of rotation counts while it is still in TF's view
+            # (until the reconnect that drops it); a retired one left on purpose.
+            view = probes.view()
+            return bool(lost) or any(
                 not self._scheduler.worker_is_up(w) and not self._scheduler.is_retired(w)
-                for w in range(len(epochs)) if w != worker
+                for w in range(len(epochs)) if w != worker and w in view
             )
 
         verdict = classify(
             error, lambda: probes.worker_answers(worker), others_lost=others_lost, ps_lost=ps_lost,
-            attempts=closure.unexplained_failures + 1,
+            attempts=closure.unexplained_failures + 1, other_lost_attempts=closure.other_lost_failures + 1,
         )
         if verdict is Verdict.WORKER_LOST:
             log.warning("worker %d does not answer (%s: %s); re-queueing its closures for other workers",
@@ -222,6 +225,9 @@ class Dispatcher:
             if verdict is Verdict.PS_LOST:
                 self._report(PsNotAnswering(lost_ps, ps_epoch))
             pause = 0.0
+            if verdict is Verdict.OTHER_TASK_LOST:
+                closure.other_lost_failures += 1
+                pause = retry_pause(verdict, closure.other_lost_failures)
             if verdict is Verdict.TRANSIENT:
                 closure.unexplained_failures += 1
                 pause = retry_pause(verdict, closure.unexplained_failures)

@@ -102,6 +102,10 @@ class FailureProbes:
             if other != worker and self._scheduler.worker_is_up(other)
         }))
 
+    def view(self) -> frozenset:
+        """The workers in TF's view of the cluster (as the recovery thread last connected)."""
+        return self._published.view
+
     def epochs(self) -> tuple:
         return self._published.epochs
 

@@ -64,6 +64,12 @@ class Verdict(enum.Enum):
 #: How many attempts a closure gets when its connection errors have no lost
 #: task to explain them; after that the error is the function's own.
 MAX_TRANSIENT_ATTEMPTS = 4
+#: How many times one closure is run again because *another* task is lost.
+#: A worker that broke the call is taken out at once and a rerun succeeds;
+#: one that keeps failing while a worker stays away (a function whose own
+#: error has a connection-type code, such as a py_function's UnknownError)
+#: would otherwise run for good. Then the usual few unexplained attempts follow.
+MAX_OTHER_LOST_ATTEMPTS = 8
 
 
 def is_connection_error_type(error: BaseException) -> bool:
@@ -76,6 +82,7 @@ def classify(
     others_lost: Callable[[], bool] = lambda: False,
     ps_lost: Callable[[], bool] = lambda: False,
     attempts: int = MAX_TRANSIENT_ATTEMPTS,
+    other_lost_attempts: int = 1,
 ) -> Verdict:
     """Decide what a closure's error means.
 
@@ -86,6 +93,8 @@ def classify(
     attempts, this one included, failed with a connection error that no
     probe explained (retries after a lost task do not count): such an error
     is retried until MAX_TRANSIENT_ATTEMPTS, then it is the function's own.
+    `other_lost_attempts`: this one included, how many failed while another
+    task was lost; past MAX_OTHER_LOST_ATTEMPTS that no longer explains it.
     """
     if not is_connection_error_type(error):
         return Verdict.FUNCTION_ERROR
@@ -95,7 +104,7 @@ def classify(
         return Verdict.PS_LOST
     if not worker_answers():
         return Verdict.WORKER_LOST
-    if others_lost():
+    if others_lost() and other_lost_attempts <= MAX_OTHER_LOST_ATTEMPTS:
         return Verdict.OTHER_TASK_LOST
     if attempts < MAX_TRANSIENT_ATTEMPTS:
         return Verdict.TRANSIENT
@@ -118,7 +127,11 @@ def iterator_cancelled(error: BaseException) -> bool:
 
 def retry_pause(verdict: Verdict, attempts: int) -> float:
     """Seconds to wait before a retried call runs again: a growing pause for
-    TRANSIENT (the channel needs the time), none otherwise."""
-    if verdict is not Verdict.TRANSIENT:
-        return 0.0
-    return min(2.0, 0.5 * 2 ** (attempts - 1))
+    TRANSIENT (the channel needs the time) and for OTHER_TASK_LOST after its
+    first retry (the recovery thread needs the time to take the task out),
+    none otherwise."""
+    if verdict is Verdict.TRANSIENT:
+        return min(2.0, 0.5 * 2 ** (attempts - 1))
+    if verdict is Verdict.OTHER_TASK_LOST and attempts > 1:
+        return min(2.0, 0.1 * 2 ** (attempts - 2))
+    return 0.0

@@ -65,7 +65,7 @@ class Closure:
 
     __slots__ = (
         "id", "fn", "args", "kwargs", "future", "attempts", "started_at", "per_worker",
-        "worker", "function", "unexplained_failures",
+        "worker", "function", "unexplained_failures", "other_lost_failures",
     )
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, future: Future):
@@ -79,6 +79,8 @@ class Closure:
         #: these count against the transient-retry budget: retries after a
         #: ps or worker loss do not).
         self.unexplained_failures = 0
+        #: Failed attempts explained by another task being lost (bounded too).
+        self.other_lost_failures = 0
         self.started_at = 0.0
         #: Whether `args`/`kwargs` hold per-worker values to resolve per worker.
         self.per_worker = False
