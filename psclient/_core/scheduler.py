@@ -45,58 +45,16 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import itertools
 import threading
 import time
 from typing import Any, Callable
 
+from psclient._core.closure import Closure
 from psclient._core.errors import StrategyClosedError
-from psclient._core.future import Future
 from psclient._core.membership import Membership
 from psclient._core.worker_stats import WorkerStats
 
 __all__ = ["Closure", "Scheduler", "WorkerStats"]
-
-_ids = itertools.count()
-
-
-class Closure:
-    """One scheduled call: the function, its arguments and its future."""
-
-    __slots__ = (
-        "id", "fn", "args", "kwargs", "future", "attempts", "started_at", "per_worker",
-        "worker", "function", "unexplained_failures", "other_lost_failures",
-    )
-
-    def __init__(self, fn: Callable, args: tuple, kwargs: dict, future: Future):
-        self.id = next(_ids)
-        self.fn = fn
-        self.args = args
-        self.kwargs = kwargs
-        self.future = future
-        self.attempts = 0
-        #: Failed attempts whose connection error no lost task explained (only
-        #: these count against the transient-retry budget: retries after a
-        #: ps or worker loss do not).
-        self.unexplained_failures = 0
-        #: Failed attempts explained by another task being lost (bounded too).
-        self.other_lost_failures = 0
-        self.started_at = 0.0
-        #: Whether `args`/`kwargs` hold per-worker values to resolve per worker.
-        self.per_worker = False
-        #: The worker running the current attempt (None while queued).
-        self.worker: int | None = None
-        #: What `fn` was traced from: after a ps task is rebuilt, `fn` is
-        #: traced again from it.
-        self.function: Any = None
-
-    @property
-    def name(self) -> str:
-        return self.future.name
-
-    def __repr__(self) -> str:
-        return f"<Closure #{self.id} {self.name!r} attempts={self.attempts}>"
-
 
 class _Waiter:
     """One dispatcher thread waiting in take(): woken alone, and only for work it can take."""

@@ -1,0 +1,50 @@
+"""One scheduled call, as the scheduler and the dispatchers see it: pure data."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable
+
+from psclient._core.future import Future
+
+__all__ = ["Closure"]
+
+_ids = itertools.count()
+
+
+class Closure:
+    """One scheduled call: the function, its arguments and its future."""
+
+    __slots__ = (
+        "id", "fn", "args", "kwargs", "future", "attempts", "started_at", "per_worker",
+        "worker", "function", "unexplained_failures", "other_lost_failures",
+    )
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, future: Future):
+        self.id = next(_ids)
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.future = future
+        self.attempts = 0
+        #: Failed attempts whose connection error no lost task explained (only
+        #: these count against the transient-retry budget: retries after a
+        #: ps or worker loss do not).
+        self.unexplained_failures = 0
+        #: Failed attempts explained by another task being lost (bounded too).
+        self.other_lost_failures = 0
+        self.started_at = 0.0
+        #: Whether `args`/`kwargs` hold per-worker values to resolve per worker.
+        self.per_worker = False
+        #: The worker running the current attempt (None while queued).
+        self.worker: int | None = None
+        #: What `fn` was traced from: after a ps task is rebuilt, `fn` is
+        #: traced again from it.
+        self.function: Any = None
+
+    @property
+    def name(self) -> str:
+        return self.future.name
+
+    def __repr__(self) -> str:
+        return f"<Closure #{self.id} {self.name!r} attempts={self.attempts}>"
