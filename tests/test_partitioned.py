@@ -466,7 +466,7 @@ def test_bad_partitioners_name_the_variable(cluster):
         assert not any("table" in name or "wide" in name for name in names), names
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adafactor"])
 def test_fit_matches_local_keras(one_worker_cluster, optimizer):
     x, y = data()
     with connected(one_worker_cluster,
