@@ -66,6 +66,35 @@ def test_a_reconnect_naming_a_dead_worker_fails_at_once_and_the_rest_goes_on(loc
         runtime.disconnect()
 
 
+def test_a_patient_connect_to_a_dead_worker_names_it_after_its_patience(local):
+    """The strategy's first connect (patience=connect_timeout): TaskUnreachableError naming the task."""
+    from psclient._core.errors import TaskUnreachableError
+
+    runtime.connect(local.cluster, streaming_enqueue=False)
+    try:
+        local.kill("worker", 1)
+        raised: list = []
+
+        def connect():
+            try:
+                runtime.connect(local.cluster, streaming_enqueue=False, patience=1.0)
+            except TaskUnreachableError as error:
+                raised.append(error)
+
+        thread = threading.Thread(target=connect, daemon=True)
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive(), "a connect with patience=1 s took over 60 s"
+        assert raised, "no TaskUnreachableError"
+        error = raised[0]
+        assert error.task == "worker:1" and error.address == local.cluster.address("worker", 1), error
+        assert "connect_timeout=1 s" in str(error) and "worker:1 at " in str(error)
+        local.restart("worker", 1, timeout=180)
+        runtime.connect(local.cluster, streaming_enqueue=False, patience=60.0)  # a restarted task: taken
+    finally:
+        runtime.disconnect()
+
+
 def test_a_worker_killed_between_the_probes_and_the_reconnect(local, monkeypatch):
     """The recovery thread reconnects to bring a restarted worker back; the other
     worker dies just before TF is called (the race the probes cannot close)."""

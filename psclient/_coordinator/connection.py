@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import threading
 import time
 
@@ -18,6 +19,7 @@ import portpicker
 
 from psclient._cluster.spec import Cluster
 from psclient._coordinator import executors as _executors
+from psclient._core.errors import TaskUnreachableError
 
 __all__ = ["COORDINATOR_JOB", "CONNECTION_LOCK_TIMEOUT", "connect", "disconnect"]
 
@@ -129,11 +131,11 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None, patience
             )
         else:
             _restrict_coordinator_port(cluster)  # first: a worker that joins may call back while TF updates
-            _update_patiently(cluster_spec, filters, patience)
+            _update_patiently(cluster, cluster_spec, filters, patience)
         _restrict_coordinator_port(cluster)
 
 
-def _update_patiently(cluster_spec, filters, patience: float) -> None:
+def _update_patiently(cluster: Cluster, cluster_spec, filters, patience: float) -> None:
     import tensorflow as tf
 
     deadline = time.monotonic() + patience
@@ -142,11 +144,32 @@ def _update_patiently(cluster_spec, filters, patience: float) -> None:
             _update_connection(cluster_spec, filters)
             return
         except tf.errors.UnavailableError as error:
-            if time.monotonic() >= deadline:
-                raise
-            log.info("connect: a task does not take the connection yet (%s); trying again",
-                     str(error).split("\n", 1)[0])
-            time.sleep(0.2)
+            first_line = str(error).split("\n", 1)[0]
+            if time.monotonic() < deadline:
+                log.info("connect: a task does not take the connection yet (%s); trying again", first_line)
+                time.sleep(0.2)
+                continue
+            if patience <= 0:
+                raise  # the recovery thread's reconnect: its machine decides
+            address = job = index = None
+            task = _TASK_IN_ERROR.search(str(error))
+            if task:
+                job, index = task.group(1), int(task.group(2))
+                try:
+                    address = cluster.address(job, index)
+                except (ValueError, IndexError):  # not a task of this cluster's description
+                    address = None
+            named = f"task {job}:{index} at {address}" if address else "a task"
+            raise TaskUnreachableError(
+                f"Cannot connect to the cluster: {named} did not take the connection within "
+                f"connect_timeout={patience:g} s (TensorFlow: {first_line}). Check that its "
+                "`psclient serve` runs and that nothing else listens on its port.",
+                task=f"{job}:{index}" if address else None, address=address,
+            ) from error
+
+
+#: How TF's gRPC errors name the task they came from.
+_TASK_IN_ERROR = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
 
 
 def _restrict_coordinator_port(cluster: Cluster) -> None:
