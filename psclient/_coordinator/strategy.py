@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from psclient._cluster.spec import Cluster
-from psclient._coordinator import registry
+from psclient._coordinator import lifecycle, registry
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.checkpoint import check_directory
 from psclient._coordinator.datasets import (
@@ -198,7 +198,7 @@ class ParameterServerStrategy(ElasticWorkers):
         registry.claim(self, lambda: _runtime.connect(cluster, streaming_enqueue=pipeline_depth > 1,
                                                        patience=connect_timeout))
         with contextlib.ExitStack() as undo:
-            undo.callback(_leave, self)
+            undo.callback(lifecycle.leave, self)
             self._dispatcher = Dispatcher(
                 self._scheduler,
                 num_workers=cluster.num_workers,
@@ -209,14 +209,14 @@ class ParameterServerStrategy(ElasticWorkers):
                 release_timeout=hang_timeout,
                 iterators=self._per_worker,
             )
-            undo.callback(_stop_dispatch, self._scheduler, self._dispatcher, hang_timeout)
+            undo.callback(lifecycle.stop_dispatch, self._scheduler, self._dispatcher, hang_timeout)
             self._recovery.cancel_calls = self._dispatcher.cancel_calls
             elastic.attach(scheduler=self._scheduler, dispatcher=self._dispatcher, recovery=self._recovery)
             self._recovery.start()
             undo.pop_all()
         # Shuts down when shutdown() is called, the strategy is collected, or at exit.
         self._finalizer = weakref.finalize(
-            self, _shutdown_quietly, self._scheduler, self._dispatcher, self._recovery, prober, hang_timeout,
+            self, lifecycle.shutdown_quietly, self._scheduler, self._dispatcher, self._recovery, prober, hang_timeout,
         )
 
     # ------------------------------------------------------------------ info
@@ -548,41 +548,3 @@ def _raise(error: BaseException) -> Callable:
         raise error
 
     return fail
-
-
-def _leave(strategy: ParameterServerStrategy) -> None:
-    """Undo a constructor's connection: the next strategy can connect at once."""
-    _runtime.disconnect()
-    registry.release(strategy)
-
-
-def _stop_dispatch(scheduler: Scheduler, dispatcher: Dispatcher, timeout: float) -> None:
-    scheduler.close()
-    dispatcher.stop(timeout)
-
-
-def _shutdown_quietly(
-    scheduler: Scheduler, dispatcher: Dispatcher, recovery: Recovery, prober: Prober, timeout: float,
-) -> None:
-    stopped = recovery.stop(timeout)
-    scheduler.close()
-    stuck = dispatcher.stop(timeout)
-    stuck += prober.close(min(timeout, 1.0))
-    # The tasks may go away after this: leave TF's view of them, or every
-    # later tf.function in this process (plain local Keras too) would fail.
-    # Not while a worker hangs: TF's update_server_def would wait on it forever;
-    # nor while the recovery thread is still inside a TF call (it may hold
-    # the connection lock).
-    hung = recovery.hung_in_view() if stopped else []
-    if not stopped:
-        log.warning("shutdown: the recovery thread is still inside a TensorFlow call; TF's "
-                    "view of the cluster is kept")
-    elif hung:
-        log.warning("shutdown: worker(s) %s hang; TF's view of the cluster is kept", hung)
-    else:
-        _runtime.disconnect()
-    if stuck:
-        log.warning(
-            "shutdown: %s still wait on a task that does not answer (hung?); they "
-            "exit when it answers or dies", ", ".join(stuck),
-        )
