@@ -294,9 +294,11 @@ def test_ps_back_but_not_taking_connections_yet_is_tried_each_round_until_ps_tim
     assert d.done(ok=False, value={}) == []
     assert d.tick(at=9.0) == [rm.Reconnect(frozenset({0, 1}), "ps")]
     d.now = 10.5
-    actions = d.done(ok=False, value={})
+    assert d.done(ok=False, value={}) == []
+    actions = d.tick(at=11.0)
     assert kinds(actions) == ["FailAll", "ResumeDispatch"]
-    assert "take connections within ps_timeout=10" in actions[0].why and actions[0].permanent
+    assert "within ps_timeout=10" in actions[0].why and actions[0].permanent
+    assert d.tick(at=12.0) == []  # given up once
 
 
 def test_ps_recovery_waits_while_a_worker_hangs_in_the_view():

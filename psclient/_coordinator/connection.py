@@ -77,24 +77,24 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None, patience
     0 raises TF's UnavailableError at once (the recovery thread decides).
     """
     global _coordinator_address
-    # Environment knobs TF reads: set in this one place. GRPC_FAIL_FAST=true
-    # makes every RPC to a task that is down fail at once. TF's own coordinator
-    # sets "use_caller", under which update_server_def (each connect and
-    # reconnect) asks a task named in the spec for its devices with
-    # wait-for-ready: a worker that died between the reconnect's probes and
-    # the call held the recovery thread, and the process-wide connection lock,
-    # until a task listened on its port again (for good if none does).
-    # psclient waits for tasks itself (connect_timeout, rejoin probes). TF reads
-    # the variable per call. Streaming enqueue lets several calls be in flight per worker
-    # (pipelining); at depth 1 it stays off for the process: with it on, an
-    # op sent to a task that died can wait for good. Registrations made while
-    # tracing stream anyway (`streamed_registrations`). Dispatcher threads call
-    # through executors of their own (`device_scope`).
-    # TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY makes `context.async_wait()` a no-op
-    # (TF's own ParameterServerStrategy sets it too): it syncs every task of
-    # the cluster, a hung one included, and Keras calls it at the end of every
-    # epoch and TF's checkpoints after every save and restore. psclient runs
-    # nothing asynchronously that it would need to wait for.
+    # Environment knobs TF reads, set in this one place:
+    # - GRPC_FAIL_FAST=true: every RPC to a task that is down fails at once
+    #   (TF reads it per call). Under TF's own coordinator's "use_caller",
+    #   update_server_def asks each task it names for its devices waiting for
+    #   it to be ready: a worker that died between a reconnect's probes and the
+    #   call held the recovery thread, and the connection lock, until something
+    #   listened on its port again. psclient waits for tasks itself
+    #   (connect_timeout, `patience`, rejoin probes).
+    # - Streaming enqueue lets several calls be in flight per worker
+    #   (pipelining); at depth 1 it stays off for the process: with it on, an
+    #   op sent to a task that died can wait for good. Registrations made while
+    #   tracing stream anyway (`streamed_registrations`); dispatcher threads
+    #   call through executors of their own (`device_scope`).
+    # - TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY makes `context.async_wait()` a
+    #   no-op (TF's own ParameterServerStrategy sets it too): it syncs every
+    #   task, a hung one included, and Keras calls it at every epoch end and
+    #   TF's checkpoints after every save and restore. psclient runs nothing
+    #   asynchronously that it would need to wait for.
     os.environ["GRPC_FAIL_FAST"] = "true"
     _executors.set_streaming_env(bool(streaming_enqueue))
     os.environ["TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY"] = "True"
@@ -151,6 +151,8 @@ def _update_patiently(cluster: Cluster, cluster_spec, filters, patience: float) 
                 continue
             if patience <= 0:
                 raise  # the recovery thread's reconnect: its machine decides
+            # The task is read from TF's message only to name it in ours; no
+            # decision depends on the text.
             address = job = index = None
             task = _TASK_IN_ERROR.search(str(error))
             if task:

@@ -185,7 +185,7 @@ class Elastic:
 
 
 class ElasticWorkers:
-    """The strategy's elastic API (mixed into `ParameterServerStrategy`, which sets `_elastic`)."""
+    """The strategy's elastic API (mixed into `ParameterServerStrategy`, which sets `_elastic` and `_steps`)."""
 
     @property
     def cluster(self) -> Cluster:
@@ -240,7 +240,7 @@ class ElasticWorkers:
         """
         self._check_open("remove_worker")
         self._elastic.remove_worker(index_or_address, drain=drain)
-        k = getattr(getattr(self, "_steps", None), "replicas_to_aggregate", None)
+        k = self._steps.replicas_to_aggregate
         if k is not None and len(self._elastic.workers) < k:
             log.warning(
                 "%d worker(s) left for replicas_to_aggregate=%d: no step can get %d different workers' "

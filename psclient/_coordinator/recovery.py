@@ -36,7 +36,7 @@ from psclient._core.errors import PSUnavailableError, StrategyClosedError, Worke
 from psclient._core.health import Prober
 from psclient._core.scheduler import Scheduler
 
-__all__ = ["Recovery", "RecoveryConfig", "FailureProbes"]  # FailureProbes: from probes.py
+__all__ = ["Recovery", "RecoveryConfig"]
 
 log = logging.getLogger("psclient")
 #: TF's (and gRPC's) code for UnavailableError: the task did not take the call.

@@ -390,9 +390,10 @@ class RecoveryMachine(ElasticFlows):
             # variables may report after the recovery.
             self._ps_requeued = True
             return [RequeueRunning()]
+        # Gone, or back but not taking connections yet: either way, for ps_timeout at most.
+        if now - self._ps_since > self.config.ps_timeout:
+            return self._give_up_ps(f"it did not come back within ps_timeout={self.config.ps_timeout:g} s")
         if any(self.ps[ps] is TaskState.LOST for ps in lost):
-            if now - self._ps_since > self.config.ps_timeout:
-                return self._give_up_ps(f"it did not come back within ps_timeout={self.config.ps_timeout:g} s")
             return []
         if self._ps_back_at is None:
             self._ps_back_at = now
@@ -409,10 +410,8 @@ class RecoveryMachine(ElasticFlows):
             self._ps_retry_next_round = True
             if event.error is None:
                 # A named task did not answer (a worker is taken out; a ps just
-                # back may not take connections yet): tried again next round.
-                if now - self._ps_since > self.config.ps_timeout:
-                    return self._give_up_ps(
-                        f"it did not take connections within ps_timeout={self.config.ps_timeout:g} s")
+                # back may not take connections yet): tried again next round,
+                # until ps_timeout (`_advance_ps`).
                 return []
             self._ps_failures += 1
             if self._ps_failures >= self.config.ps_attempts:

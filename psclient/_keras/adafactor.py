@@ -81,9 +81,16 @@ def _plan(optimizer, gradient, variable):
     r, c, v = (seam.internal(optimizer, name)[index] for name in ("_r", "_c", "_v"))
     if not _same_rows(_value(v), value):
         return None
-    if len(variable.shape) == 2 and not (_same_rows(_value(r), value) or not is_partitioned(_value(r))):
-        return None
+    if len(variable.shape) == 2 and is_partitioned(_value(r)) and not _same_rows(_value(r), value):
+        return None  # r split otherwise than the variable: Keras's own update
     return value, r, c, v
+
+
+def _blend(beta, old, new):
+    """beta * old + (1 - beta) * new, with Keras's ops in Keras's order."""
+    from keras import ops
+
+    return ops.add(ops.multiply(beta, old), ops.multiply(ops.subtract(1, beta), new))
 
 
 def _rows_per_shard(value) -> tuple:
@@ -122,10 +129,9 @@ def _update_shards(optimizer, gradient, variable, learning_rate, value, r, c, v)
     r_split = factored and is_partitioned(r_value)
 
     # Each ps: its part of the sums, and its rows of r (and, one axis, of v).
-    squares, row_parts, column_sums, row_sums, starts = [], [], [], [], []
+    squares, row_parts, column_sums, row_sums = [], [], [], []
     start = 0
     for index, shard in enumerate(shards):
-        starts.append(start)
         stop = start + int(shard.shape[0])
         # Each slot's arithmetic where that slot (shard) lives: Keras may
         # place r's shards apart from the variable's.
@@ -139,16 +145,14 @@ def _update_shards(optimizer, gradient, variable, learning_rate, value, r, c, v)
             old_r = r_value.variables[index] if r_split else r_value
             with tf.device(old_r.device):
                 old_rows = old_r if r_split else old_r[start:stop]
-                new_r = ops.add(ops.multiply(beta_2_t, old_rows),
-                                ops.multiply(ops.subtract(1, beta_2_t), row_means))
+                new_r = _blend(beta_2_t, old_rows, row_means)
                 if r_split:
                     old_r.assign(new_r)
                 row_sums.append(ops.sum(new_r))
             row_parts.append(new_r)
         else:
             with tf.device(v_shards[index].device):
-                new_v = ops.add(ops.multiply(beta_2_t, v_shards[index]),
-                                ops.multiply(ops.subtract(1, beta_2_t), g2))
+                new_v = _blend(beta_2_t, v_shards[index], g2)
                 v_shards[index].assign(new_v)
             row_parts.append(new_v)
         start = stop
@@ -191,22 +195,17 @@ def _update_columns(optimizer, c, beta_2_t, column_means):
     import tensorflow as tf
     from keras import ops
 
-    from psclient._coordinator.sharding import is_partitioned
+    from psclient._coordinator.sharding import is_partitioned, per_shard
 
     c_value = _value(c)
     if not is_partitioned(c_value):
         with tf.device(c_value.device):
-            new_c = ops.add(ops.multiply(beta_2_t, c_value),
-                            ops.multiply(ops.subtract(1, beta_2_t), column_means))
+            new_c = _blend(beta_2_t, c_value, column_means)
             optimizer.assign(c, new_c)
         return new_c
-    parts, start = [], 0
-    for shard in c_value.variables:
-        stop = start + int(shard.shape[0])
+    parts = []
+    for shard, means in zip(c_value.variables, per_shard(column_means, c_value)):
         with tf.device(shard.device):
-            part = ops.add(ops.multiply(beta_2_t, shard),
-                           ops.multiply(ops.subtract(1, beta_2_t), column_means[start:stop]))
-            shard.assign(part)
-        parts.append(part)
-        start = stop
+            parts.append(_blend(beta_2_t, shard, means))
+            shard.assign(parts[-1])
     return ops.concatenate(parts, axis=0)
