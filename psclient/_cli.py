@@ -105,6 +105,15 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         "format as --cluster), read again whenever it changes, for workers that join later "
         "from other hosts (the file a psclient.WorkerWatcher follows)",
     )
+    serve.add_argument(
+        "--recycle-when-idle",
+        type=float,
+        metavar="S",
+        help="restart this task in place (same pid and port) once no connection has been open to "
+        "its port for S seconds after a coordinator used it: TensorFlow keeps part of every "
+        "coordinator's context (threads, memory) for good, and only a fresh process gives it back. "
+        "Linux only (default: never)",
+    )
     # Used by LocalCluster only: see psclient._cluster.server.serve.
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     serve.add_argument("--parent-fd", type=int, help=argparse.SUPPRESS)
@@ -549,6 +558,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         if args.inter_op_threads is not None:
             _server.check_inter_op_threads(args.inter_op_threads, name="--inter-op-threads")
+        if args.recycle_when_idle is not None and not args.recycle_when_idle > 0:
+            raise ValueError(f"Invalid value for --recycle-when-idle. Received: {args.recycle_when_idle}. "
+                             "Expected a number of seconds > 0.")
         cluster, task = _load_config_file(args.cluster) if args.cluster else _load_tf_config()
         job, index = _resolve_task(args, cluster, task)
         if args.peers_file is not None and not args.restrict_to_peers:
@@ -565,7 +577,26 @@ def _run_serve(args: argparse.Namespace) -> int:
         parent_fd=args.parent_fd,
         restrict_to_peers=args.restrict_to_peers,
         peers_file=args.peers_file,
+        recycle_when_idle=args.recycle_when_idle,
+        restart_argv=serve_again_argv(args, job, index) if args.recycle_when_idle is not None else None,
     )
+
+
+def serve_again_argv(args: argparse.Namespace, job: str, index: int) -> list[str]:
+    """The command that serves the same task again, for a restart in place:
+    no --ready-fd (nobody waits for that one), paths made absolute."""
+    argv = [sys.executable, "-m", "psclient", "serve", "--job", job, "--index", str(index)]
+    if args.cluster:
+        argv += ["--cluster", os.path.abspath(args.cluster)]
+    if args.inter_op_threads is not None:
+        argv += ["--inter-op-threads", str(args.inter_op_threads)]
+    if args.restrict_to_peers:
+        argv.append("--restrict-to-peers")
+    if args.peers_file is not None:
+        argv += ["--peers-file", os.path.abspath(args.peers_file)]
+    if args.parent_fd is not None:
+        argv += ["--parent-fd", str(args.parent_fd)]
+    return argv + ["--recycle-when-idle", repr(args.recycle_when_idle)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -45,6 +45,7 @@ _ETH_P_IPV6 = 0x86DD
 _KEEP = 0xFFFFFFFF
 _DROP = 0
 _TCP_LISTEN = "0A"
+_TCP_OPEN = ("01", "03")  # ESTABLISHED, SYN_RECV (include/net/tcp_states.h)
 
 
 class PortExposedError(PSClientError, RuntimeError):
@@ -186,6 +187,12 @@ def _listening_fds(port: int) -> list[int]:
         if target.startswith("socket:[") and target[8:-1] in inodes:
             fds.append(int(name))
     return fds
+
+
+def connections_to(port: int) -> int:
+    """Open TCP connections (established, or being accepted) to `port` on this host."""
+    return sum(1 for _, local, _, state, _ in _proc_net_tcp()
+               if state in _TCP_OPEN and _port_of(local) == port)
 
 
 def foreign_connections(port: int, peers: Iterable[_Address]) -> list[str]:

@@ -129,7 +129,7 @@ def _log_tail(path: str) -> str:
     return "\n".join("    " + line for line in lines[-_LOG_TAIL_LINES:])
 
 
-def _launch(task: _Task, env: dict[str, str], inter_op_threads: int | None) -> None:
+def _launch(task: _Task, env: dict[str, str], serve_options: list[str]) -> None:
     """Starts `task`'s process; does not wait for it to be ready."""
     # os.pipe() fds are non-inheritable: a task inherits only the two ends in
     # pass_fds, so the write end of each parent pipe stays in this process alone.
@@ -142,8 +142,7 @@ def _launch(task: _Task, env: dict[str, str], inter_op_threads: int | None) -> N
             "--index", str(task.index), "--ready-fd", str(ready_w), "--parent-fd", str(parent_r)]
     if exposure.supported():
         argv.append("--restrict-to-peers")
-    if inter_op_threads is not None:
-        argv += ["--inter-op-threads", str(inter_op_threads)]
+    argv += serve_options
     try:
         with open(task.log_path, "ab") as log:
             task.process = subprocess.Popen(
@@ -272,6 +271,11 @@ class LocalCluster(ElasticWorkers):
         env: environment variables for the tasks, on top of this process's.
         inter_op_threads: TensorFlow inter-op threads per task (at least 2);
             `psclient serve`'s default when None.
+        recycle_when_idle: seconds; each task restarts itself in place (same
+            pid and port) once a coordinator has used it and no connection
+            has been open to it that long (`psclient serve
+            --recycle-when-idle`: TF keeps part of every coordinator's
+            context for good). Never when None. Linux only.
 
     Raises:
         TaskUnreachableError: a task exited or was not ready in time; the
@@ -290,6 +294,7 @@ class LocalCluster(ElasticWorkers):
         log_dir: str | os.PathLike | None = None,
         env: dict[str, str] | None = None,
         inter_op_threads: int | None = None,
+        recycle_when_idle: float | None = None,
     ):
         check_positive("num_workers", num_workers, integer=True)
         check_positive("num_ps", num_ps, integer=True)
@@ -297,7 +302,10 @@ class LocalCluster(ElasticWorkers):
         if inter_op_threads is not None:
             check_inter_op_threads(inter_op_threads)
         self._start_timeout = float(start_timeout)
-        self._inter_op_threads = inter_op_threads
+        self._serve_options = [] if inter_op_threads is None else ["--inter-op-threads", str(inter_op_threads)]
+        if recycle_when_idle is not None:
+            check_positive("recycle_when_idle", recycle_when_idle, unit="seconds")
+            self._serve_options += ["--recycle-when-idle", repr(float(recycle_when_idle))]
         self._lock = threading.RLock()
         self._tempdir = None
         if log_dir is None:
@@ -357,7 +365,7 @@ class LocalCluster(ElasticWorkers):
         deadline = time.monotonic() + timeout
         for task in tasks:  # All at once: TensorFlow's import dominates start-up.
             env = dict(self._env, TF_CONFIG=self._cluster.to_tf_config(task.job, task.index))
-            _launch(task, env, self._inter_op_threads)
+            _launch(task, env, self._serve_options)
         _wait_ready(tasks, deadline, timeout)
 
     # Inspection -------------------------------------------------------------

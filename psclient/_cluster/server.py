@@ -12,15 +12,20 @@ TensorFlow is imported only inside `serve`, after GRPC_FAIL_FAST is set.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import sys
 import threading
+import time
+from collections.abc import Sequence
 from typing import NoReturn
 
 from psclient._cluster import exposure
 from psclient._cluster.peers import PeerFile, cluster_hosts
 from psclient._cluster.spec import Cluster
+from psclient._core.checks import check_positive
+from psclient._core.recycling import IdleRecycler, TaskLoad
 
 SERVED_JOBS = ("worker", "ps")
 
@@ -156,9 +161,13 @@ class _StopSignals:
         if os.getppid() != self._owner:  # Gone between the two calls.
             _owner_gone(task)
 
-    def wait(self) -> str:
-        """Blocks until SIGTERM or SIGINT; returns its name."""
+    def wait(self, timeout: float | None = None) -> str | None:
+        """Blocks until SIGTERM or SIGINT and returns its name, or None after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and (left <= 0 or not select.select([self._read_fd], [], [], left)[0]):
+                return None
             for signum in os.read(self._read_fd, 64):
                 if signum in self._SIGNALS:
                     return signal.Signals(signum).name
@@ -204,6 +213,67 @@ def _exit_when_parent_dies(parent_fd: int, task: str) -> None:
     threading.Thread(target=watch, name="psclient-parent-watch", daemon=True).start()
 
 
+def read_task_load(port: int) -> TaskLoad:
+    """Connections to `port` and this process's TF context threads, from /proc."""
+    threads = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as f:
+                # TF names each eager context's inter-op pool "Compute"; its
+                # threads are "tf_Compute" (tests/test_serve_recycle.py checks it).
+                threads += f.read().strip() == "tf_Compute"
+        except OSError:
+            continue  # The thread ended meanwhile.
+    return TaskLoad(connections=exposure.connections_to(port), context_threads=threads)
+
+
+def restart_in_place(argv: Sequence[str], keep_fds: Sequence[int]) -> None:
+    """Replaces this process with `argv` (same pid); returns only if that fails.
+
+    Only stdin/stdout/stderr and `keep_fds` pass to the new program: every
+    other descriptor (TF's listening socket above all) is marked close-on-exec,
+    so the new server binds the port afresh and nothing of the old one stays.
+    """
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep_fds:
+            try:
+                os.set_inheritable(fd, False)
+            except OSError:
+                continue  # Closed meanwhile (the listing's own fd, too).
+    for fd in keep_fds:
+        os.set_inheritable(fd, True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], list(argv))
+
+
+def _serve_until_stopped(stop: _StopSignals, task: str, port: int, recycle_when_idle: float | None,
+                         restart_argv: Sequence[str] | None, keep_fds: Sequence[int]) -> str:
+    """Waits for SIGTERM/SIGINT (returns its name); with `recycle_when_idle`,
+    restarts the process in place whenever IdleRecycler says so."""
+    if recycle_when_idle is None:
+        return stop.wait()
+    recycler = IdleRecycler(recycle_when_idle, read_task_load(port), time.monotonic())
+    while True:
+        signal_name = stop.wait(timeout=1.0)
+        if signal_name is not None:
+            return signal_name
+        load = read_task_load(port)
+        now = time.monotonic()
+        if not recycler.observe(load, now):
+            continue
+        _log(f"psclient serve: {task} restarting itself in place (same pid and port): no connection "
+             f"for {recycler.idle_for(now):.0f} s, and it holds {recycler.leftover_threads(load)} "
+             "threads of gone coordinators' contexts that TensorFlow does not release")
+        try:
+            restart_in_place(restart_argv, keep_fds)
+        except OSError as e:
+            _log(f"psclient serve: error: {task} could not restart itself ({e}); it goes on "
+                 "serving without --recycle-when-idle")
+            return stop.wait()
+
+
 def _signal_ready(ready_fd: int) -> None:
     try:
         os.write(ready_fd, b"ready\n")
@@ -236,6 +306,8 @@ def serve(
     parent_fd: int | None = None,
     restrict_to_peers: bool = False,
     peers_file: str | None = None,
+    recycle_when_idle: float | None = None,
+    restart_argv: Sequence[str] | None = None,
 ) -> NoReturn:
     """Runs task `job:index` of `cluster` until SIGTERM or SIGINT, then exits 0.
 
@@ -261,6 +333,12 @@ def serve(
         peers_file: with `restrict_to_peers`, a JSON cluster file whose hosts
             are admitted too, read again whenever it changes (workers that
             join from other hosts; see peers.py); exit 1 if it is unreadable at start.
+        recycle_when_idle: seconds; once the task holds what gone coordinators'
+            contexts left (TF keeps some for good) and no connection has been
+            open to its port that long, the process replaces itself with
+            `restart_argv` (same pid; see psclient/_core/recycling.py). Linux only.
+        restart_argv: the command that serves this task again (`psclient
+            serve ...` without --ready-fd); required with `recycle_when_idle`.
     """
     if job not in SERVED_JOBS:
         raise ValueError(
@@ -272,6 +350,15 @@ def serve(
         inter_op_threads = default_inter_op_threads(cluster)
     check_inter_op_threads(inter_op_threads)
     task = f"{job}:{index}"
+    if recycle_when_idle is not None:
+        check_positive("recycle_when_idle", recycle_when_idle, unit="seconds")
+        if restart_argv is None:
+            raise ValueError("Invalid value for argument `restart_argv`. Received: None. Expected "
+                             "the command that serves this task again, with `recycle_when_idle`.")
+        if not os.path.isdir("/proc/self/task"):
+            _log(f"psclient serve: error: cannot start {task} with --recycle-when-idle: it reads "
+                 "/proc, which this system lacks (Linux only)")
+            _exit(1)
     problem = local_address_problem(address)
     if problem is not None:  # TF would start, say nothing, and serve nobody
         _log(f"psclient serve: error: cannot start {task} at {address}: {problem}")
@@ -325,7 +412,9 @@ def serve(
     _log(f"psclient serve: {task} ready at {address} (pid {os.getpid()})")
     if ready_fd is not None:
         _signal_ready(ready_fd)
-    signal_name = stop.wait()
+    keep_fds = () if parent_fd is None else (parent_fd,)
+    signal_name = _serve_until_stopped(stop, task, int(address.rsplit(":", 1)[1]), recycle_when_idle,
+                                       restart_argv, keep_fds)
     _log(f"psclient serve: {task} stopping on {signal_name}")
     del server
     _exit(0)

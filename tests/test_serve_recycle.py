@@ -1,0 +1,161 @@
+"""`psclient serve --recycle-when-idle`: long-lived tasks give back what gone coordinators left.
+
+Real task processes (a LocalCluster whose tasks recycle after 2 s idle) and
+real coordinators, each its own process as on a cluster. TensorFlow keeps 4
+`tf_Compute` threads of every coordinator's context on each task for good (and
+a killed coordinator's variables until its keep-alive, 600 s): these tests
+show them released by the in-place restart, the pid and port kept, and a
+connected coordinator never restarted under, however idle it is.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import psclient
+from psclient._cluster import exposure
+
+from _polling import wait_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IDLE = 2.0
+RESTART_TIMEOUT = 120  # idle time, then TensorFlow's import in the restarted task, on a busy machine
+
+pytestmark = [
+    pytest.mark.timeout(400),
+    pytest.mark.skipif(not exposure.supported(), reason="--recycle-when-idle reads /proc (Linux only)"),
+]
+
+TASKS = (("worker", 0), ("ps", 0))
+
+COORDINATOR = """
+import os, signal, sys
+import tensorflow as tf
+import psclient
+if sys.argv[1] == "kill":
+    # TF-internal: the keep-alive after which the tasks drop a silent
+    # coordinator's context (TF's 600 s otherwise). Until then they keep
+    # talking to each other for it, so they are not idle.
+    from tensorflow.python.eager import context
+    context._KEEP_ALIVE_SECS = 5
+strategy = psclient.ParameterServerStrategy(psclient.Cluster.from_env())
+with strategy.scope():
+    table = tf.Variable(tf.zeros([256, 1024]))  # 1 MiB on the ps
+@tf.function
+def step():
+    table.assign_add(tf.ones([256, 1024]))
+    return tf.reduce_sum(table)
+futures = [strategy.schedule(step) for _ in range(10)]
+strategy.join()
+assert sorted(f.result() for f in futures)[-1] == 10 * 256 * 1024, [f.result() for f in futures]
+print("steps ok", flush=True)
+if sys.argv[1] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)  # nothing tells the tasks
+strategy.shutdown()
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with psclient.LocalCluster(num_workers=1, num_ps=1, recycle_when_idle=IDLE) as local:
+        yield local
+
+
+def context_threads(pid):
+    count = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                count += f.read().strip() == "tf_Compute"
+        except OSError:
+            continue
+    return count
+
+
+def log_lines(cluster, job, index, text):
+    with open(cluster.log_path(job, index), errors="replace") as f:
+        return [line for line in f if text in line]
+
+
+def restarts(cluster, job, index):
+    return len(log_lines(cluster, job, index, "restarting itself in place"))
+
+
+def ready_count(cluster, job, index):
+    return len(log_lines(cluster, job, index, " ready at "))
+
+
+def run_coordinator(cluster, mode, tmp_path):
+    script = tmp_path / "coordinator.py"
+    script.write_text(COORDINATOR)
+    tf_config = cluster.cluster.to_tf_config("chief", 0)
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=tf_config)
+    result = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True,
+                            timeout=240, env=env)
+    assert "steps ok" in result.stdout, result.stderr[-3000:]
+    if mode == "kill":
+        assert result.returncode == -signal.SIGKILL
+    else:
+        assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["shutdown", "kill"])
+def test_a_task_restarts_in_place_after_a_coordinator_leaves_and_serves_the_next(cluster, mode, tmp_path):
+    pids = {task: cluster.pid(*task) for task in TASKS}
+    before = {task: (restarts(cluster, *task), ready_count(cluster, *task)) for task in TASKS}
+    run_coordinator(cluster, mode, tmp_path)
+    for task in TASKS:
+        wait_for(lambda: ready_count(cluster, *task) > before[task][1], RESTART_TIMEOUT,
+                 f"{task} to restart and be ready again after a coordinator's {mode}")
+        assert restarts(cluster, *task) == before[task][0] + 1
+        line = log_lines(cluster, *task, "restarting itself in place")[-1]
+        assert "threads of gone coordinators' contexts" in line, line
+        assert cluster.pid(*task) == pids[task]  # same process (exec), same port
+        # It counted the coordinator's leftover threads by TF's name for them,
+        # tf_Compute: a TF that renames them makes this fail, not the restart silently stop.
+        assert int(line.split("it holds ")[1].split()[0]) >= 1, line
+
+
+def test_threads_stay_flat_across_coordinators(cluster, tmp_path):
+    """After each coordinator and its restarts, every task holds what a fresh one holds."""
+    counts = []
+    for _ in range(2):
+        before = {task: ready_count(cluster, *task) for task in TASKS}
+        run_coordinator(cluster, "shutdown", tmp_path)
+        for task in TASKS:
+            wait_for(lambda: ready_count(cluster, *task) > before[task], RESTART_TIMEOUT,
+                     f"{task} to restart after a coordinator")
+        counts.append({task: context_threads(cluster.pid(*task)) for task in TASKS})
+    assert counts[0] == counts[1], counts
+
+
+def test_a_connected_coordinator_is_never_restarted_under_however_idle(cluster):
+    strategy = psclient.ParameterServerStrategy(cluster.cluster)
+    try:
+        import tensorflow as tf
+
+        with strategy.scope():
+            counter = tf.Variable(0.0)
+
+        @tf.function
+        def step():
+            counter.assign_add(1.0)
+            return counter.read_value()
+
+        before = {task: restarts(cluster, *task) for task in TASKS}
+        for _ in range(3):
+            for _ in range(5):
+                strategy.schedule(step)
+            strategy.join()
+            # Idle well past the recycle time, connections open: nothing may restart.
+            deadline = time.monotonic() + 3 * IDLE + 1
+            while time.monotonic() < deadline:
+                assert {task: restarts(cluster, *task) for task in TASKS} == before
+                time.sleep(0.2)
+        assert float(counter.numpy()) == 15.0  # the ps kept the variable throughout
+    finally:
+        strategy.shutdown()
