@@ -143,15 +143,16 @@ def task_usage(pids: Sequence[int]) -> dict:
 
 
 @contextlib.contextmanager
-def local_cluster(num_workers: int, num_ps: int) -> Iterator[tuple[Any, dict[str, int]]]:
+def local_cluster(num_workers: int, num_ps: int, **options: Any) -> Iterator[tuple[Any, dict[str, int]]]:
     """A running `psclient.LocalCluster`: yields its `Cluster` and {"worker:0": pid, ...}.
 
     The cluster's tasks run in their own sessions, so a Ctrl-C reaches only
     the parent (and its coordinator children), whose `finally` then closes it.
+    `options` go to LocalCluster (log_dir, recycle_when_idle, ...).
     """
     import psclient
 
-    with psclient.LocalCluster(num_workers=num_workers, num_ps=num_ps) as local:
+    with psclient.LocalCluster(num_workers=num_workers, num_ps=num_ps, **options) as local:
         cluster = local.cluster
         pids = {f"{job}:{index}": local.pid(job, index) for job, index, _ in cluster.tasks()}
         yield cluster, pids

@@ -24,8 +24,13 @@ is meant to drop a coordinator's context that long after its last request.
 it and runs a step: it fails, or psclient counts a failure, if the tasks
 dropped its context meanwhile.
 
+--recycle-when-idle S starts the tasks with `psclient serve --recycle-when-idle S`
+(each restarts itself in place once idle with leftovers); every coordinator
+then waits for those restarts before the sample.
+
 Usage:
   python benchmarks/serve_churn.py [--coordinators 50] [--mode both] [--keep-alive 600] > churn.json
+  python benchmarks/serve_churn.py --recycle-when-idle 2 --keep-alive 5 > recycled.json
 """
 
 from __future__ import annotations
@@ -162,22 +167,49 @@ def summarize(samples: list[dict]) -> dict:
     return out
 
 
+def _ready_lines(log_dir: str, task: str) -> int:
+    """How often task "job:index" has said it is ready (once per start or restart in place)."""
+    job, index = task.split(":")
+    with open(os.path.join(log_dir, f"{job}-{index}.log"), errors="replace") as log:
+        return sum(" ready at " in line for line in log)
+
+
+def _wait_restarted(log_dir: str, before: dict[str, int], timeout: float) -> float:
+    """Waits until every task has restarted in place since `before`; the seconds it took."""
+    started = time.monotonic()
+    while any(_ready_lines(log_dir, task) <= count for task, count in before.items()):
+        if time.monotonic() - started > timeout:
+            raise _common.ChildError(f"the tasks did not restart in place within {timeout:.0f} s")
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
-    _common.log(f"{mode}: starting a cluster of {args.workers} workers and {args.ps} ps")
-    with _common.local_cluster(args.workers, args.ps) as (cluster, task_pids):
+    _common.log(f"{mode}: starting a cluster of {args.workers} workers and {args.ps} ps"
+                + (f", recycled after {args.recycle_when_idle:g} s idle" if args.recycle_when_idle else ""))
+    options = {"recycle_when_idle": args.recycle_when_idle} if args.recycle_when_idle else {}
+    keep_alive = args.keep_alive if args.keep_alive is not None else _default_keep_alive()
+    with tempfile.TemporaryDirectory(prefix="serve-churn-logs-") as log_dir, \
+            _common.local_cluster(args.workers, args.ps, log_dir=log_dir, **options) as (cluster, task_pids):
         base = [os.path.abspath(__file__), "--child", "--mode", mode, "--steps", str(args.steps),
                 "--width", str(args.width),
                 "--cluster", json.dumps(cluster.jobs), "--task-pids", json.dumps(task_pids)]
         if args.keep_alive is not None:
             base += ["--keep-alive", str(args.keep_alive)]
         samples = [sample(task_pids)]  # before any coordinator
-        walls, wrong, applied = [], 0, set()
+        walls, wrong, applied, restart_waits = [], 0, set(), []
         started = time.monotonic()
         for i in range(args.coordinators):
+            ready_before = {task: _ready_lines(log_dir, task) for task in task_pids}
             result = run_coordinator(base, kill=mode == "kill")
             wrong += result["wrong_results"] + (result["total"] != args.steps)
             applied.add(result["keep_alive_applied"])
             walls.append(result["wall_s"])
+            if args.recycle_when_idle:
+                # A killed coordinator's tasks keep talking to each other for its
+                # context until the keep-alive runs out: only then are they idle.
+                restart_waits.append(_wait_restarted(
+                    log_dir, ready_before, timeout=keep_alive + args.recycle_when_idle + 300))
             time.sleep(args.settle)  # the tasks' settle time before sampling (a measurement)
             samples.append(sample(task_pids))
             _common.log(f"{mode}: coordinator {i + 1}/{args.coordinators}: tasks "
@@ -190,7 +222,10 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             "median_coordinator_wall_s": _common.median(walls),
             **summarize(samples),
         }
-        keep_alive = args.keep_alive if args.keep_alive is not None else _default_keep_alive()
+        if restart_waits:
+            out["restarts_in_place"] = {
+                "median_s_from_coordinator_end_to_ready": round(_common.median(restart_waits), 2),
+                "max_s": round(max(restart_waits), 2)}
         if mode == "kill" and keep_alive + 5 <= args.max_release_wait:
             wait = keep_alive + 5
             _common.log(f"{mode}: waiting {wait} s for the last keep-alives to run out")
@@ -269,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="columns of the coordinator's (64, width) float32 variable on the ps")
     parser.add_argument("--pause-check", type=float, default=0.0, metavar="SECONDS",
                         help="also: one coordinator SIGSTOPped this long, then resumed and run again")
+    parser.add_argument("--recycle-when-idle", type=float, default=None, metavar="SECONDS",
+                        help="tasks restart in place after this idle time (psclient serve "
+                        "--recycle-when-idle); each coordinator then waits for those restarts")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cluster", help=argparse.SUPPRESS)
     parser.add_argument("--task-pids", help=argparse.SUPPRESS)
