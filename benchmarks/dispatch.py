@@ -6,6 +6,10 @@ training step runs through these paths, each in its own coordinator subprocess:
   psclient_d1, psclient_d2  psclient.ParameterServerStrategy.schedule, pipeline_depth 1 and 2
   tf_coordinator            TF's ClusterCoordinator + tf.distribute.experimental.ParameterServerStrategy
   plain_threads             one Python thread per worker calling the tf.function synchronously
+  sync_call_floor           ("tiny" only; not in the default set) ONE thread calling worker 0
+                            through an executor like a psclient dispatcher's (synchronous,
+                            each call's completion and result waited for): what TF's runtime
+                            alone costs the coordinator per closure, the floor under any path
 
 for the workloads: "linear" (784->10 softmax, batch 32: bound by dispatch
 overhead) and "mlp" (784-512-512-10 ReLU, batch 128: bound by ps bandwidth).
@@ -60,7 +64,8 @@ def _count_thread_starts() -> None:
     threading.Thread.start = counting_start
 
 
-PATHS = ("psclient_d1", "psclient_d2", "tf_coordinator", "plain_threads")
+PATHS = ("psclient_d1", "psclient_d2", "tf_coordinator", "plain_threads", "sync_call_floor")
+DEFAULT_PATHS = PATHS[:4]
 PSCLIENT_PATHS = ("psclient_d1", "psclient_d2")
 WORKLOADS = {
     # units: layer widths; lr: SGD learning rate.
@@ -289,6 +294,44 @@ def setup_plain_threads(cluster, workload: str):
     return run, None, counters
 
 
+def setup_sync_call_floor(cluster, workload: str):
+    """One thread, worker 0, the tiny step through a synchronous executor made
+    the way psclient makes a dispatcher's (TF's "async wait for remote
+    functions" off: each call returns when it has run), its result fetched."""
+    import tensorflow as tf
+
+    from psclient._coordinator import executors
+
+    if workload != "tiny":
+        raise ValueError(f"sync_call_floor runs the tiny workload only, not {workload!r}")
+    tf.config.experimental_connect_to_cluster(
+        tf.train.ClusterSpec(cluster.training_spec()), job_name="chief", task_index=0, protocol="grpc"
+    )
+    counters = make_counters(cluster.num_ps, place=lambda i: tf.device(f"/job:ps/task:{i}"))
+    tiny = make_tiny_step(counters)
+
+    def run(n: int) -> list[float]:
+        results, errors = [], []
+
+        def loop() -> None:
+            own = executors.new_call_executor(streaming=False)
+            try:
+                with executors.executor_scope(own), tf.device("/job:worker/task:0"):
+                    for _ in range(n):
+                        results.append(float(tiny().numpy()))
+            except BaseException as error:  # noqa: BLE001 - re-raised in the caller
+                errors.append(error)
+
+        thread = threading.Thread(target=loop)  # a thread, as psclient's dispatchers are
+        thread.start()
+        thread.join()
+        if errors:
+            raise errors[0]
+        return results
+
+    return run, None, counters
+
+
 # ----------------------------------------------------------------------------
 def child_main(args: argparse.Namespace) -> None:
     """One coordinator subprocess: set up one path, warm up, time, print one JSON line."""
@@ -303,6 +346,8 @@ def child_main(args: argparse.Namespace) -> None:
         run, stats, counters = setup_psclient(cluster, workload, depth=int(path[-1]))
     elif path == "tf_coordinator":
         run, stats, counters = setup_tf_coordinator(cluster, workload)
+    elif path == "sync_call_floor":
+        run, stats, counters = setup_sync_call_floor(cluster, workload)
     else:
         run, stats, counters = setup_plain_threads(cluster, workload)
 
@@ -437,6 +482,9 @@ def summarize(runs: dict, workloads: list[str], paths: list[str], num_workers: i
                     mine["python_threads_peak"] <= limit)
                 met["no thread started while idle"] = mine["python_threads_started_while_idle"] == 0
                 met["every closure once"] = mine["every_closure_once"]
+                floor = per_path.get("sync_call_floor", {}).get("coordinator_cpu_us_per_step")
+                if floor:
+                    entry["coordinator_cpu_over_sync_call_floor"] = round(mine["coordinator_cpu_us_per_step"] / floor, 2)
             entry["ratios"] = ratios
             entry["targets_met"] = met
         summary[workload] = entry
@@ -452,6 +500,9 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
     for name, given, known in (("--workloads", workloads, WORKLOADS), ("--paths", paths, PATHS)):
         if not set(given) <= set(known):
             raise SystemExit(f"Invalid value for {name}: {given}. Expected a comma-separated subset of {list(known)}.")
+    if "sync_call_floor" in paths and workloads != ["tiny"]:
+        raise SystemExit(f"Invalid value for --paths: sync_call_floor with --workloads {','.join(workloads)}. "
+                         "Expected --workloads tiny: the floor is measured on the tiny step only.")
     output = {
         "config": {
             **_common.environment(argv),
@@ -511,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ps", type=int, default=DEFAULT_PS, help="ps tasks of the LocalCluster")
     parser.add_argument("--idle", type=float, default=IDLE_S,
                         help="seconds of idle after each run's timed steps, watched for new threads (0: skip)")
-    parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated (default: all)")
+    parser.add_argument("--paths", default=",".join(DEFAULT_PATHS),
+                        help=f"comma-separated (default: {','.join(DEFAULT_PATHS)}; also sync_call_floor, tiny only)")
     # Internal: run one path as a coordinator subprocess.
     parser.add_argument("--_child", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--workload", choices=list(WORKLOADS), help=argparse.SUPPRESS)
