@@ -89,6 +89,24 @@ def ready_count(cluster, job, index):
     return len(log_lines(cluster, job, index, " ready at "))
 
 
+def listening_sockets(pid, port):
+    """How many of process `pid`'s descriptors are sockets listening on `port`."""
+    inodes = set()
+    for name in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{name}") as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(fields[9])
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] in inodes
+        except OSError:
+            continue
+    return count
+
+
 def run_coordinator(cluster, mode, tmp_path):
     script = tmp_path / "coordinator.py"
     script.write_text(COORDINATOR)
@@ -118,6 +136,12 @@ def test_a_task_restarts_in_place_after_a_coordinator_leaves_and_serves_the_next
         # It counted the coordinator's leftover threads by TF's name for them,
         # tf_Compute: a TF that renames them makes this fail, not the restart silently stop.
         assert int(line.split("it holds ")[1].split()[0]) >= 1, line
+        # The old process's listening socket did not pass to the new one (one
+        # socket, TF's new one), and the new one closed its port to other
+        # hosts again before saying ready (LocalCluster's --restrict-to-peers).
+        port = int(cluster.cluster.address(*task).rsplit(":", 1)[1])
+        assert listening_sockets(pids[task], port) == 1
+        assert len(log_lines(cluster, *task, "drops every packet")) == ready_count(cluster, *task)
 
 
 def test_threads_stay_flat_across_coordinators(cluster, tmp_path):
