@@ -1,6 +1,7 @@
 """The `psclient` command line.
 
-- `psclient serve`: one TensorFlow task server (a worker or ps task).
+- `psclient serve`: one TensorFlow task server (a worker or ps task; in
+  `_cluster/serve_command.py`).
 - `psclient launch`: a local cluster plus a training script, as one job.
 - `psclient evaluate`: the sidecar evaluator, as a job of its own.
 - `psclient k8s`: Kubernetes manifests for one job, printed as YAML.
@@ -23,16 +24,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from psclient._cluster import server as _server
-from psclient._cluster.spec import (
-    Cluster,
-    cluster_from_config,
-    parse_config_json,
-    read_tf_config,
-    task_from_config,
-)
+from psclient._cluster.serve_command import add_serve_parser
 from psclient._core.checks import check_positive
-from psclient._core.errors import ClusterConfigError
 
 _MAIN_EPILOG = """\
 example:
@@ -51,74 +44,6 @@ example:
 
 Run `psclient COMMAND --help` for a command's options.
 """
-
-_SERVE_EPILOG = """\
-example:
-  $ cat cluster.json
-  {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"], "ps": ["10.0.0.3:2222"]}
-  $ psclient serve --job worker --index 0 --cluster cluster.json
-
-  # Or, with TF_CONFIG naming the cluster and this task:
-  $ TF_CONFIG='{"cluster": {...}, "task": {"type": "ps", "index": 0}}' psclient serve
-
-The task runs until SIGTERM or SIGINT, then exits with status 0.
-Task servers accept unauthenticated RPCs and TensorFlow binds ALL network
-interfaces: run them only on a trusted network, and with --restrict-to-peers
-so that only the cluster's own hosts reach the port.
-"""
-
-
-def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
-    serve = commands.add_parser(
-        "serve",
-        help="run one worker or ps task server",
-        description="Run one TensorFlow task server (a worker or ps task) of a "
-        "psclient cluster, until SIGTERM or SIGINT.",
-        epilog=_SERVE_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    serve.add_argument("--job", choices=("worker", "ps"), help="the task's job (default: TF_CONFIG's task)")
-    serve.add_argument("--index", type=int, help="the task's index in its job (default: TF_CONFIG's task)")
-    serve.add_argument(
-        "--cluster",
-        metavar="FILE.json",
-        help="JSON file: a dict of jobs, or a TF_CONFIG-style object with a "
-        '"cluster" key (default: the TF_CONFIG environment variable)',
-    )
-    serve.add_argument(
-        "--inter-op-threads",
-        type=int,
-        metavar="N",
-        help="TensorFlow inter-op threads, at least 2 (default: max(CPU count, workers + 1))",
-    )
-    serve.add_argument(
-        "--restrict-to-peers",
-        action="store_true",
-        help="drop every packet to this task's port that comes neither over loopback nor from "
-        "the cluster's hosts (all jobs but evaluator, resolved at start; the cluster must name "
-        'a "chief", the coordinator). Linux only; no privilege needed',
-    )
-    serve.add_argument(
-        "--peers-file",
-        metavar="FILE.json",
-        help="with --restrict-to-peers: also admit the hosts of this JSON cluster file (same "
-        "format as --cluster), read again whenever it changes, for workers that join later "
-        "from other hosts (the file a psclient.WorkerWatcher follows)",
-    )
-    serve.add_argument(
-        "--recycle-when-idle",
-        type=float,
-        metavar="S",
-        help="restart this task in place (same pid and port) once no connection has been open to "
-        "its port for S seconds after a coordinator used it: TensorFlow keeps part of every "
-        "coordinator's context (threads, memory) for good, and only a fresh process gives it back. "
-        "Linux only (default: never)",
-    )
-    # Used by LocalCluster only: see psclient._cluster.server.serve.
-    serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
-    serve.add_argument("--parent-fd", type=int, help=argparse.SUPPRESS)
-    serve.set_defaults(handler=_run_serve, command_parser=serve)
-
 
 _EVALUATE_EPILOG = """\
 example:
@@ -486,117 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     _add_demo_parser(commands)
-    _add_serve_parser(commands)
+    add_serve_parser(commands)
     _add_launch_parser(commands)
     _add_evaluate_parser(commands)
     _add_k8s_parser(commands)
     return parser
-
-
-def _load_config_file(path: str) -> tuple[Cluster, tuple[str, int] | None]:
-    """The cluster (and task, if named) of a cluster file."""
-    source = f"cluster file {path!r}"
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ClusterConfigError(
-            f"Cannot read --cluster {path!r}: {e.strerror}. Expected a readable JSON file."
-        ) from e
-    config = parse_config_json(text, source=source)
-    if isinstance(config, dict) and "cluster" in config:
-        return cluster_from_config(config, source=source), task_from_config(config, source=source)
-    if not isinstance(config, dict):
-        raise ClusterConfigError(
-            f"Invalid {source}. Received: {text[:200]!r}. Expected a JSON object of jobs "
-            'like {"worker": ["host:port"], "ps": ["host:port"]}.'
-        )
-    try:
-        return Cluster(config), None
-    except ClusterConfigError as e:
-        raise ClusterConfigError(f"Invalid {source}: {e}") from e
-
-
-def _load_tf_config() -> tuple[Cluster, tuple[str, int] | None]:
-    if not os.environ.get("TF_CONFIG", "").strip():
-        raise ClusterConfigError(
-            "No cluster given: pass --cluster FILE.json or set the TF_CONFIG "
-            "environment variable (TF_CONFIG is not set)."
-        )
-    config = read_tf_config()
-    return cluster_from_config(config, source="TF_CONFIG"), task_from_config(config, source="TF_CONFIG")
-
-
-def _resolve_task(
-    args: argparse.Namespace, cluster: Cluster, task: tuple[str, int] | None
-) -> tuple[str, int]:
-    """--job and --index, defaulting to the configuration's task."""
-    job, index = args.job, args.index
-    if job is None:
-        if task is None:
-            raise ValueError("--job is required when the configuration names no task.")
-        if task[0] not in ("worker", "ps"):
-            raise ValueError(
-                f"The configuration's task is {task[0]}:{task[1]}, but psclient serve runs "
-                "only 'worker' and 'ps' tasks. Expected --job worker or --job ps."
-            )
-        job = task[0]
-    if index is None:
-        if task is None or task[0] != job:
-            raise ValueError(f"--index is required: the configuration names no {job} task.")
-        index = task[1]
-    count = len(cluster.jobs[job])
-    if not 0 <= index < count:
-        raise ValueError(
-            f"Invalid value for --index. Received: {index}. Expected an integer in "
-            f"0..{count - 1}: the cluster has {count} {job} task(s)."
-        )
-    return job, index
-
-
-def _run_serve(args: argparse.Namespace) -> int:
-    try:
-        if args.inter_op_threads is not None:
-            _server.check_inter_op_threads(args.inter_op_threads, name="--inter-op-threads")
-        if args.recycle_when_idle is not None and not args.recycle_when_idle > 0:
-            raise ValueError(f"Invalid value for --recycle-when-idle. Received: {args.recycle_when_idle}. "
-                             "Expected a number of seconds > 0.")
-        cluster, task = _load_config_file(args.cluster) if args.cluster else _load_tf_config()
-        job, index = _resolve_task(args, cluster, task)
-        if args.peers_file is not None and not args.restrict_to_peers:
-            raise ValueError(f"Invalid value for --peers-file. Received: {args.peers_file!r} without "
-                             "--restrict-to-peers. Expected it together with --restrict-to-peers.")
-    except ValueError as e:  # ClusterConfigError is a ValueError.
-        args.command_parser.error(str(e))  # Prints usage and the message; exits 2.
-    _server.serve(
-        cluster,
-        job,
-        index,
-        inter_op_threads=args.inter_op_threads,
-        ready_fd=args.ready_fd,
-        parent_fd=args.parent_fd,
-        restrict_to_peers=args.restrict_to_peers,
-        peers_file=args.peers_file,
-        recycle_when_idle=args.recycle_when_idle,
-        restart_argv=serve_again_argv(args, job, index) if args.recycle_when_idle is not None else None,
-    )
-
-
-def serve_again_argv(args: argparse.Namespace, job: str, index: int) -> list[str]:
-    """The command that serves the same task again, for a restart in place:
-    no --ready-fd (nobody waits for that one), paths made absolute."""
-    argv = [sys.executable, "-m", "psclient", "serve", "--job", job, "--index", str(index)]
-    if args.cluster:
-        argv += ["--cluster", os.path.abspath(args.cluster)]
-    if args.inter_op_threads is not None:
-        argv += ["--inter-op-threads", str(args.inter_op_threads)]
-    if args.restrict_to_peers:
-        argv.append("--restrict-to-peers")
-    if args.peers_file is not None:
-        argv += ["--peers-file", os.path.abspath(args.peers_file)]
-    if args.parent_fd is not None:
-        argv += ["--parent-fd", str(args.parent_fd)]
-    return argv + ["--recycle-when-idle", repr(args.recycle_when_idle)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,7 +25,7 @@ import sys
 import pytest
 
 from psclient import Cluster
-from psclient._cli import _resolve_task
+from psclient._cluster.serve_command import resolve_task as _resolve_task
 from psclient._cluster.k8s import (
     CHECKPOINT_ENV,
     POD_INDEX_LABEL,

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from psclient import _cli
+from psclient._cluster import serve_command
 from psclient._cluster import exposure
 from psclient._core.recycling import IdleRecycler, TaskLoad
 
@@ -62,7 +63,7 @@ def _args(**overrides):
 
 
 def test_the_restart_command_serves_the_same_task_without_the_ready_fd(tmp_path):
-    argv = _cli.serve_again_argv(
+    argv = serve_command.serve_again_argv(
         _args(cluster="c.json", inter_op_threads=4, restrict_to_peers=True, peers_file="p.json", parent_fd=9),
         "ps", 1)
     assert argv[:4] == [sys.executable, "-m", "psclient", "serve"]
@@ -75,7 +76,7 @@ def test_the_restart_command_serves_the_same_task_without_the_ready_fd(tmp_path)
     assert options["--recycle-when-idle"] == "30.0"
     assert "--restrict-to-peers" in argv
     # The minimal form: TF_CONFIG (kept in the environment) names the cluster.
-    assert _cli.serve_again_argv(_args(), "worker", 0)[4:] == [
+    assert serve_command.serve_again_argv(_args(), "worker", 0)[4:] == [
         "--job", "worker", "--index", "0", "--recycle-when-idle", "30.0"]
 
 
