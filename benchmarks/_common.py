@@ -55,10 +55,18 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def print_json(obj: Any) -> None:
+def print_json(obj: Any, also_to: str | None = None) -> None:
+    """Prints `obj` as JSON; with `also_to`, also writes it to that file
+    (through a temporary file beside it, renamed into place)."""
     json.dump(obj, sys.stdout, indent=2, sort_keys=False)
     sys.stdout.write("\n")
     sys.stdout.flush()
+    if also_to:
+        directory = os.path.dirname(os.path.abspath(also_to))
+        with tempfile.NamedTemporaryFile("w", dir=directory, prefix=".tmp-", suffix=".json",
+                                         delete=False) as f:
+            json.dump(obj, f, indent=2)
+        os.replace(f.name, also_to)
 
 
 def median(values: Sequence[float]) -> float | None:

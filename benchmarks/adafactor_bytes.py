@@ -111,10 +111,7 @@ def main(argv=None) -> int:
             "adafactor_whole_bytes_over_adafactor": round(
                 runs["adafactor_whole"]["mb_per_step"] / runs["adafactor"]["mb_per_step"], 2),
         }
-    _common.print_json(result)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    _common.print_json(result, also_to=args.out)
     return 0
 
 

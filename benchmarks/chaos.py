@@ -382,12 +382,7 @@ def main(argv=None) -> int:
         summary[mode] = row
     output = {"benchmark": "chaos", "config": {**environment(sys.argv), **vars(args)},
               "targets": TARGETS, "runs": results, "summary": summary}
-    print_json(output)
-    if args.output:
-        import json
-
-        with open(args.output, "w") as f:
-            json.dump(output, f, indent=2)
+    print_json(output, also_to=args.output)
     return 0
 
 

@@ -143,10 +143,7 @@ def main(argv=None) -> int:
         for name, by_setting in runs.items()
     }
     result = {"config": config, "median": summary, "runs": runs}
-    _common.print_json(result)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    _common.print_json(result, also_to=args.out)
     return 0
 
 
