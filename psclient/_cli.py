@@ -320,6 +320,9 @@ def _add_k8s_parser(commands: argparse._SubParsersAction) -> None:
                      help="the checkpoint volume's size (default: 10Gi)")
     k8s.add_argument("--storage-class", metavar="CLASS",
                      help="its StorageClass (default: the cluster's); ReadWriteMany with --evaluator")
+    k8s.add_argument("--recycle-when-idle", type=float, metavar="S",
+                     help="ps and worker tasks restart in place once idle S seconds after a coordinator "
+                          "(psclient serve --recycle-when-idle; default: never)")
     k8s.add_argument("--chief-restarts", type=int, default=6, metavar="K",
                      help="restarts of a failing chief (or evaluator) before the Job fails (default: 6)")
     for role, (cpu, memory) in DEFAULT_RESOURCES.items():
@@ -342,7 +345,7 @@ def _run_k8s(args: argparse.Namespace) -> int:
     fields = {f: getattr(args, f) for f in (
         "name", "image", "workers", "ps", "evaluator", "evaluator_model", "evaluator_data",
         "evaluator_checkpoint_dir", "port", "checkpoint_size", "storage_class", "chief_restarts",
-        "max_workers", *(f"{role}_{what}" for role in ("worker", "ps", "chief", "evaluator") for what in ("cpu", "memory")),
+        "max_workers", "recycle_when_idle", *(f"{role}_{what}" for role in ("worker", "ps", "chief", "evaluator") for what in ("cpu", "memory")),
     )}
     try:
         job = K8sJob(command=command, **fields)

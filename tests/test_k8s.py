@@ -360,6 +360,7 @@ def _argv(args: list[str]) -> list[str]:
     (["--port", "70000"], "Invalid value for --port. Received: 70000. Expected an integer in 1..65535."),
     (["--chief-restarts", "-1"], "Invalid value for --chief-restarts. Received: -1. Expected an integer >= 0."),
     (["--max-workers", "1"], "Invalid value for --max-workers. Received: 1. Expected at least --workers"),
+    (["--recycle-when-idle", "0"], "Invalid value for --recycle-when-idle. Received: 0.0."),
     (["--worker-memory", "4GB"], ("Invalid value for --worker-memory. Received: '4GB'. Expected a positive "
                                   "Kubernetes quantity")),
     (["--ps-cpu", "0"], "Invalid value for --ps-cpu. Received: '0'."),
@@ -454,3 +455,23 @@ def test_only_the_chief_gets_a_token_and_it_can_only_read_pods():
         plain = manifests(job)
         assert not {"ServiceAccount", "Role", "RoleBinding"} & {d["kind"] for d in plain}
         assert not any(spec.get("automountServiceAccountToken") for *_rest, spec in _pods(plain))
+
+
+def test_recycle_when_idle_reaches_every_task_and_the_manifests_stay_valid():
+    import kubernetes_validate
+
+    job = K8sJob(name="pool", image="train:1", command=["python", "train.py"], workers=2, ps=1,
+                 recycle_when_idle=60)
+    docs = manifests(job)
+    commands = {doc["metadata"]["name"]: doc["spec"]["template"]["spec"]["containers"][0]["command"]
+                for doc in docs if doc["kind"] == "StatefulSet"}
+    assert commands == {f"pool-{role}": ["psclient", "serve", "--recycle-when-idle", "60"]
+                        for role in ("ps", "worker")}
+    chief = next(doc for doc in docs if doc["kind"] == "Job")
+    assert "--recycle-when-idle" not in chief["spec"]["template"]["spec"]["containers"][0]["command"]
+    for doc in docs:
+        kubernetes_validate.validate(doc, _schema_versions()[-1], strict=True)
+    # Without the option the tasks' command is unchanged.
+    plain = K8sJob(name="pool", image="train:1", command=["python", "train.py"], workers=2, ps=1)
+    assert all(doc["spec"]["template"]["spec"]["containers"][0]["command"] == ["psclient", "serve"]
+               for doc in manifests(plain) if doc["kind"] == "StatefulSet")

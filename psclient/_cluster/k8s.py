@@ -91,6 +91,7 @@ class K8sJob:
     storage_class: str | None = None
     chief_restarts: int = 6
     max_workers: int | None = None
+    recycle_when_idle: float | None = None
     worker_cpu: str = DEFAULT_RESOURCES["worker"][0]
     worker_memory: str = DEFAULT_RESOURCES["worker"][1]
     ps_cpu: str = DEFAULT_RESOURCES["ps"][0]
@@ -122,6 +123,8 @@ class K8sJob:
             if self.max_workers < self.workers:
                 raise _invalid("max_workers", self.max_workers,
                                f"at least --workers ({self.workers}): the most worker pods the job may scale to")
+        if self.recycle_when_idle is not None:
+            check_positive("recycle_when_idle", self.recycle_when_idle, unit="seconds")
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 1 <= self.port <= 65535:
             raise _invalid("port", self.port, "an integer in 1..65535")
         _check_quantity("checkpoint_size", self.checkpoint_size)
@@ -299,7 +302,10 @@ def _volume_claim(job: K8sJob) -> dict[str, Any]:
 
 
 def _task_set(job: K8sJob, role: str, replicas: int) -> dict[str, Any]:
-    container = _container(job, role, ["psclient", "serve"], checkpoints=False)
+    serve = ["psclient", "serve"]
+    if job.recycle_when_idle is not None:  # tasks that outlive many coordinators (see server.py)
+        serve += ["--recycle-when-idle", f"{job.recycle_when_idle:g}"]
+    container = _container(job, role, serve, checkpoints=False)
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
