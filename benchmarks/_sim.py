@@ -38,7 +38,8 @@ from psclient._coordinator.dispatch import Dispatcher
 from psclient._coordinator.recovery import Recovery, RecoveryConfig
 from psclient._core.future import Future
 from psclient._core.health import Prober
-from psclient._core.scheduler import Closure, Scheduler
+from psclient._core.closure import Closure
+from psclient._core.scheduler import Scheduler
 
 __all__ = ["SimConfig", "SimCluster", "Harness", "UnavailableError", "AbortedError"]
 

@@ -96,7 +96,8 @@ def scheduler_alone(workers: int, seconds: float) -> dict:
     """The issue's first measurement: one thread per worker taking closures from
     the real Scheduler and reporting them done at once (no calls, no dispatch)."""
     from psclient._core.future import Future
-    from psclient._core.scheduler import Closure, Scheduler
+    from psclient._core.closure import Closure
+    from psclient._core.scheduler import Scheduler
 
     scheduler = Scheduler(workers)
 
@@ -130,7 +131,8 @@ def own_path(workers: int, closures: int = 20000) -> dict:
     no-op function, succeeded (the future resolved). With `workers` workers."""
     import _sim
     from psclient._core.future import Future
-    from psclient._core.scheduler import Closure, Scheduler
+    from psclient._core.closure import Closure
+    from psclient._core.scheduler import Scheduler
 
     scheduler = Scheduler(workers)
     sim = _sim.SimCluster(_sim.SimConfig(workers=workers))

@@ -200,7 +200,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         walls, wrong, applied, restart_waits = [], 0, set(), []
         started = time.monotonic()
         for i in range(args.coordinators):
-            ready_before = {task: _ready_lines(log_dir, task) for task in task_pids}
+            if args.recycle_when_idle:
+                ready_before = {task: _ready_lines(log_dir, task) for task in task_pids}
             result = run_coordinator(base, kill=mode == "kill")
             wrong += result["wrong_results"] + (result["total"] != args.steps)
             applied.add(result["keep_alive_applied"])

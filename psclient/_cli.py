@@ -18,14 +18,13 @@ import importlib
 import importlib.util
 import logging
 import os
-import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from psclient._cluster.serve_command import add_serve_parser
-from psclient._core.checks import check_positive
+from psclient._core.checks import as_option, check_positive
 
 _MAIN_EPILOG = """\
 example:
@@ -132,14 +131,6 @@ def load_callable(spec: str, *, name: str) -> Callable[..., Any]:
     return function
 
 
-def _as_option(message: str) -> str:
-    """The Python API's "argument `max_evaluations`. Received: max_evaluations=0" said as
-    the command line's "--max-evaluations. Received: 0" (and without "or None":
-    on the command line, None is leaving the option out)."""
-    message = re.sub(r"(argument `(\w+)`\. Received: )\2=", r"\1", message).replace(" or None.", ".")
-    return re.sub(r"argument `(\w+)`", lambda m: "--" + m.group(1).replace("_", "-"), message)
-
-
 def _stop_on_signals(stop: Callable[[], None]) -> None:
     """First SIGTERM/SIGINT: stop cleanly; a second SIGINT interrupts at once."""
     def handler(signum, frame):
@@ -174,7 +165,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
             best_metric=args.best_metric, best_mode=args.best_mode,
         )
     except ValueError as e:  # Messages name the argument; say it as the option.
-        parser.error(_as_option(str(e)))
+        parser.error(as_option(str(e)))
     _stop_on_signals(evaluator.stop)
     try:
         report = evaluator.start()
@@ -248,7 +239,7 @@ def _run_launch(args: argparse.Namespace) -> int:
         check_positive("max_restarts", args.max_restarts, integer=True, allow_zero=True)
         check_positive("evaluator_timeout", args.evaluator_timeout, unit="seconds")
     except ValueError as e:
-        parser.error(_as_option(str(e)))
+        parser.error(as_option(str(e)))
     if args.evaluator is not None and not args.evaluator.strip():
         parser.error("Invalid value for --evaluator. Received: ''. Expected a command line.")
     config = LaunchConfig(
@@ -350,7 +341,7 @@ def _run_k8s(args: argparse.Namespace) -> int:
     try:
         job = K8sJob(command=command, **fields)
     except ValueError as e:
-        parser.error(_as_option(str(e)))
+        parser.error(as_option(str(e)))
     header = (f"# psclient k8s: job {job.name}, {job.workers} worker(s), {job.ps} ps"
               f"{', an evaluator' if job.evaluator else ''}. kubectl apply -f this file.\n")
     try:
@@ -395,7 +386,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     try:
         check_positive("epochs", args.epochs, integer=True)
     except ValueError as e:
-        args.command_parser.error(_as_option(str(e)))
+        args.command_parser.error(as_option(str(e)))
     from psclient._demo import run
 
     try:

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from psclient._core.future import Future
-from psclient._core.scheduler import Closure, Scheduler
+from psclient._core.closure import Closure
+from psclient._core.scheduler import Scheduler
 
 
 def _closure(name):

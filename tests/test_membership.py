@@ -5,7 +5,8 @@ import threading
 import pytest
 
 from psclient._core.future import Future
-from psclient._core.scheduler import Closure, Scheduler
+from psclient._core.closure import Closure
+from psclient._core.scheduler import Scheduler
 
 
 def make(name="fn"):

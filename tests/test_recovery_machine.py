@@ -440,7 +440,8 @@ def test_recovery_thread_that_dies_fails_pending_work_and_waiting_callers():
     from psclient._coordinator.recovery import Recovery, RecoveryConfig
     from psclient._core.errors import StrategyClosedError
     from psclient._core.future import Future
-    from psclient._core.scheduler import Closure, Scheduler
+    from psclient._core.closure import Closure
+    from psclient._core.scheduler import Scheduler
 
     class FakeCluster:
         num_workers, num_ps, workers = 1, 1, ["w:1"]

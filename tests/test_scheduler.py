@@ -8,7 +8,8 @@ import pytest
 
 from psclient._core.errors import StrategyClosedError
 from psclient._core.future import Future
-from psclient._core.scheduler import Closure, Scheduler
+from psclient._core.closure import Closure
+from psclient._core.scheduler import Scheduler
 
 
 def make(name="fn"):

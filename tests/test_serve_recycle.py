@@ -18,6 +18,7 @@ import pytest
 
 import psclient
 from psclient._cluster import exposure
+from psclient._cluster.server import context_threads
 
 from _polling import wait_for
 
@@ -63,17 +64,6 @@ strategy.shutdown()
 def cluster():
     with psclient.LocalCluster(num_workers=1, num_ps=1, recycle_when_idle=IDLE) as local:
         yield local
-
-
-def context_threads(pid):
-    count = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                count += f.read().strip() == "tf_Compute"
-        except OSError:
-            continue
-    return count
 
 
 def log_lines(cluster, job, index, text):

@@ -18,6 +18,7 @@ from psclient._cluster.spec import (
     read_tf_config,
     task_from_config,
 )
+from psclient._core.checks import as_option, check_positive
 from psclient._core.errors import ClusterConfigError
 
 _SERVE_EPILOG = """\
@@ -153,16 +154,14 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         if args.inter_op_threads is not None:
             _server.check_inter_op_threads(args.inter_op_threads, name="--inter-op-threads")
-        if args.recycle_when_idle is not None and not args.recycle_when_idle > 0:
-            raise ValueError(f"Invalid value for --recycle-when-idle. Received: {args.recycle_when_idle}. "
-                             "Expected a number of seconds > 0.")
+        check_positive("recycle_when_idle", args.recycle_when_idle, optional=True, unit="seconds")
         cluster, task = _load_config_file(args.cluster) if args.cluster else _load_tf_config()
         job, index = resolve_task(args, cluster, task)
         if args.peers_file is not None and not args.restrict_to_peers:
             raise ValueError(f"Invalid value for --peers-file. Received: {args.peers_file!r} without "
                              "--restrict-to-peers. Expected it together with --restrict-to-peers.")
     except ValueError as e:  # ClusterConfigError is a ValueError.
-        args.command_parser.error(str(e))  # Prints usage and the message; exits 2.
+        args.command_parser.error(as_option(str(e)))  # Prints usage and the message; exits 2.
     _server.serve(
         cluster,
         job,

@@ -213,18 +213,25 @@ def _exit_when_parent_dies(parent_fd: int, task: str) -> None:
     threading.Thread(target=watch, name="psclient-parent-watch", daemon=True).start()
 
 
-def read_task_load(port: int) -> TaskLoad:
-    """Connections to `port` and this process's TF context threads, from /proc."""
-    threads = 0
-    for tid in os.listdir("/proc/self/task"):
+def context_threads(pid: int | str = "self") -> int:
+    """How many TF eager-context inter-op threads process `pid` runs (from /proc).
+
+    TF names each context's inter-op pool "Compute"; its threads are
+    "tf_Compute" (tests/test_serve_recycle.py checks that a coordinator leaves some).
+    """
+    count = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as f:
-                # TF names each eager context's inter-op pool "Compute"; its
-                # threads are "tf_Compute" (tests/test_serve_recycle.py checks it).
-                threads += f.read().strip() == "tf_Compute"
+            with open(f"/proc/{pid}/task/{tid}/comm", encoding="utf-8", errors="replace") as f:
+                count += f.read().strip() == "tf_Compute"
         except OSError:
             continue  # The thread ended meanwhile.
-    return TaskLoad(connections=exposure.connections_to(port), context_threads=threads)
+    return count
+
+
+def read_task_load(port: int) -> TaskLoad:
+    """Connections to `port` and this process's TF context threads, from /proc."""
+    return TaskLoad(connections=exposure.connections_to(port), context_threads=context_threads())
 
 
 def restart_in_place(argv: Sequence[str], keep_fds: Sequence[int]) -> None:

@@ -23,7 +23,8 @@ from typing import Any, Callable
 from psclient._coordinator import runtime as _runtime
 from psclient._core.failures import Verdict, classify, iterator_cancelled, retry_pause
 from psclient._core.recovery import PsNotAnswering, WorkerNotAnswering
-from psclient._core.scheduler import Closure, Scheduler
+from psclient._core.closure import Closure
+from psclient._core.scheduler import Scheduler
 
 __all__ = ["Dispatcher"]
 

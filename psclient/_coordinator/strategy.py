@@ -40,7 +40,8 @@ from psclient._core.checks import check_positive
 from psclient._core.errors import StrategyClosedError
 from psclient._core.future import Future
 from psclient._core.health import Prober
-from psclient._core.scheduler import Closure, Scheduler
+from psclient._core.closure import Closure
+from psclient._core.scheduler import Scheduler
 
 __all__ = ["ParameterServerStrategy"]
 

@@ -34,7 +34,7 @@ from typing import Any, Callable
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.per_worker import PerWorker, resolve_per_worker
 from psclient._core.future import Future
-from psclient._core.scheduler import Closure
+from psclient._core.closure import Closure
 
 __all__ = ["Tracer", "reject_futures", "warn_unless_scheduling"]
 

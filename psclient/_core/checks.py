@@ -7,6 +7,7 @@ the message names the argument, shows what was received and says what was expect
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 __all__ = ["check_positive"]
@@ -52,3 +53,11 @@ def check_positive(
         f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
         f"Expected {expected}{' or None' if optional else ''}."
     )
+
+
+def as_option(message: str) -> str:
+    """check_positive's "argument `max_evaluations`. Received: max_evaluations=0" said as
+    the command line's "--max-evaluations. Received: 0" (and without "or None":
+    on the command line, None is leaving the option out)."""
+    message = re.sub(r"(argument `(\w+)`\. Received: )\2=", r"\1", message).replace(" or None.", ".")
+    return re.sub(r"argument `(\w+)`", lambda m: "--" + m.group(1).replace("_", "-"), message)

@@ -54,7 +54,7 @@ from psclient._core.errors import StrategyClosedError
 from psclient._core.membership import Membership
 from psclient._core.worker_stats import WorkerStats
 
-__all__ = ["Closure", "Scheduler", "WorkerStats"]
+__all__ = ["Scheduler"]
 
 class _Waiter:
     """One dispatcher thread waiting in take(): woken alone, and only for work it can take."""
