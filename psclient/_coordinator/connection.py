@@ -14,6 +14,7 @@ import os
 import re
 import threading
 import time
+import warnings
 
 import portpicker
 
@@ -21,11 +22,45 @@ from psclient._cluster.spec import Cluster
 from psclient._coordinator import executors as _executors
 from psclient._core.errors import TaskUnreachableError
 
-__all__ = ["COORDINATOR_JOB", "CONNECTION_LOCK_TIMEOUT", "connect", "disconnect"]
+__all__ = [
+    "COORDINATOR_JOB", "CONNECTION_LOCK_TIMEOUT", "TF_VERSIONS", "connect", "disconnect",
+    "tensorflow_range",
+]
 
 log = logging.getLogger("psclient")
 
 COORDINATOR_JOB = "chief"
+
+#: The TensorFlow versions psclient is tested with (the oldest by the `oldest`
+#: nox session, the newest by the suite); pyproject.toml requires the same range.
+#: psclient calls TF internals (executors, update_server_def, device filters),
+#: so a newer TF is allowed only once the suite has run against it.
+TF_VERSIONS = ((2, 16), (2, 22))  # >=2.16, <2.22
+_version_checked = False
+
+
+def tensorflow_range() -> str:
+    """`TF_VERSIONS` as a pip requirement's version range."""
+    (lo_major, lo_minor), (hi_major, hi_minor) = TF_VERSIONS
+    return f">={lo_major}.{lo_minor},<{hi_major}.{hi_minor}"
+
+
+def check_tensorflow_version(version: str) -> None:
+    """Warn once when TF is outside `TF_VERSIONS` (installs with --no-deps skip pip's check)."""
+    global _version_checked
+    if _version_checked:
+        return
+    _version_checked = True
+    match = re.match(r"(\d+)\.(\d+)", version)
+    found = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+    if not TF_VERSIONS[0] <= found < TF_VERSIONS[1]:
+        warnings.warn(
+            f"psclient is tested with tensorflow{tensorflow_range()}; this is TensorFlow "
+            f"{version}. psclient relies on parts of TF's distributed runtime that change "
+            "between releases: training may fail in ways the tests would have caught.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 # TF never stops the gRPC server it starts for the coordinator, so its port
@@ -101,6 +136,7 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None, patience
 
     import tensorflow as tf
 
+    check_tensorflow_version(tf.__version__)
     spec: dict = cluster.training_spec()
     wanted = (spec.get(COORDINATOR_JOB) or [None])[0]
     if workers is not None:

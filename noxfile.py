@@ -1,0 +1,25 @@
+"""Sessions that keep psclient's dependency range honest.
+
+`nox -s oldest` installs the oldest TensorFlow and Keras that pyproject.toml
+allows (pinned in constraints/oldest.txt) into a fresh virtual environment and
+runs the demo and the tests that touch TF's and Keras's internals the most:
+the Keras seam, fit, and partitioned variables. The main suite runs against
+the newest versions; `.ci/run` runs this session after it.
+"""
+
+import nox
+
+nox.options.sessions = ["oldest"]
+nox.options.reuse_existing_virtualenvs = False
+
+OLDEST = "constraints/oldest.txt"
+TESTS = ["tests/test_keras_seam.py", "tests/test_keras_fit.py", "tests/test_partitioned.py"]
+
+
+@nox.session
+def oldest(session: nox.Session) -> None:
+    session.install("-c", OLDEST, "-r", OLDEST)
+    session.install("-c", OLDEST, "-e", ".[test,examples]")
+    session.run("python", "-c", "import tensorflow as tf, keras; print('TensorFlow', tf.__version__, 'Keras', keras.__version__)")
+    session.run("psclient", "demo", "--workdir", session.create_tmp())
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, *session.posargs)
