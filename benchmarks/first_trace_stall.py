@@ -1,6 +1,6 @@
 """How long a first trace stalls the coordinator while one worker hangs.
 
-One measurement behind README "Development" (issue 11's open case): a worker
+One measurement behind docs/development.md (a hung task and a first trace): a worker
 is SIGSTOPped for `--hang` seconds (resumed by a separate process: a thread of
 the coordinator could not run during a stall), then a new `tf.function` is
 traced and called on two other workers. A heartbeat thread in the coordinator

@@ -4,7 +4,7 @@ Same model, data and step function in every run: scikit-learn's bundled
 digits (1,797 8x8 images, offline; 80/20 split, stratified, seed 0), a
 64-64-10 ReLU MLP, Adam(learning_rate), batch 32 per step, each worker reading
 its own shard. A scheduled `train_step` computes the gradients of one batch
-and calls `optimizer.apply_gradients`, as in the custom loop of the README.
+and calls `optimizer.apply_gradients`, as in the custom loop of the README's tour.
 One LocalCluster of 4 workers and 1 ps; each run is a fresh coordinator
 subprocess (one TF cluster connection per process) with these strategies:
 
@@ -56,7 +56,7 @@ BATCH = 32
 # A run in which nothing finishes for this long is a bug: it fails, with the strategy's stats.
 STALL_S = 60.0
 CONFIGS = {
-    "async": {"measure_staleness": True},  # its staleness reported like the others (README: what it costs)
+    "async": {"measure_staleness": True},  # its staleness reported like the others (docs/staleness.md: what it costs)
     "async_bounded": {"max_staleness": None},  # filled from --max-staleness
     "sync_k=n": {"replicas_to_aggregate": NUM_WORKERS},
     "sync_k=n-1": {"replicas_to_aggregate": NUM_WORKERS - 1},

@@ -1,4 +1,4 @@
-"""`psclient demo`: the main example end to end, offline, in about a minute on 2 cores.
+"""`psclient demo`: the main example end to end, offline: 12-13 s on 2 idle cores, longer under load.
 
 It starts a local cluster (2 workers, 1 ps on 127.0.0.1), trains a Keras 3
 classifier with `model.fit` on scikit-learn's bundled handwritten digits,

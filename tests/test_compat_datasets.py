@@ -3,7 +3,7 @@
 Written from TF's documented behaviour (the `ClusterCoordinator`,
 `create_per_worker_dataset` and `experimental_get_current_worker_index`
 docs): code written for TF's coordinator runs through `psclient.ClusterCoordinator`
-unchanged, or meets a clear error that README's compatibility section lists.
+unchanged, or meets a clear error that docs/tf_compatibility.md lists.
 The last tests kill and restart a worker of the shared cluster; they leave
 every task running.
 """

@@ -254,7 +254,7 @@ def test_ps_recovery_goes_on_while_a_worker_is_down_and_its_resources_follow_it(
         psclient.wait([strategy.schedule(step_with, args=(offsets,)) for _ in range(10)], timeout=120)
         wait_for(lambda: not strategy.stats()["workers"][1]["up"], 60, "worker 1 taken out")
         # Once it is out of TF's view too. (A ps restarted while that reconnect
-        # runs can go unnoticed: a known gap, README "Fault tolerance".)
+        # runs can go unnoticed: a known gap, docs/fault_tolerance.md.)
         wait_for(lambda: any("left out of the cluster" in r.getMessage() for r in caplog.records),
                  60, "worker 1 left out of TF's view")
         cluster.kill("ps", 0)
@@ -348,7 +348,7 @@ def test_keras_fit_goes_on_through_a_ps_restart_mid_epoch(heal, tmp_path):
         # The optimizer's step counter went back with everything else, by
         # the steps the rollback undid (one step per closure here). A step
         # retried after a transient error right after the restart may have
-        # counted itself before failing (README, Semantics): at most once more
+        # counted itself before failing (docs/api.md, Semantics): at most once more
         # per retry.
         expected = 4 * 60 - ps["rolled_back_closures"]
         retried = sum(w["retried"] for w in strategy.stats()["workers"])

@@ -311,8 +311,8 @@ def test_psclient_serve_accepts_a_worker_pods_environment():
 
 def test_a_worker_pod_scaled_beyond_the_cluster_is_refused():
     """`kubectl scale` past --workers makes pods whose index TF_CONFIG does not have:
-    their `psclient serve` stops with an argument error naming the index (the README
-    says so; adding workers at run time is issue 17's elastic-workers item)."""
+    their `psclient serve` stops with an argument error naming the index (docs/kubernetes.md
+    says so; adding workers at run time is docs/elastic.md)."""
     docs = manifests(JOBS["plain"])
     pod = next(p for p in _pods(docs) if p[0] == "mnist-worker-0")
     labels = dict(pod[3], **{POD_INDEX_LABEL: "3"})  # what a 4th replica would carry

@@ -181,7 +181,7 @@ def test_a_new_function_first_scheduled_while_a_worker_hangs(heal):
 
 
 @pytest.mark.xfail(run=False, reason=(
-    "known limit (README Development): fit waits for a hung worker until it answers. Its first "
+    "known limit (docs/development.md): fit waits for a hung worker until it answers. Its first "
     "eager ops of a new kind register their kernels on every task with a blocking RPC (streaming "
     "them process-wide left ops to a dead worker waiting for good), and, with those streamed, its "
     "per-worker iterators are made on every worker from the calling thread, the hung one too"))

@@ -2,7 +2,7 @@
 
 psclient/_coordinator/updates.py places every Keras optimizer update on the ps
 task of its variable; psclient/_keras/install.py gathers embedding rows on the
-ps and places the EMA's averages. README "The data path" states what travels.
+ps and places the EMA's averages. docs/data_path.md states what travels.
 
 The graphs are checked statically: every op of a traced step is given the
 task TF's placer puts it on (its explicit device, else the task of a variable

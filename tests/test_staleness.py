@@ -91,7 +91,7 @@ def test_staleness_of_every_applied_update_is_reported(local):
 
 
 def test_asynchronous_training_is_not_measured_by_default(local):
-    # Measuring costs CPU per step (README): opt-in with measure_staleness=True.
+    # Measuring costs CPU per step (docs/staleness.md): opt-in with measure_staleness=True.
     with connected(local) as strategy:
         model, optimizer, train_step, _ = model_and_steps(strategy)
         results = run_steps(strategy, train_step, 5)

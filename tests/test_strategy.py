@@ -175,7 +175,7 @@ def test_error_cancels_what_was_queued(strategy):
     assert len(cancelled) > 0 or raised_by_schedule
     assert all(f.done() for f in futures)
     failed = [f for f in futures if f.done() and not f.cancelled() and f.exception() is not None]
-    assert 1 <= len(failed) <= 2  # the bad one, and maybe one running beside it (see README)
+    assert 1 <= len(failed) <= 2  # the bad one, and maybe one running beside it (docs/api.md, Semantics)
     assert len(finished) + len(failed) + len(cancelled) == len(futures)
     # Every closure either ran or was cancelled: nothing lost, nothing run twice.
     # A failed closure may have applied its ps-side update: TF runs the ps part

@@ -10,7 +10,7 @@ Needs the `kubernetes` package (not a dependency of psclient; pass `api` to
 use another client) and, in the coordinator's pod, a service account
 allowed to list pods in the namespace: `psclient k8s --max-workers K`
 grants the chief that (and only that); without it the manifests keep the API
-token out of every pod (README "Running on Kubernetes").
+token out of every pod (docs/kubernetes.md).
 """
 
 from __future__ import annotations

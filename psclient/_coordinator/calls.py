@@ -51,7 +51,7 @@ class _CallGate:
     clearing itself still waits, GIL held, for anything else in flight to a
     hung task (a health probe, a remote handle's deletion): while a task
     hangs, `tf.random.set_seed` can stall the process until it answers
-    (README "Fault tolerance").
+    (docs/development.md, known limits).
     """
 
     def __init__(self):

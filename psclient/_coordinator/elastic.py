@@ -208,7 +208,7 @@ class ElasticWorkers:
 
         Returns its index once it takes work: it got the per-worker datasets,
         iterators and resources made so far, and its dispatcher threads. An
-        address removed before gets its old index back. README "Elastic workers".
+        address removed before gets its old index back. See docs/elastic.md.
 
         Raises:
             TypeError, ValueError: `address` is not a 'host:port' string, or is

@@ -89,11 +89,10 @@ class ParameterServerStrategy(ElasticWorkers):
         variable whole on one ps task. Or any callable `(shape, dtype) ->
         shards per axis` (TF's `MinSizePartitioner`, `MaxSizePartitioner`,
         `FixedShardsPartitioner`...). Shards sit on consecutive ps tasks;
-        scalars and single-row variables are never offered to it. See README
-        "Partitioned variables" (and what the default costs on one machine).
+        scalars and single-row variables are never offered to it. See
+        docs/data_path.md (and what the default costs on one machine).
       max_staleness, replicas_to_aggregate: bounded-staleness and synchronous
-        training (None, the defaults: asynchronous); README "Staleness and
-        synchronous training". measure_staleness: True to measure the
+        training (None, the defaults: asynchronous); docs/staleness.md. measure_staleness: True to measure the
         staleness of asynchronous updates (`stats()["staleness"]`; it costs
         CPU per step); None (default) measures only with either of the two.
 
@@ -395,8 +394,8 @@ class ParameterServerStrategy(ElasticWorkers):
         `InputContext` has `num_input_pipelines` = number of workers and
         `input_pipeline_id` = the worker's index (a scalar int64 tensor), so
         `shard()` really shards. A `tf.data.Dataset` is cloned to every
-        worker. See `psclient._coordinator.datasets` and README "Datasets and
-        per-worker values" (variables refused, workers out of rotation).
+        worker. See `psclient._coordinator.datasets` and docs/tf_compatibility.md,
+        "Datasets and per-worker values" (variables refused, workers out of rotation).
         """
         if inside_per_worker_dataset_fn():
             return dataset_in_trace(dataset_fn, self.cluster.num_workers)

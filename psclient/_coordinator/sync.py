@@ -82,7 +82,7 @@ def measuring(measure_staleness: Any, max_staleness: Any, replicas_to_aggregate:
 
     Off by default in asynchronous training: measuring costs one version
     read, one fetch-and-add and one report fetch per step (18% of the steps
-    per second of a small fit step here; README). `max_staleness` and
+    per second of a small fit step here; docs/staleness.md). `max_staleness` and
     `replicas_to_aggregate` need it, so they turn it on.
     """
     needed = max_staleness is not None or replicas_to_aggregate is not None
@@ -404,7 +404,7 @@ class _StepTrace:
             f"Invalid value for argument `{argument}`. Received: {argument}="
             f"{getattr(self.steps, argument)!r} and a scheduled function that {what}. Expected a "
             "function that applies its gradients once per call with a Keras optimizer's apply() or "
-            "apply_gradients(), in the function itself (README \"Staleness and synchronous training\")."
+            "apply_gradients(), in the function itself (docs/staleness.md)."
         )
 
     def _run(self, run: Callable, grads: list):

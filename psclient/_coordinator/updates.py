@@ -17,7 +17,7 @@ accumulation and the EMA overwrite. The arithmetic is Keras's own, op for op,
 so results equal a local Keras run (tests/test_ps_updates.py). What stays on
 the worker, all scalars or all-gradient work: the step counter's increment
 (one atomic op on its ps), the learning rate (schedule), gradient clipping,
-Nadam's `_u_product` (a scalar read-then-write; see README "The data path").
+Nadam's `_u_product` (a scalar read-then-write; see docs/data_path.md).
 The EMA's moving averages are placed by the Keras integration
 (`psclient._keras.install`), which Keras does not route through
 `extended.update`.

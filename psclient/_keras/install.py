@@ -13,7 +13,7 @@ that do not live on a psclient strategy's ps tasks:
    already use `tf.Variable.assign_sub` directly.
 2. `model.fit/evaluate/predict` on the cluster (`psclient._keras.trainer`,
    `psclient._keras.eval`): `TensorFlowTrainer.fit/evaluate/predict` wrapped.
-3. The data path (README "The data path"). Optimizer updates already run on
+3. The data path (docs/data_path.md). Optimizer updates already run on
    the ps of their variable (`psclient._coordinator.updates`); two Keras paths
    do not go through it and are placed here: embedding lookups (`ops.take` on
    axis 0 of a ps variable gathers the rows on the ps, so only the looked-up
