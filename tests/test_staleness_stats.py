@@ -1,4 +1,4 @@
-"""The staleness statistics and the synchronous gate (issue 16), without a cluster."""
+"""The staleness statistics and the synchronous gate, without a cluster."""
 
 import random
 import threading
@@ -15,6 +15,8 @@ from psclient._core.staleness import (
     StalenessStats,
 )
 from psclient._core.sync_gate import SyncGate
+
+from _polling import wait_for
 
 
 def nearest_rank(values, q):
@@ -138,13 +140,18 @@ def in_thread(fn, *args):
     return thread, result
 
 
+def waiting_in(g, thread):
+    """True once `thread` waits inside the gate (not merely started, nor finished)."""
+    wait_for(lambda: g.stats()["waiting"] == 1 or not thread.is_alive(), 10, "the thread to wait in the gate")
+    return g.stats()["waiting"] == 1 and thread.is_alive()
+
+
 def test_first_call_is_free_and_the_next_waits_for_the_step():
     g, _ = gate()
     assert g.before(0) == "free"
     g.after(0, 0, ACCUMULATED)
     thread, result = in_thread(g.before, 0)
-    time.sleep(0.1)
-    assert thread.is_alive()  # step 0 not applied yet: worker 0 waits
+    assert waiting_in(g, thread)  # step 0 not applied yet: worker 0 waits
     g.before(1)
     g.after(1, 0, APPLIED)  # worker 1's gradient applied step 0's mean
     thread.join(2)
@@ -158,8 +165,7 @@ def test_a_worker_taken_out_ends_the_wait_when_k_cannot_be_reached():
     g.before(0)
     g.after(0, 5, ACCUMULATED)
     thread, result = in_thread(g.before, 0)
-    time.sleep(0.05)
-    assert thread.is_alive()  # workers 1 and 2 can still contribute
+    assert waiting_in(g, thread)  # workers 1 and 2 can still contribute
     cluster.up[2] = False  # the heartbeat took worker 2 out: 1 + 1 < 3
     thread.join(2)
     assert result["value"] == "short"
@@ -182,7 +188,7 @@ def test_pause_or_shutdown_interrupts_the_wait():
     g.before(0)
     g.after(0, 0, ACCUMULATED)
     thread, result = in_thread(g.before, 0)
-    time.sleep(0.05)
+    assert waiting_in(g, thread)
     cluster.interrupted = True
     thread.join(2)
     assert result["value"] == "interrupted"
@@ -192,8 +198,7 @@ def test_one_call_per_worker_at_a_time():
     g, _ = gate(k=1)
     assert g.before(0) == "free"
     thread, result = in_thread(g.before, 0)  # a second dispatcher thread of worker 0
-    time.sleep(0.05)
-    assert thread.is_alive()
+    assert waiting_in(g, thread)
     g.abandon(0)  # the first call failed
     thread.join(2)
     assert result["value"] == "advanced"

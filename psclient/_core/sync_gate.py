@@ -63,6 +63,9 @@ class SyncGate:
         self._released = {"advanced": 0, "short": 0, "timeout": 0, "interrupted": 0}
         self._waited_s = 0.0
         self._repeats = 0
+        #: Threads inside `before` waiting right now (statistics, and what
+        #: tests wait on to know a thread has reached its wait).
+        self._waiting = 0
 
     def before(self, worker: int) -> str:
         """Wait until `worker` may start a synchronous call; return why it may.
@@ -92,7 +95,11 @@ class SyncGate:
                     reason = "timeout"
                     break
                 waited = True
-                self._cond.wait(min(self._poll, remaining))
+                self._waiting += 1
+                try:
+                    self._cond.wait(min(self._poll, remaining))
+                finally:
+                    self._waiting -= 1
             self._in_flight[worker] = True
             if reason != "free":
                 self._released[reason] += 1
@@ -136,6 +143,7 @@ class SyncGate:
                 "waits_released": dict(self._released),
                 "wait_s": round(self._waited_s, 3),
                 "repeats": self._repeats,
+                "waiting": self._waiting,
             }
 
     def _grow_to(self, worker: int) -> None:
