@@ -34,6 +34,7 @@ from psclient._coordinator.recovery import Recovery, RecoveryConfig
 from psclient._coordinator.sharding import partitioner_argument, split_updates
 from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
 from psclient._coordinator.sync import Steps, check_arguments, measuring
+from psclient._coordinator.tf_api import TFStrategyAPI
 from psclient._coordinator.tracing import Tracer, reject_futures, warn_unless_scheduling
 from psclient._coordinator.updates import place_updates_on_ps
 from psclient._core.checks import check_positive
@@ -47,7 +48,7 @@ __all__ = ["ParameterServerStrategy"]
 
 log = logging.getLogger("psclient")
 
-class ParameterServerStrategy(ElasticWorkers):
+class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
     """Train with variables on parameter servers and steps on workers.
 
     Args:
