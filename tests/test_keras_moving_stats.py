@@ -76,3 +76,31 @@ def test_local_keras_is_untouched():
     np.testing.assert_allclose(layer.moving_mean.numpy(), moving_average(0.0, 5.0, 3), rtol=1e-6)
     layer(X, training=False)
     np.testing.assert_allclose(layer.moving_mean.numpy(), moving_average(0.0, 5.0, 3), rtol=1e-6)
+
+
+class CountingBatchNormalization(keras.layers.BatchNormalization):
+    """Assigns one more variable of its own inside BatchNormalization's call."""
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False, name="calls")
+
+    def _moments(self, inputs, mask):
+        self.calls.assign(self.calls + 1.0)
+        return super()._moments(inputs, mask)
+
+
+def test_one_call_on_the_ps_equals_local_keras(strategy):
+    # Eager, from the coordinator: outputs and statistics as Keras's own, and a
+    # subclass's assign inside the call is written, not held back.
+    local = CountingBatchNormalization(momentum=MOMENTUM)
+    with strategy.scope():
+        remote = CountingBatchNormalization(momentum=MOMENTUM)
+        remote.build(X.shape)
+    assert remote.moving_variance.value.device.startswith("/job:ps/")
+    inputs = X * np.arange(1, 5, dtype="float32")
+    for _ in range(2):
+        np.testing.assert_allclose(remote(inputs, training=True), local(inputs, training=True), rtol=1e-6)
+    for name in ("moving_mean", "moving_variance", "calls"):
+        np.testing.assert_allclose(getattr(remote, name).numpy(), getattr(local, name).numpy(), rtol=1e-6)
+    assert remote.calls.numpy() == 2.0

@@ -19,14 +19,19 @@ worker's change is added on top of the others', as tf_keras's updates are.
 
 Layers treated so (`STATEFUL_LAYERS`): `BatchNormalization`, whose training
 call updates `moving_mean` and `moving_variance` (and with `renorm=True` also
-`moving_stddev`, `renorm_mean`, `renorm_stddev`), all moving averages. Other
-built-in layers that `assign` during a training call and are left as Keras
-writes them: `SpectralNormalization` overwrites its wrapped layer's kernel
-with the normalized kernel and its `vector_u` with a power-iteration estimate
-(values, not moving averages: the last writer's is a consistent one), and a
-stateful RNN (`stateful=True`) keeps its states, one sequence's, which
-several workers cannot share meaningfully. `Normalization`, `IndexLookup` and
-friends assign in `adapt()` only, not while training.
+`moving_stddev`, `renorm_mean`, `renorm_stddev`), all moving averages. Their
+reads feed only the updates (and renorm's corrections, outside the gradient),
+so the training math is Keras's. Other built-in layers that `assign` during a
+training call are left as Keras writes them. `SpectralNormalization`
+overwrites its wrapped layer's kernel with the normalized kernel and its
+`vector_u` with a power-iteration estimate: the wrapped layer then computes,
+and takes its gradient, with the kernel variable as written, which a mapped
+read would change (the gradient would flow through the normalization); the
+cost left is that a worker's optimizer update landing between another's read
+and write of that kernel is overwritten. A stateful RNN (`stateful=True`)
+keeps one sequence's states, which several workers cannot share
+meaningfully. `Normalization`, `IndexLookup` and the other preprocessing
+layers assign in `adapt()` only, not while training.
 
 Inert (Keras's own call) for a layer with no state on a ps task, outside
 training (`training` not True: inference reads its statistics and writes
