@@ -99,7 +99,8 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
         CPU per step); None (default) measures only with either of the two.
 
     Only one strategy may be connected per process at a time (TF's eager
-    context is global); `shutdown()` one before creating the next.
+    context is global); `shutdown()` one before creating the next. The rest
+    of `tf.distribute.Strategy`'s surface: `psclient._coordinator.tf_api`.
     """
 
     def __init__(
