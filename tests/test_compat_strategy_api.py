@@ -81,8 +81,9 @@ def test_deprecated_datasets_from_function_name_builds_each_workers_dataset(stra
     # Enough calls that both workers take some; each reads its own pipeline's id.
     seen = {int(f.result()) for f in [strategy.schedule(worker_fn, args=(iterator,)) for _ in range(40)]}
     assert seen <= set(range(strategy.num_workers)) and seen
-    with pytest.raises(ValueError, match=r"Invalid value for argument `options`\. Received: options='x'"):
-        strategy.experimental_distribute_datasets_from_function(dataset_fn, options="x")
+    for method in (strategy.experimental_distribute_datasets_from_function, strategy.distribute_datasets_from_function):
+        with pytest.raises(ValueError, match=r"Invalid value for argument `options`\. Received: options='x'"):
+            method(dataset_fn, options="x")
 
 
 def test_cluster_resolver_describes_the_training_cluster(strategy):

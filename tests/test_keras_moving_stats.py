@@ -44,10 +44,12 @@ def test_moving_statistics_count_every_update_of_both_workers(strategy, renorm):
         model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.0), loss="mse")
     assert layer.moving_mean.value.device.startswith("/job:ps/")
     dataset = tf.data.Dataset.from_tensors((X, Y)).repeat()
+    done_before = [w["done"] for w in strategy.stats()["workers"]]
     model.fit(dataset, epochs=1, steps_per_epoch=STEPS, verbose=0)
     steps = int(model.optimizer.iterations.numpy())
     assert steps == STEPS
-    assert min(w["done"] for w in strategy.stats()["workers"]) > 0  # both workers updated them
+    done = [w["done"] - before for w, before in zip(strategy.stats()["workers"], done_before)]
+    assert min(done) > 0, done  # both workers updated them
 
     mean = layer.moving_mean.numpy()
     exact = moving_average(0.0, 5.0, steps)  # 5 - 5 * 0.99**N

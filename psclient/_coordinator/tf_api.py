@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from psclient._core.errors import StrategyAPIUnsupportedError
 
-__all__ = ["TFStrategyAPI", "UNSUPPORTED"]
+__all__ = ["TFStrategyAPI", "UNSUPPORTED", "refuse_input_options"]
 
 #: TF strategy methods psclient refuses, each with what to use instead.
 UNSUPPORTED = {
@@ -35,6 +35,15 @@ UNSUPPORTED = {
     "configure": "the task servers' own configuration (psclient serve, LocalCluster)",
     "update_config_proto": "the task servers' own configuration (psclient serve, LocalCluster)",
 }
+
+
+def refuse_input_options(options: Any) -> None:
+    """TF's `options=` (a `tf.distribute.InputOptions`) of the dataset methods: only None."""
+    if options is not None:
+        raise ValueError(
+            f"Invalid value for argument `options`. Received: options={options!r}. Expected None: "
+            "psclient builds each worker's dataset on that worker, without input options."
+        )
 
 
 def _values_of(value: Any) -> tuple | None:
@@ -85,12 +94,7 @@ class TFStrategyAPI:
 
     def experimental_distribute_datasets_from_function(self, dataset_fn, options=None):
         """TF's deprecated name of `distribute_datasets_from_function` (`options` must be None)."""
-        if options is not None:
-            raise ValueError(
-                f"Invalid value for argument `options`. Received: options={options!r}. Expected None: "
-                "psclient builds each worker's dataset on that worker's CPU."
-            )
-        return self.distribute_datasets_from_function(dataset_fn)
+        return self.distribute_datasets_from_function(dataset_fn, options)
 
     @property
     def cluster_resolver(self):
