@@ -31,7 +31,11 @@ cost left is that a worker's optimizer update landing between another's read
 and write of that kernel is overwritten. A stateful RNN (`stateful=True`)
 keeps one sequence's states, which several workers cannot share
 meaningfully. `Normalization`, `IndexLookup` and the other preprocessing
-layers assign in `adapt()` only, not while training.
+layers assign in `adapt()` only, not while training. The random layers
+(`Dropout`, `GaussianNoise`, `RandomFlip`...) advance a `SeedGenerator`'s
+state by read-then-assign: two workers' steps can draw the same seed (the
+same dropout mask); an increment lost that way costs nothing further, and an
+atomic increment would not make the read unique, so it is left too.
 
 Inert (Keras's own call) for a layer with no state on a ps task, outside
 training (`training` not True: inference reads its statistics and writes
