@@ -34,6 +34,7 @@ from psclient._coordinator.recovery import Recovery, RecoveryConfig
 from psclient._coordinator.sharding import partitioner_argument, split_updates
 from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
 from psclient._coordinator.sync import Steps, check_arguments, measuring
+from psclient._coordinator.tf_api import TFStrategyAPI, refuse_input_options
 from psclient._coordinator.tracing import Tracer, reject_futures, warn_unless_scheduling
 from psclient._coordinator.updates import place_updates_on_ps
 from psclient._core.checks import check_positive
@@ -47,7 +48,7 @@ __all__ = ["ParameterServerStrategy"]
 
 log = logging.getLogger("psclient")
 
-class ParameterServerStrategy(ElasticWorkers):
+class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
     """Train with variables on parameter servers and steps on workers.
 
     Args:
@@ -97,7 +98,8 @@ class ParameterServerStrategy(ElasticWorkers):
         CPU per step); None (default) measures only with either of the two.
 
     Only one strategy may be connected per process at a time (TF's eager
-    context is global); `shutdown()` one before creating the next.
+    context is global); `shutdown()` one before creating the next. The rest
+    of `tf.distribute.Strategy`'s surface: `psclient._coordinator.tf_api`.
     """
 
     def __init__(
@@ -385,7 +387,7 @@ class ParameterServerStrategy(ElasticWorkers):
         return tf.nest.map_structure(lambda v: reduce(v, axis=axis), value)
 
     # ---------------------------------------------------- per-worker values
-    def distribute_datasets_from_function(self, dataset_fn) -> PerWorkerDataset:
+    def distribute_datasets_from_function(self, dataset_fn, options=None) -> PerWorkerDataset:
         """One dataset per worker, built on that worker; `iter()` of it is a
         per-worker iterator to pass to `schedule`.
 
@@ -396,7 +398,9 @@ class ParameterServerStrategy(ElasticWorkers):
         `shard()` really shards. A `tf.data.Dataset` is cloned to every
         worker. See `psclient._coordinator.datasets` and docs/tf_compatibility.md,
         "Datasets and per-worker values" (variables refused, workers out of rotation).
+        `options` (TF's `tf.distribute.InputOptions`) must be None.
         """
+        refuse_input_options(options)
         if inside_per_worker_dataset_fn():
             return dataset_in_trace(dataset_fn, self.cluster.num_workers)
         check_not_in_function("distribute_datasets_from_function")

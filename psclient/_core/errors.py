@@ -34,3 +34,11 @@ class PSUnavailableError(TaskUnreachableError):
 
 class StrategyClosedError(PSClientError, RuntimeError):
     """The strategy was shut down; it accepts no more work."""
+
+
+class StrategyAPIUnsupportedError(PSClientError, NotImplementedError, AttributeError):
+    """A `tf.distribute.Strategy` method psclient does not offer; the message names psclient's way.
+
+    An `AttributeError` too, so `hasattr(strategy, name)` is False, as for any
+    attribute an object does not have.
+    """

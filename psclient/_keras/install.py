@@ -1,6 +1,6 @@
 """Keras 3 support, installed when `strategy.scope()` is first entered.
 
-Two things, both class-level, idempotent and inert for variables and models
+All class-level, idempotent and inert for variables and models
 that do not live on a psclient strategy's ps tasks:
 
 1. Atomic increments. Keras 3 implements `Variable.assign_add(v)` as
@@ -24,6 +24,9 @@ that do not live on a psclient strategy's ps tasks:
    table every step (same arithmetic on those rows, see
    `psclient._keras.sparse_adagrad`). Adafactor's update of a partitioned variable
    runs on each shard's ps (`psclient._keras.adafactor`).
+4. BatchNormalization's moving statistics, which Keras writes with a plain
+   read-then-assign, written with one atomic `assign_sub` each on their ps
+   (`psclient._keras.moving_stats`), so concurrent workers' updates compose.
 
 Nothing else in psclient patches Keras. Before patching, every private Keras
 name psclient uses (`psclient._keras.seam.KERAS_INTERNALS`) is looked up, so a
@@ -41,7 +44,7 @@ import inspect
 import sys
 import threading
 
-from psclient._keras import adafactor, sparse_adagrad
+from psclient._keras import adafactor, moving_stats, sparse_adagrad
 from psclient._keras import eval as _keras_eval
 from psclient._keras import seam
 from psclient._keras.trainer import (
@@ -106,6 +109,7 @@ def install() -> None:
         _install_partitioned_shape()
         sparse_adagrad.install()
         adafactor.install()
+        moving_stats.install()
         _install_apply_hook()
         _done = True
 

@@ -1,0 +1,116 @@
+"""The rest of `tf.distribute.Strategy`'s public surface, for code written for TF's stack.
+
+`ParameterServerStrategy` answers what parameter-server code calls on TF's
+strategy (`run`, `reduce`, `scope`, `num_replicas_in_sync` and the dataset
+methods are the strategy's own). This mixin adds the others, with TF's
+parameter-server semantics where they have a meaning on psclient, and a
+`StrategyAPIUnsupportedError` naming psclient's way otherwise.
+
+As in TF's `ParameterServerStrategy` without GPUs, each scheduled call is one
+replica: `experimental_local_results` of a value is `(value,)`, `gather` of a
+value is the value, `experimental_distribute_values_from_function` calls its
+function once, for replica 0 of 1. A `tf.distribute.DistributedValues` (made
+by another strategy) is unpacked into its values as TF does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from psclient._core.errors import StrategyAPIUnsupportedError
+
+__all__ = ["TFStrategyAPI", "UNSUPPORTED", "refuse_input_options"]
+
+#: TF strategy methods psclient refuses, each with what to use instead.
+UNSUPPORTED = {
+    "extended": "strategy.placement() for where variables live, strategy.cluster for the tasks, "
+    "strategy.schedule() to run on a worker (variable updates already run on their ps)",
+    "colocate_vars_with": "tf.device('/job:ps/task:K') inside strategy.scope() (an optimizer's "
+    "slots go to the ps of their variable by themselves)",
+    "experimental_run": "strategy.schedule(fn, args=(iterator,)) with strategy.run inside fn",
+    "make_dataset_iterator": "iter(strategy.distribute_datasets_from_function(dataset_fn))",
+    "make_input_fn_iterator": "iter(strategy.distribute_datasets_from_function(dataset_fn))",
+    "unwrap": "strategy.experimental_local_results(value)",
+    "group": "tf.group(*strategy.experimental_local_results(value))",
+    "configure": "the task servers' own configuration (psclient serve, LocalCluster)",
+    "update_config_proto": "the task servers' own configuration (psclient serve, LocalCluster)",
+}
+
+
+def refuse_input_options(options: Any) -> None:
+    """TF's `options=` (a `tf.distribute.InputOptions`) of the dataset methods: only None."""
+    if options is not None:
+        raise ValueError(
+            f"Invalid value for argument `options`. Received: options={options!r}. Expected None: "
+            "psclient builds each worker's dataset on that worker, without input options."
+        )
+
+
+def _values_of(value: Any) -> tuple | None:
+    """The per-replica values of a `tf.distribute.DistributedValues`, else None."""
+    import tensorflow as tf
+
+    return tuple(value.values) if isinstance(value, tf.distribute.DistributedValues) else None
+
+
+class TFStrategyAPI:
+    """`tf.distribute.Strategy` methods of `ParameterServerStrategy` (which sets `cluster`)."""
+
+    def experimental_local_results(self, value: Any) -> tuple:
+        """The values of `value`, one per replica, as a tuple: `(value,)` (one replica per call).
+
+        As TF's: works on whatever `strategy.run`, a scheduled function or
+        `schedule` returned (a `psclient.Future` comes back as `(future,)`,
+        as TF's `RemoteValue` does), inside a function or not.
+        """
+        values = _values_of(value)
+        return values if values is not None else (value,)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """`value` concatenated across replicas along `axis`: with one replica per call, `value`."""
+        import tensorflow as tf
+
+        def gather_one(item):
+            values = _values_of(item)
+            if values is None:
+                return item
+            return tf.concat(values, axis=axis)
+
+        if isinstance(value, tf.IndexedSlices):
+            raise NotImplementedError("gather does not support IndexedSlices")  # TF's own message
+        return tf.nest.map_structure(gather_one, value)
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable) -> Any:
+        """`value_fn(tf.distribute.experimental.ValueContext(0, 1))`: the one replica's value."""
+        import tensorflow as tf
+
+        if not callable(value_fn):
+            raise TypeError(
+                "Invalid value for argument `value_fn`. Received: "
+                f"value_fn={value_fn!r}. Expected a function of a tf.distribute.experimental.ValueContext."
+            )
+        context = tf.distribute.experimental.ValueContext(replica_id_in_sync_group=0, num_replicas_in_sync=1)
+        return value_fn(context)
+
+    def experimental_distribute_datasets_from_function(self, dataset_fn, options=None):
+        """TF's deprecated name of `distribute_datasets_from_function` (`options` must be None)."""
+        return self.distribute_datasets_from_function(dataset_fn, options)
+
+    @property
+    def cluster_resolver(self):
+        """A `tf.distribute.cluster_resolver.SimpleClusterResolver` of the training cluster,
+        seen from the coordinator (task "chief", 0), as TF's strategy keeps its resolver."""
+        import tensorflow as tf
+
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            self.cluster.to_cluster_spec(), task_type="chief", task_id=0, rpc_layer="grpc"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        # Only names the class does not define arrive here.
+        if name in UNSUPPORTED:
+            raise StrategyAPIUnsupportedError(
+                f"psclient.ParameterServerStrategy has no `{name}` (tf.distribute.Strategy.{name}). "
+                f"Use {UNSUPPORTED[name]}."
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
