@@ -24,6 +24,7 @@ import weakref
 
 from psclient._coordinator.per_worker import deserialize_dataset, serialize_dataset
 from psclient._keras import data as _keras_data
+from psclient._keras import seam
 from psclient._keras.trainer import prepare_model, result_or_first_error
 
 __all__ = ["SHARDS_PER_WORKER", "evaluate", "predict"]
@@ -162,21 +163,42 @@ def _evaluate_function(model, element_spec, variables):
     return _cached(model, key, lambda: _build_evaluate(weakref.ref(model), element_spec, variables))
 
 
+def _evaluation_scope():
+    """A Keras `StatelessScope` for a model on the ps: metric states mapped, weights read live.
+
+    Keras's scope is made for fully functional calls, where every variable is
+    mapped (`Layer.stateless_call`); here only the metric variables are, so
+    that their updates stay on the worker. Two Keras paths then misbehave:
+    weight regularizers ask the scope for their weight's value
+    (`Layer._get_regularization_losses`) and get None, and `add_loss` losses
+    (activity regularizers, a layer's own losses) are dropped unless the
+    scope collects them. This scope answers an unmapped variable with the
+    tf.Variable itself, exactly what `Variable.value` reads outside a scope,
+    and collects losses, so `test_step` computes Keras's own total loss.
+    """
+    from keras.src.backend.common.stateless_scope import StatelessScope
+
+    class EvaluationScope(StatelessScope):
+        def get_current_value(self, variable):
+            value = super().get_current_value(variable)
+            return seam.internal(variable, "_value") if value is None else value
+
+    return EvaluationScope
+
+
 def _build_evaluate(model_ref, element_spec, variables):
     import tensorflow as tf
-    from keras.src.backend.common.stateless_scope import StatelessScope
+
+    scope_class = _evaluation_scope()
 
     def evaluate_range(graph, start, count, state):
         iterator = iter(deserialize_dataset(graph, element_spec).skip(start).take(tf.cast(count, tf.int64)))
 
         def body(i, state):
             # Metric updates land in the scope, not in the ps variables.
-            with StatelessScope(state_mapping=list(zip(variables, state))) as scope:
+            with scope_class(state_mapping=list(zip(variables, state)), collect_losses=True) as scope:
                 model_ref().test_step(iterator.get_next())
-            updated = tuple(
-                value if (new := scope.get_current_value(v)) is None else tf.cast(new, value.dtype)
-                for v, value in zip(variables, state)
-            )
+            updated = tuple(tf.cast(scope.get_current_value(v), value.dtype) for v, value in zip(variables, state))
             return i + 1, updated
 
         _, state = tf.while_loop(lambda i, _: i < count, body, (tf.constant(0), tuple(state)))
