@@ -1,14 +1,14 @@
 """`model.evaluate` and `model.predict` on a cluster, visiting every batch exactly once.
 
-The data (finite, deterministic) is cut into a few contiguous ranges of
-batches, a small multiple of the number of workers. Each range is one
-scheduled closure that rebuilds the dataset on its worker from its serialized
-graph and runs `test_step` / `predict_step` over its batches, returning only
-values: predictions, or the metric *states* accumulated from the reset state
-in a Keras `StatelessScope`, never writing the metric variables on the ps.
-When a worker dies, the scheduler runs the closure again elsewhere, and
-because a future resolves only once, the partial work of the dead worker is
-never merged: exact visitation.
+The data is read once, here on the coordinator, and cut into contiguous
+ranges of batches (`psclient._keras.ranges`, which says why here). Each range
+is one scheduled closure that receives the range's batches as a small
+serialized dataset and runs `test_step` / `predict_step` over them,
+returning only values: predictions, or the metric *states* accumulated from
+the reset state in a Keras `StatelessScope`, never writing the metric
+variables on the ps. When a worker dies, the scheduler runs the closure
+again elsewhere, and because a future resolves only once, the partial work of
+the dead worker is never merged: exact visitation.
 
 The coordinator merges metric states by adding each range's change from the
 reset state. That is exact for every metric whose state is a sum (Keras's
@@ -22,16 +22,13 @@ from __future__ import annotations
 import concurrent.futures
 import weakref
 
-from psclient._coordinator.per_worker import deserialize_dataset, serialize_dataset
+from psclient._coordinator.per_worker import deserialize_dataset
 from psclient._keras import data as _keras_data
 from psclient._keras import seam
+from psclient._keras.ranges import read_ranges
 from psclient._keras.trainer import prepare_model, result_or_first_error
 
-__all__ = ["SHARDS_PER_WORKER", "evaluate", "predict"]
-
-#: Ranges per worker: more balances load and re-runs less after a failure;
-#: fewer re-reads less data (each range skips to its start).
-SHARDS_PER_WORKER = 4
+__all__ = ["evaluate", "predict"]
 
 # Traced functions per model: weak, so a model and its functions die together.
 _functions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -110,45 +107,46 @@ def _callback_list(model, callbacks, verbose, num_batches):
     )
 
 
-def _ranges(num_batches: int, num_workers: int) -> list[tuple[int, int]]:
-    """Contiguous (start, count) ranges covering every batch once, sizes within one."""
-    pieces = max(1, min(num_batches, SHARDS_PER_WORKER * num_workers))
-    base, extra = divmod(num_batches, pieces)
-    ranges, start = [], 0
-    for i in range(pieces):
-        count = base + (i < extra)
-        if count:
-            ranges.append((start, count))
-        start += count
-    return ranges
-
-
 def _run_ranges(strategy, function, dataset, num_batches, extra_args, model, stop_flag):
-    """Schedule one closure per range; yield ((start, count), result) as each finishes."""
+    """Read the ranges and schedule one closure each; yield ((start, count), result) as each finishes.
+
+    At most `window` ranges are in flight: enough to keep every worker busy
+    while the next ones are read, few enough that the data read ahead of the
+    workers stays small.
+    """
     import tensorflow as tf
 
-    graph = serialize_dataset(dataset)
-    futures = {}
-    for start, count in _ranges(num_batches, strategy.num_workers):
-        args = (graph, tf.constant(start, tf.int64), tf.constant(count, tf.int32), *extra_args)
-        futures[strategy.schedule(function, args=args)] = (start, count)
-    pending = set(futures)
+    window = max(4, 2 * strategy.num_workers)
+    futures: dict = {}
+    counts: dict = {}
 
     def cancel_pending():
-        for future in pending:
+        for future in futures:
             future.cancel()
 
+    def settle_one():
+        done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+        future = next(iter(done))
+        where = futures.pop(future)
+        return where, result_or_first_error(strategy, future, cancel_pending)
+
     try:
-        for future in concurrent.futures.as_completed(futures):
-            pending.discard(future)
-            yield futures[future], result_or_first_error(strategy, future, cancel_pending)
-            if getattr(model, stop_flag):  # set to False by evaluate/predict, maybe True by a callback
-                break
+        for start, count, graph in read_ranges(dataset, num_batches, strategy.num_workers):
+            if count not in counts:
+                counts[count] = tf.constant(count, tf.int32)
+            futures[strategy.schedule(function, args=(graph, counts[count], *extra_args))] = (start, count)
+            while len(futures) >= window:
+                yield settle_one()
+                if getattr(model, stop_flag):  # set to False by evaluate/predict, maybe True by a callback
+                    return
+        while futures:
+            yield settle_one()
+            if getattr(model, stop_flag):
+                return
     finally:
-        for future in pending:
-            future.cancel()
-        if pending:
-            concurrent.futures.wait(pending)
+        cancel_pending()
+        if futures:
+            concurrent.futures.wait(futures)
 
 
 def _cached(model, key, build):
@@ -191,8 +189,8 @@ def _build_evaluate(model_ref, element_spec, variables):
 
     scope_class = _evaluation_scope()
 
-    def evaluate_range(graph, start, count, state):
-        iterator = iter(deserialize_dataset(graph, element_spec).skip(start).take(tf.cast(count, tf.int64)))
+    def evaluate_range(graph, count, state):
+        iterator = iter(deserialize_dataset(graph, element_spec))
 
         def body(i, state):
             # Metric updates land in the scope, not in the ps variables.
@@ -214,8 +212,8 @@ def _predict_function(model, element_spec):
 def _build_predict(model_ref, element_spec):
     import tensorflow as tf
 
-    def predict_range(graph, start, count):
-        iterator = iter(deserialize_dataset(graph, element_spec).skip(start).take(tf.cast(count, tf.int64)))
+    def predict_range(graph, count):
+        iterator = iter(deserialize_dataset(graph, element_spec))
         first = model_ref().predict_step(iterator.get_next())
         arrays = tf.nest.map_structure(
             lambda t: tf.TensorArray(
