@@ -77,8 +77,13 @@ def cut(
 def read_ranges(dataset, num_batches: int | None, num_workers: int) -> Iterator[tuple[int, int, Any]]:
     """(start, count, graph) for each range of `dataset`, read here in order:
     `graph` is the serialized dataset of the range's `count` batches."""
+    import tensorflow as tf
+
+    # Prefetched: the next batches are read and parsed while this thread cuts
+    # and serializes the last ones.
+    batches_read = dataset.prefetch(tf.data.AUTOTUNE)
     start = 0
-    for batches in cut(dataset, range_sizes(num_batches, num_workers), MAX_RANGE_BYTES, _nbytes):
+    for batches in cut(batches_read, range_sizes(num_batches, num_workers), MAX_RANGE_BYTES, _nbytes):
         yield start, len(batches), serialize_dataset(_as_dataset(batches))
         start += len(batches)
 
