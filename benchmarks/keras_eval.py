@@ -17,9 +17,11 @@ untimed evaluate that traces):
                 psclient's evaluate on the cluster
 
 Prints one JSON object: per case and path the median seconds of one
-evaluate, psclient / keras_local ratios, and whether both paths gave the
-same loss and accuracy (relative 1e-5). On a shared machine the ratios move
-with the load; the machine's load average is in `config`.
+evaluate and the median CPU seconds it used (this process; for psclient also
+the cluster's task processes), psclient / keras_local ratios of both, and
+whether both paths gave the same loss and accuracy (relative 1e-5). On a
+shared machine the seconds move with the load (the load average is in
+`config`); the CPU seconds move less.
 
     python benchmarks/keras_eval.py [--rows 20000] [--batch-size 64] [--repeats 5] [--out results.json]
 """
@@ -97,12 +99,13 @@ def main(argv=None) -> int:
               "rows": args.rows, "batch_size": args.batch_size, "repeats": args.repeats,
               "load_average": [round(v, 2) for v in os.getloadavg()]}
     times: dict = {}
+    cpu_times: dict = {}
     results: dict = {}
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "data.csv")
         x, y = write_csv(path, args.rows)
         data = cases(path, x, y, args.batch_size)
-        with _common.local_cluster(NUM_WORKERS, NUM_PS) as (cluster, _pids):
+        with _common.local_cluster(NUM_WORKERS, NUM_PS) as (cluster, task_pids):
             strategy = psclient.ParameterServerStrategy(cluster)
             try:
                 with strategy.scope():
@@ -110,15 +113,19 @@ def main(argv=None) -> int:
                 local = build_model()
                 local.set_weights(on_cluster.get_weights())
                 models = {"keras_local": local, "psclient": on_cluster}
+                # CPU of the processes each path uses: this one, and for psclient the tasks too.
+                pids = {"keras_local": [os.getpid()], "psclient": [os.getpid(), *task_pids.values()]}
                 for case, make in data.items():
                     for path_name, model in models.items():
                         _common.log(f"{case} {path_name}: warm-up evaluate")
                         results[(case, path_name)] = model.evaluate(**make(), verbose=0, return_dict=True)
                     for _ in range(args.repeats):
                         for path_name, model in models.items():
-                            start = time.perf_counter()
+                            start, cpu = time.perf_counter(), _common.cpu_seconds(pids[path_name])
                             got = model.evaluate(**make(), verbose=0, return_dict=True)
                             times.setdefault((case, path_name), []).append(time.perf_counter() - start)
+                            cpu_times.setdefault((case, path_name), []).append(
+                                _common.cpu_seconds(pids[path_name]) - cpu)
                             results[(case, path_name)] = got
                     _common.log(f"{case}: " + ", ".join(
                         f"{p} {_common.median(times[(case, p)]):.3f} s" for p in PATHS))
@@ -127,11 +134,14 @@ def main(argv=None) -> int:
     summary = {}
     for case in data:
         seconds = {p: round(_common.median(times[(case, p)]), 3) for p in PATHS}
+        cpu = {p: round(_common.median(cpu_times[(case, p)]), 3) for p in PATHS}
         want, got = results[(case, "keras_local")], results[(case, "psclient")]
         summary[case] = {
             "seconds": seconds,
             "all_seconds": {p: [round(t, 3) for t in times[(case, p)]] for p in PATHS},
+            "cpu_seconds": cpu,
             "psclient_over_keras_local": round(seconds["psclient"] / seconds["keras_local"], 2),
+            "cpu_psclient_over_keras_local": round(cpu["psclient"] / cpu["keras_local"], 2),
             "same_results": set(got) == set(want) and all(
                 bool(np.isclose(got[k], want[k], rtol=1e-5, atol=1e-6)) for k in want),
             "keras_local_results": want,
