@@ -3,8 +3,9 @@
 A worker can only start in the middle of a dataset by reading everything
 before it: `skip` runs the whole pipeline (file reads, parsing, maps) for each
 skipped batch. Ranges rebuilt on workers therefore cost passes over the data
-in proportion to their number (a 20,000-row CSV cut into 8 ranges was parsed
-about 5 times over, and once more on the coordinator to count it). Read here,
+in proportion to their number (8 ranges of a CSV file read it 4.5 times over,
+each range skipping to its start, and the coordinator read it once more to
+count its batches). Read here,
 every batch is made once, as Keras makes it in one process, and travels once,
 to the worker that evaluates it; workers run only the model, and reading
 overlaps with their work. Memory stays bounded: the caller reads a range only
