@@ -20,6 +20,7 @@ maximum, a last value) is merged wrongly and needs Keras's own evaluate.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import weakref
 
 from psclient._coordinator.per_worker import deserialize_dataset
@@ -161,6 +162,7 @@ def _evaluate_function(model, element_spec, variables):
     return _cached(model, key, lambda: _build_evaluate(weakref.ref(model), element_spec, variables))
 
 
+@functools.cache
 def _evaluation_scope():
     """A Keras `StatelessScope` for a model on the ps: metric states mapped, weights read live.
 
