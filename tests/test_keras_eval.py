@@ -95,6 +95,43 @@ def test_predict_returns_outputs_in_input_order(trained):
     np.testing.assert_allclose(model.predict(dataset, verbose=0), local.predict(dataset, verbose=0), rtol=1e-5, atol=1e-6)
 
 
+def test_file_backed_data_of_unknown_size_and_reshuffled_data(trained, tmp_path):
+    """A CSV file read by make_csv_dataset (size unknown), and a dataset that
+    reshuffles on every pass: each example counted once, as Keras counts it."""
+    model, local = trained
+    path = tmp_path / "data.csv"
+    with open(path, "w") as f:
+        f.write("a,b,c,d,e,f,label\n")
+        f.writelines(",".join(f"{v!r}" for v in row) + f",{label}\n" for row, label in zip(X.tolist(), Y.tolist()))
+
+    def csv(with_labels=True):
+        data = tf.data.experimental.make_csv_dataset(
+            str(path), batch_size=6, label_name="label", num_epochs=1, shuffle=False,
+            column_defaults=[tf.float32] * 6 + [tf.int32],
+        )
+        if with_labels:
+            return data.map(lambda cols, label: (tf.stack(list(cols.values()), axis=1), label))
+        return data.map(lambda cols, label: tf.stack(list(cols.values()), axis=1))
+
+    assert int(csv().cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    got = model.evaluate(csv(), verbose=0, return_dict=True)
+    want = local.evaluate(csv(), verbose=0, return_dict=True)
+    for name in want:
+        assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), name
+    assert float(model._loss_tracker.count.numpy()) == 203
+    np.testing.assert_allclose(
+        model.predict(csv(with_labels=False), verbose=0), local.predict(csv(with_labels=False), verbose=0),
+        rtol=1e-5, atol=1e-6,
+    )
+    # Sums over the examples do not depend on their order: Keras's numbers, from one pass.
+    reshuffled = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(203, seed=5).batch(16)
+    got = model.evaluate(reshuffled, verbose=0, return_dict=True)
+    want = local.evaluate(X, Y, batch_size=16, verbose=0, return_dict=True)
+    assert float(model._loss_tracker.count.numpy()) == 203
+    for name in ("loss", "accuracy", "top2"):
+        assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), name
+
+
 def test_predict_multiple_outputs_keep_structure(strategy):
     with strategy.scope():
         inputs = keras.Input((6,))

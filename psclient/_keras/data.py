@@ -101,7 +101,7 @@ def training_data(
 
 
 def finite_dataset(x, y, sample_weight, batch_size, steps, *, with_targets: bool = True):
-    """`evaluate`/`predict` data as one deterministic, finite dataset and its batch count.
+    """`evaluate`/`predict` data as one finite dataset and its batch count (None: unknown).
 
     A dataset function is called once with a one-pipeline InputContext: the
     whole data set, which psclient then splits between closures itself.
@@ -127,10 +127,8 @@ def finite_dataset(x, y, sample_weight, batch_size, steps, *, with_targets: bool
     cardinality = int(dataset.cardinality())
     if cardinality == tf.data.INFINITE_CARDINALITY:
         raise ValueError(_steps_required("steps", "an infinite dataset"))
-    if cardinality == tf.data.UNKNOWN_CARDINALITY:
-        # Closures need ranges of batches, so count them here, once.
-        cardinality = int(dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
-    return dataset, cardinality
+    # Unknown size stays unknown: counting would read the data one more time.
+    return dataset, None if cardinality == tf.data.UNKNOWN_CARDINALITY else cardinality
 
 
 def _check_steps(name: str, value) -> None:

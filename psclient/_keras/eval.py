@@ -1,14 +1,14 @@
 """`model.evaluate` and `model.predict` on a cluster, visiting every batch exactly once.
 
-The data (finite, deterministic) is cut into a few contiguous ranges of
-batches, a small multiple of the number of workers. Each range is one
-scheduled closure that rebuilds the dataset on its worker from its serialized
-graph and runs `test_step` / `predict_step` over its batches, returning only
-values: predictions, or the metric *states* accumulated from the reset state
-in a Keras `StatelessScope`, never writing the metric variables on the ps.
-When a worker dies, the scheduler runs the closure again elsewhere, and
-because a future resolves only once, the partial work of the dead worker is
-never merged: exact visitation.
+The data is read once, here on the coordinator, and cut into contiguous
+ranges of batches (`psclient._keras.ranges`, which says why here). Each range
+is one scheduled closure that receives the range's batches as a small
+serialized dataset and runs `test_step` / `predict_step` over them,
+returning only values: predictions, or the metric *states* accumulated from
+the reset state in a Keras `StatelessScope`, never writing the metric
+variables on the ps. When a worker dies, the scheduler runs the closure
+again elsewhere, and because a future resolves only once, the partial work of
+the dead worker is never merged: exact visitation.
 
 The coordinator merges metric states by adding each range's change from the
 reset state. That is exact for every metric whose state is a sum (Keras's
@@ -20,17 +20,16 @@ maximum, a last value) is merged wrongly and needs Keras's own evaluate.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import weakref
 
-from psclient._coordinator.per_worker import deserialize_dataset, serialize_dataset
+from psclient._coordinator.per_worker import deserialize_dataset
 from psclient._keras import data as _keras_data
+from psclient._keras import seam
+from psclient._keras.ranges import read_ranges
 from psclient._keras.trainer import prepare_model, result_or_first_error
 
-__all__ = ["SHARDS_PER_WORKER", "evaluate", "predict"]
-
-#: Ranges per worker: more balances load and re-runs less after a failure;
-#: fewer re-reads less data (each range skips to its start).
-SHARDS_PER_WORKER = 4
+__all__ = ["evaluate", "predict"]
 
 # Traced functions per model: weak, so a model and its functions die together.
 _functions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -109,45 +108,46 @@ def _callback_list(model, callbacks, verbose, num_batches):
     )
 
 
-def _ranges(num_batches: int, num_workers: int) -> list[tuple[int, int]]:
-    """Contiguous (start, count) ranges covering every batch once, sizes within one."""
-    pieces = max(1, min(num_batches, SHARDS_PER_WORKER * num_workers))
-    base, extra = divmod(num_batches, pieces)
-    ranges, start = [], 0
-    for i in range(pieces):
-        count = base + (i < extra)
-        if count:
-            ranges.append((start, count))
-        start += count
-    return ranges
-
-
 def _run_ranges(strategy, function, dataset, num_batches, extra_args, model, stop_flag):
-    """Schedule one closure per range; yield ((start, count), result) as each finishes."""
+    """Read the ranges and schedule one closure each; yield ((start, count), result) as each finishes.
+
+    At most `window` ranges are in flight: enough to keep every worker busy
+    while the next ones are read, few enough that the data read ahead of the
+    workers stays small.
+    """
     import tensorflow as tf
 
-    graph = serialize_dataset(dataset)
-    futures = {}
-    for start, count in _ranges(num_batches, strategy.num_workers):
-        args = (graph, tf.constant(start, tf.int64), tf.constant(count, tf.int32), *extra_args)
-        futures[strategy.schedule(function, args=args)] = (start, count)
-    pending = set(futures)
+    window = max(4, 2 * strategy.num_workers)
+    futures: dict = {}
+    counts: dict = {}
 
     def cancel_pending():
-        for future in pending:
+        for future in futures:
             future.cancel()
 
+    def settle_one():
+        done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+        future = next(iter(done))
+        where = futures.pop(future)
+        return where, result_or_first_error(strategy, future, cancel_pending)
+
     try:
-        for future in concurrent.futures.as_completed(futures):
-            pending.discard(future)
-            yield futures[future], result_or_first_error(strategy, future, cancel_pending)
-            if getattr(model, stop_flag):  # set to False by evaluate/predict, maybe True by a callback
-                break
+        for start, count, graph in read_ranges(dataset, num_batches, strategy.num_workers):
+            if count not in counts:
+                counts[count] = tf.constant(count, tf.int32)
+            futures[strategy.schedule(function, args=(graph, counts[count], *extra_args))] = (start, count)
+            while len(futures) >= window:
+                yield settle_one()
+                if getattr(model, stop_flag):  # set to False by evaluate/predict, maybe True by a callback
+                    return
+        while futures:
+            yield settle_one()
+            if getattr(model, stop_flag):
+                return
     finally:
-        for future in pending:
-            future.cancel()
-        if pending:
-            concurrent.futures.wait(pending)
+        cancel_pending()
+        if futures:
+            concurrent.futures.wait(futures)
 
 
 def _cached(model, key, build):
@@ -162,21 +162,43 @@ def _evaluate_function(model, element_spec, variables):
     return _cached(model, key, lambda: _build_evaluate(weakref.ref(model), element_spec, variables))
 
 
-def _build_evaluate(model_ref, element_spec, variables):
-    import tensorflow as tf
+@functools.cache
+def _evaluation_scope():
+    """A Keras `StatelessScope` for a model on the ps: metric states mapped, weights read live.
+
+    Keras's scope is made for fully functional calls, where every variable is
+    mapped (`Layer.stateless_call`); here only the metric variables are, so
+    that their updates stay on the worker. Two Keras paths then misbehave:
+    weight regularizers ask the scope for their weight's value
+    (`Layer._get_regularization_losses`) and get None, and `add_loss` losses
+    (activity regularizers, a layer's own losses) are dropped unless the
+    scope collects them. This scope answers an unmapped variable with the
+    tf.Variable itself, exactly what `Variable.value` reads outside a scope,
+    and collects losses, so `test_step` computes Keras's own total loss.
+    """
     from keras.src.backend.common.stateless_scope import StatelessScope
 
-    def evaluate_range(graph, start, count, state):
-        iterator = iter(deserialize_dataset(graph, element_spec).skip(start).take(tf.cast(count, tf.int64)))
+    class EvaluationScope(StatelessScope):
+        def get_current_value(self, variable):
+            value = super().get_current_value(variable)
+            return seam.internal(variable, "_value") if value is None else value
+
+    return EvaluationScope
+
+
+def _build_evaluate(model_ref, element_spec, variables):
+    import tensorflow as tf
+
+    scope_class = _evaluation_scope()
+
+    def evaluate_range(graph, count, state):
+        iterator = iter(deserialize_dataset(graph, element_spec))
 
         def body(i, state):
             # Metric updates land in the scope, not in the ps variables.
-            with StatelessScope(state_mapping=list(zip(variables, state))) as scope:
+            with scope_class(state_mapping=list(zip(variables, state)), collect_losses=True) as scope:
                 model_ref().test_step(iterator.get_next())
-            updated = tuple(
-                value if (new := scope.get_current_value(v)) is None else tf.cast(new, value.dtype)
-                for v, value in zip(variables, state)
-            )
+            updated = tuple(tf.cast(scope.get_current_value(v), value.dtype) for v, value in zip(variables, state))
             return i + 1, updated
 
         _, state = tf.while_loop(lambda i, _: i < count, body, (tf.constant(0), tuple(state)))
@@ -192,8 +214,8 @@ def _predict_function(model, element_spec):
 def _build_predict(model_ref, element_spec):
     import tensorflow as tf
 
-    def predict_range(graph, start, count):
-        iterator = iter(deserialize_dataset(graph, element_spec).skip(start).take(tf.cast(count, tf.int64)))
+    def predict_range(graph, count):
+        iterator = iter(deserialize_dataset(graph, element_spec))
         first = model_ref().predict_step(iterator.get_next())
         arrays = tf.nest.map_structure(
             lambda t: tf.TensorArray(

@@ -114,7 +114,8 @@ KERAS_INTERNALS: tuple[Internal, ...] = (
     Internal("keras.src.backend.common.stateless_scope.in_stateless_scope",
              "assign_add inside a StatelessScope keeps Keras's own path"),
     Internal("keras.src.backend.common.stateless_scope.StatelessScope",
-             "evaluate's metric states, computed without writing the ps"),
+             "evaluate's metric states, computed without writing the ps; subclassed so that an "
+             "unmapped weight reads as itself (its regularizer) and losses are collected"),
     # The model.
     Internal(f"{_BASE_TRAINER}._assert_compile_called", "fit/evaluate before compile(): Keras's own error"),
     Internal(f"{_BASE_TRAINER}._symbolic_build", "build what is unbuilt, on the ps, from the data's spec"),
