@@ -24,6 +24,9 @@ that do not live on a psclient strategy's ps tasks:
    table every step (same arithmetic on those rows, see
    `psclient._keras.sparse_adagrad`). Adafactor's update of a partitioned variable
    runs on each shard's ps (`psclient._keras.adafactor`).
+4. Initial values made on the ps: each weight's and slot's initializer runs
+   on its ps task (shard by shard when partitioned), never in the coordinator
+   (`psclient._keras.initializers`).
 
 Nothing else in psclient patches Keras. Before patching, every private Keras
 name psclient uses (`psclient._keras.seam.KERAS_INTERNALS`) is looked up, so a
@@ -41,7 +44,7 @@ import inspect
 import sys
 import threading
 
-from psclient._keras import adafactor, sparse_adagrad
+from psclient._keras import adafactor, initializers, sparse_adagrad
 from psclient._keras import eval as _keras_eval
 from psclient._keras import seam
 from psclient._keras.trainer import (
@@ -100,6 +103,7 @@ def install() -> None:
             return
         seam.check()
         _install_atomic_increments()
+        initializers.install()
         _install_trainer_patches()
         _install_ps_gather()
         _install_moving_average_on_ps()
