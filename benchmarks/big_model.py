@@ -291,7 +291,8 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
             for path in paths:
                 tag = f"{size:>5} MiB ({rows:,} rows) {path:12}"
                 _common.log(f"{tag} starting a LocalCluster ({NUM_WORKERS} workers, {NUM_PS} ps)")
-                with _common.local_cluster(NUM_WORKERS, NUM_PS) as (cluster, task_pids):
+                # A long start timeout: the tasks of a busy machine start slowly.
+                with _common.local_cluster(NUM_WORKERS, NUM_PS, start_timeout=300.0) as (cluster, task_pids):
                     child = [os.path.abspath(__file__), "--_child", path, "--rows", str(rows),
                              "--cluster", json.dumps(cluster.jobs), "--steps", str(args.steps),
                              "--phases", args.phases]

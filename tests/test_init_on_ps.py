@@ -59,6 +59,12 @@ def _moments(variable):
     return mean, (squares / count - mean * mean) ** 0.5, largest
 
 
+def _dataset(context):
+    ids = tf.data.Dataset.random(seed=1).batch(4).map(lambda x: tf.cast(x % ROWS, tf.int32))
+    labels = tf.data.Dataset.random(seed=2).map(lambda x: tf.cast(x % 2, tf.float32)[None])
+    return tf.data.Dataset.zip((ids, labels)).batch(64).repeat()
+
+
 def _extremes(variable):
     """(min, max) of a variable, computed shard by shard on the ps."""
     shards = _shards(variable)
@@ -90,6 +96,15 @@ def test_a_big_table_and_its_slots_do_not_grow_the_coordinator(strategy):
     accumulator = optimizer._accumulators[0]
     assert [ps_of(s) for s in _shards(accumulator)] == [ps_of(s) for s in shards]
     assert _extremes(accumulator) == (np.float32(0.1), np.float32(0.1))  # Adagrad's initial value, exact
+
+    # fit trains the model and brings nothing of the table to the coordinator.
+    with strategy.scope():
+        model.compile(optimizer=optimizer, loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    history = model.fit(_dataset, epochs=2, steps_per_epoch=10, verbose=0)
+    assert all(np.isfinite(history.history["loss"]))
+    assert optimizer.iterations.numpy() == 20
+    growth = _rss() - before
+    assert growth <= 0.1 * parameters, f"after fit: {growth / 2**20:.0f} MB for {parameters / 2**20:.0f} MB"
 
 
 def ps_of(shard) -> int:
