@@ -22,7 +22,8 @@ Phases (`PHASES`, each a function `phase_<name>(run) -> dict`; a phase gets the
   build  model, compile and optimizer slots created in scope;
   fit    `--steps` fit steps (default 50).
 
-Each phase reports its seconds and the coordinator's resident memory after it;
+Each phase reports its seconds, the coordinator's resident memory after it and
+each ps task's (current and peak);
 the child reports the coordinator's peak (VmHWM) and the baseline it grew from:
 its RSS once connected and after building, compiling and fitting a tiny model
 of the same layers (Keras's and TF's first-use costs, the same at any size).
@@ -206,6 +207,7 @@ def child_main(args: argparse.Namespace) -> None:
     import psclient
 
     run = Run(args._child, args.rows, psclient.Cluster(json.loads(args.cluster)), args)
+    task_pids = json.loads(args.task_pids)
     t0 = time.perf_counter()
     connect(run)
     connected = settled_rss_mib()
@@ -220,6 +222,9 @@ def child_main(args: argparse.Namespace) -> None:
         seconds = time.perf_counter() - t0
         after = settled_rss_mib()
         result["coordinator_rss_mib"][name] = round(after, 1)
+        result.setdefault("ps_rss_mib", {})[name] = {
+            task: {"rss": round(rss_mib(pid), 1), "peak": round(peak_rss_mib(pid) or 0.0, 1)}
+            for task, pid in sorted(task_pids.items()) if task.startswith("ps:")}
         result["phases"][name] = {"seconds": round(seconds, 2), "coordinator_growth_mib": round(after - baseline, 1),
                                   **facts}
     result["coordinator_peak_rss_mib"] = round(peak_rss_mib() or 0.0, 1)
@@ -251,6 +256,13 @@ def summarize(runs: dict, sizes: list[int], phases: list[str]) -> dict:
             for p in phases:
                 a, b = ours[f"coordinator_growth_after_{p}_mib"], theirs[f"coordinator_growth_after_{p}_mib"]
                 entry[f"coordinator growth after {p}, psclient - tf_keras_pss (MiB)"] = round(a - b, 1)
+                if b > 0:
+                    entry[f"psclient/tf_keras_pss coordinator growth after {p}"] = round(a / b, 4)
+            a, b = ours["coordinator_peak_growth_mib"], theirs["coordinator_peak_growth_mib"]
+            if b > 0:
+                entry["psclient/tf_keras_pss coordinator peak growth"] = round(a / b, 4)
+            a, b = (max(r.values()) for r in (ours["ps_peak_rss_mib"], theirs["ps_peak_rss_mib"]))
+            entry["psclient/tf_keras_pss largest ps peak RSS"] = round(a / b, 3)
             for p in phases:
                 a, b = ours[f"{p}_seconds"], theirs[f"{p}_seconds"]
                 if b:
@@ -295,7 +307,7 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
                 with _common.local_cluster(NUM_WORKERS, NUM_PS, start_timeout=300.0) as (cluster, task_pids):
                     child = [os.path.abspath(__file__), "--_child", path, "--rows", str(rows),
                              "--cluster", json.dumps(cluster.jobs), "--steps", str(args.steps),
-                             "--phases", args.phases]
+                             "--phases", args.phases, "--task-pids", json.dumps(task_pids)]
                     ps_at_start = {task: round(rss_mib(pid), 1) for task, pid in sorted(task_pids.items())
                                    if task.startswith("ps:")}
                     try:
@@ -315,7 +327,8 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
     output["runs"] = runs
     _common.print_json(output)
     os.makedirs(os.path.join(_HERE, "results"), exist_ok=True)
-    name = "big_model-quick" if args.quick else "big_model"
+    partial = (sizes != list(SIZES_MIB) or paths != list(PATHS) or phases != list(PHASES))
+    name = "big_model-quick" if args.quick else ("big_model-partial" if partial else "big_model")
     saved = os.path.join(_HERE, "results", f"{name}-{time.strftime('%Y-%m-%d')}.json")
     with open(saved, "w") as f:
         json.dump(output, f, indent=2)
@@ -338,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--_child", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--rows", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--cluster", help=argparse.SUPPRESS)
+    parser.add_argument("--task-pids", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps is None:
         args.steps = 10 if args.quick else 50

@@ -74,9 +74,13 @@ def shard_function(initializer: Any, full_shape: tuple, dtype: Any) -> Callable[
     if _same_call(initializer, initializers.Constant):
         import numpy as np
 
+        from keras import ops
+
         if np.ndim(initializer.value) != 0:
             return None  # an array broadcast to the full shape: not the same for every shard
-        return lambda shape, index: initializer(shape, dtype=dtype)
+        # The same values as Keras's `cast(value) * ones(shape)`, without
+        # its temporary of the shard's size on the ps.
+        return lambda shape, index: ops.full(shape, ops.cast(initializer.value, dtype), dtype=dtype)
     if _same_call(initializer, initializers.RandomUniform):
         return lambda shape, index: random.uniform(
             shape, minval=initializer.minval, maxval=initializer.maxval, dtype=dtype,
