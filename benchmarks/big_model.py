@@ -22,8 +22,9 @@ Phases (`PHASES`, each a function `phase_<name>(run) -> dict`; a phase gets the
   build  model, compile and optimizer slots created in scope;
   fit    `--steps` fit steps (default 50).
 
-Each phase reports its seconds, the coordinator's resident memory after it and
-each ps task's (current and peak);
+Each phase reports its seconds, the coordinator's resident memory after it (RSS
+and its anonymous part, RssAnon, which pages of files dropped under memory
+pressure do not blur) and each ps task's (current, anonymous and peak);
 the child reports the coordinator's peak (VmHWM) and the baseline it grew from:
 its RSS once connected and after building, compiling and fitting a tiny model
 of the same layers (Keras's and TF's first-use costs, the same at any size).
@@ -94,6 +95,23 @@ def peak_rss_mib(pid: int | None = None) -> float | None:
         pass
     if pid is None:  # ru_maxrss: KiB on Linux
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return None
+
+
+def anon_rss_mib(pid: int | None = None) -> float | None:
+    """Anonymous resident memory (RssAnon): RSS without the pages of mapped files.
+
+    What a copy of the model would occupy. Under memory pressure the kernel
+    drops file pages (TensorFlow's libraries) from RSS, which would make RSS
+    growth look smaller than it is: this one does not move with them.
+    """
+    try:
+        with open(f"/proc/{pid or 'self'}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return None
 
 
@@ -213,6 +231,7 @@ def child_main(args: argparse.Namespace) -> None:
     connected = settled_rss_mib()
     warm_up(run)
     baseline = settled_rss_mib()
+    anon_baseline = anon_rss_mib() or 0.0
     result: dict = {"rows": args.rows, "setup_s": round(time.perf_counter() - t0, 2),
                     "coordinator_rss_mib": {"connected": round(connected, 1), "baseline": round(baseline, 1)},
                     "phases": {}}
@@ -223,9 +242,11 @@ def child_main(args: argparse.Namespace) -> None:
         after = settled_rss_mib()
         result["coordinator_rss_mib"][name] = round(after, 1)
         result.setdefault("ps_rss_mib", {})[name] = {
-            task: {"rss": round(rss_mib(pid), 1), "peak": round(peak_rss_mib(pid) or 0.0, 1)}
+            task: {"rss": round(rss_mib(pid), 1), "anon": round(anon_rss_mib(pid) or 0.0, 1),
+                   "peak": round(peak_rss_mib(pid) or 0.0, 1)}
             for task, pid in sorted(task_pids.items()) if task.startswith("ps:")}
         result["phases"][name] = {"seconds": round(seconds, 2), "coordinator_growth_mib": round(after - baseline, 1),
+                                  "coordinator_anon_growth_mib": round((anon_rss_mib() or 0.0) - anon_baseline, 1),
                                   **facts}
     result["coordinator_peak_rss_mib"] = round(peak_rss_mib() or 0.0, 1)
     result["coordinator_peak_growth_mib"] = round(result["coordinator_peak_rss_mib"] - baseline, 1)
@@ -246,6 +267,8 @@ def summarize(runs: dict, sizes: list[int], phases: list[str]) -> dict:
             facts = {f"coordinator_growth_after_{p}_mib": r["phases"][p]["coordinator_growth_mib"] for p in phases}
             facts.update({f"coordinator_growth_after_{p}_x_parameters":
                           round(r["phases"][p]["coordinator_growth_mib"] / parameters_mib, 4) for p in phases})
+            facts.update({f"coordinator_anon_growth_after_{p}_mib": r["phases"][p].get("coordinator_anon_growth_mib")
+                          for p in phases})
             facts["coordinator_peak_growth_mib"] = r["coordinator_peak_growth_mib"]
             facts["ps_peak_rss_mib"] = r.get("ps_peak_rss_mib")
             facts["ps_rss_at_start_mib"] = r.get("ps_rss_at_start_mib")
@@ -268,7 +291,9 @@ def summarize(runs: dict, sizes: list[int], phases: list[str]) -> dict:
                 if b:
                     entry[f"psclient/tf_keras_pss {p} seconds"] = round(a / b, 3)
         if ours:
-            worst = max(ours[f"coordinator_growth_after_{p}_x_parameters"] for p in phases)
+            # RSS, or anonymous RSS where larger (file pages dropped under memory pressure).
+            worst = max(max(ours[f"coordinator_growth_after_{p}_mib"], ours[f"coordinator_anon_growth_after_{p}_mib"]
+                            or 0.0) / parameters_mib for p in phases)
             met[f"psclient coordinator growth <= {TARGET_GROWTH}x parameters at {size} MiB"] = worst <= TARGET_GROWTH
         per_size[f"{size}MiB"] = entry
     return {"per_size": per_size, "targets_met": met}
@@ -308,8 +333,8 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
                     child = [os.path.abspath(__file__), "--_child", path, "--rows", str(rows),
                              "--cluster", json.dumps(cluster.jobs), "--steps", str(args.steps),
                              "--phases", args.phases, "--task-pids", json.dumps(task_pids)]
-                    ps_at_start = {task: round(rss_mib(pid), 1) for task, pid in sorted(task_pids.items())
-                                   if task.startswith("ps:")}
+                    ps_at_start = {task: {"rss": round(rss_mib(pid), 1), "anon": round(anon_rss_mib(pid) or 0.0, 1)}
+                                   for task, pid in sorted(task_pids.items()) if task.startswith("ps:")}
                     try:
                         result = _common.run_child(child, timeout=args.child_timeout, env=env)
                     except _common.ChildError as error:
