@@ -33,9 +33,9 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from psclient._core.partitioning import AUTO_MIN_SHARD_BYTES, row_ranges
+from psclient._core.partitioning import AUTO_MIN_SHARD_BYTES
 
-__all__ = ["create_partitioned", "is_partitioned", "partitioner_argument", "per_shard", "split_updates"]
+__all__ = ["create_partitioned", "cut", "is_partitioned", "partitioner_argument", "per_shard", "split_updates"]
 
 _CLASS = None
 _FOCUS = threading.local()  # .value: (layout, shard index) while a split update is traced
@@ -191,25 +191,17 @@ def is_partitioned(variable: Any) -> bool:
     return _CLASS is not None and isinstance(variable, _CLASS)
 
 
-def create_partitioned(next_creator: Callable, kwargs: dict, value, devices: list[str]):
-    """Create one shard per device from the full initial `value`; wrap them.
+def create_partitioned(next_creator: Callable, kwargs: dict, parts: list, devices: list[str]):
+    """Create shard `i` on `devices[i]` with initial value `parts[i]`; wrap them.
 
-    `kwargs` are the `tf.Variable` arguments the creator received (the
-    initial value already evaluated to `value`).
+    `kwargs` are the `tf.Variable` arguments the creator received. A part is
+    a tensor (see `cut`) or a zero-argument callable, which `tf.Variable`
+    runs under the shard's device: its value is made on that shard's ps.
     """
     import tensorflow as tf
 
     cls = _class()
     name = kwargs.get("name") or "Variable"
-    ranges = row_ranges(value.shape[0], len(devices))
-    if tf.is_symbolic_tensor(value):
-        # A value computed inside a trace (an optimizer built by its first
-        # step): cut it there; TF lifts each shard's initializer as it would
-        # the whole one.
-        parts = [value[start:stop] for start, stop in ranges]
-    else:
-        with tf.init_scope():  # an eager value (evaluated by the creator): cut it eagerly
-            parts = [value[start:stop] for start, stop in ranges]
     shards = []
     for index, (part, device) in enumerate(zip(parts, devices)):
         shard_kwargs = dict(kwargs, initial_value=part, name=f"{name}/part_{index}")
@@ -217,6 +209,21 @@ def create_partitioned(next_creator: Callable, kwargs: dict, value, devices: lis
         with tf.device(device):
             shards.append(next_creator(**shard_kwargs))
     return cls(shards, name=name)
+
+
+def cut(value, ranges: list[tuple[int, int]]) -> list:
+    """`value`'s rows of each range, sliced where `value` is."""
+    import tensorflow as tf
+
+    if tf.is_symbolic_tensor(value):
+        # A value computed inside a trace (an optimizer built by its first
+        # step): cut it there; TF lifts each shard's initializer as it would
+        # the whole one.
+        return [value[start:stop] for start, stop in ranges]
+    # An eager value: cut eagerly, on its own device (a value already on a
+    # ps stays there; only the shards travel, ps to ps).
+    with tf.init_scope(), tf.device(value.device or None):
+        return [value[start:stop] for start, stop in ranges]
 
 
 # Keras optimizers whose update is elementwise in the variable, its slots and

@@ -16,12 +16,19 @@ from typing import Any, Callable
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.checkpoint import variable_key
 from psclient._coordinator.per_worker import PerWorker, PerWorkerDataset, PerWorkerIterator
-from psclient._coordinator.sharding import create_partitioned, is_partitioned
+from psclient._coordinator import initial_values
+from psclient._coordinator.sharding import create_partitioned, cut, is_partitioned
 from psclient._core.failures import is_connection_error_type
 from psclient._core.partitioning import can_split, row_ranges, shard_count, shard_tasks
 from psclient._core.placement import Placer
 
 __all__ = ["VariableStore", "PerWorkerRegistry"]
+
+
+def tf_dtype_size(dtype) -> int:
+    import tensorflow as tf
+
+    return tf.as_dtype(dtype).size
 
 log = logging.getLogger("psclient")
 
@@ -78,13 +85,18 @@ class VariableStore:
             # the user's tf.device): leave it there.
             return next_creator(**kwargs)
         requested = _runtime.ps_index_of(device)
+        if requested is not None and requested >= self._num_ps:
+            requested = None
+        reason = "balanced" if requested is None else "requested"
+        # A Keras variable's description (shape, dtype, how to make a shard),
+        # taken here, by the outermost psclient creator, and only once.
+        spec = initial_values.take_pending()
         initial_value = kwargs.get("initial_value")
+        if callable(initial_value) and not initial_values.is_checkpoint_value(initial_value):
+            return self._create_on_ps(next_creator, kwargs, initial_value, spec, requested, reason)
         if callable(initial_value):
-            # We need the size before choosing a task, so evaluate the
-            # initializer once here, exactly as tf.Variable would.
-            with tf.init_scope():
-                initial_value = initial_value()
-            kwargs["initial_value"] = initial_value
+            with tf.init_scope():  # a restore from a file: read where the file is
+                kwargs["initial_value"] = initial_value = initial_value()
         dtype = kwargs.get("dtype")
         # Under init_scope: while a function is traced (an optimizer making its
         # slots at its first apply_gradients) the value would otherwise be
@@ -92,58 +104,92 @@ class VariableStore:
         # lifted out of the function.
         with tf.init_scope():
             value = tf.convert_to_tensor(initial_value, dtype=dtype) if initial_value is not None else None
-        nbytes = 0
-        if value is not None and value.shape.is_fully_defined():
-            nbytes = value.shape.num_elements() * value.dtype.size
-        if requested is not None and requested < self._num_ps:
-            ps, reason = requested, "requested"
-        else:
-            ps, reason = None, "balanced"
-        shards = self._shards(kwargs.get("name"), value)
+        return self._create_from_value(next_creator, kwargs, value, requested, reason)
+
+    def _create_on_ps(self, next_creator, kwargs, fn, spec, requested, reason):
+        """A variable whose initial value `fn` makes: made on its ps (see `initial_values`)."""
+        import tensorflow as tf
+
+        shape, dtype = initial_values.known_shape(kwargs, spec)
+        if shape is None:
+            # Nothing says what `fn` makes: make it on the task that would get
+            # the variable anyway (whole-variable placement does not depend on
+            # its size), then carry on as with a value.
+            ps = requested if requested is not None else self.placer.choose(0)
+            with tf.init_scope(), tf.device(_runtime.ps_device(ps)):
+                value = tf.convert_to_tensor(fn(), dtype=kwargs.get("dtype"))
+            kwargs["initial_value"] = value
+            return self._create_from_value(next_creator, kwargs, value, ps, reason)
+        if spec is not None and kwargs.get("shape") is None:
+            kwargs["shape"] = shape  # for a nested psclient creator, which has no spec
+        shards = self._shards(kwargs.get("name"), shape, dtype)
         if shards > 1:
             with tf.init_scope():
-                return self._create_partitioned(next_creator, kwargs, value, shards, ps, reason)
+                return self._create_partitioned(
+                    next_creator, kwargs, shape, dtype, shards, requested, reason,
+                    lambda ranges, devices: initial_values.shard_values(fn, spec, shape, ranges, devices))
+        return self._create_whole(next_creator, kwargs, requested, reason)
+
+    def _create_from_value(self, next_creator, kwargs, value, ps, reason):
+        """A variable with an initial tensor `value` (None: TF's restore-time variables)."""
+        import tensorflow as tf
+
+        if value is not None and value.shape.is_fully_defined():
+            shape, dtype = tuple(value.shape.as_list()), value.dtype
+            shards = self._shards(kwargs.get("name"), shape, dtype)
+            if shards > 1:
+                with tf.init_scope():
+                    return self._create_partitioned(
+                        next_creator, kwargs, shape, dtype, shards, ps, reason,
+                        lambda ranges, devices: (cut(value, ranges), lambda: None))
+        return self._create_whole(next_creator, kwargs, ps, reason)
+
+    def _create_whole(self, next_creator, kwargs, ps, reason):
+        import tensorflow as tf
+
         if ps is None:
-            ps = self.placer.choose(nbytes)
-        with tf.init_scope(), tf.device(_runtime.ps_device(ps)):  # init_scope: see above
+            # Greedy by bytes chooses the least-loaded task whatever the new
+            # variable's size: no need to know it (or make it) first.
+            ps = self.placer.choose(0)
+        # init_scope: see `create`; the device: a callable initial value runs there.
+        with tf.init_scope(), tf.device(_runtime.ps_device(ps)):
             variable = next_creator(**kwargs)
         with self._lock:
             self._variables.append((weakref.ref(variable), (ps,)))
-        self.placer.record(
-            variable.name, variable.shape.as_list() if variable.shape.rank is not None else (),
-            variable.dtype.name, nbytes, ps, reason,
-        )
+        shape = variable.shape.as_list() if variable.shape.rank is not None else ()
+        nbytes = variable.shape.num_elements() * variable.dtype.size if variable.shape.is_fully_defined() else 0
+        self.placer.record(variable.name, shape, variable.dtype.name, nbytes, ps, reason)
         return variable
 
-    def _shards(self, name, value) -> int:
-        """How many shards the partitioner wants for `value` (1: keep it whole)."""
-        if self._partitioner is None or value is None:
-            return 1
-        shape = value.shape.as_list() if value.shape.rank is not None else None
-        if not can_split(shape):
+    def _shards(self, name, shape, dtype) -> int:
+        """How many shards the partitioner wants for a variable of `shape` (1: keep it whole)."""
+        if self._partitioner is None or not can_split(list(shape)):
             return 1  # a scalar, an unknown shape or a single row: never offered
         import tensorflow as tf
 
-        result = self._partitioner(tf.TensorShape(shape), value.dtype)
-        return shard_count(name or "Variable", shape, result)
+        result = self._partitioner(tf.TensorShape(list(shape)), tf.as_dtype(dtype))
+        return shard_count(name or "Variable", list(shape), result)
 
-    def _create_partitioned(self, next_creator, kwargs, value, shards, first, reason):
-        shape = value.shape.as_list()
-        row_bytes = value.dtype.size
+    def _create_partitioned(self, next_creator, kwargs, shape, dtype, shards, first, reason, make_parts):
+        """The shards of a partitioned variable; `make_parts(ranges, devices)` gives their initial values."""
+        row_bytes = tf_dtype_size(dtype)
         for dim in shape[1:]:
             row_bytes *= dim
         if first is None:
             first = self.placer.choose(shape[0] * row_bytes)
         tasks = shard_tasks(first, shards, self._num_ps)
+        ranges = row_ranges(shape[0], shards)
+        devices = [_runtime.ps_device(ps) for ps in tasks]
+        parts, release = make_parts(ranges, devices)
         self._making_shards.active = True
         try:
-            variable = create_partitioned(next_creator, kwargs, value, [_runtime.ps_device(ps) for ps in tasks])
+            variable = create_partitioned(next_creator, kwargs, parts, devices)
         finally:
             self._making_shards.active = False
+            release()
         with self._lock:
             self._variables.append((weakref.ref(variable), tuple(tasks)))
-        for index, (shard, ps, (start, stop)) in enumerate(
-                zip(variable.variables, tasks, row_ranges(shape[0], shards))):
+        for index, (shard, ps, (start, stop)) in enumerate(zip(variable.variables, tasks, ranges)):
             self.placer.record(
                 shard.name, shard.shape.as_list(), shard.dtype.name, (stop - start) * row_bytes, ps, reason,
                 part=(index, shards), rows=(start, stop), of=shard.name.rsplit("/part_", 1)[0],

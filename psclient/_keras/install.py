@@ -27,6 +27,9 @@ that do not live on a psclient strategy's ps tasks:
 4. BatchNormalization's moving statistics, which Keras writes with a plain
    read-then-assign, written with one atomic `assign_sub` each on their ps
    (`psclient._keras.moving_stats`), so concurrent workers' updates compose.
+5. Initial values made on the ps: each weight's and slot's initializer runs
+   on its ps task (shard by shard when partitioned), never in the coordinator
+   (`psclient._keras.initializers`).
 
 Nothing else in psclient patches Keras. Before patching, every private Keras
 name psclient uses (`psclient._keras.seam.KERAS_INTERNALS`) is looked up, so a
@@ -44,7 +47,7 @@ import inspect
 import sys
 import threading
 
-from psclient._keras import adafactor, moving_stats, sparse_adagrad
+from psclient._keras import adafactor, initializers, moving_stats, sparse_adagrad
 from psclient._keras import eval as _keras_eval
 from psclient._keras import seam
 from psclient._keras.trainer import (
@@ -103,6 +106,7 @@ def install() -> None:
             return
         seam.check()
         _install_atomic_increments()
+        initializers.install()
         _install_trainer_patches()
         _install_ps_gather()
         _install_moving_average_on_ps()

@@ -109,6 +109,13 @@ KERAS_INTERNALS: tuple[Internal, ...] = (
              kind="instance"),
     Internal(f"{_BASE_OPTIMIZER}._get_variable_index", "a weight's index into its optimizer's slot lists"),
     # Variables.
+    Internal(f"{_VARIABLE}._initialize_with_initializer",
+             "patched: the variable described (shape, dtype, initializer) to psclient's creator, which "
+             "runs the initializer on the variable's ps (psclient._keras.initializers)"),
+    Internal(f"{_VARIABLE}._shape", "the shape of a variable being initialised", kind="instance"),
+    Internal(f"{_VARIABLE}._dtype", "the dtype of a variable being initialised", kind="instance"),
+    Internal("keras.src.initializers.random_initializers.compute_fans",
+             "the fans of a partitioned variable's full shape, for each shard's VarianceScaling"),
     Internal(f"{_VARIABLE}._value", "the tf.Variable inside: its device says ps or local", kind="instance"),
     Internal("keras.src.backend.backend", "the configured backend, read before Keras is imported"),
     Internal("keras.src.backend.common.stateless_scope.in_stateless_scope",
