@@ -103,6 +103,7 @@ class Recovery:
         self._clock = clock
         self.checkpoints = Checkpoints(
             config.checkpoint_dir, keep=config.checkpoints_to_keep, overwrite=config.overwrite_checkpoints,
+            describe_ps=lambda ps: self._cluster.address("ps", ps),
         ) if config.checkpoint_dir is not None else None
         self._machine = rm.RecoveryMachine(rm.MachineConfig(
             num_workers=cluster.num_workers, num_ps=cluster.num_ps,
