@@ -93,11 +93,27 @@ def slots_of(variables: dict[str, Any]) -> dict[int, list[Slot]]:
     return by_ps
 
 
+#: The group of variables that live in this process (not on a ps): the coordinator writes them.
+LOCAL = -1
+
+
 def _ps_of(variable: Any) -> int:
     ps = _runtime.ps_index_of(variable.device)
+    return LOCAL if ps is None else ps
+
+
+def _device(ps: int):
+    import contextlib
+
+    import tensorflow as tf
+
+    return contextlib.nullcontext() if ps == LOCAL else tf.device(_runtime.ps_device(ps))
+
+
+def _task(ps: int | None, describe_ps: Callable[[int], str]) -> str:
     if ps is None:
-        raise ValueError(f"variable {variable.name} lives on {variable.device!r}, not on a ps task")
-    return ps
+        return "a ps task"
+    return "the coordinator" if ps == LOCAL else f"ps:{ps} ({describe_ps(ps)})"
 
 
 def part_prefix(scratch: str, index: int, count: int) -> str:
@@ -144,13 +160,13 @@ def save_parts(prefix: str, variables: dict[str, Any], scalars: dict[str, Any],
     scratch = os.path.join(directory, f".psclient-save-{os.path.basename(prefix)}-{secrets.token_hex(8)}")
     final_names = {ps: f"{os.path.basename(prefix)}.data-{i:05d}-of-{count:05d}" for i, ps in enumerate(tasks)}
     layout = {"format": 2, "parts": [
-        {"task": f"ps:{ps}", "file": final_names[ps], "keys": sorted({s.key for s in by_ps[ps]})} for ps in tasks]}
+        {"task": f"ps:{ps}" if ps != LOCAL else "coordinator", "file": final_names[ps], "keys": sorted({s.key for s in by_ps[ps]})} for ps in tasks]}
 
     def write(ps: int) -> Callable[[], None]:
         slots = by_ps[ps]
 
         def run():
-            with tf.device(_runtime.ps_device(ps)):
+            with _device(ps):
                 try:
                     values = [s.variable.read_value() for s in slots]  # read there: the resource is on this ps
                     gen_io_ops.save_v2(part_prefix(scratch, tasks.index(ps), count),
@@ -166,7 +182,7 @@ def save_parts(prefix: str, variables: dict[str, Any], scalars: dict[str, Any],
             _on_each_ps({ps: write(ps) for ps in tasks})
         except tf.errors.OpError as error:
             ps = getattr(error, "_psclient_ps", None)
-            where = f"ps:{ps} ({describe_ps(ps)})" if ps is not None else "a ps task"
+            where = _task(ps, describe_ps)
             raise CheckpointWriteError(
                 f"{where} could not write its part of checkpoint {prefix} "
                 f"(in {scratch}, to become {final_names.get(ps, 'its data file')}): {_first_line(error)}. "
@@ -202,13 +218,16 @@ def read_on_ps(path: str, variables: dict[str, Any], dtypes: dict[str, Any],
     def read(ps: int) -> Callable[[], list]:
         slots = by_ps[ps]
 
+        def restore(some):
+            return gen_io_ops.restore_v2(path, [s.key for s in some], [s.spec for s in some],
+                                         [dtypes[s.key] for s in some])
+
         def run():
-            with tf.device(_runtime.ps_device(ps)):
+            with _device(ps):
                 try:
-                    tensors = gen_io_ops.restore_v2(path, [s.key for s in slots], [s.spec for s in slots],
-                                                    [dtypes[s.key] for s in slots])
+                    tensors = restore(slots)
                 except tf.errors.OpError as error:
-                    error._psclient_ps = ps
+                    error._psclient_ps, error._psclient_slot = ps, _failing(slots, restore, tf.errors.OpError)
                     raise
             return list(zip(slots, tensors))
         return run
@@ -217,12 +236,24 @@ def read_on_ps(path: str, variables: dict[str, Any], dtypes: dict[str, Any],
         return _on_each_ps({ps: read(ps) for ps in by_ps})
     except tf.errors.OpError as error:
         ps = getattr(error, "_psclient_ps", None)
-        keys = sorted({s.key.split("/")[0] for s in by_ps.get(ps, [])})
-        files = _files_of(path, layout, {s.key for s in by_ps.get(ps, [])})
+        slot = getattr(error, "_psclient_slot", None)
+        slots = [slot] if slot is not None else by_ps.get(ps, [])
+        what = (f"{slot.key.split('/')[0]} ({slot.variable.name})" if slot is not None
+                else ", ".join(sorted({s.key.split("/")[0] for s in slots})))
+        files = _files_of(path, layout, {s.key for s in slots})
         raise CheckpointUnreadable(
-            f"ps:{ps} ({describe_ps(ps)}) could not read its variables ({', '.join(keys[:5])}"
-            f"{', ...' if len(keys) > 5 else ''}) from {' or '.join(files)} (corrupt or truncated "
-            f"data file?): {_first_line(error)}") from error
+            f"the value of {what} cannot be read by {_task(ps, describe_ps)} from {' or '.join(files)} "
+            f"(corrupt or truncated data file?): {_first_line(error)}") from error
+
+
+def _failing(slots: list, restore: Callable, errors) -> Any:
+    """The first slot that cannot be read on its own (after the read of all of them failed)."""
+    for slot in slots:
+        try:
+            restore([slot])
+        except errors:
+            return slot
+    return None
 
 
 def assign_on_ps(values: dict[int, list]) -> None:
