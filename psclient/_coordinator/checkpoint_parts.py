@@ -126,10 +126,16 @@ def _on_each_ps(work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
 
     Waits for all; raises the first error (by ps index) after every one ended.
     """
+    import tensorflow as tf
+
     def run(ps: int):
         executor = _executors.new_call_executor(streaming=False)
         with _executors.executor_scope(executor):
-            return work[ps]()
+            try:
+                return work[ps]()
+            except tf.errors.OpError:
+                executor.clear_error()  # else it raises again when it is deleted
+                raise
 
     if not work:
         return {}
