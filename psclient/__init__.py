@@ -80,6 +80,10 @@ def __getattr__(name):
         from psclient._keras import callbacks
 
         return getattr(callbacks, name)
+    if name == "ModelCheckpoint":
+        from psclient._keras import checkpoints
+
+        return checkpoints.ModelCheckpoint
     raise AttributeError(f"module 'psclient' has no attribute {name!r}")
 
 
@@ -94,6 +98,7 @@ __all__ = [
     "FIRST_EXCEPTION",
     "Future",
     "LocalCluster",
+    "ModelCheckpoint",
     "ParameterServerStrategy",
     "StalenessLogger",
     "PSClientError",

@@ -58,6 +58,8 @@ log = logging.getLogger("psclient")
 _COMPLETED_KEY = "psclient_completed"
 _VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
 _STATE_FILE = "checkpoint"
+_BY_CREATION = ("creation order: create the same variables, in the same order, as the run that wrote "
+                "the checkpoint")
 
 
 def variable_key(index: int) -> str:
@@ -90,10 +92,11 @@ class Checkpoints:
     """
 
     def __init__(self, directory: str, *, keep: int, overwrite: bool = False,
-                 describe_ps: Callable[[int], str] = lambda ps: f"ps:{ps}"):
+                 describe_ps: Callable[[int], str] = lambda ps: f"ps:{ps}", matched_by: str = _BY_CREATION):
         import tensorflow as tf
 
         self.directory = check_directory(directory)
+        self._matched_by = matched_by
         self.keep = keep
         self._describe_ps = describe_ps
         tf.io.gfile.makedirs(self.directory)  # local paths and TF filesystems (gs://, ...)
@@ -136,10 +139,12 @@ class Checkpoints:
             "as new checkpoints are written); or use another checkpoint_dir."
         )
 
-    def save(self, variables: dict[str, Any], completed: int | None, scalars: dict | None = None) -> str:
+    def save(self, variables: dict[str, Any], completed: int | None, scalars: dict | None = None,
+             meta: dict | None = None) -> str:
         """Write one checkpoint of `variables` (key -> tf.Variable on a ps); return its path.
 
-        `scalars` (name -> int) are saved beside, under `name/.ATTRIBUTES/VARIABLE_VALUE`.
+        `scalars` (name -> int) are saved beside, under `name/.ATTRIBUTES/VARIABLE_VALUE`;
+        `meta` (JSON-able) joins the checkpoint's layout (`psclient_layout`).
         Raises CheckpointWriteError naming the ps task that could not write its part.
         """
         import numpy as np
@@ -150,7 +155,7 @@ class Checkpoints:
         extra = {name: np.int64(value) for name, value in (scalars or {}).items()}
         if completed is not None:
             extra[_COMPLETED_KEY] = np.int64(completed)
-        _parts.save_parts(path, variables, extra, self._describe_ps)
+        _parts.save_parts(path, variables, extra, self._describe_ps, meta)
         self._commit(number)
         return path
 
@@ -291,7 +296,7 @@ class Checkpoints:
             dtypes = reader.get_variable_to_dtype_map()
         except (tf.errors.OpError, ValueError) as error:
             raise CheckpointUnreadable(f"{_index_problem(path)}: {_first_line(error)}") from error
-        self._check_matches(variables, path, shapes, dtypes)
+        self._check_matches(variables, path, shapes, dtypes, self._matched_by)
         layout, completed = None, None
         try:
             if _parts.LAYOUT_KEY in shapes:
@@ -309,7 +314,7 @@ class Checkpoints:
         return max(self._numbers() | self._state_numbers() | {0}) + 1
 
     @staticmethod
-    def _check_matches(variables: dict[str, Any], path: str, shapes: dict, dtypes: dict) -> None:
+    def _check_matches(variables: dict[str, Any], path: str, shapes: dict, dtypes: dict, matched_by: str) -> None:
         problems = []
         for key, variable in variables.items():
             name = key + _VALUE
@@ -330,8 +335,7 @@ class Checkpoints:
                 f"The checkpoint {path} does not match the variables created in "
                 f"strategy.scope(): {'; '.join(problems[:10])}"
                 + (f" (and {len(problems) - 10} more)" if len(problems) > 10 else "")
-                + ". Nothing was restored. Variables are matched by creation order: create the "
-                "same variables, in the same order, as the run that wrote the checkpoint, or use "
+                + f". Nothing was restored. Variables are matched by {matched_by}, or use "
                 "another checkpoint_dir."
             )
 

@@ -149,9 +149,10 @@ def _on_each_ps(work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
 
 
 def save_parts(prefix: str, variables: dict[str, Any], scalars: dict[str, Any],
-               describe_ps: Callable[[int], str]) -> None:
+               describe_ps: Callable[[int], str], meta: dict | None = None) -> None:
     """Write `variables` as checkpoint `prefix`, each ps its own part; `scalars` (key -> numpy
-    scalar or bytes) in the coordinator's part. Returns when `prefix.index` names every part.
+    scalar) in the coordinator's part, with the layout (`meta` added to it). Returns when
+    `prefix.index` names every part.
 
     Raises CheckpointWriteError naming the ps task and its file if one could not write;
     nothing is then under `prefix` (the scratch directory is removed).
@@ -165,7 +166,7 @@ def save_parts(prefix: str, variables: dict[str, Any], scalars: dict[str, Any],
     directory = os.path.dirname(prefix)
     scratch = os.path.join(directory, f".psclient-save-{os.path.basename(prefix)}-{secrets.token_hex(8)}")
     final_names = {ps: f"{os.path.basename(prefix)}.data-{i:05d}-of-{count:05d}" for i, ps in enumerate(tasks)}
-    layout = {"format": 2, "parts": [
+    layout = {"format": 2, **(meta or {}), "parts": [
         {"task": f"ps:{ps}" if ps != LOCAL else "coordinator", "file": final_names[ps], "keys": sorted({s.key for s in by_ps[ps]})} for ps in tasks]}
 
     def write(ps: int) -> Callable[[], None]:
