@@ -60,6 +60,7 @@ from psclient._sidecar.evaluator import (
 )
 from psclient._cluster.exposure import PortExposedError
 from psclient._sidecar.formats import CheckpointMismatchError
+from psclient._coordinator.checkpoint_parts import CheckpointDirError, CheckpointWriteError
 
 __version__ = "0.1.0"
 
@@ -90,7 +91,9 @@ def __getattr__(name):
 __all__ = [
     "ALL_COMPLETED",
     "BackupAndRestore",
+    "CheckpointDirError",
     "CheckpointMismatchError",
+    "CheckpointWriteError",
     "Cluster",
     "ClusterConfigError",
     "ClusterCoordinator",

@@ -5,7 +5,10 @@ Two formats:
 - "tf": `tf.train.CheckpointManager` directories. TensorFlow rewrites the
   state file `checkpoint` (atomically) only after a checkpoint's data files are
   complete, so a prefix is seen only through that file, never by listing the
-  directory: a half-written `ckpt-N.*` is invisible.
+  directory: a half-written `ckpt-N.*` is invisible. `psclient.ModelCheckpoint`
+  directories (each ps wrote its own part; the coordinator the state file, last)
+  read the same way; they are told apart by their `psclient_layout` entry, and
+  the model's weights are restored by position (see `_restore_psclient`).
 - "keras": `*.weights.h5` and `*.keras` files from Keras 3's `ModelCheckpoint`.
   Keras writes them in place, so a file may be seen half-written; the settle
   rule of `psclient._sidecar.evaluator.Planner` decides when one may be read.
