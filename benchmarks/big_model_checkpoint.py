@@ -116,6 +116,7 @@ def setup(path: str, cluster, rows: int, directory: str):
 
         def save():
             saved.append(checkpoint.save(os.path.join(directory, "ckpt")))
+            return saved[-1]
 
         def restore():
             checkpoint.restore(saved[-1]).assert_existing_objects_matched()
@@ -146,15 +147,15 @@ def child_main(args: argparse.Namespace) -> None:
         with PeakRss() as save_memory:
             for _ in range(args.saves):
                 t0 = time.perf_counter()
-                save()
+                newest = save()
                 saves.append(time.perf_counter() - t0)
         with PeakRss() as restore_memory:
             for _ in range(args.restores):
                 t0 = time.perf_counter()
                 restore()
                 restores.append(time.perf_counter() - t0)
-        on_disk = sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory)
-                      if os.path.isfile(os.path.join(directory, n)))
+        stem = os.path.basename(newest) + "."
+        on_disk = sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory) if n.startswith(stem))
         _common.child_exit({
             "setup_s": round(setup_s, 2),
             "first_save_s": round(saves[0], 3),
@@ -166,7 +167,7 @@ def child_main(args: argparse.Namespace) -> None:
             "coordinator_rss_mb_growth_during_saves": round((save_memory.peak - save_memory.before) / 2**20, 1),
             "coordinator_rss_mb_growth_during_restores":
                 round((restore_memory.peak - restore_memory.before) / 2**20, 1),
-            "checkpoint_dir_mb": round(on_disk / 2**20, 1),
+            "newest_checkpoint_mb": round(on_disk / 2**20, 1),
             "ps_rss_mb": _common.task_usage(list(json.loads(args.ps_pids)))["rss_mib"],
         })
         del strategy
@@ -207,7 +208,7 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
             runs[str(size)] = {}
             for path in PATHS:
                 # A fresh cluster per run: the ps memory of one path does not carry into the other's.
-                with _common.local_cluster(NUM_WORKERS, NUM_PS) as (cluster, task_pids):
+                with _common.local_cluster(NUM_WORKERS, NUM_PS, start_timeout=300) as (cluster, task_pids):
                     ps_pids = [pid for name, pid in task_pids.items() if name.startswith("ps:")]
                     child = [os.path.abspath(__file__), "--_child", path, "--rows", str(rows),
                              "--cluster", json.dumps(cluster.jobs), "--ps-pids", json.dumps(ps_pids),

@@ -253,3 +253,19 @@ def test_a_checkpoint_dir_a_ps_cannot_write_fails_at_start(cluster, tmp_path):
         assert os.path.isdir(strategy.checkpoint_dir)
     finally:
         strategy.shutdown()
+
+
+def test_the_sidecar_refuses_a_strategy_checkpoint_naming_what_to_write(tmp_path):
+    import keras
+
+    from psclient._coordinator.checkpoint import Checkpoints
+
+    # A strategy checkpoint (variables keyed by creation order), written in this process.
+    Checkpoints(str(tmp_path), keep=1).save({"v000000": tf.Variable(tf.zeros([4, 2]))}, completed=1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(loss="mse")
+    data = tf.data.Dataset.from_tensor_slices((np.zeros((4, 4), "float32"), np.zeros((4, 2), "float32"))).batch(2)
+    evaluator = psclient.SidecarEvaluator(model, data, tmp_path, poll_interval=0.05, idle_timeout=10)
+    with pytest.raises(psclient.CheckpointMismatchError, match=r"ckpt-1 is one of ParameterServerStrategy's own "
+                                                                r".*psclient.ModelCheckpoint"):
+        evaluator.start()

@@ -122,6 +122,7 @@ class ModelCheckpoint(keras.callbacks.Callback):
                     f"Received: model {self.model.name!r}, whose variables live in this process. "
                     "Expected a model created and compiled inside strategy.scope() (use "
                     "keras.callbacks.ModelCheckpoint for a local model).")
+            self._checkpoints.check_writable()  # another run's checkpoints: refused now, not after an epoch
 
     def on_train_batch_end(self, batch, logs=None):
         if self.save_freq == "epoch":
