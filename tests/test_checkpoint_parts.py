@@ -232,21 +232,22 @@ def test_a_damaged_part_names_the_task_and_the_file(cluster, tmp_path):
         strategy.shutdown()
 
 
-def test_a_checkpoint_dir_a_ps_cannot_write_fails_at_start(cluster, tmp_path):
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(locked)]).returncode != 0:
-        pytest.skip("chattr +i is not available here")
-    try:
-        with pytest.raises(CheckpointDirError, match=r"checkpoint_dir=.*locked.*ps:0 \(127\.0\.0\.1:\d+\) cannot write"):
-            psclient.ParameterServerStrategy(on_ps(cluster, 2), checkpoint_dir=str(locked))
-    finally:
-        subprocess.run(["chattr", "-i", str(locked)], check=True)
+def test_a_checkpoint_dir_a_ps_cannot_write_or_does_not_share_fails_at_start(cluster, tmp_path):
     # A directory the ps tasks write in but the coordinator does not see (each
     # process has its own ram:// filesystem, as separate machines have their
     # own local disks).
     with pytest.raises(CheckpointDirError, match=r"ps:0 .* wrote a file there that the coordinator does not see"):
         psclient.ParameterServerStrategy(on_ps(cluster, 2), checkpoint_dir="ram://ckpt")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(locked)]).returncode != 0:
+        pytest.skip("chattr +i (an immutable directory, which root cannot write either) is not available here")
+    try:
+        with pytest.raises(CheckpointDirError,
+                           match=r"checkpoint_dir=.*locked.*ps:0 \(127\.0\.0\.1:\d+\) cannot write"):
+            psclient.ParameterServerStrategy(on_ps(cluster, 2), checkpoint_dir=str(locked))
+    finally:
+        subprocess.run(["chattr", "-i", str(locked)], check=True)
     # The cluster is usable again at once.
     strategy = psclient.ParameterServerStrategy(on_ps(cluster, 2), checkpoint_dir=str(tmp_path / "ok"))
     try:

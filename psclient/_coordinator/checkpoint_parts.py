@@ -167,7 +167,8 @@ def save_parts(prefix: str, variables: dict[str, Any], scalars: dict[str, Any],
     scratch = os.path.join(directory, f".psclient-save-{os.path.basename(prefix)}-{secrets.token_hex(8)}")
     final_names = {ps: f"{os.path.basename(prefix)}.data-{i:05d}-of-{count:05d}" for i, ps in enumerate(tasks)}
     layout = {"format": 2, **(meta or {}), "parts": [
-        {"task": f"ps:{ps}" if ps != LOCAL else "coordinator", "file": final_names[ps], "keys": sorted({s.key for s in by_ps[ps]})} for ps in tasks]}
+        {"task": f"ps:{ps}" if ps != LOCAL else "coordinator", "file": final_names[ps],
+         "keys": sorted({s.key for s in by_ps[ps]})} for ps in tasks]}
 
     def write(ps: int) -> Callable[[], None]:
         slots = by_ps[ps]
