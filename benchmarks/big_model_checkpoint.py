@@ -97,7 +97,7 @@ class PeakRss:
         self._thread.join(5)
 
 
-def setup(path: str, cluster, rows: int, directory: str):
+def setup(path: str, cluster, rows: int, directory: str, saves: int):
     """(save() -> None, restore() -> None, strategy) for one path."""
     import tensorflow as tf
 
@@ -126,7 +126,10 @@ def setup(path: str, cluster, rows: int, directory: str):
 
     import psclient
 
-    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=directory, variable_partitioner=partitioner())
+    # Every checkpoint kept, as tf.train.Checkpoint.save keeps them: neither path deletes files while timed
+    # (+1: the strategy checkpoints new variables before the first fit step).
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=directory, variable_partitioner=partitioner(),
+                                                checkpoints_to_keep=saves + 1)
     with strategy.scope():
         model = build_model(keras, rows)
     model.fit(lambda ctx: make_dataset(rows), epochs=1, steps_per_epoch=2, verbose=0)
@@ -141,7 +144,7 @@ def child_main(args: argparse.Namespace) -> None:
     directory = tempfile.mkdtemp(prefix=f"big-model-ckpt-{args._child}-", dir=args.scratch)
     try:
         t0 = time.perf_counter()
-        save, restore, strategy = setup(args._child, cluster, args.rows, directory)
+        save, restore, strategy = setup(args._child, cluster, args.rows, directory, args.saves)
         setup_s = time.perf_counter() - t0
         saves, restores = [], []
         with PeakRss() as save_memory:
@@ -196,6 +199,7 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
         "parameter_bytes": "table + Adagrad accumulator (float32)",
         "num_workers": NUM_WORKERS, "num_ps": NUM_PS, "partitioner": f"MinSizePartitioner(1 MiB, {NUM_PS} shards)",
         "saves": args.saves, "restores": args.restores, "scratch": args.scratch,
+        "pruning": "none while timed: every checkpoint is kept on both paths",
         "paths": {"psclient": "strategy.save_checkpoint() / strategy.restore()",
                   "tf_pss": "tf_keras + TF ParameterServerStrategy, tf.train.Checkpoint(model, optimizer)"},
     }}
