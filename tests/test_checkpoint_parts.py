@@ -270,3 +270,15 @@ def test_the_sidecar_refuses_a_strategy_checkpoint_naming_what_to_write(tmp_path
     with pytest.raises(psclient.CheckpointMismatchError, match=r"ckpt-1 is one of ParameterServerStrategy's own "
                                                                 r".*psclient.ModelCheckpoint"):
         evaluator.start()
+
+
+def test_a_checkpoint_of_an_earlier_version_still_restores(tmp_path):
+    from psclient._coordinator.checkpoint import Checkpoints
+
+    # Earlier psclient versions wrote one data file from the coordinator, through TF's CheckpointManager.
+    old = {"v000000": tf.Variable(tf.fill([6, 2], 3.0)), "psclient_completed": tf.Variable(5, dtype=tf.int64)}
+    tf.train.CheckpointManager(tf.train.Checkpoint(**old), str(tmp_path), max_to_keep=3).save()
+    named = {"v000000": tf.Variable(tf.zeros([6, 2]))}
+    restored = Checkpoints(str(tmp_path), keep=3).restore(named, adopt=True)
+    assert restored == {"path": str(tmp_path / "ckpt-1"), "completed_closures": 5, "skipped": []}
+    assert named["v000000"].numpy().tolist() == [[3.0, 3.0]] * 6
