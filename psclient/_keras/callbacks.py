@@ -41,7 +41,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
     restores both and `fit` resumes at that epoch. For a model on the ps
     tasks the weights are a checkpoint each ps writes its own part of (the
     `backup_dir` must be reachable from every ps task); variables are
-    matched by their Keras paths.
+    matched by their position in the model and its optimizer.
     """
 
     def _sharded(self):
@@ -54,12 +54,12 @@ class BackupAndRestore(_KerasBackupAndRestore):
         checkpoints = self._sharded() if self.model.built else None
         if checkpoints is None:
             return super()._load_model()  # a local model (or an unbuilt one: Keras's error)
+        import tensorflow as tf
+
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:
             with self._strategy.scope():  # its slots on the ps, beside their variables
                 optimizer.build(self.model.trainable_variables)
-        import tensorflow as tf
-
         if checkpoints.restore(model_variables(self.model), adopt=True) is None:
             return
         if tf.io.gfile.exists(self._training_metadata_path):  # absent: killed before the first was written
