@@ -159,7 +159,7 @@ def child_main(args: argparse.Namespace) -> None:
                 restores.append(time.perf_counter() - t0)
         stem = os.path.basename(newest) + "."
         on_disk = sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory) if n.startswith(stem))
-        _common.child_exit({
+        result = {
             "setup_s": round(setup_s, 2),
             "first_save_s": round(saves[0], 3),
             "median_save_s": round(_common.median(saves[1:] or saves), 3),
@@ -172,10 +172,11 @@ def child_main(args: argparse.Namespace) -> None:
                 round((restore_memory.peak - restore_memory.before) / 2**20, 1),
             "newest_checkpoint_mb": round(on_disk / 2**20, 1),
             "ps_rss_mb": _common.task_usage(list(json.loads(args.ps_pids)))["rss_mib"],
-        })
+        }
         del strategy
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(directory, ignore_errors=True)  # before child_exit: it ends the process at once
+    _common.child_exit(result)
 
 
 def summarize(runs: dict) -> dict:
