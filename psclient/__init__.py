@@ -61,6 +61,7 @@ from psclient._sidecar.evaluator import (
 )
 from psclient._cluster.exposure import PortExposedError
 from psclient._sidecar.formats import CheckpointMismatchError
+from psclient._coordinator.checkpoint_parts import CheckpointDirError, CheckpointWriteError
 
 __version__ = "0.1.0"
 
@@ -81,13 +82,19 @@ def __getattr__(name):
         from psclient._keras import callbacks
 
         return getattr(callbacks, name)
+    if name == "ModelCheckpoint":
+        from psclient._keras import checkpoints
+
+        return checkpoints.ModelCheckpoint
     raise AttributeError(f"module 'psclient' has no attribute {name!r}")
 
 
 __all__ = [
     "ALL_COMPLETED",
     "BackupAndRestore",
+    "CheckpointDirError",
     "CheckpointMismatchError",
+    "CheckpointWriteError",
     "Cluster",
     "ClusterConfigError",
     "ClusterCoordinator",
@@ -95,6 +102,7 @@ __all__ = [
     "FIRST_EXCEPTION",
     "Future",
     "LocalCluster",
+    "ModelCheckpoint",
     "ParameterServerStrategy",
     "StalenessLogger",
     "PSClientError",

@@ -164,7 +164,10 @@ def test_backup_and_restore_resumes_after_an_interrupted_fit(strategy, tmp_path,
         umask = os.umask(0o022)
         os.umask(umask)
         modes = {n: stat.S_IMODE(os.stat(tmp_path / "backup" / n).st_mode) for n in os.listdir(tmp_path / "backup")}
-        assert modes == {"latest.weights.h5": 0o666 & ~umask, "training_metadata.json": 0o666 & ~umask}
+        assert set(modes.values()) == {0o666 & ~umask}
+        # A sharded checkpoint (one data file per ps and the coordinator's), the newest only.
+        assert {n for n in modes if not n.startswith("ckpt-2.data-")} == {
+            "checkpoint", "ckpt-2.index", "training_metadata.json"}, sorted(modes)
 
     model = make_model(strategy)  # fresh weights: the backup must restore them
     history = fit(model, epochs=4, callbacks=[callback_class(backup_dir=str(tmp_path / "backup"))])
@@ -217,3 +220,36 @@ def test_backup_and_restore_resumes_in_a_new_coordinator_process(local_cluster, 
     assert second.returncode == 0, second.stderr[-3000:]
     result = json.loads(second.stdout.strip().splitlines()[-1])
     assert result == {"epochs": [3, 4], "iterations": 5 * 4}
+
+
+def test_model_checkpoint_writes_sharded_checkpoints_the_sidecar_evaluates(strategy, tmp_path):
+    import psclient
+
+    model = make_model(strategy)
+    saver = psclient.ModelCheckpoint(tmp_path / "ckpts", max_to_keep=2)
+    fit(model, epochs=3, callbacks=[saver])
+    assert [os.path.basename(p) for p in saver.saved] == ["ckpt-1", "ckpt-2", "ckpt-3"]
+    assert tf.train.latest_checkpoint(str(tmp_path / "ckpts")) == saver.saved[-1]
+    assert not os.path.exists(saver.saved[0] + ".index")  # pruned: max_to_keep=2
+    psclient.write_final_marker(tmp_path / "ckpts", saver.saved[-1])
+
+    local = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
+    local.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    data = tf.data.Dataset.from_tensor_slices((X, Y)).batch(32)
+    report = psclient.SidecarEvaluator(local, data, tmp_path / "ckpts", poll_interval=0.05, idle_timeout=30).start()
+    (evaluation,) = report.evaluations
+    assert evaluation["step"] == 3 * 4  # the optimizer's iterations, saved as `step`
+    for got, want in zip(local.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_model_checkpoint_refuses_a_local_model(strategy, tmp_path):
+    import psclient
+
+    local = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    local.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match="psclient.ModelCheckpoint writes the checkpoints of a model on the ps"):
+        with pytest.warns(UserWarning, match="trains 'sequential"):
+            fit(local, epochs=1, callbacks=[psclient.ModelCheckpoint(tmp_path / "ckpts")])
+    with pytest.raises(ValueError, match="Received: save_freq=0"):
+        psclient.ModelCheckpoint(tmp_path / "ckpts", save_freq=0)

@@ -1,11 +1,18 @@
 """The strategy's own checkpoints of the ps variables.
 
-Written with TF's `tf.train.CheckpointManager`, which already commits a
-checkpoint the way a reader needs: the data and index files of `ckpt-N` are
-complete before the `checkpoint` state file names them, and that file is
-replaced atomically. Readers that go through the state file
+Each ps task writes its own variables (and its shards of partitioned ones)
+as its own data file, all ps at once; the coordinator then merges the small
+index files and writes its own tiny part (see `checkpoint_parts`). No copy
+of the model is ever in the coordinator's memory, and no value passes
+through it, on save or restore.
+
+A checkpoint counts once the state file `checkpoint` names it. That file is
+written last, after every part is complete and merged under `ckpt-N`, and
+replaced atomically (`psclient._core.files`): readers that go through it
 (`tf.train.latest_checkpoint`, psclient's SidecarEvaluator) never see half of
-one. The manager keeps the newest `keep`.
+one. A ps that dies during a save leaves its part in a scratch directory
+that is removed, so the previous checkpoint stays the newest. The newest
+`keep` are kept.
 
 Each variable created in `strategy.scope()` is saved under a key made from its
 creation index (`v000012`), so the same training script, run again, finds its
@@ -16,31 +23,33 @@ it was taken, so a rollback can say how many steps it undid.
 No checkpoint call may wait on a worker: a hung one would stall the
 coordinator. TF's own saver, given variables on several tasks, traces a new
 function at every save (registered on every task, hung ones too) and ends with
-a sync of every task. So each ps variable has a mirror variable on the
-coordinator: a save copies ps -> mirror with eager ops (which involve only the
-ps and the coordinator), then TF writes the mirrors, all on one task, without
-tracing (and without the sync of every task, see runtime.connect); a restore reads into the mirrors and assigns them to the ps
-variables. The file format is TF's usual object-based checkpoint, the keys
-those of `tf.train.Checkpoint(v000000=..., ...)`. The mirrors cost one copy of
-the variables in the coordinator's memory.
+a sync of every task. Here each part is written with eager ops that involve
+only one ps and the coordinator. The file format is TF's usual object-based
+checkpoint, the keys those of `tf.train.Checkpoint(v000000=..., ...)`;
+checkpoints written by earlier psclient versions (one data file, written by
+the coordinator) restore the same way.
 
 Checkpoints are user data: checkpoints already in the directory when the
 strategy starts belong to another run. This one neither writes beside them
-(its manager would prune them) nor restores them into its variables until
+(it would prune them) nor restores them into its variables until
 the user adopts them with `restore()`, or says to start over with
 `overwrite_checkpoints=True` (then they are never read, and are pruned as
 this run's are written). A restore reads and checks every value (names,
-shapes, dtypes, checksums) before assigning any, and falls back from a
-missing or damaged newest checkpoint to the newest complete one.
+shapes, dtypes, checksums), each ps its own, before assigning any, and
+falls back from a missing or damaged newest checkpoint to the newest
+complete one.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
-from psclient._coordinator import runtime as _runtime
+from psclient._coordinator import checkpoint_parts as _parts
+from psclient._coordinator.checkpoint_parts import CheckpointUnreadable
+from psclient._core.files import replaced_atomically
 
 __all__ = ["CheckpointUnreadable", "Checkpoints", "check_directory", "variable_key"]
 
@@ -49,21 +58,25 @@ log = logging.getLogger("psclient")
 _COMPLETED_KEY = "psclient_completed"
 _VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
 _STATE_FILE = "checkpoint"
+_BY_CREATION = ("creation order: create the same variables, in the same order, as the run that wrote "
+                "the checkpoint")
 
 
 def variable_key(index: int) -> str:
     return f"v{index:06d}"
 
 
-class CheckpointUnreadable(ValueError):
-    """No complete checkpoint could be read: each one tried is named with what was wrong."""
-
-
 def check_directory(directory: str | os.PathLike) -> str:
-    """`checkpoint_dir` as a str; raises before anything connects if it cannot be a directory."""
+    """`checkpoint_dir` as a str; raises before anything connects if it cannot be a directory.
+
+    A local path is made absolute: the ps tasks write into it too, and their
+    working directory is not the coordinator's.
+    """
     import tensorflow as tf
 
     path = os.fspath(directory)
+    if "://" not in path:
+        path = os.path.abspath(path)
     if tf.io.gfile.exists(path) and not tf.io.gfile.isdir(path):
         raise ValueError(
             f"Invalid value for argument `checkpoint_dir`. Received: checkpoint_dir={path!r}, "
@@ -73,29 +86,36 @@ def check_directory(directory: str | os.PathLike) -> str:
 
 
 class Checkpoints:
-    """Save and restore a set of ps variables in one directory."""
+    """Save and restore a set of ps variables in one directory, each ps its own part.
 
-    def __init__(self, directory: str, *, keep: int, overwrite: bool = False):
+    `describe_ps(ps)` names a ps task in messages (its address).
+    """
+
+    def __init__(self, directory: str, *, keep: int, overwrite: bool = False,
+                 describe_ps: Callable[[int], str] = lambda ps: f"ps:{ps}", matched_by: str = _BY_CREATION):
         import tensorflow as tf
 
         self.directory = check_directory(directory)
+        self._matched_by = matched_by
         self.keep = keep
+        self._describe_ps = describe_ps
         tf.io.gfile.makedirs(self.directory)  # local paths and TF filesystems (gs://, ...)
-        self._manager = None
-        self._keys: tuple[str, ...] | None = None
-        self._completed = None
-        self._mirrors: dict[str, Any] = {}
         existing = self._numbers()
         state = self._state_numbers()
         # What another run left here, until restore() adopts it (None: nothing, or adopted).
         self.foreign: str | None = self._describe(existing, state) if existing or state else None
         # Checkpoints numbered below this are another run's: never read without restore().
         self._first_own = max(existing | state, default=0) + 1
-        if self.foreign is not None and overwrite:
+        self._overwrite = overwrite and self.foreign is not None
+        if self._overwrite:
             log.warning("checkpoint_dir %s: overwrite_checkpoints=True: starting over; the %s are "
                         "never restored and are deleted as this run's checkpoints are written",
                         self.directory, self.foreign)
             self.foreign = None
+
+    def check_reachable(self, num_ps: int) -> None:
+        """Raise CheckpointDirError unless every ps can write here and the coordinator sees it."""
+        _parts.probe_writable(self.directory, num_ps, self._describe_ps)
 
     def latest(self) -> str | None:
         """This run's newest checkpoint (written or adopted by restore()), or None."""
@@ -119,17 +139,25 @@ class Checkpoints:
             "as new checkpoints are written); or use another checkpoint_dir."
         )
 
-    def save(self, variables: dict[str, Any], completed: int) -> str:
-        """Write one checkpoint of `variables` (key -> tf.Variable); return its path."""
-        import tensorflow as tf
+    def save(self, variables: dict[str, Any], completed: int | None, scalars: dict | None = None,
+             meta: dict | None = None) -> str:
+        """Write one checkpoint of `variables` (key -> tf.Variable on a ps); return its path.
 
-        self.check_writable()  # before the manager exists: it would prune another run's files
-        manager = self._manager_for(variables)
-        with tf.device(_runtime.coordinator_cpu()):
-            for key, variable in variables.items():
-                self._mirrors[key].assign(variable.read_value())  # read on its ps, copied here
-            self._completed.assign(completed)
-            return manager.save(checkpoint_number=self._next_number())
+        `scalars` (name -> int) are saved beside, under `name/.ATTRIBUTES/VARIABLE_VALUE`;
+        `meta` (JSON-able) joins the checkpoint's layout (`psclient_layout`).
+        Raises CheckpointWriteError naming the ps task that could not write its part.
+        """
+        import numpy as np
+
+        self.check_writable()  # another run's files: neither written beside nor pruned
+        number = self._next_number()
+        path = os.path.join(self.directory, f"ckpt-{number}")
+        extra = {name: np.int64(value) for name, value in (scalars or {}).items()}
+        if completed is not None:
+            extra[_COMPLETED_KEY] = np.int64(completed)
+        _parts.save_parts(path, variables, extra, self._describe_ps, meta)
+        self._commit(number)
+        return path
 
     def restore(self, variables: dict[str, Any], *, adopt: bool = False) -> dict | None:
         """Assign every variable its value in the newest complete checkpoint.
@@ -140,10 +168,11 @@ class Checkpoints:
 
         Returns {"path", "completed_closures", "skipped"} (`skipped`: newer
         checkpoints passed over, with what was wrong), or None if there is no
-        checkpoint. Every value is read and checked before any is assigned:
-        raises ValueError naming the checkpoint and the variables that do not
-        match (missing, other shape or dtype), CheckpointUnreadable naming
-        each checkpoint tried, the variable and the error when none is complete.
+        checkpoint. Every value is read (each ps reads its own) and checked
+        before any is assigned: raises ValueError naming the checkpoint and the
+        variables that do not match (missing, other shape or dtype),
+        CheckpointUnreadable naming each checkpoint tried, the ps task, the
+        variables, the file and the error when none is complete.
         """
         floor = 0 if adopt else (None if self.foreign is not None else self._first_own)
         candidates = [] if floor is None else sorted(
@@ -161,7 +190,7 @@ class Checkpoints:
                 log.warning("checkpoint %s is not usable: %s", path, error)
                 skipped.append({"path": path, "error": str(error)})
                 continue
-            self._assign(variables, values)
+            _parts.assign_on_ps(values)
             if adopt:
                 self.foreign, self._first_own = None, 0
             if skipped:
@@ -174,6 +203,46 @@ class Checkpoints:
         )
 
     # ---------------------------------------------------------------- private
+    def _commit(self, number: int) -> None:
+        """Name checkpoint `number` in the state file (atomically), then prune beyond `keep`."""
+        import tensorflow as tf
+
+        own = sorted(n for n in self._state_numbers() | {number}
+                     if tf.io.gfile.exists(os.path.join(self.directory, f"ckpt-{n}.index")))
+        if self._overwrite:  # another run's, to be replaced: pruned with this run's
+            own = sorted(set(own) | {n for n in self._numbers() if n < self._first_own})
+        kept, dropped = own[-self.keep:], own[:-self.keep]
+        self._write_state(kept)
+        for old in dropped:
+            self._delete(old)
+
+    def _write_state(self, numbers: list[int]) -> None:
+        from google.protobuf import text_format
+        from tensorflow.python.checkpoint.checkpoint_management import CheckpointState
+
+        names = [f"ckpt-{n}" for n in numbers]
+        state = CheckpointState(model_checkpoint_path=names[-1], all_model_checkpoint_paths=names)
+        text = text_format.MessageToString(state)
+        final = os.path.join(self.directory, _STATE_FILE)
+        if "://" in final:  # a bucket: TF's own atomic write (temporary name, then rename)
+            from tensorflow.python.lib.io import file_io
+
+            file_io.atomic_write_string_to_file(final, text)
+            return
+        with replaced_atomically(final) as temp, open(temp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    def _delete(self, number: int) -> None:
+        import tensorflow as tf
+
+        prefix = os.path.join(self.directory, f"ckpt-{number}")
+        # The index first: without it the checkpoint is no longer a candidate.
+        for name in [prefix + ".index", *tf.io.gfile.glob(prefix + ".data-*")]:
+            try:
+                tf.io.gfile.remove(name)
+            except tf.errors.NotFoundError:
+                pass
+
     def _numbers(self) -> set[int]:
         """N of every `ckpt-N` in the directory (index or data file)."""
         import tensorflow as tf
@@ -217,76 +286,35 @@ class Checkpoints:
         except (tf.errors.OpError, ValueError, IndexError):  # unreadable, or not a psclient checkpoint
             return None
 
-    def _read(self, path: str, variables: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
-        """Every variable's value in `path`, checked: names, shapes, dtypes, then the data."""
+    def _read(self, path: str, variables: dict[str, Any]) -> tuple[dict[int, list], int | None]:
+        """Every variable's value in `path`, read on its ps and checked: names, shapes, dtypes, data."""
         import tensorflow as tf
 
         try:
-            reader = tf.train.load_checkpoint(path)
+            reader = tf.train.load_checkpoint(path)  # the index only (small), on the coordinator
             shapes = reader.get_variable_to_shape_map()
             dtypes = reader.get_variable_to_dtype_map()
         except (tf.errors.OpError, ValueError) as error:
             raise CheckpointUnreadable(f"{_index_problem(path)}: {_first_line(error)}") from error
-        self._check_matches(variables, path, shapes, dtypes)
-        values = {}
-        for key, variable in variables.items():
-            try:
-                values[key] = reader.get_tensor(key + _VALUE)
-            except (tf.errors.OpError, ValueError, IndexError) as error:  # checksum; IndexError: truncated
-                raise CheckpointUnreadable(
-                    f"the value of {key} ({variable.name}) cannot be read (corrupt or truncated "
-                    f"data file?): {_first_line(error)}") from error
-        completed = None
-        if _COMPLETED_KEY + _VALUE in shapes:
-            try:
+        self._check_matches(variables, path, shapes, dtypes, self._matched_by)
+        layout, completed = None, None
+        try:
+            if _parts.LAYOUT_KEY in shapes:
+                layout = json.loads(reader.get_tensor(_parts.LAYOUT_KEY))
+            if _COMPLETED_KEY + _VALUE in shapes:
                 completed = int(reader.get_tensor(_COMPLETED_KEY + _VALUE))
-            except (tf.errors.OpError, ValueError, IndexError) as error:
-                raise CheckpointUnreadable(
-                    f"its completed-closures count cannot be read: {_first_line(error)}") from error
+        except (tf.errors.OpError, ValueError, IndexError) as error:
+            raise CheckpointUnreadable(
+                f"the coordinator's part of it cannot be read: {_first_line(error)}") from error
+        values = _parts.read_on_ps(path, variables, dtypes, layout, self._describe_ps)
         return values, completed
 
-    def _assign(self, variables: dict[str, Any], values: dict[str, Any]) -> None:
-        import tensorflow as tf
-
-        for key, variable in variables.items():
-            with tf.device(_runtime.coordinator_cpu()):
-                value = tf.constant(values[key], dtype=variable.dtype)
-            variable.assign(value)  # eager: one assign on the variable's ps
-
     def _next_number(self) -> int:
-        """One past the highest `ckpt-N` in the directory: no save overwrites another.
-
-        TF numbers by the root object's save counter, which starts again at 1
-        for a new root (the variables grew, or a new run in the same directory).
-        """
-        return max(self._numbers() | {0}) + 1
-
-    def _manager_for(self, variables: dict[str, Any]):
-        import tensorflow as tf
-
-        keys = tuple(variables)
-        if self._manager is None or keys != self._keys:
-            # The set of variables grew (or shrank): a new root object, same
-            # directory and numbering (the manager reads the state file).
-            with tf.device(_runtime.coordinator_cpu()):
-                if self._completed is None:
-                    self._completed = tf.Variable(0, dtype=tf.int64, trainable=False)
-                for key, variable in variables.items():
-                    mirror = self._mirrors.get(key)
-                    if mirror is None or mirror.shape != variable.shape or mirror.dtype != variable.dtype:
-                        self._mirrors[key] = tf.Variable(
-                            tf.zeros(variable.shape, variable.dtype), trainable=False)
-                for key in set(self._mirrors) - set(variables):
-                    del self._mirrors[key]
-                root = tf.train.Checkpoint(
-                    **{key: self._mirrors[key] for key in keys}, **{_COMPLETED_KEY: self._completed})
-                root.save_counter  # noqa: B018 - created here, on the coordinator, not on a ps
-            self._manager = tf.train.CheckpointManager(root, self.directory, max_to_keep=self.keep)
-            self._keys = keys
-        return self._manager
+        """One past the highest `ckpt-N` in the directory or its state file: no save overwrites another."""
+        return max(self._numbers() | self._state_numbers() | {0}) + 1
 
     @staticmethod
-    def _check_matches(variables: dict[str, Any], path: str, shapes: dict, dtypes: dict) -> None:
+    def _check_matches(variables: dict[str, Any], path: str, shapes: dict, dtypes: dict, matched_by: str) -> None:
         problems = []
         for key, variable in variables.items():
             name = key + _VALUE
@@ -307,8 +335,7 @@ class Checkpoints:
                 f"The checkpoint {path} does not match the variables created in "
                 f"strategy.scope(): {'; '.join(problems[:10])}"
                 + (f" (and {len(problems) - 10} more)" if len(problems) > 10 else "")
-                + ". Nothing was restored. Variables are matched by creation order: create the "
-                "same variables, in the same order, as the run that wrote the checkpoint, or use "
+                + f". Nothing was restored. Variables are matched by {matched_by}, or use "
                 "another checkpoint_dir."
             )
 

@@ -103,6 +103,7 @@ class Recovery:
         self._clock = clock
         self.checkpoints = Checkpoints(
             config.checkpoint_dir, keep=config.checkpoints_to_keep, overwrite=config.overwrite_checkpoints,
+            describe_ps=lambda ps: self._cluster.address("ps", ps),
         ) if config.checkpoint_dir is not None else None
         self._machine = rm.RecoveryMachine(rm.MachineConfig(
             num_workers=cluster.num_workers, num_ps=cluster.num_ps,
@@ -320,6 +321,9 @@ class Recovery:
             log.info("worker %d %s (%.2f s after it %s)", action.worker, joined, action.recovered_after, since)
         elif isinstance(action, rm.PauseDispatch):
             scheduler.pause()
+            if action.reason == "checkpoint" and scheduler.running() == 0:
+                # Nothing runs: the checkpoint need not wait up to a round for the next Tick.
+                self.report(rm.Tick(running=0, completed=scheduler.completed()))
         elif isinstance(action, rm.ResumeDispatch):
             scheduler.resume()
         elif isinstance(action, rm.RequeueRunning):

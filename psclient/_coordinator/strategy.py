@@ -201,6 +201,9 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
                                                        patience=connect_timeout))
         with contextlib.ExitStack() as undo:
             undo.callback(lifecycle.leave, self)
+            if self._recovery.checkpoints is not None:
+                # Each ps writes its own part of every checkpoint: it must reach the directory.
+                self._recovery.checkpoints.check_reachable(cluster.num_ps)
             self._dispatcher = Dispatcher(
                 self._scheduler,
                 num_workers=cluster.num_workers,

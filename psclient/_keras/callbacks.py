@@ -1,19 +1,21 @@
-"""`BackupAndRestore` whose backups are committed atomically.
+"""`BackupAndRestore` whose backups are sharded checkpoints, committed atomically.
 
-Keras 3's `keras.callbacks.BackupAndRestore` works with psclient as it is:
-the coordinator reads the weights from the ps tasks to save them and assigns
-them back to the ps tasks to restore, and `fit` resumes at the saved epoch.
-But it writes its two files in place. A coordinator killed in the middle of
-writing leaves a truncated weights file, and the next run fails to load it
-(unless `double_checkpoint=True`, which keeps a copy).
+For a model on the ps tasks, each backup is a checkpoint written by the ps
+tasks themselves, each its own part (`psclient._keras.checkpoints`): nothing
+of the model passes through the coordinator, so a model larger than the
+coordinator's memory can be backed up. The checkpoint counts once its state
+file names it (written last, atomically), then the epoch is written beside
+it (`training_metadata.json`, atomically as well). A crash between the two
+costs one repeated epoch (newer weights, older epoch number), never a
+skipped one; a crash during the checkpoint leaves the previous one whole.
+With `double_checkpoint=True` the previous checkpoint is kept too, and a
+damaged newest one falls back to it.
 
-This subclass writes each file in a private temporary directory of an
-unpredictable name beside it (`psclient._core.files`; the file gets the mode
-any new file there gets, like Keras's own) and renames it into place
-(`os.replace`, atomic on POSIX), weights first,
-then the epoch. A reader therefore sees whole files only; a crash between the
-two renames costs one repeated epoch (newer weights, older epoch number), never
-a skipped one. Remote paths (`gs://...`) fall back to Keras's own writes.
+For a model in this process, it is Keras's own `BackupAndRestore` with each
+file written in a private temporary directory of an unpredictable name
+beside it (`psclient._core.files`; the file gets the mode any new file there
+gets, like Keras's own) and renamed into place (`os.replace`, atomic on
+POSIX). Remote paths (`gs://...`) fall back to Keras's own writes there.
 """
 
 from __future__ import annotations
@@ -25,28 +27,65 @@ import keras
 from keras.callbacks import BackupAndRestore as _KerasBackupAndRestore
 
 from psclient._core.files import replaced_atomically
+from psclient._keras.checkpoints import meta_of, model_variables, sharded_checkpoints, step_of
 
 __all__ = ["BackupAndRestore", "StalenessLogger"]
 
 
 class BackupAndRestore(_KerasBackupAndRestore):
-    """`keras.callbacks.BackupAndRestore` with atomic backups; same arguments.
+    """`keras.callbacks.BackupAndRestore` with sharded, atomic backups; same arguments.
 
     Use it in `model.fit(callbacks=[...])` exactly like Keras's: at the end of
-    each epoch (or every `save_freq` batches) it saves the weights, read from
-    the ps tasks, and the epoch; when `fit` starts again, in this or a new
-    coordinator process, it restores both and `fit` resumes at that epoch.
-    Each backup file is written under a temporary name and renamed into place.
+    each epoch (or every `save_freq` batches) it saves the weights and the
+    epoch; when `fit` starts again, in this or a new coordinator process, it
+    restores both and `fit` resumes at that epoch. For a model on the ps
+    tasks the weights are a checkpoint each ps writes its own part of (the
+    `backup_dir` must be reachable from every ps task); variables are
+    matched by their position in the model and its optimizer.
     """
 
+    def _sharded(self):
+        if not hasattr(self, "_checkpoints"):
+            self._strategy, self._checkpoints = sharded_checkpoints(
+                self.model, self.backup_dir, 2 if self.double_checkpoint else 1, False, "BackupAndRestore")
+        return self._checkpoints
+
+    def _load_model(self):
+        checkpoints = self._sharded() if self.model.built else None
+        if checkpoints is None:
+            return super()._load_model()  # a local model (or an unbuilt one: Keras's error)
+        import tensorflow as tf
+
+        optimizer = self.model.optimizer
+        if optimizer is not None and not optimizer.built:
+            with self._strategy.scope():  # its slots on the ps, beside their variables
+                optimizer.build(self.model.trainable_variables)
+        if checkpoints.restore(model_variables(self.model), adopt=True) is None:
+            return
+        if tf.io.gfile.exists(self._training_metadata_path):  # absent: killed before the first was written
+            with tf.io.gfile.GFile(self._training_metadata_path, "r") as f:
+                self.model._initial_epoch = json.loads(f.read())["epoch"]
+
     def _save_model(self):
-        if "://" in str(self.backup_dir) or self.double_checkpoint:
+        checkpoints = self._sharded()
+        if checkpoints is None and ("://" in str(self.backup_dir) or self.double_checkpoint):
             return super()._save_model()  # remote storage, or Keras's own spare copy
-        os.makedirs(self.backup_dir, exist_ok=True)
-        # Each under its own name in a private temporary directory, then renamed into place.
-        with replaced_atomically(self._weights_path) as temp:
-            self.model.save_weights(temp, overwrite=True)
+        remote = "://" in str(self.backup_dir)
+        if not remote:
+            os.makedirs(self.backup_dir, exist_ok=True)
+        if checkpoints is not None:
+            checkpoints.save(model_variables(self.model), completed=None, scalars=step_of(self.model),
+                             meta=meta_of(self.model))
+        else:
+            # Each under its own name in a private temporary directory, then renamed into place.
+            with replaced_atomically(self._weights_path) as temp:
+                self.model.save_weights(temp, overwrite=True)
         metadata = json.dumps({"epoch": self._current_epoch, "batch": self._last_batch_seen})
+        if remote:  # TF's filesystems: a checkpoint's own bucket
+            from tensorflow.python.lib.io import file_io
+
+            file_io.atomic_write_string_to_file(self._training_metadata_path, metadata)
+            return
         with replaced_atomically(self._training_metadata_path) as temp, open(temp, "w") as f:
             f.write(metadata)
 

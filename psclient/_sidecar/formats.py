@@ -5,7 +5,10 @@ Two formats:
 - "tf": `tf.train.CheckpointManager` directories. TensorFlow rewrites the
   state file `checkpoint` (atomically) only after a checkpoint's data files are
   complete, so a prefix is seen only through that file, never by listing the
-  directory: a half-written `ckpt-N.*` is invisible.
+  directory: a half-written `ckpt-N.*` is invisible. `psclient.ModelCheckpoint`
+  directories (each ps wrote its own part; the coordinator the state file, last)
+  read the same way; they are told apart by their `psclient_layout` entry, and
+  the model's weights are restored by position (see `_restore_psclient`).
 - "keras": `*.weights.h5` and `*.keras` files from Keras 3's `ModelCheckpoint`.
   Keras writes them in place, so a file may be seen half-written; the settle
   rule of `psclient._sidecar.evaluator.Planner` decides when one may be read.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 import re
@@ -34,6 +38,9 @@ KERAS_SUFFIXES = (".weights.h5", ".keras")
 _CKPT_NUMBER = re.compile(r"-(\d+)$")
 # Keras 3 optimizers hold `iterations` as their first variable.
 _H5_ITERATIONS = "optimizer/vars/0"
+_VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
+#: Present in checkpoints written by psclient's ps tasks (ModelCheckpoint, BackupAndRestore, the strategy's).
+_PSCLIENT_LAYOUT = "psclient_layout"
 _log = logging.getLogger("psclient.sidecar")
 
 
@@ -358,6 +365,12 @@ def restore(ref: CheckpointRef, model: Any, model_key: str, keras_expected: dict
     if ref.kind == TF:
         import tensorflow as tf
 
+        with _reading(ref):
+            reader = tf.train.load_checkpoint(ref.path)
+            layout = _psclient_layout(reader)
+        if layout is not None:
+            _restore_psclient(ref, reader, layout, model)
+            return
         check_tf_structure(ref, model, model_key)
         with _reading(ref):
             tf.train.Checkpoint(**{model_key: model}).read(ref.path).expect_partial()
@@ -368,6 +381,43 @@ def restore(ref: CheckpointRef, model: Any, model_key: str, keras_expected: dict
             # Keras warns on every load that it skips the saved optimizer state.
             warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")
             model.load_weights(ref.path)
+
+
+def _psclient_layout(reader) -> dict | None:
+    """The layout a psclient checkpoint (written by each ps) records, or None for another checkpoint."""
+    if not reader.has_tensor(_PSCLIENT_LAYOUT):
+        return None
+    return json.loads(reader.get_tensor(_PSCLIENT_LAYOUT))
+
+
+def _restore_psclient(ref: CheckpointRef, reader, layout: dict, model: Any) -> None:
+    """Restores the weights of `model` by position from a `psclient.ModelCheckpoint` checkpoint.
+
+    The values of every ps's part are read here, into this process: the
+    evaluator needs the model's memory.
+    """
+    if layout.get("keys") != "keras_position":
+        raise CheckpointMismatchError(
+            f"The checkpoint {ref.name} is one of ParameterServerStrategy's own checkpoints (variables "
+            "keyed by creation order, for strategy.restore() and ps recovery), which the evaluator "
+            "cannot match to a model. Expected checkpoints written with "
+            "`model.fit(callbacks=[psclient.ModelCheckpoint(dir)])` (the model's weights by position).")
+    with _reading(ref):
+        shapes = reader.get_variable_to_shape_map()
+    saved = list(layout.get("model_weights") or [])
+    weights = list(model.weights)
+    keys = [f"model/{i:04d}{_VALUE}" for i in range(len(weights))]
+    missing = [f"{w.path} {list(w.shape)}" for w, k in zip(weights, keys) if k not in shapes]
+    bad = [f"{w.path} {list(w.shape)} (checkpoint: {saved[i] if i < len(saved) else k} {list(shapes[k])})"
+           for i, (w, k) in enumerate(zip(weights, keys)) if k in shapes and list(shapes[k]) != list(w.shape)]
+    extra = [f"{path} {list(shapes.get(f'model/{i:04d}{_VALUE}', []))}"
+             for i, path in enumerate(saved) if i >= len(weights)]
+    if missing or bad or extra:
+        raise _mismatch_error(ref.name, missing + bad, extra)
+    with _reading(ref):
+        values = [reader.get_tensor(k) for k in keys]  # every value read before any is assigned
+    for variable, value in zip(weights, values):
+        variable.assign(value)
 
 
 def step_of(ref: CheckpointRef) -> int | None:

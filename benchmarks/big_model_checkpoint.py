@@ -1,0 +1,282 @@
+"""Checkpoint save and restore of a big embedding model: psclient against TF's own stack.
+
+For each size (parameter bytes: the table and its Adagrad slot, on 2 ps), a
+fresh LocalCluster (1 worker, 2 ps) and, in turn, one coordinator subprocess
+per path:
+
+  psclient     Keras 3 model in psclient.ParameterServerStrategy(checkpoint_dir=...);
+               strategy.save_checkpoint() (each ps writes its own part) and
+               strategy.restore() (each ps reads its own).
+  tf_pss       tf_keras model in tf.distribute.experimental.ParameterServerStrategy;
+               tf.train.Checkpoint(model=..., optimizer=...).save() and .restore().
+
+Model: Embedding(rows, 32) -> Flatten -> Dense(1), Adagrad, 2 fit steps
+first (so the slots exist), both partitioned over the 2 ps
+(MinSizePartitioner, 2 shards). Per path: the first save (TF traces its
+saver then), the median of the next saves, the median of restores, and the
+coordinator's resident memory before and at its peak during them. Prints one
+JSON object; the ratios psclient/tf_pss are side by side per size.
+
+    nice -n 10 python benchmarks/big_model_checkpoint.py               # 128 MB, 512 MB, 2 GB
+    nice -n 10 python benchmarks/big_model_checkpoint.py --sizes-mb 128 --saves 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+PATHS = ("psclient", "tf_pss")
+DIM = 32
+NUM_WORKERS, NUM_PS = 1, 2
+BATCH = 64
+#: Parameter bytes per row: the table's float32 row and its Adagrad accumulator's.
+ROW_BYTES = DIM * 4 * 2
+TARGET = "psclient save no slower than tf_pss at the largest size (ratio <= 1.0)"
+
+
+def build_model(keras_module, rows: int):
+    layers = keras_module.layers
+    model = keras_module.Sequential([
+        keras_module.Input(shape=(4,), dtype="int32"),
+        layers.Embedding(rows, DIM),
+        layers.Flatten(),
+        layers.Dense(1),
+    ])
+    model.compile(optimizer=keras_module.optimizers.Adagrad(learning_rate=0.05),
+                  loss=keras_module.losses.BinaryCrossentropy(from_logits=True))
+    return model
+
+
+def make_dataset(rows: int):
+    import tensorflow as tf
+
+    ids = tf.random.stateless_uniform([BATCH * 4, 4], seed=[1, 2], maxval=rows, dtype=tf.int32)
+    labels = tf.cast(ids[:, :1] % 2, tf.float32)
+    return tf.data.Dataset.from_tensor_slices((ids, labels)).batch(BATCH, drop_remainder=True).repeat()
+
+
+def partitioner():
+    import tensorflow as tf
+
+    return tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=1 << 20, max_shards=NUM_PS)
+
+
+class PeakRss:
+    """This process's peak resident memory while the block runs (sampled every 5 ms)."""
+
+    def __init__(self):
+        import psutil
+
+        self._process = psutil.Process()
+        self.before = self.peak = self._process.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._process.memory_info().rss)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(5)
+
+
+def setup(path: str, cluster, rows: int, directory: str, saves: int):
+    """(save() -> None, restore() -> None, strategy) for one path."""
+    import tensorflow as tf
+
+    if path == "tf_pss":
+        import tf_keras
+
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(cluster.training_spec()), task_type="chief", task_id=0, rpc_layer="grpc")
+        strategy = tf.distribute.experimental.ParameterServerStrategy(resolver, variable_partitioner=partitioner())
+        with strategy.scope():
+            model = build_model(tf_keras, rows)
+        data = tf_keras.utils.experimental.DatasetCreator(lambda ctx: make_dataset(rows))
+        model.fit(data, epochs=1, steps_per_epoch=2, verbose=0)
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+        saved = []
+
+        def save():
+            saved.append(checkpoint.save(os.path.join(directory, "ckpt")))
+            return saved[-1]
+
+        def restore():
+            checkpoint.restore(saved[-1]).assert_existing_objects_matched()
+        return save, restore, strategy
+
+    import keras
+
+    import psclient
+
+    # Every checkpoint kept, as tf.train.Checkpoint.save keeps them: neither path deletes files while timed
+    # (+1: the strategy checkpoints new variables before the first fit step).
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=directory, variable_partitioner=partitioner(),
+                                                checkpoints_to_keep=saves + 1)
+    with strategy.scope():
+        model = build_model(keras, rows)
+    model.fit(lambda ctx: make_dataset(rows), epochs=1, steps_per_epoch=2, verbose=0)
+    return strategy.save_checkpoint, strategy.restore, strategy
+
+
+def child_main(args: argparse.Namespace) -> None:
+    _common.exit_with_parent()
+    import psclient
+
+    cluster = psclient.Cluster(json.loads(args.cluster))
+    directory = tempfile.mkdtemp(prefix=f"big-model-ckpt-{args._child}-", dir=args.scratch)
+    try:
+        t0 = time.perf_counter()
+        save, restore, strategy = setup(args._child, cluster, args.rows, directory, args.saves)
+        setup_s = time.perf_counter() - t0
+        saves, restores = [], []
+        with PeakRss() as save_memory:
+            for _ in range(args.saves):
+                t0 = time.perf_counter()
+                newest = save()
+                saves.append(time.perf_counter() - t0)
+        with PeakRss() as restore_memory:
+            for _ in range(args.restores):
+                t0 = time.perf_counter()
+                restore()
+                restores.append(time.perf_counter() - t0)
+        stem = os.path.basename(newest) + "."
+        on_disk = sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory) if n.startswith(stem))
+        result = {
+            "setup_s": round(setup_s, 2),
+            "first_save_s": round(saves[0], 3),
+            "median_save_s": round(_common.median(saves[1:] or saves), 3),
+            "saves_s": [round(s, 3) for s in saves],
+            "median_restore_s": round(_common.median(restores), 3),
+            "restores_s": [round(s, 3) for s in restores],
+            "coordinator_rss_mb_before_saves": round(save_memory.before / 2**20, 1),
+            "coordinator_rss_mb_growth_during_saves": round((save_memory.peak - save_memory.before) / 2**20, 1),
+            "coordinator_rss_mb_growth_during_restores":
+                round((restore_memory.peak - restore_memory.before) / 2**20, 1),
+            "newest_checkpoint_mb": round(on_disk / 2**20, 1),
+            "ps_rss_mb": _common.task_usage(list(json.loads(args.ps_pids)))["rss_mib"],
+        }
+        del strategy
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)  # before child_exit: it ends the process at once
+    _common.child_exit(result)
+
+
+def summarize(runs: dict) -> dict:
+    results = {}
+    for size, per_path in runs.items():
+        ours, theirs = per_path.get("psclient", {}), per_path.get("tf_pss", {})
+        entry = {"psclient": ours, "tf_pss": theirs}
+        if "error" not in ours and "error" not in theirs and ours and theirs:
+            for key in ("first_save_s", "median_save_s", "median_restore_s"):
+                entry[f"psclient/tf_pss {key}"] = round(ours[key] / theirs[key], 3)
+        results[size] = entry
+    return results
+
+
+def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
+    sizes = [int(s) for s in args.sizes_mb.split(",")]
+    output = {"config": {
+        **_common.environment(argv),
+        "model": f"Embedding(rows, {DIM}) -> Flatten -> Dense(1), Adagrad; 2 fit steps before the saves",
+        "sizes_mb": sizes, "rows": {str(s): s * 2**20 // ROW_BYTES for s in sizes},
+        "parameter_bytes": "table + Adagrad accumulator (float32)",
+        "num_workers": NUM_WORKERS, "num_ps": NUM_PS, "partitioner": f"MinSizePartitioner(1 MiB, {NUM_PS} shards)",
+        "saves": args.saves, "restores": args.restores, "scratch": args.scratch,
+        "pruning": "none while timed: every checkpoint is kept on both paths",
+        "paths": {"psclient": "strategy.save_checkpoint() / strategy.restore()",
+                  "tf_pss": "tf_keras + TF ParameterServerStrategy, tf.train.Checkpoint(model, optimizer)"},
+    }}
+    runs: dict = {}
+    env = _common.quiet_tf_env(GRPC_FAIL_FAST="use_caller")
+    started = time.perf_counter()
+    with _common.stop_on_sigterm():
+        for size in sizes:
+            rows = size * 2**20 // ROW_BYTES
+            runs[str(size)] = {}
+            for path in PATHS:
+                # A fresh cluster per run: the ps memory of one path does not carry into the other's.
+                with _common.local_cluster(NUM_WORKERS, NUM_PS, start_timeout=300) as (cluster, task_pids):
+                    ps_pids = [pid for name, pid in task_pids.items() if name.startswith("ps:")]
+                    child = [os.path.abspath(__file__), "--_child", path, "--rows", str(rows),
+                             "--cluster", json.dumps(cluster.jobs), "--ps-pids", json.dumps(ps_pids),
+                             "--saves", str(args.saves), "--restores", str(args.restores),
+                             "--scratch", args.scratch]
+                    tag = f"{size:>5} MB {path:9}"
+                    try:
+                        result = _common.run_child(child, timeout=args.child_timeout, env=env)
+                    except _common.ChildError as error:
+                        _common.log(f"{tag} FAILED: {error}")
+                        result = {"error": str(error)}
+                    else:
+                        _common.log(f"{tag} save {result['median_save_s']:.2f} s (first {result['first_save_s']:.2f} s)"
+                                    f", restore {result['median_restore_s']:.2f} s, coordinator +"
+                                    f"{result['coordinator_rss_mb_growth_during_saves']:.0f} MB during saves")
+                    runs[str(size)][path] = result
+    output["config"]["wall_s"] = round(time.perf_counter() - started, 1)
+    output["results"] = summarize(runs)
+    largest = output["results"].get(str(max(sizes)), {})
+    ratio = largest.get("psclient/tf_pss median_save_s")
+    output["targets"] = {TARGET: None if ratio is None else ratio <= 1.0}
+    _common.print_json(output)
+    if args.save_results:
+        os.makedirs(os.path.join(_HERE, "results"), exist_ok=True)
+        saved = os.path.join(_HERE, "results", f"big-model-checkpoint-{time.strftime('%Y-%m-%d')}.json")
+        with open(saved, "w") as f:
+            json.dump(output, f, indent=2)
+            f.write("\n")
+        _common.log(f"saved {os.path.relpath(saved, os.path.dirname(_HERE))}")
+    return 1 if any("error" in r for per in runs.values() for r in per.values()) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes-mb", default="128,512,2048", help="parameter sizes in MiB, comma-separated")
+    parser.add_argument("--saves", type=int, default=3, help="saves per run (the first is reported apart)")
+    parser.add_argument("--restores", type=int, default=2, help="restores per run")
+    parser.add_argument("--scratch", default=tempfile.gettempdir(), help="where the checkpoints are written")
+    parser.add_argument("--child-timeout", type=float, default=900.0, help="seconds per run before it is killed")
+    parser.add_argument("--save-results", action="store_true", help="also write benchmarks/results/...json")
+    parser.add_argument("--_child", choices=PATHS, help=argparse.SUPPRESS)
+    parser.add_argument("--rows", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--cluster", help=argparse.SUPPRESS)
+    parser.add_argument("--ps-pids", default="[]", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args._child:
+        try:
+            child_main(args)  # Exits the process.
+        except BaseException:
+            traceback.print_exc()
+            _common.child_exit(None, status=1)
+    if not all(s.strip().isdigit() and int(s) > 0 for s in args.sizes_mb.split(",")):
+        parser.error(f"--sizes-mb must be comma-separated integers >= 1. Received: {args.sizes_mb!r}.")
+    for name in ("saves", "restores"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be an integer >= 1. Received: {getattr(args, name)}.")
+    try:
+        return parent_main(args, ["benchmarks/big_model_checkpoint.py", *argv])
+    except KeyboardInterrupt:
+        _common.log("interrupted: the cluster and every subprocess were stopped")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

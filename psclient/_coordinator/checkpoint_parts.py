@@ -1,0 +1,355 @@
+"""Each ps task writes and reads its own part of a checkpoint.
+
+A checkpoint `ckpt-N` is TF's usual tensor bundle, written the way TF's own
+saver writes one for variables on several tasks: one data file per ps task,
+written by that task (`SaveV2` under `tf.device(ps)`), then the coordinator
+merges the parts' small index files into `ckpt-N.index`
+(`MergeV2Checkpoints`) and adds one part of its own with the few scalars it
+holds (the completed count, the object graph, the layout below). The values
+of the variables go from each ps to the filesystem, never through the
+coordinator, so every ps must see the checkpoint directory (a shared
+filesystem or a bucket; one machine for LocalCluster).
+
+Unlike TF's saver, nothing here traces a function or syncs every task: each
+part is a couple of eager ops on one ps, sent from a thread of its own (one
+per ps, each with its own TF executor), involving that ps and the coordinator
+only. A hung worker stalls none of it.
+
+A partitioned variable is saved under one key, each shard as a slice of the
+full shape (TF's `shape_and_slices`), by the ps that holds that shard. A
+restore reads on each ps the slices its variables need (`RestoreV2` there,
+which assembles a slice from whichever parts hold its rows) and assigns them
+there: a checkpoint restores into another number of ps tasks or shards, and
+the values never pass through the coordinator.
+
+Parts are written in a scratch directory (`.psclient-save-*`, a dot-name no
+reader lists) and moved to their final names by the merge, after every part
+is complete: a part cut short by a ps that died is never under a checkpoint's
+name.
+
+TF internals used: `gen_io_ops.save_v2`, `restore_v2`, `merge_v2_checkpoints`
+(the ops behind `tf.train.Checkpoint`), `trackable_object_graph_pb2`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import secrets
+from typing import Any, Callable
+
+from psclient._coordinator import executors as _executors
+from psclient._coordinator import runtime as _runtime
+from psclient._coordinator.sharding import is_partitioned
+from psclient._core.errors import PSClientError
+
+__all__ = ["CheckpointDirError", "CheckpointUnreadable", "CheckpointWriteError", "LAYOUT_KEY", "Slot",
+           "assign_on_ps", "probe_writable", "read_on_ps", "save_parts", "slots_of"]
+
+#: The checkpoint's own description: which task wrote which data file with which keys.
+LAYOUT_KEY = "psclient_layout"
+_VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
+_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+
+
+class CheckpointUnreadable(PSClientError, ValueError):
+    """No complete checkpoint could be read: each one tried is named with what was wrong."""
+
+
+class CheckpointWriteError(PSClientError, OSError):
+    """A ps task could not write its part of a checkpoint; names the task and the file."""
+
+
+class CheckpointDirError(PSClientError, ValueError):
+    """`checkpoint_dir` is not a directory every ps task can write and the coordinator sees."""
+
+
+class Slot:
+    """One tensor a ps task saves or restores: a whole variable, or one shard of a partitioned one."""
+
+    __slots__ = ("key", "variable", "ps", "spec", "full_shape")
+
+    def __init__(self, key: str, variable: Any, ps: int, spec: str, full_shape: list[int]):
+        self.key, self.variable, self.ps, self.spec, self.full_shape = key, variable, ps, spec, full_shape
+
+
+def slots_of(variables: dict[str, Any]) -> dict[int, list[Slot]]:
+    """ps task -> what it holds of `variables` (key -> tf.Variable or partitioned variable)."""
+    by_ps: dict[int, list[Slot]] = {}
+    for key, variable in variables.items():
+        name = key + _VALUE
+        full = variable.shape.as_list()
+        if not is_partitioned(variable):
+            by_ps.setdefault(_ps_of(variable), []).append(Slot(name, variable, _ps_of(variable), "", full))
+            continue
+        start = 0
+        for shard in variable.variables:
+            rows = int(shard.shape[0])
+            # TF's slice spec: the full shape, then "start,length" for axis 0, "-" (all) for the rest.
+            spec = " ".join(str(d) for d in full) + " " + ":".join([f"{start},{rows}"] + ["-"] * (len(full) - 1))
+            by_ps.setdefault(_ps_of(shard), []).append(Slot(name, shard, _ps_of(shard), spec, full))
+            start += rows
+    return by_ps
+
+
+#: The group of variables that live in this process (not on a ps): the coordinator writes them.
+LOCAL = -1
+
+
+def _ps_of(variable: Any) -> int:
+    ps = _runtime.ps_index_of(variable.device)
+    return LOCAL if ps is None else ps
+
+
+def _device(ps: int):
+    import contextlib
+
+    import tensorflow as tf
+
+    return contextlib.nullcontext() if ps == LOCAL else tf.device(_runtime.ps_device(ps))
+
+
+def _task(ps: int | None, describe_ps: Callable[[int], str]) -> str:
+    if ps is None:
+        return "a ps task"
+    return "the coordinator" if ps == LOCAL else f"ps:{ps} ({describe_ps(ps)})"
+
+
+def part_prefix(scratch: str, index: int, count: int) -> str:
+    """What TF's `sharded_filename` names part `index` of `count` (the merge reads these names)."""
+    return f"{scratch}/part-{index:05d}-of-{count:05d}"
+
+
+def _on_each_ps(work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
+    """Run `work[ps]()` for every ps at once, each on a thread of its own with its own TF executor.
+
+    Waits for all; raises the first error (by ps index) after every one ended.
+    """
+    import tensorflow as tf
+
+    def run(ps: int):
+        executor = _executors.new_call_executor(streaming=False)
+        with _executors.executor_scope(executor):
+            try:
+                return work[ps]()
+            except tf.errors.OpError:
+                executor.clear_error()  # else it raises again when it is deleted
+                raise
+
+    if not work:
+        return {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(work), thread_name_prefix="psclient-ckpt") as pool:
+        futures = {ps: pool.submit(run, ps) for ps in sorted(work)}
+        concurrent.futures.wait(futures.values())
+    for ps, future in futures.items():
+        if future.exception() is not None:
+            raise future.exception()
+    return {ps: future.result() for ps, future in futures.items()}
+
+
+def save_parts(prefix: str, variables: dict[str, Any], scalars: dict[str, Any],
+               describe_ps: Callable[[int], str], meta: dict | None = None) -> None:
+    """Write `variables` as checkpoint `prefix`, each ps its own part; `scalars` (key -> numpy
+    scalar) in the coordinator's part, with the layout (`meta` added to it). Returns when
+    `prefix.index` names every part.
+
+    Raises CheckpointWriteError naming the ps task and its file if one could not write;
+    nothing is then under `prefix` (the scratch directory is removed).
+    """
+    import tensorflow as tf
+    from tensorflow.python.ops import gen_io_ops
+
+    by_ps = slots_of(variables)
+    tasks = sorted(by_ps)
+    count = len(tasks) + 1
+    directory = os.path.dirname(prefix)
+    scratch = os.path.join(directory, f".psclient-save-{os.path.basename(prefix)}-{secrets.token_hex(8)}")
+    final_names = {ps: f"{os.path.basename(prefix)}.data-{i:05d}-of-{count:05d}" for i, ps in enumerate(tasks)}
+    layout = {"format": 2, **(meta or {}), "parts": [
+        {"task": f"ps:{ps}" if ps != LOCAL else "coordinator", "file": final_names[ps],
+         "keys": sorted({s.key for s in by_ps[ps]})} for ps in tasks]}
+
+    def write(ps: int) -> Callable[[], None]:
+        slots = by_ps[ps]
+
+        def run():
+            with _device(ps):
+                try:
+                    values = [s.variable.read_value() for s in slots]  # read there: the resource is on this ps
+                    gen_io_ops.save_v2(part_prefix(scratch, tasks.index(ps), count),
+                                       [s.key for s in slots], [s.spec for s in slots], values)
+                except tf.errors.OpError as error:
+                    error._psclient_ps = ps
+                    raise
+        return run
+
+    tf.io.gfile.makedirs(scratch)
+    try:
+        try:
+            _on_each_ps({ps: write(ps) for ps in tasks})
+        except tf.errors.OpError as error:
+            ps = getattr(error, "_psclient_ps", None)
+            where = _task(ps, describe_ps)
+            raise CheckpointWriteError(
+                f"{where} could not write its part of checkpoint {prefix} "
+                f"(in {scratch}, to become {final_names.get(ps, 'its data file')}): {_first_line(error)}. "
+                "The checkpoint was not written; the previous one stays the newest. Every ps task "
+                "must be able to write to checkpoint_dir (a directory shared by every ps and the "
+                "coordinator)."
+            ) from error
+        names = [key + _VALUE for key in scalars] + [LAYOUT_KEY, _GRAPH_KEY]
+        with tf.device(_runtime.coordinator_cpu()):
+            values = [tf.constant(v) for v in scalars.values()]
+            values += [tf.constant(json.dumps(layout)), tf.constant(_object_graph(list(variables), list(scalars)))]
+            own = part_prefix(scratch, len(tasks), count)
+            gen_io_ops.save_v2(own, names, [""] * len(names), values)
+            # Renames each part's data file to `prefix.data-i-of-count`, then writes the merged index.
+            gen_io_ops.merge_v2_checkpoints(
+                [part_prefix(scratch, i, count) for i in range(count)], prefix, delete_old_dirs=True)
+    finally:
+        if tf.io.gfile.exists(scratch):
+            tf.io.gfile.rmtree(scratch)  # a failed save's parts: never read
+
+
+def read_on_ps(path: str, variables: dict[str, Any], dtypes: dict[str, Any],
+               layout: dict | None, describe_ps: Callable[[int], str]) -> dict[int, list]:
+    """Every slot's value read on its own ps (RestoreV2 there): ps -> [(slot, tensor on that ps)].
+
+    Raises CheckpointUnreadable naming the ps task that read, the key and the data files.
+    """
+    import tensorflow as tf
+    from tensorflow.python.ops import gen_io_ops
+
+    by_ps = slots_of(variables)
+
+    def read(ps: int) -> Callable[[], list]:
+        slots = by_ps[ps]
+
+        def restore(some):
+            return gen_io_ops.restore_v2(path, [s.key for s in some], [s.spec for s in some],
+                                         [dtypes[s.key] for s in some])
+
+        def run():
+            with _device(ps):
+                try:
+                    tensors = restore(slots)
+                except tf.errors.OpError as error:
+                    error._psclient_ps, error._psclient_slot = ps, _failing(slots, restore, tf.errors.OpError)
+                    raise
+            return list(zip(slots, tensors))
+        return run
+
+    try:
+        return _on_each_ps({ps: read(ps) for ps in by_ps})
+    except tf.errors.OpError as error:
+        ps = getattr(error, "_psclient_ps", None)
+        slot = getattr(error, "_psclient_slot", None)
+        slots = [slot] if slot is not None else by_ps.get(ps, [])
+        what = (f"{slot.key.split('/')[0]} ({slot.variable.name})" if slot is not None
+                else ", ".join(sorted({s.key.split("/")[0] for s in slots})))
+        files = _files_of(path, layout, {s.key for s in slots})
+        raise CheckpointUnreadable(
+            f"the value of {what} cannot be read by {_task(ps, describe_ps)} from {' or '.join(files)} "
+            f"(corrupt or truncated data file?): {_first_line(error)}") from error
+
+
+def _failing(slots: list, restore: Callable, errors) -> Any:
+    """The first slot that cannot be read on its own (after the read of all of them failed)."""
+    for slot in slots:
+        try:
+            restore([slot])
+        except errors:
+            return slot
+    return None
+
+
+def assign_on_ps(values: dict[int, list]) -> None:
+    """Assign each value read by `read_on_ps` to its variable, on its ps (all ps at once)."""
+    def assign(pairs: list) -> Callable[[], None]:
+        def run():
+            for slot, tensor in pairs:
+                slot.variable.assign(tensor, read_value=False)  # both on this ps
+        return run
+
+    _on_each_ps({ps: assign(pairs) for ps, pairs in values.items()})
+
+
+def _files_of(path: str, layout: dict | None, keys: set[str]) -> list[str]:
+    """The data files that hold `keys` (from the checkpoint's layout), else every data file."""
+    import tensorflow as tf
+
+    if layout:
+        files = [os.path.join(os.path.dirname(path), part["file"]) for part in layout.get("parts", [])
+                 if keys & set(part.get("keys", []))]
+        if files:
+            return files
+    return sorted(tf.io.gfile.glob(path + ".data-*")) or [path + ".data-*"]
+
+
+def probe_writable(directory: str, num_ps: int, describe_ps: Callable[[int], str]) -> None:
+    """Each ps writes a small file into `directory`, which the coordinator must then see.
+
+    Raises CheckpointDirError naming the first ps that cannot write there, or whose
+    file the coordinator does not find (the directory is not shared).
+    """
+    import tensorflow as tf
+    from tensorflow.python.ops import gen_io_ops
+
+    scratch = os.path.join(directory, f".psclient-probe-{secrets.token_hex(8)}")
+
+    def write(ps: int) -> Callable[[], None]:
+        def run():
+            with tf.device(_runtime.ps_device(ps)):
+                try:
+                    gen_io_ops.save_v2(part_prefix(scratch, ps, num_ps), ["probe"], [""], [tf.constant(ps)])
+                except tf.errors.OpError as error:
+                    error._psclient_ps = ps
+                    raise
+        return run
+
+    try:
+        try:
+            _on_each_ps({ps: write(ps) for ps in range(num_ps)})
+        except tf.errors.OpError as error:
+            ps = getattr(error, "_psclient_ps", None)
+            raise CheckpointDirError(
+                f"Invalid value for argument `checkpoint_dir`. Received: checkpoint_dir={directory!r}, "
+                f"where ps:{ps} ({describe_ps(ps)}) cannot write: {_first_line(error)}. Expected a "
+                "directory every ps task can write (each ps writes its own part of every checkpoint)."
+            ) from error
+        for ps in range(num_ps):
+            if not tf.io.gfile.exists(part_prefix(scratch, ps, num_ps) + ".index"):
+                raise CheckpointDirError(
+                    f"Invalid value for argument `checkpoint_dir`. Received: checkpoint_dir={directory!r}: "
+                    f"ps:{ps} ({describe_ps(ps)}) wrote a file there that the coordinator does not "
+                    "see. Expected one directory shared by the coordinator and every ps task (a "
+                    "shared filesystem or a bucket): each ps writes its own part of every checkpoint."
+                )
+    finally:
+        try:
+            if tf.io.gfile.exists(scratch):
+                tf.io.gfile.rmtree(scratch)
+        except tf.errors.OpError:
+            pass  # a directory nobody can write: nothing was left there
+
+
+def _object_graph(keys: list[str], scalars: list[str]) -> bytes:
+    """A `tf.train.Checkpoint(key=variable, ...)` object graph, so TF's own readers find each key."""
+    from tensorflow.core.protobuf import trackable_object_graph_pb2 as pb
+
+    graph = pb.TrackableObjectGraph()
+    root = graph.nodes.add()
+    for name in [*keys, *scalars]:
+        child = root.children.add()
+        child.node_id, child.local_name = len(graph.nodes), name
+        node = graph.nodes.add()
+        attribute = node.attributes.add()
+        attribute.name, attribute.full_name = "VARIABLE_VALUE", name
+        attribute.checkpoint_key = name + _VALUE
+    return graph.SerializeToString()
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(getattr(error, "message", None) or error)
+    return text.strip().splitlines()[0] if text.strip() else type(error).__name__

@@ -1,0 +1,141 @@
+"""Keras callbacks that checkpoint a model on the ps tasks without gathering it.
+
+`ModelCheckpoint` writes the strategy's sharded checkpoints from `fit`: each
+ps task writes its own variables (`psclient._coordinator.checkpoint`), so a
+model larger than the coordinator's memory can be checkpointed. `keras`'s own
+`ModelCheckpoint`, `model.save`, `model.save_weights` and `get_weights` read
+every value into the coordinator instead.
+
+The variables are saved under their positions in the model (`model/0003`,
+the 4th of `model.weights`; `optimizer/0000`), not by creation order: a
+model built again, in the same way, in another process finds them, and so
+does the sidecar evaluator (psclient._sidecar.formats), which restores the
+model's weights by position. The optimizer's iteration count is saved as `step`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from psclient._coordinator.checkpoint import Checkpoints
+from psclient._keras.trainer import _tf_variable, cluster_strategy
+
+__all__ = ["ModelCheckpoint", "KEYED_BY_POSITION", "meta_of", "model_variables", "sharded_checkpoints", "step_of",
+           "weight_key"]
+
+#: The `keys` entry of the layout of checkpoints keyed by position in the model.
+KEYED_BY_POSITION = "keras_position"
+
+
+def weight_key(index: int) -> str:
+    return f"model/{index:04d}"
+
+
+def meta_of(model) -> dict:
+    """What readers need beside the values: how keys are made, the model's weights (paths, for messages)."""
+    return {"keys": KEYED_BY_POSITION, "model_weights": [variable.path for variable in model.weights]}
+
+
+def model_variables(model) -> dict[str, Any]:
+    """key -> tf.Variable (or partitioned variable) of the model's weights and its optimizer's.
+
+    Keyed by position, `model/0003` in `model.weights` and `optimizer/0003`
+    in `optimizer.variables`, as Keras's own weight files are matched by
+    structure: auto-generated names (`dense_7`) differ between two builds of
+    the same model, positions do not.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    found: dict[str, Any] = {}
+    for prefix, group in (("model", model.weights), ("optimizer", optimizer.variables if optimizer else [])):
+        for index, variable in enumerate(group):
+            value = _tf_variable(variable)
+            if value is not None:
+                found[f"{prefix}/{index:04d}"] = value
+    return found
+
+
+def step_of(model) -> dict[str, int]:
+    optimizer = getattr(model, "optimizer", None)
+    return {"step": int(optimizer.iterations.numpy())} if optimizer is not None else {}
+
+
+def sharded_checkpoints(model, directory: str, keep: int, overwrite: bool, who: str):
+    """(strategy, Checkpoints) for a model on the ps tasks; (None, None) for a local model."""
+    strategy = cluster_strategy(model, "fit")
+    if strategy is None:
+        return None, None
+    checkpoints = Checkpoints(
+        directory, keep=keep, overwrite=overwrite,
+        describe_ps=lambda ps: strategy._elastic.cluster.address("ps", ps),  # noqa: SLF001
+        matched_by=f"position in the model and its optimizer (for {who}): build and compile the same model "
+                   "the same way as the run that wrote it")
+    checkpoints.check_reachable(strategy.num_ps)  # every ps writes its own part
+    return strategy, checkpoints
+
+
+class ModelCheckpoint(keras.callbacks.Callback):
+    """Checkpoints a model on the ps tasks from `fit`, each ps writing its own part.
+
+    `model.fit(..., callbacks=[psclient.ModelCheckpoint("/shared/ckpts")])`
+    writes `ckpt-1`, `ckpt-2`, ... (TF's tensor bundle format, one data file
+    per ps task) at the end of every epoch (`save_freq="epoch"`) or every
+    `save_freq` batches, keeping the newest `max_to_keep`. A checkpoint counts
+    once the state file `checkpoint` names it (written last, atomically).
+    `directory` must be reachable from every ps task (a shared filesystem or
+    a bucket). Checkpoints of another run already there are an error unless
+    `overwrite=True` (then they are deleted as new ones are written).
+
+    `psclient.SidecarEvaluator` reads these checkpoints. A batch-level save
+    reads values while later steps still run (asynchronous training).
+    """
+
+    def __init__(self, directory, save_freq: str | int = "epoch", max_to_keep: int = 5,
+                 overwrite: bool = False):
+        super().__init__()
+        if save_freq != "epoch" and (not isinstance(save_freq, int) or isinstance(save_freq, bool)
+                                     or save_freq < 1):
+            raise ValueError(
+                f"Invalid value for argument `save_freq`. Received: save_freq={save_freq!r}. "
+                "Expected 'epoch' or a positive integer (batches).")
+        if not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool) or max_to_keep < 1:
+            raise ValueError(
+                f"Invalid value for argument `max_to_keep`. Received: max_to_keep={max_to_keep!r}. "
+                "Expected a positive integer.")
+        self.directory = str(directory)
+        self.save_freq = save_freq
+        self.max_to_keep = max_to_keep
+        self.overwrite = overwrite
+        self._checkpoints = None
+        self._batches = 0
+        #: Paths of the checkpoints written, oldest first.
+        self.saved: list[str] = []
+
+    def on_train_begin(self, logs=None):
+        if self._checkpoints is None:
+            strategy, self._checkpoints = sharded_checkpoints(
+                self.model, self.directory, self.max_to_keep, self.overwrite, "ModelCheckpoint")
+            if strategy is None:
+                raise ValueError(
+                    f"psclient.ModelCheckpoint writes the checkpoints of a model on the ps tasks. "
+                    f"Received: model {self.model.name!r}, whose variables live in this process. "
+                    "Expected a model created and compiled inside strategy.scope() (use "
+                    "keras.callbacks.ModelCheckpoint for a local model).")
+            self._checkpoints.check_writable()  # another run's checkpoints: refused now, not after an epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.save_freq == "epoch":
+            return
+        self._batches += 1
+        if self._batches >= self.save_freq:
+            self._batches = 0
+            self._save()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.save_freq == "epoch":
+            self._save()
+
+    def _save(self):
+        self.saved.append(self._checkpoints.save(
+            model_variables(self.model), completed=None, scalars=step_of(self.model), meta=meta_of(self.model)))
