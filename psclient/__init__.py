@@ -80,6 +80,10 @@ def __getattr__(name):
         from psclient._keras import callbacks
 
         return getattr(callbacks, name)
+    if name == "data":  # psclient.data without an explicit import, as for a subpackage
+        import importlib
+
+        return importlib.import_module("psclient.data")
     raise AttributeError(f"module 'psclient' has no attribute {name!r}")
 
 

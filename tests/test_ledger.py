@@ -76,6 +76,7 @@ def test_state_round_trips_through_json_and_resumes_the_epoch():
     resumed.start_epoch(2)  # the same epoch: kept, not restarted
     first = resumed.hand_out()
     assert (first.slot, first.position) == (held.slot, 5)  # the held one first, from where it was
+    assert resumed.cut_off() == {held.slot}
     resumed.finish(first.slot)
     rest = drain(resumed)
     assert done.slot not in rest and sorted(rest + [first.slot, done.slot]) == list(range(6))

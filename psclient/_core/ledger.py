@@ -102,6 +102,8 @@ class Ledger:
         self._records = 0
         self._replayed = 0
         self._given_back = 0
+        # Shards held when a loaded state was saved: their next attempt may replay a batch.
+        self._cut_off: set[int] = set()
 
     # ---------------------------------------------------------------- info
     @property
@@ -123,6 +125,14 @@ class Ledger:
     def remaining(self) -> int:
         """Shards of the current epoch not done yet (held ones included)."""
         return len(self._shards) - len(self._done)
+
+    def held(self) -> set[int]:
+        """Shards handed out and not finished or given back."""
+        return set(self._held)
+
+    def cut_off(self) -> set[int]:
+        """Shards that were held when the loaded state was saved (their holders were cut off)."""
+        return set(self._cut_off)
 
     def stats(self) -> dict:
         return {
@@ -149,6 +159,7 @@ class Ledger:
         self._queue = collections.deque(self._order)
         self._done.clear()
         self._held.clear()
+        self._cut_off.clear()
         self._positions.clear()
 
     def hand_out(self) -> Work | None:
@@ -208,6 +219,7 @@ class Ledger:
             "seed": self._seed,
             "epoch": self._epoch,
             "done": sorted(self._done),
+            "held": sorted(self._held),
             # Held shards resume from their last known position; a restart hands them out again.
             "positions": {str(slot): position for slot, position in sorted(self._positions.items())},
             "records": self._records,
@@ -239,8 +251,11 @@ class Ledger:
         self._order = shard_order(len(self._shards), self._seed, epoch) if epoch is not None else []
         self._done = {int(s) for s in state["done"]}
         self._held = set()
+        self._cut_off = {int(s) for s in state["held"]}
         self._positions = {int(s): int(p) for s, p in state["positions"].items()}
-        self._queue = collections.deque(s for s in self._order if s not in self._done)
+        # The shards cut off first, then the others in this epoch's order.
+        first = [s for s in self._order if s in self._cut_off]
+        self._queue = collections.deque(first + [s for s in self._order if s not in self._done and s not in self._cut_off])
         self._records = int(state["records"])
         self._replayed = int(state["replayed_records"])
 
