@@ -43,7 +43,7 @@ import threading
 
 from psclient._keras import adafactor, sparse_adagrad
 from psclient._keras import eval as _keras_eval
-from psclient._keras import seam
+from psclient._keras import seam, sharded_fit
 from psclient._keras.trainer import (
     TrainFunction,
     cluster_strategy,
@@ -354,6 +354,10 @@ def _fit(stock, model, strategy, a: dict):
     from psclient._keras import data as _keras_data
 
     model._assert_compile_called("fit")
+    if sharded_fit.is_sharded(a["x"]):  # psclient.data: every shard once per epoch, through a ledger
+        forwarded = {name: a[name] for name, use in FIT_ARGUMENTS.items() if use == "forwarded"}
+        return sharded_fit.fit(stock, model, strategy, a, forwarded, lambda function, callbacks, steps: fit_callbacks(
+            model, function, callbacks, a["verbose"], a["epochs"], steps))
     x, y, sample_weight = a["x"], a["y"], a["sample_weight"]
     validation_data = a["validation_data"]
     if a["validation_split"] and validation_data is None:
@@ -402,6 +406,7 @@ def _patched_evaluate(stock):
         if strategy is None:
             return stock(self, *args, **kwargs)
         a = _bind(stock, self, args, kwargs)
+        a["x"] = sharded_fit.as_finite(a["x"])
         a.pop("_use_cached_eval_dataset", None)  # fit's validation passes the data itself too
         unknown = set(a) - set(inspect.signature(_keras_eval.evaluate).parameters)
         if unknown:
@@ -416,6 +421,8 @@ def _patched_predict(stock):
         strategy = cluster_strategy(self, "predict")
         if strategy is None:
             return stock(self, *args, **kwargs)
-        return _keras_eval.predict(self, strategy, **_bind(stock, self, args, kwargs))
+        a = _bind(stock, self, args, kwargs)
+        a["x"] = sharded_fit.as_finite(a["x"])
+        return _keras_eval.predict(self, strategy, **a)
 
     return predict
