@@ -1,6 +1,7 @@
 """Sharded data through the ledger on a real cluster: every record once per epoch,
 at least once (twice only when replayed) with a worker killed mid-epoch."""
 
+import os
 import threading
 import time
 
@@ -98,3 +99,108 @@ def test_a_killed_worker_replays_only_its_batch_in_flight(strategy, cluster):
     assert trained.max() <= 2 and twice <= stats["replayed_records"] <= 4  # at most the batch in flight
     assert sum(w["retried"] for w in strategy.stats()["workers"]) >= 1
     assert strategy.stats()["replayed_records"] == stats["replayed_records"]
+
+
+def test_a_throttled_worker_takes_fewer_shards(strategy, cluster):
+    with strategy.scope():
+        counts = tf.Variable(tf.zeros([N], tf.int64))
+    data = psclient.data.ShardedDataset(psclient.data.range_shards(N, 20), make_dataset)
+    feed = psclient.data.ShardFeed(strategy, data)
+    run_shard = feed.shard_function(counting_step(counts, work=20))
+    feed.run_epoch(run_shard, 0)  # traced and warm on both workers
+    before = [w["done"] for w in strategy.stats()["workers"]]
+    cluster.throttle("worker", 1, 0.25)
+    try:
+        stats = feed.run_epoch(run_shard, 1, max_in_flight=2)
+    finally:
+        cluster.throttle("worker", 1, 1.0)
+    done = [w["done"] - b for w, b in zip(strategy.stats()["workers"], before)]
+    assert stats["done"] == 12 and sum(done) == 12
+    assert done[0] > done[1], done  # late binding: the fast worker took more shards
+    np.testing.assert_array_equal(counts.numpy(), np.full([N], 2))
+
+
+def id_model(counts):
+    import keras
+
+    class Counting(keras.Model):
+        """Linear regression that also counts, on the ps, how often each record id was trained."""
+
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+
+        def build(self, input_shape):
+            self.dense.build(input_shape)
+
+        def call(self, x):
+            return self.dense(x)
+
+        def train_step(self, data):
+            x, _ = data
+            ids = tf.cast(x[:, 0], tf.int64)
+            counts.scatter_add(tf.IndexedSlices(tf.ones_like(ids), ids))
+            return super().train_step(data)
+
+    model = Counting()
+    model.build((None, 1))
+    model.compile("sgd", "mse", metrics=["mae"])
+    return model
+
+
+def id_dataset(shard):
+    ids = tf.data.Dataset.range(shard.start, shard.end)
+    return ids.map(lambda i: (tf.cast([i], tf.float32), tf.cast([i % 3], tf.float32))).batch(4)
+
+
+def test_fit_evaluate_predict(strategy):
+    with strategy.scope():
+        counts = tf.Variable(tf.zeros([N], tf.int64))
+        model = id_model(counts)
+    data = psclient.data.ShardedDataset(psclient.data.range_shards(N, 40), id_dataset, seed=0)
+    history = model.fit(data, epochs=2, verbose=0)
+    assert len(history.history["loss"]) == 2
+    np.testing.assert_array_equal(counts.numpy(), np.full([N], 2))
+    assert int(model.optimizer.iterations.numpy()) == 2 * N // 4
+    assert len(model.evaluate(data, verbose=0)) == 2
+    assert model.predict(data, verbose=0).shape == (N, 1)
+
+
+def test_backup_and_restore_resumes_the_epoch(strategy, tmp_path):
+    import json
+
+    import keras
+
+    with strategy.scope():
+        counts = tf.Variable(tf.zeros([N], tf.int64))
+        model = id_model(counts)
+    shards = psclient.data.range_shards(N, 20)
+
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 5:
+                raise KeyboardInterrupt("the coordinator dies")
+
+    backup = str(tmp_path / "backup")
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(psclient.data.ShardedDataset(shards, id_dataset, seed=1), epochs=1, verbose=0,
+                  callbacks=[psclient.BackupAndRestore(backup, save_freq=1), Crash()])
+    with open(f"{backup}/data_ledger.json") as f:
+        saved = json.load(f)
+    assert saved["epoch"] == 0 and 0 < len(saved["done"]) < len(shards)
+    first = counts.numpy().copy()
+    # A new run: the same shards, a new ShardedDataset, the backup's ledger.
+    model.fit(psclient.data.ShardedDataset(shards, id_dataset, seed=1), epochs=1, verbose=0,
+              callbacks=[psclient.BackupAndRestore(backup, save_freq=1)])
+    trained = counts.numpy()
+    assert trained.min() >= 1, "every record at least once"
+    done_ids = np.concatenate([np.arange(shards[s].start, shards[s].end) for s in saved["done"]])
+    np.testing.assert_array_equal(trained[done_ids], first[done_ids])  # done shards were skipped
+    assert trained.max() <= 2
+    # Mismatched shards are refused, not restarted silently.
+    os.makedirs(backup, exist_ok=True)  # removed by the finished fit
+    with open(f"{backup}/data_ledger.json", "w") as f:
+        json.dump(saved, f)
+    with pytest.raises(psclient.data.LedgerMismatchError, match="12 shards"):
+        model.fit(psclient.data.ShardedDataset(psclient.data.range_shards(N, 40), id_dataset, seed=1),
+                  epochs=1, verbose=0, callbacks=[psclient.BackupAndRestore(backup)])

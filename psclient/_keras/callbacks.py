@@ -25,6 +25,7 @@ import keras
 from keras.callbacks import BackupAndRestore as _KerasBackupAndRestore
 
 from psclient._core.files import replaced_atomically
+from psclient._keras import sharded_fit
 
 __all__ = ["BackupAndRestore", "StalenessLogger"]
 
@@ -37,9 +38,36 @@ class BackupAndRestore(_KerasBackupAndRestore):
     the ps tasks, and the epoch; when `fit` starts again, in this or a new
     coordinator process, it restores both and `fit` resumes at that epoch.
     Each backup file is written under a temporary name and renamed into place.
+
+    With `fit` on a `psclient.data.ShardedDataset` it also saves the data
+    ledger (`data_ledger.json`: epoch, done shards, positions of those in
+    flight); with `save_freq=N` (every N shards) a coordinator killed
+    mid-epoch and run again resumes that epoch, skipping the shards done.
     """
 
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        # fit on a psclient.data.ShardedDataset: resume its epoch where the backup left it.
+        feed = sharded_fit.active_feed(self.model)
+        if feed is not None and os.path.exists(self._ledger_path):
+            with open(self._ledger_path) as f:
+                feed.load(json.load(f))  # LedgerMismatchError for other shards: never a silent restart
+
+    @property
+    def _ledger_path(self) -> str:
+        return os.path.join(self.backup_dir, "data_ledger.json")
+
     def _save_model(self):
+        # The ledger is read first and written last: a crash in between leaves an older
+        # ledger beside newer weights, which replays shards; never one that skips any.
+        feed = sharded_fit.active_feed(self.model)
+        ledger = None if feed is None else json.dumps(feed.state())
+        self._save_weights_and_epoch()
+        if ledger is not None:
+            with replaced_atomically(self._ledger_path) as temp, open(temp, "w") as f:
+                f.write(ledger)
+
+    def _save_weights_and_epoch(self):
         if "://" in str(self.backup_dir) or self.double_checkpoint:
             return super()._save_model()  # remote storage, or Keras's own spare copy
         os.makedirs(self.backup_dir, exist_ok=True)

@@ -107,7 +107,7 @@ class ShardTrainFunction:
             self._settle(next(iter(self._in_flight)))
         for future in [f for f in self._in_flight if f.done()]:
             self._settle(future)
-        return self._latest
+        return self._latest or {}
 
     def finish(self):
         """Wait for every shard of the epoch; run any the ledger still misses."""
@@ -118,7 +118,7 @@ class ShardTrainFunction:
                 break
             self._settle(next(iter(self._in_flight)))
         self._strategy.join()
-        return self._latest
+        return self._latest or {}
 
     def abandon(self) -> None:
         """After an error: give back what is pending, wait for the rest, log nothing new."""
