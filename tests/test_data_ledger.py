@@ -164,6 +164,8 @@ def test_fit_evaluate_predict(strategy):
     assert int(model.optimizer.iterations.numpy()) == 2 * N // 4
     assert len(model.evaluate(data, verbose=0)) == 2
     assert model.predict(data, verbose=0).shape == (N, 1)
+    with pytest.raises(ValueError, match=r"Received: steps_per_epoch=3 with a psclient.data.ShardedDataset"):
+        model.fit(data, steps_per_epoch=3, verbose=0)
 
 
 def test_backup_and_restore_resumes_the_epoch(strategy, tmp_path):
