@@ -97,3 +97,24 @@ def test_make_dataset_is_traced_once_with_tensors():
 def test_public_names():
     assert psclient.data.ShardedDataset is data.ShardedDataset
     assert issubclass(data.LedgerMismatchError, psclient.PSClientError)
+
+
+def test_a_dataset_of_unknown_size_is_cut_into_ranges_of_batches(tmp_path):
+    from psclient._coordinator.finite import NondeterministicDatasetError, sharded_from_dataset
+
+    filtered = tf.data.Dataset.range(50).filter(lambda i: i % 2 == 0).batch(3)
+    sharded = sharded_from_dataset(filtered, num_workers=2)
+    assert len(sharded.shards) == 5 and sharded.num_records == 9  # 9 batches, counted once
+    batches = [b.numpy().tolist() for b in sharded.as_dataset()]
+    assert batches == [b.numpy().tolist() for b in filtered]  # each batch once, in order
+    csv = tmp_path / "data.csv"
+    csv.write_text("a,b\n" + "".join(f"{i},{i % 3}\n" for i in range(20)))
+    with pytest.raises(NondeterministicDatasetError, match="seed=None.*shuffle=False"):
+        sharded_from_dataset(tf.data.experimental.make_csv_dataset(str(csv), 4, num_epochs=1), 2)
+    with pytest.raises(NondeterministicDatasetError, match="reshuffle_each_iteration=True"):
+        sharded_from_dataset(tf.data.experimental.make_csv_dataset(str(csv), 4, num_epochs=1, shuffle_seed=1), 2)
+    for dataset in (tf.data.experimental.make_csv_dataset(str(csv), 4, num_epochs=1, shuffle=False),
+                    filtered.shuffle(4, seed=1, reshuffle_each_iteration=False)):
+        sharded = sharded_from_dataset(dataset, 2)
+        first = [str(b) for b in sharded.as_dataset()]
+        assert first == [str(b) for b in dataset] and len(first) == sharded.num_records  # each batch once

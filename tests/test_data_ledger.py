@@ -73,17 +73,18 @@ def test_a_killed_worker_replays_only_its_batch_in_flight(strategy, cluster):
     finished = threading.Event()
 
     def kill_mid_shard():
-        # Once both workers are mid-shard (a position between 0 and 10 batches on the ps), cut one off.
+        # Worker 1, slowed down so that its shards last, is cut off once it has finished one
+        # shard and a shard is mid-way (a position between 0 and 10 batches on the ps).
         while not finished.is_set():
-            held = feed.ledger.held()
             positions = feed.positions()
             if strategy.stats()["workers"][1]["done"] >= 1 and \
-                    sum(0 < positions[slot] < 10 for slot in held) == 2:
+                    any(0 < positions[slot] < 10 for slot in feed.ledger.held()):
                 cluster.kill("worker", 1)
                 killed.set()
                 return
             time.sleep(0.01)  # polling the ps, not synchronising
 
+    cluster.throttle("worker", 1, 0.2)
     killer = threading.Thread(target=kill_mid_shard)
     killer.start()
     try:
@@ -166,6 +167,11 @@ def test_fit_evaluate_predict(strategy):
     assert model.predict(data, verbose=0).shape == (N, 1)
     with pytest.raises(ValueError, match=r"Received: steps_per_epoch=3 with a psclient.data.ShardedDataset"):
         model.fit(data, steps_per_epoch=3, verbose=0)
+    # A finite dataset of unknown size (a filter): an epoch ends where the data ends, each batch once.
+    before = counts.numpy()
+    odd = tf.data.Dataset.range(N).filter(lambda i: i % 2 == 1)
+    model.fit(odd.map(lambda i: (tf.cast([i], tf.float32), tf.cast([i % 3], tf.float32))).batch(4), verbose=0)
+    np.testing.assert_array_equal(counts.numpy() - before, np.arange(N) % 2)
 
 
 def test_backup_and_restore_resumes_the_epoch(strategy, tmp_path):

@@ -41,6 +41,7 @@ import inspect
 import sys
 import threading
 
+from psclient._coordinator import finite
 from psclient._keras import adafactor, sparse_adagrad
 from psclient._keras import eval as _keras_eval
 from psclient._keras import seam, sharded_fit
@@ -354,6 +355,9 @@ def _fit(stock, model, strategy, a: dict):
     from psclient._keras import data as _keras_data
 
     model._assert_compile_called("fit")
+    if a["steps_per_epoch"] is None and finite.is_finite_of_unknown_size(a["x"]):
+        # Keras reads such data to its end; psclient cuts its batches into shards.
+        a = dict(a, x=finite.sharded_from_dataset(a["x"], strategy.num_workers))
     if sharded_fit.is_sharded(a["x"]):  # psclient.data: every shard once per epoch, through a ledger
         forwarded = {name: a[name] for name, use in FIT_ARGUMENTS.items() if use == "forwarded"}
         return sharded_fit.fit(stock, model, strategy, a, forwarded, lambda function, callbacks, steps: fit_callbacks(
