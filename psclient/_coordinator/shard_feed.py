@@ -15,6 +15,8 @@ int64 variables with one slot per shard:
 A worker that dies or hangs takes its closure with it; the scheduler runs the
 closure again on another worker (`psclient._core.scheduler`), and the new
 attempt reads `positions[slot]` and resumes after the last finished batch.
+An attempt checks before each batch that it is still the newest on its shard,
+so a hung worker that wakes up stops after the batch it was in.
 Only the batch that was in flight can be trained twice: an attempt > 1
 reports its first batch's records as `replayed` (an upper bound: a step cut
 off before its update reached the ps trained nothing).
@@ -143,8 +145,13 @@ class ShardFeed:
                 return i + 1, records + count, replayed, iterator.get_next_as_optional()
 
             zero = tf.constant(0, tf.int64)
+            def more(i, records, replayed, optional):
+                # A newer attempt on the shard (this worker was taken for hung, then woke up)
+                # owns it now: stop after the batch in flight instead of training it all again.
+                return tf.logical_and(optional.has_value(), tf.equal(attempts.sparse_read(slot), attempt))
+
             i, records, replayed, _ = tf.while_loop(
-                lambda i, r, p, optional: optional.has_value(), body,
+                more, body,
                 (zero, zero, zero, iterator.get_next_as_optional()),
             )
             with tf.control_dependencies([i]):
