@@ -18,18 +18,19 @@ N = 240
 
 @pytest.fixture(scope="module")
 def cluster():
-    with psclient.LocalCluster(num_workers=2, num_ps=1) as local:
+    # Generous start and connect limits: a loaded machine starts TensorFlow slowly.
+    with psclient.LocalCluster(num_workers=2, num_ps=1, start_timeout=300) as local:
         yield local
 
 
 @pytest.fixture()
 def strategy(cluster):
-    strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=10)
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=10, connect_timeout=120)
     yield strategy
     strategy.shutdown()
     for index in range(2):
         if not cluster.is_running("worker", index):
-            cluster.restart("worker", index)
+            cluster.restart("worker", index, timeout=300)  # generous: a loaded machine starts TF slowly
 
 
 def counting_step(counts, work=0):
@@ -73,11 +74,12 @@ def test_a_killed_worker_replays_only_its_batch_in_flight(strategy, cluster):
     finished = threading.Event()
 
     def kill_mid_shard():
-        # Worker 1, slowed down so that its shards last, is cut off once it has finished one
-        # shard and a shard is mid-way (a position between 0 and 10 batches on the ps).
+        # Worker 1, slowed down so that its shards last, is cut off while it runs a shard, once
+        # it has finished one and a shard is mid-way (a position between 0 and 10 batches on the ps).
         while not finished.is_set():
             positions = feed.positions()
-            if strategy.stats()["workers"][1]["done"] >= 1 and \
+            worker = strategy.stats()["workers"][1]
+            if worker["done"] >= 1 and worker["in_flight"] >= 1 and \
                     any(0 < positions[slot] < 10 for slot in feed.ledger.held()):
                 cluster.kill("worker", 1)
                 killed.set()

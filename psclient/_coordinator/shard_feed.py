@@ -144,16 +144,13 @@ class ShardFeed:
                 replayed = replayed + tf.where(tf.logical_and(i == 0, attempt > 1), count, tf.constant(0, tf.int64))
                 return i + 1, records + count, replayed, iterator.get_next_as_optional()
 
-            zero = tf.constant(0, tf.int64)
             def more(i, records, replayed, optional):
                 # A newer attempt on the shard (this worker was taken for hung, then woke up)
                 # owns it now: stop after the batch in flight instead of training it all again.
                 return tf.logical_and(optional.has_value(), tf.equal(attempts.sparse_read(slot), attempt))
 
-            i, records, replayed, _ = tf.while_loop(
-                more, body,
-                (zero, zero, zero, iterator.get_next_as_optional()),
-            )
+            zero = tf.constant(0, tf.int64)
+            i, records, replayed, _ = tf.while_loop(more, body, (zero, zero, zero, iterator.get_next_as_optional()))
             with tf.control_dependencies([i]):
                 positions.scatter_max(tf.IndexedSlices(tf.reshape(first + i, [1]), slots))
             result = result_fn() if result_fn is not None else tf.constant(0)

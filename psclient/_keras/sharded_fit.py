@@ -73,7 +73,7 @@ class ShardTrainFunction:
     def __init__(self, model, strategy, feed: ShardFeed):
         self._strategy = strategy
         self._feed = feed
-        model_ref = weakref.ref(model)
+        self._model_ref = model_ref = weakref.ref(model)
 
         def step(batch):
             model_ref().train_step(batch)
@@ -110,9 +110,12 @@ class ShardTrainFunction:
         return self._latest or {}
 
     def finish(self):
-        """Wait for every shard of the epoch; run any the ledger still misses."""
+        """Wait for every shard of the epoch; run any the ledger still misses (unless a
+        callback stopped training: then only wait for the shards in flight)."""
+        model = self._model_ref()
+        stopping = model is not None and model.stop_training
         while True:
-            while (work := self._feed.hand_out()) is not None:
+            while not stopping and (work := self._feed.hand_out()) is not None:
                 self._in_flight[self._strategy.schedule(self._function, args=work.args)] = work
             if not self._in_flight:
                 break
