@@ -25,16 +25,17 @@ def cluster():
 
 @pytest.fixture()
 def strategy(cluster):
+    for index in range(2):  # a worker killed by an earlier test (the kill test runs last: none)
+        if not cluster.is_running("worker", index):
+            cluster.restart("worker", index, timeout=300)  # generous: a loaded machine starts TF slowly
     strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=10, connect_timeout=120)
     yield strategy
     strategy.shutdown()
-    for index in range(2):
-        if not cluster.is_running("worker", index):
-            cluster.restart("worker", index, timeout=300)  # generous: a loaded machine starts TF slowly
 
 
-def counting_step(counts, work=0):
-    """A step that counts each record id it trains (on the ps), and takes some time."""
+def counting_step(counts, work=0, trained_by=None):
+    """A step that counts each record id it trains (on the ps), and takes some time.
+    With `trained_by`, it also records which worker (index + 1) trained each id."""
 
     def step(ids):
         x = tf.random.uniform([256, 256])
@@ -42,6 +43,9 @@ def counting_step(counts, work=0):
             x = tf.linalg.matmul(x, x) / 256.0
         with tf.control_dependencies([x]):
             counts.scatter_add(tf.IndexedSlices(tf.ones_like(ids), ids))
+        if trained_by is not None:
+            worker = tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64)
+            trained_by.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(ids), worker + 1), ids))
 
     return step
 
@@ -62,46 +66,6 @@ def test_every_record_exactly_once_per_epoch(strategy):
         assert stats["done"] == 12 and stats["replayed_records"] == 0
     assert strategy.stats()["replayed_records"] == 0
     assert strategy.stats()["data"]["feeds"][0]["records"] == 2 * N
-
-
-def test_a_killed_worker_replays_only_its_batch_in_flight(strategy, cluster):
-    with strategy.scope():
-        counts = tf.Variable(tf.zeros([N], tf.int64))
-    data = psclient.data.ShardedDataset(psclient.data.range_shards(N, 40), make_dataset)
-    feed = psclient.data.ShardFeed(strategy, data)
-    run_shard = feed.shard_function(counting_step(counts, work=50))
-    killed = threading.Event()
-    finished = threading.Event()
-
-    def kill_mid_shard():
-        # Worker 1, slowed down so that its shards last, is cut off while it runs a shard, once
-        # it has finished one and a shard is mid-way (a position between 0 and 10 batches on the ps).
-        while not finished.is_set():
-            positions = feed.positions()
-            worker = strategy.stats()["workers"][1]
-            if worker["done"] >= 1 and worker["in_flight"] >= 1 and \
-                    any(0 < positions[slot] < 10 for slot in feed.ledger.held()):
-                cluster.kill("worker", 1)
-                killed.set()
-                return
-            time.sleep(0.01)  # polling the ps, not synchronising
-
-    cluster.throttle("worker", 1, 0.2)
-    killer = threading.Thread(target=kill_mid_shard)
-    killer.start()
-    try:
-        stats = feed.run_epoch(run_shard, 0)
-    finally:
-        finished.set()
-        killer.join()
-    assert killed.is_set(), "the epoch ended before both workers were mid-shard"
-    trained = counts.numpy()
-    assert stats["done"] == 6 and stats["records"] == N
-    assert trained.min() == 1, "every record at least once"
-    twice = int((trained == 2).sum())
-    assert trained.max() <= 2 and twice <= stats["replayed_records"] <= 4  # at most the batch in flight
-    assert sum(w["retried"] for w in strategy.stats()["workers"]) >= 1
-    assert strategy.stats()["replayed_records"] == stats["replayed_records"]
 
 
 def test_a_throttled_worker_takes_fewer_shards(strategy, cluster):
@@ -214,3 +178,44 @@ def test_backup_and_restore_resumes_the_epoch(strategy, tmp_path):
     with pytest.raises(psclient.data.LedgerMismatchError, match="12 shards"):
         model.fit(psclient.data.ShardedDataset(psclient.data.range_shards(N, 40), id_dataset, seed=1),
                   epochs=1, verbose=0, callbacks=[psclient.BackupAndRestore(backup)])
+
+
+def test_a_killed_worker_replays_only_its_batch_in_flight(strategy, cluster):
+    n = 2 * N  # 12 shards: time for both workers to be mid-shard
+    with strategy.scope():
+        counts = tf.Variable(tf.zeros([n], tf.int64))
+        trained_by = tf.Variable(tf.zeros([n], tf.int64))
+    data = psclient.data.ShardedDataset(psclient.data.range_shards(n, 40), make_dataset)
+    feed = psclient.data.ShardFeed(strategy, data)
+    run_shard = feed.shard_function(counting_step(counts, work=30, trained_by=trained_by))
+    killed = threading.Event()
+    finished = threading.Event()
+
+    def kill_mid_shard():
+        # Worker 1, slowed down so that its shards last, is cut off once it has trained a batch
+        # in the middle of a shard (the 2nd to 8th of 10): it is then mid-shard.
+        while not finished.is_set():
+            by_worker_1 = np.flatnonzero(trained_by.numpy() == 2)
+            if by_worker_1.size and 1 <= (by_worker_1.max() % 40) // 4 <= 7:
+                cluster.kill("worker", 1)
+                killed.set()
+                return
+            time.sleep(0.01)  # polling the ps, not synchronising
+
+    cluster.throttle("worker", 1, 0.2)
+    killer = threading.Thread(target=kill_mid_shard)
+    killer.start()
+    try:
+        stats = feed.run_epoch(run_shard, 0)
+    finally:
+        finished.set()
+        killer.join()
+    assert killed.is_set(), "the epoch ended before worker 1 was mid-shard"
+    trained = counts.numpy()
+    assert stats["done"] == n // 40 and stats["records"] == n
+    assert trained.min() == 1, "every record at least once"
+    twice = int((trained == 2).sum())
+    assert trained.max() <= 2 and twice <= stats["replayed_records"] <= 4  # at most the batch in flight
+    assert sum(w["retried"] for w in strategy.stats()["workers"]) >= 1
+    assert stats["replayed_records"] == 4  # the cut-off attempt had started: its batch in flight
+    assert strategy.stats()["replayed_records"] == stats["replayed_records"]
