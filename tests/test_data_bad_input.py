@@ -107,6 +107,8 @@ def test_a_dataset_of_unknown_size_is_cut_into_ranges_of_batches(tmp_path):
     assert len(sharded.shards) == 5 and sharded.num_records == 9  # 9 batches, counted once
     batches = [b.numpy().tolist() for b in sharded.as_dataset()]
     assert batches == [b.numpy().tolist() for b in filtered]  # each batch once, in order
+    with pytest.raises(ValueError, match="repeats forever"):
+        sharded_from_dataset(tf.data.Dataset.range(5).repeat().filter(lambda i: i > 1), 2)
     csv = tmp_path / "data.csv"
     csv.write_text("a,b\n" + "".join(f"{i},{i % 3}\n" for i in range(20)))
     with pytest.raises(NondeterministicDatasetError, match="seed=None.*shuffle=False"):

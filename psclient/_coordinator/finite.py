@@ -50,6 +50,7 @@ def sharded_from_dataset(dataset, num_workers: int) -> ShardedDataset:
 
     graph = serialize_dataset(dataset)
     _refuse_nondeterministic(graph.numpy())
+    log.info("fit: a dataset of unknown size and no steps_per_epoch: counting its batches on the coordinator")
     count = int(dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
     if count == 0:
         raise ValueError("Invalid value for argument `x`. Received: a dataset that yields no batches. "
@@ -76,6 +77,12 @@ def _refuse_nondeterministic(serialized: bytes) -> None:
         for node in function.node_def:
             nodes.setdefault(f"{function.signature.name}/{node.name}", node)
     for node in nodes.values():
+        if node.op == "RepeatDataset" and _constant(nodes, node.input[1]) == -1:
+            raise ValueError(
+                "Invalid value for argument `steps_per_epoch`. Received: steps_per_epoch=None with a "
+                "dataset of unknown size that repeats forever (repeat() before a filter or similar). "
+                "Expected an integer >= 1, or data that ends: psclient would count its batches forever."
+            )
         reshuffles = "reshuffle_each_iteration" in node.attr and node.attr["reshuffle_each_iteration"].b
         if node.op.startswith("Shuffle") and (reshuffles or _unseeded(node, nodes)):
             received = "seed=None" if _unseeded(node, nodes) else "reshuffle_each_iteration=True"
@@ -97,13 +104,16 @@ def _refuse_nondeterministic(serialized: bytes) -> None:
 
 
 def _unseeded(node, nodes) -> bool:
-    """Whether a shuffle's seed and seed2 inputs are both the constant 0 (TF's "no seed")."""
+    """Whether a shuffle's seed and seed2 inputs are both the constant 0 (TF's "no seed");
+    computed seeds are not the default."""
+    return [_constant(nodes, name) for name in node.input[2:4]] == [0, 0]
+
+
+def _constant(nodes, name: str) -> int | None:
+    """The value of the scalar integer constant feeding input `name`, or None."""
     import tensorflow as tf
 
-    seeds = []
-    for name in node.input[2:4]:
-        const = nodes.get(name.split(":")[0].lstrip("^"))
-        if const is None or const.op != "Const":
-            return False  # computed seeds: not the default
-        seeds.append(int(tf.make_ndarray(const.attr["value"].tensor)))
-    return seeds == [0, 0]
+    const = nodes.get(name.split(":")[0].lstrip("^"))
+    if const is None or const.op != "Const" or const.attr["value"].tensor.dtype not in (3, 9):  # int32, int64
+        return None
+    return int(tf.make_ndarray(const.attr["value"].tensor))
