@@ -135,22 +135,25 @@ class ShardFeed:
             first = positions.sparse_read(slot)
             iterator = iter(sharded.call(start, end, file).skip(first))
 
-            def body(i, records, replayed, optional):
+            def body(i, records, replayed, optional, _owner):
                 # Iteration i starts once iteration i-1, its step included, completed.
                 positions.scatter_max(tf.IndexedSlices(tf.reshape(first + i, [1]), slots))
+                # Read alongside the step (not in the loop condition, which would wait for it
+                # alone): a newer attempt on the shard (this worker was taken for hung, then woke
+                # up) owns it now, so stop after this batch instead of training it all again.
+                owner = tf.equal(attempts.sparse_read(slot), attempt)
                 batch = optional.get_value()
                 step_fn(batch)
                 count = _records_in(batch)
                 replayed = replayed + tf.where(tf.logical_and(i == 0, attempt > 1), count, tf.constant(0, tf.int64))
-                return i + 1, records + count, replayed, iterator.get_next_as_optional()
+                return i + 1, records + count, replayed, iterator.get_next_as_optional(), owner
 
-            def more(i, records, replayed, optional):
-                # A newer attempt on the shard (this worker was taken for hung, then woke up)
-                # owns it now: stop after the batch in flight instead of training it all again.
-                return tf.logical_and(optional.has_value(), tf.equal(attempts.sparse_read(slot), attempt))
+            def more(i, records, replayed, optional, owner):
+                return tf.logical_and(optional.has_value(), owner)
 
             zero = tf.constant(0, tf.int64)
-            i, records, replayed, _ = tf.while_loop(more, body, (zero, zero, zero, iterator.get_next_as_optional()))
+            i, records, replayed, _, _ = tf.while_loop(
+                more, body, (zero, zero, zero, iterator.get_next_as_optional(), tf.constant(True)))
             with tf.control_dependencies([i]):
                 positions.scatter_max(tf.IndexedSlices(tf.reshape(first + i, [1]), slots))
             result = result_fn() if result_fn is not None else tf.constant(0)
