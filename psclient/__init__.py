@@ -86,6 +86,10 @@ def __getattr__(name):
         from psclient._keras import checkpoints
 
         return checkpoints.ModelCheckpoint
+    if name == "data":  # psclient.data without an explicit import, as for a subpackage
+        import importlib
+
+        return importlib.import_module("psclient.data")
     raise AttributeError(f"module 'psclient' has no attribute {name!r}")
 
 

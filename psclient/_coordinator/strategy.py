@@ -31,6 +31,7 @@ from psclient._coordinator.per_worker import (
     resolve_per_worker,
 )
 from psclient._coordinator.recovery import Recovery, RecoveryConfig
+from psclient._coordinator.shard_feed import data_stats
 from psclient._coordinator.sharding import partitioner_argument, split_updates
 from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
 from psclient._coordinator.sync import Steps, check_arguments, measuring
@@ -440,7 +441,9 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
         Per worker: done, failed, retried, in flight, up, failures (times taken
         out), rejoins, last detection and recovery times, latencies. Per ps:
         failures, recoveries, last recovery time, closures rolled back. Plus
-        queue depth, completed closures and checkpoints written.
+        queue depth, completed closures and checkpoints written. `data`: the
+        ledgers of `psclient.data` feeds, and `replayed_records`: records they
+        may have trained twice because a failure cut their step off.
         """
         import dataclasses
 
@@ -451,6 +454,8 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
         stats["pipeline_depth"] = self._pipeline_depth
         stats["dispatcher_threads_alive"] = self._dispatcher.alive_threads
         stats["staleness"] = self._steps.summary()
+        stats["data"] = data_stats(self)  # sharded datasets' ledgers (psclient.data)
+        stats["replayed_records"] = stats["data"]["replayed_records"]
         return stats
 
     # ------------------------------------------------------------ checkpoints

@@ -27,6 +27,7 @@ import keras
 from keras.callbacks import BackupAndRestore as _KerasBackupAndRestore
 
 from psclient._core.files import replaced_atomically
+from psclient._keras import sharded_fit
 from psclient._keras.checkpoints import meta_of, model_variables, sharded_checkpoints, step_of
 
 __all__ = ["BackupAndRestore", "StalenessLogger"]
@@ -42,7 +43,24 @@ class BackupAndRestore(_KerasBackupAndRestore):
     tasks the weights are a checkpoint each ps writes its own part of (the
     `backup_dir` must be reachable from every ps task); variables are
     matched by their position in the model and its optimizer.
+
+    With `fit` on a `psclient.data.ShardedDataset` it also saves the data
+    ledger (`data_ledger.json`: epoch, done shards, positions of those in
+    flight); with `save_freq=N` (every N shards) a coordinator killed
+    mid-epoch and run again resumes that epoch, skipping the shards done.
     """
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        # fit on a psclient.data.ShardedDataset: resume its epoch where the backup left it.
+        feed = sharded_fit.active_feed(self.model)
+        if feed is not None and os.path.exists(self._ledger_path):
+            with open(self._ledger_path) as f:
+                feed.load(json.load(f))  # LedgerMismatchError for other shards: never a silent restart
+
+    @property
+    def _ledger_path(self) -> str:
+        return os.path.join(self.backup_dir, "data_ledger.json")
 
     def _sharded(self):
         if not hasattr(self, "_checkpoints"):
@@ -67,6 +85,16 @@ class BackupAndRestore(_KerasBackupAndRestore):
                 self.model._initial_epoch = json.loads(f.read())["epoch"]
 
     def _save_model(self):
+        # The ledger is read first and written last: a crash in between leaves an older
+        # ledger beside newer weights, which replays shards; never one that skips any.
+        feed = sharded_fit.active_feed(self.model)
+        ledger = None if feed is None else json.dumps(feed.state())
+        self._save_weights_and_epoch()
+        if ledger is not None:
+            with replaced_atomically(self._ledger_path) as temp, open(temp, "w") as f:
+                f.write(ledger)
+
+    def _save_weights_and_epoch(self):
         checkpoints = self._sharded()
         if checkpoints is None and ("://" in str(self.backup_dir) or self.double_checkpoint):
             return super()._save_model()  # remote storage, or Keras's own spare copy

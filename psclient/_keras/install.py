@@ -47,9 +47,10 @@ import inspect
 import sys
 import threading
 
+from psclient._coordinator import finite
 from psclient._keras import adafactor, initializers, moving_stats, sparse_adagrad
 from psclient._keras import eval as _keras_eval
-from psclient._keras import seam
+from psclient._keras import seam, sharded_fit
 from psclient._keras.trainer import (
     TrainFunction,
     cluster_strategy,
@@ -362,6 +363,13 @@ def _fit(stock, model, strategy, a: dict):
     from psclient._keras import data as _keras_data
 
     model._assert_compile_called("fit")
+    if a["steps_per_epoch"] is None and finite.is_finite_of_unknown_size(a["x"]):
+        # Keras reads such data to its end; psclient cuts its batches into shards.
+        a = dict(a, x=finite.sharded_from_dataset(a["x"], strategy.num_workers))
+    if sharded_fit.is_sharded(a["x"]):  # psclient.data: every shard once per epoch, through a ledger
+        forwarded = {name: a[name] for name, use in FIT_ARGUMENTS.items() if use == "forwarded"}
+        return sharded_fit.fit(stock, model, strategy, a, forwarded, lambda function, callbacks, steps: fit_callbacks(
+            model, function, callbacks, a["verbose"], a["epochs"], steps))
     x, y, sample_weight = a["x"], a["y"], a["sample_weight"]
     validation_data = a["validation_data"]
     if a["validation_split"] and validation_data is None:
@@ -410,6 +418,7 @@ def _patched_evaluate(stock):
         if strategy is None:
             return stock(self, *args, **kwargs)
         a = _bind(stock, self, args, kwargs)
+        a["x"] = sharded_fit.as_finite(a["x"])
         a.pop("_use_cached_eval_dataset", None)  # fit's validation passes the data itself too
         unknown = set(a) - set(inspect.signature(_keras_eval.evaluate).parameters)
         if unknown:
@@ -424,6 +433,8 @@ def _patched_predict(stock):
         strategy = cluster_strategy(self, "predict")
         if strategy is None:
             return stock(self, *args, **kwargs)
-        return _keras_eval.predict(self, strategy, **_bind(stock, self, args, kwargs))
+        a = _bind(stock, self, args, kwargs)
+        a["x"] = sharded_fit.as_finite(a["x"])
+        return _keras_eval.predict(self, strategy, **a)
 
     return predict

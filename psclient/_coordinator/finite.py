@@ -1,0 +1,119 @@
+"""A finite dataset of unknown size as shards of its batches: each batch once per epoch.
+
+TF cannot tell the cardinality of a dataset after a `filter`, or of CSV files
+read by `make_csv_dataset(num_epochs=1)`; Keras in one process simply reads it
+to its end. On a cluster, psclient counts its batches once, here on the
+coordinator (one pass over the data), and cuts the count into ranges of
+batches: each range is a shard of a `ShardedDataset` whose `make_dataset`
+rebuilds the dataset on the worker from its graph and takes
+`skip(start).take(end - start)`. Skipping reads the batches before `start`
+again, so a shard late in the data costs more to start; with a few shards per
+worker that is a few passes over the data per epoch, spread over the workers.
+
+That is exact only if every copy of the dataset yields its batches in the same
+order. A `shuffle` without a seed or that reshuffles each iteration (the
+defaults of `Dataset.shuffle` and `make_csv_dataset`: its seed generator
+advances from copy to copy) or a `deterministic=False` / sloppy interleave
+gives each copy its own order, so shards would overlap and miss batches: such a dataset
+is refused, naming the op and what to change.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from psclient._coordinator.per_worker import deserialize_dataset, serialize_dataset
+from psclient._coordinator.shards import ShardedDataset, range_shards
+
+__all__ = ["NondeterministicDatasetError", "is_finite_of_unknown_size", "sharded_from_dataset"]
+
+log = logging.getLogger("psclient")
+
+#: Shards per worker: enough for late binding to balance a slow worker, few enough
+#: that the skips stay cheap.
+SHARDS_PER_WORKER = 4
+
+
+class NondeterministicDatasetError(ValueError):
+    """A dataset whose copies would yield batches in different orders."""
+
+
+def is_finite_of_unknown_size(x) -> bool:
+    import tensorflow as tf
+
+    return isinstance(x, tf.data.Dataset) and int(x.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+
+
+def sharded_from_dataset(dataset, num_workers: int) -> ShardedDataset:
+    """`dataset` (finite, of unknown size) as a ShardedDataset of ranges of its batches."""
+    import tensorflow as tf
+
+    graph = serialize_dataset(dataset)
+    _refuse_nondeterministic(graph.numpy())
+    log.info("fit: a dataset of unknown size and no steps_per_epoch: counting its batches on the coordinator")
+    count = int(dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+    if count == 0:
+        raise ValueError("Invalid value for argument `x`. Received: a dataset that yields no batches. "
+                         "Expected at least one batch.")
+    size = -(-count // (SHARDS_PER_WORKER * num_workers))
+    log.info("fit: a dataset of unknown size: counted %d batches on the coordinator; %d shards of %d batches",
+             count, -(-count // size), size)
+    spec = dataset.element_spec
+
+    def make_dataset(shard):
+        return deserialize_dataset(graph, spec).skip(shard.start).take(shard.end - shard.start)
+
+    # The shard order is shuffled per epoch (seeded), in place of the dataset's own shuffle.
+    return ShardedDataset(range_shards(count, size), make_dataset, seed=0)
+
+
+def _refuse_nondeterministic(serialized: bytes) -> None:
+    import tensorflow as tf
+
+    graph = tf.compat.v1.GraphDef()
+    graph.ParseFromString(serialized)
+    nodes = {node.name: node for node in graph.node}
+    for function in graph.library.function:  # datasets made inside map/interleave functions
+        for node in function.node_def:
+            nodes.setdefault(f"{function.signature.name}/{node.name}", node)
+    for node in nodes.values():
+        if node.op == "RepeatDataset" and _constant(nodes, node.input[1]) == -1:
+            raise ValueError(
+                "Invalid value for argument `steps_per_epoch`. Received: steps_per_epoch=None with a "
+                "dataset of unknown size that repeats forever (repeat() before a filter or similar). "
+                "Expected an integer >= 1, or data that ends: psclient would count its batches forever."
+            )
+        reshuffles = "reshuffle_each_iteration" in node.attr and node.attr["reshuffle_each_iteration"].b
+        if node.op.startswith("Shuffle") and (reshuffles or _unseeded(node, nodes)):
+            received = "seed=None" if _unseeded(node, nodes) else "reshuffle_each_iteration=True"
+            raise NondeterministicDatasetError(
+                f"Invalid value for argument `x`: a dataset of unknown size with a `{node.op}` that gives "
+                f"every copy its own order. Received: a shuffle with {received}. Expected no shuffle "
+                "(make_csv_dataset(..., shuffle=False)) or shuffle(..., seed=N, "
+                "reshuffle_each_iteration=False): psclient rebuilds the dataset on every worker and takes "
+                "a different range of batches from each copy, which is exact only when every copy has the "
+                "same order. Its shards are handed out in a new order every epoch instead."
+            )
+        deterministic = node.attr["deterministic"].s if "deterministic" in node.attr else b"default"
+        if deterministic == b"false" or ("sloppy" in node.attr and node.attr["sloppy"].b):
+            raise NondeterministicDatasetError(
+                f"Invalid value for argument `x`: a dataset of unknown size with a nondeterministic "
+                f"`{node.op}`. Received: deterministic=False (or sloppy=True). Expected a deterministic "
+                "order: psclient takes a different range of batches from each worker's copy."
+            )
+
+
+def _unseeded(node, nodes) -> bool:
+    """Whether a shuffle's seed and seed2 inputs are both the constant 0 (TF's "no seed");
+    computed seeds are not the default."""
+    return [_constant(nodes, name) for name in node.input[2:4]] == [0, 0]
+
+
+def _constant(nodes, name: str) -> int | None:
+    """The value of the scalar integer constant feeding input `name`, or None."""
+    import tensorflow as tf
+
+    const = nodes.get(name.split(":")[0].lstrip("^"))
+    if const is None or const.op != "Const" or const.attr["value"].tensor.dtype not in (3, 9):  # int32, int64
+        return None
+    return int(tf.make_ndarray(const.attr["value"].tensor))

@@ -1,0 +1,294 @@
+"""`ShardFeed`: a `ShardedDataset` driven through a strategy, with its ledger.
+
+How a shard is run: one closure per shard, scheduled with `strategy.schedule`
+and so handed to whichever worker is free (late binding). The closure's
+function (`shard_function(step_fn)`, traced once) builds the shard's dataset
+on the worker, skips the batches already done and calls `step_fn(batch)` on
+each remaining batch in a `tf.while_loop`. Progress lives on the ps, in two
+int64 variables with one slot per shard:
+
+- `positions[slot]`: batches of the shard done this epoch. Each loop
+  iteration raises it (`scatter_max`, so a late writer never moves it back)
+  once the previous iteration, and so its step's updates, completed.
+- `attempts[slot]`: closures that started on the shard this epoch.
+
+A worker that dies or hangs takes its closure with it; the scheduler runs the
+closure again on another worker (`psclient._core.scheduler`), and the new
+attempt reads `positions[slot]` and resumes after the last finished batch.
+An attempt checks before each batch that it is still the newest on its shard,
+so a hung worker that wakes up stops after the batch it was in.
+Only the batch that was in flight can be trained twice: an attempt > 1
+reports its first batch's records as `replayed` (an upper bound: a step cut
+off before its update reached the ps trained nothing).
+
+The ledger (`psclient._core.ledger`) records which shards finished; its
+`state()` (with the positions read from the ps) is what a checkpoint saves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from psclient._coordinator.shards import ShardedDataset
+from psclient._core.future import FIRST_COMPLETED, wait
+from psclient._core.ledger import Ledger, Work
+
+__all__ = ["ShardFeed", "ShardWork"]
+
+log = logging.getLogger("psclient")
+
+
+class ShardWork:
+    """One shard handed out: `args` are the arguments of a `shard_function` closure."""
+
+    def __init__(self, work: Work, args: tuple):
+        self.slot = work.slot
+        self.shard = work.shard
+        self.position = work.position
+        self.epoch = work.epoch
+        self.args = args
+
+    def __repr__(self) -> str:
+        return f"<ShardWork slot={self.slot} {self.shard.as_list()} from batch {self.position}>"
+
+
+class ShardFeed:
+    """A `ShardedDataset`'s shards handed out through `strategy`, tracked by a ledger.
+
+    Creates two small int64 variables on the ps (in `strategy.scope()`):
+    create the feed at the same point of your program in every run, like any
+    other variable, so that `strategy.restore()` matches them up.
+
+    Custom loop, one epoch (see docs/data_ledger.md)::
+
+        feed = psclient.data.ShardFeed(strategy, sharded)
+        run_shard = feed.shard_function(step_fn)   # step_fn(batch), traced once
+        for epoch in range(epochs):
+            feed.run_epoch(run_shard, epoch)
+
+    or by hand: `feed.start_epoch(epoch)`, then for each `work` of
+    `feed.hand_out_all()` (or `feed.hand_out()` one at a time),
+    `future = strategy.schedule(run_shard, args=work.args)` and, when it
+    finished, `feed.mark_done(work, future.result())`.
+    """
+
+    def __init__(self, strategy, sharded: ShardedDataset):
+        import tensorflow as tf
+
+        if not isinstance(sharded, ShardedDataset):
+            raise TypeError(
+                f"Invalid value for argument `sharded`. Received: sharded={sharded!r} of type "
+                f"{type(sharded).__name__}. Expected a psclient.data.ShardedDataset."
+            )
+        self._strategy = strategy
+        self._sharded = sharded
+        self._ledger = Ledger(sharded.keys(), sharded.seed)
+        self._lock = threading.Lock()
+        n = len(sharded.shards)
+        with strategy.scope():
+            self._positions = tf.Variable(tf.zeros([n], tf.int64), trainable=False, name="shard_positions")
+            self._attempts = tf.Variable(tf.zeros([n], tf.int64), trainable=False, name="shard_attempts")
+        self._functions: dict[Any, Any] = {}
+        self._args = [self._tensors(slot) for slot in range(n)]
+        _FEEDS.setdefault(strategy, weakref.WeakSet()).add(self)
+
+    @property
+    def sharded(self) -> ShardedDataset:
+        return self._sharded
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._ledger
+
+    def _tensors(self, slot: int) -> tuple:
+        import tensorflow as tf
+
+        shard = self._sharded.shard_tensors(self._sharded.shards[slot])
+        return (tf.constant(slot, tf.int64), shard.start, shard.end, shard.file)
+
+    # ------------------------------------------------------------ the closure
+    def shard_function(self, step_fn: Callable, *, result_fn: Callable | None = None, name: str | None = None):
+        """A `tf.function(slot, start, end, file)` that runs `step_fn(batch)` on the shard's remaining batches.
+
+        It returns `{"batches", "records", "replayed", "result"}`: batches and
+        records it read, records it may have read twice (module doc), and
+        `result_fn()` called after the loop (None without it; e.g. the
+        model's metric results). `step_fn`'s own return value is dropped: keep
+        what you need in ps variables.
+        """
+        key = (id(step_fn), id(result_fn))
+        if key in self._functions:
+            return self._functions[key][1]
+        import tensorflow as tf
+
+        sharded, positions, attempts = self._sharded, self._positions, self._attempts
+
+        def run_shard(slot, start, end, file):
+            one = tf.ones([1], tf.int64)
+            slots = tf.reshape(slot, [1])
+            attempts.scatter_add(tf.IndexedSlices(one, slots))
+            attempt = attempts.sparse_read(slot)
+            first = positions.sparse_read(slot)
+            iterator = iter(sharded.call(start, end, file).skip(first))
+
+            def body(i, records, replayed, optional, _owner):
+                # Iteration i starts once iteration i-1, its step included, completed.
+                positions.scatter_max(tf.IndexedSlices(tf.reshape(first + i, [1]), slots))
+                # Read alongside the step (not in the loop condition, which would wait for it
+                # alone): a newer attempt on the shard (this worker was taken for hung, then woke
+                # up) owns it now, so stop after this batch instead of training it all again.
+                owner = tf.equal(attempts.sparse_read(slot), attempt)
+                batch = optional.get_value()
+                step_fn(batch)
+                count = _records_in(batch)
+                replayed = replayed + tf.where(tf.logical_and(i == 0, attempt > 1), count, tf.constant(0, tf.int64))
+                return i + 1, records + count, replayed, iterator.get_next_as_optional(), owner
+
+            def more(i, records, replayed, optional, owner):
+                return tf.logical_and(optional.has_value(), owner)
+
+            zero = tf.constant(0, tf.int64)
+            i, records, replayed, _, _ = tf.while_loop(
+                more, body, (zero, zero, zero, iterator.get_next_as_optional(), tf.constant(True)))
+            with tf.control_dependencies([i]):
+                positions.scatter_max(tf.IndexedSlices(tf.reshape(first + i, [1]), slots))
+            result = result_fn() if result_fn is not None else tf.constant(0)
+            return {"batches": i, "records": records, "replayed": replayed, "result": result}
+
+        run_shard.__name__ = name or f"run_shard_{getattr(step_fn, '__name__', 'step')}"
+        function = tf.function(run_shard, autograph=False)
+        self._functions[key] = (step_fn, function)  # the step_fn kept alive: its id stays unique
+        return function
+
+    # ---------------------------------------------------------------- epochs
+    def start_epoch(self, epoch: int) -> None:
+        """Begin `epoch` (a resumed one keeps its done shards) and set the ps slots to match."""
+        import numpy as np
+
+        with self._lock:
+            self._ledger.start_epoch(epoch)
+            n = len(self._sharded.shards)
+            positions = np.zeros([n], np.int64)
+            attempts = np.zeros([n], np.int64)
+            for slot, position in self._ledger.state()["positions"].items():
+                positions[int(slot)] = position
+                attempts[int(slot)] = 1  # cut off by the restart: its next first batch may be a replay
+            for slot in self._ledger.cut_off():
+                attempts[slot] = 1
+        self._positions.assign(positions)
+        self._attempts.assign(attempts)
+
+    def hand_out(self) -> ShardWork | None:
+        """The next shard to schedule (late binding: call it when a worker can take one), or None."""
+        with self._lock:
+            work = self._ledger.hand_out()
+        return None if work is None else ShardWork(work, self._args[work.slot])
+
+    def hand_out_all(self) -> Iterator[ShardWork]:
+        """Every shard not done or held yet, in this epoch's order."""
+        while (work := self.hand_out()) is not None:
+            yield work
+
+    def mark_done(self, work: ShardWork, result: dict) -> None:
+        """Record `work`'s shard as done, with the counts its closure returned."""
+        # A resumed attempt reads only the rest of its shard: count the shard's size when known.
+        known = work.shard.end - work.shard.start if work.shard.end >= 0 else None
+        records = known if known is not None else int(result["records"])
+        with self._lock:
+            self._ledger.finish(work.slot, records, int(result["replayed"]))
+
+    def give_back(self, work: ShardWork) -> None:
+        """`work`'s closure failed for good: hand its shard out again, from its position on the ps."""
+        position = int(self._positions.sparse_read(work.slot).numpy())
+        with self._lock:
+            self._ledger.give_back(work.slot, position)
+
+    def complete(self) -> bool:
+        return self._ledger.complete()
+
+    def run_epoch(self, shard_function, epoch: int, *, max_in_flight: int | None = None,
+                  on_shard_done: Callable[[ShardWork, dict], None] | None = None) -> dict:
+        """Run every shard of `epoch` not done yet; return the ledger's stats.
+
+        Keeps at most `max_in_flight` shard closures scheduled (default: two
+        per worker slot), so shards are bound to workers as they free up.
+        A closure that fails raises its error here (after `strategy.join()`).
+        """
+        strategy = self._strategy
+        limit = max_in_flight or max(2, 2 * strategy.num_workers * strategy.pipeline_depth)
+        self.start_epoch(epoch)
+        pending: dict = {}
+        try:
+            while True:
+                while len(pending) < limit and (work := self.hand_out()) is not None:
+                    pending[strategy.schedule(shard_function, args=work.args)] = work
+                if not pending:
+                    break
+                finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+                for future in finished:
+                    work = pending.pop(future)
+                    result = future.result()  # a failure: the scheduler keeps it for join()
+                    self.mark_done(work, result)
+                    if on_shard_done is not None:
+                        on_shard_done(work, result)
+        except BaseException:
+            self._abandon(pending)
+            strategy.join()  # the root cause, when a closure failed
+            raise
+        return self.stats()
+
+    def _abandon(self, pending: dict) -> None:
+        for future, work in pending.items():
+            future.cancel()
+        wait(list(pending))
+        for future, work in pending.items():
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.mark_done(work, future.result())
+            else:
+                self.give_back(work)
+
+    # ----------------------------------------------------------- persistence
+    def positions(self) -> list[int]:
+        """Batches done this epoch in each shard, as the ps has them now."""
+        return [int(p) for p in self._positions.numpy()]
+
+    def stats(self) -> dict:
+        with self._lock:
+            return self._ledger.stats()
+
+    def state(self) -> dict:
+        """The ledger's JSON-ready state, with held shards' positions read from the ps now."""
+        positions = self._positions.numpy()
+        with self._lock:
+            for slot in self._ledger.held():
+                self._ledger.progress(slot, int(positions[slot]))
+            return self._ledger.state()
+
+    def load(self, state: dict) -> None:
+        """Resume from a saved `state()`; raises `LedgerMismatchError` for other shards."""
+        with self._lock:
+            self._ledger.load(state)
+
+
+def _records_in(batch):
+    """Records in a batch: the leading dimension of its first tensor (1 for scalars)."""
+    import tensorflow as tf
+
+    first = tf.nest.flatten(batch)[0]
+    if first.shape.rank == 0:
+        return tf.constant(1, tf.int64)
+    return tf.shape(first, out_type=tf.int64)[0]
+
+
+#: The feeds of each strategy, for `strategy.stats()` (neither keeps the other alive).
+_FEEDS: "weakref.WeakKeyDictionary[Any, weakref.WeakSet[ShardFeed]]" = weakref.WeakKeyDictionary()
+
+
+def data_stats(strategy) -> dict:
+    """`strategy.stats()["data"]`: every feed's ledger stats, and their replayed records together."""
+    feeds = [feed.stats() for feed in list(_FEEDS.get(strategy, ()))]
+    return {"feeds": feeds, "replayed_records": sum(f["replayed_records"] for f in feeds)}

@@ -1,0 +1,219 @@
+"""`model.fit(sharded_dataset)`: an epoch is every shard of a `psclient.data.ShardedDataset` once.
+
+Keras's own loop runs (callbacks, progress bar, History); one Keras "step" is
+one shard, so `steps_per_epoch` is the number of shards and the progress bar
+counts shards. Each call of the train function hands the ledger's next shard
+to `strategy.schedule` (whichever worker is free takes it: late binding) and
+returns the metrics of the latest finished shard without waiting; the
+epoch's last call waits for every shard and runs again any the ledger still
+misses, so Keras reads the epoch's metrics once every shard is done. The
+ledger itself, and what happens when a worker dies mid-shard, is
+`psclient._coordinator.shard_feed`. `psclient.BackupAndRestore` saves the
+ledger beside its backup and restores it (`active_feed`).
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+
+from psclient._coordinator.shard_feed import ShardFeed
+from psclient._coordinator.shards import ShardedDataset
+from psclient._keras.trainer import prepare_model, result_or_first_error
+
+__all__ = ["active_feed", "as_finite", "fit", "is_sharded"]
+
+#: The feed of each (model, sharded dataset): its ps variables are made once.
+_feeds: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: The feed the running fit of each model uses (for BackupAndRestore).
+_active: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def is_sharded(x) -> bool:
+    return isinstance(x, ShardedDataset)
+
+
+def as_finite(x):
+    """evaluate/predict data: a ShardedDataset as one finite dataset, every shard in list order."""
+    return x.as_dataset() if is_sharded(x) else x
+
+
+def active_feed(model) -> ShardFeed | None:
+    """The feed of `model`'s running `fit` on a ShardedDataset, or None."""
+    return _active.get(model)
+
+
+def _feed(model, strategy, sharded: ShardedDataset) -> ShardFeed:
+    per_model = _feeds.setdefault(model, {})
+    feed = per_model.get(id(sharded))
+    if feed is None or feed.sharded is not sharded:
+        feed = per_model[id(sharded)] = ShardFeed(strategy, sharded)
+    return feed
+
+
+def _refuse(a: dict) -> None:
+    for name in ("y", "sample_weight", "class_weight", "batch_size", "steps_per_epoch"):
+        if a.get(name) is not None:
+            raise ValueError(
+                f"Invalid value for argument `{name}`. Received: {name}={a[name]!r} with a "
+                f"psclient.data.ShardedDataset as `x`. Expected None: an epoch is every shard once, "
+                "and make_dataset's batches carry targets and weights."
+            )
+    if a.get("validation_split"):
+        raise ValueError(
+            f"Invalid value for argument `validation_split`. Received: validation_split="
+            f"{a['validation_split']!r} with a psclient.data.ShardedDataset as `x`. Expected 0: "
+            "pass validation_data instead."
+        )
+
+
+class ShardTrainFunction:
+    """What Keras's fit calls once per step: one shard per call (module doc)."""
+
+    def __init__(self, model, strategy, feed: ShardFeed):
+        self._strategy = strategy
+        self._feed = feed
+        self._model_ref = model_ref = weakref.ref(model)
+
+        def step(batch):
+            model_ref().train_step(batch)
+
+        def results():
+            return model_ref().get_metrics_result()
+
+        step.__name__ = f"{model.name}_train_step"
+        self._function = feed.shard_function(step, result_fn=results, name=f"{model.name}_train_shard")
+        self._in_flight: collections.OrderedDict = collections.OrderedDict()
+        self._latest = None
+        self._calls = 0
+        self._max_in_flight = max(2, 2 * strategy.num_workers * strategy.pipeline_depth)
+
+    @property
+    def steps(self) -> int:
+        return len(self._feed.sharded.shards)
+
+    def begin_epoch(self, epoch: int) -> None:
+        self._feed.start_epoch(epoch)
+        self._calls = 0
+
+    def __call__(self, iterator):
+        self._calls += 1
+        work = self._feed.hand_out()
+        if work is not None:
+            self._in_flight[self._strategy.schedule(self._function, args=work.args)] = work
+        if self._calls >= self.steps:
+            return self.finish()
+        while len(self._in_flight) > self._max_in_flight or (self._latest is None and self._in_flight):
+            self._settle(next(iter(self._in_flight)))
+        for future in [f for f in self._in_flight if f.done()]:
+            self._settle(future)
+        return self._latest or {}
+
+    def finish(self):
+        """Wait for every shard of the epoch; run any the ledger still misses (unless a
+        callback stopped training: then only wait for the shards in flight)."""
+        model = self._model_ref()
+        stopping = model is not None and model.stop_training
+        while True:
+            while not stopping and (work := self._feed.hand_out()) is not None:
+                self._in_flight[self._strategy.schedule(self._function, args=work.args)] = work
+            if not self._in_flight:
+                break
+            self._settle(next(iter(self._in_flight)))
+        self._strategy.join()
+        return self._latest or {}
+
+    def abandon(self) -> None:
+        """After an error: give back what is pending, wait for the rest, log nothing new."""
+        pending, self._in_flight = self._in_flight, collections.OrderedDict()
+        for future in pending:
+            future.cancel()
+        for future, work in pending.items():
+            try:
+                result = future.result()
+            except Exception:  # noqa: BLE001 - cancelled or failed: the shard goes back either way
+                self._feed.give_back(work)
+            else:
+                self._feed.mark_done(work, result)
+        try:
+            self._strategy.join()
+        except Exception:  # noqa: BLE001 - the error being raised matters more
+            pass
+
+    def _settle(self, future) -> None:
+        work = self._in_flight.pop(future)
+        result = result_or_first_error(self._strategy, future, self.abandon)
+        self._feed.mark_done(work, result)
+        self._latest = result["result"]
+
+
+def fit(stock, model, strategy, a: dict, forwarded: dict, make_callbacks):
+    """Keras's fit over `a["x"]`, a ShardedDataset (module doc)."""
+    import keras
+
+    sharded = a["x"]
+    _refuse(a)
+    prepare_model(model, strategy, sharded.element_spec, "fit")
+    feed = _feed(model, strategy, sharded)
+    train_function = ShardTrainFunction(model, strategy, feed)
+
+    class _Epochs(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            train_function.begin_epoch(epoch)
+
+    previous = model.train_function
+    model.train_function = train_function
+    callbacks = list(forwarded.get("callbacks") or [])
+    if isinstance(forwarded.get("callbacks"), keras.callbacks.CallbackList):
+        raise ValueError("Invalid value for argument `callbacks`. Received: a CallbackList with a "
+                         "psclient.data.ShardedDataset as `x`. Expected a list of callbacks.")
+    forwarded = dict(forwarded, callbacks=make_callbacks(train_function, callbacks + [_Epochs()],
+                                                         train_function.steps))
+    _active[model] = feed
+    ok = False
+    try:
+        # An endless stand-in for the data: each step's shard comes from the ledger.
+        history = stock(model, x=_Steps(sharded), batch_size=None, validation_data=as_finite(a["validation_data"]),
+                        shuffle=False, steps_per_epoch=train_function.steps, **forwarded)
+        ok = True
+        return history
+    finally:
+        _active.pop(model, None)
+        if not ok:
+            train_function.abandon()
+        model.train_function = previous
+
+
+def _Steps(sharded):
+    """A Keras data adapter that never runs out and whose iterator is not read (the ledger feeds the steps)."""
+    import tensorflow as tf
+    from keras.src.trainers.data_adapters.data_adapter import DataAdapter
+
+    class _Forever(tf.distribute.DistributedDataset):  # Keras passes a DistributedDataset through
+        def __init__(self):
+            pass
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return None
+
+        @property
+        def element_spec(self):
+            return sharded.element_spec
+
+    class ShardSteps(DataAdapter):
+        num_batches = None
+        batch_size = None
+        has_partial_batch = None
+        partial_batch_size = None
+
+        def get_tf_dataset(self):
+            return _Forever()
+
+        @property
+        def element_spec(self):
+            return sharded.element_spec
+
+    return ShardSteps()
