@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from psclient._cluster.spec import Cluster
-from psclient._coordinator import lifecycle, registry
+from psclient._coordinator import dynamic_tables, lifecycle, registry
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.checkpoint import check_directory
 from psclient._coordinator.datasets import (
@@ -434,7 +434,9 @@ class ParameterServerStrategy(ElasticWorkers):
         Per worker: done, failed, retried, in flight, up, failures (times taken
         out), rejoins, last detection and recovery times, latencies. Per ps:
         failures, recoveries, last recovery time, closures rolled back. Plus
-        queue depth, completed closures and checkpoints written.
+        queue depth, completed closures and checkpoints written. Per dynamic
+        embedding table (`psclient.layers.DynamicEmbedding`) on the ps: rows,
+        keys tracked, admissions and evictions per ps task.
         """
         import dataclasses
 
@@ -445,6 +447,7 @@ class ParameterServerStrategy(ElasticWorkers):
         stats["pipeline_depth"] = self._pipeline_depth
         stats["dispatcher_threads_alive"] = self._dispatcher.alive_threads
         stats["staleness"] = self._steps.summary()
+        stats["dynamic_embeddings"] = dynamic_tables.stats_on_ps()
         return stats
 
     # ------------------------------------------------------------ checkpoints
