@@ -323,6 +323,14 @@ class DynamicTable:
             evicted = rows_before - shard.values.size()
             return shard.evictions.assign_add(evicted)
 
+    def scan(self) -> int:
+        """Run the eviction scan on every shard now (training runs it when due); return rows evicted."""
+        before = sum(int(shard.evictions.read_value()) for shard in self.shards)
+        for shard in self.shards:
+            with shard.placed():
+                self._evict(shard)
+        return sum(int(shard.evictions.read_value()) for shard in self.shards) - before
+
     # ------------------------------------------------------------ state out
     def stats(self) -> list[dict]:
         """Per shard: rows, keys tracked (rows and keys counting towards admission), admissions, evictions."""

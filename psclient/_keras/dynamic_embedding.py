@@ -278,9 +278,14 @@ class DynamicEmbedding(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
+        initializer = keras.initializers.serialize(self.embeddings_initializer)
+        if "seed" in initializer.get("config", {}):
+            # The seed the rows are drawn with (Keras draws one for an unseeded initializer
+            # but does not save it): a copy of the layer draws the same first rows.
+            initializer["config"]["seed"] = self._init[3]
         config.update({
             "output_dim": self.output_dim, "key_dtype": self.key_dtype,
-            "embeddings_initializer": keras.initializers.serialize(self.embeddings_initializer),
+            "embeddings_initializer": initializer,
             "min_frequency": self._policy.min_frequency, "capacity": self._policy.capacity,
             "ttl_steps": self._policy.ttl_steps, "combiner": self.combiner,
         })
