@@ -315,12 +315,11 @@ class DynamicTable:
                 lru = lru | (group & (rank < excess))
             gone = gone | tf.scatter_nd(order[:, None], lru, tf.shape(gone))
         victims = tf.boolean_mask(keys, gone)
-        rows_before = shard.values.size()
-        with tf.control_dependencies([rows_before]):
-            removals = [shard.values.remove(victims), shard.counters.remove(victims)]
-            removals += [table.remove(victims) for table in shard.slots.values()]
+        removals = [shard.values.remove(victims), shard.counters.remove(victims)]
+        removals += [table.remove(victims) for table in shard.slots.values()]
         with tf.control_dependencies(removals):
-            evicted = rows_before - shard.values.size()
+            # Rows evicted: the victims that had one (the others were still counting).
+            evicted = tf.reduce_sum(tf.cast(gone & (count >= policy.min_frequency), tf.int64))
             return shard.evictions.assign_add(evicted)
 
     def scan(self) -> int:
