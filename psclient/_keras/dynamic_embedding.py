@@ -30,7 +30,7 @@ from psclient._coordinator.runtime import ps_device, ps_index_of
 from psclient._core.dynamic_tables import Policy
 from psclient._keras import dynamic_optimizers
 
-__all__ = ["DynamicEmbedding", "install"]
+__all__ = ["DynamicEmbedding", "epoch_logs", "install"]
 
 _installed = False
 _install_lock = threading.Lock()
@@ -68,6 +68,26 @@ def install() -> None:
         functools.update_wrapper(apply, optimizer_class.apply)
         optimizer_class.apply = apply
         _installed = True
+
+
+def epoch_logs(model) -> dict[str, float]:
+    """Rows, admissions and evictions of every DynamicEmbedding in `model`: in total and per ps task.
+
+    Keys `"<layer>/rows"`, `"<layer>/ps<k>/rows"` and the same for admissions
+    and evictions: what fit adds to an epoch's logs when a TensorBoard
+    callback is in use.
+    """
+    logs, todo = {}, [model]
+    while todo:
+        layer = todo.pop()
+        todo.extend(getattr(layer, "layers", []))
+        if isinstance(layer, DynamicEmbedding) and layer.table is not None:
+            per_ps = layer.table_stats()
+            for name in ("rows", "admissions", "evictions"):
+                logs[f"{layer.name}/{name}"] = float(sum(entry[name] for entry in per_ps))
+                for index, entry in enumerate(per_ps):
+                    logs[f"{layer.name}/ps{index}/{name}"] = float(entry[name])
+    return logs
 
 
 def _initializer(value) -> tuple:
