@@ -80,6 +80,10 @@ def __getattr__(name):
         from psclient._keras import callbacks
 
         return getattr(callbacks, name)
+    if name == "layers":  # psclient.layers.DynamicEmbedding without importing psclient.layers first
+        import importlib
+
+        return importlib.import_module("psclient.layers")
     raise AttributeError(f"module 'psclient' has no attribute {name!r}")
 
 
