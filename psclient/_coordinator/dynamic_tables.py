@@ -24,6 +24,7 @@ one of the two updates, as with Keras variables under psclient.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import weakref
 from typing import Any, Callable
@@ -37,18 +38,19 @@ _MIX_1 = 0xBF58476D1CE4E5B9 - 2**64
 _MIX_2 = 0x94D049BB133111EB - 2**64
 
 _lock = threading.Lock()
-_tables: "weakref.WeakValueDictionary[str, DynamicTable]" = weakref.WeakValueDictionary()
+_tables: "weakref.WeakSet[DynamicTable]" = weakref.WeakSet()
+_serials = itertools.count()
 
 
-def live_tables() -> dict[str, "DynamicTable"]:
-    """Every table alive in this process, by name (what `strategy.stats()` reports)."""
+def live_tables() -> list["DynamicTable"]:
+    """Every table alive in this process, oldest first (what `strategy.stats()` reports)."""
     with _lock:
-        return dict(_tables)
+        return sorted(_tables, key=lambda table: table.serial)
 
 
 def stats_on_ps() -> dict[str, list[dict]]:
-    """`stats()` of every live table whose rows are on ps tasks, by name."""
-    return {name: table.stats() for name, table in live_tables().items() if table.shards[0].device}
+    """`stats()` of every live table whose rows are on ps tasks, by name (the newest of a name)."""
+    return {table.name: table.stats() for table in live_tables() if table.shards[0].device}
 
 
 def _shift(x, bits: int):
@@ -146,7 +148,8 @@ class DynamicTable:
         with tf.init_scope():
             self.shards = [_Shard(d, dim, f"{name}_ps{i}") for i, d in enumerate(devices)]
         with _lock:
-            _tables[name] = self
+            self.serial = next(_serials)
+            _tables.add(self)
 
     # ---------------------------------------------------------------- slots
     def ensure_slots(self, defaults: dict[str, float]) -> None:
