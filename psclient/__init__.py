@@ -90,6 +90,10 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module("psclient.data")
+    if name == "layers":  # psclient.layers.DynamicEmbedding without importing psclient.layers first
+        import importlib
+
+        return importlib.import_module("psclient.layers")
     raise AttributeError(f"module 'psclient' has no attribute {name!r}")
 
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from psclient._cluster.spec import Cluster
-from psclient._coordinator import lifecycle, registry
+from psclient._coordinator import dynamic_tables, lifecycle, registry
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.checkpoint import check_directory
 from psclient._coordinator.datasets import (
@@ -443,7 +443,9 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
         failures, recoveries, last recovery time, closures rolled back. Plus
         queue depth, completed closures and checkpoints written. `data`: the
         ledgers of `psclient.data` feeds, and `replayed_records`: records they
-        may have trained twice because a failure cut their step off.
+        may have trained twice because a failure cut their step off. Per dynamic
+        embedding table (`psclient.layers.DynamicEmbedding`) on the ps: rows,
+        keys tracked, admissions and evictions per ps task.
         """
         import dataclasses
 
@@ -456,6 +458,7 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
         stats["staleness"] = self._steps.summary()
         stats["data"] = data_stats(self)  # sharded datasets' ledgers (psclient.data)
         stats["replayed_records"] = stats["data"]["replayed_records"]
+        stats["dynamic_embeddings"] = dynamic_tables.stats_on_ps()
         return stats
 
     # ------------------------------------------------------------ checkpoints

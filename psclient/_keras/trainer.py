@@ -277,6 +277,15 @@ def fit_callbacks(model, train_function: TrainFunction, callbacks, verbose, epoc
             if model_ref().stop_training:
                 train_function.finish()
 
+        def on_epoch_end(self, epoch, logs=None):
+            # With a TensorBoard callback, the dynamic embedding tables' sizes,
+            # admissions and evictions become epoch scalars (and History entries).
+            if logs is not None and any(isinstance(c, keras.callbacks.TensorBoard) for c in _flat(self)):
+                from psclient._keras.dynamic_embedding import epoch_logs
+
+                logs.update(epoch_logs(model_ref()))
+            super().on_epoch_end(epoch, logs)
+
     model_ref = weakref.ref(model)
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return _StopJoins([callbacks], model=model)
@@ -284,3 +293,13 @@ def fit_callbacks(model, train_function: TrainFunction, callbacks, verbose, epoc
         callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose, epochs=epochs,
         steps=steps, model=model,
     )
+
+
+def _flat(callbacks) -> list:
+    """The callbacks of a CallbackList, nested lists opened."""
+    import keras
+
+    out = []
+    for callback in callbacks.callbacks:
+        out += _flat(callback) if isinstance(callback, keras.callbacks.CallbackList) else [callback]
+    return out

@@ -1,0 +1,406 @@
+"""Dynamic embedding tables: rows kept by key in hash tables on the ps tasks.
+
+A `DynamicTable` holds, on each of its ps tasks (one "shard" each, or one
+local shard without a cluster), `tf.lookup.experimental.MutableHashTable`s:
+
+  values   key -> row (float32[dim]), for admitted keys
+  slots    one table per optimizer slot, key -> float32[dim]
+  counters key -> (sightings, step last seen), for every key tracked
+
+and three int64 variables: the shard's clock (training lookups that reached
+it), admissions and evictions. Keys go to shard `mix64(key) % shards`.
+Everything here is TensorFlow ops placed with `tf.device` on the shard's ps:
+called from a function that runs on a worker, the lookup, the admission, the
+optimizer's arithmetic and the eviction scan run on the ps and only the
+looked-up rows (and their gradients) cross. Why a MutableHashTable, and what
+was measured: docs/dynamic_embeddings.md. The rules of admission and
+eviction are `psclient._core.dynamic_tables`.
+
+Updates are read-modify-write (lookup, compute, insert) like every
+asynchronous ps update: two workers updating the same row at once may lose
+one of the two updates, as with Keras variables under psclient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import weakref
+from typing import Any, Callable
+
+from psclient._core import dynamic_tables as rules
+
+__all__ = ["DynamicTable", "initial_rows", "live_tables", "mix64", "shard_of", "stats_on_ps"]
+
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # splitmix64's constants, as int64
+_MIX_1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX_2 = 0x94D049BB133111EB - 2**64
+
+_lock = threading.Lock()
+_tables: "weakref.WeakSet[DynamicTable]" = weakref.WeakSet()
+_serials = itertools.count()
+
+
+def live_tables() -> list["DynamicTable"]:
+    """Every table alive in this process, oldest first (what `strategy.stats()` reports)."""
+    with _lock:
+        return sorted(_tables, key=lambda table: table.serial)
+
+
+def stats_on_ps() -> dict[str, list[dict]]:
+    """`stats()` of every live table whose rows are on ps tasks, by name (the newest of a name)."""
+    return {table.name: table.stats() for table in live_tables() if table.shards[0].device}
+
+
+def _shift(x, bits: int):
+    """Logical right shift of int64 (TF's is arithmetic on signed types)."""
+    import tensorflow as tf
+
+    return tf.bitwise.bitwise_and(tf.bitwise.right_shift(x, bits), (1 << (64 - bits)) - 1)
+
+
+def mix64(x):
+    """splitmix64's finaliser on int64 tensors (wrapping arithmetic): well-spread bits from any keys."""
+    import tensorflow as tf
+
+    x = x + tf.constant(_GOLDEN, tf.int64)
+    x = tf.bitwise.bitwise_xor(x, _shift(x, 30)) * tf.constant(_MIX_1, tf.int64)
+    x = tf.bitwise.bitwise_xor(x, _shift(x, 27)) * tf.constant(_MIX_2, tf.int64)
+    return tf.bitwise.bitwise_xor(x, _shift(x, 31))
+
+
+def shard_of(keys, shards: int):
+    """The shard of each int64 key."""
+    import tensorflow as tf
+
+    return tf.cast(_shift(mix64(keys), 1) % shards, tf.int32)
+
+
+def initial_rows(keys, dim: int, init: tuple):
+    """A new row per key, drawn from a stream seeded by the key itself.
+
+    So a key's first row is the same on any ps, worker or process, with or
+    without a cluster. `init`: ("uniform", low, high, seed),
+    ("normal", mean, stddev, seed) or ("constant", value, 0, seed).
+    """
+    import tensorflow as tf
+
+    kind, a, b, seed = init
+    if kind == "constant":
+        return tf.fill(tf.stack([tf.size(keys), dim]), tf.constant(a, tf.float32))
+    base = mix64(tf.bitwise.bitwise_xor(keys, tf.constant(seed, tf.int64)))
+    h = mix64(base[:, None] + tf.range(dim, dtype=tf.int64)[None, :] * tf.constant(_GOLDEN, tf.int64))
+    u = tf.cast(_shift(h, 11), tf.float64) * 2.0**-53  # [0, 1)
+    if kind == "uniform":
+        return tf.cast(a + (b - a) * u, tf.float32)
+    u2 = tf.cast(_shift(mix64(h), 11), tf.float64) * 2.0**-53
+    normal = tf.sqrt(-2.0 * tf.math.log1p(-u)) * tf.cos(2.0 * 3.141592653589793 * u2)  # Box-Muller
+    return tf.cast(a + b * normal, tf.float32)
+
+
+def _export(table):
+    """(keys, values) of every entry of a table (a copy, made on the table's device)."""
+    import tensorflow as tf
+
+    keys, values = table.export()
+    return tf.reshape(keys, [-1]), values
+
+
+def _table(value_dtype, default):
+    import tensorflow as tf
+
+    return tf.lookup.experimental.MutableHashTable(tf.int64, value_dtype, default, checkpoint=False)
+
+
+class _Shard:
+    """One ps task's part of a table."""
+
+    def __init__(self, device: str | None, dim: int, prefix: str):
+        import tensorflow as tf
+
+        self.device = device
+        with self.placed():
+            self.values = _table(tf.float32, tf.zeros([dim]))
+            self.counters = _table(tf.int64, tf.constant([0, -1], tf.int64))
+            self.clock = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{prefix}_clock")
+            self.admissions = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{prefix}_admissions")
+            self.evictions = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{prefix}_evictions")
+        self.slots: dict[str, Any] = {}
+
+    def placed(self):
+        import tensorflow as tf
+
+        return tf.device(self.device) if self.device else contextlib.nullcontext()
+
+
+class DynamicTable:
+    """Rows by key over `devices` (ps device strings; [None]: one local shard).
+
+    `init`: see `initial_rows`. `policy`: `psclient._core.dynamic_tables.Policy`.
+    """
+
+    def __init__(self, name: str, dim: int, devices: list, init: tuple, policy: rules.Policy):
+        import tensorflow as tf
+
+        self.name, self.dim, self.init, self.policy = name, dim, init, policy
+        self.share = rules.per_ps(policy.capacity, len(devices))
+        with tf.init_scope():
+            self.shards = [_Shard(d, dim, f"{name}_ps{i}") for i, d in enumerate(devices)]
+        with _lock:
+            self.serial = next(_serials)
+            _tables.add(self)
+
+    # ---------------------------------------------------------------- slots
+    def ensure_slots(self, defaults: dict[str, float]) -> None:
+        """Create the optimizer's slot tables (name -> initial value) where missing."""
+        import tensorflow as tf
+
+        with tf.init_scope():
+            for shard in self.shards:
+                for slot, value in defaults.items():
+                    if slot not in shard.slots:
+                        with shard.placed():
+                            shard.slots[slot] = _table(tf.float32, tf.fill([self.dim], float(value)))
+        self.slot_defaults = dict(defaults)
+
+    # --------------------------------------------------------------- lookup
+    def _split(self, keys):
+        import tensorflow as tf
+
+        n = len(self.shards)
+        if n == 1:
+            return [keys], [tf.range(tf.size(keys))]
+        owner = shard_of(keys, n)
+        return tf.dynamic_partition(keys, owner, n), tf.dynamic_partition(tf.range(tf.size(keys)), owner, n)
+
+    def lookup(self, keys):
+        """Rows of unique int64 `keys` as a model in inference reads them (unknown or expired: zeros)."""
+        import tensorflow as tf
+
+        parts, positions = self._split(keys)
+        rows = []
+        for shard, part in zip(self.shards, parts):
+            with shard.placed():
+                found = tf.reshape(shard.values.lookup(part), [-1, self.dim])
+                if self.policy.ttl_steps is not None:
+                    seen = tf.reshape(shard.counters.lookup(part), [-1, 2])
+                    alive = shard.clock.read_value() - seen[:, 1] <= self.policy.ttl_steps
+                    found = tf.where(alive[:, None], found, tf.zeros_like(found))
+                rows.append(found)
+        return tf.dynamic_stitch(positions, rows)
+
+    def train_lookup(self, keys, counts):
+        """Count, admit and look up unique int64 `keys` (seen `counts` times in the batch).
+
+        Returns the rows (zeros for keys not admitted) and the state that
+        `apply` needs to update them.
+        """
+        import tensorflow as tf
+
+        parts, positions = self._split(keys)
+        counts = tf.cast(counts, tf.int64)
+        count_parts = self._split_like(counts, keys)
+        rows, states = [], []
+        for shard, part, seen_now in zip(self.shards, parts, count_parts):
+            with shard.placed():
+                found, admitted, fresh = self._admit(shard, part, seen_now)
+            rows.append(found)
+            states.append((part, admitted, fresh))
+        return tf.dynamic_stitch(positions, rows), (positions, states)
+
+    def _split_like(self, values, keys):
+        import tensorflow as tf
+
+        n = len(self.shards)
+        return [values] if n == 1 else tf.dynamic_partition(values, shard_of(keys, n), n)
+
+    def _admit(self, shard, keys, seen_now):
+        import tensorflow as tf
+
+        policy = self.policy
+        clock = shard.clock.assign_add(1)
+        keys = tf.reshape(keys, [-1])
+        tracked = tf.reshape(shard.counters.lookup(keys), [-1, 2])
+        count, last = tracked[:, 0], tracked[:, 1]
+        if policy.ttl_steps is not None:
+            count = tf.where(clock - last > policy.ttl_steps, tf.zeros_like(count), count)
+        total = count + seen_now
+        admitted = total >= policy.min_frequency
+        fresh = admitted & (count < policy.min_frequency)
+        checks = []
+        if self.share is not None:
+            # A batch's own rows must fit, or they would evict each other.
+            rows_now = tf.reduce_sum(tf.cast(admitted, tf.int64))
+            checks.append(tf.debugging.assert_less_equal(
+                rows_now, tf.constant(self.share, tf.int64),
+                message=(f"Invalid value for argument `capacity` of DynamicEmbedding {self.name!r}. Received: "
+                         f"capacity={policy.capacity} ({self.share} rows per ps task). Expected at least the "
+                         "distinct admitted keys one batch brings to one ps task; this batch brought")))
+        with tf.control_dependencies(checks):
+            write = shard.counters.insert(keys, tf.stack([total, tf.fill(tf.shape(total), clock)], axis=1))
+        new_keys = tf.boolean_mask(keys, fresh)
+        with tf.control_dependencies([write]):
+            admit = shard.values.insert(new_keys, initial_rows(new_keys, self.dim, self.init))
+            shard.admissions.assign_add(tf.reduce_sum(tf.cast(fresh, tf.int64)))
+        with tf.control_dependencies([admit]):
+            found = tf.reshape(shard.values.lookup(keys), [-1, self.dim])
+        return tf.where(admitted[:, None], found, tf.zeros_like(found)), admitted, fresh
+
+    # --------------------------------------------------------------- update
+    def apply(self, state, gradient, rule: Callable) -> list:
+        """Update the admitted rows of a `train_lookup` with `gradient` (one row per key), on their ps.
+
+        `rule(rows, gradient, slots) -> (rows, slots)`, `slots` a dict of the
+        slot tables' values for those rows (a freshly admitted row's slots
+        start from their initial values). Then the shard is scanned for
+        evictions when the policy says so. Returns the ops.
+        """
+        import tensorflow as tf
+
+        positions, states = state
+        ops = []
+        for shard, position, (keys, admitted, fresh) in zip(self.shards, positions, states):
+            grad = tf.gather(gradient, position)  # this shard's rows only travel to it
+            with shard.placed():
+                # Rows another worker's scan evicted since the lookup are not
+                # written back (that would leave rows without counters).
+                admitted = admitted & (tf.reshape(shard.counters.lookup(keys), [-1, 2])[:, 0] > 0)
+                keys_a = tf.boolean_mask(keys, admitted)
+                grad = tf.reshape(tf.boolean_mask(grad, admitted), [-1, self.dim])
+                fresh_a = tf.boolean_mask(fresh, admitted)[:, None]
+                rows = tf.reshape(shard.values.lookup(keys_a), [-1, self.dim])
+                slots = {}
+                for slot, table in shard.slots.items():
+                    start = tf.fill(tf.shape(grad), tf.constant(self.slot_defaults[slot], tf.float32))
+                    slots[slot] = tf.where(fresh_a, start, table.lookup(keys_a))
+                rows, slots = rule(rows, grad, slots)
+                writes = [shard.values.insert(keys_a, rows)]
+                writes += [shard.slots[slot].insert(keys_a, value) for slot, value in slots.items()]
+                with tf.control_dependencies(writes):
+                    ops.append(self._maybe_evict(shard))
+        return ops
+
+    def _maybe_evict(self, shard):
+        import tensorflow as tf
+
+        policy, share = self.policy, self.share
+        due = tf.constant(False)
+        if share is not None:
+            due = due | (shard.values.size() > share) | (shard.counters.size() - shard.values.size() > share)
+        every = rules.scan_every(policy.ttl_steps)
+        if every is not None:
+            due = due | (shard.clock.read_value() % every == 0)
+        return tf.cond(due, lambda: self._evict(shard), lambda: tf.constant(0, tf.int64))
+
+    def _evict(self, shard):
+        """Scan the shard's counters and remove what `choose_evictions` would (same rules, as ops)."""
+        import tensorflow as tf
+
+        policy, share = self.policy, self.share
+        keys, tracked = _export(shard.counters)
+        tracked = tf.reshape(tracked, [-1, 2])
+        count, last = tracked[:, 0], tracked[:, 1]
+        gone = tf.zeros(tf.shape(keys), tf.bool)
+        if policy.ttl_steps is not None:
+            gone = shard.clock.read_value() - last > policy.ttl_steps
+        if share is not None:
+            # Least recently used first, ties by key: a stable sort by key, then by step.
+            order = tf.argsort(keys, stable=True)
+            order = tf.gather(order, tf.argsort(tf.gather(last, order), stable=True))
+            kept = ~tf.gather(gone, order)
+            admitted = tf.gather(count, order) >= policy.min_frequency
+            lru = tf.zeros_like(kept)
+            for group in (kept & admitted, kept & ~admitted):
+                size = tf.reduce_sum(tf.cast(group, tf.int64))
+                excess = tf.where(size > share, size - (share - rules.headroom(share)), 0)
+                rank = tf.cumsum(tf.cast(group, tf.int64), exclusive=True)
+                lru = lru | (group & (rank < excess))
+            gone = gone | tf.scatter_nd(order[:, None], lru, tf.shape(gone))
+        victims = tf.boolean_mask(keys, gone)
+        removals = [shard.values.remove(victims), shard.counters.remove(victims)]
+        removals += [table.remove(victims) for table in shard.slots.values()]
+        with tf.control_dependencies(removals):
+            # Rows evicted: the victims that had one (the others were still counting).
+            evicted = tf.reduce_sum(tf.cast(gone & (count >= policy.min_frequency), tf.int64))
+            return shard.evictions.assign_add(evicted)
+
+    def scan(self) -> int:
+        """Run the eviction scan on every shard now (training runs it when due); return rows evicted."""
+        before = sum(int(shard.evictions.read_value()) for shard in self.shards)
+        for shard in self.shards:
+            with shard.placed():
+                self._evict(shard)
+        return sum(int(shard.evictions.read_value()) for shard in self.shards) - before
+
+    # ------------------------------------------------------------ state out
+    def stats(self) -> list[dict]:
+        """Per shard: rows, keys tracked (rows and keys counting towards admission), admissions, evictions."""
+        out = []
+        for index, shard in enumerate(self.shards):
+            with shard.placed():
+                out.append({
+                    "ps": index if shard.device else None,
+                    "rows": int(shard.values.size()),
+                    "tracked_keys": int(shard.counters.size()),
+                    "admissions": int(shard.admissions.read_value()),
+                    "evictions": int(shard.evictions.read_value()),
+                    "clock": int(shard.clock.read_value()),
+                })
+        return out
+
+    def export_shard(self, index: int) -> dict:
+        """One shard's whole state as numpy arrays: keys, rows, slots, counters and clocks.
+
+        Runs on the shard's ps; only the result crosses to the caller.
+        """
+        import numpy as np
+        import tensorflow as tf
+
+        shard = self.shards[index]
+        with shard.placed():
+            keys, tracked = _export(shard.counters)
+            row_keys, rows = _export(shard.values)
+            slots = {name: table.lookup(row_keys) for name, table in shard.slots.items()}
+        return {
+            "keys": keys.numpy(), "counters": tracked.numpy(), "row_keys": row_keys.numpy(),
+            "rows": rows.numpy(), "slots": {k: v.numpy() for k, v in slots.items()},
+            "clock": np.int64(shard.clock.numpy()), "admissions": np.int64(shard.admissions.numpy()),
+            "evictions": np.int64(shard.evictions.numpy()),
+        }
+
+    def import_shards(self, states: list[dict]) -> None:
+        """Replace the table's contents with exported shards (any number: keys are split again).
+
+        Clocks: the largest exported one on every shard (so no key looks
+        older than it was); admissions and evictions: summed onto shard 0.
+        """
+        import numpy as np
+        import tensorflow as tf
+
+        def cat(name, width=None):
+            parts = [s[name] for s in states]
+            return np.concatenate(parts) if parts else np.zeros((0,) if width is None else (0, width))
+
+        keys, counters = cat("keys"), cat("counters", 2).astype("int64")
+        row_keys, rows = cat("row_keys"), cat("rows", self.dim).astype("float32")
+        slot_names = set().union(*(s["slots"] for s in states)) if states else set()
+        slots = {n: np.concatenate([s["slots"][n] for s in states]).astype("float32") for n in slot_names}
+        clock = max((int(s["clock"]) for s in states), default=0)
+        n = len(self.shards)
+        owner = shard_of(tf.constant(keys, tf.int64), n).numpy() if n > 1 else np.zeros(len(keys), int)
+        row_owner = shard_of(tf.constant(row_keys, tf.int64), n).numpy() if n > 1 else np.zeros(len(row_keys), int)
+        for index, shard in enumerate(self.shards):
+            with shard.placed():
+                for table in (shard.values, shard.counters, *shard.slots.values()):
+                    table.remove(_export(table)[0])
+                mine, mine_rows = owner == index, row_owner == index
+                shard.counters.insert(tf.constant(keys[mine], tf.int64), tf.constant(counters[mine], tf.int64))
+                shard.values.insert(tf.constant(row_keys[mine_rows], tf.int64), tf.constant(rows[mine_rows]))
+                for name, value in slots.items():
+                    if name in shard.slots:
+                        shard.slots[name].insert(tf.constant(row_keys[mine_rows], tf.int64),
+                                                 tf.constant(value[mine_rows]))
+                shard.clock.assign(clock)
+                shard.admissions.assign(sum(int(s["admissions"]) for s in states) if index == 0 else 0)
+                shard.evictions.assign(sum(int(s["evictions"]) for s in states) if index == 0 else 0)

@@ -1,0 +1,312 @@
+"""`DynamicEmbedding`: an embedding without a vocabulary, its rows in hash tables on the ps.
+
+The rows are not Keras variables (a table grows and shrinks), so the layer
+joins Keras's training through two seams:
+
+- Its output is the looked-up rows passed through a `tf.custom_gradient`
+  identity that also takes a scalar "anchor" weight of the layer (always 0,
+  gradient always 0). Asking the tape for the gradient of the model's
+  trainable weights thus reaches the layer's gradient function, which keeps
+  the rows' gradient (one row per distinct key of the batch) for the step.
+- `keras.optimizers.Optimizer.apply` is wrapped once (`install`): when the
+  variables it is given include a layer's anchor, the kept gradient is applied
+  to the rows on their ps (`psclient._keras.dynamic_optimizers`) before the
+  optimizer's own update of the other weights. The gradient is kept per
+  graph being traced, so the training step that computed it applies it.
+
+Storage, admission and eviction: `psclient._coordinator.dynamic_tables`.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+
+import keras
+
+from psclient._coordinator.dynamic_tables import DynamicTable
+from psclient._coordinator.runtime import ps_device, ps_index_of
+from psclient._core.dynamic_tables import Policy
+from psclient._keras import dynamic_optimizers
+
+__all__ = ["DynamicEmbedding", "epoch_logs", "install"]
+
+_installed = False
+_install_lock = threading.Lock()
+
+
+class _Kept:
+    """Row gradients kept until the optimizer applies them: graph traced -> [(lookup state, gradient)]."""
+
+    EAGER = type("Eager", (), {})()  # the key outside any tf.function
+
+    def __init__(self):
+        self.by_graph = weakref.WeakKeyDictionary()
+
+
+def install() -> None:
+    """Wrap `keras.optimizers.Optimizer.apply` once: dynamic rows are updated with the other weights."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        optimizer_class = keras.optimizers.Optimizer
+
+        def apply(self, grads, trainable_variables=None):
+            if trainable_variables is not None:
+                trainable_variables = list(trainable_variables)
+                for variable in trainable_variables:
+                    ref = getattr(variable, "_psclient_dynamic_layer", None)
+                    layer = ref() if ref is not None else None
+                    if layer is not None:
+                        layer.apply_kept_gradients(self)
+            # The next class's apply, looked up now: psclient's own wrapper of
+            # BaseOptimizer.apply may be installed after this one.
+            return super(optimizer_class, self).apply(grads, trainable_variables)
+
+        functools.update_wrapper(apply, optimizer_class.apply)
+        optimizer_class.apply = apply
+        _installed = True
+
+
+def epoch_logs(model) -> dict[str, float]:
+    """Rows, admissions and evictions of every DynamicEmbedding in `model`: in total and per ps task.
+
+    Keys `"<layer>/rows"`, `"<layer>/ps<k>/rows"` and the same for admissions
+    and evictions: what fit adds to an epoch's logs when a TensorBoard
+    callback is in use.
+    """
+    logs, todo = {}, [model]
+    while todo:
+        layer = todo.pop()
+        todo.extend(getattr(layer, "layers", []))
+        if isinstance(layer, DynamicEmbedding) and layer.table is not None:
+            per_ps = layer.table_stats()
+            for name in ("rows", "admissions", "evictions"):
+                logs[f"{layer.name}/{name}"] = float(sum(entry[name] for entry in per_ps))
+                for index, entry in enumerate(per_ps):
+                    logs[f"{layer.name}/ps{index}/{name}"] = float(entry[name])
+    return logs
+
+
+def _initializer(value) -> tuple:
+    """`embeddings_initializer` as `initial_rows` takes it; raise for one it cannot draw per key."""
+    init = keras.initializers.get(value)
+    seed = getattr(init, "seed", None)
+    seed = seed if isinstance(seed, int) else 0
+    if isinstance(init, keras.initializers.RandomUniform):
+        return ("uniform", float(init.minval), float(init.maxval), seed)
+    if isinstance(init, keras.initializers.RandomNormal):
+        return ("normal", float(init.mean), float(init.stddev), seed)
+    if isinstance(init, keras.initializers.Zeros):
+        return ("constant", 0.0, 0, 0)
+    if isinstance(init, keras.initializers.Ones):
+        return ("constant", 1.0, 0, 0)
+    if isinstance(init, keras.initializers.Constant) and keras.ops.size(init.value) == 1:
+        return ("constant", float(keras.ops.convert_to_numpy(init.value)), 0, 0)
+    raise ValueError(
+        f"Invalid value for argument `embeddings_initializer`. Received: embeddings_initializer={value!r}. "
+        "Expected 'uniform', 'normal', 'zeros', 'ones', or a keras.initializers.RandomUniform, RandomNormal, "
+        "Zeros, Ones or scalar Constant (a row is drawn per key, from a stream seeded by the key)."
+    )
+
+
+@keras.saving.register_keras_serializable(package="psclient")
+class DynamicEmbedding(keras.layers.Layer):
+    """Embeds any int64 (or string) key without a vocabulary; rows live on the ps tasks.
+
+    Args:
+      output_dim: width of a row.
+      key_dtype: "int64" (int32 inputs are widened) or "string" (keys are
+        hashed to 64 bits first).
+      embeddings_initializer: how a new key's row starts (drawn per key).
+      min_frequency: a key gets a trained row of its own from its
+        `min_frequency`-th sighting on; before, it reads zeros and is not updated.
+      capacity: at most this many rows over all ps tasks; least recently used
+        rows are evicted first. None: unbounded.
+      ttl_steps: a key not seen for this many training steps is evicted. None: never.
+      combiner: for `tf.RaggedTensor` inputs (multi-hot): "sum" or "mean" of a row's keys' rows.
+    """
+
+    def __init__(self, output_dim, key_dtype="int64", embeddings_initializer="uniform", min_frequency=1,
+                 capacity=None, ttl_steps=None, combiner=None, name=None, **kwargs):
+        super().__init__(name=name, **kwargs)
+        if isinstance(output_dim, bool) or not isinstance(output_dim, int) or output_dim < 1:
+            raise ValueError(f"Invalid value for argument `output_dim`. Received: output_dim={output_dim!r}. "
+                             "Expected an integer >= 1.")
+        if key_dtype not in ("int64", "string"):
+            raise ValueError(f"Invalid value for argument `key_dtype`. Received: key_dtype={key_dtype!r}. "
+                             "Expected 'int64' or 'string'.")
+        if combiner not in (None, "sum", "mean"):
+            raise ValueError(f"Invalid value for argument `combiner`. Received: combiner={combiner!r}. "
+                             "Expected 'sum', 'mean' or None.")
+        self._policy = Policy.checked(min_frequency, capacity, ttl_steps)
+        self.output_dim, self.key_dtype, self.combiner = output_dim, key_dtype, combiner
+        self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+        self._init = _initializer(embeddings_initializer)
+        self.supports_jit = False  # hash-table ops do not compile with XLA
+        self._kept = _Kept()
+        self.table = None
+        install()
+
+    # ------------------------------------------------------------ building
+    def build(self, input_shape=None):
+        anchor = self.add_weight(shape=(), initializer="zeros", name="anchor", trainable=True)
+        anchor._psclient_dynamic_layer = weakref.ref(self)
+        self._anchor = anchor
+        # Built in a strategy's scope, the anchor went to a ps task: the table
+        # goes to every ps task; else it is local (no cluster).
+        devices = [None]
+        if ps_index_of(getattr(anchor.value, "device", None)) is not None:
+            from psclient._coordinator import registry
+
+            strategy = registry.current()
+            if strategy is not None:
+                devices = [ps_device(i) for i in range(strategy.num_ps)]
+        self.table = DynamicTable(self.name, self.output_dim, devices, self._init, self._policy)
+        self.built = True
+
+    def compute_output_shape(self, input_shape):
+        if self.combiner is not None:
+            return tuple(input_shape[:-1]) + (self.output_dim,)
+        return tuple(input_shape) + (self.output_dim,)
+
+    def compute_output_spec(self, inputs, *args, **kwargs):
+        return keras.KerasTensor(self.compute_output_shape(inputs.shape), dtype="float32")
+
+    # ---------------------------------------------------------------- call
+    def keys_of(self, inputs):
+        """(inputs, their int64 keys flattened) (strings hashed); raise for a dtype or rank the layer does not take."""
+        import tensorflow as tf
+
+        ragged = isinstance(inputs, tf.RaggedTensor)
+        if isinstance(inputs, tf.SparseTensor):
+            raise TypeError(f"Invalid value for argument `inputs` of DynamicEmbedding {self.name!r}. Received: a "
+                            "tf.SparseTensor. Expected a dense tensor of keys, or a tf.RaggedTensor with combiner.")
+        if not ragged:
+            inputs = tf.convert_to_tensor(inputs)
+        dtype = inputs.dtype
+        if self.key_dtype == "string":
+            if dtype != tf.string:
+                raise TypeError(f"Invalid dtype for argument `inputs` of DynamicEmbedding {self.name!r}. Received: "
+                                f"dtype={dtype.name}. Expected string keys (key_dtype='string').")
+        elif dtype not in (tf.int64, tf.int32):
+            raise TypeError(f"Invalid dtype for argument `inputs` of DynamicEmbedding {self.name!r}. Received: "
+                            f"dtype={dtype.name}. Expected int64 or int32 keys (key_dtype='int64'); float keys "
+                            "are refused because they round.")
+        rank = inputs.shape.rank
+        if ragged and (self.combiner is None or rank != 2):
+            raise ValueError(f"Invalid value for argument `inputs` of DynamicEmbedding {self.name!r}. Received: a "
+                             f"tf.RaggedTensor of rank {rank} with combiner={self.combiner!r}. Expected a rank-2 "
+                             "RaggedTensor (batch, keys) and combiner='sum' or 'mean'.")
+        if not ragged and (rank is None or rank < 1 or self.combiner is not None and rank < 2):
+            raise ValueError(f"Invalid value for argument `inputs` of DynamicEmbedding {self.name!r}. Received: "
+                             f"shape={inputs.shape}. Expected a tensor of rank >= 1 (>= 2 with a combiner): "
+                             "a batch of keys.")
+        flat = inputs.flat_values if ragged else tf.reshape(inputs, [-1])
+        if dtype == tf.string:
+            flat = tf.strings.to_hash_bucket_fast(flat, 2**63 - 1)  # >= 0: never a reserved key
+        return inputs, tf.cast(flat, tf.int64)
+
+    def call(self, inputs, training=None):
+        import tensorflow as tf
+
+        inputs, flat = self.keys_of(inputs)
+        unique, index, counts = tf.unique_with_counts(flat)
+        if training:
+            rows, state = self.table.train_lookup(unique, counts)
+            rows = self.watched(rows, state)
+        else:
+            rows = self.table.lookup(unique)
+        found = tf.gather(rows, index)
+        if isinstance(inputs, tf.RaggedTensor):
+            found = inputs.with_flat_values(found)
+            return tf.reduce_sum(found, 1) if self.combiner == "sum" else tf.reduce_mean(found, 1)
+        found = tf.reshape(found, tf.concat([tf.shape(inputs), [self.output_dim]], 0))
+        if self.combiner == "sum":
+            return tf.reduce_sum(found, -2)
+        return tf.reduce_mean(found, -2) if self.combiner == "mean" else found
+
+    def watched(self, rows, state):
+        """`rows`, whose gradient is kept for `apply_kept_gradients` (through the anchor, see the module)."""
+        import tensorflow as tf
+
+        @tf.custom_gradient
+        def watched(rows, anchor):
+            def gradient(upstream):
+                self.keep_gradient(state, tf.convert_to_tensor(upstream))
+                return tf.zeros_like(rows), tf.zeros_like(anchor)
+
+            return tf.identity(rows), gradient
+
+        return watched(rows, tf.convert_to_tensor(self._anchor.value))
+
+    def keep_gradient(self, state, gradient):
+        import tensorflow as tf
+
+        key = _Kept.EAGER if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        self._kept.by_graph.setdefault(key, []).append((state, gradient))
+
+    def apply_kept_gradients(self, optimizer):
+        """Apply the gradients kept in this graph (or its outer graphs) to the rows, on their ps."""
+        import tensorflow as tf
+
+        if tf.executing_eagerly():
+            kept = self._kept.by_graph.pop(_Kept.EAGER, [])
+        else:
+            graph, kept = tf.compat.v1.get_default_graph(), []
+            while graph is not None and not kept:
+                kept = self._kept.by_graph.pop(graph, [])
+                graph = getattr(graph, "outer_graph", None)
+        if not kept:
+            return
+        slots, rule = dynamic_optimizers.rule_for(optimizer, self.name)
+        self.table.ensure_slots(slots)
+        for state, gradient in kept:
+            self.table.apply(state, gradient, rule)
+
+    # ------------------------------------------------------ state and saving
+    def export_state(self) -> list[dict]:
+        """The table's whole state, one dict of numpy arrays per ps task (see `DynamicTable.export_shard`)."""
+        return [self.table.export_shard(i) for i in range(len(self.table.shards))]
+
+    def import_state(self, states: list[dict]) -> None:
+        """Load `export_state()`'s output, from any number of ps tasks (keys are split again)."""
+        self.table.import_shards(states)
+
+    def table_stats(self) -> list[dict]:
+        """Per ps task: rows, keys tracked, admissions, evictions, clock."""
+        return self.table.stats()
+
+    def save_own_variables(self, store):
+        # What serving needs: every row by key (slots and counters are training state).
+        import numpy as np
+
+        states = self.export_state()
+        store["keys"] = np.concatenate([s["row_keys"] for s in states]).astype("int64")
+        store["rows"] = np.concatenate([s["rows"] for s in states]).reshape(-1, self.output_dim)
+
+    def load_own_variables(self, store):
+        import numpy as np
+
+        keys = np.asarray(store["keys"], dtype="int64")
+        rows = np.asarray(store["rows"], dtype="float32").reshape(-1, self.output_dim)
+        counters = np.stack([np.full(len(keys), self._policy.min_frequency), np.zeros(len(keys))], 1)
+        self.import_state([{"keys": keys, "counters": counters, "row_keys": keys, "rows": rows, "slots": {},
+                            "clock": 0, "admissions": len(keys), "evictions": 0}])
+
+    def get_config(self):
+        config = super().get_config()
+        initializer = keras.initializers.serialize(self.embeddings_initializer)
+        if "seed" in initializer.get("config", {}):
+            # The seed the rows are drawn with (Keras draws one for an unseeded initializer
+            # but does not save it): a copy of the layer draws the same first rows.
+            initializer["config"]["seed"] = self._init[3]
+        config.update({
+            "output_dim": self.output_dim, "key_dtype": self.key_dtype,
+            "embeddings_initializer": initializer,
+            "min_frequency": self._policy.min_frequency, "capacity": self._policy.capacity,
+            "ttl_steps": self._policy.ttl_steps, "combiner": self.combiner,
+        })
+        return config
