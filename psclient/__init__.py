@@ -37,6 +37,7 @@ from psclient._coordinator.strategy import ParameterServerStrategy
 from psclient._coordinator.watch import WorkerWatcher
 from psclient._cluster.k8s_watch import kubernetes_workers
 from psclient._core.errors import (
+    CheckpointUnreadable,
     ClusterConfigError,
     PSClientError,
     PSUnavailableError,
@@ -102,6 +103,7 @@ __all__ = [
     "BackupAndRestore",
     "CheckpointDirError",
     "CheckpointMismatchError",
+    "CheckpointUnreadable",
     "CheckpointWriteError",
     "Cluster",
     "ClusterConfigError",

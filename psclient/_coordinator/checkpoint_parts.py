@@ -42,7 +42,7 @@ from typing import Any, Callable
 from psclient._coordinator import executors as _executors
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.sharding import is_partitioned
-from psclient._core.errors import PSClientError
+from psclient._core.errors import CheckpointUnreadable, PSClientError
 
 __all__ = ["CheckpointDirError", "CheckpointUnreadable", "CheckpointWriteError", "LAYOUT_KEY", "Slot",
            "assign_on_ps", "probe_writable", "read_on_ps", "save_parts", "slots_of"]
@@ -51,10 +51,6 @@ __all__ = ["CheckpointDirError", "CheckpointUnreadable", "CheckpointWriteError",
 LAYOUT_KEY = "psclient_layout"
 _VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
 _GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
-
-
-class CheckpointUnreadable(PSClientError, ValueError):
-    """No complete checkpoint could be read: each one tried is named with what was wrong."""
 
 
 class CheckpointWriteError(PSClientError, OSError):

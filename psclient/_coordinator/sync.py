@@ -54,6 +54,7 @@ from typing import Any, Callable
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.accumulators import Accumulators, internal_variable
 from psclient._core.checks import check_positive
+from psclient._core.errors import PSClientError
 from psclient._core.staleness import ACCUMULATED, APPLIED, DROPPED, StalenessStats
 from psclient._core.sync_gate import SyncGate
 
@@ -69,7 +70,7 @@ _NO_LIMIT = 2**63 - 1  # ResourceCountUpTo's limit: never reached
 _tracing = threading.local()  # .step: the _StepTrace this thread traces now; .last: the newest one
 
 
-class UnsupportedStep(ValueError):
+class UnsupportedStep(PSClientError, ValueError):
     """A scheduled function applies gradients in a way `max_staleness`/`replicas_to_aggregate` cannot follow."""
 
     # AutoGraph re-raises an error from converted code with its own type only

@@ -32,6 +32,17 @@ class PSUnavailableError(TaskUnreachableError):
     """A parameter-server task was lost and the strategy cannot recover its variables."""
 
 
+class CheckpointUnreadable(PSClientError, OSError):
+    """A checkpoint cannot be read (half-written, damaged, or deleted); names what was tried and why.
+
+    Raised by `strategy.restore()` (each checkpoint tried, the ps task and the
+    file) and by the sidecar evaluator. `CheckpointUnreadableError` is the same class.
+    """
+
+
+CheckpointUnreadableError = CheckpointUnreadable
+
+
 class StrategyClosedError(PSClientError, RuntimeError):
     """The strategy was shut down; it accepts no more work."""
 

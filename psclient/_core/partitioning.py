@@ -29,6 +29,8 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
+from psclient._core.errors import PSClientError
+
 __all__ = [
     "AUTO_MIN_SHARD_BYTES", "PartitionError", "can_split", "min_size_shards", "row_ranges", "shard_count",
     "shard_tasks",
@@ -41,7 +43,7 @@ __all__ = [
 AUTO_MIN_SHARD_BYTES = 128 << 10
 
 
-class PartitionError(ValueError):
+class PartitionError(PSClientError, ValueError):
     """A partitioner's answer that cannot be used for a variable."""
 
 

@@ -21,6 +21,8 @@ import re
 import warnings
 from typing import Any, NamedTuple
 
+from psclient._core.errors import PSClientError
+
 __all__ = [
     "KERAS_INTERNALS",
     "KERAS_VERSIONS",
@@ -148,7 +150,7 @@ KERAS_INTERNALS: tuple[Internal, ...] = (
 )
 
 
-class KerasSeamError(RuntimeError):
+class KerasSeamError(PSClientError, RuntimeError):
     """A Keras internal that psclient needs is missing from the installed Keras."""
 
 

@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from psclient._core.errors import PSClientError
+from psclient._core.errors import CheckpointUnreadableError, PSClientError
 
 TF = "tf"
 KERAS = "keras"
@@ -55,10 +55,6 @@ class CheckpointMismatchError(PSClientError, ValueError):
         super().__init__(message)
         self.missing = list(missing)
         self.extra = list(extra)
-
-
-class CheckpointUnreadableError(PSClientError, OSError):
-    """A checkpoint could not be read (half-written, corrupt, or deleted)."""
 
 
 @dataclass(frozen=True)
