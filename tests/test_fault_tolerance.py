@@ -293,6 +293,37 @@ def test_a_worker_that_dies_while_idle_is_taken_out_and_rejoins(heal):
         strategy.shutdown()
 
 
+def test_a_ps_restarted_while_idle_is_recovered_when_a_reconnect_introduces_it(heal, tmp_path, caplog):
+    # The ps and a worker die while nothing runs: no call notices the ps. The
+    # reconnect that drops the worker introduces the restarted ps to the
+    # coordinator; before, every later read of its variables failed with
+    # InvalidArgumentError ("invalid device"): scheduled functions failed,
+    # checkpoints failed in a tight loop, and the ps was never recovered.
+    cluster = heal
+    caplog.set_level("INFO", logger="psclient")
+    strategy = make_strategy(cluster, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=20)
+    try:
+        steps, step = counting_step(strategy, work=1)
+        psclient.wait([strategy.schedule(step) for _ in range(30)], timeout=120)
+        wait_for(lambda: strategy.stats()["checkpoints_written"] >= 2, 60, "a checkpoint after 20 steps")
+        cluster.kill("worker", 1)
+        cluster.kill("ps", 0)
+        wait_for(lambda: not strategy.stats()["workers"][1]["up"], 60, "idle dead worker 1 taken out")
+        cluster.restart("ps", 0)
+        wait_for(lambda: strategy.stats()["ps"][0]["recoveries"] == 1, 120, "the restarted ps recovered")
+        futures = [strategy.schedule(step) for _ in range(20)]
+        strategy.join(timeout=120)
+        assert [f.exception() for f in futures] == [None] * 20
+        stats = strategy.stats()
+        assert stats["ps"][0]["failures"] == 1
+        # Restored (to 20 or more), then counted on.
+        assert 40 <= int(steps.numpy()) <= 50
+        failures = [r.getMessage() for r in caplog.records if "recovery step" in r.getMessage()]
+        assert len(failures) < 10, failures
+    finally:
+        strategy.shutdown()
+
+
 def test_shutdown_with_a_hung_worker_returns_within_hang_timeout(heal):
     import threading
 

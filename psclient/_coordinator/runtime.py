@@ -180,6 +180,29 @@ def probe(device: str) -> None:
 _probe_executors = threading.local()
 
 
+def check_handle(variable: Any) -> None:
+    """One op on `variable`'s resource on its ps task (its shape: no data moves).
+
+    Raises what TF raises when the task no longer holds that resource: a ps
+    restarted since the handle was made (InvalidArgumentError "invalid
+    device" once the coordinator reconnected to the new process; Aborted or
+    Unavailable before). A tiny-op probe cannot see this: the new process
+    answers it once a reconnect has introduced it. Blocks while the task is
+    hung: call it with a timeout.
+    """
+    import tensorflow as tf
+
+    own = getattr(_probe_executors, "executor", None)
+    if own is None:
+        own = _probe_executors.executor = _executors.new_call_executor(streaming=False)
+    try:
+        with _executors.executor_scope(own), tf.device(coordinator_cpu()):
+            tf.raw_ops.VariableShape(input=variable.handle).numpy()
+    except tf.errors.OpError:
+        own.clear_error()
+        raise
+
+
 def renew_variable_handle(variable: Any, device: str) -> None:
     """Give `variable` a new, uninitialized resource on `device`.
 
