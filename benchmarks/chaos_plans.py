@@ -153,6 +153,7 @@ def run_seed(seed: int, args) -> dict:
     errors: dict[str, int] = {}
     join_errors: list[str] = []
     futures = []
+    join_s: list[float] = []
     stall = [0.0]
     with psclient.LocalCluster(num_workers=PLAN_WORKERS, num_ps=PLAN_PS) as local, \
             tempfile.TemporaryDirectory() as ckpt:
@@ -175,17 +176,21 @@ def run_seed(seed: int, args) -> dict:
             faults = _Faults(local, strategy, plan, started, args.recovery_timeout)
             faults.start()
             sampler.start()
-            give_up = started + args.duration + args.recovery_timeout + 120
-            while (time.monotonic() < started + args.duration or faults.alive()) and time.monotonic() < give_up:
+            # New batches while the plan runs (and its last faults recover, for
+            # recovery_timeout at most); each join may take join_timeout.
+            stop_at = started + args.duration + args.recovery_timeout
+            while (time.monotonic() < started + args.duration or faults.alive()) and time.monotonic() < stop_at:
                 batch = [strategy.schedule(step) for _ in range(args.batch)]
                 futures += batch
+                joined = time.monotonic()
                 try:
-                    strategy.join(timeout=max(1.0, give_up - time.monotonic()))
+                    strategy.join(timeout=args.join_timeout)
                 except TimeoutError:
-                    join_errors.append("TimeoutError: join did not return")
+                    join_errors.append(f"TimeoutError: join did not return within {args.join_timeout:g} s")
                     break
                 except Exception as error:  # noqa: BLE001 - recorded per seed
                     join_errors.append(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                join_s.append(time.monotonic() - joined)
             wall = time.monotonic() - started
             for future in futures:
                 if future.done() and not future.cancelled() and future.exception() is not None:
@@ -223,6 +228,8 @@ def run_seed(seed: int, args) -> dict:
         "ps_recoveries": ps["recoveries"],
         "recovery_step_failures": logged.step_failures,
         "max_stall_s": round(stall[0], 2),
+        "batches": len(join_s),
+        "max_join_s": round(max(join_s), 2) if join_s else None,
         "steps_counted": steps,
         "steps_counted_in_range": steps is not None and low <= steps <= low + retried + (len(futures) - ok),
         "wall_s": round(wall, 1),
@@ -267,5 +274,6 @@ def summarise(rows: list[dict]) -> dict:
         "back_after_s_median": sorted(back)[len(back) // 2] if back else None,
         "back_after_s_max": max(back) if back else None,
         "max_stall_s": max((r["max_stall_s"] for r in rows), default=None),
+        "max_join_s": max((r["max_join_s"] or 0 for r in rows), default=None),
         "steps_counted_in_range": all(r["steps_counted_in_range"] for r in rows),
     }
