@@ -253,8 +253,8 @@ def test_ps_recovery_goes_on_while_a_worker_is_down_and_its_resources_follow_it(
         # The worker's loss is noticed when a call on it fails.
         psclient.wait([strategy.schedule(step_with, args=(offsets,)) for _ in range(10)], timeout=120)
         wait_for(lambda: not strategy.stats()["workers"][1]["up"], 60, "worker 1 taken out")
-        # Once it is out of TF's view too. (A ps restarted while that reconnect
-        # runs can go unnoticed: a known gap, README "Fault tolerance".)
+        # Once it is out of TF's view too (a ps restarted during that reconnect
+        # is the case of test_a_ps_restarted_while_idle_is_recovered_...).
         wait_for(lambda: any("left out of the cluster" in r.getMessage() for r in caplog.records),
                  60, "worker 1 left out of TF's view")
         cluster.kill("ps", 0)
