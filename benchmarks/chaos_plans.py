@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import random
 import re
+import subprocess
 import tempfile
 import threading
 import time
@@ -105,8 +106,11 @@ class _Faults:
                 return
             recoveries = self.strategy.stats()["ps"][0]["recoveries"]
             if fault["fault"] == "hang":
+                # SIGCONT from another process: one from this process would wait
+                # on the coordinator, whose threads a hung task may freeze.
+                resumer = subprocess.Popen(["sh", "-c", f"sleep {fault['for']}; kill -CONT {self.local.pid(job, index)}"])
                 self.local.stop(job, index)
-                time.sleep(fault["for"])
+                resumer.wait()
                 self.local.resume(job, index)
             else:
                 self.local.kill(job, index)

@@ -324,6 +324,37 @@ def test_a_ps_restarted_while_idle_is_recovered_when_a_reconnect_introduces_it(h
         strategy.shutdown()
 
 
+def test_probing_a_hung_worker_does_not_freeze_the_coordinators_threads(heal):
+    # Made under the worker's device, the probe's constant was copied there
+    # holding the GIL: with the worker SIGSTOPped, every thread of the
+    # coordinator (the one that would SIGCONT it too) froze until it answered.
+    import threading
+
+    from psclient._coordinator import runtime
+
+    cluster = heal
+    strategy = make_strategy(cluster)
+    try:
+        runtime.probe(runtime.worker_device(1))  # connected, and the channel warm
+        cluster.stop("worker", 1)
+        try:
+            probing = threading.Thread(target=runtime.probe, args=(runtime.worker_device(1),), daemon=True)
+            probing.start()
+            started = last = time.monotonic()
+            worst = 0.0
+            while time.monotonic() - started < 5.0:
+                time.sleep(0.01)  # a thread of the coordinator that wants to run
+                now = time.monotonic()
+                worst, last = max(worst, now - last), now
+            assert probing.is_alive()  # the probe still waits on the hung worker...
+            assert worst < 3.0  # ...and this thread ran meanwhile (frozen: >= 5 s)
+        finally:
+            cluster.resume("worker", 1)
+        probing.join(60)
+    finally:
+        strategy.shutdown()
+
+
 def test_shutdown_with_a_hung_worker_returns_within_hang_timeout(heal):
     import threading
 

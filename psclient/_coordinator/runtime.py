@@ -168,9 +168,15 @@ def probe(device: str) -> None:
         # failed with another, dead worker's error.
         own = _probe_executors.executor = _executors.new_call_executor(streaming=False)
     try:
-        with _executors.executor_scope(own), tf.device(f"{device}/device:CPU:0"):
-            value = tf.constant(1, dtype=tf.int32) + 1
-            value.numpy()
+        with _executors.executor_scope(own):
+            # The constant is made here, not under the task's device: made there,
+            # TF copies it to the task while holding the GIL, and a hung
+            # (SIGSTOPped) task then froze every thread of the coordinator until
+            # it answered. The op's own copy of its input waits without the GIL.
+            with tf.device(coordinator_cpu()):
+                one = tf.constant(1, dtype=tf.int32)
+            with tf.device(f"{device}/device:CPU:0"):
+                (one + 1).numpy()
     except tf.errors.OpError:
         own.clear_error()  # or the next probe on this thread fails with it
         raise
