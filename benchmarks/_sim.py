@@ -229,6 +229,9 @@ class _Store:
     def renew(self, lost) -> int:
         return 0
 
+    def one_per_ps(self) -> dict:
+        return {}
+
 
 class _PerWorker:
     """No per-worker values: the registry recovery rebuilds, empty."""

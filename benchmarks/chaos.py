@@ -28,8 +28,13 @@ that count (scheduled minus those a ps recovery rolled back) and that plus
 the retried closures (a closure cut off by a kill may have counted before).
 The clean, worker and ps runs use --workers workers; the elastic run its own counts.
 
+With --seeds, seeded chaos plans instead (kills, hangs and ps kills that
+overlap, while batches of closures are scheduled and joined): one row per
+seed and a summary (benchmarks/chaos_plans.py).
+
 Usage:
   python benchmarks/chaos.py [--steps 3000] [--seed 0] > chaos.json
+  nice -n 10 python benchmarks/chaos.py --seeds 20 --output benchmarks/results/chaos_seeds.json
   python benchmarks/chaos.py --workers 16 --ps 4 > chaos-16x4.json
 """
 
@@ -337,7 +342,20 @@ def main(argv=None) -> int:
     parser.add_argument("--output", help="also write the JSON here")
     parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="workers of each run's LocalCluster")
     parser.add_argument("--ps", type=int, default=DEFAULT_PS, help="ps tasks of each run's LocalCluster")
+    plans = parser.add_argument_group("seeded plans (--seeds)")
+    plans.add_argument("--seeds", help="run seeded chaos plans: N (seeds 0..N-1), A-B or A,B,C")
+    plans.add_argument("--duration", type=float, default=60.0, help="seconds of faults per plan")
+    plans.add_argument("--kills", type=int, default=4, help="worker SIGKILLs per plan (restarted)")
+    plans.add_argument("--hangs", type=int, default=2, help="worker SIGSTOPs of 4-6 s per plan")
+    plans.add_argument("--ps-kills", type=int, default=1, help="ps SIGKILLs per plan (restarted)")
+    plans.add_argument("--batch", type=int, default=300, help="closures scheduled, then joined, per batch")
+    plans.add_argument("--join-timeout", type=float, default=180.0,
+                       help="a join of one batch that takes longer counts as a hang")
+    plans.add_argument("--recovery-timeout", type=float, default=120.0,
+                       help="a task not back in use this long after its fault ended counts as unfinished")
     args = parser.parse_args(argv)
+    if args.seeds:
+        return _seeded(args)
     if args.workers < 2:
         parser.error(f"--workers must be >= 2 (worker_chaos keeps one up). Received: {args.workers}.")
     if args.ps < 1:
@@ -383,6 +401,26 @@ def main(argv=None) -> int:
     output = {"benchmark": "chaos", "config": {**environment(sys.argv), **vars(args)},
               "targets": TARGETS, "runs": results, "summary": summary}
     print_json(output, also_to=args.output)
+    return 0
+
+
+def _seeded(args) -> int:
+    import logging
+
+    import chaos_plans
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.getLogger("psclient").setLevel(logging.INFO)
+    rows = []
+    for seed in chaos_plans.parse_seeds(args.seeds):
+        rows.append(chaos_plans.run_seed(seed, args))
+        if args.output:  # each seed as it ends: a long run that is stopped keeps its rows
+            print_json({"benchmark": "chaos_plans", "config": {**environment(sys.argv), **vars(args)},
+                        "summary": chaos_plans.summarise(rows), "seeds": rows}, also_to=args.output)
+    if not args.output:
+        print_json({"benchmark": "chaos_plans", "config": {**environment(sys.argv), **vars(args)},
+                    "summary": chaos_plans.summarise(rows), "seeds": rows})
     return 0
 
 

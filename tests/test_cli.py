@@ -100,3 +100,27 @@ def test_evaluate_on_a_regular_file_says_what_it_is_and_fails(tmp_path):
     assert result.returncode == 2, result.stderr
     assert f"Invalid value for --checkpoint-dir. Received: {str(a_file)!r}, which is a file" in result.stderr
     assert "does not exist" not in result.stderr
+
+
+class _Exited(Exception):
+    pass
+
+
+def test_an_interrupted_demo_exits_130_at_once_without_the_interpreters_own_exit(monkeypatch, capsys):
+    # The demo has stopped everything it started when KeyboardInterrupt reaches
+    # the command; the interpreter's exit (a final garbage collection over
+    # TensorFlow's objects) took 20-40 s on a loaded machine and is skipped.
+    from psclient import _cli, _demo
+
+    def interrupted(**kwargs):
+        raise KeyboardInterrupt
+
+    def exit_now(code):
+        raise _Exited(code)
+
+    monkeypatch.setattr(_demo, "run", interrupted)
+    monkeypatch.setattr(_cli.os, "_exit", exit_now)
+    with pytest.raises(_Exited) as exited:
+        _cli.main(["demo", "--epochs", "1"])
+    assert exited.value.args == (130,)
+    assert "interrupted; everything it started is stopped" in capsys.readouterr().err

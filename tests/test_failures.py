@@ -15,7 +15,7 @@ def test_connection_error_type_with_live_worker_is_the_functions_error():
     assert classify(err, lambda: True) is Verdict.FUNCTION_ERROR
 
 
-def test_other_errors_never_probe():
+def test_other_errors_probe_only_the_ps_tasks():
     probed = []
 
     def probe():
@@ -23,8 +23,15 @@ def test_other_errors_never_probe():
         return False
 
     for err in (tf.errors.InvalidArgumentError(None, None, "bad"), ValueError("x")):
-        assert classify(err, probe) is Verdict.FUNCTION_ERROR
-    assert probed == []
+        assert classify(err, probe, probe, ps_lost=lambda: probed.append("ps") and False) \
+            is Verdict.FUNCTION_ERROR
+    assert probed == ["ps", "ps"]
+
+
+def test_other_error_while_a_ps_no_longer_holds_its_variables_is_ps_lost():
+    # A ps restarted unnoticed: reads of its variables fail with InvalidArgumentError.
+    err = tf.errors.InvalidArgumentError(None, None, "Resource input tensor contains an invalid device")
+    assert classify(err, lambda: True, ps_lost=lambda: True) is Verdict.PS_LOST
 
 
 def test_message_text_does_not_matter():

@@ -253,8 +253,8 @@ def test_ps_recovery_goes_on_while_a_worker_is_down_and_its_resources_follow_it(
         # The worker's loss is noticed when a call on it fails.
         psclient.wait([strategy.schedule(step_with, args=(offsets,)) for _ in range(10)], timeout=120)
         wait_for(lambda: not strategy.stats()["workers"][1]["up"], 60, "worker 1 taken out")
-        # Once it is out of TF's view too. (A ps restarted while that reconnect
-        # runs can go unnoticed: a known gap, docs/fault_tolerance.md.)
+        # Once it is out of TF's view too (a ps restarted during that reconnect
+        # is the case of test_a_ps_restarted_while_idle_is_recovered_...).
         wait_for(lambda: any("left out of the cluster" in r.getMessage() for r in caplog.records),
                  60, "worker 1 left out of TF's view")
         cluster.kill("ps", 0)
@@ -289,6 +289,68 @@ def test_a_worker_that_dies_while_idle_is_taken_out_and_rejoins(heal):
         futures = [strategy.schedule(step) for _ in range(40)]
         strategy.join(timeout=120)
         assert all(f.exception() is None for f in futures)
+    finally:
+        strategy.shutdown()
+
+
+def test_a_ps_restarted_while_idle_is_recovered_when_a_reconnect_introduces_it(heal, tmp_path, caplog):
+    # The ps and a worker die while nothing runs: no call notices the ps. The
+    # reconnect that drops the worker introduces the restarted ps to the
+    # coordinator; before, every later read of its variables failed with
+    # InvalidArgumentError ("invalid device"): scheduled functions failed,
+    # checkpoints failed in a tight loop, and the ps was never recovered.
+    cluster = heal
+    caplog.set_level("INFO", logger="psclient")
+    strategy = make_strategy(cluster, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=20)
+    try:
+        steps, step = counting_step(strategy, work=1)
+        psclient.wait([strategy.schedule(step) for _ in range(30)], timeout=120)
+        wait_for(lambda: strategy.stats()["checkpoints_written"] >= 2, 60, "a checkpoint after 20 steps")
+        cluster.kill("worker", 1)
+        cluster.kill("ps", 0)
+        wait_for(lambda: not strategy.stats()["workers"][1]["up"], 60, "idle dead worker 1 taken out")
+        cluster.restart("ps", 0)
+        wait_for(lambda: strategy.stats()["ps"][0]["recoveries"] == 1, 120, "the restarted ps recovered")
+        futures = [strategy.schedule(step) for _ in range(20)]
+        strategy.join(timeout=120)
+        assert [f.exception() for f in futures] == [None] * 20
+        stats = strategy.stats()
+        assert stats["ps"][0]["failures"] == 1
+        # Restored (to 20 or more), then counted on.
+        assert 40 <= int(steps.numpy()) <= 50
+        failures = [r.getMessage() for r in caplog.records if "recovery step" in r.getMessage()]
+        assert len(failures) < 10, failures
+    finally:
+        strategy.shutdown()
+
+
+def test_probing_a_hung_worker_does_not_freeze_the_coordinators_threads(heal):
+    # Made under the worker's device, the probe's constant was copied there
+    # holding the GIL: with the worker SIGSTOPped, every thread of the
+    # coordinator (the one that would SIGCONT it too) froze until it answered.
+    import threading
+
+    from psclient._coordinator import runtime
+
+    cluster = heal
+    strategy = make_strategy(cluster)
+    try:
+        runtime.probe(runtime.worker_device(1))  # connected, and the channel warm
+        cluster.stop("worker", 1)
+        try:
+            probing = threading.Thread(target=runtime.probe, args=(runtime.worker_device(1),), daemon=True)
+            probing.start()
+            started = last = time.monotonic()
+            worst = 0.0
+            while time.monotonic() - started < 5.0:
+                time.sleep(0.01)  # a thread of the coordinator that wants to run
+                now = time.monotonic()
+                worst, last = max(worst, now - last), now
+            assert probing.is_alive()  # the probe still waits on the hung worker...
+            assert worst < 3.0  # ...and this thread ran meanwhile (frozen: >= 5 s)
+        finally:
+            cluster.resume("worker", 1)
+        probing.join(60)
     finally:
         strategy.shutdown()
 

@@ -372,6 +372,48 @@ def test_failed_checkpoint_answers_the_caller_with_its_error():
     assert d.done(ok=False, error=error) == [rm.ResumeDispatch("checkpoint"), rm.Finish("t", error=error)]
 
 
+def test_a_checkpoint_that_keeps_failing_is_tried_with_a_growing_pause_never_in_a_loop():
+    # A ps restarted unnoticed made every save fail at once: it must not spin.
+    d = Driver(checkpointing=True, checkpoint_every=10, interval=1.0)
+    d(rm.CheckpointRequested("t", "new variables"))
+    d.tick()
+    d.done(value=("ckpt-1", 0))
+    tries = []
+    while d.now < 120.0:  # the recovery thread's fastest rounds, for two minutes
+        d.tick(completed=100, at=d.now + 0.02)
+        if isinstance(d.m.op, rm.Checkpoint):
+            tries.append(d.now)
+            d.done(ok=False, error=OSError("invalid device"))
+    pauses = [b - a for a, b in zip(tries, tries[1:])]
+    assert 5 <= len(tries) <= 12, tries  # still tried, a handful of times, not thousands
+    assert all(b >= a for a, b in zip(pauses, pauses[1:]))  # growing...
+    assert 29.0 <= pauses[-1] <= 31.0  # ...up to 30 s
+    # A success starts over: the next failure waits the shortest pause again.
+    d.tick(completed=100, at=d.now + 31.0)
+    d.tick(completed=100, at=d.now + 0.02)
+    d.done(value=("ckpt-2", 100))
+    assert d.m.backoff.failures("checkpoint") == 0
+    d.tick(completed=200, at=d.now + 0.02)
+    d.tick(completed=200, at=d.now + 0.02)
+    d.done(ok=False, error=OSError("again"))
+    assert not d.m.backoff.ready("checkpoint", d.now + 0.4) and d.m.backoff.ready("checkpoint", d.now + 0.5)
+
+
+def test_a_drop_refused_by_no_worker_is_tried_again_after_a_pause_not_at_once():
+    # A reconnect that a ps not reachable refuses fails the same way if tried at once.
+    d = Driver(num_workers=3)
+    d(rm.WorkerNotAnswering(1), at=1.0)
+    assert d(rm.WorkerSeen(1, "closed", False)) == [rm.Reconnect(frozenset({0, 2}), "drop")]
+    assert d.done(ok=False, value={}) == []
+    assert d.tick(at=1.1) == []
+    assert d.tick(at=1.5) == [rm.Reconnect(frozenset({0, 2}), "drop")]
+    assert d.done(ok=False, error=RuntimeError("unavailable")) == []
+    assert d.tick(at=2.4) == []
+    assert d.tick(at=2.5) == [rm.Reconnect(frozenset({0, 2}), "drop")]
+    d.done()
+    assert d.m.view == frozenset({0, 2}) and d.m.backoff.failures("drop") == 0
+
+
 def test_without_checkpoint_dir_a_request_is_answered_at_once():
     d = Driver()
     assert d(rm.CheckpointRequested("t", "requested")) == [rm.Finish("t", value=None)]

@@ -79,7 +79,7 @@ def _pipe_to_output(pipe: IO[bytes], name: str, output: _Output) -> threading.Th
             for raw in pipe:
                 output.line(name, raw.decode("utf-8", "replace"))
 
-    thread = threading.Thread(target=copy, name=f"psclient-launch-{name}")
+    thread = threading.Thread(target=copy, name=f"psclient-launch-{name}", daemon=True)
     thread.start()
     return thread
 
@@ -174,7 +174,13 @@ class _Child:
                 pass
         self.send(signal.SIGKILL)  # Also ends anything the child left in its group.
         self.process.wait()
-        self._reader.join()
+        # Its output ends with the group; a process that left the group and kept
+        # the pipe open must not hold the caller (the reader is a daemon).
+        self._reader.join(timeout=_READER_GRACE_S)
+
+
+#: How long `_Child.stop` waits for the last of a stopped child's output.
+_READER_GRACE_S = 5.0
 
 
 def exit_status(returncode: int) -> int:

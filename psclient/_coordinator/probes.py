@@ -7,8 +7,9 @@ means for a task is the recovery machine's decision (psclient._core.recovery);
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from psclient._cluster.spec import Cluster
 from psclient._coordinator import runtime as _runtime
@@ -32,7 +33,12 @@ class FailureProbes:
     """Bounded probes a dispatcher makes to classify a failed call."""
 
     def __init__(self, cluster: Cluster, prober: Prober, scheduler: Scheduler, published: Published,
-                 probe_timeout: float, edge: Any = _runtime):
+                 probe_timeout: float, edge: Any = _runtime,
+                 held: Callable[[], dict] = dict, check: Callable[[Any], None] | None = None):
+        # `held()`: a variable on each ps task that holds any; `check(variable)`
+        # raises if its task no longer holds it (`runtime.check_handle`).
+        self._held = held
+        self._check = check
         self._edge = edge
         self._cluster = cluster
         self._prober = prober
@@ -73,13 +79,45 @@ class FailureProbes:
         return silent + list(pending)
 
     def lost_ps(self) -> tuple:
-        """The ps tasks that do not answer (those known lost without probing)."""
+        """The ps tasks that do not answer, or that answer but no longer hold
+        their variables (restarted: `stale_ps`). Those known lost without probing."""
         known = self._published.ps_down
         if known:
             return tuple(sorted(known))
-        return tuple(sorted(self._not_answering(
+        silent = set(self._not_answering(
             {ps: self._edge.ps_device(ps).rsplit("/device:", 1)[0] for ps in range(self._cluster.num_ps)}
-        )))
+        ))
+        return tuple(sorted(silent | set(self.stale_ps(skip=silent))))
+
+    def stale_ps(self, skip: set = frozenset()) -> tuple:
+        """The ps tasks whose variables this coordinator can no longer reach.
+
+        A ps restarted behind the coordinator's back answers probes once any
+        reconnect has introduced the new process, but the variables' handles
+        name the old one: every read fails ("invalid device") until they are
+        made again and restored. One shape op per ps, all at once, within
+        probe_timeout (a task that does not answer in time counts as lost).
+        """
+        if self._check is None:
+            return ()
+        held = {ps: v for ps, v in self._held().items() if ps not in skip}
+        results: dict[int, bool] = {}
+
+        def check(ps: int, variable: Any) -> None:
+            try:
+                self._check(variable)
+                results[ps] = True
+            except self._edge.op_error():
+                results[ps] = False
+
+        threads = [threading.Thread(target=check, args=item, name=f"psclient-ps-check{item[0]}", daemon=True)
+                   for item in held.items()]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + self._probe_timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return tuple(sorted(ps for ps in held if not results.get(ps, False)))
 
     def worker_answers(self, worker: int) -> bool:
         """Whether `worker` answers, or cannot be judged yet.

@@ -115,7 +115,9 @@ class Recovery:
             checkpoint_while_hung=config.checkpoint_while_hung,
         ), clock())
         self._published = Published(cluster.num_workers)
-        self.probes = FailureProbes(cluster, prober, scheduler, self._published, config.probe_timeout, edge)
+        self.probes = FailureProbes(cluster, prober, scheduler, self._published, config.probe_timeout, edge,
+                                    held=getattr(store, "one_per_ps", dict),
+                                    check=getattr(edge, "check_handle", None))
         self._inbox: queue.Queue = queue.Queue()
         self.broken: BaseException | None = None
         self.ps_stats = [PSStats() for _ in range(cluster.num_ps)]
@@ -123,6 +125,8 @@ class Recovery:
         # Variables created when the newest checkpoint was taken (read by schedule()).
         self.saved_created = -1
         self._completed_then: int | None = None
+        self._last_failure: tuple | None = None  # (step, error type, first line), for the log
+        self._same_failures = 0
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="psclient-health", daemon=True)
 
@@ -281,7 +285,32 @@ class Recovery:
             for action in actions:
                 done = self._carry_out(action)
                 if done is not None:
+                    # Before the outcome: the flow that goes on from it must know.
+                    pending += self._ps_restarted_behind(done)
                     pending.append(done)
+
+    def _ps_restarted_behind(self, done: rm.Done) -> list:
+        """A PsNotAnswering for each ps that no longer holds its variables, after
+        a reconnect (it introduces a restarted ps to the coordinator, and the
+        old handles then fail with "invalid device") or a failed step.
+
+        Nothing else notices a ps restarted while no closure runs against it
+        (every worker out, say): checkpoints and rebuilds would fail against
+        it, and scheduled functions with InvalidArgumentError, for good.
+        """
+        op = done.op
+        if self._machine.lost_ps() or self._machine.broken:
+            return []  # its recovery is under way (or given up)
+        if isinstance(op, rm.Reconnect) and (not done.ok or op.purpose == "ps"):
+            return []  # nothing changed; or the ps recovery itself renews every handle
+        if done.ok and not isinstance(op, rm.Reconnect):
+            return []
+        stale = self.probes.stale_ps()
+        if not stale:
+            return []
+        log.warning("ps task(s) %s no longer hold this coordinator's variables (restarted): "
+                    "recovering them from the newest checkpoint", list(stale))
+        return [rm.PsNotAnswering(stale, self._machine.ps_epoch)]
 
     def _publish(self) -> None:
         machine = self._machine
@@ -297,14 +326,24 @@ class Recovery:
         try:
             value = self._operate(action)
         except Exception as error:  # noqa: BLE001 - the thread must outlive one failed step: the machine decides
-            log.warning("recovery step %s failed: %s: %s", type(action).__name__, type(error).__name__,
-                        _first_line(error), exc_info=log.isEnabledFor(logging.DEBUG))
+            self._log_failure(action, error)
             return rm.Done(action, ok=False, error=error)
         if isinstance(value, _Refused):
             return rm.Done(action, ok=False, value=value.workers)
         if value is False:
             return rm.Done(action, ok=False)
         return rm.Done(action, ok=True, value=value)
+
+    def _log_failure(self, action: Any, error: BaseException) -> None:
+        """A warning for a step's failure; the same failure again in a row only
+        at its 2nd, 4th, 8th... time (the machine backs off between tries)."""
+        key = (type(action).__name__, type(error).__name__, _first_line(error))
+        count = self._same_failures + 1 if key == self._last_failure else 1
+        self._last_failure, self._same_failures = key, count
+        if count & (count - 1) == 0:
+            again = f" ({count} times in a row)" if count > 1 else ""
+            log.warning("recovery step %s failed%s: %s: %s", *key[:1], again, *key[1:],
+                        exc_info=log.isEnabledFor(logging.DEBUG))
 
     def _apply(self, action: Any) -> None:
         scheduler = self._scheduler

@@ -168,9 +168,15 @@ def probe(device: str) -> None:
         # failed with another, dead worker's error.
         own = _probe_executors.executor = _executors.new_call_executor(streaming=False)
     try:
-        with _executors.executor_scope(own), tf.device(f"{device}/device:CPU:0"):
-            value = tf.constant(1, dtype=tf.int32) + 1
-            value.numpy()
+        with _executors.executor_scope(own):
+            # The constant is made here, not under the task's device: made there,
+            # TF copies it to the task while holding the GIL, and a hung
+            # (SIGSTOPped) task then froze every thread of the coordinator until
+            # it answered. The op's own copy of its input waits without the GIL.
+            with tf.device(coordinator_cpu()):
+                one = tf.constant(1, dtype=tf.int32)
+            with tf.device(f"{device}/device:CPU:0"):
+                (one + 1).numpy()
     except tf.errors.OpError:
         own.clear_error()  # or the next probe on this thread fails with it
         raise
@@ -178,6 +184,29 @@ def probe(device: str) -> None:
 
 #: The executor of each thread that probes (a pool thread's, for its life).
 _probe_executors = threading.local()
+
+
+def check_handle(variable: Any) -> None:
+    """One op on `variable`'s resource on its ps task (its shape: no data moves).
+
+    Raises what TF raises when the task no longer holds that resource: a ps
+    restarted since the handle was made (InvalidArgumentError "invalid
+    device" once the coordinator reconnected to the new process; Aborted or
+    Unavailable before). A tiny-op probe cannot see this: the new process
+    answers it once a reconnect has introduced it. Blocks while the task is
+    hung: call it with a timeout.
+    """
+    import tensorflow as tf
+
+    own = getattr(_probe_executors, "executor", None)
+    if own is None:
+        own = _probe_executors.executor = _executors.new_call_executor(streaming=False)
+    try:
+        with _executors.executor_scope(own), tf.device(coordinator_cpu()):
+            tf.raw_ops.VariableShape(input=variable.handle).numpy()
+    except tf.errors.OpError:
+        own.clear_error()
+        raise
 
 
 def renew_variable_handle(variable: Any, device: str) -> None:

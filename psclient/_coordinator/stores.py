@@ -231,6 +231,23 @@ class VariableStore:
                 hook(set(lost_ps))
         return count
 
+    def one_per_ps(self) -> dict[int, Any]:
+        """A live variable (or shard) on each ps task that holds any: what shows
+        whether that task still holds the resources this coordinator made."""
+        with self._lock:
+            entries = list(self._variables)
+        found: dict[int, Any] = {}
+        for ref, tasks in entries:
+            variable = ref()
+            if variable is None:
+                continue
+            parts = variable.variables if is_partitioned(variable) else (variable,)
+            for part, ps in zip(parts, tasks):
+                found.setdefault(ps, part)
+            if len(found) == self._num_ps:
+                break
+        return found
+
     def add_renew_hook(self, method: Callable[[set], None]) -> None:
         """Call bound `method(lost_ps)` after each `renew`, while its object lives."""
         self._on_renew.append(weakref.WeakMethod(method))

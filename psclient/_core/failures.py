@@ -88,8 +88,8 @@ def classify(
 
     `ps_lost` probes the ps tasks; `worker_answers` the closure's worker;
     `others_lost` the other workers (and takes lost ones out of rotation).
-    Probes run only for connection-type errors, in that order, each only if
-    the one before found nothing. `attempts` is how many of the closure's
+    Probes run for connection-type errors, in that order, each only if the
+    one before found nothing; any other error probes the ps tasks only. `attempts` is how many of the closure's
     attempts, this one included, failed with a connection error that no
     probe explained (retries after a lost task do not count): such an error
     is retried until MAX_TRANSIENT_ATTEMPTS, then it is the function's own.
@@ -97,7 +97,12 @@ def classify(
     task was lost; past MAX_OTHER_LOST_ATTEMPTS that no longer explains it.
     """
     if not is_connection_error_type(error):
-        return Verdict.FUNCTION_ERROR
+        # A ps restarted behind the coordinator's back (noticed by no call
+        # while it was away) fails reads of its variables with
+        # InvalidArgumentError ("invalid device"), not a connection error:
+        # the ps probe (which checks the variables' handles) tells it apart
+        # from the function's own error.
+        return Verdict.PS_LOST if ps_lost() else Verdict.FUNCTION_ERROR
     # The ps tasks first: a lost ps breaks calls on every worker, and can make
     # a worker's own probe fail too, which must not take healthy workers out.
     if ps_lost():

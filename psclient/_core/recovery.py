@@ -50,6 +50,10 @@ Flows, tried after each event in this order, one at a time:
    running closures (hang_timeout, then skipped), Checkpoint, ResumeDispatch.
 4. rejoin: Reconnect(UP workers + it) -> CheckAnswers -> RebuildWorker -> BringUp.
 
+A failed drop or checkpoint is tried again after a pause that doubles with
+each failure in a row (`Backoff`, retry.py), not at once: a step failing the
+same way each time never spins.
+
 Guards: no Reconnect while a worker in TF's view hangs (SUSPECT or HUNG and
 not answering): TF's `update_server_def` would wait on it for good. It does
 not wait for closures running on other workers (measured), so dispatch goes on
@@ -100,6 +104,7 @@ from psclient._core.recovery_messages import (  # noqa: F401 - the machine's voc
     WorkerSeen,
 )
 from psclient._core.recovery_elastic import ElasticFlows
+from psclient._core.retry import Backoff
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +166,8 @@ class RecoveryMachine(ElasticFlows):
         self._requests: list[tuple[Any, str]] = []
         self._ckpt_waiting_since: float | None = None
         self._ckpt_reason = ""
+        # A failed checkpoint or drop is tried again after a growing pause, not at once.
+        self.backoff = Backoff(base=min(0.5, config.interval), cap=30.0)
         self._init_elastic()
 
     # ------------------------------------------------------------ queries
@@ -280,6 +287,15 @@ class RecoveryMachine(ElasticFlows):
             self.view = frozenset(op.workers)
         if isinstance(op, Reconnect):
             actions += self._retire_out_of_view()
+        if isinstance(op, Reconnect) and op.purpose == "drop":
+            if event.ok:
+                self.backoff.succeeded("drop")
+            elif not event.value:
+                # Failed, or refused by no worker (a ps not reachable): the same
+                # again at once would fail the same way. (Workers named as not
+                # answering are taken out: the next try is another one.)
+                # At most 2 s apart: a restarted ps is waited for, not minutes.
+                self.backoff.failed("drop", now, cap=2.0)
         if isinstance(op, Reconnect) and not event.ok:
             # Named workers that did not answer: out of rotation, decided next round.
             for worker, tcp in (event.value or {}).items():
@@ -333,7 +349,7 @@ class RecoveryMachine(ElasticFlows):
 
     def _advance_drop(self, now: float) -> list:
         target = self._up() & self.view
-        if not self._gone_in_view() or not target:
+        if not self._gone_in_view() or not target or not self.backoff.ready("drop", now):
             return []
         # TF fails anything that registers a function on every task (a
         # checkpoint, a new trace) while a gone worker is in its view.
@@ -458,6 +474,8 @@ class RecoveryMachine(ElasticFlows):
         if self._ckpt_waiting_since is None:
             if hung or self._gone_in_view() or any(s is TaskState.REJOINING for s in self.workers):
                 return []  # wait until the view is clean
+            if not self.backoff.ready("checkpoint", now):
+                return []  # the last one failed: not again at once
             self._ckpt_waiting_since, self._ckpt_reason = now, reason
             self._paused_at_round = self._rounds
             return [PauseDispatch("checkpoint")]
@@ -481,8 +499,10 @@ class RecoveryMachine(ElasticFlows):
             self._saved_once = self._has_checkpoint = True
             self._saved_completed = completed
             finish = [Finish(t, value=path) for t, _ in requests]
+            self.backoff.succeeded("checkpoint")
         else:
             finish = [Finish(t, error=event.error) for t, _ in requests]
+            self.backoff.failed("checkpoint", now)
         return [ResumeDispatch("checkpoint"), *finish]
 
     def _take_out(self, worker: int, state: TaskState, detected_after, now: float, why: str) -> list:

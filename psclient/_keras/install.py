@@ -395,19 +395,19 @@ def _fit(stock, model, strategy, a: dict):
     # already set: this one, for the duration of this fit.
     model.train_function = train_function
     callbacks = fit_callbacks(model, train_function, a["callbacks"], a["verbose"], epochs, epoch_steps)
-    ok = False
     try:
         forwarded = {name: a[name] for name, use in FIT_ARGUMENTS.items() if use == "forwarded"}
         forwarded["callbacks"] = callbacks
-        history = stock(
+        return stock(
             model, x=adapter, batch_size=None, validation_data=validation_data, shuffle=False,
             steps_per_epoch=steps_per_epoch, **forwarded,
         )
-        ok = True
-        return history
+    except BaseException as error:
+        # Interrupted (Ctrl-C): the user wants out, not the steps in flight; the
+        # strategy's shutdown cancels them. Any other error: wait for them.
+        train_function.abandon(wait=not isinstance(error, KeyboardInterrupt))
+        raise
     finally:
-        if not ok:
-            train_function.abandon()
         model.train_function = previous
 
 

@@ -227,10 +227,13 @@ class TrainFunction:
         latest, self._latest, self._steps_scheduled = self._latest, None, 0
         return latest
 
-    def abandon(self) -> None:
-        """After an error elsewhere: wait for the pending steps, logging their errors."""
+    def abandon(self, wait: bool = True) -> None:
+        """After an error elsewhere: wait for the pending steps (unless `wait` is
+        False), logging their errors."""
         self._in_flight.clear()
         self._latest, self._steps_scheduled = None, 0
+        if not wait:
+            return
         try:
             self._strategy.join()
         except Exception as error:  # noqa: BLE001 - any step error; the one being raised matters more

@@ -1,0 +1,283 @@
+"""Seeded chaos plans: worker kills, hangs and a ps kill, overlapping, while batches run.
+
+Each seed draws one plan over --duration seconds on a fresh LocalCluster (3
+workers, 1 ps; the strategy with hang_timeout=3, checkpoint_every=200 and a
+checkpoint_dir): --kills worker SIGKILLs, each restarted after 0.5-3 s;
+--hangs worker SIGSTOPs of 4-6 s, ended with SIGCONT from this process;
+--ps-kills ps SIGKILLs, each restarted at once. Times are uniform, so faults
+overlap (a hang during a kill, the ps killed while a worker is out). Meanwhile
+the main thread schedules batches of --batch closures (a small update of a ps
+variable and a count of the steps) and joins each, until the plan has run.
+
+Per seed, one JSON row: the plan; futures scheduled, resolved, failed,
+cancelled and unresolved; each distinct error (type and first line) that
+reached a future or join, with its count; for each fault, how long after it
+ended (the task restarted and serving again, or resumed) the task was back
+in use (a worker up again, the ps recovered), null if it never was within
+--recovery-timeout; the rejoin and ps recovery times psclient logged; the
+longest stall of a coordinator thread that sleeps 50 ms; the count of steps
+against the range the futures allow. Progress on stderr.
+
+Usage:
+  nice -n 10 python benchmarks/chaos.py --seeds 20 --output benchmarks/results/chaos_seeds.json
+  nice -n 10 python benchmarks/chaos.py --seeds 3-5 --duration 60
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import subprocess
+import tempfile
+import threading
+import time
+
+from _common import log
+
+PLAN_WORKERS, PLAN_PS = 3, 1
+
+
+def draw_plan(seed: int, duration: float, kills: int, hangs: int, ps_kills: int) -> list[dict]:
+    """The seed's faults: [{"at", "fault", "task", "for"}], by time."""
+    rng = random.Random(seed)
+    end = max(5.0, duration - 10.0)  # the last fault leaves time to recover within the plan
+    plan = [{"at": rng.uniform(3.0, end), "fault": "kill", "task": f"worker:{rng.randrange(PLAN_WORKERS)}",
+             "for": rng.uniform(0.5, 3.0)} for _ in range(kills)]
+    plan += [{"at": rng.uniform(3.0, end), "fault": "hang", "task": f"worker:{rng.randrange(PLAN_WORKERS)}",
+              "for": rng.uniform(4.0, 6.0)} for _ in range(hangs)]
+    plan += [{"at": rng.uniform(duration / 5, end), "fault": "kill", "task": "ps:0", "for": 0.0}
+             for _ in range(ps_kills)]
+    return [{k: round(v, 2) if isinstance(v, float) else v for k, v in f.items()}
+            for f in sorted(plan, key=lambda f: f["at"])]
+
+
+class _Logged(logging.Handler):
+    """psclient's rejoin and ps recovery times, and how often a recovery step failed."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.rejoin_s: list[float] = []
+        self.ps_recovery_s: list[float] = []
+        self.step_failures: dict[str, int] = {}
+
+    def emit(self, record):
+        text = record.getMessage()
+        if (m := re.search(r"rejoined \(([\d.]+) s after", text)):
+            self.rejoin_s.append(float(m.group(1)))
+        elif (m := re.search(r"recovered from .*\(([\d.]+) s after the task came back\)", text)):
+            self.ps_recovery_s.append(float(m.group(1)))
+        elif (m := re.match(r"recovery step (\w+) failed", text)):
+            self.step_failures[m.group(1)] = self.step_failures.get(m.group(1), 0) + 1
+
+
+class _Faults:
+    """One thread per fault; a lock per task so two faults on one task take turns."""
+
+    def __init__(self, local, strategy, plan, started, recovery_timeout):
+        self.local, self.strategy, self.plan = local, strategy, plan
+        self.started, self.recovery_timeout = started, recovery_timeout
+        self.locks = {t: threading.Lock() for t in [f"worker:{w}" for w in range(PLAN_WORKERS)] + ["ps:0"]}
+        self.results: list[dict] = []
+        self.threads = [threading.Thread(target=self._run, args=(f,), daemon=True) for f in plan]
+
+    def start(self):
+        for thread in self.threads:
+            thread.start()
+
+    def alive(self):
+        return any(t.is_alive() for t in self.threads)
+
+    def _up(self, job, index, recoveries_before):
+        stats = self.strategy.stats()
+        if job == "ps":
+            return stats["ps"][index]["recoveries"] > recoveries_before
+        return stats["workers"][index]["up"]
+
+    def _run(self, fault):
+        time.sleep(max(0.0, self.started + fault["at"] - time.monotonic()))  # the plan's own clock
+        job, index = fault["task"].split(":")
+        index = int(index)
+        row = dict(fault)
+        with self.locks[fault["task"]]:
+            if not self.local.is_running(job, index):
+                row["skipped"] = "not running"
+                self.results.append(row)
+                return
+            recoveries = self.strategy.stats()["ps"][0]["recoveries"]
+            if fault["fault"] == "hang":
+                # SIGCONT from another process: one from this process would wait
+                # on the coordinator, whose threads a hung task may freeze.
+                resumer = subprocess.Popen(["sh", "-c", f"sleep {fault['for']}; kill -CONT {self.local.pid(job, index)}"])
+                self.local.stop(job, index)
+                resumer.wait()
+                self.local.resume(job, index)
+            else:
+                self.local.kill(job, index)
+                time.sleep(fault["for"])
+                try:
+                    self.local.restart(job, index, timeout=300)
+                except Exception as error:  # noqa: BLE001 - counted: the task stays down
+                    row["restart_failed"] = f"{type(error).__name__}: {str(error)[:200]}"
+                    self.results.append(row)
+                    return
+            ended = time.monotonic()
+            row["ended_at"] = round(ended - self.started, 2)
+            deadline = ended + self.recovery_timeout
+            while not self._up(job, index, recoveries) and time.monotonic() < deadline:
+                time.sleep(0.05)  # polling stats
+            row["back_after_s"] = round(time.monotonic() - ended, 2) if self._up(job, index, recoveries) else None
+        self.results.append(row)
+
+
+def _step(strategy):
+    import tensorflow as tf
+
+    with strategy.scope():
+        weights = tf.Variable(tf.random.stateless_normal([64, 64], seed=[1, 2]) / 8)
+        counted = tf.Variable(0, dtype=tf.int64)
+    x = tf.random.stateless_normal([32, 64], seed=[3, 4])
+
+    @tf.function
+    def step():
+        weights.assign_sub(0.001 * tf.matmul(tf.transpose(x), tf.tanh(x @ weights)) / 32)
+        counted.assign_add(1)
+        return counted.read_value()
+
+    return step, counted
+
+
+def run_seed(seed: int, args) -> dict:
+    import psclient
+
+    plan = draw_plan(seed, args.duration, args.kills, args.hangs, args.ps_kills)
+    log(f"seed {seed}: {len(plan)} faults: " + ", ".join(f"{f['fault']} {f['task']}@{f['at']}" for f in plan))
+    logged = _Logged()
+    logging.getLogger("psclient").addHandler(logged)
+    errors: dict[str, int] = {}
+    join_errors: list[str] = []
+    futures = []
+    join_s: list[float] = []
+    stall = [0.0]
+    with psclient.LocalCluster(num_workers=PLAN_WORKERS, num_ps=PLAN_PS) as local, \
+            tempfile.TemporaryDirectory() as ckpt:
+        strategy = psclient.ParameterServerStrategy(
+            local.cluster, hang_timeout=3.0, checkpoint_dir=ckpt, checkpoint_every=200)
+        sampling = threading.Event()
+
+        def sample():  # a coordinator thread that wants to wake every 50 ms
+            last = time.monotonic()
+            while not sampling.wait(0.05):
+                now = time.monotonic()
+                stall[0] = max(stall[0], now - last - 0.05)
+                last = now
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        faults = None
+        try:
+            step, counted = _step(strategy)
+            started = time.monotonic()
+            faults = _Faults(local, strategy, plan, started, args.recovery_timeout)
+            faults.start()
+            sampler.start()
+            # New batches while the plan runs (and its last faults recover, for
+            # recovery_timeout at most); each join may take join_timeout.
+            stop_at = started + args.duration + args.recovery_timeout
+            while (time.monotonic() < started + args.duration or faults.alive()) and time.monotonic() < stop_at:
+                batch = [strategy.schedule(step) for _ in range(args.batch)]
+                futures += batch
+                joined = time.monotonic()
+                try:
+                    strategy.join(timeout=args.join_timeout)
+                except TimeoutError:
+                    join_errors.append(f"TimeoutError: join did not return within {args.join_timeout:g} s")
+                    break
+                except Exception as error:  # noqa: BLE001 - recorded per seed
+                    join_errors.append(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                join_s.append(time.monotonic() - joined)
+            wall = time.monotonic() - started
+            for future in futures:
+                if future.done() and not future.cancelled() and future.exception() is not None:
+                    error = future.exception()
+                    key = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+                    errors[key] = errors.get(key, 0) + 1
+            stats = strategy.stats()
+            ps = stats["ps"][0]
+            ok = sum(f.done() and not f.cancelled() and f.exception() is None for f in futures)
+            retried = sum(w["retried"] for w in stats["workers"])
+            steps = int(counted.numpy()) if not stats.get("broken") else None
+            low = ok - ps["rolled_back_closures"]
+        finally:
+            sampling.set()
+            if faults is not None:
+                for thread in faults.threads:
+                    thread.join(args.recovery_timeout + 330)
+            strategy.shutdown()
+            logging.getLogger("psclient").removeHandler(logged)
+    row = {
+        "seed": seed,
+        "plan": plan,
+        "futures_scheduled": len(futures),
+        "futures_resolved": ok,
+        "futures_failed": sum(errors.values()),
+        "futures_cancelled": sum(f.cancelled() for f in futures),
+        "futures_unresolved": sum(not f.done() for f in futures),
+        "errors": errors,
+        "join_errors": join_errors,
+        "faults": sorted(faults.results, key=lambda r: r["at"]),
+        "recoveries_unfinished": sum(1 for r in faults.results
+                                     if "back_after_s" in r and r["back_after_s"] is None),
+        "rejoin_s": logged.rejoin_s,
+        "ps_recovery_s": logged.ps_recovery_s,
+        "ps_recoveries": ps["recoveries"],
+        "recovery_step_failures": logged.step_failures,
+        "max_stall_s": round(stall[0], 2),
+        "batches": len(join_s),
+        "max_join_s": round(max(join_s), 2) if join_s else None,
+        "steps_counted": steps,
+        "steps_counted_in_range": steps is not None and low <= steps <= low + retried + (len(futures) - ok),
+        "wall_s": round(wall, 1),
+    }
+    log(f"seed {seed}: {ok}/{len(futures)} resolved, {row['futures_failed']} failed, "
+        f"{row['futures_cancelled']} cancelled, {row['futures_unresolved']} unresolved, errors {errors}, "
+        f"join {join_errors}, unfinished recoveries {row['recoveries_unfinished']}, stall {row['max_stall_s']} s, "
+        f"wall {row['wall_s']} s")
+    return row
+
+
+def parse_seeds(text: str) -> list[int]:
+    """`20` (seeds 0-19), `3-7` (inclusive) or `1,4,9`."""
+    if "," in text:
+        return [int(s) for s in text.split(",")]
+    if "-" in text:
+        first, last = text.split("-")
+        return list(range(int(first), int(last) + 1))
+    return list(range(int(text)))
+
+
+def summarise(rows: list[dict]) -> dict:
+    clean = [r for r in rows if not (r["futures_failed"] or r["futures_cancelled"] or r["futures_unresolved"]
+                                     or r["join_errors"] or r["recoveries_unfinished"])]
+    back = [f["back_after_s"] for r in rows for f in r["faults"] if f.get("back_after_s") is not None]
+    errors: dict[str, int] = {}
+    for r in rows:
+        for key, count in r["errors"].items():
+            errors[key] = errors.get(key, 0) + count
+        for key in r["join_errors"]:
+            errors["join: " + key] = errors.get("join: " + key, 0) + 1
+    return {
+        "seeds": len(rows),
+        "seeds_clean": len(clean),
+        "futures_scheduled": sum(r["futures_scheduled"] for r in rows),
+        "futures_resolved": sum(r["futures_resolved"] for r in rows),
+        "futures_failed": sum(r["futures_failed"] for r in rows),
+        "futures_cancelled": sum(r["futures_cancelled"] for r in rows),
+        "futures_unresolved": sum(r["futures_unresolved"] for r in rows),
+        "recoveries_unfinished": sum(r["recoveries_unfinished"] for r in rows),
+        "errors": errors,
+        "back_after_s_median": sorted(back)[len(back) // 2] if back else None,
+        "back_after_s_max": max(back) if back else None,
+        "max_stall_s": max((r["max_stall_s"] for r in rows), default=None),
+        "max_join_s": max((r["max_join_s"] or 0 for r in rows), default=None),
+        "steps_counted_in_range": all(r["steps_counted_in_range"] for r in rows),
+    }
