@@ -66,7 +66,7 @@ LEARNING_RATE = 0.01
 NUM_WORKERS, NUM_PS = 2, 2
 MIN_SHARD_BYTES, MAX_SHARDS = 256 << 10, 2
 SEED = 7
-# Issue 12's targets.
+# The project's targets for embeddings.
 TARGET_GROWTH = 1.2  # psclient step time, largest table / smallest table, at most
 TARGET_RATIO = 1.5  # psclient / tf_keras_pss steps/s at the largest table, at least
 

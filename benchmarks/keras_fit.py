@@ -56,7 +56,7 @@ UNITS, BATCH, LR = (784, 512, 512, 10), 128, 0.01
 NUM_WORKERS, NUM_PS = 2, 1
 # --optimizer: (class name in keras.optimizers / tf_keras.optimizers, learning rate).
 OPTIMIZERS = {"sgd": ("SGD", LR), "adam": ("Adam", 1e-4), "adagrad": ("Adagrad", 0.01)}
-# psclient_keras3 / tf_keras_pss that the project asks for (issue 12: Adam 1.5x).
+# psclient_keras3 / tf_keras_pss that the project asks for (Adam 1.5x).
 TARGETS = {"sgd": 2.0, "adam": 1.5, "adagrad": 1.5}
 
 

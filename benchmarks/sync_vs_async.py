@@ -214,7 +214,7 @@ def parent_main(args, argv) -> int:
                         missing = missing_arguments(kwargs)
                         if missing:
                             needs = ", ".join(f"ParameterServerStrategy({m}=)" for m in missing)
-                            runs.setdefault(name, []).append({"not run": f"needs {needs} (issue 16)"})
+                            runs.setdefault(name, []).append({"not run": f"needs {needs}"})
                             continue
                         if straggler:
                             local.throttle(*STRAGGLER, STRAGGLER_FRACTION)

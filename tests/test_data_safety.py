@@ -1,6 +1,6 @@
 """Checkpoints are user data: nothing of another run is overwritten, pruned or half-restored.
 
-Issue 13 items 2-4: a strategy refuses a checkpoint_dir holding another run's
+A strategy refuses a checkpoint_dir holding another run's
 checkpoints unless restore() adopts them or overwrite_checkpoints=True;
 restore() falls back from a missing or damaged newest checkpoint to the newest
 complete one and says so; damaged or mismatching checkpoints raise errors

@@ -314,7 +314,7 @@ def test_requeue_running_abandons_every_running_attempt_but_keeps_workers_up():
     assert s.wait_idle(timeout=0)
 
 
-# ------------------------------------------------------- wakeups (issue 15)
+# ------------------------------------------------------- wakeups ----------
 def _wait_until(predicate, what, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not predicate():

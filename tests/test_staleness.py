@@ -1,4 +1,4 @@
-"""Staleness measured, and bounded with `max_staleness` (issue 16, items 1 and 2).
+"""Staleness measured, and bounded with `max_staleness`.
 
 One LocalCluster of 3 workers and 1 ps for the module; each test connects its
 own strategy. A straggler is made with `LocalCluster.throttle`, so that stale

@@ -1,4 +1,4 @@
-"""Synchronous training with backup workers: `replicas_to_aggregate` (issue 16, item 3).
+"""Synchronous training with backup workers: `replicas_to_aggregate`.
 
 One LocalCluster of 3 workers and 2 ps tasks for the module (2 ps so that
 partitioned variables and their accumulators are split over both); each test

@@ -1,4 +1,4 @@
-"""LocalCluster.throttle: stragglers on demand (issue 16, item 4).
+"""LocalCluster.throttle: stragglers on demand.
 
 Pure tests of the duty cycle's arithmetic and of the argument checks; a busy
 process (no TensorFlow) throttled by the helper; a worker of the shared

@@ -1,4 +1,4 @@
-"""Model versions, staleness, `max_staleness` and `replicas_to_aggregate` (issue 16, items 1-3).
+"""Model versions, staleness, `max_staleness` and `replicas_to_aggregate`.
 
 One int64 counter on ps 0, the model *version*, orders every update. A
 scheduled function that applies gradients with a Keras optimizer (its

@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 # "auto": variables of more than 128 KiB are split. Small enough that a model's
-# big kernels and tables spread over the ps tasks (the 2-ps model of issue 12
+# big kernels and tables spread over the ps tasks (the 2-ps model of benchmarks/partitioning.py
 # is balanced within 1.07x by bytes), large enough that biases, small kernels
 # and optimizer scalars stay whole (one variable, one read).
 AUTO_MIN_SHARD_BYTES = 128 << 10

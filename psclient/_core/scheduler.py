@@ -29,7 +29,7 @@ Wakeups: a closure that becomes takeable (submitted, retried, requeued, its
 worker back, dispatch resumed) wakes one waiting dispatcher thread of an up
 worker, the one idle longest, and no other; a completion wakes nobody unless
 someone waits for that state (join, wait_idle). So the cost of a closure does
-not grow with the number of workers (issue 15: one condition for every
+not grow with the number of workers (an earlier design, one condition for every
 dispatcher, told by every completion, gave 54 closures/s at 1,000 threads).
 
 `join()` waits until nothing is unfinished, then raises the first error once.
