@@ -29,6 +29,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
+from psclient._coordinator import registry
 from psclient._core import dynamic_tables as rules
 
 __all__ = ["DynamicTable", "initial_rows", "live_tables", "mix64", "shard_of", "stats_on_ps"]
@@ -48,9 +49,14 @@ def live_tables() -> list["DynamicTable"]:
         return sorted(_tables, key=lambda table: table.serial)
 
 
-def stats_on_ps() -> dict[str, list[dict]]:
-    """`stats()` of every live table whose rows are on ps tasks, by name (the newest of a name)."""
-    return {table.name: table.stats() for table in live_tables() if table.shards[0].device}
+def stats_on_ps(strategy) -> dict[str, list[dict]]:
+    """`stats()` of every live table of `strategy` (rows on its ps tasks), by name (the newest of a name).
+
+    Only that strategy's: a table made under an earlier strategy (a model still
+    referenced after its shutdown) lives on tasks this one may not reach.
+    """
+    return {table.name: table.stats() for table in live_tables()
+            if table.shards[0].device and table.owner() is strategy}
 
 
 def _shift(x, bits: int):
@@ -144,6 +150,9 @@ class DynamicTable:
         import tensorflow as tf
 
         self.name, self.dim, self.init, self.policy = name, dim, init, policy
+        # The strategy whose ps tasks hold the rows (None without one), weakly: stats() asks by it.
+        strategy = registry.current()
+        self.owner = weakref.ref(strategy) if strategy is not None else (lambda: None)
         self.share = rules.per_ps(policy.capacity, len(devices))
         with tf.init_scope():
             self.shards = [_Shard(d, dim, f"{name}_ps{i}") for i, d in enumerate(devices)]

@@ -458,7 +458,7 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
         stats["staleness"] = self._steps.summary()
         stats["data"] = data_stats(self)  # sharded datasets' ledgers (psclient.data)
         stats["replayed_records"] = stats["data"]["replayed_records"]
-        stats["dynamic_embeddings"] = dynamic_tables.stats_on_ps()
+        stats["dynamic_embeddings"] = dynamic_tables.stats_on_ps(self)
         return stats
 
     # ------------------------------------------------------------ checkpoints
