@@ -54,22 +54,26 @@ class BackupAndRestore(_KerasBackupAndRestore):
         super().on_train_begin(logs)
         # fit on a psclient.data.ShardedDataset: resume its epoch where the backup left it.
         feed = sharded_fit.active_feed(self.model)
-        if feed is not None and os.path.exists(self._ledger_path):
-            with open(self._ledger_path) as f:
+        if feed is not None and os.path.exists(self.ledger_path):
+            with open(self.ledger_path) as f:
                 feed.load(json.load(f))  # LedgerMismatchError for other shards: never a silent restart
 
     @property
-    def _ledger_path(self) -> str:
+    def ledger_path(self) -> str:
+        """Where the data ledger of a `psclient.data.ShardedDataset` fit is backed up."""
         return os.path.join(self.backup_dir, "data_ledger.json")
 
-    def _sharded(self):
+    def sharded_checkpoints(self):
+        """The sharded checkpoints of a model on the ps tasks (None for a local model)."""
         if not hasattr(self, "_checkpoints"):
-            self._strategy, self._checkpoints = sharded_checkpoints(
+            strategy, checkpoints = sharded_checkpoints(
                 self.model, self.backup_dir, 2 if self.double_checkpoint else 1, False, "BackupAndRestore")
+            self._strategy = strategy
+            self._checkpoints = checkpoints
         return self._checkpoints
 
     def _load_model(self):
-        checkpoints = self._sharded() if self.model.built else None
+        checkpoints = self.sharded_checkpoints() if self.model.built else None
         if checkpoints is None:
             return super()._load_model()  # a local model (or an unbuilt one: Keras's error)
         import tensorflow as tf
@@ -89,13 +93,14 @@ class BackupAndRestore(_KerasBackupAndRestore):
         # ledger beside newer weights, which replays shards; never one that skips any.
         feed = sharded_fit.active_feed(self.model)
         ledger = None if feed is None else json.dumps(feed.state())
-        self._save_weights_and_epoch()
+        self.save_weights_and_epoch()
         if ledger is not None:
-            with replaced_atomically(self._ledger_path) as temp, open(temp, "w") as f:
+            with replaced_atomically(self.ledger_path) as temp, open(temp, "w") as f:
                 f.write(ledger)
 
-    def _save_weights_and_epoch(self):
-        checkpoints = self._sharded()
+    def save_weights_and_epoch(self):
+        """Back up the weights, then the epoch (Keras's `_save_model` without the ledger)."""
+        checkpoints = self.sharded_checkpoints()
         if checkpoints is None and ("://" in str(self.backup_dir) or self.double_checkpoint):
             return super()._save_model()  # remote storage, or Keras's own spare copy
         remote = "://" in str(self.backup_dir)

@@ -130,12 +130,13 @@ class ModelCheckpoint(keras.callbacks.Callback):
         self._batches += 1
         if self._batches >= self.save_freq:
             self._batches = 0
-            self._save()
+            self.save_now()
 
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch":
-            self._save()
+            self.save_now()
 
-    def _save(self):
+    def save_now(self):
+        """Write a checkpoint of the model now (what fit calls at `save_freq`)."""
         self.saved.append(self._checkpoints.save(
             model_variables(self.model), completed=None, scalars=step_of(self.model), meta=meta_of(self.model)))

@@ -143,6 +143,7 @@ KERAS_INTERNALS: tuple[Internal, ...] = (
     Internal("keras.src.utils.python_utils.pythonify_logs", "evaluate's logs as Python numbers, as Keras's"),
     # BackupAndRestore with atomic files (psclient._keras.callbacks).
     Internal(f"{_BACKUP}._save_model", "overridden: write each file, then rename it into place"),
+    Internal(f"{_BACKUP}._load_model", "overridden: restore a model on the ps from its sharded checkpoint"),
     Internal(f"{_BACKUP}._weights_path", "where Keras reads the weights back", kind="instance"),
     Internal(f"{_BACKUP}._training_metadata_path", "where Keras reads the epoch back", kind="instance"),
     Internal(f"{_BACKUP}._current_epoch", "the epoch to save", kind="instance"),
