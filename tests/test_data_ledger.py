@@ -186,8 +186,7 @@ def test_a_killed_worker_replays_only_its_batch_in_flight(strategy, cluster):
         counts = tf.Variable(tf.zeros([n], tf.int64))
         trained_by = tf.Variable(tf.zeros([n], tf.int64))
     data = psclient.data.ShardedDataset(psclient.data.range_shards(n, 40), make_dataset)
-    feed = psclient.data.ShardFeed(strategy, data)
-    run_shard = feed.shard_function(counting_step(counts, work=30, trained_by=trained_by))
+    step = counting_step(counts, work=30, trained_by=trained_by)
     killed = threading.Event()
     finished = threading.Event()
 
@@ -204,16 +203,18 @@ def test_a_killed_worker_replays_only_its_batch_in_flight(strategy, cluster):
 
     cluster.throttle("worker", 1, 0.2)
     # The kill must land while worker 1 is mid-shard; on a fast or a loaded machine an
-    # epoch can end first (worker 0 took the rest). Then the epoch is run again, with
-    # the counts cleared, at most three times: the checks below read the epoch of the kill.
-    for epoch in range(3):
+    # epoch can end first (worker 0 took the rest). Then the epoch is run again on a new
+    # ledger, with the counts cleared, at most three times: the checks below read the epoch of the kill.
+    for _ in range(3):
         counts.assign(tf.zeros([n], tf.int64))
         trained_by.assign(tf.zeros([n], tf.int64))
+        feed = psclient.data.ShardFeed(strategy, data)  # a new ledger: its stats are this epoch's
+        run_shard = feed.shard_function(step)
         finished.clear()
         killer = threading.Thread(target=kill_mid_shard)
         killer.start()
         try:
-            stats = feed.run_epoch(run_shard, epoch)
+            stats = feed.run_epoch(run_shard, 0)
         finally:
             finished.set()
             killer.join()
