@@ -6,7 +6,8 @@ is ready, and ends it cleanly: on SIGTERM or SIGINT it exits with status 0, and
 when started by `LocalCluster` it also exits as soon as its parent process is
 gone, however the parent died.
 
-TensorFlow is imported only inside `serve`, after GRPC_FAIL_FAST is set.
+TensorFlow is imported only inside `serve`, after GRPC_FAIL_FAST is set, and
+without the Keras import that TensorFlow's own import makes (`_import_tensorflow`).
 """
 
 from __future__ import annotations
@@ -288,6 +289,28 @@ def _signal_ready(ready_fd: int) -> None:
         os.close(ready_fd)
 
 
+# TensorFlow's `__init__` imports `keras.src.optimizers` eagerly (for Keras's
+# SavedModel registrations) and goes on without it on ImportError (TF 2.16 to
+# 2.21 alike). A task server only runs the functions coordinators send it and
+# never Keras code, yet that import (all of Keras, IPython and scikit-learn
+# behind it) was about 1.5 of the 4 CPU seconds each task start took.
+_KERAS_AT_TF_IMPORT = "keras.src.optimizers"
+
+
+def _import_tensorflow():
+    """`import tensorflow`, skipping the Keras import made by TensorFlow's own
+    import; Keras stays importable in this process afterwards."""
+    blocked = _KERAS_AT_TF_IMPORT not in sys.modules
+    if blocked:
+        sys.modules[_KERAS_AT_TF_IMPORT] = None  # makes that import raise ImportError
+    try:
+        import tensorflow as tf
+    finally:
+        if blocked and sys.modules.get(_KERAS_AT_TF_IMPORT, "") is None:
+            del sys.modules[_KERAS_AT_TF_IMPORT]
+    return tf
+
+
 def _start_server(cluster: Cluster, job: str, index: int, inter_op_threads: int):
     import tensorflow as tf
 
@@ -397,7 +420,7 @@ def serve(
             _exit(1)
     else:
         _log(f"psclient serve: {SECURITY_WARNING}")
-    import tensorflow as tf  # Lazily, and only after GRPC_FAIL_FAST is set.
+    tf = _import_tensorflow()  # Lazily, and only after GRPC_FAIL_FAST is set.
 
     try:
         server = _start_server(cluster, job, index, inter_op_threads)
