@@ -5,9 +5,12 @@ worker's failure is handled by re-running its functions elsewhere, training
 goes on when it comes back) and the situations TF's own fault-tolerance
 cases put a coordinator in: a worker killed and restarted between functions,
 both workers killed and restarted while functions run, and a coordinator
-released without `shutdown()`. Each case gets a fresh LocalCluster.
+released without `shutdown()`. The cases on 2 workers and 2 ps share one
+LocalCluster (every task is running again when each case ends; a TF task
+process takes seconds to start); the 1 worker, 1 ps case starts its own.
 """
 
+import contextlib
 import gc
 import threading
 import time
@@ -69,6 +72,19 @@ class _Training:
         self.coordinator.join()
 
 
+@pytest.fixture(scope="module")
+def two_workers_two_ps():
+    with psclient.LocalCluster(num_workers=2, num_ps=2) as local:
+        yield local
+
+
+def _cluster(request, num_workers, num_ps):
+    """The module's 2 workers, 2 ps cluster (left open), or a fresh one of that shape."""
+    if (num_workers, num_ps) == (2, 2):
+        return contextlib.nullcontext(request.getfixturevalue("two_workers_two_ps"))
+    return psclient.LocalCluster(num_workers=num_workers, num_ps=num_ps)
+
+
 def _strategy(local, **kwargs):
     kwargs.setdefault("hang_timeout", 5.0)
     return psclient.ParameterServerStrategy(local.cluster, **kwargs)
@@ -78,8 +94,9 @@ def _strategy(local, **kwargs):
 # default one, a call failing on the just-restarted worker surfaced its error in
 # the user's next op (the v.assign), in about half the runs with 2 workers + 2 ps.
 @pytest.mark.parametrize("num_workers,num_ps", [(1, 1), (2, 2)])
-def test_worker_restarted_between_functions_then_ps_variable_written_on_the_coordinator(num_workers, num_ps):
-    with psclient.LocalCluster(num_workers=num_workers, num_ps=num_ps) as local:
+def test_worker_restarted_between_functions_then_ps_variable_written_on_the_coordinator(
+        request, num_workers, num_ps):
+    with _cluster(request, num_workers, num_ps) as local:
         strategy = _strategy(local, worker_timeout=300.0)
         try:
             coordinator = psclient.ClusterCoordinator(strategy)
@@ -103,63 +120,63 @@ def test_worker_restarted_between_functions_then_ps_variable_written_on_the_coor
             strategy.shutdown()
 
 
-def test_two_workers_preempted_while_functions_run():
-    with psclient.LocalCluster(num_workers=2, num_ps=2) as local:
-        strategy = _strategy(local, worker_timeout=300.0)
-        try:
-            coordinator = psclient.ClusterCoordinator(strategy)
-            model = _Training(coordinator)
-            model.spin.assign(True)
-            futures = model.schedule(10)
-            wait_for(lambda: sum(w["in_flight"] for w in strategy.stats()["workers"]) >= 2, 120,
-                     "a spinning function on each worker")
-            assert not coordinator.done()
-            local.kill("worker", 0)
-            local.kill("worker", 1)
-            local.restart("worker", 0)
-            local.restart("worker", 1)
-            started = time.monotonic()
-            model.join()
-            assert all(f.done() and f.exception() is None for f in futures)
-            assert model.iterations.numpy() >= 10
-            assert time.monotonic() - started < 300
-        finally:
-            strategy.shutdown()
+def test_two_workers_preempted_while_functions_run(two_workers_two_ps):
+    local = two_workers_two_ps
+    strategy = _strategy(local, worker_timeout=300.0)
+    try:
+        coordinator = psclient.ClusterCoordinator(strategy)
+        model = _Training(coordinator)
+        model.spin.assign(True)
+        futures = model.schedule(10)
+        wait_for(lambda: sum(w["in_flight"] for w in strategy.stats()["workers"]) >= 2, 120,
+                 "a spinning function on each worker")
+        assert not coordinator.done()
+        local.kill("worker", 0)
+        local.kill("worker", 1)
+        local.restart("worker", 0)
+        local.restart("worker", 1)
+        started = time.monotonic()
+        model.join()
+        assert all(f.done() and f.exception() is None for f in futures)
+        assert model.iterations.numpy() >= 10
+        assert time.monotonic() - started < 300
+    finally:
+        strategy.shutdown()
 
 
 @pytest.mark.parametrize("used", [False, True], ids=["idle", "after_work"])
-def test_released_coordinator_and_strategy_stop_their_threads(used):
+def test_released_coordinator_and_strategy_stop_their_threads(two_workers_two_ps, used):
     before = _psclient_threads()
-    with psclient.LocalCluster(num_workers=2, num_ps=1) as local:
-        strategy = _strategy(local)
-        coordinator = psclient.ClusterCoordinator(strategy)
+    local = two_workers_two_ps
+    strategy = _strategy(local)
+    coordinator = psclient.ClusterCoordinator(strategy)
 
-        @tf.function
-        def one():
-            return tf.constant(1)
+    @tf.function
+    def one():
+        return tf.constant(1)
 
-        if used:
-            model = _Training(coordinator)
-            model.schedule(4)
-            model.join()
-            assert coordinator.schedule(one).result(timeout=120) == 1
-            del model
-        else:
-            wait_for(lambda: "psclient-health" in _psclient_threads(), 60, "the health thread")
-        running = _psclient_threads()
-        assert any(n.startswith("psclient-worker") for n in running)
-        assert "psclient-health" in running
-        # No shutdown(): the last references go away.
-        del coordinator, strategy, running
-        gc.collect()
-        deadline = time.monotonic() + 60
-        while _psclient_threads() != before and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _psclient_threads() == before
-        # The process's single cluster connection is free for the next strategy.
-        again = _strategy(local)
-        try:
-            assert psclient.ClusterCoordinator(again).schedule(one).result(timeout=120) == 1
-        finally:
-            again.shutdown()
+    if used:
+        model = _Training(coordinator)
+        model.schedule(4)
+        model.join()
+        assert coordinator.schedule(one).result(timeout=120) == 1
+        del model
+    else:
+        wait_for(lambda: "psclient-health" in _psclient_threads(), 60, "the health thread")
+    running = _psclient_threads()
+    assert any(n.startswith("psclient-worker") for n in running)
+    assert "psclient-health" in running
+    # No shutdown(): the last references go away.
+    del coordinator, strategy, running
+    gc.collect()
+    deadline = time.monotonic() + 60
+    while _psclient_threads() != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _psclient_threads() == before
+    # The process's single cluster connection is free for the next strategy.
+    again = _strategy(local)
+    try:
+        assert psclient.ClusterCoordinator(again).schedule(one).result(timeout=120) == 1
+    finally:
+        again.shutdown()
 
