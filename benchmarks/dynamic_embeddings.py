@@ -91,7 +91,7 @@ def build(keras, kind: str, rows: int, dim: int):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=2200, help="timed steps per path (after the warm-up)")
+    parser.add_argument("--steps", type=int, default=2400, help="timed steps per path (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed first steps of each path (tracing)")
     parser.add_argument("--rows", type=int, default=20_000, help="rows per feature: capacity and num_bins")
     parser.add_argument("--dim", type=int, default=8)
