@@ -12,8 +12,9 @@ path after the other on the same cluster and the same stream (each path a fresh 
 
 Equal memory: 26*rows rows of `dim` floats (and one Adagrad slot each) in every path.
 
-The ids: per feature, a Zipf(1.1) law over the age of ids in a window that drifts by one id per example,
-so new ids keep coming: the distinct keys grow with the steps. psclient sends the arrays to every worker
+The ids: per feature, a Zipf(1.1) law over the age of ids in a window that drifts by `--drift` ids per
+example (1 by default), so new ids keep coming: the distinct keys grow with the steps; with the defaults
+most keys of a batch are new, a stream of extreme churn. psclient sends the arrays to every worker
 and each worker walks them from the start, so the keys the cluster saw are those of the first
 max(steps per worker) batches: at least those of the first ceil(steps/2) batches, the figure printed
 (`distinct_keys_over_run`, a lower bound). Each path runs one `fit` of one epoch; its first `--warmup`
@@ -52,8 +53,8 @@ FEATURES = 26
 PATHS = ("dynamic_shared", "hashing", "dynamic")
 
 
-def stream(seed: int, n_batches: int, batch: int, window: int) -> np.ndarray:
-    """(n_batches * batch, FEATURES) ids: per feature Zipf(1.1) over the age in a window drifting by one id per example."""
+def stream(seed: int, n_batches: int, batch: int, window: int, drift: float = 1.0) -> np.ndarray:
+    """(n_batches * batch, FEATURES) ids: per feature Zipf(1.1) over the age in a window drifting by `drift` ids per example."""
     rng = np.random.default_rng(seed)
     ranks = np.arange(1, window + 1, dtype="float64")
     cdf = np.cumsum(ranks**-1.1)
@@ -63,7 +64,7 @@ def stream(seed: int, n_batches: int, batch: int, window: int) -> np.ndarray:
     for lo in range(0, n, 1 << 16):
         hi = min(n, lo + (1 << 16))
         age = np.searchsorted(cdf, rng.random((hi - lo, FEATURES)))
-        newest = np.arange(lo, hi, dtype="int64")[:, None] + window
+        newest = (np.arange(lo, hi) * drift).astype("int64")[:, None] + window
         out[lo:hi] = (np.arange(FEATURES)[None, :] + 1) * 10**12 + newest - age
     return out
 
@@ -97,6 +98,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dim", type=int, default=8)
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--window", type=int, default=50_000, help="ids in use at once per feature")
+    parser.add_argument("--drift", type=float, default=1.0, help="ids the window moves per example (fewer: fewer new keys)")
     parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {PATHS}")
     parser.add_argument("--quick", action="store_true", help="a short run: 200 steps, 5,000 rows per feature")
     parser.add_argument("--seed", type=int, default=0)
@@ -113,7 +115,7 @@ def main(argv=None) -> int:
 
     total = args.warmup + args.steps
     log(f"drawing {total} batches of {args.batch} x {FEATURES} ids")
-    x = stream(args.seed, total, args.batch, args.window)
+    x = stream(args.seed, total, args.batch, args.window, args.drift)
     y = (x[:, 0] % 3 == 0).astype("float32")
     led = math.ceil(total / 2) * args.batch  # a lower bound of what one worker walked (see the docstring)
     distinct = int(np.unique(x[:led]).size)
