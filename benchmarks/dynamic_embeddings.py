@@ -28,8 +28,9 @@ memory over the run as growth over what they held before the path's model was bu
 payload `capacity * (dim + slots) * 4` bytes (dynamic_shared runs first, on ps tasks that hold nothing
 else yet).
 
-    python benchmarks/dynamic_embeddings.py            # >= 10 million distinct keys; ~10 minutes here
-    python benchmarks/dynamic_embeddings.py --quick    # a short run, about 2 minutes
+    python benchmarks/dynamic_embeddings.py --paths dynamic_shared,hashing   # >= 10 million distinct keys:
+                                                   # 12.5 minutes on a loaded 2-core machine
+    python benchmarks/dynamic_embeddings.py --quick    # 200 steps, all three paths: about 5 minutes there
 
 Prints one JSON object (progress on stderr). Noisy machine: compare the ratios within one run.
 """
