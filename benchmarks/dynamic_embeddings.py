@@ -1,22 +1,36 @@
-"""DynamicEmbedding against the hashing trick at equal memory, side by side on one cluster.
+"""DynamicEmbedding against the hashing trick at equal memory, side by side on one cluster, over a long stream.
 
-A click model with 26 categorical features (as Criteo's), each either
+A click model with 26 categorical features (as Criteo's), then Dense(32, relu) and Dense(1), Adagrad,
+`model.fit` on LocalCluster(num_workers=2, num_ps=2), in one coordinator process. The embeddings, one
+path after the other on the same cluster and the same stream (each path a fresh model):
 
-  dynamic   DynamicEmbedding(dim, capacity=rows) (LRU eviction on the ps)
-  hashing   Hashing(num_bins=rows) + Embedding(rows, dim)
+  dynamic_shared  ONE DynamicEmbedding(dim, capacity=26*rows) for the 26 features: the keys of different
+                  features are disjoint (the feature index sits in the high digits), so one lookup per
+                  ps task serves all 26 features
+  dynamic         26 DynamicEmbedding(dim, capacity=rows), one per feature (26 lookups per ps task)
+  hashing         26 Hashing(num_bins=rows) + Embedding(rows, dim), one per feature
 
-then Dense(32, relu) and Dense(1), Adagrad, `model.fit` on LocalCluster(num_workers=2, num_ps=2), in one
-coordinator process, the two models interleaved (`--repeats` rounds, each one fit per model of two
-epochs of `--steps` steps: the first traces and is not timed, the second is). The ids: per feature, a Zipf law over a window of ids that drifts, so new ids
-keep coming and the distinct keys over the run grow with `--steps` (printed).
+Equal memory: 26*rows rows of `dim` floats (and one Adagrad slot each) in every path.
 
-Measured per path (medians over rounds): steps/s, coordinator CPU per step, task CPU per step (workers
-and ps together, from /proc), and for the dynamic path the ps tasks' resident memory after each round
-(it must stay bounded when capacity is set) beside `capacity * dim * 4 * (1 + slots)` bytes of table
-payload, and keys looked up per second per ps task (distinct keys per batch and feature, summed, times
-steps/s, over the ps tasks).
+The ids: per feature, a Zipf(1.1) law over the age of ids in a window that drifts by `--drift` ids per
+example (1 by default), so new ids keep coming: the distinct keys grow with the steps; with the defaults
+most keys of a batch are new, a stream of extreme churn. psclient sends the arrays to every worker
+and each worker walks them from the start, so the keys the cluster saw are those of the first
+max(steps per worker) batches: at least those of the first ceil(steps/2) batches, the figure printed
+(`distinct_keys_over_run`, a lower bound). Each path runs one `fit` of one epoch; its first `--warmup`
+steps (tracing) are not timed. The start mark is taken when the warm-up's last step is scheduled (steps
+run asynchronously, a few steps ahead at most).
 
-    python benchmarks/dynamic_embeddings.py [--steps 60 --repeats 2 --rows 20000 --batch 512]
+Printed per path: steps/s; CPU per step of the coordinator, the ps tasks and the workers (from /proc);
+for dynamic paths keys looked up per second per ps task (distinct keys per batch and feature, summed,
+times steps/s, over the ps tasks), rows held, admissions and evictions, and the ps tasks' resident
+memory over the run as growth over what they held before the path's model was built, beside the table
+payload `capacity * (dim + slots) * 4` bytes (dynamic_shared runs first, on ps tasks that hold nothing
+else yet).
+
+    python benchmarks/dynamic_embeddings.py --paths dynamic_shared,hashing   # >= 10 million distinct keys:
+                                                   # 12.5 minutes on a loaded 2-core machine
+    python benchmarks/dynamic_embeddings.py --quick    # 200 steps, all three paths: about 5 minutes there
 
 Prints one JSON object (progress on stderr). Noisy machine: compare the ratios within one run.
 """
@@ -24,6 +38,8 @@ Prints one JSON object (progress on stderr). Noisy machine: compare the ratios w
 from __future__ import annotations
 
 import argparse
+import gc
+import math
 import os
 import sys
 import time
@@ -32,22 +48,25 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import cpu_seconds, environment, log, median, print_json, task_usage  # noqa: E402
+from _common import cpu_seconds, environment, log, print_json, task_usage  # noqa: E402
 
 FEATURES = 26
+PATHS = ("dynamic_shared", "hashing", "dynamic")
 
 
-def batches(rng, n_batches: int, batch: int, window: int, start: int):
-    """`n_batches` batches of ids (batch, FEATURES): per feature Zipf(1.1) over a window drifting by one id per example."""
+def stream(seed: int, n_batches: int, batch: int, window: int, drift: float = 1.0) -> np.ndarray:
+    """(n_batches * batch, FEATURES) ids: per feature Zipf(1.1) over the age in a window drifting by `drift` ids per example."""
+    rng = np.random.default_rng(seed)
     ranks = np.arange(1, window + 1, dtype="float64")
-    p = ranks**-1.1 / np.sum(ranks**-1.1)
-    out = []
-    for b in range(n_batches):
-        t0 = start + b * batch
-        age = rng.choice(window, size=(batch, FEATURES), p=p)
-        newest = t0 + np.arange(batch)[:, None] + window
-        ids = (np.arange(FEATURES)[None, :] + 1) * 10**12 + newest - age
-        out.append(ids.astype("int64"))
+    cdf = np.cumsum(ranks**-1.1)
+    cdf /= cdf[-1]
+    n = n_batches * batch
+    out = np.empty((n, FEATURES), dtype="int64")
+    for lo in range(0, n, 1 << 16):
+        hi = min(n, lo + (1 << 16))
+        age = np.searchsorted(cdf, rng.random((hi - lo, FEATURES)))
+        newest = (np.arange(lo, hi) * drift).astype("int64")[:, None] + window
+        out[lo:hi] = (np.arange(FEATURES)[None, :] + 1) * 10**12 + newest - age
     return out
 
 
@@ -55,13 +74,18 @@ def build(keras, kind: str, rows: int, dim: int):
     from psclient.layers import DynamicEmbedding
 
     ids = keras.Input((FEATURES,), dtype="int64")
-    parts = []
-    for i in range(FEATURES):
-        if kind == "dynamic":
-            parts.append(DynamicEmbedding(dim, capacity=rows, name=f"f{i}")(ids[:, i]))
-        else:
-            parts.append(keras.layers.Embedding(rows, dim, name=f"f{i}")(keras.layers.Hashing(rows)(ids[:, i])))
-    x = keras.layers.Dense(32, activation="relu")(keras.layers.Concatenate()(parts))
+    if kind == "dynamic_shared":
+        embedded = keras.layers.Flatten()(DynamicEmbedding(dim, capacity=rows * FEATURES, name="shared")(ids))
+    else:
+        parts = []
+        for i in range(FEATURES):
+            if kind == "dynamic":
+                parts.append(DynamicEmbedding(dim, capacity=rows, name=f"f{i}")(ids[:, i]))
+            else:
+                hashed = keras.layers.Hashing(rows)(ids[:, i])
+                parts.append(keras.layers.Embedding(rows, dim, name=f"f{i}")(hashed))
+        embedded = keras.layers.Concatenate()(parts)
+    x = keras.layers.Dense(32, activation="relu")(embedded)
     model = keras.Model(ids, keras.layers.Dense(1)(x))
     model.compile(optimizer=keras.optimizers.Adagrad(0.05), loss=keras.losses.BinaryCrossentropy(from_logits=True))
     return model
@@ -69,80 +93,97 @@ def build(keras, kind: str, rows: int, dim: int):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2400, help="timed steps per path (after the warm-up)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed first steps of each path (tracing)")
     parser.add_argument("--rows", type=int, default=20_000, help="rows per feature: capacity and num_bins")
     parser.add_argument("--dim", type=int, default=8)
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--window", type=int, default=50_000, help="ids in use at once per feature")
+    parser.add_argument("--drift", type=float, default=1.0, help="ids the window moves per example (fewer: fewer new keys)")
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {PATHS}")
+    parser.add_argument("--quick", action="store_true", help="a short run: 200 steps, 5,000 rows per feature")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.rows = 200, 5_000
+    paths = [p for p in args.paths.split(",") if p]
+    if not paths or any(p not in PATHS for p in paths):
+        parser.error(f"--paths must name some of {PATHS}, got {args.paths!r}")
 
     import keras
 
     import psclient
 
-    rng = np.random.default_rng(args.seed)
-    result = {"args": vars(args), "environment": environment(sys.argv)}
+    total = args.warmup + args.steps
+    log(f"drawing {total} batches of {args.batch} x {FEATURES} ids")
+    x = stream(args.seed, total, args.batch, args.window, args.drift)
+    y = (x[:, 0] % 3 == 0).astype("float32")
+    led = math.ceil(total / 2) * args.batch  # a lower bound of what one worker walked (see the docstring)
+    distinct = int(np.unique(x[:led]).size)
+    timed = x[args.warmup * args.batch:].reshape(args.steps, args.batch, FEATURES)
+    sample = timed[:: max(1, args.steps // 50)]
+    keys_per_batch = float(np.mean([sum(np.unique(b[:, f]).size for f in range(FEATURES)) for b in sample]))
+    slots = 1  # Adagrad's accumulator
+    capacity = args.rows * FEATURES
+    payload_mib = capacity * (args.dim + slots) * 4 / 2**20
+
+    result = {"args": vars(args), "environment": environment(sys.argv),
+              "distinct_keys_over_run": distinct, "capacity_rows": capacity,
+              "table_payload_mib_at_capacity": round(payload_mib, 1)}
     with psclient.LocalCluster(num_workers=2, num_ps=2, start_timeout=300) as local:
         pids = {f"{job}:{i}": local.pid(job, i) for job, i, _ in local.cluster.tasks()}
         ps_pids = [pid for name, pid in pids.items() if name.startswith("ps")]
+        worker_pids = [pid for name, pid in pids.items() if name.startswith("worker")]
         strategy = psclient.ParameterServerStrategy(local.cluster)
         try:
-            with strategy.scope():
-                models = {kind: build(keras, kind, args.rows, args.dim) for kind in ("dynamic", "hashing")}
-            position, seen = 0, set()
+            for kind in paths:
+                gc.collect()
+                rss_before = task_usage(ps_pids)["rss_mib"]
+                with strategy.scope():
+                    model = build(keras, kind, args.rows, args.dim)
+                marks, rss = {}, []
 
-            def data(n):
-                nonlocal position
-                xs = batches(rng, n, args.batch, args.window, position)
-                position += n * args.batch
-                for x in xs:
-                    seen.update(np.unique(x).tolist())
-                x = np.concatenate(xs)
-                return x, (x[:, 0] % 3 == 0).astype("float32"), np.mean([
-                    sum(len(np.unique(b[:, f])) for f in range(FEATURES)) for b in xs])
+                def mark():
+                    return (time.perf_counter(), time.process_time(), cpu_seconds(ps_pids), cpu_seconds(worker_pids))
 
-            # Each fit traces its step anew (a fit's train function is its own), and tracing 26
-            # dynamic tables takes minutes here: so one fit per path and round, of a warm-up epoch
-            # (tracing) and a timed one, on the same batches (the timed epoch sees no new keys).
-            runs = {kind: [] for kind in models}
-            rss = []
-            for repeat in range(args.repeats):
-                order = list(models) if repeat % 2 == 0 else list(reversed(models))
-                for kind in order:
-                    x, y, keys_per_batch = data(args.steps)
-                    marks = []
-                    timer = keras.callbacks.LambdaCallback(
-                        on_epoch_begin=lambda epoch, logs: marks.append(
-                            (time.perf_counter(), time.process_time(), cpu_seconds(list(pids.values())))))
-                    models[kind].fit(x, y, batch_size=args.batch, epochs=2, verbose=0, callbacks=[timer])
-                    (wall0, self0, tasks0) = marks[1]
-                    seconds = time.perf_counter() - wall0
-                    runs[kind].append({
-                        "steps_per_s": args.steps / seconds,
-                        "coordinator_cpu_ms_per_step": 1000 * (time.process_time() - self0) / args.steps,
-                        "task_cpu_ms_per_step": 1000 * (cpu_seconds(list(pids.values())) - tasks0) / args.steps,
-                        "lookups_per_s_per_ps": keys_per_batch * args.steps / seconds / len(ps_pids),
-                    })
-                    if kind == "dynamic":
-                        rss.append(task_usage(ps_pids)["rss_mib"])
-                    log(f"{kind} round {repeat}: {args.steps / seconds:.1f} steps/s")
-            tables = strategy.stats()["dynamic_embeddings"]
-            rows_held = sum(e["rows"] for name in tables for e in tables[name] if name.startswith("f"))
+                def on_batch_end(batch, logs, kind=kind):
+                    if batch == args.warmup - 1:
+                        marks["start"] = mark()
+                    if (batch + 1) % max(1, total // 8) == 0:
+                        rss.append(round(task_usage(ps_pids)["rss_mib"] - rss_before, 1))
+                        log(f"{kind}: {batch + 1} steps scheduled, ps memory +{rss[-1]} MiB")
+
+                timer = keras.callbacks.LambdaCallback(
+                    on_train_batch_end=on_batch_end, on_train_end=lambda logs: marks.__setitem__("end", mark()))
+                model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+                (w0, c0, p0, k0), (w1, c1, p1, k1) = marks["start"], marks["end"]
+                seconds = w1 - w0
+                run = {
+                    "steps_per_s": round(args.steps / seconds, 2),
+                    "coordinator_cpu_ms_per_step": round(1000 * (c1 - c0) / args.steps, 2),
+                    "ps_cpu_ms_per_step": round(1000 * (p1 - p0) / args.steps, 2),
+                    "worker_cpu_ms_per_step": round(1000 * (k1 - k0) / args.steps, 2),
+                }
+                run["task_cpu_ms_per_step"] = round(run["ps_cpu_ms_per_step"] + run["worker_cpu_ms_per_step"], 2)
+                if kind != "hashing":
+                    run["lookups_per_s_per_ps"] = round(keys_per_batch * args.steps / seconds / len(ps_pids))
+                    tables = strategy.stats()["dynamic_embeddings"]
+                    names = ["shared"] if kind == "dynamic_shared" else [f"f{i}" for i in range(FEATURES)]
+                    for field in ("rows", "admissions", "evictions"):
+                        run[field] = sum(e[field] for name in names for e in tables[name])
+                    rss.append(round(task_usage(ps_pids)["rss_mib"] - rss_before, 1))
+                    run["ps_rss_growth_mib_over_run"] = rss
+                    run["ps_rss_growth_vs_payload_at_capacity"] = round(rss[-1] / payload_mib, 2)
+                    run["ps_rss_growth_bytes_per_row_held"] = round(rss[-1] * 2**20 / max(1, run["rows"]))
+                result[kind] = run
+                log(f"{kind}: {run['steps_per_s']} steps/s")
+                del model, timer
         finally:
             strategy.shutdown()
-    summary = {kind: {k: round(median([r[k] for r in rs]), 2) for k in rs[0]} for kind, rs in runs.items()}
-    summary["hashing"].pop("lookups_per_s_per_ps")
-    result.update(summary)
-    result["dynamic_vs_hashing_steps_per_s"] = round(
-        summary["dynamic"]["steps_per_s"] / summary["hashing"]["steps_per_s"], 2)
-    result["distinct_keys_over_run"] = len(seen)
-    result["dynamic_rows_held"] = rows_held
-    result["dynamic_capacity_rows"] = args.rows * FEATURES
-    # Adagrad: one slot beside each row.
-    result["table_payload_mib_at_capacity"] = round(args.rows * FEATURES * args.dim * 4 * 2 / 2**20, 1)
-    result["ps_rss_mib_after_each_dynamic_round"] = rss
+    for kind in ("dynamic_shared", "dynamic"):
+        if kind in result and "hashing" in result:
+            result[f"{kind}_vs_hashing_steps_per_s"] = round(
+                result[kind]["steps_per_s"] / result["hashing"]["steps_per_s"], 2)
     print_json(result)
     return 0
 

@@ -119,6 +119,29 @@ def _table(value_dtype, default):
     return tf.lookup.experimental.MutableHashTable(tf.int64, value_dtype, default, checkpoint=False)
 
 
+def _least_recent(keys, last, member, k):
+    """A mask of the `k` least recently seen `member` entries (ties: the smaller key first).
+
+    Selection, not a sort of the whole shard: the k-th smallest step
+    (`top_k`) splits the members into those seen before it (all go), and
+    those seen at it, of which the smallest keys make up the rest.
+    """
+    import tensorflow as tf
+
+    def pick():
+        # ~x reverses the order of int64 without overflow; non-members sort last.
+        masked = tf.where(member, last, tf.constant(2**63 - 1, tf.int64))
+        top = tf.math.top_k(tf.bitwise.invert(masked), k=tf.cast(k, tf.int32), sorted=False).values
+        threshold = tf.bitwise.invert(tf.reduce_min(top))
+        below = member & (last < threshold)
+        tie = tf.reshape(tf.where(member & (last == threshold)), [-1])
+        needed = k - tf.reduce_sum(tf.cast(below, tf.int64))
+        chosen = tf.gather(tie, tf.argsort(tf.gather(keys, tie))[:needed])
+        return below | tf.scatter_nd(chosen[:, None], tf.ones(tf.shape(chosen), tf.bool), tf.shape(member, tf.int64))
+
+    return tf.cond(k > 0, pick, lambda: tf.zeros_like(member))
+
+
 class _Shard:
     """One ps task's part of a table."""
 
@@ -314,18 +337,14 @@ class DynamicTable:
         if policy.ttl_steps is not None:
             gone = shard.clock.read_value() - last > policy.ttl_steps
         if share is not None:
-            # Least recently used first, ties by key: a stable sort by key, then by step.
-            order = tf.argsort(keys, stable=True)
-            order = tf.gather(order, tf.argsort(tf.gather(last, order), stable=True))
-            kept = ~tf.gather(gone, order)
-            admitted = tf.gather(count, order) >= policy.min_frequency
-            lru = tf.zeros_like(kept)
-            for group in (kept & admitted, kept & ~admitted):
+            kept = ~gone
+            admitted = count >= policy.min_frequency
+            # With min_frequency=1 every tracked key has a row: no group of keys still counting.
+            groups = [kept & admitted] + ([kept & ~admitted] if policy.min_frequency > 1 else [])
+            for group in groups:
                 size = tf.reduce_sum(tf.cast(group, tf.int64))
                 excess = tf.where(size > share, size - (share - rules.headroom(share)), 0)
-                rank = tf.cumsum(tf.cast(group, tf.int64), exclusive=True)
-                lru = lru | (group & (rank < excess))
-            gone = gone | tf.scatter_nd(order[:, None], lru, tf.shape(gone))
+                gone = gone | _least_recent(keys, last, group, excess)
         victims = tf.boolean_mask(keys, gone)
         removals = [shard.values.remove(victims), shard.counters.remove(victims)]
         removals += [table.remove(victims) for table in shard.slots.values()]
