@@ -9,7 +9,6 @@ than 3 standard errors of an AUC on this test set, and not beat the true
 model by more than 3 standard errors (that would mean a leak, not learning).
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +16,8 @@ import sys
 
 import numpy as np
 import pytest
+
+from _examples import load_example
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _EXAMPLE = os.path.join(_ROOT, "examples", "ctr_embeddings.py")
@@ -35,10 +36,7 @@ SMALL = ["--examples", "30000", "--test-examples", "20000", "--rows", "8192", "-
 
 
 def _example_module():
-    spec = importlib.util.spec_from_file_location("ctr_embeddings", _EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("ctr_embeddings.py")
 
 
 def test_auc_is_the_mann_whitney_statistic():

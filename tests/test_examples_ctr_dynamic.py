@@ -3,7 +3,6 @@ LocalCluster(2 workers, 2 ps), which must print both models' AUCs and the dynami
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,15 +11,14 @@ import sys
 import numpy as np
 import pytest
 
+from _examples import load_example
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _EXAMPLE = os.path.join(_ROOT, "examples", "ctr_dynamic.py")
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("ctr_dynamic", _EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("ctr_dynamic.py")
 
 
 def test_stream_draws_drifting_head_ids_and_one_off_ids():
