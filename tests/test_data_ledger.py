@@ -227,5 +227,7 @@ def test_a_killed_worker_replays_only_its_batch_in_flight(strategy, cluster):
     twice = int((trained == 2).sum())
     assert trained.max() <= 2 and twice <= stats["replayed_records"] <= 4  # at most the batch in flight
     assert sum(w["retried"] for w in strategy.stats()["workers"]) >= 1
-    assert stats["replayed_records"] == 4  # the cut-off attempt had started: its batch in flight
+    # Whole batches only: 4 when the cut-off attempt had read its batch, 0 when the kill landed
+    # between two of worker 1's attempts (seen in CI under load; its position was then exact).
+    assert stats["replayed_records"] in (0, 4)
     assert strategy.stats()["replayed_records"] == stats["replayed_records"]
