@@ -225,9 +225,11 @@ def test_a_killed_worker_replays_only_its_batch_in_flight(strategy, cluster):
     assert stats["done"] == n // 40 and stats["records"] == n
     assert trained.min() == 1, "every record at least once"
     twice = int((trained == 2).sum())
-    assert trained.max() <= 2 and twice <= stats["replayed_records"] <= 4  # at most the batch in flight
+    assert trained.max() <= 2 and twice <= 4  # a worker that died: at most the batch in flight
+    assert twice <= stats["replayed_records"] <= 8  # counted: the retried attempt's first two batches
     assert sum(w["retried"] for w in strategy.stats()["workers"]) >= 1
-    # Whole batches only: 4 when the cut-off attempt had read its batch, 0 when the kill landed
-    # between two of worker 1's attempts (seen in CI under load; its position was then exact).
-    assert stats["replayed_records"] in (0, 4)
+    # Whole batches only: 8 (an upper bound: the two batches a hung attempt could still train)
+    # when the cut-off attempt had started, 0 when the kill landed between two of worker 1's
+    # attempts (seen in CI under load; its position was then exact).
+    assert stats["replayed_records"] in (0, 8)
     assert strategy.stats()["replayed_records"] == stats["replayed_records"]

@@ -166,8 +166,9 @@ class Checkpoints:
         be read, and from then on this run writes beside them. Otherwise only
         this run's own.
 
-        Returns {"path", "completed_closures", "skipped"} (`skipped`: newer
-        checkpoints passed over, with what was wrong), or None if there is no
+        Returns {"path", "completed_closures", "skipped", "meta"} (`skipped`:
+        newer checkpoints passed over, with what was wrong; `meta`: what
+        `save(meta=...)` stored), or None if there is no
         checkpoint. Every value is read (each ps reads its own) and checked
         before any is assigned: raises ValueError naming the checkpoint and the
         variables that do not match (missing, other shape or dtype),
@@ -185,7 +186,7 @@ class Checkpoints:
         for number in candidates:
             path = os.path.join(self.directory, f"ckpt-{number}")
             try:
-                values, completed = self._read(path, variables)
+                values, completed, meta = self._read(path, variables)
             except CheckpointUnreadable as error:
                 log.warning("checkpoint %s is not usable: %s", path, error)
                 skipped.append({"path": path, "error": str(error)})
@@ -196,7 +197,7 @@ class Checkpoints:
             if skipped:
                 log.warning("restored %s, the newest complete checkpoint; passed over %s",
                             path, ", ".join(s["path"] for s in skipped))
-            return {"path": path, "completed_closures": completed, "skipped": skipped}
+            return {"path": path, "completed_closures": completed, "skipped": skipped, "meta": meta}
         raise CheckpointUnreadable(
             f"No checkpoint in {self.directory} could be read, so no variable was restored: "
             + "; ".join(f"{s['path']}: {s['error']}" for s in skipped)
@@ -286,7 +287,7 @@ class Checkpoints:
         except (tf.errors.OpError, ValueError, IndexError):  # unreadable, or not a psclient checkpoint
             return None
 
-    def _read(self, path: str, variables: dict[str, Any]) -> tuple[dict[int, list], int | None]:
+    def _read(self, path: str, variables: dict[str, Any]) -> tuple[dict[int, list], int | None, dict]:
         """Every variable's value in `path`, read on its ps and checked: names, shapes, dtypes, data."""
         import tensorflow as tf
 
@@ -307,7 +308,8 @@ class Checkpoints:
             raise CheckpointUnreadable(
                 f"the coordinator's part of it cannot be read: {_first_line(error)}") from error
         values = _parts.read_on_ps(path, variables, dtypes, layout, self._describe_ps)
-        return values, completed
+        meta = {k: v for k, v in (layout or {}).items() if k not in ("format", "parts")}
+        return values, completed, meta
 
     def _next_number(self) -> int:
         """One past the highest `ckpt-N` in the directory or its state file: no save overwrites another."""

@@ -100,6 +100,8 @@ class Recovery:
         self._connect = connect
         #: Cancels the calls running on a worker (the dispatcher's, set once it exists).
         self.cancel_calls: Callable[[int], int] = lambda worker: 0
+        #: What joins each checkpoint's layout, given its variables (the data ledgers; set by the strategy).
+        self.checkpoint_meta: Callable[[dict], dict | None] = lambda variables: None
         self._clock = clock
         self.checkpoints = Checkpoints(
             config.checkpoint_dir, keep=config.checkpoints_to_keep, overwrite=config.overwrite_checkpoints,
@@ -451,7 +453,9 @@ class Recovery:
         created = self._store.count()
         variables = self._store.named()
         completed = self._scheduler.completed()
-        path = self.checkpoints.save(variables, completed)  # a failure is logged by _carry_out
+        # Taken between closures: the ledgers' positions on the ps match the variables saved.
+        meta = self.checkpoint_meta(variables)
+        path = self.checkpoints.save(variables, completed, meta=meta)  # a failure is logged by _carry_out
         self.saved_created = created
         self.checkpoints_written += 1
         log.info("checkpoint %s written (%s, %d closures completed)", path, reason, completed)

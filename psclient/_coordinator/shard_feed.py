@@ -15,11 +15,16 @@ int64 variables with one slot per shard:
 A worker that dies or hangs takes its closure with it; the scheduler runs the
 closure again on another worker (`psclient._core.scheduler`), and the new
 attempt reads `positions[slot]` and resumes after the last finished batch.
-An attempt checks before each batch that it is still the newest on its shard,
-so a hung worker that wakes up stops after the batch it was in.
-Only the batch that was in flight can be trained twice: an attempt > 1
-reports its first batch's records as `replayed` (an upper bound: a step cut
-off before its update reached the ps trained nothing).
+An attempt reads, alongside each batch's step (not before it: that would
+put a ps round trip between steps), whether it is still the newest on its
+shard, so a hung worker that wakes up trains at most the batch it was in and
+the one it had started beside that read, then stops. So at most two batches
+of a cut-off attempt are trained twice: an attempt > 1 reports its first two
+batches' records as `replayed` (an upper bound: a worker that died trains
+nothing more, and a step cut off before its update reached the ps trained
+nothing). The attempt counters carry a random fence in their high 32 bits,
+new at each `start_epoch`, so a closure of an earlier epoch or of a killed
+coordinator never takes itself for the newest attempt.
 
 The ledger (`psclient._core.ledger`) records which shards finished; its
 `state()` (with the positions read from the ps) is what a checkpoint saves.
@@ -28,6 +33,7 @@ The ledger (`psclient._core.ledger`) records which shards finished; its
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -37,7 +43,12 @@ from psclient._coordinator.shards import ShardedDataset
 from psclient._core.future import FIRST_COMPLETED, wait
 from psclient._core.ledger import Ledger, Work
 
-__all__ = ["ShardFeed", "ShardWork"]
+__all__ = ["LEDGERS_KEY", "ShardFeed", "ShardWork", "ledger_meta", "restore_ledgers"]
+
+#: Where a strategy checkpoint keeps the data ledgers (in its layout, by positions variable).
+LEDGERS_KEY = "data_ledgers"
+#: attempts[slot] = fence * _FENCE + attempts this epoch (module doc).
+_FENCE = 1 << 32
 
 log = logging.getLogger("psclient")
 
@@ -94,7 +105,14 @@ class ShardFeed:
             self._attempts = tf.Variable(tf.zeros([n], tf.int64), trainable=False, name="shard_attempts")
         self._functions: dict[Any, Any] = {}
         self._args = [self._tensors(slot) for slot in range(n)]
+        self._restored = False
         _FEEDS.setdefault(strategy, weakref.WeakSet()).add(self)
+        # Created after strategy.restore() (fit creates its feed): take the ledger saved for it.
+        pending = _RESTORED.get(strategy)
+        if pending:
+            key = _key_of(strategy, self)
+            if key in pending:
+                self.load(pending.pop(key))
 
     @property
     def sharded(self) -> ShardedDataset:
@@ -132,6 +150,8 @@ class ShardFeed:
             slots = tf.reshape(slot, [1])
             attempts.scatter_add(tf.IndexedSlices(one, slots))
             attempt = attempts.sparse_read(slot)
+            # The low 32 bits count this epoch's attempts; the high ones fence off older closures.
+            retried = tf.math.floormod(attempt, _FENCE) > 1
             first = positions.sparse_read(slot)
             iterator = iter(sharded.call(start, end, file).skip(first))
 
@@ -145,7 +165,7 @@ class ShardFeed:
                 batch = optional.get_value()
                 step_fn(batch)
                 count = _records_in(batch)
-                replayed = replayed + tf.where(tf.logical_and(i == 0, attempt > 1), count, tf.constant(0, tf.int64))
+                replayed = replayed + tf.where(tf.logical_and(i < 2, retried), count, tf.constant(0, tf.int64))
                 return i + 1, records + count, replayed, iterator.get_next_as_optional(), owner
 
             def more(i, records, replayed, optional, owner):
@@ -173,12 +193,14 @@ class ShardFeed:
             self._ledger.start_epoch(epoch)
             n = len(self._sharded.shards)
             positions = np.zeros([n], np.int64)
-            attempts = np.zeros([n], np.int64)
+            # A fresh fence in the high bits: a closure of an earlier epoch or of a killed
+            # coordinator (a hung worker that wakes up) no longer owns its shard.
+            attempts = np.full([n], _FENCE * random.SystemRandom().randrange(1, 1 << 30), np.int64)
             for slot, position in self._ledger.state()["positions"].items():
                 positions[int(slot)] = position
-                attempts[int(slot)] = 1  # cut off by the restart: its next first batch may be a replay
-            for slot in self._ledger.cut_off():
-                attempts[slot] = 1
+                attempts[int(slot)] += 1  # cut off by the restart: its next first batch may be a replay
+            for slot in self._ledger.cut_off() - {int(s) for s in self._ledger.state()["positions"]}:
+                attempts[slot] += 1
         self._positions.assign(positions)
         self._attempts.assign(attempts)
 
@@ -272,6 +294,20 @@ class ShardFeed:
         """Resume from a saved `state()`; raises `LedgerMismatchError` for other shards."""
         with self._lock:
             self._ledger.load(state)
+            self._restored = True
+
+    def resume_epoch(self, *, forget: bool = False) -> int | None:
+        """The epoch to run next after a restored ledger (`strategy.restore()`, `load()`):
+        its own epoch while shards of it are not done, else the one after. None when
+        nothing was restored (start at 0). Custom loops start there:
+        `for epoch in range(feed.resume_epoch() or 0, epochs)`. `forget`: answer
+        None from now on (fit takes it once)."""
+        with self._lock:
+            epoch, restored = self._ledger.epoch, self._restored
+            self._restored = self._restored and not forget
+            if not restored or epoch is None:
+                return None
+            return epoch + 1 if self._ledger.complete() else epoch
 
 
 def _records_in(batch):
@@ -286,6 +322,43 @@ def _records_in(batch):
 
 #: The feeds of each strategy, for `strategy.stats()` (neither keeps the other alive).
 _FEEDS: "weakref.WeakKeyDictionary[Any, weakref.WeakSet[ShardFeed]]" = weakref.WeakKeyDictionary()
+
+
+#: Ledgers restored by strategy.restore() whose feed is not created yet, by positions variable key.
+_RESTORED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _key_of(strategy, feed: ShardFeed, variables: dict | None = None) -> str | None:
+    """The checkpoint key of `feed`'s positions variable (its creation index), which names its ledger."""
+    variables = strategy._store.named() if variables is None else variables
+    return next((key for key, v in variables.items() if v is feed._positions), None)
+
+
+def ledger_meta(strategy_ref, variables: dict) -> dict | None:
+    """What a strategy checkpoint of `variables` saves of the data ledgers (recovery thread,
+    between closures): each feed's state by its positions variable's key, plus restored
+    ledgers whose feed does not exist yet. None without any."""
+    strategy = strategy_ref()
+    if strategy is None:
+        return None
+    ledgers = dict(_RESTORED.get(strategy, {}))
+    for feed in list(_FEEDS.get(strategy, ())):
+        key = _key_of(strategy, feed, variables)
+        if key is not None:
+            ledgers[key] = feed.state()
+    return {LEDGERS_KEY: ledgers} if ledgers else None
+
+
+def restore_ledgers(strategy, saved: dict) -> int:
+    """Hand the ledgers of a restored strategy checkpoint to their feeds: those that exist now
+    load theirs at once (`LedgerMismatchError` for other shards); the others when created."""
+    pending = dict(saved)
+    for feed in list(_FEEDS.get(strategy, ())):
+        key = _key_of(strategy, feed)
+        if key in pending:
+            feed.load(pending.pop(key))
+    _RESTORED[strategy] = pending
+    return len(saved)
 
 
 def data_stats(strategy) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -31,7 +32,7 @@ from psclient._coordinator.per_worker import (
     resolve_per_worker,
 )
 from psclient._coordinator.recovery import Recovery, RecoveryConfig
-from psclient._coordinator.shard_feed import data_stats
+from psclient._coordinator.shard_feed import LEDGERS_KEY, data_stats, ledger_meta, restore_ledgers
 from psclient._coordinator.sharding import partitioner_argument, split_updates
 from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
 from psclient._coordinator.sync import Steps, check_arguments, measuring
@@ -196,6 +197,9 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
             retrace=lambda: _retrace(tracer_ref, scheduler),
             connect=lambda workers: _runtime.connect(elastic.cluster, streaming_enqueue=streaming, workers=workers),
         )
+        # Every checkpoint carries the data ledgers of this strategy's feeds (by weak
+        # reference: the recovery thread must not keep the strategy alive).
+        self._recovery.checkpoint_meta = functools.partial(ledger_meta, weakref.ref(self))
         # Connected only once everything that checks arguments or the checkpoint
         # directory has passed; a failure after that undoes the connection.
         registry.claim(self, lambda: _runtime.connect(cluster, streaming_enqueue=pipeline_depth > 1,
@@ -496,7 +500,11 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
         """
         self._check_open("restore")
         self._require_checkpoint_dir("restore")
-        return self._recovery.restore()
+        restored = self._recovery.restore()
+        if restored is not None:
+            # The data ledgers saved with it go to their feeds (now or when they are created).
+            restored["data_ledgers"] = restore_ledgers(self, restored.pop("meta", {}).get(LEDGERS_KEY, {}))
+        return restored
 
     @property
     def checkpoint_dir(self) -> str | None:

@@ -155,6 +155,9 @@ def fit(stock, model, strategy, a: dict, forwarded: dict, make_callbacks):
     _refuse(a)
     prepare_model(model, strategy, sharded.element_spec, "fit")
     feed = _feed(model, strategy, sharded)
+    resume = feed.resume_epoch(forget=True)  # a ledger from strategy.restore(): its epoch goes on
+    if resume is not None and not forwarded.get("initial_epoch"):
+        forwarded = dict(forwarded, initial_epoch=resume)
     train_function = ShardTrainFunction(model, strategy, feed)
 
     class _Epochs(keras.callbacks.Callback):

@@ -1,0 +1,174 @@
+"""The data ledger across a coordinator SIGKILLed mid-epoch (strategy checkpoints) and a hung
+worker (SIGSTOP): records counted on the ps, each at least once, twice only when in flight."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import psclient
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ledger_restart_child.py")
+sys.path.insert(0, os.path.dirname(CHILD))
+from _ledger_restart_child import BATCH, N, SHARD  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with psclient.LocalCluster(num_workers=2, num_ps=1, start_timeout=300) as local:
+        yield local
+
+
+def child(cluster_file, checkpoint_dir, mode, kill_after_shards=None):
+    """Run the child coordinator; SIGKILL it once it reported `kill_after_shards` finished shards."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(CHILD)), os.environ.get("PYTHONPATH", "")]))
+    stderr = open(checkpoint_dir.parent / f"stderr-{mode}.txt", "w+")
+    process = subprocess.Popen([sys.executable, CHILD, str(cluster_file), str(checkpoint_dir), mode],
+                               stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    events = []
+    try:
+        for line in process.stdout:
+            if line.startswith("{"):
+                events.append(json.loads(line))
+                shards = sum(e["event"] == "shard" for e in events)
+                if kill_after_shards is not None and shards >= kill_after_shards:
+                    process.send_signal(signal.SIGKILL)  # mid-epoch, shards in flight
+                    break
+        process.wait(timeout=400)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+        process.stdout.close()
+        stderr.seek(0)
+        tail = stderr.read()[-3000:]
+        stderr.close()
+    return process.returncode, events, tail
+
+
+def test_a_coordinator_killed_mid_epoch_resumes_the_epoch(cluster, tmp_path):
+    cluster_file = tmp_path / "cluster.json"
+    cluster_file.write_text(json.dumps({job: tasks for job, tasks in cluster.cluster.training_spec().items()
+                                        if job != "chief"}))
+    ckpt = tmp_path / "ckpt"
+    num_shards = N // SHARD
+    code, first, err = child(cluster_file, ckpt, "first", kill_after_shards=num_shards // 2)
+    assert code == -signal.SIGKILL, err
+    assert not any(e["event"] == "done" for e in first)
+
+    code, second, err = child(cluster_file, ckpt, "again")
+    assert code == 0, (second, err)
+    restored, done = second[0], second[-1]
+    assert restored["event"] == "restored" and done["event"] == "done"
+    # The strategy checkpoint carried the ledger: epoch 0 resumed, some shards already done.
+    assert restored["ledgers"] == 1 and restored["epoch"] == 0 and restored["resume"] == 0
+    assert 0 < len(restored["done"]) < num_shards, restored
+    counts = np.array(done["counts"])
+    assert counts.min() >= 1, "every record at least once"
+    done_ids = np.concatenate([np.arange(s * SHARD, (s + 1) * SHARD) for s in restored["done"]])
+    np.testing.assert_array_equal(counts[done_ids], 1)  # the shards done were not trained again
+    rerun = [e["slot"] for e in second if e["event"] == "shard"]
+    assert not set(rerun) & set(restored["done"]) and len(rerun) == num_shards - len(restored["done"])
+    # The counts were restored with the weights, so what the first run trained after its last
+    # checkpoint is trained once more, not twice. A record counts twice only if a closure of
+    # the killed coordinator was still running on a worker after the restore: at most the two
+    # batches of each closure it had in flight (4: two per worker).
+    assert counts.max() <= 2 and int((counts == 2).sum()) <= 4 * 2 * BATCH
+    assert done["stats"]["done"] == num_shards and done["stats"]["records"] == N
+
+    # The same program over other shards (as many: the ps variables match) is refused, not restarted.
+    code, third, err = child(cluster_file, ckpt, "other")
+    assert code == 0, (third, err)
+    assert third[-1]["event"] == "refused" and third[-1]["error"] == "LedgerMismatchError", third
+    assert f"Received: a ledger of {num_shards} shards" in third[-1]["message"]
+
+
+def make_dataset(shard):
+    return tf.data.Dataset.range(shard.start, shard.end).batch(BATCH)
+
+
+def test_a_hung_worker_gives_its_shard_back_and_trains_at_most_two_batches_of_it_again(cluster):
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=8, connect_timeout=120)
+    n = 480
+    with strategy.scope():
+        counts = tf.Variable(tf.zeros([n], tf.int64))
+        trained_by = tf.Variable(tf.zeros([n], tf.int64))
+    data = psclient.data.ShardedDataset(psclient.data.range_shards(n, 40), make_dataset)
+
+    def step(ids):
+        x = tf.random.uniform([256, 256])
+        for _ in range(30):
+            x = tf.linalg.matmul(x, x) / 256.0
+        with tf.control_dependencies([x]):
+            counts.scatter_add(tf.IndexedSlices(tf.ones_like(ids), ids))
+        worker = tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64)
+        trained_by.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(ids), worker + 1), ids))
+
+    stopped, finished = threading.Event(), threading.Event()
+
+    def stop_mid_shard():
+        while not finished.is_set():
+            by_worker_1 = np.flatnonzero(trained_by.numpy() == 2)
+            if by_worker_1.size and 1 <= (by_worker_1.max() % 40) // BATCH <= 7:
+                cluster.stop("worker", 1)  # SIGSTOP: it keeps its connections, answers nothing
+                stopped.set()
+                return
+            time.sleep(0.01)  # polling the ps, not synchronising
+
+    try:
+        cluster.throttle("worker", 1, 0.3)
+        for _ in range(3):  # the stop must land mid-shard; an epoch may end first on a loaded machine
+            counts.assign(tf.zeros([n], tf.int64))
+            trained_by.assign(tf.zeros([n], tf.int64))
+            feed = psclient.data.ShardFeed(strategy, data)
+            run_shard = feed.shard_function(step)
+            finished.clear()
+            stopper = threading.Thread(target=stop_mid_shard)
+            stopper.start()
+            try:
+                stats = feed.run_epoch(run_shard, 0)
+            finally:
+                finished.set()
+                stopper.join()
+            if stopped.is_set():
+                break
+        assert stopped.is_set(), "three epochs ended before worker 1 was mid-shard"
+        assert stats["done"] == n // 40 and stats["records"] == n
+        assert counts.numpy().min() == 1, "every record at least once, with worker 1 hung"
+        assert sum(w["retried"] for w in strategy.stats()["workers"]) >= 1
+        # Worker 1 wakes up: its closure finishes the batch it was in and, at most, the one it
+        # started beside reading the attempt counter; then it sees the newer attempt and stops.
+        cluster.throttle("worker", 1, 1.0)
+        cluster.resume("worker", 1)
+        deadline = time.monotonic() + 300
+        while not (strategy.stats()["workers"][1]["up"] and strategy.stats()["workers"][1]["rejoins"] >= 1):
+            assert time.monotonic() < deadline, "worker 1 did not rejoin within 300 s of SIGCONT"
+            time.sleep(0.5)  # polling the strategy's view of worker 1
+        # It answers again, so its woken closure runs: wait until the counts stop moving.
+        seen, settled = counts.numpy(), time.monotonic() + 30
+        while time.monotonic() < settled:
+            time.sleep(2.0)  # polling the ps: a woken closure trains at most two more batches
+            now = counts.numpy()
+            if np.array_equal(seen, now):
+                break
+            seen = now
+        trained = counts.numpy()
+        twice = int((trained == 2).sum())
+        assert trained.max() <= 2 and twice <= 2 * BATCH, trained
+        assert twice <= feed.stats()["replayed_records"] <= 2 * BATCH
+    finally:
+        finished.set()
+        if cluster.is_running("worker", 1):
+            cluster.resume("worker", 1)
+        cluster.throttle("worker", 1, 1.0)
+        strategy.shutdown()
