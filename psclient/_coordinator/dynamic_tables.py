@@ -113,9 +113,19 @@ def _export(table):
     return tf.reshape(keys, [-1]), values
 
 
-def _table(value_dtype, default):
+def _table(value_dtype, default: list):
+    """A MutableHashTable on the device in effect, whose `default` row is held here, not there.
+
+    A function using the table captures the default by value when it is
+    traced: held on the ps, each trace would copy it from there, and a trace
+    made while that ps is down (before a recovery) would fail on it.
+    """
     import tensorflow as tf
 
+    from psclient._coordinator.runtime import coordinator_cpu
+
+    with tf.device(coordinator_cpu()):
+        default = tf.constant(default, value_dtype)
     return tf.lookup.experimental.MutableHashTable(tf.int64, value_dtype, default, checkpoint=False)
 
 
@@ -155,14 +165,14 @@ class _Shard:
         import tensorflow as tf
 
         with self.placed():
-            self.values = _table(tf.float32, tf.zeros([self.dim]))
-            self.counters = _table(tf.int64, tf.constant([0, -1], tf.int64))
+            self.values = _table(tf.float32, [0.0] * self.dim)
+            self.counters = _table(tf.int64, [0, -1])
             self.clock = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{self.prefix}_clock")
             self.admissions = tf.Variable(tf.constant(0, tf.int64), trainable=False,
                                           name=f"{self.prefix}_admissions")
             self.evictions = tf.Variable(tf.constant(0, tf.int64), trainable=False,
                                          name=f"{self.prefix}_evictions")
-            self.slots = {slot: _table(tf.float32, tf.fill([self.dim], float(value)))
+            self.slots = {slot: _table(tf.float32, [float(value)] * self.dim)
                           for slot, value in slot_defaults.items()}
 
     def placed(self):
@@ -207,7 +217,7 @@ class DynamicTable:
                 for slot, value in defaults.items():
                     if slot not in shard.slots:
                         with shard.placed():
-                            shard.slots[slot] = _table(tf.float32, tf.fill([self.dim], float(value)))
+                            shard.slots[slot] = _table(tf.float32, [float(value)] * self.dim)
         self.slot_defaults = {**self.slot_defaults, **defaults}
 
     def renew(self, lost_ps: set) -> None:
