@@ -45,12 +45,16 @@ def connect(local, num_ps, **kwargs):
 
 
 def by_key(states):
-    """{key: (counters, row, {slot: value})} over every shard of `layer.export_state()`."""
+    """{key: (counters, row, {slot: value})} over every shard of `layer.export_state()`.
+
+    (A row may lack counters: with two workers, a row one step's scan evicted can be written back
+    by another step; see docs/dynamic_embeddings.md.)
+    """
     out = {}
     for state in states:
         counters = dict(zip(state["keys"].tolist(), state["counters"].reshape(-1, 2).tolist()))
         for i, key in enumerate(state["row_keys"].tolist()):
-            out[key] = (counters[key], state["rows"][i].tolist(),
+            out[key] = (counters.get(key), state["rows"][i].tolist(),
                         {name: value[i].tolist() for name, value in state["slots"].items()})
     return out
 
