@@ -42,17 +42,17 @@ class _AfterKeras(importlib.abc.MetaPathFinder):
     """Finds `keras` through the other finders and registers psclient's layers once it has run."""
 
     def __init__(self):
-        self._looking = threading.local()
+        self.looking = threading.local()
 
     def find_spec(self, name, path=None, target=None):
         # Every lookup of `keras` (TensorFlow's import asks first, then imports), until it is loaded.
-        if name != "keras" or getattr(self._looking, "active", False):
+        if name != "keras" or getattr(self.looking, "active", False):
             return None
-        self._looking.active = True
+        self.looking.active = True
         try:
             spec = importlib.util.find_spec(name)  # the other finders' answer
         finally:
-            self._looking.active = False
+            self.looking.active = False
         if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
             spec.loader = _ThenRegister(spec.loader, self)
         return spec
@@ -60,17 +60,17 @@ class _AfterKeras(importlib.abc.MetaPathFinder):
 
 class _ThenRegister(importlib.abc.Loader):
     def __init__(self, loader, finder):
-        self._loader, self._finder = loader, finder
+        self.loader, self.finder = loader, finder
 
     def create_module(self, spec):
-        return self._loader.create_module(spec)
+        return self.loader.create_module(spec)
 
     def exec_module(self, module):
-        self._loader.exec_module(module)
+        self.loader.exec_module(module)
         with _lock:
-            if self._finder in sys.meta_path:
-                sys.meta_path.remove(self._finder)  # done: Keras is loaded
+            if self.finder in sys.meta_path:
+                sys.meta_path.remove(self.finder)  # done: Keras is loaded
         _register()
 
     def __getattr__(self, name):  # the wrapped loader's resources, source, ...
-        return getattr(self._loader, name)
+        return getattr(self.loader, name)
