@@ -30,11 +30,17 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from psclient._coordinator.checkpoint_parts import LOCAL
 from psclient._coordinator.runtime import ps_index_of
 
 __all__ = ["assign", "check", "layout_of", "names_by_ps", "read", "read_local", "save_work"]
 
 _FIELDS = ("keys", "counters", "row_keys", "rows", "clock", "admissions", "evictions")
+
+
+def _task(shard) -> int:
+    """The ps task that holds `shard` (LOCAL: a table without a cluster, in this process)."""
+    return ps_index_of(shard.device) if shard.device else LOCAL
 
 
 def _dtypes(dim_slots: int) -> list:
@@ -58,7 +64,7 @@ def names_by_ps(tables: dict[str, Any]) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
     for key, table in tables.items():
         for index, shard in enumerate(table.shards):
-            out.setdefault(ps_index_of(shard.device), []).extend(_names(key, index, sorted(shard.slots)))
+            out.setdefault(_task(shard), []).extend(_names(key, index, sorted(shard.slots)))
     return out
 
 
@@ -69,7 +75,7 @@ def save_work(tables: dict[str, Any]) -> dict[int, Callable[[], tuple[list[str],
     work: dict[int, list] = {}
     for key, table in tables.items():
         for index, shard in enumerate(table.shards):
-            work.setdefault(ps_index_of(shard.device), []).append((key, index, table, shard))
+            work.setdefault(_task(shard), []).append((key, index, table, shard))
 
     def on(entries):
         def run():
@@ -113,7 +119,7 @@ def read(path: str, tables: dict[str, Any], saved: dict) -> dict[int, Callable[[
     work: dict[int, list] = {}
     for key, table in tables.items():
         for index, shard in enumerate(table.shards):
-            work.setdefault(ps_index_of(shard.device), []).append((key, index, table, shard))
+            work.setdefault(_task(shard), []).append((key, index, table, shard))
 
     def state_of(key, index, table):
         entry = saved[key]
