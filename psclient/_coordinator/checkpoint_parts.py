@@ -22,6 +22,9 @@ which assembles a slice from whichever parts hold its rows) and assigns them
 there: a checkpoint restores into another number of ps tasks or shards, and
 the values never pass through the coordinator.
 
+A ps also writes its shards of the dynamic embedding tables in its part, in
+the same SaveV2 call (`table_checkpoint`).
+
 Parts are written in a scratch directory (`.psclient-save-*`, a dot-name no
 reader lists) and moved to their final names by the merge, after every part
 is complete: a part cut short by a ps that died is never under a checkpoint's

@@ -42,7 +42,8 @@ class BackupAndRestore(_KerasBackupAndRestore):
     restores both and `fit` resumes at that epoch. For a model on the ps
     tasks the weights are a checkpoint each ps writes its own part of (the
     `backup_dir` must be reachable from every ps task); variables are
-    matched by their position in the model and its optimizer.
+    matched by their position in the model and its optimizer. The rows of
+    its DynamicEmbedding layers are saved by their ps tasks beside them.
 
     With `fit` on a `psclient.data.ShardedDataset` it also saves the data
     ledger (`data_ledger.json`: epoch, done shards, positions of those in
