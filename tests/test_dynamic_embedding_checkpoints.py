@@ -117,6 +117,22 @@ def test_the_shards_counters_are_no_model_variables(local, tmp_path):
     assert counts[0] == counts[1]  # a checkpoint's variables do not depend on the number of ps
 
 
+def test_predict_with_dict_inputs_on_a_compiled_model_never_fitted(local):
+    strategy = connect(local, 2)
+    try:
+        with strategy.scope():
+            inputs = {name: keras.Input((1,), dtype="int64", name=name) for name in ("user", "item")}
+            layer = psclient.layers.DynamicEmbedding(4, name="dict_ids", embeddings_initializer="ones")
+            merged = keras.layers.Concatenate()([keras.layers.Flatten()(layer(inputs[n])) for n in ("user", "item")])
+            model = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="ones")(merged))
+            model.compile(optimizer="adagrad", loss="mse", metrics=["mae"])
+        x = {"user": np.array([[1], [2]]), "item": np.array([[3], [4]])}
+        # Never trained: every key reads the default (zero) row, so the output is the bias (0).
+        np.testing.assert_array_equal(model.predict(x, verbose=0), np.zeros((2, 1)))
+    finally:
+        strategy.shutdown()
+
+
 def test_a_lost_ps_gets_its_shards_back_from_the_checkpoint(local, tmp_path):
     x, y = data(1, n=128)
     keys = tf.constant(np.unique(x))
