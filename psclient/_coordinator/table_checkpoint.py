@@ -30,8 +30,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from psclient._coordinator.checkpoint_parts import LOCAL
 from psclient._coordinator.runtime import ps_index_of
+
+#: A table without a cluster: its part is written by this process (`checkpoint_parts.LOCAL`, which
+#: imports this module, so not imported from there).
+LOCAL = -1
 
 __all__ = ["assign", "check", "layout_of", "names_by_ps", "read", "read_local", "save_work"]
 
