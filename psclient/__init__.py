@@ -77,6 +77,16 @@ def _install_keras_support() -> None:
 _registry.add_scope_hook(_install_keras_support)
 
 
+def _register_layers() -> None:
+    # keras.models.load_model reads a saved psclient layer after `import psclient` alone.
+    from psclient._keras.registration import register_when_keras_loads
+
+    register_when_keras_loads()
+
+
+_register_layers()
+
+
 def __getattr__(name):
     # Keras-backed names load Keras on first use, so `import psclient` stays cheap.
     if name in ("BackupAndRestore", "StalenessLogger"):

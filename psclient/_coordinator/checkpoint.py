@@ -48,6 +48,7 @@ import os
 from typing import Any, Callable
 
 from psclient._coordinator import checkpoint_parts as _parts
+from psclient._coordinator import table_checkpoint
 from psclient._coordinator.checkpoint_parts import CheckpointUnreadable
 from psclient._core.files import replaced_atomically
 
@@ -140,11 +141,12 @@ class Checkpoints:
         )
 
     def save(self, variables: dict[str, Any], completed: int | None, scalars: dict | None = None,
-             meta: dict | None = None) -> str:
+             meta: dict | None = None, tables: dict | None = None) -> str:
         """Write one checkpoint of `variables` (key -> tf.Variable on a ps); return its path.
 
         `scalars` (name -> int) are saved beside, under `name/.ATTRIBUTES/VARIABLE_VALUE`;
         `meta` (JSON-able) joins the checkpoint's layout (`psclient_layout`).
+        `tables` (key -> DynamicTable): each ps saves its shards (`table_checkpoint`).
         Raises CheckpointWriteError naming the ps task that could not write its part.
         """
         import numpy as np
@@ -155,16 +157,17 @@ class Checkpoints:
         extra = {name: np.int64(value) for name, value in (scalars or {}).items()}
         if completed is not None:
             extra[_COMPLETED_KEY] = np.int64(completed)
-        _parts.save_parts(path, variables, extra, self._describe_ps, meta)
+        _parts.save_parts(path, variables, extra, self._describe_ps, meta, tables)
         self._commit(number)
         return path
 
-    def restore(self, variables: dict[str, Any], *, adopt: bool = False) -> dict | None:
+    def restore(self, variables: dict[str, Any], *, adopt: bool = False, tables: dict | None = None) -> dict | None:
         """Assign every variable its value in the newest complete checkpoint.
 
         `adopt` (the user's restore()): every checkpoint in the directory may
         be read, and from then on this run writes beside them. Otherwise only
-        this run's own.
+        this run's own. `tables` (key -> DynamicTable) are restored with them,
+        into any number of ps tasks (see `table_checkpoint`).
 
         Returns {"path", "completed_closures", "skipped", "meta"} (`skipped`:
         newer checkpoints passed over, with what was wrong; `meta`: what
@@ -186,12 +189,13 @@ class Checkpoints:
         for number in candidates:
             path = os.path.join(self.directory, f"ckpt-{number}")
             try:
-                values, completed, meta = self._read(path, variables)
+                values, completed, table_states, meta = self._read(path, variables, tables or {})
             except CheckpointUnreadable as error:
                 log.warning("checkpoint %s is not usable: %s", path, error)
                 skipped.append({"path": path, "error": str(error)})
                 continue
             _parts.assign_on_ps(values)
+            table_checkpoint.assign(table_states, _parts.on_each_ps)
             if adopt:
                 self.foreign, self._first_own = None, 0
             if skipped:
@@ -287,8 +291,10 @@ class Checkpoints:
         except (tf.errors.OpError, ValueError, IndexError):  # unreadable, or not a psclient checkpoint
             return None
 
-    def _read(self, path: str, variables: dict[str, Any]) -> tuple[dict[int, list], int | None, dict]:
-        """Every variable's value in `path`, read on its ps and checked: names, shapes, dtypes, data."""
+    def _read(self, path: str, variables: dict[str, Any],
+              tables: dict[str, Any]) -> tuple[dict, int | None, dict, dict]:
+        """Every variable's value and table shard in `path`, read on its ps and checked
+        (names, shapes, dtypes, data), and the meta `save` stored."""
         import tensorflow as tf
 
         try:
@@ -307,9 +313,27 @@ class Checkpoints:
         except (tf.errors.OpError, ValueError, IndexError) as error:
             raise CheckpointUnreadable(
                 f"the coordinator's part of it cannot be read: {_first_line(error)}") from error
+        if tables:
+            problems = table_checkpoint.check(tables, (layout or {}).get("tables", {}))
+            if problems:
+                raise ValueError(f"The checkpoint {path} does not match the dynamic embedding tables: "
+                                 f"{'; '.join(problems)}. Nothing was restored.")
         values = _parts.read_on_ps(path, variables, dtypes, layout, self._describe_ps)
-        meta = {k: v for k, v in (layout or {}).items() if k not in ("format", "parts")}
-        return values, completed, meta
+        meta = {k: v for k, v in (layout or {}).items() if k not in ("format", "parts", "tables")}
+        return values, completed, self._read_tables(path, tables, layout), meta
+
+    def _read_tables(self, path: str, tables: dict[str, Any], layout: dict | None) -> dict:
+        import tensorflow as tf
+
+        if not tables:
+            return {}
+        try:
+            return _parts.on_each_ps(table_checkpoint.read(path, tables, layout["tables"]))
+        except tf.errors.OpError as error:
+            what = getattr(error, "_psclient_table", "a dynamic table")
+            raise CheckpointUnreadable(
+                f"the shards of {what} cannot be read from {path} (corrupt or truncated data file?): "
+                f"{_first_line(error)}") from error
 
     def _next_number(self) -> int:
         """One past the highest `ckpt-N` in the directory or its state file: no save overwrites another."""

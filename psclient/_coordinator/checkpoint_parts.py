@@ -22,6 +22,9 @@ which assembles a slice from whichever parts hold its rows) and assigns them
 there: a checkpoint restores into another number of ps tasks or shards, and
 the values never pass through the coordinator.
 
+A ps also writes its shards of the dynamic embedding tables in its part, in
+the same SaveV2 call (`table_checkpoint`).
+
 Parts are written in a scratch directory (`.psclient-save-*`, a dot-name no
 reader lists) and moved to their final names by the merge, after every part
 is complete: a part cut short by a ps that died is never under a checkpoint's
@@ -117,7 +120,7 @@ def part_prefix(scratch: str, index: int, count: int) -> str:
     return f"{scratch}/part-{index:05d}-of-{count:05d}"
 
 
-def _on_each_ps(work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
+def on_each_ps(work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
     """Run `work[ps]()` for every ps at once, each on a thread of its own with its own TF executor.
 
     Waits for all; raises the first error (by ps index) after every one ended.
@@ -145,36 +148,46 @@ def _on_each_ps(work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
 
 
 def save_parts(prefix: str, variables: dict[str, Any], scalars: dict[str, Any],
-               describe_ps: Callable[[int], str], meta: dict | None = None) -> None:
+               describe_ps: Callable[[int], str], meta: dict | None = None, tables: dict | None = None) -> None:
     """Write `variables` as checkpoint `prefix`, each ps its own part; `scalars` (key -> numpy
     scalar) in the coordinator's part, with the layout (`meta` added to it). Returns when
     `prefix.index` names every part.
 
     Raises CheckpointWriteError naming the ps task and its file if one could not write;
-    nothing is then under `prefix` (the scratch directory is removed).
+    nothing is then under `prefix` (the scratch directory is removed). `tables`
+    (key -> DynamicTable): each ps writes its shards in its own part (`table_checkpoint`).
     """
     import tensorflow as tf
     from tensorflow.python.ops import gen_io_ops
 
+    from psclient._coordinator import table_checkpoint
+
     by_ps = slots_of(variables)
-    tasks = sorted(by_ps)
+    table_work = table_checkpoint.save_work(tables or {})
+    table_names = table_checkpoint.names_by_ps(tables or {})
+    tasks = sorted(set(by_ps) | set(table_work))
     count = len(tasks) + 1
     directory = os.path.dirname(prefix)
     scratch = os.path.join(directory, f".psclient-save-{os.path.basename(prefix)}-{secrets.token_hex(8)}")
     final_names = {ps: f"{os.path.basename(prefix)}.data-{i:05d}-of-{count:05d}" for i, ps in enumerate(tasks)}
     layout = {"format": 2, **(meta or {}), "parts": [
         {"task": f"ps:{ps}" if ps != LOCAL else "coordinator", "file": final_names[ps],
-         "keys": sorted({s.key for s in by_ps[ps]})} for ps in tasks]}
+         "keys": sorted({s.key for s in by_ps.get(ps, [])} | set(table_names.get(ps, [])))} for ps in tasks]}
+    if tables:
+        layout["tables"] = table_checkpoint.layout_of(tables)
 
     def write(ps: int) -> Callable[[], None]:
-        slots = by_ps[ps]
+        slots = by_ps.get(ps, [])
 
         def run():
             with _device(ps):
                 try:
                     values = [s.variable.read_value() for s in slots]  # read there: the resource is on this ps
-                    gen_io_ops.save_v2(part_prefix(scratch, tasks.index(ps), count),
-                                       [s.key for s in slots], [s.spec for s in slots], values)
+                    names, specs = [s.key for s in slots], [s.spec for s in slots]
+                    if ps in table_work:  # exported on this ps, written with its variables
+                        more, tensors = table_work[ps]()
+                        names, specs, values = names + more, specs + [""] * len(more), values + tensors
+                    gen_io_ops.save_v2(part_prefix(scratch, tasks.index(ps), count), names, specs, values)
                 except tf.errors.OpError as error:
                     error._psclient_ps = ps
                     raise
@@ -183,7 +196,7 @@ def save_parts(prefix: str, variables: dict[str, Any], scalars: dict[str, Any],
     tf.io.gfile.makedirs(scratch)
     try:
         try:
-            _on_each_ps({ps: write(ps) for ps in tasks})
+            on_each_ps({ps: write(ps) for ps in tasks})
         except tf.errors.OpError as error:
             ps = getattr(error, "_psclient_ps", None)
             where = _task(ps, describe_ps)
@@ -237,7 +250,7 @@ def read_on_ps(path: str, variables: dict[str, Any], dtypes: dict[str, Any],
         return run
 
     try:
-        return _on_each_ps({ps: read(ps) for ps in by_ps})
+        return on_each_ps({ps: read(ps) for ps in by_ps})
     except tf.errors.OpError as error:
         ps = getattr(error, "_psclient_ps", None)
         slot = getattr(error, "_psclient_slot", None)
@@ -268,7 +281,7 @@ def assign_on_ps(values: dict[int, list]) -> None:
                 slot.variable.assign(tensor, read_value=False)  # both on this ps
         return run
 
-    _on_each_ps({ps: assign(pairs) for ps, pairs in values.items()})
+    on_each_ps({ps: assign(pairs) for ps, pairs in values.items()})
 
 
 def _files_of(path: str, layout: dict | None, keys: set[str]) -> list[str]:
@@ -306,7 +319,7 @@ def probe_writable(directory: str, num_ps: int, describe_ps: Callable[[int], str
 
     try:
         try:
-            _on_each_ps({ps: write(ps) for ps in range(num_ps)})
+            on_each_ps({ps: write(ps) for ps in range(num_ps)})
         except tf.errors.OpError as error:
             ps = getattr(error, "_psclient_ps", None)
             raise CheckpointDirError(

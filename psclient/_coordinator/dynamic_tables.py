@@ -113,9 +113,19 @@ def _export(table):
     return tf.reshape(keys, [-1]), values
 
 
-def _table(value_dtype, default):
+def _table(value_dtype, default: list):
+    """A MutableHashTable on the device in effect, whose `default` row is held here, not there.
+
+    A function using the table captures the default by value when it is
+    traced: held on the ps, each trace would copy it from there, and a trace
+    made while that ps is down (before a recovery) would fail on it.
+    """
     import tensorflow as tf
 
+    from psclient._coordinator.runtime import coordinator_cpu
+
+    with tf.device(coordinator_cpu()):
+        default = tf.constant(default, value_dtype)
     return tf.lookup.experimental.MutableHashTable(tf.int64, value_dtype, default, checkpoint=False)
 
 
@@ -146,16 +156,24 @@ class _Shard:
     """One ps task's part of a table."""
 
     def __init__(self, device: str | None, dim: int, prefix: str):
+        self.device, self.dim, self.prefix = device, dim, prefix
+        self.slots: dict[str, Any] = {}
+        self.make({})
+
+    def make(self, slot_defaults: dict[str, float]) -> None:
+        """New, empty tables and zero counters on the shard's device (at first, and after its ps was lost)."""
         import tensorflow as tf
 
-        self.device = device
         with self.placed():
-            self.values = _table(tf.float32, tf.zeros([dim]))
-            self.counters = _table(tf.int64, tf.constant([0, -1], tf.int64))
-            self.clock = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{prefix}_clock")
-            self.admissions = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{prefix}_admissions")
-            self.evictions = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{prefix}_evictions")
-        self.slots: dict[str, Any] = {}
+            self.values = _table(tf.float32, [0.0] * self.dim)
+            self.counters = _table(tf.int64, [0, -1])
+            self.clock = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{self.prefix}_clock")
+            self.admissions = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                          name=f"{self.prefix}_admissions")
+            self.evictions = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                         name=f"{self.prefix}_evictions")
+            self.slots = {slot: _table(tf.float32, [float(value)] * self.dim)
+                          for slot, value in slot_defaults.items()}
 
     def placed(self):
         import tensorflow as tf
@@ -174,11 +192,17 @@ class DynamicTable:
 
         self.name, self.dim, self.init, self.policy = name, dim, init, policy
         # The strategy whose ps tasks hold the rows (None without one), weakly: stats() asks by it.
-        strategy = registry.current()
+        strategy = registry.current() if devices[0] else None
         self.owner = weakref.ref(strategy) if strategy is not None else (lambda: None)
         self.share = rules.per_ps(policy.capacity, len(devices))
-        with tf.init_scope():
+        self.slot_defaults: dict[str, float] = {}
+        # Placed here, and saved with the rows: the shards' counters are no model variables.
+        store = getattr(strategy, "_store", None)
+        self._unmanaged = store.unmanaged if store is not None else contextlib.nullcontext
+        with tf.init_scope(), self._unmanaged():
             self.shards = [_Shard(d, dim, f"{name}_ps{i}") for i, d in enumerate(devices)]
+        if store is not None:
+            store.add_table(self)  # its checkpoints and ps recovery carry the rows
         with _lock:
             self.serial = next(_serials)
             _tables.add(self)
@@ -193,8 +217,23 @@ class DynamicTable:
                 for slot, value in defaults.items():
                     if slot not in shard.slots:
                         with shard.placed():
-                            shard.slots[slot] = _table(tf.float32, tf.fill([self.dim], float(value)))
-        self.slot_defaults = dict(defaults)
+                            shard.slots[slot] = _table(tf.float32, [float(value)] * self.dim)
+        self.slot_defaults = {**self.slot_defaults, **defaults}
+
+    def renew(self, lost_ps: set) -> None:
+        """Empty tables and counters for the shards on `lost_ps` (their resources died with the task).
+
+        Functions traced before hold the old ones and must be traced again;
+        the caller restores the contents from a checkpoint.
+        """
+        import tensorflow as tf
+
+        from psclient._coordinator.runtime import ps_index_of
+
+        for shard in self.shards:
+            if shard.device and ps_index_of(shard.device) in lost_ps:
+                with tf.init_scope(), self._unmanaged():
+                    shard.make(self.slot_defaults)
 
     # --------------------------------------------------------------- lookup
     def _split(self, keys):

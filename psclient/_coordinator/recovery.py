@@ -167,7 +167,7 @@ class Recovery:
     def restore(self) -> dict | None:
         """On the caller's thread (before scheduling): newest complete checkpoint into every variable."""
         created = self._store.count()
-        restored = self.checkpoints.restore(self._store.named(), adopt=True)
+        restored = self.checkpoints.restore(self._store.named(), adopt=True, tables=self._store.tables())
         if restored is None:
             return None
         self.saved_created = created
@@ -394,7 +394,7 @@ class Recovery:
             return True
         if isinstance(action, rm.RenewAndRestore):
             renewed = self._store.renew(set(action.lost))
-            restored = self.checkpoints.restore(self._store.named())
+            restored = self.checkpoints.restore(self._store.named(), tables=self._store.tables())
             self._completed_then = None if restored is None else restored["completed_closures"]
             log.info("ps task(s) %s: %d variables re-created, every variable restored", action.lost, renewed)
             return True
@@ -454,8 +454,10 @@ class Recovery:
         variables = self._store.named()
         completed = self._scheduler.completed()
         # Taken between closures: the ledgers' positions on the ps match the variables saved.
+        # The dynamic tables too: each ps writes its shards beside its variables.
         meta = self.checkpoint_meta(variables)
-        path = self.checkpoints.save(variables, completed, meta=meta)  # a failure is logged by _carry_out
+        path = self.checkpoints.save(variables, completed, meta=meta,
+                                     tables=self._store.tables())  # failures: _carry_out logs
         self.saved_created = created
         self.checkpoints_written += 1
         log.info("checkpoint %s written (%s, %d closures completed)", path, reason, completed)

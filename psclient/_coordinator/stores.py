@@ -8,6 +8,7 @@ strategy: nothing it holds keeps a strategy alive.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
@@ -57,6 +58,24 @@ class VariableStore:
         # holds this store, and their owners hold the user's functions, which
         # may hold the strategy (a forgotten strategy must be collected).
         self._on_renew: list[weakref.WeakMethod] = []
+        # Dynamic embedding tables made under this strategy, in creation order (weakly): saved
+        # by their ps tasks beside the variables, re-made with them when a ps is lost.
+        self._tables: list[weakref.ref] = []
+        self._unmanaged = threading.local()
+
+    @contextlib.contextmanager
+    def unmanaged(self):
+        """Variables created inside (by this thread) are left alone: not placed, saved or renewed.
+
+        For a dynamic table's bookkeeping (its clock and counters), placed
+        by the table itself and saved with its rows: they are no model
+        variables, and their number depends on the number of ps tasks.
+        """
+        self._unmanaged.active = True
+        try:
+            yield
+        finally:
+            self._unmanaged.active = False
 
     def create(self, next_creator, **kwargs):
         """A `tf.variable_creator_scope` creator: place the variable on a ps task."""
@@ -73,7 +92,7 @@ class VariableStore:
                 "tf.Variable(...))`, pass `per_worker` to schedule() as an argument, and read "
                 "every copy with `[v.numpy() for v in per_worker.values]` (TF's read_all())."
             )
-        if getattr(self._making_shards, "active", False):
+        if getattr(self._making_shards, "active", False) or getattr(self._unmanaged, "active", False):
             return next_creator(**kwargs)
         # A device already in force names a ps task when Keras asks to
         # colocate a slot with its variable (its optimizer enters
@@ -225,11 +244,24 @@ class VariableStore:
                 if ps in lost_ps:
                     _runtime.renew_variable_handle(part, _runtime.ps_device(ps))
                     count += 1
+        for table in self.tables().values():
+            table.renew(set(lost_ps))
         for ref in self._on_renew:
             hook = ref()
             if hook is not None:
                 hook(set(lost_ps))
         return count
+
+    def add_table(self, table: Any) -> None:
+        """Track a dynamic embedding table (`psclient._coordinator.dynamic_tables.DynamicTable`)."""
+        with self._lock:
+            self._tables.append(weakref.ref(table))
+
+    def tables(self) -> dict[str, Any]:
+        """Live dynamic tables keyed by creation index (`table/0000`), as variables are."""
+        with self._lock:
+            refs = list(self._tables)
+        return {f"table/{index:04d}": table for index, ref in enumerate(refs) if (table := ref()) is not None}
 
     def one_per_ps(self) -> dict[int, Any]:
         """A live variable (or shard) on each ps task that holds any: what shows

@@ -28,7 +28,7 @@ from keras.callbacks import BackupAndRestore as _KerasBackupAndRestore
 
 from psclient._core.files import replaced_atomically
 from psclient._keras import sharded_fit
-from psclient._keras.checkpoints import meta_of, model_variables, sharded_checkpoints, step_of
+from psclient._keras.checkpoints import meta_of, model_tables, model_variables, sharded_checkpoints, step_of
 
 __all__ = ["BackupAndRestore", "StalenessLogger"]
 
@@ -42,7 +42,8 @@ class BackupAndRestore(_KerasBackupAndRestore):
     restores both and `fit` resumes at that epoch. For a model on the ps
     tasks the weights are a checkpoint each ps writes its own part of (the
     `backup_dir` must be reachable from every ps task); variables are
-    matched by their position in the model and its optimizer.
+    matched by their position in the model and its optimizer. The rows of
+    its DynamicEmbedding layers are saved by their ps tasks beside them.
 
     With `fit` on a `psclient.data.ShardedDataset` it also saves the data
     ledger (`data_ledger.json`: epoch, done shards, positions of those in
@@ -82,7 +83,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
         if optimizer is not None and not optimizer.built:
             with self._strategy.scope():  # its slots on the ps, beside their variables
                 optimizer.build(self.model.trainable_variables)
-        if checkpoints.restore(model_variables(self.model), adopt=True) is None:
+        if checkpoints.restore(model_variables(self.model), adopt=True, tables=model_tables(self.model)) is None:
             return
         if tf.io.gfile.exists(self._training_metadata_path):  # absent: killed before the first was written
             with tf.io.gfile.GFile(self._training_metadata_path, "r") as f:
@@ -108,7 +109,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
             os.makedirs(self.backup_dir, exist_ok=True)
         if checkpoints is not None:
             checkpoints.save(model_variables(self.model), completed=None, scalars=step_of(self.model),
-                             meta=meta_of(self.model))
+                             meta=meta_of(self.model), tables=model_tables(self.model))
         else:
             # Each under its own name in a private temporary directory, then renamed into place.
             with replaced_atomically(self._weights_path) as temp:

@@ -11,6 +11,9 @@ the 4th of `model.weights`; `optimizer/0000`), not by creation order: a
 model built again, in the same way, in another process finds them, and so
 does the sidecar evaluator (psclient._sidecar.formats), which restores the
 model's weights by position. The optimizer's iteration count is saved as `step`.
+The rows of the model's DynamicEmbedding layers are saved by each ps beside
+(`model_table/0000`, the first such layer of the model; see
+`psclient._coordinator.table_checkpoint`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import keras
 from psclient._coordinator.checkpoint import Checkpoints
 from psclient._keras.trainer import _tf_variable, cluster_strategy
 
-__all__ = ["ModelCheckpoint", "KEYED_BY_POSITION", "meta_of", "model_variables", "sharded_checkpoints", "step_of",
-           "weight_key"]
+__all__ = ["ModelCheckpoint", "KEYED_BY_POSITION", "meta_of", "model_tables", "model_variables",
+           "sharded_checkpoints", "step_of", "weight_key"]
 
 #: The `keys` entry of the layout of checkpoints keyed by position in the model.
 KEYED_BY_POSITION = "keras_position"
@@ -54,6 +57,23 @@ def model_variables(model) -> dict[str, Any]:
             if value is not None:
                 found[f"{prefix}/{index:04d}"] = value
     return found
+
+
+def model_tables(model) -> dict[str, Any]:
+    """key -> the DynamicTable of each DynamicEmbedding of `model` on the ps tasks, by position.
+
+    `model_table/0000` is the first such layer found walking `model.layers`
+    depth first: the same in another build of the same model.
+    """
+    from psclient._keras.dynamic_embedding import DynamicEmbedding
+
+    found, todo = [], [model]
+    while todo:
+        layer = todo.pop(0)
+        if isinstance(layer, DynamicEmbedding) and layer.table is not None and layer.table.shards[0].device:
+            found.append(layer.table)
+        todo[:0] = list(getattr(layer, "layers", []))
+    return {f"model_table/{index:04d}": table for index, table in enumerate(found)}
 
 
 def step_of(model) -> dict[str, int]:
@@ -139,4 +159,5 @@ class ModelCheckpoint(keras.callbacks.Callback):
     def save_now(self):
         """Write a checkpoint of the model now (what fit calls at `save_freq`)."""
         self.saved.append(self._checkpoints.save(
-            model_variables(self.model), completed=None, scalars=step_of(self.model), meta=meta_of(self.model)))
+            model_variables(self.model), completed=None, scalars=step_of(self.model), meta=meta_of(self.model),
+            tables=model_tables(self.model)))

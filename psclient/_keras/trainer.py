@@ -122,7 +122,18 @@ def _check_mode(model, method: str) -> None:
 
 def prepare_model(model, strategy, element_spec, method: str) -> None:
     """Build what is still unbuilt (on the ps, from the data's spec) and re-check placement."""
-    if _needs_build(model):
+    if method == "predict":
+        # The layers only: Keras's own build also builds the compiled loss and metrics, from
+        # targets predict has none of (a compiled model never fitted failed on None targets).
+        if not all(layer.built for layer in model._flatten_layers()):
+            import keras
+            import tensorflow as tf
+
+            x, _, _ = keras.utils.unpack_x_y_sample_weight(element_spec)
+            with strategy.scope():
+                model.compute_output_spec(tf.nest.map_structure(
+                    lambda spec: keras.KerasTensor(spec.shape, spec.dtype.name), x))
+    elif _needs_build(model):
         with strategy.scope():
             model._symbolic_build(data_batch=element_spec)  # Keras's own build, on the ps
     _check_all_on_ps(model, _state(model), method)

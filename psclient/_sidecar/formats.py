@@ -408,12 +408,40 @@ def _restore_psclient(ref: CheckpointRef, reader, layout: dict, model: Any) -> N
            for i, (w, k) in enumerate(zip(weights, keys)) if k in shapes and list(shapes[k]) != list(w.shape)]
     extra = [f"{path} {list(shapes.get(f'model/{i:04d}{_VALUE}', []))}"
              for i, path in enumerate(saved) if i >= len(weights)]
+    saved_tables = layout.get("tables") or {}
+    tables = _dynamic_tables(model)
+    if len(tables) != len(saved_tables):
+        missing.extend(f"dynamic table {key} ({table.name!r})" for key, table in tables.items()
+                       if key not in saved_tables)
+        extra.extend(f"dynamic table {key} ({entry.get('name')!r})" for key, entry in saved_tables.items()
+                     if key not in tables)
     if missing or bad or extra:
         raise _mismatch_error(ref.name, missing + bad, extra)
+    from psclient._coordinator.table_checkpoint import read_local
+
     with _reading(ref):
         values = [reader.get_tensor(k) for k in keys]  # every value read before any is assigned
+        rows = {key: read_local(reader, key, saved_tables[key]) for key in tables}
     for variable, value in zip(weights, values):
         variable.assign(value)
+    for key, table in tables.items():
+        table.import_shards(rows[key])
+
+
+def _dynamic_tables(model: Any) -> dict[str, Any]:
+    """The tables of the model's DynamicEmbedding layers, keyed as `psclient.ModelCheckpoint` saves them.
+
+    The same walk as `psclient._keras.checkpoints.model_tables` (by position), without importing Keras.
+    """
+    from psclient._coordinator.dynamic_tables import DynamicTable
+
+    found, todo = [], [model]
+    while todo:
+        layer = todo.pop(0)
+        if isinstance(getattr(layer, "table", None), DynamicTable):
+            found.append(layer.table)
+        todo[:0] = list(getattr(layer, "layers", []))
+    return {f"model_table/{index:04d}": table for index, table in enumerate(found)}
 
 
 def step_of(ref: CheckpointRef) -> int | None:

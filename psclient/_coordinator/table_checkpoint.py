@@ -1,0 +1,211 @@
+"""Dynamic embedding tables in the strategy's checkpoints: each ps saves and restores its own shards.
+
+A table's shard on ps `p` is exported on `p` (keys, counters, rows, slots,
+clock, admissions, evictions) and written in `p`'s own part of the
+checkpoint, in the same SaveV2 call as its variables
+(`checkpoint_parts.save_parts`): no byte of a table passes through the
+coordinator. Keys, for a table saved under `table/0000` (the strategy's:
+creation order, as variables) or `model_table/0000` (Keras callbacks: the
+layer's position among the model's DynamicEmbedding layers):
+
+    table/0000/ps1/keys        int64[k]      every key tracked on ps 1
+    table/0000/ps1/counters    int64[k, 2]   (sightings, step last seen)
+    table/0000/ps1/row_keys    int64[r]      the keys that have a row
+    table/0000/ps1/rows        float32[r, dim]
+    table/0000/ps1/slot/<name> float32[r, dim]
+    table/0000/ps1/clock, .../admissions, .../evictions   int64 scalars
+
+The checkpoint's layout (`psclient_layout`) lists each table under `tables`:
+name, dim, shards, slot initial values.
+
+Restore: each ps reads (RestoreV2 there) what it will hold, and only when
+every ps has read everything (variables too) does any ps replace its
+shard's contents: a checkpoint that cannot be read leaves the tables as
+they were. Restored into another number of ps tasks, each ps reads every
+saved shard and keeps the keys it owns (`shard_of(key, num_ps)`); the clock
+becomes the largest saved one, admissions and evictions are summed on ps 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from psclient._coordinator.runtime import ps_index_of
+
+#: A table without a cluster: its part is written by this process (`checkpoint_parts.LOCAL`, which
+#: imports this module, so not imported from there).
+LOCAL = -1
+
+__all__ = ["assign", "check", "layout_of", "names_by_ps", "read", "read_local", "save_work"]
+
+_FIELDS = ("keys", "counters", "row_keys", "rows", "clock", "admissions", "evictions")
+
+
+def _task(shard) -> int:
+    """The ps task that holds `shard` (LOCAL: a table without a cluster, in this process)."""
+    return ps_index_of(shard.device) if shard.device else LOCAL
+
+
+def _dtypes(dim_slots: int) -> list:
+    import tensorflow as tf
+
+    return [tf.int64, tf.int64, tf.int64, tf.float32, tf.int64, tf.int64, tf.int64] + [tf.float32] * dim_slots
+
+
+def _names(key: str, shard: int, slots: list[str]) -> list[str]:
+    return [f"{key}/ps{shard}/{field}" for field in _FIELDS] + [f"{key}/ps{shard}/slot/{s}" for s in slots]
+
+
+def layout_of(tables: dict[str, Any]) -> dict:
+    """What the checkpoint's layout records of each table (key -> name, dim, shards, slots)."""
+    return {key: {"name": table.name, "dim": table.dim, "shards": len(table.shards),
+                  "slots": dict(sorted(table.slot_defaults.items()))} for key, table in tables.items()}
+
+
+def names_by_ps(tables: dict[str, Any]) -> dict[int, list[str]]:
+    """ps -> the keys its part holds of `tables`."""
+    out: dict[int, list[str]] = {}
+    for key, table in tables.items():
+        for index, shard in enumerate(table.shards):
+            out.setdefault(_task(shard), []).extend(_names(key, index, sorted(shard.slots)))
+    return out
+
+
+def save_work(tables: dict[str, Any]) -> dict[int, Callable[[], tuple[list[str], list]]]:
+    """ps -> a function, run under that ps's device, giving (names, tensors on that ps) of its shards."""
+    import tensorflow as tf
+
+    work: dict[int, list] = {}
+    for key, table in tables.items():
+        for index, shard in enumerate(table.shards):
+            work.setdefault(_task(shard), []).append((key, index, table, shard))
+
+    def on(entries):
+        def run():
+            names, tensors = [], []
+            for key, index, table, shard in entries:
+                slots = sorted(shard.slots)
+                keys, counters = shard.counters.export()
+                row_keys, rows = shard.values.export()
+                row_keys = tf.reshape(row_keys, [-1])
+                names += _names(key, index, slots)
+                tensors += [tf.reshape(keys, [-1]), tf.reshape(counters, [-1, 2]), row_keys,
+                            tf.reshape(rows, [-1, table.dim]), shard.clock.read_value(),
+                            shard.admissions.read_value(), shard.evictions.read_value()]
+                tensors += [tf.reshape(shard.slots[s].lookup(row_keys), [-1, table.dim]) for s in slots]
+            return names, tensors
+        return run
+
+    return {ps: on(entries) for ps, entries in work.items()}
+
+
+def check(tables: dict[str, Any], saved: dict) -> list[str]:
+    """What keeps `tables` from being restored from a checkpoint whose layout lists `saved`."""
+    problems = []
+    for key, table in tables.items():
+        entry = saved.get(key)
+        if entry is None:
+            problems.append(f"dynamic table {key} ({table.name!r}) is not in it")
+        elif int(entry["dim"]) != table.dim:
+            problems.append(f"dynamic table {key} ({table.name!r}) has rows of {entry['dim']} there "
+                            f"but {table.dim} here")
+    return problems
+
+
+def read(path: str, tables: dict[str, Any], saved: dict) -> dict[int, Callable[[], list]]:
+    """ps -> a function reading, on that ps, the state its shards will hold: [(table, shard, state)]."""
+    import tensorflow as tf
+    from tensorflow.python.ops import gen_io_ops
+
+    from psclient._coordinator.dynamic_tables import shard_of
+
+    work: dict[int, list] = {}
+    for key, table in tables.items():
+        for index, shard in enumerate(table.shards):
+            work.setdefault(_task(shard), []).append((key, index, table, shard))
+
+    def state_of(key, index, table):
+        entry = saved[key]
+        count, slots, n = int(entry["shards"]), sorted(entry["slots"]), len(table.shards)
+        parts = [index] if count == n else list(range(count))
+        values = []
+        for part in parts:
+            names = _names(key, part, slots)
+            values.append(gen_io_ops.restore_v2(path, names, [""] * len(names), _dtypes(len(slots))))
+        fields = {f: [v[i] for v in values] for i, f in enumerate(_FIELDS)}
+        fields.update({s: [v[len(_FIELDS) + i] for v in values] for i, s in enumerate(slots)})
+        keys, counters = tf.concat(fields["keys"], 0), tf.reshape(tf.concat(fields["counters"], 0), [-1, 2])
+        row_keys = tf.concat(fields["row_keys"], 0)
+        rows = tf.reshape(tf.concat(fields["rows"], 0), [-1, table.dim])
+        slot_rows = {s: tf.reshape(tf.concat(fields[s], 0), [-1, table.dim]) for s in slots}
+        if count == n:
+            clock, admissions, evictions = fields["clock"][0], fields["admissions"][0], fields["evictions"][0]
+        else:  # re-split: keep the keys this ps owns now
+            mine, mine_rows = shard_of(keys, n) == index, shard_of(row_keys, n) == index
+            keys, counters = tf.boolean_mask(keys, mine), tf.boolean_mask(counters, mine)
+            rows, slot_rows = tf.boolean_mask(rows, mine_rows), {
+                s: tf.boolean_mask(v, mine_rows) for s, v in slot_rows.items()}
+            row_keys = tf.boolean_mask(row_keys, mine_rows)
+            clock = tf.reduce_max(tf.stack(fields["clock"]))
+            zero = tf.constant(0, tf.int64)
+            admissions = tf.add_n(fields["admissions"]) if index == 0 else zero
+            evictions = tf.add_n(fields["evictions"]) if index == 0 else zero
+        return {"keys": keys, "counters": counters, "row_keys": row_keys, "rows": rows, "slots": slot_rows,
+                "clock": clock, "admissions": admissions, "evictions": evictions, "slot_defaults": entry["slots"]}
+
+    def on(entries):
+        def run():
+            out = []
+            for key, index, table, shard in entries:
+                with shard.placed():
+                    try:
+                        out.append((table, shard, state_of(key, index, table)))
+                    except tf.errors.OpError as error:
+                        error._psclient_table = f"{key} ({table.name!r})"
+                        raise
+            return out
+        return run
+
+    return {ps: on(entries) for ps, entries in work.items()}
+
+
+def assign(states: dict[int, list], on_each_ps: Callable) -> None:
+    """Replace every shard's contents with what `read` gave, each on its ps (all ps at once)."""
+    import tensorflow as tf
+
+    for entries in states.values():
+        for table, _shard, state in entries:
+            table.ensure_slots(state["slot_defaults"])  # a fresh process: the optimizer made none yet
+
+    def on(entries):
+        def run():
+            for _table, shard, state in entries:
+                with shard.placed():
+                    for table in (shard.values, shard.counters, *shard.slots.values()):
+                        keys, _ = table.export()
+                        table.remove(tf.reshape(keys, [-1]))
+                    shard.counters.insert(state["keys"], state["counters"])
+                    shard.values.insert(state["row_keys"], state["rows"])
+                    for slot, value in state["slots"].items():
+                        shard.slots[slot].insert(state["row_keys"], value)
+                    shard.clock.assign(state["clock"], read_value=False)
+                    shard.admissions.assign(state["admissions"], read_value=False)
+                    shard.evictions.assign(state["evictions"], read_value=False)
+        return run
+
+    on_each_ps({ps: on(entries) for ps, entries in states.items()})
+
+
+def read_local(reader, key: str, entry: dict) -> list[dict]:
+    """A saved table's shards as numpy arrays (`DynamicTable.import_shards` takes them), read here.
+
+    For the sidecar evaluator, whose model lives in its own process.
+    """
+    slots = sorted(entry["slots"])
+    out = []
+    for part in range(int(entry["shards"])):
+        names = dict(zip([*_FIELDS, *slots], _names(key, part, slots)))
+        state = {field: reader.get_tensor(names[field]) for field in _FIELDS}
+        state["slots"] = {s: reader.get_tensor(names[s]) for s in slots}
+        out.append(state)
+    return out
