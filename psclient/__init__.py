@@ -35,6 +35,7 @@ from psclient._coordinator.per_worker import (
 )
 from psclient._coordinator.strategy import ParameterServerStrategy
 from psclient._coordinator.watch import WorkerWatcher
+from psclient._engine.config import StrategyConfig
 from psclient._cluster.k8s_watch import kubernetes_workers
 from psclient._core.errors import (
     CheckpointUnreadable,
@@ -124,6 +125,7 @@ __all__ = [
     "SidecarEvaluator",
     "SidecarReport",
     "StrategyAPIUnsupportedError",
+    "StrategyConfig",
     "StrategyClosedError",
     "TaskUnreachableError",
     "WorkerUnavailableError",

@@ -34,11 +34,12 @@ from psclient._coordinator.recovery import Recovery, RecoveryConfig
 from psclient._coordinator.shard_feed import data_stats
 from psclient._coordinator.sharding import partitioner_argument, split_updates
 from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
-from psclient._coordinator.sync import Steps, check_arguments, measuring
+from psclient._coordinator.sync import Steps
 from psclient._coordinator.tf_api import TFStrategyAPI, refuse_input_options
 from psclient._coordinator.tracing import Tracer, reject_futures, warn_unless_scheduling
 from psclient._coordinator.updates import place_updates_on_ps
 from psclient._core.checks import check_positive
+from psclient._engine.config import StrategyConfig, with_overrides
 from psclient._core.errors import StrategyClosedError
 from psclient._core.future import Future
 from psclient._core.health import Prober
@@ -56,6 +57,10 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
       cluster: a `psclient.Cluster`, a dict of jobs, a `tf.train.ClusterSpec`
         or a TF cluster resolver; must have "worker" and "ps" jobs. An
         "evaluator" job is ignored (TF hangs when it is in the training spec).
+      config: a `psclient.StrategyConfig` holding the arguments below (checked
+        when it is made). Keyword arguments given beside it replace its
+        fields; `strategy.config` is the result. An unknown keyword argument
+        raises TypeError naming it.
       pipeline_depth: closures in flight per worker (>= 1). With 1, each
         worker runs one call at a time and errors surface at the call; more
         lets the next call travel while one runs. `benchmarks/dispatch.py`
@@ -103,59 +108,16 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
     of `tf.distribute.Strategy`'s surface: `psclient._coordinator.tf_api`.
     """
 
-    def __init__(
-        self,
-        cluster: Any,
-        *,
-        pipeline_depth: int = 1,
-        connect_timeout: float = 30.0,
-        checkpoint_dir: str | os.PathLike | None = None,
-        checkpoint_interval: float | None = None,
-        checkpoint_every: int | None = None,
-        checkpoints_to_keep: int = 3,
-        overwrite_checkpoints: bool = False,
-        hang_timeout: float = 30.0,
-        worker_timeout: float = 300.0,
-        ps_timeout: float = 300.0,
-        variable_partitioner: Callable | str | None = "auto",
-        max_staleness: int | None = None,
-        replicas_to_aggregate: int | None = None,
-        measure_staleness: bool | None = None,
-    ):
+    def __init__(self, cluster: Any, config: StrategyConfig | None = None, **overrides: Any):
+        config = with_overrides(config, overrides)
         cluster = Cluster.coerce(cluster)
-        check_arguments(max_staleness, replicas_to_aggregate, cluster.num_workers)
-        measured = measuring(measure_staleness, max_staleness, replicas_to_aggregate)
-        variable_partitioner = partitioner_argument(variable_partitioner, cluster.num_ps)
-        for name, value, integer in (
-            ("checkpoint_interval", checkpoint_interval, False),
-            ("checkpoint_every", checkpoint_every, True),
-            ("checkpoints_to_keep", checkpoints_to_keep, True),
-            ("hang_timeout", hang_timeout, False),
-            ("worker_timeout", worker_timeout, False),
-            ("ps_timeout", ps_timeout, False),
-        ):
-            check_positive(name, value, integer=integer, optional=name.startswith("checkpoint_"),
-                           unit="" if integer else "seconds")
-        if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
-            raise TypeError(
-                "Invalid value for argument `checkpoint_dir`. Received: "
-                f"checkpoint_dir={checkpoint_dir!r} of type {type(checkpoint_dir).__name__}. "
-                "Expected a directory path (str or os.PathLike) or None."
-            )
-        if checkpoint_dir is None and (checkpoint_interval or checkpoint_every):
-            raise ValueError(
-                "Invalid value for argument `checkpoint_dir`. Received: checkpoint_dir=None "
-                f"with checkpoint_interval={checkpoint_interval!r}, checkpoint_every="
-                f"{checkpoint_every!r}. Expected a directory to write the checkpoints to."
-            )
-        if not isinstance(overwrite_checkpoints, bool) or (overwrite_checkpoints and checkpoint_dir is None):
-            raise ValueError(
-                "Invalid value for argument `overwrite_checkpoints`. Received: overwrite_checkpoints="
-                f"{overwrite_checkpoints!r} with checkpoint_dir={checkpoint_dir!r}. Expected True or "
-                "False, and True only with a checkpoint_dir."
-            )
-        check_positive("pipeline_depth", pipeline_depth, integer=True)
-        check_positive("connect_timeout", connect_timeout, unit="seconds")
+        config.check_for(cluster.num_workers)
+        self._config = config
+        pipeline_depth, connect_timeout, hang_timeout = config.pipeline_depth, config.connect_timeout, config.hang_timeout
+        max_staleness, replicas_to_aggregate = config.max_staleness, config.replicas_to_aggregate
+        measured = config.measured
+        variable_partitioner = partitioner_argument(config.variable_partitioner, cluster.num_ps)
+        checkpoint_dir = config.checkpoint_dir
         if checkpoint_dir is not None:
             checkpoint_dir = check_directory(checkpoint_dir)  # a regular file fails before connecting
         _runtime.wait_reachable(cluster, connect_timeout)
@@ -181,10 +143,10 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
         tracer_ref, scheduler, streaming = weakref.ref(self._tracer), self._scheduler, pipeline_depth > 1
         self._recovery = Recovery(
             RecoveryConfig(
-                checkpoint_dir=checkpoint_dir, overwrite_checkpoints=overwrite_checkpoints,
-                checkpoint_interval=checkpoint_interval, checkpoint_every=checkpoint_every,
-                checkpoints_to_keep=checkpoints_to_keep, hang_timeout=hang_timeout,
-                worker_timeout=worker_timeout, ps_timeout=ps_timeout,
+                checkpoint_dir=checkpoint_dir, overwrite_checkpoints=config.overwrite_checkpoints,
+                checkpoint_interval=config.checkpoint_interval, checkpoint_every=config.checkpoint_every,
+                checkpoints_to_keep=config.checkpoints_to_keep, hang_timeout=hang_timeout,
+                worker_timeout=config.worker_timeout, ps_timeout=config.ps_timeout,
                 probe_timeout=min(10.0, hang_timeout), interval=min(1.0, hang_timeout / 4),
             ),
             cluster=cluster, scheduler=scheduler, prober=prober, store=self._store,
@@ -234,6 +196,11 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
     def closed(self) -> bool:
         """Whether `shutdown()` was called."""
         return self._closed
+
+    @property
+    def config(self) -> StrategyConfig:
+        """What this strategy was made with (its keyword arguments, as a `psclient.StrategyConfig`)."""
+        return self._config
 
     @property
     def pipeline_depth(self) -> int:

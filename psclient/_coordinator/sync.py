@@ -53,12 +53,11 @@ from typing import Any, Callable
 
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.accumulators import Accumulators, internal_variable
-from psclient._core.checks import check_positive
 from psclient._core.errors import PSClientError
 from psclient._core.staleness import ACCUMULATED, APPLIED, DROPPED, StalenessStats
 from psclient._core.sync_gate import SyncGate
 
-__all__ = ["Steps", "UnsupportedStep", "check_arguments", "current_step", "note_update"]
+__all__ = ["Steps", "UnsupportedStep", "current_step", "note_update"]
 
 log = logging.getLogger("psclient")
 
@@ -76,46 +75,6 @@ class UnsupportedStep(PSClientError, ValueError):
     # AutoGraph re-raises an error from converted code with its own type only
     # when that type's constructor is Exception's (else as a StagingError).
     __init__ = Exception.__init__
-
-
-def measuring(measure_staleness: Any, max_staleness: Any, replicas_to_aggregate: Any) -> bool:
-    """`measure_staleness` checked; whether scheduled steps are instrumented.
-
-    Off by default in asynchronous training: measuring costs one version
-    read, one fetch-and-add and one report fetch per step (18% of the steps
-    per second of a small fit step here; docs/staleness.md). `max_staleness` and
-    `replicas_to_aggregate` need it, so they turn it on.
-    """
-    needed = max_staleness is not None or replicas_to_aggregate is not None
-    if measure_staleness is None:
-        return needed
-    if not isinstance(measure_staleness, bool) or (needed and not measure_staleness):
-        raise ValueError(
-            "Invalid value for argument `measure_staleness`. Received: measure_staleness="
-            f"{measure_staleness!r} with max_staleness={max_staleness!r}, replicas_to_aggregate="
-            f"{replicas_to_aggregate!r}. Expected True, False or None (the default: measured only "
-            "with max_staleness or replicas_to_aggregate, which need it)."
-        )
-    return measure_staleness
-
-
-def check_arguments(max_staleness: Any, replicas_to_aggregate: Any, num_workers: int) -> None:
-    """Raise for bad `max_staleness`/`replicas_to_aggregate` values, naming the argument."""
-    check_positive("max_staleness", max_staleness, integer=True, optional=True, allow_zero=True)
-    check_positive("replicas_to_aggregate", replicas_to_aggregate, integer=True, optional=True)
-    if replicas_to_aggregate is not None and replicas_to_aggregate > num_workers:
-        raise ValueError(
-            "Invalid value for argument `replicas_to_aggregate`. Received: replicas_to_aggregate="
-            f"{replicas_to_aggregate!r} with {num_workers} workers. Expected an integer between 1 "
-            f"and the number of workers ({num_workers}), or None (asynchronous training)."
-        )
-    if max_staleness is not None and replicas_to_aggregate is not None:
-        raise ValueError(
-            f"Invalid value for argument `max_staleness`. Received: max_staleness={max_staleness!r} "
-            f"with replicas_to_aggregate={replicas_to_aggregate!r}. Expected None: synchronous "
-            "training applies only gradients computed on the current weights (staleness 0), so "
-            "pass one of max_staleness (bounded asynchronous) and replicas_to_aggregate (synchronous)."
-        )
 
 
 def current_step() -> "_StepTrace | None":
