@@ -26,7 +26,7 @@ TensorFlow is imported lazily, so `import psclient` is cheap.
 
 from psclient._cluster.local import LocalCluster
 from psclient._cluster.spec import Cluster
-from psclient._coordinator import registry as _registry
+from psclient._engine import registry as _registry
 from psclient._coordinator.compat import ClusterCoordinator
 from psclient._coordinator.per_worker import (
     PerWorker,
@@ -34,7 +34,7 @@ from psclient._coordinator.per_worker import (
     PerWorkerIterator,
 )
 from psclient._coordinator.strategy import ParameterServerStrategy
-from psclient._coordinator.watch import WorkerWatcher
+from psclient._engine.watch import WorkerWatcher
 from psclient._engine.config import StrategyConfig
 from psclient._cluster.k8s_watch import kubernetes_workers
 from psclient._core.errors import (

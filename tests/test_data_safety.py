@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import psclient
-from psclient._coordinator import registry
+from psclient._engine import registry
 from psclient._coordinator.checkpoint import Checkpoints, CheckpointUnreadable
 from psclient._core.files import replaced_atomically
 

@@ -29,7 +29,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
-from psclient._coordinator import registry
+from psclient._engine import registry
 from psclient._core import dynamic_tables as rules
 
 __all__ = ["DynamicTable", "initial_rows", "live_tables", "mix64", "shard_of", "stats_on_ps"]

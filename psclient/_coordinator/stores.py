@@ -42,7 +42,8 @@ class VariableStore:
     checkpoint key) with one ps task per shard.
     """
 
-    def __init__(self, num_ps: int, partitioner: Callable | None = None):
+    def __init__(self, num_ps: int, partitioner: Callable | None = None, *,
+                 on_renew: tuple[Callable[[set], None], ...] = ()):
         self._num_ps = num_ps
         self._partitioner = partitioner
         self.placer = Placer(num_ps)
@@ -56,7 +57,7 @@ class VariableStore:
         # psclient's own lived there too), held weakly: the recovery thread
         # holds this store, and their owners hold the user's functions, which
         # may hold the strategy (a forgotten strategy must be collected).
-        self._on_renew: list[weakref.WeakMethod] = []
+        self._on_renew = [weakref.WeakMethod(method) for method in on_renew]
 
     def create(self, next_creator, **kwargs):
         """A `tf.variable_creator_scope` creator: place the variable on a ps task."""
@@ -247,10 +248,6 @@ class VariableStore:
             if len(found) == self._num_ps:
                 break
         return found
-
-    def add_renew_hook(self, method: Callable[[set], None]) -> None:
-        """Call bound `method(lost_ps)` after each `renew`, while its object lives."""
-        self._on_renew.append(weakref.WeakMethod(method))
 
 
 class PerWorkerRegistry:

@@ -1,7 +1,7 @@
 """The closure queue and its bookkeeping: pure logic, no TensorFlow.
 
 Everything about *what runs where and what happens to its future* lives here;
-the threads that talk to TensorFlow (`_coordinator/dispatch.py`) only carry closures out
+the threads that talk to TensorFlow (`_engine/dispatch.py`) only carry closures out
 and report back through the four events below. That keeps the policy testable
 without a cluster.
 

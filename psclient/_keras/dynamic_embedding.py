@@ -159,7 +159,7 @@ class DynamicEmbedding(keras.layers.Layer):
         # goes to every ps task; else it is local (no cluster).
         devices = [None]
         if ps_index_of(getattr(anchor.value, "device", None)) is not None:
-            from psclient._coordinator import registry
+            from psclient._engine import registry
 
             strategy = registry.current()
             if strategy is not None:

@@ -28,7 +28,7 @@ import logging
 import warnings
 import weakref
 
-from psclient._coordinator import registry
+from psclient._engine import registry
 from psclient._coordinator import runtime as _runtime
 from psclient._keras import seam
 

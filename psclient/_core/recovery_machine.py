@@ -3,7 +3,7 @@
 `RecoveryMachine.handle(event, now)` is the only way recovery state changes.
 It does no I/O, starts no thread and never waits: the clock value comes in
 with each event, and what must happen comes out as a list of actions, which
-one thread (`psclient._coordinator.recovery`) carries out in order. Actions
+one thread (`psclient._engine.recovery`) carries out in order. Actions
 marked *operation* below report their outcome back as a `Done` event; the
 machine starts at most one operation at a time. Dispatcher threads only
 report what they saw (`WorkerNotAnswering`, `PsNotAnswering`).
