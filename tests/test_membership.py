@@ -125,7 +125,7 @@ def test_a_wakeup_given_to_a_worker_retired_before_it_took_goes_to_another_worke
         s._queue.append(c)
         s._unfinished += 1
         s._wake_locked()
-        s._retired.add(0)  # what retire_worker does first, before that thread looks
+        s._membership.retire(0)  # what retire_worker does first, before that thread looks
         s._workers[0].up = False
     waiting_0.join(10)
     assert box_0 == [None]

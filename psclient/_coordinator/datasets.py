@@ -40,6 +40,7 @@ from psclient._coordinator.per_worker import (
     refuse_variables,
     serialize_dataset,
 )
+from psclient._core.errors import PSClientError
 
 __all__ = [
     "TracedDatasetFunction",
@@ -159,7 +160,7 @@ def trace_dataset_function(make: Callable[[], Any], name: str, argument: str = "
     return concrete
 
 
-class _NotADataset(TypeError):
+class NotADatasetError(PSClientError, TypeError):
     """The traced function returned something else than a dataset (not a reason to fall back)."""
 
 
@@ -168,7 +169,7 @@ def check_traced(concrete, name: str, argument: str) -> None:
 
     output = concrete.structured_outputs
     if not isinstance(output, tf.data.Dataset):
-        raise _NotADataset(
+        raise NotADatasetError(
             f"Invalid value for argument `{argument}`: the dataset function {name!r} returned an "
             f"object of type {type(output).__name__}. Expected a tf.data.Dataset."
         )
@@ -219,7 +220,7 @@ def trace_or_fall_back(make: Callable[[], Any], name: str, argument: str = "data
     """`trace_dataset_function(make)`, or None if the function cannot be traced (module doc)."""
     try:
         return trace_dataset_function(make, name, argument)
-    except _NotADataset:
+    except NotADatasetError:
         raise
     except (TypeError, AttributeError) as error:
         first = str(error).splitlines()[0] if str(error) else ""

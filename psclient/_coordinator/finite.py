@@ -24,6 +24,7 @@ import logging
 
 from psclient._coordinator.per_worker import deserialize_dataset, serialize_dataset
 from psclient._coordinator.shards import ShardedDataset, range_shards
+from psclient._core.errors import PSClientError
 
 __all__ = ["NondeterministicDatasetError", "is_finite_of_unknown_size", "sharded_from_dataset"]
 
@@ -34,7 +35,7 @@ log = logging.getLogger("psclient")
 SHARDS_PER_WORKER = 4
 
 
-class NondeterministicDatasetError(ValueError):
+class NondeterministicDatasetError(PSClientError, ValueError):
     """A dataset whose copies would yield batches in different orders."""
 
 

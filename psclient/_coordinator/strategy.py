@@ -26,19 +26,17 @@ from psclient._coordinator.datasets import (
 from psclient._coordinator.per_worker import (
     PerWorker,
     PerWorkerDataset,
-    has_per_worker,
     per_worker_resource,
 )
 from psclient._coordinator.shard_feed import data_stats
 from psclient._coordinator.sharding import partitioner_argument, split_updates
 from psclient._coordinator.tf_api import TFStrategyAPI, refuse_input_options
-from psclient._coordinator.tracing import reject_futures, warn_unless_scheduling
+from psclient._coordinator.tracing import warn_unless_scheduling
 from psclient._coordinator.updates import place_updates_on_ps
 from psclient._core.checks import check_positive
 from psclient._engine.config import StrategyConfig, with_overrides
 from psclient._core.errors import StrategyClosedError
 from psclient._core.future import Future
-from psclient._core.closure import Closure
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -285,32 +283,8 @@ class ParameterServerStrategy(TFStrategyAPI):
         self._check_open("schedule")
         if self._recovery.broken is not None:
             raise self._recovery.broken
-        function, name = self._tracer.as_function(fn)
-        if not isinstance(args, (tuple, list)):
-            raise TypeError(
-                f"Invalid value for argument `args`. Received: args={args!r} of type "
-                f"{type(args).__name__}. Expected a tuple or list of positional arguments."
-            )
-        if kwargs is not None and not isinstance(kwargs, Mapping):
-            raise TypeError(
-                f"Invalid value for argument `kwargs`. Received: kwargs={kwargs!r} of type "
-                f"{type(kwargs).__name__}. Expected a mapping of keyword arguments or None."
-            )
-        args, kwargs = self._tracer.with_defaults(function, tuple(args), dict(kwargs or {}))
-        reject_futures(args, kwargs, name)
-        per_worker = has_per_worker(args, kwargs)
-        self._checkpoint_new_variables()
-        closure = Closure(None, args, kwargs, Future(name))
-        closure.per_worker = per_worker  # only walk the arguments when needed
-        closure.function = function
-        with self._tracer.lock:  # a ps recovery retraces under this lock
-            try:
-                self._tracer.prepare(closure)
-            except _runtime.closure_input_error_type() as error:
-                # No worker could build a per-worker argument: as in TF, the
-                # closure fails with the input error when it runs (join() raises it).
-                closure.fn = _raise(error)
-            self._scheduler.submit(closure)
+        closure = self._tracer.ready_closure(fn, args, kwargs, before_trace=self._checkpoint_new_variables,
+                                             submit=self._scheduler.submit)
         return closure.future
 
     def join(self, timeout: float | None = None) -> None:
@@ -528,10 +502,3 @@ class ParameterServerStrategy(TFStrategyAPI):
         recovery = self._recovery
         if recovery.checkpoints is not None and self._store.count() != recovery.saved_created:
             recovery.checkpoint("new variables")
-
-
-def _raise(error: BaseException) -> Callable:
-    def fail(*_args, **_kwargs):
-        raise error
-
-    return fail

@@ -29,10 +29,11 @@ import logging
 import threading
 import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from psclient._coordinator import runtime as _runtime
-from psclient._coordinator.per_worker import PerWorker, resolve_per_worker
+from psclient._coordinator.per_worker import PerWorker, has_per_worker, resolve_per_worker
 from psclient._core.future import Future
 from psclient._core.closure import Closure
 
@@ -140,6 +141,43 @@ class Tracer:
             return args, kwargs  # tracing raises the argument mismatch, naming the function
         bound.apply_defaults()
         return tuple(bound.args), dict(bound.kwargs)
+
+    def ready_closure(self, fn: Callable, args: Any, kwargs: Any, *, before_trace: Callable[[], None],
+                      submit: Callable[[Closure], None]) -> Closure:
+        """`fn(*args, **kwargs)` as a closure ready to run, given to `submit` and returned.
+
+        Checks the call (argument mismatches raise TypeError here), calls
+        `before_trace()` (the strategy checkpoints new variables there), then
+        traces it for the current variables and submits it under this
+        tracer's lock: a ps recovery retraces what is queued under the same
+        lock, so no closure is traced for variables that are gone. If no
+        worker could build a per-worker argument, the closure fails with that
+        input error when it runs (as in TF: `join()` raises it).
+        """
+        function, name = self.as_function(fn)
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(
+                f"Invalid value for argument `args`. Received: args={args!r} of type "
+                f"{type(args).__name__}. Expected a tuple or list of positional arguments."
+            )
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise TypeError(
+                f"Invalid value for argument `kwargs`. Received: kwargs={kwargs!r} of type "
+                f"{type(kwargs).__name__}. Expected a mapping of keyword arguments or None."
+            )
+        args, kwargs = self.with_defaults(function, tuple(args), dict(kwargs or {}))
+        reject_futures(args, kwargs, name)
+        closure = Closure(None, args, kwargs, Future(name))
+        closure.per_worker = has_per_worker(args, kwargs)  # only walk the arguments when needed
+        closure.function = function
+        before_trace()
+        with self.lock:
+            try:
+                self.prepare(closure)
+            except _runtime.closure_input_error_type() as error:
+                closure.fn = _raise(error)
+            submit(closure)
+        return closure
 
     def prepare(self, closure: Closure) -> None:
         """Set `closure.fn`: what a dispatcher calls, traced for the current variables.
@@ -301,6 +339,13 @@ class Tracer:
 # ------------------------------------------------- traces by argument identity
 _MAX_REMEMBERED = 64
 _SCALARS = (int, float, bool, str, bytes, type(None))
+
+
+def _raise(error: BaseException) -> Callable:
+    def fail(*_args, **_kwargs):
+        raise error
+
+    return fail
 
 
 def _cacheable(value) -> bool:
