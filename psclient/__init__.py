@@ -13,9 +13,14 @@ contracts in pyproject.toml, checked by tests/test_layout.py):
                   a strategy's scope is first entered (hook registered here)
   _sidecar        the sidecar evaluator and the checkpoint formats it reads
   _coordinator    the strategy and everything that calls TensorFlow for it:
-                  dispatch threads, tracing, per-worker values, checkpoints,
-                  recovery actions, TF's ClusterCoordinator API, and
-                  `runtime`, the one module that touches TF internals
+                  tracing, per-worker values, variables, checkpoints, TF's
+                  ClusterCoordinator API, and `TFEdge`, the engine's edge
+                  onto TensorFlow's runtime
+  _engine         the orchestration, no TensorFlow: dispatcher threads,
+                  failure probes, the recovery thread, elastic workers,
+                  the worker watcher, taking a strategy down; every
+                  TensorFlow call through its `Edge` (edge.py); the
+                  strategy's checked settings (`StrategyConfig`)
   _cluster        cluster descriptions, local task processes, `serve`, `launch`
   _core           pure logic, no TensorFlow or Keras: scheduler, futures,
                   errors, failure classification, health and recovery

@@ -1,4 +1,4 @@
-"""Workers joining and leaving in the recovery state machine (`psclient._core.recovery_elastic`).
+"""Workers joining and leaving in the recovery state machine (`psclient._core.joining`).
 
 Fake clock, no cluster, no threads: events in, actions out, as in
 tests/test_recovery_machine.py (whose driver this uses).

@@ -4,13 +4,10 @@ Everything here is a thin call into TF's own gRPC runtime (eager remote
 execution): connecting the coordinator to the task servers, naming devices,
 turning outputs into numpy values. Nothing here decides policy.
 
-The dispatcher and the recovery thread take this module as their `edge`
-argument (the default) and use only `EDGE_NAMES` of it, so another object
-with those names can stand in for TensorFlow: `benchmarks/scale.py` drives
-the real scheduler, dispatch, probes and recovery through a simulated cluster
-that way. Calls themselves go through the `prepare` callable given to the
-dispatcher, probes through the prober's `run_probe`, connects through
-recovery's `connect`.
+The engine (`psclient._engine`: dispatch, probes, recovery, elastic workers)
+reaches these functions only through `TFEdge` (tf_edge.py), its `Edge`
+protocol on this module; a fake edge stands in for TensorFlow in
+`benchmarks/_sim.py` and `tests/_fake_edge.py`.
 """
 
 from __future__ import annotations
@@ -66,10 +63,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("psclient")
-
-#: What `Dispatcher` and `Recovery` use of their `edge` (this module by default).
-EDGE_NAMES = ("worker_device", "ps_device", "tcp_state", "device_scope", "cancellable_call",
-              "function_not_registered_yet", "to_numpy", "name_error", "op_error")
 
 #: The job name the coordinator takes in the cluster (TF's convention).
 
