@@ -85,3 +85,18 @@ def test_adding_an_address_nothing_serves_names_it():
     engine = fake_engine(edge, Scheduler(1), hang_timeout=0.5)  # connect_timeout: 0.5 s
     with pytest.raises(TaskUnreachableError, match="fake-worker9:1"):
         engine.elastic.add_worker("fake-worker9:1")
+
+
+def test_the_real_edge_and_the_fakes_provide_every_name_of_the_protocol():
+    import inspect
+
+    from psclient._coordinator.tf_edge import TFEdge
+    from psclient._engine.edge import Edge
+
+    names = {n for n, v in vars(Edge).items() if inspect.isfunction(v) and not n.startswith("_")}
+    assert {"connect", "disconnect", "probe", "tcp_state", "worker_device"} <= names
+    for edge in (TFEdge, FakeEdge):
+        missing = sorted(n for n in names if not callable(getattr(edge, n, None)))
+        assert not missing, f"{edge.__name__} lacks {missing}"
+    # The real edge binds the strategy's choice; the engine passes only the cluster and workers.
+    assert list(inspect.signature(TFEdge.connect).parameters)[:3] == ["self", "cluster", "workers"]
