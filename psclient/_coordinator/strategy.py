@@ -14,7 +14,7 @@ from psclient._cluster.spec import Cluster
 from psclient._coordinator import dynamic_tables
 from psclient._engine import lifecycle, registry
 from psclient._coordinator import runtime as _runtime
-from psclient._coordinator.assembly import assemble
+from psclient._coordinator.parts import assemble
 from psclient._coordinator.checkpoint import check_directory
 from psclient._coordinator.datasets import (
     check_distributable,
@@ -117,7 +117,7 @@ class ParameterServerStrategy(TFStrategyAPI):
         self._pipeline_depth = pipeline_depth
         self._hang_timeout = hang_timeout
         self._variable_partitioner = variable_partitioner
-        # The parts, each given what it needs as it is made (assembly.py).
+        # The parts, each given what it needs as it is made (parts.py).
         parts = assemble(cluster, config, checkpoint_dir=checkpoint_dir, partitioner=variable_partitioner)
         edge, scheduler, engine, checkpoints = parts.edge, parts.scheduler, parts.engine, parts.checkpoints
         self._scheduler, self._steps, self._store = scheduler, parts.steps, parts.store
