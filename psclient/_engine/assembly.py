@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import queue
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from psclient._core.closure import Closure
 from psclient._core.health import Prober
 from psclient._core.scheduler import Scheduler
 from psclient._engine.dispatch import Dispatcher
-from psclient._engine.edge import Edge, Roster
+from psclient._engine.edge import CheckpointStore, Edge, PerWorkerValues, Roster, VariableStore
 from psclient._engine.elastic import Elastic
 from psclient._engine.probes import FailureProbes, Published
 from psclient._engine.recovery import Recovery, RecoveryConfig
@@ -45,9 +45,9 @@ class Engine:
         pipeline_depth: int,
         connect_timeout: float,
         prepare: Callable[[Closure, int], tuple],
-        store: Any,
-        per_worker: Any,
-        checkpoints: Any = None,
+        store: VariableStore,
+        per_worker: PerWorkerValues,
+        checkpoints: CheckpointStore | None = None,
         retrace: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from psclient._engine.edge import Edge
+from psclient._engine.edge import Edge, PerWorkerValues
 from psclient._core.failures import Verdict, classify, iterator_cancelled, retry_pause
 from psclient._core.recovery_machine import PsNotAnswering, WorkerNotAnswering
 from psclient._core.closure import Closure
@@ -48,7 +48,7 @@ class Dispatcher:
         probes: Any,
         report: Callable[[Any], None],
         release_timeout: float,
-        iterators: Any,
+        iterators: PerWorkerValues,
         edge: Edge,
     ):
         # `prepare(closure, worker)` -> (function, args, kwargs) for that worker;

@@ -8,7 +8,10 @@ names, given to each part at construction. The strategy gives the real one
 recovery thread and elastic workers run without TensorFlow.
 
 Closures' calls themselves go through the `prepare` callable given to the
-dispatcher (tracing is the strategy's), variable handles through the store.
+dispatcher (tracing is the strategy's). The TensorFlow-side parts the engine
+is given are named here too, by what it uses of them: the variables
+(`VariableStore`), the per-worker values (`PerWorkerValues`) and the
+checkpoints (`CheckpointStore`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any, ContextManager, Protocol
 
 from psclient._cluster.spec import Cluster
 
-__all__ = ["Edge", "Roster"]
+__all__ = ["CheckpointStore", "Edge", "PerWorkerValues", "Roster", "VariableStore"]
 
 
 class Edge(Protocol):
@@ -65,6 +68,51 @@ class Edge(Protocol):
 
     def disconnect(self) -> None:
         """Leave TF's view of the cluster (the coordinator alone again)."""
+
+
+class VariableStore(Protocol):
+    """What the recovery thread and the probes use of the strategy's variables (`stores.VariableStore`)."""
+
+    def count(self) -> int:
+        """Variables created so far."""
+
+    def named(self) -> dict[str, Any]:
+        """Live variables by their checkpoint key."""
+
+    def renew(self, lost_ps: set) -> int:
+        """New resources for the variables on the lost ps tasks; how many."""
+
+    def one_per_ps(self) -> dict[int, Any]:
+        """A live variable on each ps task that holds any."""
+
+
+class PerWorkerValues(Protocol):
+    """What the engine uses of the per-worker datasets, iterators and resources (`stores.PerWorkerRegistry`)."""
+
+    def generation(self, worker: int) -> int:
+        """Changes each time `worker`'s iterators are renewed."""
+
+    def renew_iterators(self, worker: int, seen_generation: int) -> int:
+        """Make `worker`'s iterators again, unless renewed since `seen_generation`."""
+
+    def rebuild(self, worker: int | None, *, resources_only: bool) -> None:
+        """Build the per-worker values of `worker` (every worker: None) again."""
+
+
+class CheckpointStore(Protocol):
+    """What the recovery thread uses of the checkpoint directory (`checkpoint.Checkpoints`)."""
+
+    def latest(self) -> str | None:
+        """This run's newest checkpoint, or None."""
+
+    def check_writable(self) -> None:
+        """Raise FileExistsError if the directory holds another run's checkpoints."""
+
+    def save(self, variables: dict[str, Any], completed: int | None) -> str:
+        """Write one checkpoint of `variables`; return its path."""
+
+    def restore(self, variables: dict[str, Any], *, adopt: bool = False) -> dict | None:
+        """Assign every variable its newest checkpointed value."""
 
 
 class Roster:

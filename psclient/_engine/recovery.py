@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from psclient._engine.edge import Edge, Roster
+from psclient._engine.edge import CheckpointStore, Edge, PerWorkerValues, Roster, VariableStore
 from psclient._engine.probes import FailureProbes, Published
 from psclient._core import recovery_machine as rm
 from psclient._core.errors import PSUnavailableError, StrategyClosedError, WorkerUnavailableError
@@ -78,17 +78,16 @@ class Recovery:
         probes: FailureProbes,
         published: Published,
         inbox: queue.Queue,
-        store: Any,
-        per_worker: Any,
-        checkpoints: Any,
+        store: VariableStore,
+        per_worker: PerWorkerValues,
+        checkpoints: CheckpointStore | None,
         retrace: Callable[[], None],
         cancel_calls: Callable[[int], int],
         edge: Edge,
         clock: Callable[[], float] = time.monotonic,
     ):
-        # `store`: the `VariableStore` (count, named, renew, one_per_ps);
-        # `per_worker`: the `PerWorkerRegistry` (rebuilt on a worker that comes back);
-        # `checkpoints`: a `Checkpoints` in the checkpoint directory, or None;
+        # `store`: the variables; `per_worker`: rebuilt on a worker that comes back;
+        # `checkpoints`: the checkpoint directory, or None (edge.py names what is used of each);
         # `retrace()`: trace what is queued again (after variables got new resources);
         # `cancel_calls(worker)`: the dispatcher's, for a worker taken out;
         # `inbox`: where `report` posts (the dispatcher posts there too);
