@@ -7,7 +7,7 @@ both post to is made first.
 
     roster, scheduler (given)
     prober, published view -> failure probes
-    inbox -> dispatcher (prepare, probes, inbox) -> recovery (…, dispatcher's cancel_calls)
+    inbox -> dispatcher (prepare, probes, inbox) -> recovery (..., the dispatcher's cancel_calls)
     elastic workers (roster, scheduler, dispatcher, recovery)
 
 Nothing starts until `start()`: a constructor that fails after building it
