@@ -90,7 +90,7 @@ def test_adding_an_address_nothing_serves_names_it():
 def test_the_real_edge_and_the_fakes_provide_every_name_of_the_protocol():
     import inspect
 
-    from psclient._coordinator.tf_edge import TFEdge
+    from psclient._coordinator.engine_edge import TFEdge
     from psclient._engine.edge import Edge
 
     names = {n for n, v in vars(Edge).items() if inspect.isfunction(v) and not n.startswith("_")}

@@ -25,7 +25,7 @@ from psclient._coordinator.checkpoint import Checkpoints
 from psclient._coordinator.per_worker import resolve_per_worker
 from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
 from psclient._coordinator.sync import Steps
-from psclient._coordinator.tf_edge import TFEdge
+from psclient._coordinator.engine_edge import TFEdge
 from psclient._coordinator.tracing import Tracer
 from psclient._core.closure import Closure
 from psclient._core.scheduler import Scheduler

@@ -5,7 +5,7 @@ execution): connecting the coordinator to the task servers, naming devices,
 turning outputs into numpy values. Nothing here decides policy.
 
 The engine (`psclient._engine`: dispatch, probes, recovery, elastic workers)
-reaches these functions only through `TFEdge` (tf_edge.py), its `Edge`
+reaches these functions only through `TFEdge` (engine_edge.py), its `Edge`
 protocol on this module; a fake edge stands in for TensorFlow in
 `benchmarks/_sim.py` and `tests/_fake_edge.py`.
 """

@@ -3,7 +3,7 @@
 The engine (dispatch, recovery, probes, elastic workers, lifecycle) decides
 and orders; every TensorFlow call it needs goes through one object with these
 names, given to each part at construction. The strategy gives the real one
-(`psclient._coordinator.tf_edge.TFEdge`); `benchmarks/_sim.py` and
+(`psclient._coordinator.engine_edge.TFEdge`); `benchmarks/_sim.py` and
 `tests/_fake_edge.py` give fakes, so the real scheduler, dispatcher, probes,
 recovery thread and elastic workers run without TensorFlow.
 
