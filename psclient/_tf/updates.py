@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from tensorflow.python.distribute import distribute_lib
 
-__all__ = ["route_default_updates"]
+__all__ = ["current_router", "route_default_updates"]
 
 #: `(colocate_with, fn, args, run) -> result`; None: TF's own update.
 Router = Callable[[Any, Callable, tuple, Callable[[tuple], Any]], Any]
@@ -48,3 +48,8 @@ def route_default_updates(router: Router | None) -> None:
         _update_non_slot.__wrapped__ = stock
         extended._update_non_slot = _update_non_slot  # noqa: SLF001
         _installed = True
+
+
+def current_router() -> Router | None:
+    """The router updates go to now (None: TF's own)."""
+    return _router
