@@ -59,3 +59,32 @@ def test_one_patch_however_often_it_is_installed(restore_router):
     variable = tf.Variable(1.0)
     _update(variable, tf.constant(1.0))  # no router: TF's own update
     assert float(variable.numpy()) == 2.0
+
+
+def _partitioned(rows_a, rows_b):
+    from psclient._tf.partitioned import PartitionedVariable
+
+    return PartitionedVariable([tf.Variable(rows_a, name="v/part_0"), tf.Variable(rows_b, name="v/part_1")],
+                               name="v")
+
+
+def test_partitioned_variable_reads_whole_and_its_focused_shard():
+    from psclient._tf.partitioned import focus, is_partitioned
+
+    variable = _partitioned([[1.0], [2.0]], [[3.0]])
+    assert is_partitioned(variable) and not is_partitioned(tf.Variable(1.0))
+    assert variable.read_value().numpy().tolist() == [[1.0], [2.0], [3.0]]
+    assert variable.layout == ((3, 1), (2, 1))
+    with focus(variable.layout, 1):
+        assert variable.shape == (1, 1) and variable.full_shape == (3, 1)
+        variable.assign_add([[10.0]])  # the focused shard only
+    assert variable.focused is None
+    assert variable.read_value().numpy().tolist() == [[1.0], [2.0], [13.0]]
+
+
+def test_partitioned_variable_gradient_is_one_of_the_full_shape():
+    variable = _partitioned([[1.0], [2.0]], [[3.0]])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.convert_to_tensor(variable) * [[1.0], [2.0], [3.0]])
+    grad = tape.gradient(loss, variable.handle)
+    assert grad.numpy().tolist() == [[1.0], [2.0], [3.0]]
