@@ -10,6 +10,8 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
 
+import tensorflow as tf
+
 from psclient._cluster.spec import Cluster
 from psclient._coordinator import dynamic_tables
 from psclient._engine import lifecycle, registry
@@ -29,7 +31,7 @@ from psclient._coordinator.per_worker import (
     per_worker_resource,
 )
 from psclient._coordinator.shard_feed import data_stats
-from psclient._coordinator.sharding import partitioner_argument, split_updates
+from psclient._coordinator.sharding import partitioner_argument
 from psclient._coordinator.tf_api import TFStrategyAPI, refuse_input_options
 from psclient._coordinator.tracing import warn_unless_scheduling
 from psclient._coordinator.updates import place_updates_on_ps
@@ -241,12 +243,9 @@ class ParameterServerStrategy(TFStrategyAPI):
         tasks; an optimizer slot goes to the ps of its variable; an explicit
         `tf.device("/job:ps/task:K")` inside the scope is honoured.
         """
-        import tensorflow as tf
-
         self._check_open("scope")
         registry.run_scope_hooks()  # e.g. the Keras integration, registered by psclient/__init__
-        place_updates_on_ps()  # optimizer updates run where their variable lives
-        split_updates()  # and shard by shard for a partitioned one
+        place_updates_on_ps()  # optimizer updates run where their variable lives, shard by shard if partitioned
         # As in TF's strategy scope, code in it is in a cross-replica context.
         with tf.variable_creator_scope(self._store.create), _runtime.cross_replica_context():
             yield self
@@ -323,8 +322,6 @@ class ParameterServerStrategy(TFStrategyAPI):
         As TF's does, it logs a warning when called outside a function being
         scheduled: that runs on the coordinator, not on a worker.
         """
-        import tensorflow as tf
-
         warn_unless_scheduling("run")
         # TF's public replica context of its default strategy: replica 0 of 1.
         with tf.distribute.ReplicaContext(tf.distribute.get_strategy(), replica_id_in_sync_group=0):
@@ -335,8 +332,6 @@ class ParameterServerStrategy(TFStrategyAPI):
 
         `reduce_op` is a `tf.distribute.ReduceOp` or its name ("SUM", "MEAN").
         """
-        import tensorflow as tf
-
         warn_unless_scheduling("reduce")
         op = str(getattr(reduce_op, "value", reduce_op)).upper()
         if op not in ("SUM", "MEAN"):

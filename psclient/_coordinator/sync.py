@@ -51,11 +51,14 @@ import threading
 import weakref
 from typing import Any, Callable
 
+import tensorflow as tf
+
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.accumulators import Accumulators, internal_variable
 from psclient._core.errors import PSClientError
 from psclient._core.staleness import ACCUMULATED, APPLIED, DROPPED, StalenessStats
 from psclient._core.sync_gate import SyncGate
+from psclient._tf import variables as _variables
 
 __all__ = ["Steps", "UnsupportedStep", "current_step", "note_update"]
 
@@ -122,8 +125,6 @@ class Steps:
     # ------------------------------------------------------------- tracing
     def instrumented(self, function):
         """`function` (a tf.function) traced again from its Python code, instrumented."""
-        import tensorflow as tf
-
         with self._lock:
             cached = self._instrumented.get(function)
             if cached is not None:
@@ -241,8 +242,6 @@ class Steps:
             self.gate.forget_contributions()
 
     def _version_variable(self):
-        import tensorflow as tf
-
         with self._lock:
             if self._version is None:
                 floor = max(self.stats.highest_version, 0 if self.gate is None else self.gate.known_step)
@@ -251,8 +250,6 @@ class Steps:
             return self._version
 
     def _critical_section(self):
-        import tensorflow as tf
-
         with self._lock:
             if self._mutex is None:
                 with tf.init_scope(), tf.device(_runtime.ps_device(0)):
@@ -270,8 +267,6 @@ class Steps:
     @contextlib.contextmanager
     def _enter(self):
         """Read the version first: every variable read of the step made inside waits for it."""
-        import tensorflow as tf
-
         version = self._version_variable()
         with tf.device(_runtime.ps_device(0)):
             start = version.read_value()
@@ -291,15 +286,13 @@ class Steps:
             reads = op.type in _READS or (
                 op.type in _CALLS and any(t.dtype == tf.resource for t in op.inputs))
             if reads and start.op not in op.control_inputs:
-                op._add_control_input(start.op)  # noqa: SLF001
+                _variables.add_control_input(op, start.op)
 
 
 class _StepTrace:
     """One trace of an instrumented step: what its apply did, for its report."""
 
     def __init__(self, steps: Steps, version, start):
-        import tensorflow as tf
-
         self.steps = steps
         self.version = version
         self.start = start
@@ -323,8 +316,6 @@ class _StepTrace:
     # Called by the Keras seam for `optimizer.apply(grads, variables)`.
     def apply(self, grads: list, variables: list, run: Callable[[list], Any]):
         """Apply `grads` to `variables` (tf-level) under this step's rule; `run(grads)` is the optimizer's apply."""
-        import tensorflow as tf
-
         steps = self.steps
         if tf.compat.v1.get_default_graph() is not self.graph:
             self._unsupported("applies gradients inside its own tf.while_loop or tf.cond "
@@ -375,8 +366,6 @@ class _StepTrace:
             self.busy = False
 
     def _contribute(self, grads: list, variables: list, run: Callable):
-        import tensorflow as tf
-
         steps = self.steps
         k = steps.replicas_to_aggregate
         kept = [i for i, g in enumerate(grads) if g is not None]
@@ -419,8 +408,6 @@ class _StepTrace:
 
 def _finish(trace: _StepTrace):
     """The report of a step's trace: [start, version, outcome] (int64)."""
-    import tensorflow as tf
-
     _tracing.last = trace
     if not trace.measured:
         return trace.start
@@ -439,8 +426,6 @@ _applied_untracked: "weakref.WeakSet" = weakref.WeakSet()
 
 def note_untracked_apply() -> None:
     """A Keras optimizer's apply traced outside an instrumented step (the Keras seam calls it)."""
-    import tensorflow as tf
-
     if not tf.inside_function():
         return
     graph = tf.compat.v1.get_default_graph()

@@ -32,6 +32,8 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
 
+import tensorflow as tf
+
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.per_worker import PerWorker, has_per_worker, resolve_per_worker
 from psclient._core.future import Future
@@ -47,8 +49,6 @@ _scheduling = threading.local()
 
 def reject_futures(args: tuple, kwargs: dict, name: str) -> None:
     """Refuse a psclient Future among a schedule() call's arguments."""
-    import tensorflow as tf
-
     # A future's value exists only once its call finished, on the coordinator;
     # TF's coordinator refuses its RemoteValue as an input the same way.
     for value in tf.nest.flatten((args, kwargs)):
@@ -95,8 +95,6 @@ class Tracer:
 
     def as_function(self, fn) -> tuple[Any, str]:
         """`fn` as something TF can trace, and its name for messages."""
-        import tensorflow as tf
-
         if not callable(fn):
             raise TypeError(
                 f"Invalid value for argument `fn`. Received: fn={fn!r} of type "
@@ -120,8 +118,6 @@ class Tracer:
         The dispatcher calls traced (concrete) functions, which take every
         argument explicitly; the tf.function itself would have applied them.
         """
-        import tensorflow as tf
-
         if isinstance(function, tf.types.experimental.ConcreteFunction):
             return args, kwargs
         signature = self._signatures.get(function, False)
@@ -189,8 +185,6 @@ class Tracer:
         (module doc) find it there, per worker; others go through the
         tf.function's own lookup on every call.
         """
-        import tensorflow as tf
-
         function = closure.function
         if self.generation and not isinstance(function, tf.types.experimental.ConcreteFunction):
             function = self._fresh_function(function)
@@ -238,8 +232,6 @@ class Tracer:
 
     # ---------------------------------------------------------------- private
     def _fresh_function(self, function):
-        import tensorflow as tf
-
         cached = self._fresh.get(function)
         if cached is None or cached[0] != self.generation:
             fresh = tf.function(
@@ -254,8 +246,6 @@ class Tracer:
 
     def _trace(self, function, name: str, args: tuple, kwargs: dict):
         """What to call for these arguments: a concrete function, or (instrumented) its caller."""
-        import tensorflow as tf
-
         steps = self._steps
         if isinstance(function, tf.types.experimental.ConcreteFunction):
             concrete = function
@@ -296,8 +286,6 @@ class Tracer:
         return call
 
     def _concrete(self, function, name: str, args: tuple, kwargs: dict):
-        import tensorflow as tf
-
         from psclient._coordinator.sync import UnsupportedStep
 
         # Traced as TF's coordinator does: inside the strategy's variable
@@ -349,8 +337,6 @@ def _raise(error: BaseException) -> Callable:
 
 
 def _cacheable(value) -> bool:
-    import tensorflow as tf
-
     # Eager tensors are immutable; per-worker values resolve per worker (and
     # are looked up again by identity there); scalars are compared by identity
     # while held. A variable, a list or an object could change under the same
