@@ -1,12 +1,11 @@
 """A simulated cluster behind psclient's real coordinator logic (no TensorFlow).
 
-`SimCluster` fakes only the TensorFlow edge: the calls dispatcher threads make
-(through the `prepare` callable), the probes (`Prober`'s `run_probe`), TCP
-states, device scopes and outputs (`Dispatcher`/`Recovery`'s `edge`, see
-`psclient._coordinator.runtime.EDGE_NAMES`) and connects (`Recovery`'s
-`connect`). Everything else is psclient's own: `Scheduler`, `Dispatcher`,
-`Prober`, `Recovery` and its `RecoveryMachine`, wired as `ParameterServerStrategy`
-wires them, minus tracing, variables and checkpoints.
+`SimCluster` fakes only the TensorFlow edge (`psclient._engine.edge.Edge`:
+probes, TCP states, device scopes, outputs, connects) and the calls dispatcher
+threads make (through the `prepare` callable). Everything else is psclient's
+own: the `Engine` (`Scheduler`, `Dispatcher`, `Prober`, `Recovery` and its
+`RecoveryMachine`) built as `ParameterServerStrategy` builds it, minus tracing,
+variables and checkpoints.
 
 A fake worker is up, dead (calls and probes fail at once with an error named
 like TF's `UnavailableError`, TCP connects are refused) or hung (calls and
@@ -34,12 +33,12 @@ import time
 from typing import Any
 
 from psclient._cluster.spec import Cluster
-from psclient._coordinator.dispatch import Dispatcher
-from psclient._coordinator.recovery import Recovery, RecoveryConfig
-from psclient._core.future import Future
-from psclient._core.health import Prober
 from psclient._core.closure import Closure
+from psclient._core.future import Future
 from psclient._core.scheduler import Scheduler
+from psclient._engine.assembly import Engine
+from psclient._engine.edge import Roster
+from psclient._engine.recovery import RecoveryConfig
 
 __all__ = ["SimConfig", "SimCluster", "Harness", "UnavailableError", "AbortedError"]
 
@@ -130,6 +129,13 @@ class SimCluster:
             return "open"  # the ps never fails here
         return "closed" if self.workers[worker].state == "dead" else "open"
 
+    def tcp_reachable(self, address: str, timeout: float) -> bool:
+        return self.tcp_state(address, timeout) == "open"
+
+    @staticmethod
+    def check_handle(variable: Any) -> None:
+        """No variables here: never asked."""
+
     @staticmethod
     def device_scope(device: str, worker: int):
         return contextlib.nullcontext()
@@ -178,7 +184,10 @@ class SimCluster:
         self._pass_hang(w)
         time.sleep(self.config.probe_s)
 
-    def connect(self, workers: list) -> None:
+    def disconnect(self) -> None:
+        pass
+
+    def connect(self, cluster: Cluster, workers: list) -> None:
         """A (re)connect: the named workers know the coordinator's context again."""
         self.connects += 1
         for worker in workers:
@@ -279,14 +288,15 @@ class Harness:
         self.config = config
         self.sim = SimCluster(config)
         self.scheduler = _TimedScheduler(config.workers)
-        self.prober = Prober(self.sim.probe)
-        self.recovery = Recovery(
-            RecoveryConfig(hang_timeout=config.hang_timeout, probe_timeout=min(10.0, config.hang_timeout),
-                           interval=min(1.0, config.hang_timeout / 4)),
-            cluster=self.sim.cluster, scheduler=self.scheduler, prober=self.prober, store=_Store(),
-            per_worker=_PerWorker(), retrace=lambda: None, connect=self.sim.connect, edge=self.sim,
+        self.engine = Engine(
+            Roster(self.sim.cluster), edge=self.sim, scheduler=self.scheduler,
+            recovery_config=RecoveryConfig(hang_timeout=config.hang_timeout,
+                                           probe_timeout=min(10.0, config.hang_timeout),
+                                           interval=min(1.0, config.hang_timeout / 4)),
+            pipeline_depth=config.pipeline_depth, connect_timeout=config.hang_timeout, prepare=self.sim.prepare,
+            store=_Store(), per_worker=_PerWorker(),
         )
-        self.dispatcher: Dispatcher | None = None
+        self.prober, self.recovery, self.dispatcher = self.engine.prober, self.engine.recovery, self.engine.dispatcher
         #: Closures submitted; per closure number, times its future resolved
         #: with its own value (kept as bytes, not futures, so memory figures
         #: are the coordinator's); and resolutions with anything else.
@@ -304,12 +314,8 @@ class Harness:
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        self.dispatcher = Dispatcher(
-            self.scheduler, num_workers=self.config.workers, pipeline_depth=self.config.pipeline_depth,
-            prepare=self.sim.prepare, probes=self.recovery.probes, report=self.recovery.report,
-            release_timeout=self.config.hang_timeout, iterators=_PerWorker(), edge=self.sim,
-        )
-        self.recovery.start()
+        self.engine.start_dispatch()
+        self.engine.start_recovery()
 
     def submit(self, count: int, *, counted: bool = False) -> list[Future]:
         """Schedule `count` closures, each returning its own number (`counted`: in

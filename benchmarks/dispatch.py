@@ -300,7 +300,7 @@ def setup_sync_call_floor(cluster, workload: str):
     functions" off: each call returns when it has run), its result fetched."""
     import tensorflow as tf
 
-    from psclient._coordinator import executors
+    from psclient._tf import executors
 
     if workload != "tiny":
         raise ValueError(f"sync_call_floor runs the tiny workload only, not {workload!r}")

@@ -132,7 +132,9 @@ def make_partitioner():
 def psclient_has_partitioner() -> bool:
     import psclient
 
-    return "variable_partitioner" in inspect.signature(psclient.ParameterServerStrategy).parameters
+    # Its keyword arguments are StrategyConfig's fields where that exists (older checkouts: its signature).
+    takes = getattr(psclient, "StrategyConfig", psclient.ParameterServerStrategy)
+    return "variable_partitioner" in inspect.signature(takes).parameters
 
 
 def setup(path: str, cluster, rows: int):

@@ -72,9 +72,10 @@ def strategy_kwargs(config: str, max_staleness: int) -> dict:
 
 def missing_arguments(kwargs: dict) -> list[str]:
     """The arguments of `kwargs` that this checkout's ParameterServerStrategy does not take."""
-    from psclient import ParameterServerStrategy
+    import psclient
 
-    accepted = inspect.signature(ParameterServerStrategy.__init__).parameters
+    # Its keyword arguments are StrategyConfig's fields where that exists (older checkouts: its signature).
+    accepted = inspect.signature(getattr(psclient, "StrategyConfig", psclient.ParameterServerStrategy)).parameters
     return [name for name in kwargs if name not in accepted]
 
 

@@ -13,28 +13,33 @@ contracts in pyproject.toml, checked by tests/test_layout.py):
                   a strategy's scope is first entered (hook registered here)
   _sidecar        the sidecar evaluator and the checkpoint formats it reads
   _coordinator    the strategy and everything that calls TensorFlow for it:
-                  dispatch threads, tracing, per-worker values, checkpoints,
-                  recovery actions, TF's ClusterCoordinator API, and
-                  `runtime`, the one module that touches TF internals
+                  tracing, per-worker values, variables, checkpoints, TF's
+                  ClusterCoordinator API, and `TFEdge`, the engine's edge
+                  onto TensorFlow's runtime; public TensorFlow only
+  _engine         the orchestration, no TensorFlow: dispatcher threads,
+                  failure probes, the recovery thread, elastic workers,
+                  the worker watcher, taking a strategy down; every
+                  TensorFlow call through its `Edge` (edge.py); the
+                  strategy's checked settings (`StrategyConfig`)
+  _tf             the one place that touches TF internals (`tensorflow.python`,
+                  private attributes, patches): executors, cancellable calls,
+                  contexts, partitioned variables, the update router,
+                  checkpoint ops
   _cluster        cluster descriptions, local task processes, `serve`, `launch`
   _core           pure logic, no TensorFlow or Keras: scheduler, futures,
                   errors, failure classification, health and recovery
                   decisions, placement
 
-TensorFlow is imported lazily, so `import psclient` is cheap.
+TensorFlow is imported at the top of the modules that use it, and the public
+names backed by them load on first use (`__getattr__` below), so
+`import psclient` is cheap.
 """
 
 from psclient._cluster.local import LocalCluster
 from psclient._cluster.spec import Cluster
-from psclient._coordinator import registry as _registry
-from psclient._coordinator.compat import ClusterCoordinator
-from psclient._coordinator.per_worker import (
-    PerWorker,
-    PerWorkerDataset,
-    PerWorkerIterator,
-)
-from psclient._coordinator.strategy import ParameterServerStrategy
-from psclient._coordinator.watch import WorkerWatcher
+from psclient._engine import registry as _registry
+from psclient._engine.config import StrategyConfig
+from psclient._engine.watch import WorkerWatcher
 from psclient._cluster.k8s_watch import kubernetes_workers
 from psclient._core.errors import (
     CheckpointUnreadable,
@@ -54,15 +59,27 @@ from psclient._core.future import (
     as_completed,
     wait,
 )
-from psclient._sidecar.evaluator import (
-    SidecarEvaluator,
-    SidecarReport,
-    read_final_marker,
-    write_final_marker,
-)
 from psclient._cluster.exposure import PortExposedError
-from psclient._sidecar.formats import CheckpointMismatchError
-from psclient._coordinator.checkpoint_parts import CheckpointDirError, CheckpointWriteError
+
+#: Public names whose modules import TensorFlow (or Keras) at their top: each
+#: loads on first use (PEP 562), so `import psclient` stays cheap.
+_LAZY = {
+    "BackupAndRestore": "psclient._keras.callbacks",
+    "CheckpointDirError": "psclient._coordinator.checkpoint_parts",
+    "CheckpointMismatchError": "psclient._sidecar.formats",
+    "CheckpointWriteError": "psclient._coordinator.checkpoint_parts",
+    "ClusterCoordinator": "psclient._coordinator.compat",
+    "ModelCheckpoint": "psclient._keras.checkpoints",
+    "ParameterServerStrategy": "psclient._coordinator.strategy",
+    "PerWorker": "psclient._coordinator.per_worker",
+    "PerWorkerDataset": "psclient._coordinator.per_worker",
+    "PerWorkerIterator": "psclient._coordinator.per_worker",
+    "SidecarEvaluator": "psclient._sidecar.evaluator",
+    "SidecarReport": "psclient._sidecar.evaluator",
+    "StalenessLogger": "psclient._keras.callbacks",
+    "read_final_marker": "psclient._sidecar.evaluator",
+    "write_final_marker": "psclient._sidecar.evaluator",
+}
 
 __version__ = "0.1.0"
 
@@ -88,24 +105,21 @@ _register_layers()
 
 
 def __getattr__(name):
-    # Keras-backed names load Keras on first use, so `import psclient` stays cheap.
-    if name in ("BackupAndRestore", "StalenessLogger"):
-        from psclient._keras import callbacks
-
-        return getattr(callbacks, name)
-    if name == "ModelCheckpoint":
-        from psclient._keras import checkpoints
-
-        return checkpoints.ModelCheckpoint
-    if name == "data":  # psclient.data without an explicit import, as for a subpackage
+    # TF- and Keras-backed names load on first use, so `import psclient` stays cheap.
+    module = _LAZY.get(name)
+    if module is not None or name in ("data", "layers"):
         import importlib
 
-        return importlib.import_module("psclient.data")
-    if name == "layers":  # psclient.layers.DynamicEmbedding without importing psclient.layers first
-        import importlib
-
-        return importlib.import_module("psclient.layers")
+        if module is None:  # psclient.data / psclient.layers without an explicit import, as for a subpackage
+            return importlib.import_module(f"psclient.{name}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # found directly from now on
+        return value
     raise AttributeError(f"module 'psclient' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY) | {"data", "layers"})
 
 
 __all__ = [
@@ -134,6 +148,7 @@ __all__ = [
     "SidecarEvaluator",
     "SidecarReport",
     "StrategyAPIUnsupportedError",
+    "StrategyConfig",
     "StrategyClosedError",
     "TaskUnreachableError",
     "WorkerUnavailableError",

@@ -116,6 +116,7 @@ def run(epochs: int = 8, workdir: str | None = None, num_workers: int = 2, num_p
             _say(f"cluster ready after {time.monotonic() - start:.1f} s")
             strategy = psclient.ParameterServerStrategy(local.cluster)
             try:
+                # Here, not at the top: the evaluator's TF import started above overlaps ours.
                 import tensorflow as tf
 
                 with strategy.scope():  # Weights and optimizer state live on the ps.

@@ -26,7 +26,7 @@ def test_unreachable_address_names_task_and_address_within_timeout(local_cluster
 
 
 def test_default_connect_timeout_is_bounded():
-    default = inspect.signature(psclient.ParameterServerStrategy).parameters["connect_timeout"].default
+    default = inspect.signature(psclient.StrategyConfig).parameters["connect_timeout"].default
     assert 0 < default <= 30
 
 

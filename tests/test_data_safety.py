@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import psclient
-from psclient._coordinator import registry
+from psclient._engine import registry
 from psclient._coordinator.checkpoint import Checkpoints, CheckpointUnreadable
 from psclient._core.files import replaced_atomically
 
@@ -248,7 +248,7 @@ def test_a_strategy_refuses_at_the_first_schedule_until_restore_or_overwrite(loc
 
 @pytest.mark.cluster
 def test_a_failed_constructor_leaves_nothing_connected(local_cluster, tmp_path, monkeypatch):
-    from psclient._coordinator import strategy as strategy_module
+    from psclient._engine.dispatch import Dispatcher
 
     a_file = tmp_path / "not-a-dir"
     a_file.write_text("x")
@@ -258,11 +258,11 @@ def test_a_failed_constructor_leaves_nothing_connected(local_cluster, tmp_path, 
             psclient.ParameterServerStrategy(local_cluster.cluster, checkpoint_dir=a_file)
         assert str(a_file) in str(before_connecting.value) and registry.current() is None
 
-        def broken_dispatcher(*args, **kwargs):
+        def broken_start(self):
             raise RuntimeError("cannot start a thread")
 
         with monkeypatch.context() as patch:  # a failure after connecting is undone
-            patch.setattr(strategy_module, "Dispatcher", broken_dispatcher)
+            patch.setattr(Dispatcher, "start", broken_start)  # the dispatcher starts once connected
             with pytest.raises(RuntimeError, match="cannot start a thread") as after_connecting:
                 psclient.ParameterServerStrategy(local_cluster.cluster)
         assert registry.current() is None

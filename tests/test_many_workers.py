@@ -19,7 +19,7 @@ pytestmark = pytest.mark.cluster
 # and probes of healthy workers failed the same way. TF's executors synced
 # every task of the cluster before a call whenever the call's client changed,
 # and each reconnect (a worker dropped or rejoining) gives every worker a new
-# client (see psclient/_coordinator/executors.py `new_call_executor`, and
+# client (see psclient/_tf/executors.py `new_call_executor`, and
 # tests/test_call_executors.py for the same sequence at the TF edge).
 
 NUM_WORKERS, NUM_PS = 8, 2

@@ -3,6 +3,7 @@
 import threading
 
 import pytest
+from _polling import wait_for
 
 from psclient._core.future import Future
 from psclient._core.closure import Closure
@@ -118,14 +119,13 @@ def test_a_wakeup_given_to_a_worker_retired_before_it_took_goes_to_another_worke
     s = Scheduler(num_workers=2)
     waiting_0, box_0 = take_in_thread(s, 0)
     # Wait until the thread is listed as waiting, so the submit below wakes it.
-    while s.waiting_threads() != (1, 0):
-        threading.Event().wait(0.01)
+    wait_for(lambda: s.waiting_threads() == (1, 0), 10, "the thread to wait in take()")
     with s._lock:  # hold the lock: the woken thread cannot take before the retirement
         c = make()
         s._queue.append(c)
         s._unfinished += 1
         s._wake_locked()
-        s._retired.add(0)  # what retire_worker does first, before that thread looks
+        s._membership.retire(0)  # what retire_worker does first, before that thread looks
         s._workers[0].up = False
     waiting_0.join(10)
     assert box_0 == [None]

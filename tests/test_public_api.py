@@ -11,7 +11,7 @@ PUBLIC = {
     "ClusterCoordinator", "FIRST_COMPLETED", "FIRST_EXCEPTION", "Future", "LocalCluster",
     "ModelCheckpoint", "ParameterServerStrategy", "StalenessLogger", "PSClientError",
     "PortExposedError", "PSUnavailableError", "PerWorker", "PerWorkerDataset", "PerWorkerIterator",
-    "SidecarEvaluator", "SidecarReport", "StrategyAPIUnsupportedError", "StrategyClosedError",
+    "SidecarEvaluator", "SidecarReport", "StrategyAPIUnsupportedError", "StrategyClosedError", "StrategyConfig",
     "TaskUnreachableError", "WorkerUnavailableError", "WorkerWatcher", "as_completed",
     "kubernetes_workers", "read_final_marker", "wait", "write_final_marker",
 }
@@ -53,12 +53,14 @@ def test_the_exception_tree():
 
 def test_every_exception_psclient_defines_is_one_family():
     # Also the ones reached through submodules: data, layers, the Keras seam, partitioning, sync.
+    from psclient._coordinator.datasets import NotADatasetError
+    from psclient._coordinator.finite import NondeterministicDatasetError
     from psclient._core.partitioning import PartitionError
     from psclient._coordinator.sync import UnsupportedStep
     from psclient._keras.seam import KerasSeamError
     from psclient._sidecar.formats import CheckpointUnreadableError
 
-    for cls in (PartitionError, UnsupportedStep, KerasSeamError, psclient.data.LedgerMismatchError,
+    for cls in (PartitionError, UnsupportedStep, KerasSeamError, NotADatasetError, NondeterministicDatasetError, psclient.data.LedgerMismatchError,
                 psclient.layers.UnsupportedOptimizerError):
         assert issubclass(cls, psclient.PSClientError), cls
     assert CheckpointUnreadableError is psclient.CheckpointUnreadable  # one class, two names

@@ -111,19 +111,19 @@ def test_a_worker_killed_between_the_probes_and_the_reconnect(local, monkeypatch
         first = [strategy.schedule(step) for _ in range(4)]
         strategy.join(timeout=120)
         assert sorted(f.result() for f in first) == [1, 2, 3, 4]
-        recovery = strategy._recovery
-        real_connect = recovery._connect
+        edge = strategy._recovery._edge  # white-box: what the recovery thread reconnects through
+        real_connect = edge.connect
         killed = threading.Event()
 
-        def connect_after_killing_worker_0(workers):
+        def connect_after_killing_worker_0(cluster, workers):
             if 0 in workers and not killed.is_set():
                 killed.set()
                 local.kill("worker", 0)
-            return real_connect(workers)
+            return real_connect(cluster, workers)
 
         local.kill("worker", 1)
         wait_for(lambda: not strategy.stats()["workers"][1]["up"], 180, "worker 1 taken out after its kill")
-        monkeypatch.setattr(recovery, "_connect", connect_after_killing_worker_0)
+        monkeypatch.setattr(edge, "connect", connect_after_killing_worker_0)
         local.restart("worker", 1, timeout=180)
         assert killed.wait(180), "no reconnect brought worker 1 back"
         # Not frozen: the death of worker 0 is noticed and worker 1 comes back.

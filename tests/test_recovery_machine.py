@@ -7,8 +7,8 @@ actions that come out, including the races found by reading the old code.
 
 import pytest
 
-from psclient._core import recovery as rm
-from psclient._core.recovery import TaskState
+from psclient._core import recovery_machine as rm
+from psclient._core.recovery_machine import TaskState
 
 UP, SUSPECT, HUNG, LOST, REJOINING, RECOVERING = (
     TaskState.UP, TaskState.SUSPECT, TaskState.HUNG, TaskState.LOST, TaskState.REJOINING,
@@ -479,25 +479,19 @@ def test_recovery_thread_that_dies_fails_pending_work_and_waiting_callers():
     """The executor side: a bug in carrying out an action must not leave callers waiting."""
     import threading
 
-    from psclient._coordinator.recovery import Recovery, RecoveryConfig
+    from _fake_edge import FakeEdge, fake_engine
+
+    from psclient._cluster.spec import Cluster
     from psclient._core.errors import StrategyClosedError
     from psclient._core.future import Future
     from psclient._core.closure import Closure
     from psclient._core.scheduler import Scheduler
 
-    class FakeCluster:
-        num_workers, num_ps, workers = 1, 1, ["w:1"]
-
-        def address(self, job, index):
-            return "localhost:1"
-
     scheduler = Scheduler(1)
     closure = Closure(None, (), {}, Future("f"))
     scheduler.submit(closure)
-    recovery = Recovery(
-        RecoveryConfig(checkpoint_dir=None, interval=3600.0), cluster=FakeCluster(), scheduler=scheduler,
-        prober=None, store=None, per_worker=None, retrace=lambda: None, connect=lambda workers: None,
-    )
+    edge = FakeEdge(Cluster({"worker": ["fake-worker0:1"], "ps": ["fake-ps0:1"]}))
+    recovery = fake_engine(edge, scheduler, interval=3600.0).recovery
     died = threading.Event()
     hook = threading.excepthook
     threading.excepthook = lambda args: died.set()

@@ -34,6 +34,14 @@ def test_nothing_is_split_with_one_ps_task(strategy):
     assert entry["part"] is None and entry["nbytes"] == 400_000
 
 
+def test_the_strategy_exposes_its_config(strategy):
+    import psclient
+
+    assert strategy.config == psclient.StrategyConfig()  # the fixture's: every default
+    assert strategy.config.pipeline_depth == strategy.pipeline_depth
+    assert strategy.config.variable_partitioner == "auto" and strategy.variable_partitioner is None
+
+
 def test_schedule_returns_numpy_nested_outputs(strategy):
     with strategy.scope():
         counter = tf.Variable(0, dtype=tf.int64)

@@ -12,7 +12,7 @@ import pytest
 from psclient._cluster.k8s import K8sJob
 from psclient._cluster.k8s_watch import kubernetes_workers, worker_labels
 from psclient._cluster.spec import Cluster
-from psclient._coordinator.watch import WorkerWatcher
+from psclient._engine.watch import WorkerWatcher
 from psclient._core.errors import ClusterConfigError, StrategyClosedError, TaskUnreachableError
 
 PS = ["10.0.0.9:2222"]

@@ -38,7 +38,6 @@ from typing import Any
 import portpicker
 
 from psclient._cluster import exposure
-from psclient._cluster.local_elastic import ElasticWorkers
 from psclient._cluster.process import child_env
 from psclient._cluster.server import check_inter_op_threads
 from psclient._cluster.spec import Cluster
@@ -240,7 +239,7 @@ def _pick_ports(count: int) -> list[int]:
     return ports
 
 
-class LocalCluster(ElasticWorkers):
+class LocalCluster:
     """A cluster of real worker and ps task processes on 127.0.0.1.
 
     `LocalCluster()` returns once every task is serving. It also reserves a
@@ -282,8 +281,6 @@ class LocalCluster(ElasticWorkers):
             message names it and quotes the end of its log. The other tasks
             are ended first.
     """
-
-    _TASK = _Task  # what add_worker (local_elastic.py) makes
 
     def __init__(
         self,
@@ -512,6 +509,43 @@ class LocalCluster(ElasticWorkers):
                 on_failure.pop_all()
 
     # Life cycle -------------------------------------------------------------
+
+    def add_worker(self, timeout: float | None = None) -> int:
+        """Starts one more worker task at a new port on 127.0.0.1; returns its index.
+
+        Waits until it serves (at most `timeout` s, default `start_timeout`).
+        Its address is `cluster.address("worker", index)` (also the last of
+        `cluster.workers`); give it to `ParameterServerStrategy.add_worker`.
+
+        Raises:
+            TaskUnreachableError: the new process exited or was not ready in
+                time (it is ended, and the cluster is as before).
+            RuntimeError: the cluster is closed.
+        """
+        check_positive("timeout", timeout, optional=True, unit="seconds")
+        with self._lock:
+            self._check_open()
+            index = self._cluster.num_workers
+            taken = {address for addresses in self._cluster.jobs.values() for address in addresses}
+            address = f"{_HOST}:{portpicker.pick_unused_port()}"
+            while address in taken:  # the reserved chief port is free too: portpicker may offer it
+                address = f"{_HOST}:{portpicker.pick_unused_port()}"
+            # The tasks started before keep their TF_CONFIG: any cluster that
+            # names a task's own address serves it. The new one is owned as
+            # the first ones are (close() and the exit finalizer end it).
+            jobs = self._cluster.jobs
+            jobs["worker"].append(address)
+            grown = Cluster(jobs)
+            task = _Task("worker", index, address, os.path.join(self._log_dir, f"worker-{index}.log"))
+            previous, self._cluster = self._cluster, grown
+            with contextlib.ExitStack() as on_failure:  # a worker that did not start leaves no trace
+                on_failure.callback(task.reap)
+                on_failure.callback(setattr, self, "_cluster", previous)
+                self._start([task], self._start_timeout if timeout is None else timeout)
+                on_failure.pop_all()
+            self._tasks[("worker", index)] = task
+            self._task_list.append(task)  # owned: close() and the finalizer end it
+            return index
 
     def close(self) -> None:
         """Ends every task (SIGTERM, then SIGKILL after a few seconds) and reaps them.

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from psclient._cluster import exposure
 from psclient._cluster.peers import PeerFile, cluster_hosts
@@ -304,6 +304,7 @@ def _import_tensorflow():
     if blocked:
         sys.modules[_KERAS_AT_TF_IMPORT] = None  # makes that import raise ImportError
     try:
+        # Here, not at the top: serve sets GRPC_FAIL_FAST first, and blocks Keras's import.
         import tensorflow as tf
     finally:
         if blocked and sys.modules.get(_KERAS_AT_TF_IMPORT, "") is None:
@@ -311,9 +312,7 @@ def _import_tensorflow():
     return tf
 
 
-def _start_server(cluster: Cluster, job: str, index: int, inter_op_threads: int):
-    import tensorflow as tf
-
+def _start_server(tf: Any, cluster: Cluster, job: str, index: int, inter_op_threads: int):
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=inter_op_threads)
     return tf.distribute.Server(
         # Without the evaluator: an evaluator in the spec makes training hang.
@@ -423,7 +422,7 @@ def serve(
     tf = _import_tensorflow()  # Lazily, and only after GRPC_FAIL_FAST is set.
 
     try:
-        server = _start_server(cluster, job, index, inter_op_threads)
+        server = _start_server(tf, cluster, job, index, inter_op_threads)
     except (tf.errors.OpError, ValueError) as e:  # UnknownError for a port in use; a bad spec.
         _log(f"psclient serve: error: cannot start {task} at {address}: {e}")
         _exit(1)

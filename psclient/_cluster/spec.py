@@ -332,7 +332,8 @@ class Cluster:
 
     def to_cluster_spec(self) -> Any:
         """A `tf.train.ClusterSpec` of `training_spec()`. Imports TensorFlow."""
-        import tensorflow as tf  # Lazily: Cluster itself is pure Python.
+        # Here, not at the top: Cluster itself is pure Python (`import psclient` is cheap).
+        import tensorflow as tf
 
         return tf.train.ClusterSpec(self.training_spec())
 

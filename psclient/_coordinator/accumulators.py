@@ -24,30 +24,28 @@ import functools
 import weakref
 from typing import Any, Callable
 
+import tensorflow as tf
+
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.sharding import is_partitioned, per_shard
+from psclient._tf import variables as _variables
 
 __all__ = ["Accumulators", "internal_variable"]
 
 
 def internal_variable(device: str, make_value: Callable[[], Any], name: str):
     """A variable of psclient's own on `device`: not the user's (not in scope()'s store or checkpoints)."""
-    import tensorflow as tf
-    from tensorflow.python.ops import resource_variable_ops
-
     # ResourceVariable itself, not tf.Variable: a subclass bypasses the variable
     # creators in force (the strategy's, which would place and checkpoint it).
     # Under init_scope: it is made while a step is traced, and must outlive the trace.
     with tf.init_scope(), tf.device(device):
-        return resource_variable_ops.ResourceVariable(make_value(), trainable=False, name=name)
+        return _variables.uncreated_variable(make_value(), name)
 
 
 class Accumulators:
     """Gradient sums on the ps, one per variable (one per shard of a partitioned one), and a count."""
 
     def __init__(self, variables: list):
-        import tensorflow as tf
-
         self._refs = [weakref.ref(v) for v in variables]
         self.parts: list[list] = []
         for variable in variables:
@@ -74,8 +72,6 @@ class Accumulators:
 
     def receive(self, grads: list) -> list:
         """Each gradient (or its rows per shard) copied onto its accumulator's ps task."""
-        import tensorflow as tf
-
         arrived = []
         for grad, (partitioned, accumulators) in zip(grads, self._each()):
             pieces = per_shard(grad, partitioned) if partitioned is not None else [grad]
@@ -92,8 +88,6 @@ class Accumulators:
         return [a for _, accumulators in self._each() for a in accumulators]
 
     def add(self, arrived: list) -> list:
-        import tensorflow as tf
-
         ops = []
         for accumulator, grad in zip(self._flat(), arrived):
             if isinstance(grad, tf.IndexedSlices):
@@ -104,8 +98,6 @@ class Accumulators:
 
     def means(self, k: int) -> list:
         """The mean gradient of each variable, computed on its accumulators' ps tasks."""
-        import tensorflow as tf
-
         means = []
         for partitioned, accumulators in self._each():
             parts = []
@@ -116,6 +108,4 @@ class Accumulators:
         return means
 
     def reset(self) -> list:
-        import tensorflow as tf
-
         return [a.assign(tf.zeros_like(a)) for a in self._flat()] + [self.count.assign(0)]

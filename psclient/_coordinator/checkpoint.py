@@ -47,10 +47,13 @@ import logging
 import os
 from typing import Any, Callable
 
+import tensorflow as tf
+
 from psclient._coordinator import checkpoint_parts as _parts
 from psclient._coordinator import table_checkpoint
 from psclient._coordinator.checkpoint_parts import CheckpointUnreadable
 from psclient._core.files import replaced_atomically
+from psclient._tf import checkpoints as _checkpoints
 
 __all__ = ["CheckpointUnreadable", "Checkpoints", "check_directory", "variable_key"]
 
@@ -73,8 +76,6 @@ def check_directory(directory: str | os.PathLike) -> str:
     A local path is made absolute: the ps tasks write into it too, and their
     working directory is not the coordinator's.
     """
-    import tensorflow as tf
-
     path = os.fspath(directory)
     if "://" not in path:
         path = os.path.abspath(path)
@@ -94,8 +95,6 @@ class Checkpoints:
 
     def __init__(self, directory: str, *, keep: int, overwrite: bool = False,
                  describe_ps: Callable[[int], str] = lambda ps: f"ps:{ps}", matched_by: str = _BY_CREATION):
-        import tensorflow as tf
-
         self.directory = check_directory(directory)
         self._matched_by = matched_by
         self.keep = keep
@@ -120,8 +119,6 @@ class Checkpoints:
 
     def latest(self) -> str | None:
         """This run's newest checkpoint (written or adopted by restore()), or None."""
-        import tensorflow as tf
-
         path = tf.train.latest_checkpoint(self.directory)
         if path is None or self.foreign is not None or (_number(path) or 0) < self._first_own:
             return None
@@ -210,8 +207,6 @@ class Checkpoints:
     # ---------------------------------------------------------------- private
     def _commit(self, number: int) -> None:
         """Name checkpoint `number` in the state file (atomically), then prune beyond `keep`."""
-        import tensorflow as tf
-
         own = sorted(n for n in self._state_numbers() | {number}
                      if tf.io.gfile.exists(os.path.join(self.directory, f"ckpt-{n}.index")))
         if self._overwrite:  # another run's, to be replaced: pruned with this run's
@@ -222,24 +217,15 @@ class Checkpoints:
             self._delete(old)
 
     def _write_state(self, numbers: list[int]) -> None:
-        from google.protobuf import text_format
-        from tensorflow.python.checkpoint.checkpoint_management import CheckpointState
-
-        names = [f"ckpt-{n}" for n in numbers]
-        state = CheckpointState(model_checkpoint_path=names[-1], all_model_checkpoint_paths=names)
-        text = text_format.MessageToString(state)
+        text = _checkpoints.checkpoint_state_text([f"ckpt-{n}" for n in numbers])
         final = os.path.join(self.directory, _STATE_FILE)
         if "://" in final:  # a bucket: TF's own atomic write (temporary name, then rename)
-            from tensorflow.python.lib.io import file_io
-
-            file_io.atomic_write_string_to_file(final, text)
+            _checkpoints.atomic_write(final, text)
             return
         with replaced_atomically(final) as temp, open(temp, "w", encoding="utf-8") as f:
             f.write(text)
 
     def _delete(self, number: int) -> None:
-        import tensorflow as tf
-
         prefix = os.path.join(self.directory, f"ckpt-{number}")
         # The index first: without it the checkpoint is no longer a candidate.
         for name in [prefix + ".index", *tf.io.gfile.glob(prefix + ".data-*")]:
@@ -250,8 +236,6 @@ class Checkpoints:
 
     def _numbers(self) -> set[int]:
         """N of every `ckpt-N` in the directory (index or data file)."""
-        import tensorflow as tf
-
         numbers = set()
         for name in tf.io.gfile.listdir(self.directory):
             stem, _, ext = name.partition(".")
@@ -261,8 +245,6 @@ class Checkpoints:
 
     def _state_numbers(self) -> set[int]:
         """N of every `ckpt-N` the state file names (some may be missing)."""
-        import tensorflow as tf
-
         if not tf.io.gfile.exists(os.path.join(self.directory, _STATE_FILE)):
             return set()
         try:
@@ -284,8 +266,6 @@ class Checkpoints:
 
     @staticmethod
     def _completed_in(path: str) -> int | None:
-        import tensorflow as tf
-
         try:
             return int(tf.train.load_checkpoint(path).get_tensor(_COMPLETED_KEY + _VALUE))
         except (tf.errors.OpError, ValueError, IndexError):  # unreadable, or not a psclient checkpoint
@@ -295,8 +275,6 @@ class Checkpoints:
               tables: dict[str, Any]) -> tuple[dict, int | None, dict, dict]:
         """Every variable's value and table shard in `path`, read on its ps and checked
         (names, shapes, dtypes, data), and the meta `save` stored."""
-        import tensorflow as tf
-
         try:
             reader = tf.train.load_checkpoint(path)  # the index only (small), on the coordinator
             shapes = reader.get_variable_to_shape_map()
@@ -323,8 +301,6 @@ class Checkpoints:
         return values, completed, self._read_tables(path, tables, layout), meta
 
     def _read_tables(self, path: str, tables: dict[str, Any], layout: dict | None) -> dict:
-        import tensorflow as tf
-
         if not tables:
             return {}
         try:
@@ -373,8 +349,6 @@ def _number(name: str) -> int | None:
 
 
 def _index_problem(path: str) -> str:
-    import tensorflow as tf
-
     if not tf.io.gfile.exists(path + ".index"):
         return f"its index file {path}.index is missing"
     return f"its index file {path}.index is unreadable"

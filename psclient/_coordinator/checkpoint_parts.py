@@ -30,8 +30,8 @@ reader lists) and moved to their final names by the merge, after every part
 is complete: a part cut short by a ps that died is never under a checkpoint's
 name.
 
-TF internals used: `gen_io_ops.save_v2`, `restore_v2`, `merge_v2_checkpoints`
-(the ops behind `tf.train.Checkpoint`), `trackable_object_graph_pb2`.
+The ops behind `tf.train.Checkpoint` (`SaveV2`, `RestoreV2`,
+`MergeV2Checkpoints`: TF-internal) come from `psclient._tf.checkpoints`.
 """
 
 from __future__ import annotations
@@ -42,9 +42,14 @@ import os
 import secrets
 from typing import Any, Callable
 
-from psclient._coordinator import executors as _executors
+import tensorflow as tf
+from tensorflow.core.protobuf import trackable_object_graph_pb2 as pb
+
 from psclient._coordinator import runtime as _runtime
+from psclient._coordinator import table_checkpoint
 from psclient._coordinator.sharding import is_partitioned
+from psclient._tf import checkpoints as _checkpoints
+from psclient._tf import executors as _executors
 from psclient._core.errors import CheckpointUnreadable, PSClientError
 
 __all__ = ["CheckpointDirError", "CheckpointUnreadable", "CheckpointWriteError", "LAYOUT_KEY", "Slot",
@@ -104,8 +109,6 @@ def _ps_of(variable: Any) -> int:
 def _device(ps: int):
     import contextlib
 
-    import tensorflow as tf
-
     return contextlib.nullcontext() if ps == LOCAL else tf.device(_runtime.ps_device(ps))
 
 
@@ -125,8 +128,6 @@ def on_each_ps(work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
 
     Waits for all; raises the first error (by ps index) after every one ended.
     """
-    import tensorflow as tf
-
     def run(ps: int):
         executor = _executors.new_call_executor(streaming=False)
         with _executors.executor_scope(executor):
@@ -157,11 +158,6 @@ def save_parts(prefix: str, variables: dict[str, Any], scalars: dict[str, Any],
     nothing is then under `prefix` (the scratch directory is removed). `tables`
     (key -> DynamicTable): each ps writes its shards in its own part (`table_checkpoint`).
     """
-    import tensorflow as tf
-    from tensorflow.python.ops import gen_io_ops
-
-    from psclient._coordinator import table_checkpoint
-
     by_ps = slots_of(variables)
     table_work = table_checkpoint.save_work(tables or {})
     table_names = table_checkpoint.names_by_ps(tables or {})
@@ -187,7 +183,7 @@ def save_parts(prefix: str, variables: dict[str, Any], scalars: dict[str, Any],
                     if ps in table_work:  # exported on this ps, written with its variables
                         more, tensors = table_work[ps]()
                         names, specs, values = names + more, specs + [""] * len(more), values + tensors
-                    gen_io_ops.save_v2(part_prefix(scratch, tasks.index(ps), count), names, specs, values)
+                    _checkpoints.save(part_prefix(scratch, tasks.index(ps), count), names, specs, values)
                 except tf.errors.OpError as error:
                     error._psclient_ps = ps
                     raise
@@ -212,10 +208,9 @@ def save_parts(prefix: str, variables: dict[str, Any], scalars: dict[str, Any],
             values = [tf.constant(v) for v in scalars.values()]
             values += [tf.constant(json.dumps(layout)), tf.constant(_object_graph(list(variables), list(scalars)))]
             own = part_prefix(scratch, len(tasks), count)
-            gen_io_ops.save_v2(own, names, [""] * len(names), values)
+            _checkpoints.save(own, names, [""] * len(names), values)
             # Renames each part's data file to `prefix.data-i-of-count`, then writes the merged index.
-            gen_io_ops.merge_v2_checkpoints(
-                [part_prefix(scratch, i, count) for i in range(count)], prefix, delete_old_dirs=True)
+            _checkpoints.merge([part_prefix(scratch, i, count) for i in range(count)], prefix)
     finally:
         if tf.io.gfile.exists(scratch):
             tf.io.gfile.rmtree(scratch)  # a failed save's parts: never read
@@ -227,16 +222,13 @@ def read_on_ps(path: str, variables: dict[str, Any], dtypes: dict[str, Any],
 
     Raises CheckpointUnreadable naming the ps task that read, the key and the data files.
     """
-    import tensorflow as tf
-    from tensorflow.python.ops import gen_io_ops
-
     by_ps = slots_of(variables)
 
     def read(ps: int) -> Callable[[], list]:
         slots = by_ps[ps]
 
         def restore(some):
-            return gen_io_ops.restore_v2(path, [s.key for s in some], [s.spec for s in some],
+            return _checkpoints.restore(path, [s.key for s in some], [s.spec for s in some],
                                          [dtypes[s.key] for s in some])
 
         def run():
@@ -286,8 +278,6 @@ def assign_on_ps(values: dict[int, list]) -> None:
 
 def _files_of(path: str, layout: dict | None, keys: set[str]) -> list[str]:
     """The data files that hold `keys` (from the checkpoint's layout), else every data file."""
-    import tensorflow as tf
-
     if layout:
         files = [os.path.join(os.path.dirname(path), part["file"]) for part in layout.get("parts", [])
                  if keys & set(part.get("keys", []))]
@@ -302,16 +292,13 @@ def probe_writable(directory: str, num_ps: int, describe_ps: Callable[[int], str
     Raises CheckpointDirError naming the first ps that cannot write there, or whose
     file the coordinator does not find (the directory is not shared).
     """
-    import tensorflow as tf
-    from tensorflow.python.ops import gen_io_ops
-
     scratch = os.path.join(directory, f".psclient-probe-{secrets.token_hex(8)}")
 
     def write(ps: int) -> Callable[[], None]:
         def run():
             with tf.device(_runtime.ps_device(ps)):
                 try:
-                    gen_io_ops.save_v2(part_prefix(scratch, ps, num_ps), ["probe"], [""], [tf.constant(ps)])
+                    _checkpoints.save(part_prefix(scratch, ps, num_ps), ["probe"], [""], [tf.constant(ps)])
                 except tf.errors.OpError as error:
                     error._psclient_ps = ps
                     raise
@@ -345,8 +332,6 @@ def probe_writable(directory: str, num_ps: int, describe_ps: Callable[[int], str
 
 def _object_graph(keys: list[str], scalars: list[str]) -> bytes:
     """A `tf.train.Checkpoint(key=variable, ...)` object graph, so TF's own readers find each key."""
-    from tensorflow.core.protobuf import trackable_object_graph_pb2 as pb
-
     graph = pb.TrackableObjectGraph()
     root = graph.nodes.add()
     for name in [*keys, *scalars]:

@@ -13,6 +13,8 @@ import inspect
 import threading
 from typing import Any, Callable
 
+import tensorflow as tf
+
 from psclient._coordinator.datasets import (
     TracedDatasetFunction,
     trace_or_fall_back,
@@ -69,8 +71,6 @@ class ClusterCoordinator:
 
     def fetch(self, val: Any) -> Any:
         """Values of a future, or of a nested structure of futures, as numpy."""
-        import tensorflow as tf
-
         return tf.nest.map_structure(lambda x: x.result() if isinstance(x, Future) else x, val)
 
     def create_per_worker_dataset(self, dataset_fn) -> PerWorkerDataset:
@@ -85,8 +85,6 @@ class ClusterCoordinator:
         once, as TF does, and the traced function builds the dataset on each
         worker (see `psclient._coordinator.datasets`).
         """
-        import tensorflow as tf
-
         if isinstance(dataset_fn, PerWorkerDataset):
             return dataset_fn
         if isinstance(dataset_fn, tf.data.Dataset):

@@ -18,9 +18,12 @@ import warnings
 
 import portpicker
 
+import tensorflow as tf
+
 from psclient._cluster.spec import Cluster
-from psclient._coordinator import executors as _executors
 from psclient._core.errors import TaskUnreachableError
+from psclient._tf import context as _context
+from psclient._tf import executors as _executors
 
 __all__ = [
     "COORDINATOR_JOB", "CONNECTION_LOCK_TIMEOUT", "TF_VERSIONS", "connect", "disconnect",
@@ -134,8 +137,6 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None, patience
     _executors.set_streaming_env(bool(streaming_enqueue))
     os.environ["TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY"] = "True"
 
-    import tensorflow as tf
-
     check_tensorflow_version(tf.__version__)
     spec: dict = cluster.training_spec()
     wanted = (spec.get(COORDINATOR_JOB) or [None])[0]
@@ -172,8 +173,6 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None, patience
 
 
 def _update_patiently(cluster: Cluster, cluster_spec, filters, patience: float) -> None:
-    import tensorflow as tf
-
     deadline = time.monotonic() + patience
     while True:
         try:
@@ -217,14 +216,12 @@ def _restrict_coordinator_port(cluster: Cluster) -> None:
     Raises:
         PortExposedError: someone else connected to it before it was closed.
     """
-    from tensorflow.python.eager import context
-
     from psclient._cluster import exposure
     from psclient._cluster.server import peer_hosts
 
     # TF starts the server (and binds the port) lazily, when the context is
     # first used: now, so that the port is closed before anything else runs.
-    context.ensure_initialized()
+    _context.ensure_initialized()
     port = int(_coordinator_address.rsplit(":", 1)[1])
     if not exposure.supported():
         log.warning("the coordinator's port %d is open to every host that reaches it: TensorFlow "
@@ -247,8 +244,6 @@ def disconnect() -> None:
     process fail (TF registers functions on every task it knows). A view of
     only this process's own server does neither.
     """
-    import tensorflow as tf
-
     with _connection_lock("leave the cluster"):
         if _coordinator_address is None:
             return
@@ -258,17 +253,4 @@ def disconnect() -> None:
 
 def _update_connection(cluster_spec, filters) -> None:
     """Point the running coordinator server at `cluster_spec` (TF-internal API)."""
-    import copy
-
-    from tensorflow.core.protobuf.tensorflow_server_pb2 import ServerDef
-    from tensorflow.python.eager import context
-
-    server_def = ServerDef(
-        cluster=cluster_spec.as_cluster_def(),
-        job_name=COORDINATOR_JOB,
-        task_index=0,
-        protocol="grpc",
-        default_session_config=copy.deepcopy(context.context().config),
-        cluster_device_filters=filters._as_cluster_device_filters(),
-    )
-    context.context().update_server_def(server_def)
+    _context.update_server_def(cluster_spec, filters, COORDINATOR_JOB)

@@ -30,6 +30,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import tensorflow as tf
+
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.per_worker import (
     PerWorkerDataset,
@@ -40,6 +42,7 @@ from psclient._coordinator.per_worker import (
     refuse_variables,
     serialize_dataset,
 )
+from psclient._core.errors import PSClientError
 
 __all__ = [
     "TracedDatasetFunction",
@@ -78,15 +81,11 @@ def tracing_per_worker_dataset_fn():
 
 
 def inside_per_worker_dataset_fn() -> bool:
-    import tensorflow as tf
-
     return getattr(_trace_state, "active", False) and tf.inside_function()
 
 
 def worker_input_context(num_workers: int):
     """The InputContext of a traced dataset function: the worker's index is filled in per call."""
-    import tensorflow as tf
-
     return tf.distribute.InputContext(
         num_input_pipelines=num_workers,
         input_pipeline_id=tf.distribute.coordinator.experimental_get_current_worker_index(),
@@ -97,8 +96,6 @@ def worker_input_context(num_workers: int):
 def dataset_in_trace(dataset_or_fn, num_workers: int):
     """What the strategy's dataset methods return inside a traced
     `per_worker_dataset_fn`: the dataset the traced function builds on each worker."""
-    import tensorflow as tf
-
     if isinstance(dataset_or_fn, tf.data.Dataset):
         if tf.is_symbolic_tensor(tf.data.experimental.to_variant(dataset_or_fn)):
             return dataset_or_fn  # made inside the trace: built on each worker as it is
@@ -112,8 +109,6 @@ def dataset_in_trace(dataset_or_fn, num_workers: int):
 
 def check_not_in_function(what: str) -> None:
     """Refuse `what` inside a tf.function other than a traced `per_worker_dataset_fn`."""
-    import tensorflow as tf
-
     if not tf.inside_function():
         return
     raise RuntimeError(
@@ -125,8 +120,6 @@ def check_not_in_function(what: str) -> None:
 
 def check_distributable(dataset, options) -> None:
     """The arguments of `strategy.experimental_distribute_dataset`."""
-    import tensorflow as tf
-
     if options is not None:
         raise ValueError(
             f"Invalid value for argument `options`. Received: options={options!r}. Expected "
@@ -147,8 +140,6 @@ def trace_dataset_function(make: Callable[[], Any], name: str, argument: str = "
     variable made inside, a TypeError if it does not return a dataset, and a
     ValueError if it captures a dataset made on the coordinator.
     """
-    import tensorflow as tf
-
     def dataset_function():
         return make()
 
@@ -159,16 +150,14 @@ def trace_dataset_function(make: Callable[[], Any], name: str, argument: str = "
     return concrete
 
 
-class _NotADataset(TypeError):
+class NotADatasetError(PSClientError, TypeError):
     """The traced function returned something else than a dataset (not a reason to fall back)."""
 
 
 def check_traced(concrete, name: str, argument: str) -> None:
-    import tensorflow as tf
-
     output = concrete.structured_outputs
     if not isinstance(output, tf.data.Dataset):
-        raise _NotADataset(
+        raise NotADatasetError(
             f"Invalid value for argument `{argument}`: the dataset function {name!r} returned an "
             f"object of type {type(output).__name__}. Expected a tf.data.Dataset."
         )
@@ -189,8 +178,6 @@ def per_worker_datasets(dataset_fn, num_workers: int, *, on_new,
                         is_up: Callable[[int], bool] | None = None) -> PerWorkerDataset:
     """`dataset_fn(input_context)` (traced once), a dataset (cloned) or a
     `TracedDatasetFunction`, built on every worker."""
-    import tensorflow as tf
-
     element_spec = None
     if isinstance(dataset_fn, TracedDatasetFunction):
         build, name, element_spec = _traced_builder(dataset_fn.concrete, num_workers), dataset_fn.name, \
@@ -219,7 +206,7 @@ def trace_or_fall_back(make: Callable[[], Any], name: str, argument: str = "data
     """`trace_dataset_function(make)`, or None if the function cannot be traced (module doc)."""
     try:
         return trace_dataset_function(make, name, argument)
-    except _NotADataset:
+    except NotADatasetError:
         raise
     except (TypeError, AttributeError) as error:
         first = str(error).splitlines()[0] if str(error) else ""
@@ -237,8 +224,6 @@ def _pipeline(worker: int, num_workers: int) -> int:
 
 
 def _traced_builder(concrete, num_workers: int) -> Callable[[int], Any]:
-    import tensorflow as tf
-
     def build(worker: int):
         # The pipeline id the traced function reads is the dispatch context's worker index.
         with tf.device(_runtime.worker_device(worker)), _runtime.worker_index_scope(_pipeline(worker, num_workers)):
@@ -248,8 +233,6 @@ def _traced_builder(concrete, num_workers: int) -> Callable[[int], Any]:
 
 
 def _eager_builder(dataset_fn, num_workers: int) -> Callable[[int], Any]:
-    import tensorflow as tf
-
     name = getattr(dataset_fn, "__name__", None) or "dataset_fn"
 
     def build(worker: int):

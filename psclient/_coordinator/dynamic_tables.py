@@ -29,7 +29,10 @@ import threading
 import weakref
 from typing import Any, Callable
 
-from psclient._coordinator import registry
+import tensorflow as tf
+
+from psclient._coordinator.runtime import coordinator_cpu
+from psclient._engine import registry
 from psclient._core import dynamic_tables as rules
 
 __all__ = ["DynamicTable", "initial_rows", "live_tables", "mix64", "shard_of", "stats_on_ps"]
@@ -61,15 +64,11 @@ def stats_on_ps(strategy) -> dict[str, list[dict]]:
 
 def _shift(x, bits: int):
     """Logical right shift of int64 (TF's is arithmetic on signed types)."""
-    import tensorflow as tf
-
     return tf.bitwise.bitwise_and(tf.bitwise.right_shift(x, bits), (1 << (64 - bits)) - 1)
 
 
 def mix64(x):
     """splitmix64's finaliser on int64 tensors (wrapping arithmetic): well-spread bits from any keys."""
-    import tensorflow as tf
-
     x = x + tf.constant(_GOLDEN, tf.int64)
     x = tf.bitwise.bitwise_xor(x, _shift(x, 30)) * tf.constant(_MIX_1, tf.int64)
     x = tf.bitwise.bitwise_xor(x, _shift(x, 27)) * tf.constant(_MIX_2, tf.int64)
@@ -78,8 +77,6 @@ def mix64(x):
 
 def shard_of(keys, shards: int):
     """The shard of each int64 key."""
-    import tensorflow as tf
-
     return tf.cast(_shift(mix64(keys), 1) % shards, tf.int32)
 
 
@@ -90,8 +87,6 @@ def initial_rows(keys, dim: int, init: tuple):
     without a cluster. `init`: ("uniform", low, high, seed),
     ("normal", mean, stddev, seed) or ("constant", value, 0, seed).
     """
-    import tensorflow as tf
-
     kind, a, b, seed = init
     if kind == "constant":
         return tf.fill(tf.stack([tf.size(keys), dim]), tf.constant(a, tf.float32))
@@ -107,8 +102,6 @@ def initial_rows(keys, dim: int, init: tuple):
 
 def _export(table):
     """(keys, values) of every entry of a table (a copy, made on the table's device)."""
-    import tensorflow as tf
-
     keys, values = table.export()
     return tf.reshape(keys, [-1]), values
 
@@ -120,10 +113,6 @@ def _table(value_dtype, default: list):
     traced: held on the ps, each trace would copy it from there, and a trace
     made while that ps is down (before a recovery) would fail on it.
     """
-    import tensorflow as tf
-
-    from psclient._coordinator.runtime import coordinator_cpu
-
     with tf.device(coordinator_cpu()):
         default = tf.constant(default, value_dtype)
     return tf.lookup.experimental.MutableHashTable(tf.int64, value_dtype, default, checkpoint=False)
@@ -136,8 +125,6 @@ def _least_recent(keys, last, member, k):
     (`top_k`) splits the members into those seen before it (all go), and
     those seen at it, of which the smallest keys make up the rest.
     """
-    import tensorflow as tf
-
     def pick():
         # ~x reverses the order of int64 without overflow; non-members sort last.
         masked = tf.where(member, last, tf.constant(2**63 - 1, tf.int64))
@@ -162,8 +149,6 @@ class _Shard:
 
     def make(self, slot_defaults: dict[str, float]) -> None:
         """New, empty tables and zero counters on the shard's device (at first, and after its ps was lost)."""
-        import tensorflow as tf
-
         with self.placed():
             self.values = _table(tf.float32, [0.0] * self.dim)
             self.counters = _table(tf.int64, [0, -1])
@@ -176,8 +161,6 @@ class _Shard:
                           for slot, value in slot_defaults.items()}
 
     def placed(self):
-        import tensorflow as tf
-
         return tf.device(self.device) if self.device else contextlib.nullcontext()
 
 
@@ -188,8 +171,6 @@ class DynamicTable:
     """
 
     def __init__(self, name: str, dim: int, devices: list, init: tuple, policy: rules.Policy):
-        import tensorflow as tf
-
         self.name, self.dim, self.init, self.policy = name, dim, init, policy
         # The strategy whose ps tasks hold the rows (None without one), weakly: stats() asks by it.
         strategy = registry.current() if devices[0] else None
@@ -210,8 +191,6 @@ class DynamicTable:
     # ---------------------------------------------------------------- slots
     def ensure_slots(self, defaults: dict[str, float]) -> None:
         """Create the optimizer's slot tables (name -> initial value) where missing."""
-        import tensorflow as tf
-
         with tf.init_scope():
             for shard in self.shards:
                 for slot, value in defaults.items():
@@ -226,8 +205,6 @@ class DynamicTable:
         Functions traced before hold the old ones and must be traced again;
         the caller restores the contents from a checkpoint.
         """
-        import tensorflow as tf
-
         from psclient._coordinator.runtime import ps_index_of
 
         for shard in self.shards:
@@ -237,8 +214,6 @@ class DynamicTable:
 
     # --------------------------------------------------------------- lookup
     def _split(self, keys):
-        import tensorflow as tf
-
         n = len(self.shards)
         if n == 1:
             return [keys], [tf.range(tf.size(keys))]
@@ -247,8 +222,6 @@ class DynamicTable:
 
     def lookup(self, keys):
         """Rows of unique int64 `keys` as a model in inference reads them (unknown or expired: zeros)."""
-        import tensorflow as tf
-
         parts, positions = self._split(keys)
         rows = []
         for shard, part in zip(self.shards, parts):
@@ -267,8 +240,6 @@ class DynamicTable:
         Returns the rows (zeros for keys not admitted) and the state that
         `apply` needs to update them.
         """
-        import tensorflow as tf
-
         parts, positions = self._split(keys)
         counts = tf.cast(counts, tf.int64)
         count_parts = self._split_like(counts, keys)
@@ -281,14 +252,10 @@ class DynamicTable:
         return tf.dynamic_stitch(positions, rows), (positions, states)
 
     def _split_like(self, values, keys):
-        import tensorflow as tf
-
         n = len(self.shards)
         return [values] if n == 1 else tf.dynamic_partition(values, shard_of(keys, n), n)
 
     def _admit(self, shard, keys, seen_now):
-        import tensorflow as tf
-
         policy = self.policy
         clock = shard.clock.assign_add(1)
         keys = tf.reshape(keys, [-1])
@@ -327,8 +294,6 @@ class DynamicTable:
         start from their initial values). Then the shard is scanned for
         evictions when the policy says so. Returns the ops.
         """
-        import tensorflow as tf
-
         positions, states = state
         ops = []
         for shard, position, (keys, admitted, fresh) in zip(self.shards, positions, states):
@@ -353,8 +318,6 @@ class DynamicTable:
         return ops
 
     def _maybe_evict(self, shard):
-        import tensorflow as tf
-
         policy, share = self.policy, self.share
         due = tf.constant(False)
         if share is not None:
@@ -366,8 +329,6 @@ class DynamicTable:
 
     def _evict(self, shard):
         """Scan the shard's counters and remove what `choose_evictions` would (same rules, as ops)."""
-        import tensorflow as tf
-
         policy, share = self.policy, self.share
         keys, tracked = _export(shard.counters)
         tracked = tf.reshape(tracked, [-1, 2])
@@ -422,8 +383,6 @@ class DynamicTable:
         Runs on the shard's ps; only the result crosses to the caller.
         """
         import numpy as np
-        import tensorflow as tf
-
         shard = self.shards[index]
         with shard.placed():
             keys, tracked = _export(shard.counters)
@@ -443,8 +402,6 @@ class DynamicTable:
         older than it was); admissions and evictions: summed onto shard 0.
         """
         import numpy as np
-        import tensorflow as tf
-
         def cat(name, width=None):
             parts = [s[name] for s in states]
             return np.concatenate(parts) if parts else np.zeros((0,) if width is None else (0, width))

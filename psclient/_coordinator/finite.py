@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import logging
 
+import tensorflow as tf
+
 from psclient._coordinator.per_worker import deserialize_dataset, serialize_dataset
 from psclient._coordinator.shards import ShardedDataset, range_shards
+from psclient._core.errors import PSClientError
 
 __all__ = ["NondeterministicDatasetError", "is_finite_of_unknown_size", "sharded_from_dataset"]
 
@@ -34,20 +37,16 @@ log = logging.getLogger("psclient")
 SHARDS_PER_WORKER = 4
 
 
-class NondeterministicDatasetError(ValueError):
+class NondeterministicDatasetError(PSClientError, ValueError):
     """A dataset whose copies would yield batches in different orders."""
 
 
 def is_finite_of_unknown_size(x) -> bool:
-    import tensorflow as tf
-
     return isinstance(x, tf.data.Dataset) and int(x.cardinality()) == tf.data.UNKNOWN_CARDINALITY
 
 
 def sharded_from_dataset(dataset, num_workers: int) -> ShardedDataset:
     """`dataset` (finite, of unknown size) as a ShardedDataset of ranges of its batches."""
-    import tensorflow as tf
-
     graph = serialize_dataset(dataset)
     _refuse_nondeterministic(graph.numpy())
     log.info("fit: a dataset of unknown size and no steps_per_epoch: counting its batches on the coordinator")
@@ -68,8 +67,6 @@ def sharded_from_dataset(dataset, num_workers: int) -> ShardedDataset:
 
 
 def _refuse_nondeterministic(serialized: bytes) -> None:
-    import tensorflow as tf
-
     graph = tf.compat.v1.GraphDef()
     graph.ParseFromString(serialized)
     nodes = {node.name: node for node in graph.node}
@@ -111,8 +108,6 @@ def _unseeded(node, nodes) -> bool:
 
 def _constant(nodes, name: str) -> int | None:
     """The value of the scalar integer constant feeding input `name`, or None."""
-    import tensorflow as tf
-
     const = nodes.get(name.split(":")[0].lstrip("^"))
     if const is None or const.op != "Const" or const.attr["value"].tensor.dtype not in (3, 9):  # int32, int64
         return None

@@ -42,6 +42,10 @@ import math
 import threading
 from typing import Any, Callable
 
+import tensorflow as tf
+
+from psclient._tf import variables as _variables
+
 __all__ = ["SHARD_BY_SHARD_BYTES", "InitSpec", "describing", "is_checkpoint_value", "known_shape", "shard_values", "take_pending"]
 
 _PENDING = threading.local()
@@ -97,15 +101,11 @@ def is_checkpoint_value(initial_value: Any) -> bool:
     Those read a file the coordinator can see and a ps may not: they keep
     running on the coordinator.
     """
-    from tensorflow.python.trackable import base as trackable
-
-    return isinstance(initial_value, trackable.CheckpointInitialValueCallable)
+    return _variables.is_checkpoint_initial_value(initial_value)
 
 
 def known_shape(kwargs: dict, spec: InitSpec | None) -> tuple[tuple | None, Any]:
     """(shape, dtype) of the variable `kwargs` will create, when known without its value."""
-    import tensorflow as tf
-
     if spec is not None:
         return tuple(spec.shape), tf.as_dtype(spec.dtype)
     shape, dtype = kwargs.get("shape"), kwargs.get("dtype")
@@ -126,8 +126,6 @@ def shard_values(fn: Callable, spec: InitSpec | None, shape: tuple, ranges: list
     the full value kept on the first shard's ps by the third way, once every
     shard exists.
     """
-    import tensorflow as tf
-
     shard_shapes = [(stop - start,) + tuple(shape[1:]) for start, stop in ranges]
     nbytes = tf.as_dtype(spec.dtype).size * math.prod(shape) if spec is not None else 0
     if spec is not None and spec.shard is not None and nbytes >= SHARD_BY_SHARD_BYTES:
@@ -176,8 +174,6 @@ class _Whole:
         self._fn, self._device, self._value = fn, device, None
 
     def get(self):
-        import tensorflow as tf
-
         if self._value is None:
             with tf.device(self._device):
                 self._value = tf.convert_to_tensor(self._fn())

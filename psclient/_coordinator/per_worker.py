@@ -27,7 +27,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import tensorflow as tf
+
+from psclient._coordinator import runtime as _runtime
 from psclient._core.failures import is_connection_error_type
+from psclient._tf.data import deserialize_dataset, serialize_dataset
 
 __all__ = [
     "PerWorker",
@@ -76,8 +80,6 @@ class PerWorker:
         # One build at a time per worker: pipeline_depth threads may need it at once.
         self._build_locks = [threading.Lock() for _ in range(num_workers)]
         self._values: list[Any] = [_PENDING] * num_workers
-        import tensorflow as tf
-
         for worker in range(num_workers):
             if is_up is not None and not is_up(worker):
                 log.info("%s: worker %d is out of rotation; its value is built when it rejoins",
@@ -166,9 +168,6 @@ class PerWorker:
 
     def _attempt(self, worker: int) -> Any:
         """`build(worker)`, or `_Failed` for an op error that is not a lost connection."""
-        import tensorflow as tf
-
-        from psclient._coordinator import runtime as _runtime
 
         try:
             return _runtime.until_registered(lambda: self._build(worker))
@@ -182,7 +181,6 @@ class PerWorker:
             return _Failed(error)
 
     def _input_error(self, worker: int, original: BaseException) -> Exception:
-        from psclient._coordinator import runtime as _runtime
 
         first = str(original).splitlines()[0] if str(original) else ""
         return _runtime.closure_input_error(original, (
@@ -220,8 +218,6 @@ class PerWorkerDataset(PerWorker):
 
     @property
     def _type_spec(self):
-        import tensorflow as tf
-
         return tf.data.DatasetSpec(self.element_spec)
 
     def __tf_tracing_type__(self, context):
@@ -272,8 +268,6 @@ class PerWorkerIterator(PerWorker):
 
     @property
     def _type_spec(self):
-        import tensorflow as tf
-
         return tf.data.IteratorSpec(self.element_spec)
 
     def __tf_tracing_type__(self, context):
@@ -326,8 +320,6 @@ def check_dataset_fn(dataset_fn: Callable, argument: str = "dataset_fn") -> None
 
 def call_dataset_fn(dataset_fn: Callable, input_context, argument: str = "dataset_fn"):
     """`dataset_fn(input_context)`, which must be a `tf.data.Dataset`."""
-    import tensorflow as tf
-
     dataset = dataset_fn(input_context)
     if not isinstance(dataset, tf.data.Dataset):
         raise TypeError(
@@ -338,16 +330,12 @@ def call_dataset_fn(dataset_fn: Callable, input_context, argument: str = "datase
 
 
 def has_per_worker(args: tuple, kwargs: dict) -> bool:
-    import tensorflow as tf
-
     return any(isinstance(x, PerWorker) for x in tf.nest.flatten((args, kwargs)))
 
 
 def resolve_per_worker(args: tuple, kwargs: dict, worker: int | None) -> tuple[tuple, dict]:
     """Each per-worker value replaced by worker `worker`'s, or, with None, by what
     a function is traced with (a dataset's or iterator's type spec, a built value)."""
-    import tensorflow as tf
-
     def pick(x):
         if not isinstance(x, PerWorker):
             return x
@@ -363,8 +351,6 @@ def refuse_variables(what: str):
     once per worker, and a variable would be created on each (or on the ps
     tasks, shared by datasets that should not share state).
     """
-    import tensorflow as tf
-
     def refuse(next_creator, **kwargs):
         raise ValueError(
             f"Creating variables in {what} is not allowed (a tf.Variable named "
@@ -379,9 +365,6 @@ def refuse_variables(what: str):
 def per_worker_resource(fn: Callable[[], Any], num_workers: int, *,
                         is_up: Callable[[int], bool] | None = None) -> PerWorker:
     """`fn()` called on every worker's device (those out of rotation: when they rejoin)."""
-    import tensorflow as tf
-
-    from psclient._coordinator import runtime as _runtime
 
     if not callable(fn):
         raise TypeError(
@@ -409,21 +392,3 @@ def dataset_cloner(dataset) -> Callable:
         return deserialize_dataset(graph_def, spec)
 
     return clone
-
-
-def serialize_dataset(dataset):
-    """The dataset's graph as a string tensor, to rebuild it on any worker (`deserialize_dataset`)."""
-    import tensorflow as tf
-
-    return dataset._as_serialized_graph(  # TF-internal, the only way to move a dataset
-        strip_device_assignment=True,
-        external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
-    )
-
-
-def deserialize_dataset(graph_def, element_spec):
-    """The dataset whose graph `serialize_dataset` gave, built where this runs."""
-    import tensorflow as tf
-
-    variant = tf.raw_ops.DatasetFromGraph(graph_def=graph_def)
-    return tf.data.experimental.from_variant(variant, element_spec)

@@ -39,6 +39,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import tensorflow as tf
+
 from psclient._coordinator.shards import ShardedDataset
 from psclient._core.future import FIRST_COMPLETED, wait
 from psclient._core.ledger import Ledger, Work
@@ -88,8 +90,6 @@ class ShardFeed:
     """
 
     def __init__(self, strategy, sharded: ShardedDataset):
-        import tensorflow as tf
-
         if not isinstance(sharded, ShardedDataset):
             raise TypeError(
                 f"Invalid value for argument `sharded`. Received: sharded={sharded!r} of type "
@@ -123,8 +123,6 @@ class ShardFeed:
         return self._ledger
 
     def _tensors(self, slot: int) -> tuple:
-        import tensorflow as tf
-
         shard = self._sharded.shard_tensors(self._sharded.shards[slot])
         return (tf.constant(slot, tf.int64), shard.start, shard.end, shard.file)
 
@@ -141,8 +139,6 @@ class ShardFeed:
         key = (id(step_fn), id(result_fn))
         if key in self._functions:
             return self._functions[key][1]
-        import tensorflow as tf
-
         sharded, positions, attempts = self._sharded, self._positions, self._attempts
 
         def run_shard(slot, start, end, file):
@@ -312,8 +308,6 @@ class ShardFeed:
 
 def _records_in(batch):
     """Records in a batch: the leading dimension of its first tensor (1 for scalars)."""
-    import tensorflow as tf
-
     first = tf.nest.flatten(batch)[0]
     if first.shape.rank == 0:
         return tf.constant(1, tf.int64)

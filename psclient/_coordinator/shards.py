@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import tensorflow as tf
+
 from psclient._core.ledger import ShardKey
 
 __all__ = ["Shard", "ShardedDataset", "file_shards", "range_shards"]
@@ -100,15 +102,11 @@ def file_shards(files: Sequence[str | os.PathLike], records_per_shard: int | Non
 
 def _exists(path: str) -> bool:
     if "://" in path:  # remote storage: ask TF's file system layer
-        import tensorflow as tf
-
         return tf.io.gfile.exists(path)
     return os.path.isfile(path)
 
 
 def _count_records(path: str) -> int:
-    import tensorflow as tf
-
     return int(tf.data.TFRecordDataset(path).reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
 
 
@@ -159,8 +157,6 @@ class ShardedDataset:
 
     def shard_tensors(self, shard: Shard | None = None, *, symbolic: bool = False) -> Shard:
         """`shard` as make_dataset receives it (tensors), or TensorSpecs when `symbolic`."""
-        import tensorflow as tf
-
         if symbolic:
             return Shard(tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.string))
         return Shard(tf.constant(shard.start, tf.int64), tf.constant(shard.end, tf.int64),
@@ -168,8 +164,6 @@ class ShardedDataset:
 
     def call(self, start, end, file):
         """`make_dataset` on tensors (inside a traced function), checked to return a dataset."""
-        import tensorflow as tf
-
         dataset = self.make_dataset(Shard(start, end, file if self.has_files else None))
         if not isinstance(dataset, tf.data.Dataset):
             raise TypeError(
@@ -182,8 +176,6 @@ class ShardedDataset:
     def element_spec(self):
         """The spec of one batch, from one trace of `make_dataset` on the coordinator."""
         if self._element_spec is None:
-            import tensorflow as tf
-
             spec = self.shard_tensors(symbolic=True)
             concrete = tf.function(self.call, autograph=False).get_concrete_function(spec.start, spec.end, spec.file)
             self._element_spec = concrete.structured_outputs.element_spec
@@ -191,8 +183,6 @@ class ShardedDataset:
 
     def as_dataset(self):
         """Every shard in list order as one finite dataset (evaluate, predict)."""
-        import tensorflow as tf
-
         starts = [s.start for s in self.shards]
         ends = [s.end for s in self.shards]
         files = [s.file or "" for s in self.shards]

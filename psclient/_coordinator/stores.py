@@ -14,6 +14,8 @@ import threading
 import weakref
 from typing import Any, Callable
 
+import tensorflow as tf
+
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.checkpoint import variable_key
 from psclient._coordinator.per_worker import PerWorker, PerWorkerDataset, PerWorkerIterator
@@ -22,13 +24,12 @@ from psclient._coordinator.sharding import create_partitioned, cut, is_partition
 from psclient._core.failures import is_connection_error_type
 from psclient._core.partitioning import can_split, row_ranges, shard_count, shard_tasks
 from psclient._core.placement import Placer
+from psclient._tf import context as _context
 
 __all__ = ["VariableStore", "PerWorkerRegistry"]
 
 
 def tf_dtype_size(dtype) -> int:
-    import tensorflow as tf
-
     return tf.as_dtype(dtype).size
 
 log = logging.getLogger("psclient")
@@ -43,7 +44,8 @@ class VariableStore:
     checkpoint key) with one ps task per shard.
     """
 
-    def __init__(self, num_ps: int, partitioner: Callable | None = None):
+    def __init__(self, num_ps: int, partitioner: Callable | None = None, *,
+                 on_renew: tuple[Callable[[set], None], ...] = ()):
         self._num_ps = num_ps
         self._partitioner = partitioner
         self.placer = Placer(num_ps)
@@ -57,7 +59,7 @@ class VariableStore:
         # psclient's own lived there too), held weakly: the recovery thread
         # holds this store, and their owners hold the user's functions, which
         # may hold the strategy (a forgotten strategy must be collected).
-        self._on_renew: list[weakref.WeakMethod] = []
+        self._on_renew = [weakref.WeakMethod(method) for method in on_renew]
         # Dynamic embedding tables made under this strategy, in creation order (weakly): saved
         # by their ps tasks beside the variables, re-made with them when a ps is lost.
         self._tables: list[weakref.ref] = []
@@ -79,9 +81,6 @@ class VariableStore:
 
     def create(self, next_creator, **kwargs):
         """A `tf.variable_creator_scope` creator: place the variable on a ps task."""
-        import tensorflow as tf
-        from tensorflow.python.eager import context
-
         if kwargs.pop("per_worker_variable", False):
             raise ValueError(
                 "Invalid value for argument `per_worker_variable` of tf.Variable. Received: "
@@ -98,7 +97,7 @@ class VariableStore:
         # colocate a slot with its variable (its optimizer enters
         # `colocate_vars_with`, which in eager mode is a device scope) or when
         # the user chose one explicitly.
-        device = context.context().device_name
+        device = _context.current_device()
         if "/job:worker" in (device or ""):
             # Built for one worker on purpose (create_per_worker_resource, or
             # the user's tf.device): leave it there.
@@ -127,8 +126,6 @@ class VariableStore:
 
     def _create_on_ps(self, next_creator, kwargs, fn, spec, requested, reason):
         """A variable whose initial value `fn` makes: made on its ps (see `initial_values`)."""
-        import tensorflow as tf
-
         shape, dtype = initial_values.known_shape(kwargs, spec)
         if shape is None:
             # Nothing says what `fn` makes: make it on the task that would get
@@ -151,8 +148,6 @@ class VariableStore:
 
     def _create_from_value(self, next_creator, kwargs, value, ps, reason):
         """A variable with an initial tensor `value` (None: TF's restore-time variables)."""
-        import tensorflow as tf
-
         if value is not None and value.shape.is_fully_defined():
             shape, dtype = tuple(value.shape.as_list()), value.dtype
             shards = self._shards(kwargs.get("name"), shape, dtype)
@@ -164,8 +159,6 @@ class VariableStore:
         return self._create_whole(next_creator, kwargs, ps, reason)
 
     def _create_whole(self, next_creator, kwargs, ps, reason):
-        import tensorflow as tf
-
         if ps is None:
             # Greedy by bytes chooses the least-loaded task whatever the new
             # variable's size: no need to know it (or make it) first.
@@ -184,8 +177,6 @@ class VariableStore:
         """How many shards the partitioner wants for a variable of `shape` (1: keep it whole)."""
         if self._partitioner is None or not can_split(list(shape)):
             return 1  # a scalar, an unknown shape or a single row: never offered
-        import tensorflow as tf
-
         result = self._partitioner(tf.TensorShape(list(shape)), tf.as_dtype(dtype))
         return shard_count(name or "Variable", list(shape), result)
 
@@ -280,10 +271,6 @@ class VariableStore:
                 break
         return found
 
-    def add_renew_hook(self, method: Callable[[set], None]) -> None:
-        """Call bound `method(lost_ps)` after each `renew`, while its object lives."""
-        self._on_renew.append(weakref.WeakMethod(method))
-
 
 class PerWorkerRegistry:
     """The per-worker values built so far (weakly), to rebuild after failures."""
@@ -333,8 +320,6 @@ class PerWorkerRegistry:
         on workers that did not fail; after a ps recovery they read on from where
         they were); resources from `create_per_worker_resource` are rebuilt.
         """
-        import tensorflow as tf
-
         for value in self.values():
             if resources_only and isinstance(value, (PerWorkerDataset, PerWorkerIterator)):
                 continue

@@ -5,15 +5,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
 
+import tensorflow as tf
+
 from psclient._cluster.spec import Cluster
-from psclient._coordinator import dynamic_tables, lifecycle, registry
+from psclient._coordinator import dynamic_tables
+from psclient._engine import lifecycle, registry
 from psclient._coordinator import runtime as _runtime
+from psclient._coordinator.parts import assemble
 from psclient._coordinator.checkpoint import check_directory
 from psclient._coordinator.datasets import (
     check_distributable,
@@ -22,41 +25,36 @@ from psclient._coordinator.datasets import (
     inside_per_worker_dataset_fn,
     per_worker_datasets,
 )
-from psclient._coordinator.dispatch import Dispatcher
-from psclient._coordinator.elastic import Elastic, ElasticWorkers
 from psclient._coordinator.per_worker import (
     PerWorker,
     PerWorkerDataset,
-    has_per_worker,
     per_worker_resource,
-    resolve_per_worker,
 )
-from psclient._coordinator.recovery import Recovery, RecoveryConfig
 from psclient._coordinator.shard_feed import LEDGERS_KEY, data_stats, ledger_meta, restore_ledgers
-from psclient._coordinator.sharding import partitioner_argument, split_updates
-from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
-from psclient._coordinator.sync import Steps, check_arguments, measuring
+from psclient._coordinator.sharding import partitioner_argument
 from psclient._coordinator.tf_api import TFStrategyAPI, refuse_input_options
-from psclient._coordinator.tracing import Tracer, reject_futures, warn_unless_scheduling
+from psclient._coordinator.tracing import warn_unless_scheduling
 from psclient._coordinator.updates import place_updates_on_ps
 from psclient._core.checks import check_positive
+from psclient._engine.config import StrategyConfig, with_overrides
 from psclient._core.errors import StrategyClosedError
 from psclient._core.future import Future
-from psclient._core.health import Prober
-from psclient._core.closure import Closure
-from psclient._core.scheduler import Scheduler
 
 __all__ = ["ParameterServerStrategy"]
 
 log = logging.getLogger("psclient")
 
-class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
+class ParameterServerStrategy(TFStrategyAPI):
     """Train with variables on parameter servers and steps on workers.
 
     Args:
       cluster: a `psclient.Cluster`, a dict of jobs, a `tf.train.ClusterSpec`
         or a TF cluster resolver; must have "worker" and "ps" jobs. An
         "evaluator" job is ignored (TF hangs when it is in the training spec).
+      config: a `psclient.StrategyConfig` holding the arguments below (checked
+        when it is made). Keyword arguments given beside it replace its
+        fields; `strategy.config` is the result. An unknown keyword argument
+        raises TypeError naming it.
       pipeline_depth: closures in flight per worker (>= 1). With 1, each
         worker runs one call at a time and errors surface at the call; more
         lets the next call travel while one runs. `benchmarks/dispatch.py`
@@ -104,129 +102,48 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
     of `tf.distribute.Strategy`'s surface: `psclient._coordinator.tf_api`.
     """
 
-    def __init__(
-        self,
-        cluster: Any,
-        *,
-        pipeline_depth: int = 1,
-        connect_timeout: float = 30.0,
-        checkpoint_dir: str | os.PathLike | None = None,
-        checkpoint_interval: float | None = None,
-        checkpoint_every: int | None = None,
-        checkpoints_to_keep: int = 3,
-        overwrite_checkpoints: bool = False,
-        hang_timeout: float = 30.0,
-        worker_timeout: float = 300.0,
-        ps_timeout: float = 300.0,
-        variable_partitioner: Callable | str | None = "auto",
-        max_staleness: int | None = None,
-        replicas_to_aggregate: int | None = None,
-        measure_staleness: bool | None = None,
-    ):
+    def __init__(self, cluster: Any, config: StrategyConfig | None = None, **overrides: Any):
+        config = with_overrides(config, overrides)
         cluster = Cluster.coerce(cluster)
-        check_arguments(max_staleness, replicas_to_aggregate, cluster.num_workers)
-        measured = measuring(measure_staleness, max_staleness, replicas_to_aggregate)
-        variable_partitioner = partitioner_argument(variable_partitioner, cluster.num_ps)
-        for name, value, integer in (
-            ("checkpoint_interval", checkpoint_interval, False),
-            ("checkpoint_every", checkpoint_every, True),
-            ("checkpoints_to_keep", checkpoints_to_keep, True),
-            ("hang_timeout", hang_timeout, False),
-            ("worker_timeout", worker_timeout, False),
-            ("ps_timeout", ps_timeout, False),
-        ):
-            check_positive(name, value, integer=integer, optional=name.startswith("checkpoint_"),
-                           unit="" if integer else "seconds")
-        if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
-            raise TypeError(
-                "Invalid value for argument `checkpoint_dir`. Received: "
-                f"checkpoint_dir={checkpoint_dir!r} of type {type(checkpoint_dir).__name__}. "
-                "Expected a directory path (str or os.PathLike) or None."
-            )
-        if checkpoint_dir is None and (checkpoint_interval or checkpoint_every):
-            raise ValueError(
-                "Invalid value for argument `checkpoint_dir`. Received: checkpoint_dir=None "
-                f"with checkpoint_interval={checkpoint_interval!r}, checkpoint_every="
-                f"{checkpoint_every!r}. Expected a directory to write the checkpoints to."
-            )
-        if not isinstance(overwrite_checkpoints, bool) or (overwrite_checkpoints and checkpoint_dir is None):
-            raise ValueError(
-                "Invalid value for argument `overwrite_checkpoints`. Received: overwrite_checkpoints="
-                f"{overwrite_checkpoints!r} with checkpoint_dir={checkpoint_dir!r}. Expected True or "
-                "False, and True only with a checkpoint_dir."
-            )
-        check_positive("pipeline_depth", pipeline_depth, integer=True)
-        check_positive("connect_timeout", connect_timeout, unit="seconds")
+        config.check_for(cluster.num_workers)
+        self._config = config
+        pipeline_depth, connect_timeout, hang_timeout = config.pipeline_depth, config.connect_timeout, config.hang_timeout
+        variable_partitioner = partitioner_argument(config.variable_partitioner, cluster.num_ps)
+        checkpoint_dir = config.checkpoint_dir
         if checkpoint_dir is not None:
             checkpoint_dir = check_directory(checkpoint_dir)  # a regular file fails before connecting
         _runtime.wait_reachable(cluster, connect_timeout)
         self._closed = False
         self._cluster_coordinator = None  # set by the first ClusterCoordinator(self)
-
-        self._elastic = elastic = Elastic(cluster, connect_timeout=connect_timeout, hang_timeout=hang_timeout)
+        self._shutdown_lock = threading.Lock()
         self._pipeline_depth = pipeline_depth
         self._hang_timeout = hang_timeout
-        self._shutdown_lock = threading.Lock()
-        self._scheduler = Scheduler(cluster.num_workers)
-        # What recovery works with: narrow collaborators, none of which holds
-        # this strategy, so a forgotten strategy is collected (its finalizer
-        # shuts it down) and its threads never keep it alive.
-        self._store = VariableStore(cluster.num_ps, variable_partitioner)
         self._variable_partitioner = variable_partitioner
-        self._per_worker = PerWorkerRegistry()
-        self._steps = Steps(self._scheduler, max_staleness, replicas_to_aggregate, timeout=hang_timeout,
-                            measured=measured)
-        self._store.add_renew_hook(self._steps.renew)
-        self._tracer = Tracer(self._store.create, self._steps if measured else None)
-        prober = Prober(_runtime.probe)
-        tracer_ref, scheduler, streaming = weakref.ref(self._tracer), self._scheduler, pipeline_depth > 1
-        self._recovery = Recovery(
-            RecoveryConfig(
-                checkpoint_dir=checkpoint_dir, overwrite_checkpoints=overwrite_checkpoints,
-                checkpoint_interval=checkpoint_interval, checkpoint_every=checkpoint_every,
-                checkpoints_to_keep=checkpoints_to_keep, hang_timeout=hang_timeout,
-                worker_timeout=worker_timeout, ps_timeout=ps_timeout,
-                probe_timeout=min(10.0, hang_timeout), interval=min(1.0, hang_timeout / 4),
-            ),
-            cluster=cluster, scheduler=scheduler, prober=prober, store=self._store,
-            per_worker=self._per_worker,
-            # After variables got new resources: trace what is queued again.
-            # By weak reference: the tracer holds the user's functions, which
-            # may hold this strategy (a model holding the coordinator), and
-            # the recovery thread must not keep them alive.
-            retrace=lambda: _retrace(tracer_ref, scheduler),
-            connect=lambda workers: _runtime.connect(elastic.cluster, streaming_enqueue=streaming, workers=workers),
-        )
+        # The parts, each given what it needs as it is made (parts.py).
         # Every checkpoint carries the data ledgers of this strategy's feeds (by weak
         # reference: the recovery thread must not keep the strategy alive).
-        self._recovery.checkpoint_meta = functools.partial(ledger_meta, weakref.ref(self))
+        parts = assemble(cluster, config, checkpoint_dir=checkpoint_dir, partitioner=variable_partitioner,
+                         checkpoint_meta=functools.partial(ledger_meta, weakref.ref(self)))
+        edge, scheduler, engine, checkpoints = parts.edge, parts.scheduler, parts.engine, parts.checkpoints
+        self._scheduler, self._steps, self._store = scheduler, parts.steps, parts.store
+        self._tracer, self._per_worker = parts.tracer, parts.per_worker
+        self._elastic, self._dispatcher, self._recovery = engine.elastic, engine.dispatcher, engine.recovery
         # Connected only once everything that checks arguments or the checkpoint
         # directory has passed; a failure after that undoes the connection.
-        registry.claim(self, lambda: _runtime.connect(cluster, streaming_enqueue=pipeline_depth > 1,
-                                                       patience=connect_timeout))
+        registry.claim(self, functools.partial(edge.connect, cluster, patience=connect_timeout))
         with contextlib.ExitStack() as undo:
-            undo.callback(lifecycle.leave, self)
-            if self._recovery.checkpoints is not None:
+            undo.callback(lifecycle.leave, edge, self)
+            if checkpoints is not None:
                 # Each ps writes its own part of every checkpoint: it must reach the directory.
-                self._recovery.checkpoints.check_reachable(cluster.num_ps)
-            self._dispatcher = Dispatcher(
-                self._scheduler,
-                num_workers=cluster.num_workers,
-                pipeline_depth=pipeline_depth,
-                prepare=_prepare,
-                probes=self._recovery.probes,
-                report=self._recovery.report,
-                release_timeout=hang_timeout,
-                iterators=self._per_worker,
-            )
-            undo.callback(lifecycle.stop_dispatch, self._scheduler, self._dispatcher, hang_timeout)
-            self._recovery.cancel_calls = self._dispatcher.cancel_calls
-            elastic.attach(scheduler=self._scheduler, dispatcher=self._dispatcher, recovery=self._recovery)
-            self._recovery.start()
+                checkpoints.check_reachable(cluster.num_ps)
+            engine.start_dispatch()
+            undo.callback(lifecycle.stop_dispatch, scheduler, engine.dispatcher, hang_timeout)
+            engine.start_recovery()
             undo.pop_all()
         # Shuts down when shutdown() is called, the strategy is collected, or at exit.
         self._finalizer = weakref.finalize(
-            self, lifecycle.shutdown_quietly, self._scheduler, self._dispatcher, self._recovery, prober, hang_timeout,
+            self, lifecycle.shutdown_quietly, scheduler, engine.dispatcher, engine.recovery, engine.prober, edge,
+            hang_timeout,
         )
 
     # ------------------------------------------------------------------ info
@@ -240,6 +157,11 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
         return self._closed
 
     @property
+    def config(self) -> StrategyConfig:
+        """What this strategy was made with (its keyword arguments, as a `psclient.StrategyConfig`)."""
+        return self._config
+
+    @property
     def pipeline_depth(self) -> int:
         return self._pipeline_depth
 
@@ -249,6 +171,68 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
             f"<psclient.ParameterServerStrategy {state}: {self.num_workers} workers, "
             f"{self.num_ps} ps, pipeline_depth={self._pipeline_depth}>"
         )
+
+    # ------------------------------------------------------- elastic workers
+    @property
+    def cluster(self) -> Cluster:
+        """The tasks. Its workers are every worker slot, removed ones included: `workers`
+        says which are in the strategy now."""
+        return self._elastic.cluster
+
+    @property
+    def workers(self) -> dict[int, str]:
+        """{index: address} of the workers in the strategy now (joining ones included)."""
+        return self._elastic.workers
+
+    @property
+    def num_workers(self) -> int:
+        """How many workers are in the strategy now (`len(workers)`)."""
+        return len(self._elastic.workers)
+
+    def add_worker(self, address: str) -> int:
+        """Add the worker task at `address` ("host:port", `psclient serve` running there).
+
+        Returns its index once it takes work: it got the per-worker datasets,
+        iterators and resources made so far, and its dispatcher threads. An
+        address removed before gets its old index back. See docs/elastic.md.
+
+        Raises:
+            TypeError, ValueError: `address` is not a 'host:port' string, or is
+                already a worker (or another task) of this strategy.
+            TaskUnreachableError: nothing accepts connections there within
+                `connect_timeout`.
+            TimeoutError: it did not join within max(60 s, connect_timeout);
+                it stays added and joins once it answers.
+        """
+        self._check_open("add_worker")
+        return self._elastic.add_worker(address)
+
+    def remove_worker(self, index_or_address: int | str, drain: bool = True) -> None:
+        """Take a worker out of the strategy for good, by index or "host:port".
+
+        It takes no new closure at once. `drain=True`: the closures running
+        there finish there (up to `hang_timeout`, then they are handed back);
+        `drain=False`: they go back to the front of the queue and run
+        elsewhere (their side effects may happen twice, as after a failure).
+        Every future resolves once. Returns once the worker is out of TF's
+        view: its process may be ended then.
+
+        Raises:
+            TypeError, ValueError: not a worker of this strategy, the last
+                one, or `drain` not a bool.
+            TimeoutError: it takes no work, but did not leave TF's view in
+                time (it or another worker hangs); it leaves once it answers
+                or is gone.
+        """
+        self._check_open("remove_worker")
+        self._elastic.remove_worker(index_or_address, drain=drain)
+        k = self._steps.replicas_to_aggregate
+        if k is not None and len(self._elastic.workers) < k:
+            log.warning(
+                "%d worker(s) left for replicas_to_aggregate=%d: no step can get %d different workers' "
+                "gradients, so each waits out its bounded wait and workers contribute again (counted as "
+                "'repeats' in stats()['staleness']['sync']); add workers or make a new strategy with a "
+                "smaller replicas_to_aggregate.", len(self._elastic.workers), k, k)
 
     # ------------------------------------------------------------- variables
     @contextlib.contextmanager
@@ -262,12 +246,9 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
         tasks; an optimizer slot goes to the ps of its variable; an explicit
         `tf.device("/job:ps/task:K")` inside the scope is honoured.
         """
-        import tensorflow as tf
-
         self._check_open("scope")
         registry.run_scope_hooks()  # e.g. the Keras integration, registered by psclient/__init__
-        place_updates_on_ps()  # optimizer updates run where their variable lives
-        split_updates()  # and shard by shard for a partitioned one
+        place_updates_on_ps()  # optimizer updates run where their variable lives, shard by shard if partitioned
         # As in TF's strategy scope, code in it is in a cross-replica context.
         with tf.variable_creator_scope(self._store.create), _runtime.cross_replica_context():
             yield self
@@ -304,32 +285,8 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
         self._check_open("schedule")
         if self._recovery.broken is not None:
             raise self._recovery.broken
-        function, name = self._tracer.as_function(fn)
-        if not isinstance(args, (tuple, list)):
-            raise TypeError(
-                f"Invalid value for argument `args`. Received: args={args!r} of type "
-                f"{type(args).__name__}. Expected a tuple or list of positional arguments."
-            )
-        if kwargs is not None and not isinstance(kwargs, Mapping):
-            raise TypeError(
-                f"Invalid value for argument `kwargs`. Received: kwargs={kwargs!r} of type "
-                f"{type(kwargs).__name__}. Expected a mapping of keyword arguments or None."
-            )
-        args, kwargs = self._tracer.with_defaults(function, tuple(args), dict(kwargs or {}))
-        reject_futures(args, kwargs, name)
-        per_worker = has_per_worker(args, kwargs)
-        self._checkpoint_new_variables()
-        closure = Closure(None, args, kwargs, Future(name))
-        closure.per_worker = per_worker  # only walk the arguments when needed
-        closure.function = function
-        with self._tracer.lock:  # a ps recovery retraces under this lock
-            try:
-                self._tracer.prepare(closure)
-            except _runtime.closure_input_error_type() as error:
-                # No worker could build a per-worker argument: as in TF, the
-                # closure fails with the input error when it runs (join() raises it).
-                closure.fn = _raise(error)
-            self._scheduler.submit(closure)
+        closure = self._tracer.ready_closure(fn, args, kwargs, before_trace=self._checkpoint_new_variables,
+                                             submit=self._scheduler.submit)
         return closure.future
 
     def join(self, timeout: float | None = None) -> None:
@@ -368,8 +325,6 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
         As TF's does, it logs a warning when called outside a function being
         scheduled: that runs on the coordinator, not on a worker.
         """
-        import tensorflow as tf
-
         warn_unless_scheduling("run")
         # TF's public replica context of its default strategy: replica 0 of 1.
         with tf.distribute.ReplicaContext(tf.distribute.get_strategy(), replica_id_in_sync_group=0):
@@ -380,8 +335,6 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
 
         `reduce_op` is a `tf.distribute.ReduceOp` or its name ("SUM", "MEAN").
         """
-        import tensorflow as tf
-
         warn_unless_scheduling("reduce")
         op = str(getattr(reduce_op, "value", reduce_op)).upper()
         if op not in ("SUM", "MEAN"):
@@ -508,7 +461,8 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
 
     @property
     def checkpoint_dir(self) -> str | None:
-        return self._recovery.config.checkpoint_dir
+        checkpoints = self._recovery.checkpoints
+        return None if checkpoints is None else checkpoints.directory
 
     def _require_checkpoint_dir(self, what: str) -> None:
         if self._recovery.checkpoints is None:
@@ -550,24 +504,3 @@ class ParameterServerStrategy(ElasticWorkers, TFStrategyAPI):
         recovery = self._recovery
         if recovery.checkpoints is not None and self._store.count() != recovery.saved_created:
             recovery.checkpoint("new variables")
-
-
-def _retrace(tracer_ref: "weakref.ref[Tracer]", scheduler: Scheduler) -> None:
-    tracer = tracer_ref()
-    if tracer is not None:  # None: the strategy is being collected
-        tracer.retrace(scheduler.queued())
-
-
-def _prepare(closure: Closure, worker: int) -> tuple:
-    """What a dispatcher calls for `closure` on `worker` (per-worker values resolved)."""
-    if not closure.per_worker:
-        return closure.fn, closure.args, closure.kwargs
-    args, kwargs = resolve_per_worker(closure.args, closure.kwargs, worker)
-    return closure.fn, args, kwargs
-
-
-def _raise(error: BaseException) -> Callable:
-    def fail(*_args, **_kwargs):
-        raise error
-
-    return fail

@@ -51,14 +51,16 @@ import threading
 import weakref
 from typing import Any, Callable
 
+import tensorflow as tf
+
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.accumulators import Accumulators, internal_variable
-from psclient._core.checks import check_positive
 from psclient._core.errors import PSClientError
 from psclient._core.staleness import ACCUMULATED, APPLIED, DROPPED, StalenessStats
 from psclient._core.sync_gate import SyncGate
+from psclient._tf import variables as _variables
 
-__all__ = ["Steps", "UnsupportedStep", "check_arguments", "current_step", "note_update"]
+__all__ = ["Steps", "UnsupportedStep", "current_step", "note_update"]
 
 log = logging.getLogger("psclient")
 
@@ -76,46 +78,6 @@ class UnsupportedStep(PSClientError, ValueError):
     # AutoGraph re-raises an error from converted code with its own type only
     # when that type's constructor is Exception's (else as a StagingError).
     __init__ = Exception.__init__
-
-
-def measuring(measure_staleness: Any, max_staleness: Any, replicas_to_aggregate: Any) -> bool:
-    """`measure_staleness` checked; whether scheduled steps are instrumented.
-
-    Off by default in asynchronous training: measuring costs one version
-    read, one fetch-and-add and one report fetch per step (18% of the steps
-    per second of a small fit step here; docs/staleness.md). `max_staleness` and
-    `replicas_to_aggregate` need it, so they turn it on.
-    """
-    needed = max_staleness is not None or replicas_to_aggregate is not None
-    if measure_staleness is None:
-        return needed
-    if not isinstance(measure_staleness, bool) or (needed and not measure_staleness):
-        raise ValueError(
-            "Invalid value for argument `measure_staleness`. Received: measure_staleness="
-            f"{measure_staleness!r} with max_staleness={max_staleness!r}, replicas_to_aggregate="
-            f"{replicas_to_aggregate!r}. Expected True, False or None (the default: measured only "
-            "with max_staleness or replicas_to_aggregate, which need it)."
-        )
-    return measure_staleness
-
-
-def check_arguments(max_staleness: Any, replicas_to_aggregate: Any, num_workers: int) -> None:
-    """Raise for bad `max_staleness`/`replicas_to_aggregate` values, naming the argument."""
-    check_positive("max_staleness", max_staleness, integer=True, optional=True, allow_zero=True)
-    check_positive("replicas_to_aggregate", replicas_to_aggregate, integer=True, optional=True)
-    if replicas_to_aggregate is not None and replicas_to_aggregate > num_workers:
-        raise ValueError(
-            "Invalid value for argument `replicas_to_aggregate`. Received: replicas_to_aggregate="
-            f"{replicas_to_aggregate!r} with {num_workers} workers. Expected an integer between 1 "
-            f"and the number of workers ({num_workers}), or None (asynchronous training)."
-        )
-    if max_staleness is not None and replicas_to_aggregate is not None:
-        raise ValueError(
-            f"Invalid value for argument `max_staleness`. Received: max_staleness={max_staleness!r} "
-            f"with replicas_to_aggregate={replicas_to_aggregate!r}. Expected None: synchronous "
-            "training applies only gradients computed on the current weights (staleness 0), so "
-            "pass one of max_staleness (bounded asynchronous) and replicas_to_aggregate (synchronous)."
-        )
 
 
 def current_step() -> "_StepTrace | None":
@@ -163,8 +125,6 @@ class Steps:
     # ------------------------------------------------------------- tracing
     def instrumented(self, function):
         """`function` (a tf.function) traced again from its Python code, instrumented."""
-        import tensorflow as tf
-
         with self._lock:
             cached = self._instrumented.get(function)
             if cached is not None:
@@ -282,8 +242,6 @@ class Steps:
             self.gate.forget_contributions()
 
     def _version_variable(self):
-        import tensorflow as tf
-
         with self._lock:
             if self._version is None:
                 floor = max(self.stats.highest_version, 0 if self.gate is None else self.gate.known_step)
@@ -292,8 +250,6 @@ class Steps:
             return self._version
 
     def _critical_section(self):
-        import tensorflow as tf
-
         with self._lock:
             if self._mutex is None:
                 with tf.init_scope(), tf.device(_runtime.ps_device(0)):
@@ -311,8 +267,6 @@ class Steps:
     @contextlib.contextmanager
     def _enter(self):
         """Read the version first: every variable read of the step made inside waits for it."""
-        import tensorflow as tf
-
         version = self._version_variable()
         with tf.device(_runtime.ps_device(0)):
             start = version.read_value()
@@ -332,15 +286,13 @@ class Steps:
             reads = op.type in _READS or (
                 op.type in _CALLS and any(t.dtype == tf.resource for t in op.inputs))
             if reads and start.op not in op.control_inputs:
-                op._add_control_input(start.op)  # noqa: SLF001
+                _variables.add_control_input(op, start.op)
 
 
 class _StepTrace:
     """One trace of an instrumented step: what its apply did, for its report."""
 
     def __init__(self, steps: Steps, version, start):
-        import tensorflow as tf
-
         self.steps = steps
         self.version = version
         self.start = start
@@ -364,8 +316,6 @@ class _StepTrace:
     # Called by the Keras seam for `optimizer.apply(grads, variables)`.
     def apply(self, grads: list, variables: list, run: Callable[[list], Any]):
         """Apply `grads` to `variables` (tf-level) under this step's rule; `run(grads)` is the optimizer's apply."""
-        import tensorflow as tf
-
         steps = self.steps
         if tf.compat.v1.get_default_graph() is not self.graph:
             self._unsupported("applies gradients inside its own tf.while_loop or tf.cond "
@@ -416,8 +366,6 @@ class _StepTrace:
             self.busy = False
 
     def _contribute(self, grads: list, variables: list, run: Callable):
-        import tensorflow as tf
-
         steps = self.steps
         k = steps.replicas_to_aggregate
         kept = [i for i, g in enumerate(grads) if g is not None]
@@ -460,8 +408,6 @@ class _StepTrace:
 
 def _finish(trace: _StepTrace):
     """The report of a step's trace: [start, version, outcome] (int64)."""
-    import tensorflow as tf
-
     _tracing.last = trace
     if not trace.measured:
         return trace.start
@@ -480,8 +426,6 @@ _applied_untracked: "weakref.WeakSet" = weakref.WeakSet()
 
 def note_untracked_apply() -> None:
     """A Keras optimizer's apply traced outside an instrumented step (the Keras seam calls it)."""
-    import tensorflow as tf
-
     if not tf.inside_function():
         return
     graph = tf.compat.v1.get_default_graph()

@@ -30,7 +30,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import tensorflow as tf
+
 from psclient._coordinator.runtime import ps_index_of
+from psclient._tf import checkpoints as _checkpoints
 
 #: A table without a cluster: its part is written by this process (`checkpoint_parts.LOCAL`, which
 #: imports this module, so not imported from there).
@@ -47,8 +50,6 @@ def _task(shard) -> int:
 
 
 def _dtypes(dim_slots: int) -> list:
-    import tensorflow as tf
-
     return [tf.int64, tf.int64, tf.int64, tf.float32, tf.int64, tf.int64, tf.int64] + [tf.float32] * dim_slots
 
 
@@ -73,8 +74,6 @@ def names_by_ps(tables: dict[str, Any]) -> dict[int, list[str]]:
 
 def save_work(tables: dict[str, Any]) -> dict[int, Callable[[], tuple[list[str], list]]]:
     """ps -> a function, run under that ps's device, giving (names, tensors on that ps) of its shards."""
-    import tensorflow as tf
-
     work: dict[int, list] = {}
     for key, table in tables.items():
         for index, shard in enumerate(table.shards):
@@ -114,10 +113,7 @@ def check(tables: dict[str, Any], saved: dict) -> list[str]:
 
 def read(path: str, tables: dict[str, Any], saved: dict) -> dict[int, Callable[[], list]]:
     """ps -> a function reading, on that ps, the state its shards will hold: [(table, shard, state)]."""
-    import tensorflow as tf
-    from tensorflow.python.ops import gen_io_ops
-
-    from psclient._coordinator.dynamic_tables import shard_of
+    from psclient._coordinator.dynamic_tables import shard_of  # not at the top: dynamic_tables imports this module
 
     work: dict[int, list] = {}
     for key, table in tables.items():
@@ -131,7 +127,7 @@ def read(path: str, tables: dict[str, Any], saved: dict) -> dict[int, Callable[[
         values = []
         for part in parts:
             names = _names(key, part, slots)
-            values.append(gen_io_ops.restore_v2(path, names, [""] * len(names), _dtypes(len(slots))))
+            values.append(_checkpoints.restore(path, names, [""] * len(names), _dtypes(len(slots))))
         fields = {f: [v[i] for v in values] for i, f in enumerate(_FIELDS)}
         fields.update({s: [v[len(_FIELDS) + i] for v in values] for i, s in enumerate(slots)})
         keys, counters = tf.concat(fields["keys"], 0), tf.reshape(tf.concat(fields["counters"], 0), [-1, 2])
@@ -171,8 +167,6 @@ def read(path: str, tables: dict[str, Any], saved: dict) -> dict[int, Callable[[
 
 def assign(states: dict[int, list], on_each_ps: Callable) -> None:
     """Replace every shard's contents with what `read` gave, each on its ps (all ps at once)."""
-    import tensorflow as tf
-
     for entries in states.values():
         for table, _shard, state in entries:
             table.ensure_slots(state["slot_defaults"])  # a fresh process: the optimizer made none yet

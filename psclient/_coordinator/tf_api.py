@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import tensorflow as tf
+
 from psclient._core.errors import StrategyAPIUnsupportedError
 
 __all__ = ["TFStrategyAPI", "UNSUPPORTED", "refuse_input_options"]
@@ -48,8 +50,6 @@ def refuse_input_options(options: Any) -> None:
 
 def _values_of(value: Any) -> tuple | None:
     """The per-replica values of a `tf.distribute.DistributedValues`, else None."""
-    import tensorflow as tf
-
     return tuple(value.values) if isinstance(value, tf.distribute.DistributedValues) else None
 
 
@@ -68,8 +68,6 @@ class TFStrategyAPI:
 
     def gather(self, value: Any, axis: int) -> Any:
         """`value` concatenated across replicas along `axis`: with one replica per call, `value`."""
-        import tensorflow as tf
-
         def gather_one(item):
             values = _values_of(item)
             if values is None:
@@ -82,8 +80,6 @@ class TFStrategyAPI:
 
     def experimental_distribute_values_from_function(self, value_fn: Callable) -> Any:
         """`value_fn(tf.distribute.experimental.ValueContext(0, 1))`: the one replica's value."""
-        import tensorflow as tf
-
         if not callable(value_fn):
             raise TypeError(
                 "Invalid value for argument `value_fn`. Received: "
@@ -100,8 +96,6 @@ class TFStrategyAPI:
     def cluster_resolver(self):
         """A `tf.distribute.cluster_resolver.SimpleClusterResolver` of the training cluster,
         seen from the coordinator (task "chief", 0), as TF's strategy keeps its resolver."""
-        import tensorflow as tf
-
         return tf.distribute.cluster_resolver.SimpleClusterResolver(
             self.cluster.to_cluster_spec(), task_type="chief", task_id=0, rpc_layer="grpc"
         )

@@ -29,10 +29,13 @@ import logging
 import threading
 import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Any, Callable
 
+import tensorflow as tf
+
 from psclient._coordinator import runtime as _runtime
-from psclient._coordinator.per_worker import PerWorker, resolve_per_worker
+from psclient._coordinator.per_worker import PerWorker, has_per_worker, resolve_per_worker
 from psclient._core.future import Future
 from psclient._core.closure import Closure
 
@@ -46,8 +49,6 @@ _scheduling = threading.local()
 
 def reject_futures(args: tuple, kwargs: dict, name: str) -> None:
     """Refuse a psclient Future among a schedule() call's arguments."""
-    import tensorflow as tf
-
     # A future's value exists only once its call finished, on the coordinator;
     # TF's coordinator refuses its RemoteValue as an input the same way.
     for value in tf.nest.flatten((args, kwargs)):
@@ -94,8 +95,6 @@ class Tracer:
 
     def as_function(self, fn) -> tuple[Any, str]:
         """`fn` as something TF can trace, and its name for messages."""
-        import tensorflow as tf
-
         if not callable(fn):
             raise TypeError(
                 f"Invalid value for argument `fn`. Received: fn={fn!r} of type "
@@ -119,8 +118,6 @@ class Tracer:
         The dispatcher calls traced (concrete) functions, which take every
         argument explicitly; the tf.function itself would have applied them.
         """
-        import tensorflow as tf
-
         if isinstance(function, tf.types.experimental.ConcreteFunction):
             return args, kwargs
         signature = self._signatures.get(function, False)
@@ -141,6 +138,43 @@ class Tracer:
         bound.apply_defaults()
         return tuple(bound.args), dict(bound.kwargs)
 
+    def ready_closure(self, fn: Callable, args: Any, kwargs: Any, *, before_trace: Callable[[], None],
+                      submit: Callable[[Closure], None]) -> Closure:
+        """`fn(*args, **kwargs)` as a closure ready to run, given to `submit` and returned.
+
+        Checks the call (argument mismatches raise TypeError here), calls
+        `before_trace()` (the strategy checkpoints new variables there), then
+        traces it for the current variables and submits it under this
+        tracer's lock: a ps recovery retraces what is queued under the same
+        lock, so no closure is traced for variables that are gone. If no
+        worker could build a per-worker argument, the closure fails with that
+        input error when it runs (as in TF: `join()` raises it).
+        """
+        function, name = self.as_function(fn)
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(
+                f"Invalid value for argument `args`. Received: args={args!r} of type "
+                f"{type(args).__name__}. Expected a tuple or list of positional arguments."
+            )
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise TypeError(
+                f"Invalid value for argument `kwargs`. Received: kwargs={kwargs!r} of type "
+                f"{type(kwargs).__name__}. Expected a mapping of keyword arguments or None."
+            )
+        args, kwargs = self.with_defaults(function, tuple(args), dict(kwargs or {}))
+        reject_futures(args, kwargs, name)
+        closure = Closure(None, args, kwargs, Future(name))
+        closure.per_worker = has_per_worker(args, kwargs)  # only walk the arguments when needed
+        closure.function = function
+        before_trace()
+        with self.lock:
+            try:
+                self.prepare(closure)
+            except _runtime.closure_input_error_type() as error:
+                closure.fn = _raise(error)
+            submit(closure)
+        return closure
+
     def prepare(self, closure: Closure) -> None:
         """Set `closure.fn`: what a dispatcher calls, traced for the current variables.
 
@@ -151,8 +185,6 @@ class Tracer:
         (module doc) find it there, per worker; others go through the
         tf.function's own lookup on every call.
         """
-        import tensorflow as tf
-
         function = closure.function
         if self.generation and not isinstance(function, tf.types.experimental.ConcreteFunction):
             function = self._fresh_function(function)
@@ -200,8 +232,6 @@ class Tracer:
 
     # ---------------------------------------------------------------- private
     def _fresh_function(self, function):
-        import tensorflow as tf
-
         cached = self._fresh.get(function)
         if cached is None or cached[0] != self.generation:
             fresh = tf.function(
@@ -216,8 +246,6 @@ class Tracer:
 
     def _trace(self, function, name: str, args: tuple, kwargs: dict):
         """What to call for these arguments: a concrete function, or (instrumented) its caller."""
-        import tensorflow as tf
-
         steps = self._steps
         if isinstance(function, tf.types.experimental.ConcreteFunction):
             concrete = function
@@ -258,8 +286,6 @@ class Tracer:
         return call
 
     def _concrete(self, function, name: str, args: tuple, kwargs: dict):
-        import tensorflow as tf
-
         from psclient._coordinator.sync import UnsupportedStep
 
         # Traced as TF's coordinator does: inside the strategy's variable
@@ -303,9 +329,14 @@ _MAX_REMEMBERED = 64
 _SCALARS = (int, float, bool, str, bytes, type(None))
 
 
-def _cacheable(value) -> bool:
-    import tensorflow as tf
+def _raise(error: BaseException) -> Callable:
+    def fail(*_args, **_kwargs):
+        raise error
 
+    return fail
+
+
+def _cacheable(value) -> bool:
     # Eager tensors are immutable; per-worker values resolve per worker (and
     # are looked up again by identity there); scalars are compared by identity
     # while held. A variable, a list or an object could change under the same

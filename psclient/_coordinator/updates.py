@@ -27,7 +27,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import tensorflow as tf
+
 from psclient._coordinator import runtime as _runtime
+from psclient._coordinator import sharding, sync
+from psclient._tf import updates as _updates
 
 __all__ = ["place_updates_on_ps", "ps_device_of"]
 
@@ -39,8 +43,6 @@ def ps_device_of(variable: Any) -> str | None:
     Anything else (a tensor, a list given to `update_non_slot`, a variable
     in this process or on a worker) is None.
     """
-    import tensorflow as tf
-
     if not isinstance(variable, tf.Variable):
         inner = getattr(variable, "value", None)  # a Keras 3 Variable: its tf.Variable
         if not isinstance(inner, tf.Variable):
@@ -51,20 +53,24 @@ def ps_device_of(variable: Any) -> str | None:
 
 
 def place_updates_on_ps() -> None:
-    """Run every default-strategy update of a ps variable on that variable's ps task.
+    """Run every default-strategy update of a ps variable on that variable's ps task,
+    and shard by shard for a partitioned one (`sharding.split_update`).
 
     Idempotent and class-wide; updates of any other variable run exactly as
     before (inert for local Keras).
     """
-    _runtime.place_default_updates(_placed)
+    _updates.route_default_updates(_route)
 
 
-def _placed(variable: Any) -> str | None:
-    device = ps_device_of(variable)
-    if device is not None:
-        # An update outside a Keras optimizer's apply, in a step traced for schedule():
-        # max_staleness / replicas_to_aggregate cannot follow it (an error there).
-        from psclient._coordinator import sync
-
-        sync.note_update()
-    return device
+def _route(colocate_with: Any, fn, args: tuple, run):
+    split = sharding.split_update(colocate_with, fn, args, run)
+    if split is not None:
+        return split
+    device = ps_device_of(colocate_with)
+    if device is None:
+        return run(args)
+    # An update outside a Keras optimizer's apply, in a step traced for schedule():
+    # max_staleness / replicas_to_aggregate cannot follow it (an error there).
+    sync.note_update()
+    with tf.device(device):
+        return run(args)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 from typing import Any, Callable
 
 from psclient._core.future import Future
 
-__all__ = ["Closure"]
+__all__ = ["Closure", "cancel_all"]
 
 _ids = itertools.count()
 
@@ -48,3 +49,20 @@ class Closure:
 
     def __repr__(self) -> str:
         return f"<Closure #{self.id} {self.name!r} attempts={self.attempts}>"
+
+
+def cancel_all(closures: list[Closure], why: str) -> None:
+    """Cancel each closure's future (a running one gets CancelledError(`why`) instead)."""
+    for closure in closures:
+        future = closure.future
+        if future.cancel():
+            # cancel() alone leaves concurrent.futures.wait()/as_completed()
+            # waiting for good: only set_running_or_notify_cancel() wakes them,
+            # and it may run once (a second call raises).
+            with future._condition:
+                if future._state == "CANCELLED":
+                    future.set_running_or_notify_cancel()
+        else:
+            # A retried closure is already RUNNING, which stdlib futures cannot
+            # cancel; resolve it with the same exception type instead.
+            closure.future.set_exception(concurrent.futures.CancelledError(why))

@@ -21,7 +21,7 @@ decides by the error's *type* and by *probing* the task the closure ran on:
 
 The probes are passed in as callables so the policy is testable without TF.
 What a verdict means for the *task* (take a worker out, recover a ps) is the
-recovery state machine's decision (`psclient._core.recovery`); this module
+recovery state machine's decision (`psclient._core.recovery_machine`); this module
 only decides what happens to the failed *call*.
 """
 

@@ -15,7 +15,7 @@ and it never holds up the probes of the others. Threads above `threads` exit
 after `idle_exit` seconds without work. At idle, no thread is created.
 
 What an unanswered probe means (hung, gone, back) is decided by the recovery
-state machine (`psclient._core.recovery`); the TensorFlow call that a probe
+state machine (`psclient._core.recovery_machine`); the TensorFlow call that a probe
 makes comes in as a callable (`psclient._coordinator.runtime.probe`).
 """
 

@@ -1,4 +1,4 @@
-"""The vocabulary of the recovery state machine (`psclient._core.recovery`).
+"""The vocabulary of the recovery state machine (`psclient._core.recovery_machine`).
 
 `TaskState` is what a task is in; events are what the machine is told (by
 the recovery thread's rounds, by dispatcher threads, by callers); actions are

@@ -1,7 +1,7 @@
 """The closure queue and its bookkeeping: pure logic, no TensorFlow.
 
 Everything about *what runs where and what happens to its future* lives here;
-the threads that talk to TensorFlow (`_coordinator/dispatch.py`) only carry closures out
+the threads that talk to TensorFlow (`_engine/dispatch.py`) only carry closures out
 and report back through the four events below. That keeps the policy testable
 without a cluster.
 
@@ -27,10 +27,9 @@ fail_all(error)                    | every queued and running closure gets `erro
 
 Wakeups: a closure that becomes takeable (submitted, retried, requeued, its
 worker back, dispatch resumed) wakes one waiting dispatcher thread of an up
-worker, the one idle longest, and no other; a completion wakes nobody unless
-someone waits for that state (join, wait_idle). So the cost of a closure does
-not grow with the number of workers (an earlier design, one condition for every
-dispatcher, told by every completion, gave 54 closures/s at 1,000 threads).
+worker and no other (waiters.py); a completion wakes nobody unless someone
+waits for that state (join, wait_idle). An earlier design, one condition for
+every dispatcher, told by every completion, gave 54 closures/s at 1,000 threads.
 
 `join()` waits until nothing is unfinished, then raises the first error once.
 The same pending error is also raised by the next `submit()` or `done()`,
@@ -44,43 +43,28 @@ a closure that would run again while the error is pending is cancelled.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import threading
 import time
 from typing import Any, Callable
 
-from psclient._core.closure import Closure
+from psclient._core.closure import Closure, cancel_all
 from psclient._core.errors import StrategyClosedError
 from psclient._core.membership import Membership
+from psclient._core.waiters import Waiter, Waiters
 from psclient._core.worker_stats import WorkerStats
 
 __all__ = ["Scheduler"]
 
-class _Waiter:
-    """One dispatcher thread waiting in take(): woken alone, and only for work it can take."""
-
-    __slots__ = ("worker", "cond", "signalled", "home")
-
-    def __init__(self, worker: int, lock: threading.Lock):
-        self.worker = worker
-        self.cond = threading.Condition(lock)
-        #: Woken for a queued closure and not yet back in take()'s loop.
-        self.signalled = False
-        #: The collection it is listed in while it waits (idle or parked), else None.
-        self.home: dict | None = None
-
-
-class Scheduler(Membership):
+class Scheduler:
     """FIFO closure queue shared by every worker's dispatcher threads.
 
     Cost per event does not grow with the number of workers: a dispatcher
-    thread waiting for work waits on its own condition, listed in `_idle`
-    (oldest first) while its worker is up and in `_parked[worker]` while it
-    is down; a closure becoming takeable wakes one waiter, and only one that
-    can take it. Counters (running, completed) are kept, not summed over
+    thread waiting for work waits on its own condition (`Waiters`,
+    waiters.py); a closure becoming takeable wakes one waiter, and only one
+    that can take it. Counters (running, completed) are kept, not summed over
     workers. Callers that wait for a state (join, wait_idle, wait_released)
     wait on conditions of their own, told only when that state may be reached.
-    Workers join and retire at run time (`Membership`, membership.py).
+    Workers join and retire at run time (which slots: `Membership`, membership.py).
     """
 
     def __init__(self, num_workers: int, *, clock: Callable[[], float] = time.monotonic):
@@ -104,17 +88,11 @@ class Scheduler(Membership):
         self._submitted = 0
         self._paused = 0
         self._stale = 0
-        # Waiting dispatcher threads: of up workers (an OrderedDict pops its
-        # oldest in O(1)), and of down workers, per worker.
-        self._idle: collections.OrderedDict[_Waiter, None] = collections.OrderedDict()
-        self._parked: dict[int, dict[_Waiter, None]] = {}
-        #: Waiters woken for work that have not looked at the queue yet.
-        self._signalled = 0
-        #: Wakeups given to dispatcher threads (for tests and benchmarks).
-        self.wakeups = 0
+        #: Waiting dispatcher threads.
+        self._waiters = Waiters(self._lock)
         #: Closures cancelled instead of re-queued (error pending), resolved outside the lock.
         self._cancelled_on_requeue: list[Closure] = []
-        self._init_membership()
+        self._membership = Membership()
 
     # ------------------------------------------------------------ producer side
     def submit(self, closure: Closure) -> None:
@@ -134,14 +112,11 @@ class Scheduler(Membership):
     def take(self, worker: int, timeout: float | None = None) -> Closure | None:
         """Next closure for `worker`, or None when closed or `timeout` passed."""
         deadline = None if timeout is None else self._clock() + timeout
-        waiter: _Waiter | None = None
+        waiter: Waiter | None = None
         with self._lock:
             while True:
-                woken = waiter is not None and waiter.signalled
-                if woken:
-                    waiter.signalled = False
-                    self._signalled -= 1
-                if self._closed or self._ends_thread_locked(worker):
+                woken = self._waiters.was_woken(waiter)
+                if self._closed or self._membership.is_retired(worker):
                     if woken and not self._closed:
                         self._wake_locked()  # retired meanwhile: the wakeup goes to another waiter
                     return None
@@ -165,12 +140,8 @@ class Scheduler(Membership):
                 if remaining is not None and remaining <= 0:
                     return None
                 if waiter is None:
-                    waiter = _Waiter(worker, self._lock)
-                self._enlist_locked(waiter)
-                try:
-                    waiter.cond.wait(remaining)
-                finally:
-                    self._delist_locked(waiter)
+                    waiter = self._waiters.new(worker)
+                self._waiters.wait(waiter, self._workers[worker].up, remaining)
 
     def succeeded(self, worker: int, closure: Closure, value: Any, attempt: int | None = None) -> None:
         with self._lock:
@@ -212,7 +183,7 @@ class Scheduler(Membership):
                 cancelled = self._keep_error_locked(error)
         if error is not None:
             closure.future.set_exception(error)
-        _cancel_all(cancelled, f"an earlier closure ({closure.name!r}) failed")
+        cancel_all(cancelled, f"an earlier closure ({closure.name!r}) failed")
 
     def worker_lost(self, worker: int, *, detected_after: float | None = None) -> list[Closure]:
         """Take `worker` out and re-queue every closure running on it.
@@ -251,17 +222,14 @@ class Scheduler(Membership):
     def worker_up(self, worker: int, *, recovered_after: float | None = None) -> None:
         with self._lock:
             stats = self._workers[worker]
-            if self._ends_thread_locked(worker):
+            if self._membership.is_retired(worker):
                 return  # retired: a late rejoin does not bring it back
-            joined = self._first_up_locked(worker)  # a new worker's first up is no rejoin
+            joined = self._membership.first_up(worker)  # a new worker's first up is no rejoin
             if not stats.up and not joined:
                 stats.rejoins += 1
                 stats.last_recovery_s = recovered_after
             stats.up = True
-            # Its waiting threads may take work again.
-            for waiter in self._parked.pop(worker, {}):
-                waiter.home = self._idle
-                self._idle[waiter] = None
+            self._waiters.unpark(worker)  # its waiting threads may take work again
             self._wake_locked()
 
     def pause(self) -> None:
@@ -336,6 +304,79 @@ class Scheduler(Membership):
                     closure.future.set_exception(error)
         return len(victims)
 
+    # --------------------------------------------------------- elastic workers
+    @property
+    def num_workers(self) -> int:
+        """Worker slots, retired ones included (indices are never reused for another slot)."""
+        with self._lock:
+            return len(self._workers)
+
+    @property
+    def wakeups(self) -> int:
+        """Wakeups given to dispatcher threads (for tests and benchmarks)."""
+        return self._waiters.wakeups
+
+    def add_worker(self) -> int:
+        """A new worker slot, down until `worker_up` (its first is no rejoin); returns its index."""
+        with self._lock:
+            index = len(self._workers)
+            self._workers.append(WorkerStats(up=False))
+            self._running.append({})
+            self._last_done.append(float("-inf"))
+            self._membership.joined(index)
+            return index
+
+    def rejoin_slot(self, worker: int) -> None:
+        """A retired slot becomes a joining worker again (down until `worker_up`).
+
+        Raises:
+            ValueError: the slot is not retired.
+        """
+        with self._lock:
+            self._membership.rejoin(worker)
+            self._workers[worker].retired = False
+
+    def retire_worker(self, worker: int, *, drain: bool) -> list:
+        """Take `worker` out for good: it takes no new closure, its waiting dispatcher
+        threads end. `drain`: its running closures finish there; else they go back to
+        the front of the queue (as worker_lost), their late reports ignored. Returns
+        the closures handed back."""
+        with self._lock:
+            stats = self._workers[worker]
+            stats.up = False
+            stats.retired = True
+            self._membership.retire(worker)
+            requeued = [] if drain else self._requeue_running_locked([worker])
+            self._waiters.end(worker)
+            self._released.notify_all()
+        self._resolve_cancelled_on_requeue()
+        return requeued
+
+    def is_retired(self, worker: int) -> bool:
+        with self._lock:
+            return self._membership.is_retired(worker)
+
+    def retired(self) -> frozenset:
+        with self._lock:
+            return self._membership.retired()
+
+    def running_on(self, worker: int) -> int:
+        """Closures running on `worker` now."""
+        with self._lock:
+            return len(self._running[worker])
+
+    def wait_drained(self, worker: int, timeout: float | None) -> bool:
+        """Wait until nothing runs on `worker` (or the scheduler is closed); False on timeout."""
+        with self._lock:
+            return self._released.wait_for(lambda: self._closed or not self._running[worker], timeout)
+
+    def hand_back(self, worker: int) -> list:
+        """Abandon what still runs on `worker` and queue it again (a drain that took too long)."""
+        with self._lock:
+            requeued = self._requeue_running_locked([worker])
+        self._resolve_cancelled_on_requeue()
+        return requeued
+
     # ----------------------------------------------------------- waiting side
     def join(self, timeout: float | None = None) -> bool:
         """Wait until everything submitted is resolved; raise the first error.
@@ -362,12 +403,10 @@ class Scheduler(Membership):
             cancelled = list(self._queue)
             self._queue.clear()
             self._unfinished -= len(cancelled)
-            for waiters in (self._idle, *self._parked.values()):
-                for waiter in waiters:
-                    waiter.cond.notify()
+            self._waiters.notify_all()
             self._released.notify_all()
             self._finished.notify_all()
-        _cancel_all(cancelled, "the strategy was shut down")
+        cancel_all(cancelled, "the strategy was shut down")
         return cancelled
 
     @property
@@ -394,43 +433,13 @@ class Scheduler(Membership):
     def waiting_threads(self) -> tuple[int, int]:
         """(dispatcher threads waiting for work on up workers, on down workers)."""
         with self._lock:
-            return len(self._idle), sum(len(p) for p in self._parked.values())
+            return self._waiters.counts()
 
     # ---------------------------------------------------------------- private
     def _wake_locked(self) -> None:
-        """Wake one waiting dispatcher that can take work per queued closure not yet
-        promised to one; waiters of down workers met on the way are parked."""
-        if self._paused or self._closed:
-            return
-        idle = self._idle
-        while self._signalled < len(self._queue) and idle:
-            waiter, _ = idle.popitem(last=False)  # the longest idle first, as TF's queue does
-            if not self._workers[waiter.worker].up:
-                self._park_locked(waiter)
-                continue
-            waiter.home = None
-            waiter.signalled = True
-            self._signalled += 1
-            self.wakeups += 1
-            waiter.cond.notify()
-
-    def _enlist_locked(self, waiter: _Waiter) -> None:
-        if self._workers[waiter.worker].up:
-            waiter.home = self._idle
-            self._idle[waiter] = None
-        else:
-            self._park_locked(waiter)
-
-    def _park_locked(self, waiter: _Waiter) -> None:
-        home = self._parked.setdefault(waiter.worker, {})
-        waiter.home = home
-        home[waiter] = None
-
-    def _delist_locked(self, waiter: _Waiter) -> None:
-        # Still listed after waking: it timed out, or close() woke it.
-        if waiter.home is not None:
-            waiter.home.pop(waiter, None)
-            waiter.home = None
+        """Wake one waiting dispatcher that can take work per queued closure not yet promised to one."""
+        if not (self._paused or self._closed):
+            self._waiters.wake(len(self._queue), self._workers)
 
     def _release_locked(self, worker: int, closure: Closure, attempt: int | None) -> bool:
         """End the attempt; False if it was abandoned earlier (stale report)."""
@@ -443,8 +452,8 @@ class Scheduler(Membership):
         self._running_total -= 1
         if self._running_total == 0:
             self._released.notify_all()  # wait_idle
-        else:
-            self._drained_locked(worker)
+        elif self._membership.is_retired(worker) and not self._running[worker]:
+            self._released.notify_all()  # wait_drained
         return True
 
     def _requeue_running_locked(self, workers) -> list[Closure]:
@@ -477,7 +486,7 @@ class Scheduler(Membership):
     def _resolve_cancelled_on_requeue(self) -> None:
         with self._lock:
             cancelled, self._cancelled_on_requeue = self._cancelled_on_requeue, []
-        _cancel_all(cancelled, "an earlier closure failed")
+        cancel_all(cancelled, "an earlier closure failed")
 
     def _keep_error_locked(self, error: BaseException) -> list[Closure]:
         """Keep the first error for join(); cancel (and return) what is queued."""
@@ -511,19 +520,3 @@ class Scheduler(Membership):
             self._released.wait_for(lambda: self._running_total == 0)
             error, self._error = self._error, None
             raise error
-
-
-def _cancel_all(closures: list[Closure], why: str) -> None:
-    for closure in closures:
-        future = closure.future
-        if future.cancel():
-            # cancel() alone leaves concurrent.futures.wait()/as_completed()
-            # waiting for good: only set_running_or_notify_cancel() wakes them,
-            # and it may run once (a second call raises).
-            with future._condition:
-                if future._state == "CANCELLED":
-                    future.set_running_or_notify_cancel()
-        else:
-            # A retried closure is already RUNNING, which stdlib futures cannot
-            # cancel; resolve it with the same exception type instead.
-            closure.future.set_exception(concurrent.futures.CancelledError(why))

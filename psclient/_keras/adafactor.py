@@ -1,6 +1,6 @@
 """Adafactor's update of a partitioned variable, shard by shard on each shard's ps.
 
-Keras's Adafactor is not elementwise, so `sharding.split_updates` cannot
+Keras's Adafactor is not elementwise, so `sharding.split_update` cannot
 trace its update once per shard: for a variable of shape (rows, cols) it
 keeps a row factor `r` (rows,), a column factor `c` (cols,) and `v`, and
 
@@ -33,6 +33,8 @@ keeps Keras's `update_step`, on the whole variable. Keras 3.10-3.15
 from __future__ import annotations
 
 import functools
+
+import tensorflow as tf
 
 from psclient._keras import seam
 
@@ -104,7 +106,6 @@ def _same_rows(other, value) -> bool:
 
 
 def _update_shards(optimizer, gradient, variable, learning_rate, value, r, c, v):
-    import tensorflow as tf
     from keras import ops
 
     from psclient._coordinator.sharding import is_partitioned, per_shard
@@ -192,7 +193,6 @@ def _update_shards(optimizer, gradient, variable, learning_rate, value, r, c, v)
 
 def _update_columns(optimizer, c, beta_2_t, column_means):
     """c <- beta * c + (1 - beta) * column means, where c lives (per shard if partitioned); new c."""
-    import tensorflow as tf
     from keras import ops
 
     from psclient._coordinator.sharding import is_partitioned, per_shard

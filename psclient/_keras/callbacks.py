@@ -26,9 +26,12 @@ import os
 import keras
 from keras.callbacks import BackupAndRestore as _KerasBackupAndRestore
 
+import tensorflow as tf
+
 from psclient._core.files import replaced_atomically
 from psclient._keras import sharded_fit
 from psclient._keras.checkpoints import meta_of, model_tables, model_variables, sharded_checkpoints, step_of
+from psclient._tf import checkpoints as _checkpoints
 
 __all__ = ["BackupAndRestore", "StalenessLogger"]
 
@@ -77,8 +80,6 @@ class BackupAndRestore(_KerasBackupAndRestore):
         checkpoints = self.sharded_checkpoints() if self.model.built else None
         if checkpoints is None:
             return super()._load_model()  # a local model (or an unbuilt one: Keras's error)
-        import tensorflow as tf
-
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:
             with self._strategy.scope():  # its slots on the ps, beside their variables
@@ -116,9 +117,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
                 self.model.save_weights(temp, overwrite=True)
         metadata = json.dumps({"epoch": self._current_epoch, "batch": self._last_batch_seen})
         if remote:  # TF's filesystems: a checkpoint's own bucket
-            from tensorflow.python.lib.io import file_io
-
-            file_io.atomic_write_string_to_file(self._training_metadata_path, metadata)
+            _checkpoints.atomic_write(self._training_metadata_path, metadata)
             return
         with replaced_atomically(self._training_metadata_path) as temp, open(temp, "w") as f:
             f.write(metadata)

@@ -88,7 +88,7 @@ def sharded_checkpoints(model, directory: str, keep: int, overwrite: bool, who: 
         return None, None
     checkpoints = Checkpoints(
         directory, keep=keep, overwrite=overwrite,
-        describe_ps=lambda ps: strategy._elastic.cluster.address("ps", ps),  # noqa: SLF001
+        describe_ps=lambda ps: strategy.cluster.address("ps", ps),  # the cluster as it is then (it may grow)
         matched_by=f"position in the model and its optimizer (for {who}): build and compile the same model "
                    "the same way as the run that wrote it")
     checkpoints.check_reachable(strategy.num_ps)  # every ps writes its own part

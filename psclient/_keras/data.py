@@ -15,6 +15,8 @@ import functools
 import types
 from typing import Any
 
+import tensorflow as tf
+
 from psclient._coordinator.per_worker import call_dataset_fn, check_dataset_fn
 
 __all__ = [
@@ -27,8 +29,6 @@ __all__ = [
 
 def is_dataset_fn(x: Any) -> bool:
     """A callable that is not itself data: psclient's dataset-function input."""
-    import tensorflow as tf
-
     return callable(x) and not isinstance(x, (tf.data.Dataset, type)) and not _is_host_data(x)
 
 
@@ -67,7 +67,6 @@ def training_data(
     are free. Without `steps_per_epoch`, finite data gives one epoch per
     `cardinality` batches; data of infinite or unknown size needs it.
     """
-    import tensorflow as tf
     from keras.src.trainers.data_adapters import get_data_adapter
 
     _check_steps("steps_per_epoch", steps_per_epoch)
@@ -106,7 +105,6 @@ def finite_dataset(x, y, sample_weight, batch_size, steps, *, with_targets: bool
     A dataset function is called once with a one-pipeline InputContext: the
     whole data set, which psclient then splits between closures itself.
     """
-    import tensorflow as tf
     from keras.src.trainers.data_adapters import get_data_adapter
 
     _check_steps("steps", steps)
@@ -157,7 +155,6 @@ def _adapter_class():
     epochs while every step reads from the executing worker's iterator.
     Built on first use, to keep Keras out of psclient's import.
     """
-    import tensorflow as tf
     from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 
     class PerWorkerDistributed(tf.distribute.DistributedDataset):

@@ -25,6 +25,8 @@ import weakref
 
 import keras
 
+import tensorflow as tf
+
 from psclient._coordinator.dynamic_tables import DynamicTable
 from psclient._coordinator.runtime import ps_device, ps_index_of
 from psclient._core.dynamic_tables import Policy
@@ -159,7 +161,7 @@ class DynamicEmbedding(keras.layers.Layer):
         # goes to every ps task; else it is local (no cluster).
         devices = [None]
         if ps_index_of(getattr(anchor.value, "device", None)) is not None:
-            from psclient._coordinator import registry
+            from psclient._engine import registry
 
             strategy = registry.current()
             if strategy is not None:
@@ -178,8 +180,6 @@ class DynamicEmbedding(keras.layers.Layer):
     # ---------------------------------------------------------------- call
     def keys_of(self, inputs):
         """(inputs, their int64 keys flattened) (strings hashed); raise for a dtype or rank the layer does not take."""
-        import tensorflow as tf
-
         ragged = isinstance(inputs, tf.RaggedTensor)
         if isinstance(inputs, tf.SparseTensor):
             raise TypeError(f"Invalid value for argument `inputs` of DynamicEmbedding {self.name!r}. Received: a "
@@ -210,8 +210,6 @@ class DynamicEmbedding(keras.layers.Layer):
         return inputs, tf.cast(flat, tf.int64)
 
     def call(self, inputs, training=None):
-        import tensorflow as tf
-
         inputs, flat = self.keys_of(inputs)
         unique, index, counts = tf.unique_with_counts(flat)
         if training:
@@ -230,8 +228,6 @@ class DynamicEmbedding(keras.layers.Layer):
 
     def watched(self, rows, state):
         """`rows`, whose gradient is kept for `apply_kept_gradients` (through the anchor, see the module)."""
-        import tensorflow as tf
-
         @tf.custom_gradient
         def watched(rows, anchor):
             def gradient(upstream):
@@ -243,15 +239,11 @@ class DynamicEmbedding(keras.layers.Layer):
         return watched(rows, tf.convert_to_tensor(self._anchor.value))
 
     def keep_gradient(self, state, gradient):
-        import tensorflow as tf
-
         key = _Kept.EAGER if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         self._kept.by_graph.setdefault(key, []).append((state, gradient))
 
     def apply_kept_gradients(self, optimizer):
         """Apply the gradients kept in this graph (or its outer graphs) to the rows, on their ps."""
-        import tensorflow as tf
-
         if tf.executing_eagerly():
             kept = self._kept.by_graph.pop(_Kept.EAGER, [])
         else:

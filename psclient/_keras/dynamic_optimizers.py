@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import tensorflow as tf
+
 from psclient._core.errors import PSClientError
 
 __all__ = ["SUPPORTED", "UnsupportedOptimizerError", "rule_for"]
@@ -41,8 +43,6 @@ def rule_for(optimizer, layer: str) -> tuple[dict[str, float], Callable]:
     it reads the learning rate and step count it needs from `optimizer`.
     """
     import keras
-    import tensorflow as tf
-
     for attribute in ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps"):
         if getattr(optimizer, attribute, None):
             _refuse(optimizer, f"{attribute}={getattr(optimizer, attribute)!r}", layer)

@@ -23,6 +23,8 @@ import concurrent.futures
 import functools
 import weakref
 
+import tensorflow as tf
+
 from psclient._coordinator.per_worker import deserialize_dataset
 from psclient._keras import data as _keras_data
 from psclient._keras import seam
@@ -40,7 +42,6 @@ def evaluate(
     steps=None, callbacks=None, return_dict=False,
 ):
     import numpy as np
-    import tensorflow as tf
     from keras.src.utils.python_utils import pythonify_logs
 
     model._assert_compile_called("evaluate")
@@ -76,8 +77,6 @@ def evaluate(
 
 def predict(model, strategy, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
     import numpy as np
-    import tensorflow as tf
-
     dataset, num_batches = _keras_data.finite_dataset(x, None, None, batch_size, steps, with_targets=False)
     prepare_model(model, strategy, dataset.element_spec, "predict")
     callbacks = _callback_list(model, callbacks, verbose, num_batches)
@@ -115,8 +114,6 @@ def _run_ranges(strategy, function, dataset, num_batches, extra_args, model, sto
     while the next ones are read, few enough that the data read ahead of the
     workers stays small.
     """
-    import tensorflow as tf
-
     window = max(4, 2 * strategy.num_workers)
     futures: dict = {}
     counts: dict = {}
@@ -187,8 +184,6 @@ def _evaluation_scope():
 
 
 def _build_evaluate(model_ref, element_spec, variables):
-    import tensorflow as tf
-
     scope_class = _evaluation_scope()
 
     def evaluate_range(graph, count, state):
@@ -212,8 +207,6 @@ def _predict_function(model, element_spec):
 
 
 def _build_predict(model_ref, element_spec):
-    import tensorflow as tf
-
     def predict_range(graph, count):
         iterator = iter(deserialize_dataset(graph, element_spec))
         first = model_ref().predict_step(iterator.get_next())
@@ -237,7 +230,6 @@ def _build_predict(model_ref, element_spec):
 
 def _results(model, variables, values):
     """The model's metric results for the metric state `values`, computed here."""
-    import tensorflow as tf
     from keras.src.backend.common.stateless_scope import StatelessScope
 
     mapping = [(v, tf.convert_to_tensor(value)) for v, value in zip(variables, values)]

@@ -47,6 +47,8 @@ import inspect
 import sys
 import threading
 
+import tensorflow as tf
+
 from psclient._coordinator import finite
 from psclient._keras import adafactor, initializers, moving_stats, sparse_adagrad
 from psclient._keras import eval as _keras_eval
@@ -152,7 +154,6 @@ def _install_apply_hook() -> None:
 
 
 def _install_atomic_increments() -> None:
-    import tensorflow as tf
     from keras.src.backend.common.stateless_scope import in_stateless_scope
     from keras.src.backend.tensorflow.core import Variable
 
@@ -186,7 +187,6 @@ def _install_ps_gather() -> None:
     a value that an autocast or stateless scope replaces) is Keras's own take.
     """
     import keras
-    import tensorflow as tf
     from keras.src.backend.tensorflow import numpy as tf_numpy
 
     from psclient._coordinator.sharding import is_partitioned
@@ -225,7 +225,7 @@ def _install_partitioned_shape() -> None:
     """A Keras variable's `shape` follows its partitioned value's focus on one shard.
 
     While psclient traces an optimizer's update of a partitioned variable one
-    shard at a time (`psclient._coordinator.sharding.split_updates`), the
+    shard at a time (`psclient._coordinator.sharding.split_update`), the
     variable and its slots stand for that shard; Keras's `assign` compares a
     value's shape with the variable's, so the variable reports the shard's.
     Any other variable, and any other time, Keras's own shape.
@@ -256,7 +256,6 @@ def _install_moving_average_on_ps() -> None:
     """
     import contextlib
 
-    import tensorflow as tf
     from keras import ops
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 

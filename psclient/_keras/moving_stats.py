@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import functools
 
+import tensorflow as tf
+
 from psclient._keras import seam
 
 __all__ = ["STATEFUL_LAYERS", "install"]
@@ -67,7 +69,6 @@ def install() -> None:
 
 def _composing_call(stock, names: tuple[str, ...]):
     import keras
-    import tensorflow as tf
     from keras.src.backend.common.stateless_scope import in_stateless_scope
 
     from psclient._coordinator.updates import ps_device_of

@@ -26,6 +26,8 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import tensorflow as tf
+
 from psclient._coordinator.per_worker import serialize_dataset
 
 __all__ = ["RANGES_PER_WORKER", "UNKNOWN_SIZE_BATCHES", "MAX_RANGE_BYTES", "cut", "range_sizes", "read_ranges"]
@@ -78,8 +80,6 @@ def cut(
 def read_ranges(dataset, num_batches: int | None, num_workers: int) -> Iterator[tuple[int, int, Any]]:
     """(start, count, graph) for each range of `dataset`, read here in order:
     `graph` is the serialized dataset of the range's `count` batches."""
-    import tensorflow as tf
-
     # Prefetched: the next batches are read and parsed while this thread cuts
     # and serializes the last ones.
     batches_read = dataset.prefetch(tf.data.AUTOTUNE)
@@ -90,8 +90,6 @@ def read_ranges(dataset, num_batches: int | None, num_workers: int) -> Iterator[
 
 
 def _nbytes(batch) -> int:
-    import tensorflow as tf
-
     total, strings = 0, []
     for tensor in tf.nest.flatten(batch, expand_composites=True):
         if tensor.dtype == tf.string:
@@ -107,8 +105,6 @@ def _nbytes(batch) -> int:
 def _string_bytes():
     """The bytes of a list of string tensors, in one call (a table's many
     string columns would cost two eager ops each)."""
-    import tensorflow as tf
-
     def string_bytes(tensors):
         return tf.add_n([tf.reduce_sum(tf.cast(tf.strings.length(t), tf.int64)) for t in tensors])
 
@@ -124,8 +120,6 @@ def _as_dataset(batches: list):
     `choose_from_datasets` rather than a chain of `concatenate`s, whose
     cost grows with its length.
     """
-    import tensorflow as tf
-
     parts, choices = [], []
     for _, run in itertools.groupby(batches, key=_stack_key):
         run = list(run)
@@ -147,8 +141,6 @@ def _as_dataset(batches: list):
 def _stack_key(batch):
     """What batches must share to be stacked: structure, dtypes and shapes;
     None for a batch with a composite tensor (sparse, ragged), never stacked."""
-    import tensorflow as tf
-
     leaves = tf.nest.flatten(batch)
     if not all(isinstance(t, tf.Tensor) for t in leaves):
         return None

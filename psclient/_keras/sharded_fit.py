@@ -17,6 +17,8 @@ from __future__ import annotations
 import collections
 import weakref
 
+import tensorflow as tf
+
 from psclient._coordinator.shard_feed import ShardFeed
 from psclient._coordinator.shards import ShardedDataset
 from psclient._keras.trainer import prepare_model, result_or_first_error
@@ -189,7 +191,6 @@ def fit(stock, model, strategy, a: dict, forwarded: dict, make_callbacks):
 
 def _Steps(sharded):
     """A Keras data adapter that never runs out and whose iterator is not read (the ledger feeds the steps)."""
-    import tensorflow as tf
     from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 
     class _Forever(tf.distribute.DistributedDataset):  # Keras passes a DistributedDataset through

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 
+import tensorflow as tf
+
 from psclient._keras import seam
 
 __all__ = ["install"]
@@ -42,7 +44,6 @@ def install() -> None:
     """
     import numbers
 
-    import tensorflow as tf
     from keras import ops
     from keras.src.optimizers.adagrad import Adagrad
 
@@ -90,8 +91,6 @@ def _ps_rows_variable(variable):
     is traced shard by shard: the shard's `tf.Variable`.
     """
     import keras
-    import tensorflow as tf
-
     from psclient._coordinator.runtime import ps_index_of
     from psclient._coordinator.sharding import is_partitioned
 

@@ -28,7 +28,9 @@ import logging
 import warnings
 import weakref
 
-from psclient._coordinator import registry
+import tensorflow as tf
+
+from psclient._engine import registry
 from psclient._coordinator import runtime as _runtime
 from psclient._keras import seam
 
@@ -42,8 +44,6 @@ _warned_local: weakref.WeakSet = weakref.WeakSet()
 # --------------------------------------------------------------- which models
 def _tf_variable(variable):
     """The tf.Variable behind a Keras variable (None before it is created), or `variable`."""
-    import tensorflow as tf
-
     return variable if isinstance(variable, tf.Variable) else seam.internal(variable, "_value")
 
 
@@ -127,7 +127,6 @@ def prepare_model(model, strategy, element_spec, method: str) -> None:
         # targets predict has none of (a compiled model never fitted failed on None targets).
         if not all(layer.built for layer in model._flatten_layers()):
             import keras
-            import tensorflow as tf
 
             x, _, _ = keras.utils.unpack_x_y_sample_weight(element_spec)
             with strategy.scope():
@@ -168,8 +167,6 @@ class TrainFunction:
     """
 
     def __init__(self, model, strategy, steps_per_epoch: int):
-        import tensorflow as tf
-
         self._strategy = strategy
         self._steps_per_execution = int(model.steps_per_execution)
         self._steps_per_epoch = steps_per_epoch
@@ -208,8 +205,6 @@ class TrainFunction:
         self._many_steps = tf.function(train_steps, autograph=False)
 
     def __call__(self, iterator):
-        import tensorflow as tf
-
         # Keras asks for whole executions; never run past the epoch's end.
         count = max(1, min(self._steps_per_execution, self._steps_per_epoch - self._steps_scheduled))
         if count == 1:

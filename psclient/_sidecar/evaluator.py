@@ -34,6 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import tensorflow as tf
+from tensorflow.core.framework import summary_pb2
+
 from psclient._core.checks import check_positive
 from psclient._core.files import replaced_atomically
 from psclient._sidecar import formats
@@ -175,8 +178,6 @@ class Planner:
 
 
 def _scalar_metadata() -> Any:
-    from tensorflow.core.framework import summary_pb2
-
     metadata = summary_pb2.SummaryMetadata()
     metadata.plugin_data.plugin_name = "scalars"
     return metadata
@@ -357,8 +358,6 @@ class SidecarEvaluator:
         return {"checkpoint": ref.name, "step": int(step), "metrics": metrics, "time": time.time()}
 
     def _write(self, record: dict, writer: Any) -> Any:
-        import tensorflow as tf
-
         os.makedirs(self.log_dir, exist_ok=True)
         if writer is None:
             writer = tf.summary.create_file_writer(self.log_dir)

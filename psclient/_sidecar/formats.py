@@ -30,6 +30,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import tensorflow as tf
+from tensorflow.core.protobuf import trackable_object_graph_pb2
+
 from psclient._core.errors import CheckpointUnreadableError, PSClientError
 
 TF = "tf"
@@ -111,9 +114,7 @@ def scan(checkpoint_dir: str, ignore: frozenset[str] = frozenset()) -> list[Chec
 def _scan_tf(checkpoint_dir: str) -> list[CheckpointRef]:
     state_path = os.path.join(checkpoint_dir, "checkpoint")
     if not os.path.exists(state_path):
-        return []  # Cheap check first: importing TensorFlow is not.
-    import tensorflow as tf
-
+        return []  # Cheap check first: opening TF's reader is not.
     # TF returns None (and logs why) for a state file it cannot read or parse.
     try:
         state = tf.train.get_checkpoint_state(checkpoint_dir)
@@ -145,7 +146,6 @@ def _scan_tf(checkpoint_dir: str) -> list[CheckpointRef]:
 def _read_errors(kind: str) -> tuple[type[BaseException], ...]:
     """What reading a half-written, corrupt or deleted checkpoint of `kind` raises."""
     if kind == TF:
-        import tensorflow as tf
         from google.protobuf.message import DecodeError
 
         # IndexError: TF's checkpoint reader reports a truncated data file
@@ -179,8 +179,6 @@ def tf_step(ref: CheckpointRef) -> int | None:
     The root's `step` variable, else the optimizer's `iterations` (saved at the
     root or inside the model), else None (the caller falls back to `ckpt-N`).
     """
-    import tensorflow as tf
-
     with _reading(ref):
         reader = tf.train.load_checkpoint(ref.path)
     for key in ("step", "optimizer/_iterations", "optimizer/iterations",
@@ -270,8 +268,6 @@ def keras_expected_variables(model: Any, scratch_dir: str) -> dict[str, tuple]:
 
 
 def _graph(reader) -> Any:
-    from tensorflow.core.protobuf import trackable_object_graph_pb2
-
     graph = trackable_object_graph_pb2.TrackableObjectGraph()
     graph.ParseFromString(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
     return graph
@@ -284,8 +280,6 @@ def check_tf_structure(ref: CheckpointRef, model: Any, model_key: str) -> None:
     by edge, as TensorFlow's restore does. Optimizer state is left out: the
     evaluator's optimizer is never built.
     """
-    import tensorflow as tf
-
     with _reading(ref):
         reader = tf.train.load_checkpoint(ref.path)
         shapes = reader.get_variable_to_shape_map()
@@ -359,8 +353,6 @@ def restore(ref: CheckpointRef, model: Any, model_key: str, keras_expected: dict
             be being written, be corrupt, or have been deleted).
     """
     if ref.kind == TF:
-        import tensorflow as tf
-
         with _reading(ref):
             reader = tf.train.load_checkpoint(ref.path)
             layout = _psclient_layout(reader)

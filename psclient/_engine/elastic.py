@@ -9,7 +9,7 @@ slot back, as a new process: its per-worker values are built again.
 Adding: the address is checked, must accept TCP connections within
 `connect_timeout`, then gets a slot in the scheduler (down) and its
 dispatcher threads (waiting); the recovery thread carries the rest, as for a
-worker that comes back (recovery_elastic.py): TF's view is updated with
+worker that comes back (`psclient._core.joining`): TF's view is updated with
 `update_server_def` (variables on the ps tasks are untouched: nothing is
 created again), the worker must answer a probe, its per-worker datasets,
 iterators and resources are built on it, then it takes work. `add_worker`
@@ -37,11 +37,14 @@ import time
 from typing import Any
 
 from psclient._cluster.spec import Cluster, address_problem
-from psclient._coordinator import runtime as _runtime
-from psclient._core import recovery as rm
+from psclient._core import recovery_machine as rm
 from psclient._core.errors import TaskUnreachableError
+from psclient._core.scheduler import Scheduler
+from psclient._engine.dispatch import Dispatcher
+from psclient._engine.edge import Edge, Roster
+from psclient._engine.recovery import Recovery
 
-__all__ = ["Elastic", "ElasticWorkers"]
+__all__ = ["Elastic"]
 
 log = logging.getLogger("psclient")
 
@@ -52,34 +55,35 @@ _THREADS_END_S = 10.0
 class Elastic:
     """The strategy's changing set of workers (see the module docstring)."""
 
-    def __init__(self, cluster: Cluster, *, connect_timeout: float, hang_timeout: float):
-        self._cluster = cluster
+    def __init__(self, roster: Roster, *, scheduler: Scheduler, dispatcher: Dispatcher, recovery: Recovery,
+                 edge: Edge, connect_timeout: float, hang_timeout: float):
+        self._roster = roster
+        self._scheduler = scheduler
+        self._dispatcher = dispatcher
+        self._recovery = recovery
+        self._edge = edge
         self._connect_timeout = connect_timeout
         self._hang_timeout = hang_timeout
         self._lock = threading.RLock()
-        self._scheduler = self._dispatcher = self._recovery = None
-
-    def attach(self, *, scheduler: Any, dispatcher: Any, recovery: Any) -> None:
-        self._scheduler, self._dispatcher, self._recovery = scheduler, dispatcher, recovery
 
     # ------------------------------------------------------------- queries
     @property
     def cluster(self) -> Cluster:
         """Every worker slot (removed ones keep their address), the ps tasks, the chief."""
-        return self._cluster
+        return self._roster.cluster
 
     @property
     def workers(self) -> dict[int, str]:
         """{index: address} of the workers in the strategy now (joining ones included)."""
-        retired = self._scheduler.retired() if self._scheduler is not None else frozenset()
-        return {i: a for i, a in enumerate(self._cluster.workers) if i not in retired}
+        retired = self._scheduler.retired()
+        return {i: a for i, a in enumerate(self._roster.cluster.workers) if i not in retired}
 
     # -------------------------------------------------------------- adding
     def add_worker(self, address: Any, timeout: float | None = None) -> int:
         address = _check_address(address)
         with self._lock:
             index, reuse = self._slot_for(address)
-            _wait_accepting(address, self._connect_timeout)
+            _wait_accepting(self._edge, address, self._connect_timeout)
             if reuse:
                 leftover = self._dispatcher.worker_threads(index)
                 if leftover:
@@ -89,13 +93,8 @@ class Elastic:
                         "there. Try again once they end.")
                 self._scheduler.rejoin_slot(index)
             else:
-                jobs = self._cluster.jobs
-                jobs["worker"].append(address)
-                grown = Cluster(jobs)
-                if self._scheduler.add_worker() != index:
+                if self._scheduler.add_worker() != index or self._roster.grow(address) != index:
                     raise AssertionError("scheduler slots and cluster workers disagree")
-                self._cluster = grown
-                self._recovery.set_cluster(grown)
             self._dispatcher.add_worker(index)
             ticket: concurrent.futures.Future = concurrent.futures.Future()
             self._recovery.report(rm.WorkerAdded(index, ticket))
@@ -113,7 +112,7 @@ class Elastic:
 
     def _slot_for(self, address: str) -> tuple[int, bool]:
         """(index, reuses a retired slot) for a new worker at `address`."""
-        cluster = self._cluster
+        cluster = self._roster.cluster
         for job, addresses in cluster.jobs.items():
             if address not in addresses:
                 continue
@@ -161,7 +160,7 @@ class Elastic:
             deadline = time.monotonic() + _THREADS_END_S
             for thread in self._dispatcher.worker_threads(index):
                 thread.join(max(0.0, deadline - time.monotonic()))
-            log.info("worker %d (%s) removed (%s)", index, self._cluster.workers[index],
+            log.info("worker %d (%s) removed (%s)", index, self._roster.cluster.workers[index],
                      "drained" if drain else "its closures handed back")
             return index
 
@@ -184,71 +183,6 @@ class Elastic:
         return found[0]
 
 
-class ElasticWorkers:
-    """The strategy's elastic API (mixed into `ParameterServerStrategy`, which sets `_elastic` and `_steps`)."""
-
-    @property
-    def cluster(self) -> Cluster:
-        """The tasks. Its workers are every worker slot, removed ones included: `workers`
-        says which are in the strategy now."""
-        return self._elastic.cluster
-
-    @property
-    def workers(self) -> dict[int, str]:
-        """{index: address} of the workers in the strategy now (joining ones included)."""
-        return self._elastic.workers
-
-    @property
-    def num_workers(self) -> int:
-        """How many workers are in the strategy now (`len(workers)`)."""
-        return len(self._elastic.workers)
-
-    def add_worker(self, address: str) -> int:
-        """Add the worker task at `address` ("host:port", `psclient serve` running there).
-
-        Returns its index once it takes work: it got the per-worker datasets,
-        iterators and resources made so far, and its dispatcher threads. An
-        address removed before gets its old index back. See docs/elastic.md.
-
-        Raises:
-            TypeError, ValueError: `address` is not a 'host:port' string, or is
-                already a worker (or another task) of this strategy.
-            TaskUnreachableError: nothing accepts connections there within
-                `connect_timeout`.
-            TimeoutError: it did not join within max(60 s, connect_timeout);
-                it stays added and joins once it answers.
-        """
-        self._check_open("add_worker")
-        return self._elastic.add_worker(address)
-
-    def remove_worker(self, index_or_address: int | str, drain: bool = True) -> None:
-        """Take a worker out of the strategy for good, by index or "host:port".
-
-        It takes no new closure at once. `drain=True`: the closures running
-        there finish there (up to `hang_timeout`, then they are handed back);
-        `drain=False`: they go back to the front of the queue and run
-        elsewhere (their side effects may happen twice, as after a failure).
-        Every future resolves once. Returns once the worker is out of TF's
-        view: its process may be ended then.
-
-        Raises:
-            TypeError, ValueError: not a worker of this strategy, the last
-                one, or `drain` not a bool.
-            TimeoutError: it takes no work, but did not leave TF's view in
-                time (it or another worker hangs); it leaves once it answers
-                or is gone.
-        """
-        self._check_open("remove_worker")
-        self._elastic.remove_worker(index_or_address, drain=drain)
-        k = self._steps.replicas_to_aggregate
-        if k is not None and len(self._elastic.workers) < k:
-            log.warning(
-                "%d worker(s) left for replicas_to_aggregate=%d: no step can get %d different workers' "
-                "gradients, so each waits out its bounded wait and workers contribute again (counted as "
-                "'repeats' in stats()['staleness']['sync']); add workers or make a new strategy with a "
-                "smaller replicas_to_aggregate.", len(self._elastic.workers), k, k)
-
-
 def _check_address(address: Any) -> str:
     if not isinstance(address, str):
         raise TypeError(
@@ -262,10 +196,10 @@ def _check_address(address: Any) -> str:
     return address
 
 
-def _wait_accepting(address: str, timeout: float) -> None:
+def _wait_accepting(edge: Edge, address: str, timeout: float) -> None:
     """Until `address` accepts TCP connections; TaskUnreachableError after `timeout`."""
     deadline = time.monotonic() + timeout
-    while not _runtime.tcp_reachable(address, timeout=max(0.05, min(1.0, deadline - time.monotonic()))):
+    while not edge.tcp_reachable(address, timeout=max(0.05, min(1.0, deadline - time.monotonic()))):
         left = deadline - time.monotonic()
         if left <= 0:
             raise TaskUnreachableError(

@@ -1,4 +1,4 @@
-"""The recovery thread: carries out what `psclient._core.recovery` decides.
+"""The recovery thread: carries out what `psclient._core.recovery_machine` decides.
 
 `Recovery` owns one thread. Each round it observes the tasks (heartbeat
 probes of the workers in rotation, TCP state of those out of it and of lost
@@ -13,7 +13,7 @@ variable store, the per-worker registry, a retrace and a connect callable):
 nothing here keeps the strategy alive.
 
 Dispatcher threads classify a failed call with `FailureProbes`
-(psclient._coordinator.probes).
+(psclient._engine.probes).
 """
 
 from __future__ import annotations
@@ -26,12 +26,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from psclient._cluster.spec import Cluster
-from psclient._coordinator import runtime as _runtime
-from psclient._coordinator.checkpoint import Checkpoints
-from psclient._coordinator.probes import FailureProbes, Published
-from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
-from psclient._core import recovery as rm
+from psclient._engine.edge import CheckpointStore, Edge, PerWorkerValues, Roster, VariableStore
+from psclient._engine.probes import FailureProbes, Published
+from psclient._core import recovery_machine as rm
 from psclient._core.errors import PSUnavailableError, StrategyClosedError, WorkerUnavailableError
 from psclient._core.health import Prober
 from psclient._core.scheduler import Scheduler
@@ -45,12 +42,9 @@ _UNAVAILABLE = 14
 
 @dataclasses.dataclass(frozen=True)
 class RecoveryConfig:
-    checkpoint_dir: str | None = None
+    #: When to checkpoint (with `checkpoints` given to `Recovery`).
     checkpoint_interval: float | None = None
     checkpoint_every: int | None = None
-    checkpoints_to_keep: int = 3
-    #: Start over in a checkpoint_dir that holds another run's checkpoints (see checkpoint.py).
-    overwrite_checkpoints: bool = False
     hang_timeout: float = 30.0
     worker_timeout: float = 300.0
     ps_timeout: float = 300.0
@@ -78,35 +72,42 @@ class Recovery:
         self,
         config: RecoveryConfig,
         *,
-        cluster: Cluster,
+        roster: Roster,
         scheduler: Scheduler,
         prober: Prober,
+        probes: FailureProbes,
+        published: Published,
+        inbox: queue.Queue,
         store: VariableStore,
-        per_worker: PerWorkerRegistry,
+        per_worker: PerWorkerValues,
+        checkpoints: CheckpointStore | None,
         retrace: Callable[[], None],
-        connect: Callable[[list], None],
+        cancel_calls: Callable[[int], int],
+        edge: Edge,
         clock: Callable[[], float] = time.monotonic,
-        edge: Any = _runtime,
+        checkpoint_meta: Callable[[dict], dict | None] | None = None,
     ):
-        # `edge`: what is asked of TensorFlow (`runtime.EDGE_NAMES`), a fake in benchmarks/scale.py.
+        # `checkpoint_meta(variables)`: what joins each checkpoint's layout (the data ledgers);
+        # `store`: the variables; `per_worker`: rebuilt on a worker that comes back;
+        # `checkpoints`: the checkpoint directory, or None (edge.py names what is used of each);
+        # `retrace()`: trace what is queued again (after variables got new resources);
+        # `cancel_calls(worker)`: the dispatcher's, for a worker taken out;
+        # `inbox`: where `report` posts (the dispatcher posts there too);
+        # `published`: what this thread publishes for `probes` (view, epochs);
+        # `edge`: what is asked of TensorFlow (`psclient._engine.edge.Edge`).
         self._edge = edge
         self.config = config
-        self._cluster = cluster
+        self._roster = roster
         self._scheduler = scheduler
         self._prober = prober
         self._store = store
         self._per_worker = per_worker
         self._retrace = retrace
-        self._connect = connect
-        #: Cancels the calls running on a worker (the dispatcher's, set once it exists).
-        self.cancel_calls: Callable[[int], int] = lambda worker: 0
-        #: What joins each checkpoint's layout, given its variables (the data ledgers; set by the strategy).
-        self.checkpoint_meta: Callable[[dict], dict | None] = lambda variables: None
+        self._cancel_calls = cancel_calls
+        self._checkpoint_meta = checkpoint_meta or _no_meta
         self._clock = clock
-        self.checkpoints = Checkpoints(
-            config.checkpoint_dir, keep=config.checkpoints_to_keep, overwrite=config.overwrite_checkpoints,
-            describe_ps=lambda ps: self._cluster.address("ps", ps),
-        ) if config.checkpoint_dir is not None else None
+        self.checkpoints = checkpoints
+        cluster = roster.cluster
         self._machine = rm.RecoveryMachine(rm.MachineConfig(
             num_workers=cluster.num_workers, num_ps=cluster.num_ps,
             hang_timeout=config.hang_timeout, worker_timeout=config.worker_timeout,
@@ -116,11 +117,9 @@ class Recovery:
             has_checkpoint=self.checkpoints is not None and self.checkpoints.latest() is not None,
             checkpoint_while_hung=config.checkpoint_while_hung,
         ), clock())
-        self._published = Published(cluster.num_workers)
-        self.probes = FailureProbes(cluster, prober, scheduler, self._published, config.probe_timeout, edge,
-                                    held=getattr(store, "one_per_ps", dict),
-                                    check=getattr(edge, "check_handle", None))
-        self._inbox: queue.Queue = queue.Queue()
+        self._published = published
+        self.probes = probes
+        self._inbox = inbox
         self.broken: BaseException | None = None
         self.ps_stats = [PSStats() for _ in range(cluster.num_ps)]
         self.checkpoints_written = 0
@@ -135,10 +134,6 @@ class Recovery:
     # ------------------------------------------------------- other threads
     def start(self) -> None:
         self._thread.start()
-
-    def set_cluster(self, cluster: Cluster) -> None:
-        """The cluster grew (`add_worker`, elastic.py): addresses are read from this one now."""
-        self._cluster = self.probes._cluster = cluster
 
     def report(self, event: Any) -> None:
         """Post an event (from a dispatcher thread or a caller); never blocks."""
@@ -187,7 +182,7 @@ class Recovery:
         """Workers in TF's view that may hang (TCP not refused): no reconnect while any."""
         return [
             w for w in self._machine.blocking()
-            if self._edge.tcp_state(self._cluster.address("worker", w), 1.0) != "closed"
+            if self._edge.tcp_state(self._roster.cluster.address("worker", w), 1.0) != "closed"
         ]
 
     # ------------------------------------------------------------ the thread
@@ -253,7 +248,7 @@ class Recovery:
                 waited = self._prober.overdue(device, now)
                 if waited is None:
                     if self._prober.last_failed(device) and self._edge.tcp_state(
-                            self._cluster.address("worker", worker), 1.0) == "closed":
+                            self._roster.cluster.address("worker", worker), 1.0) == "closed":
                         # Its heartbeat failed and its port refuses: the process is
                         # gone. Without this, a worker that dies with no closure
                         # running stays "up" until a closure is sent to it.
@@ -272,10 +267,10 @@ class Recovery:
                 events.append(rm.ProbeOverdue(worker, waited))
             elif state not in (rm.TaskState.REJOINING, rm.TaskState.RETIRED):
                 pending = self._prober.overdue(device, now) is not None
-                tcp = self._edge.tcp_state(self._cluster.address("worker", worker), 1.0)
+                tcp = self._edge.tcp_state(self._roster.cluster.address("worker", worker), 1.0)
                 events.append(rm.WorkerSeen(worker, tcp, pending))
         for ps in machine.lost_ps():
-            events.append(rm.PsSeen(ps, self._edge.tcp_state(self._cluster.address("ps", ps), 1.0)))
+            events.append(rm.PsSeen(ps, self._edge.tcp_state(self._roster.cluster.address("ps", ps), 1.0)))
         events.append(rm.Tick(running=self._scheduler.running(), completed=self._scheduler.completed()))
         return events
 
@@ -355,7 +350,7 @@ class Recovery:
             scheduler.worker_lost(action.worker, detected_after=action.detected_after)
             # Its closures are queued again: calls still running there (a hung
             # worker's) would hold their threads until it answers.
-            self.cancel_calls(action.worker)
+            self._cancel_calls(action.worker)
         elif isinstance(action, rm.BringUp):
             scheduler.worker_up(action.worker, recovered_after=action.recovered_after)
             joined, since = ("joined", "was added") if action.joined else ("rejoined", "answered again")
@@ -371,7 +366,7 @@ class Recovery:
             scheduler.requeue_running()
         elif isinstance(action, rm.PsFailed):
             self.ps_stats[action.ps].failures += 1
-            log.warning("ps task %d (%s) does not answer", action.ps, self._cluster.address("ps", action.ps))
+            log.warning("ps task %d (%s) does not answer", action.ps, self._roster.cluster.address("ps", action.ps))
         elif isinstance(action, rm.PsRecovered):
             self._ps_recovered(action)
         elif isinstance(action, rm.FailAll):
@@ -414,7 +409,7 @@ class Recovery:
         `update_server_def` waits for good on a task that does not. So must
         each leaving one it drops (retired), unless its port refuses (gone)."""
         leaving = [w for w in action.leaving
-                   if self._edge.tcp_state(self._cluster.address("worker", w), 1.0) != "closed"]
+                   if self._edge.tcp_state(self._roster.cluster.address("worker", w), 1.0) != "closed"]
         probes = {
             worker: self._prober.start(self._edge.worker_device(worker))
             for worker in [*action.workers, *leaving] if worker != action.returning
@@ -425,13 +420,13 @@ class Recovery:
             # Any answer, even an error, means the process is there; an error
             # can come from the stale view this reconnect replaces.
             answered = probe.done.wait(max(0.0, deadline - time.monotonic()))
-            state = self._edge.tcp_state(self._cluster.address("worker", worker), 1.0)
+            state = self._edge.tcp_state(self._roster.cluster.address("worker", worker), 1.0)
             if not (answered and (probe.ok or state == "open")):
                 refused[worker] = state
         if refused:
             return _Refused(refused)
         try:
-            self._connect(sorted(action.workers))
+            self._edge.connect(self._roster.cluster, sorted(action.workers))
         except self._edge.op_error() as error:
             if getattr(error, "error_code", None) != _UNAVAILABLE:
                 raise
@@ -442,9 +437,9 @@ class Recovery:
             log.info("reconnect: a task was not reachable yet (%s); trying again", _first_line(error))
             return _Refused({
                 worker: state for worker in action.workers
-                if (state := self._edge.tcp_state(self._cluster.address("worker", worker), 1.0)) == "closed"
+                if (state := self._edge.tcp_state(self._roster.cluster.address("worker", worker), 1.0)) == "closed"
             })
-        gone = sorted(set(range(self._cluster.num_workers)) - set(action.workers) - self._scheduler.retired())
+        gone = sorted(set(range(self._roster.cluster.num_workers)) - set(action.workers) - self._scheduler.retired())
         if action.purpose == "drop" and gone:  # (a removed worker is no longer expected back)
             log.info("worker(s) %s left out of the cluster until they answer again", gone)
         return True
@@ -455,7 +450,7 @@ class Recovery:
         completed = self._scheduler.completed()
         # Taken between closures: the ledgers' positions on the ps match the variables saved.
         # The dynamic tables too: each ps writes its shards beside its variables.
-        meta = self.checkpoint_meta(variables)
+        meta = self._checkpoint_meta(variables)
         path = self.checkpoints.save(variables, completed, meta=meta,
                                      tables=self._store.tables())  # failures: _carry_out logs
         self.saved_created = created
@@ -482,7 +477,7 @@ class Recovery:
             error: BaseException = WorkerUnavailableError(
                 f"No worker has been available for {action.waited:.0f} s (worker_timeout="
                 f"{self.config.worker_timeout:g} s): every worker of the cluster is gone "
-                f"({', '.join(self._cluster.workers)}). Pending scheduled functions "
+                f"({', '.join(self._roster.cluster.workers)}). Pending scheduled functions "
                 "failed; restart the workers, then schedule again.",
                 task="worker", address=None,
             )
@@ -491,11 +486,11 @@ class Recovery:
                           "failing pending work", action.waited, self.config.worker_timeout)
         else:
             lost = action.lost
-            names = ", ".join(f"ps:{ps} at {self._cluster.address('ps', ps)}" for ps in lost)
+            names = ", ".join(f"ps:{ps} at {self._roster.cluster.address('ps', ps)}" for ps in lost)
             error = PSUnavailableError(
                 f"Parameter server task {names} was lost and its variables cannot be recovered: "
                 f"{action.why}. Pass checkpoint_dir= to ParameterServerStrategy to survive ps restarts.",
-                task=f"ps:{lost[0]}", address=self._cluster.address("ps", lost[0]),
+                task=f"ps:{lost[0]}", address=self._roster.cluster.address("ps", lost[0]),
             )
             log.error("%s", error)
         if action.permanent:
@@ -525,3 +520,7 @@ def _finish(action: rm.Finish) -> None:
 def _first_line(error: BaseException) -> str:
     text = str(error)
     return text.splitlines()[0] if text else ""
+
+
+def _no_meta(variables: dict) -> None:
+    return None

@@ -1,7 +1,6 @@
 """How a dispatcher's call is made cancellable, and kept out of TF's cache clearing.
 
-TensorFlow internals, like `runtime` (which the dispatcher reaches through
-its edge, `runtime.cancellable_call`).
+The dispatcher reaches it through its edge (`runtime.cancellable_call`).
 """
 
 from __future__ import annotations
@@ -9,6 +8,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+
+import tensorflow as tf
+from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager import cancellation, context
 
 __all__ = ["cancellable_call"]
 
@@ -24,8 +27,6 @@ _cancellation_installed = False
 
 def _install_thread_cancellation() -> None:
     global _cancellation_installed
-    from tensorflow.python.eager import cancellation
-
     with _cancellation_lock:
         if _cancellation_installed:
             return
@@ -94,8 +95,6 @@ _gate_installed = False
 
 def _install_cache_clearing_gate() -> None:
     global _gate_installed
-    from tensorflow.python import pywrap_tfe
-
     with _cancellation_lock:
         if _gate_installed:
             return
@@ -116,9 +115,6 @@ def cancellable_call():
     thread is not held by a hung worker after it was taken out. The call
     also passes the gate of TF's cache clearing (`_CallGate`).
     """
-    import tensorflow as tf
-    from tensorflow.python.eager import cancellation, context
-
     _install_thread_cancellation()
     _install_cache_clearing_gate()
     manager = cancellation.CancellationManager()  # one per call: a cancelled one stays cancelled

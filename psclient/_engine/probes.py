@@ -1,7 +1,7 @@
 """Bounded probes a dispatcher thread makes to classify a failed call.
 
 Never text matching: a task that answers a tiny op is healthy. What a verdict
-means for a task is the recovery machine's decision (psclient._core.recovery);
+means for a task is the recovery machine's decision (psclient._core.recovery_machine);
 `Published` is what it last decided, read here without locks.
 """
 
@@ -11,8 +11,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from psclient._cluster.spec import Cluster
-from psclient._coordinator import runtime as _runtime
+from psclient._engine.edge import Edge, Roster
 from psclient._core.health import Prober
 from psclient._core.scheduler import Scheduler
 
@@ -32,15 +31,13 @@ class Published:
 class FailureProbes:
     """Bounded probes a dispatcher makes to classify a failed call."""
 
-    def __init__(self, cluster: Cluster, prober: Prober, scheduler: Scheduler, published: Published,
-                 probe_timeout: float, edge: Any = _runtime,
-                 held: Callable[[], dict] = dict, check: Callable[[Any], None] | None = None):
-        # `held()`: a variable on each ps task that holds any; `check(variable)`
-        # raises if its task no longer holds it (`runtime.check_handle`).
+    def __init__(self, roster: Roster, prober: Prober, scheduler: Scheduler, published: Published,
+                 probe_timeout: float, edge: Edge, held: Callable[[], dict] = dict):
+        # `held()`: a variable on each ps task that holds any (`VariableStore.one_per_ps`);
+        # `edge.check_handle(variable)` raises if its task no longer holds it.
         self._held = held
-        self._check = check
         self._edge = edge
-        self._cluster = cluster
+        self._roster = roster
         self._prober = prober
         self._scheduler = scheduler
         self._published = published
@@ -85,7 +82,7 @@ class FailureProbes:
         if known:
             return tuple(sorted(known))
         silent = set(self._not_answering(
-            {ps: self._edge.ps_device(ps).rsplit("/device:", 1)[0] for ps in range(self._cluster.num_ps)}
+            {ps: self._edge.ps_device(ps).rsplit("/device:", 1)[0] for ps in range(self._roster.cluster.num_ps)}
         ))
         return tuple(sorted(silent | set(self.stale_ps(skip=silent))))
 
@@ -98,14 +95,12 @@ class FailureProbes:
         made again and restored. One shape op per ps, all at once, within
         probe_timeout (a task that does not answer in time counts as lost).
         """
-        if self._check is None:
-            return ()
         held = {ps: v for ps, v in self._held().items() if ps not in skip}
         results: dict[int, bool] = {}
 
         def check(ps: int, variable: Any) -> None:
             try:
-                self._check(variable)
+                self._edge.check_handle(variable)
                 results[ps] = True
             except self._edge.op_error():
                 results[ps] = False
@@ -129,14 +124,14 @@ class FailureProbes:
         if self.answers(self._edge.worker_device(worker)):
             return True
         return any(
-            w != worker and self._edge.tcp_state(self._cluster.address("worker", w), 1.0) == "closed"
+            w != worker and self._edge.tcp_state(self._roster.cluster.address("worker", w), 1.0) == "closed"
             for w in self._published.view
         )
 
     def lost_workers(self, worker: int) -> list[int]:
         """The other workers in rotation that do not answer."""
         return sorted(self._not_answering({
-            other: self._edge.worker_device(other) for other in range(self._cluster.num_workers)
+            other: self._edge.worker_device(other) for other in range(self._roster.cluster.num_workers)
             if other != worker and self._scheduler.worker_is_up(other)
         }))
 

@@ -20,9 +20,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from psclient._coordinator import runtime as _runtime
+from psclient._engine.edge import Edge, PerWorkerValues
 from psclient._core.failures import Verdict, classify, iterator_cancelled, retry_pause
-from psclient._core.recovery import PsNotAnswering, WorkerNotAnswering
+from psclient._core.recovery_machine import PsNotAnswering, WorkerNotAnswering
 from psclient._core.closure import Closure
 from psclient._core.scheduler import Scheduler
 
@@ -48,13 +48,13 @@ class Dispatcher:
         probes: Any,
         report: Callable[[Any], None],
         release_timeout: float,
-        iterators: Any,
-        edge: Any = _runtime,
+        iterators: PerWorkerValues,
+        edge: Edge,
     ):
         # `prepare(closure, worker)` -> (function, args, kwargs) for that worker;
         # `probes`: a `FailureProbes`; `report(event)` posts to the recovery thread;
         # `iterators`: the `PerWorkerRegistry`, to renew a worker's cancelled iterators;
-        # `edge`: what is asked of TensorFlow (`runtime.EDGE_NAMES`), a fake in benchmarks/scale.py.
+        # `edge`: what is asked of TensorFlow (`psclient._engine.edge.Edge`).
         self._edge = edge
         self._scheduler = scheduler
         self._prepare = prepare
@@ -66,8 +66,12 @@ class Dispatcher:
         self._calls_lock = threading.Lock()
         self._iterators = iterators
         self._pipeline_depth = pipeline_depth
+        self._num_workers = num_workers
         self._threads: list[threading.Thread] = []
-        for worker in range(num_workers):
+
+    def start(self) -> None:
+        """Start the threads of the first `num_workers` workers (they wait in the scheduler)."""
+        for worker in range(self._num_workers):
             self.add_worker(worker)
 
     def add_worker(self, worker: int) -> None:

@@ -1,6 +1,5 @@
 """The executors psclient's TF calls go through, and streamed registrations.
 
-TensorFlow internals, like `runtime` (which re-exports what the rest uses).
 TF runs a thread's eager ops and function calls through that thread's
 executor: TF's default one is shared by every thread of the process. Each
 dispatcher thread calls through one of its own (`new_call_executor`), and
@@ -16,6 +15,10 @@ import re
 import threading
 import time
 from typing import Any, Callable
+
+import tensorflow as tf
+from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager import context, executor
 
 __all__ = [
     "executor_scope",
@@ -48,8 +51,6 @@ def new_call_executor(streaming: bool | None = None):
     the sync fails), then with "Client for target ... not found" once it was
     dropped. TF reads the switch when it makes the executor.
     """
-    from tensorflow.python.eager import executor
-
     with _env_lock:
         # Set back afterwards, to TF's default when it was unset, never removed:
         # TF's threads read the environment while this runs.
@@ -129,9 +130,6 @@ def executor_scope(executor_in_scope):
     default executor's, a health probe's op to a hung task included; a
     `schedule()` then stalled until the task answered.
     """
-    from tensorflow.python import pywrap_tfe
-    from tensorflow.python.eager import context
-
     ctx = context.context()
     ctx.ensure_initialized()
     handle = ctx._context_handle  # noqa: SLF001 - TF's own scope uses it the same way
@@ -163,9 +161,6 @@ class _UnwaitedExecutor:
 
 def _kept_streaming_executor():
     """A streaming executor that is never waited for nor deleted (see `streamed_registrations`)."""
-    from tensorflow.python import pywrap_tfe
-    from tensorflow.python.eager import executor
-
     class _Kept(executor.Executor):
         __slots__ = ()
 
@@ -179,8 +174,6 @@ def until_registered(build: Callable[[], Any], attempts: int = 25) -> Any:
     """`build()`, made again (bounded: about 10 s) while the worker does not know
     a function yet (`function_not_registered_yet`): a per-worker value built
     right after its dataset function was traced can overtake the registration."""
-    import tensorflow as tf
-
     for attempt in range(attempts):
         try:
             return build()
@@ -197,8 +190,6 @@ def function_not_registered_yet(error: BaseException) -> bool:
     Registrations travel down each task's stream without being waited for
     (see `connect`); a dispatcher's call travels its own way and can arrive first.
     """
-    import tensorflow as tf
-
     if not isinstance(error, tf.errors.NotFoundError):
         return False
     return _NOT_REGISTERED.search(str(error)) is not None

@@ -3,7 +3,7 @@
 `RecoveryMachine.handle(event, now)` is the only way recovery state changes.
 It does no I/O, starts no thread and never waits: the clock value comes in
 with each event, and what must happen comes out as a list of actions, which
-one thread (`psclient._coordinator.recovery`) carries out in order. Actions
+one thread (`psclient._engine.recovery`) carries out in order. Actions
 marked *operation* below report their outcome back as a `Done` event; the
 machine starts at most one operation at a time. Dispatcher threads only
 report what they saw (`WorkerNotAnswering`, `PsNotAnswering`).
@@ -37,7 +37,7 @@ Done(op, ok, value, error)                | the next step of the flow that start
 WorkerAdded(worker, ticket)               | a rejoin candidate; Finish(ticket) once up
 WorkerRetired(worker, ticket)             | out of every Reconnect; RETIRED and
                                           | Finish(ticket) once out of TF's view
-                                          | (both: recovery_elastic.py)
+                                          | (both: joining.py)
 Shutdown()                                | Finish every waiting ticket; nothing after
 
 Flows, tried after each event in this order, one at a time:
@@ -103,7 +103,8 @@ from psclient._core.recovery_messages import (  # noqa: F401 - the machine's voc
     WorkerRetired,
     WorkerSeen,
 )
-from psclient._core.recovery_elastic import ElasticFlows
+from psclient._core.checkpoint_schedule import CheckpointSchedule
+from psclient._core.joining import Joins
 from psclient._core.retry import Backoff
 
 
@@ -128,9 +129,9 @@ class MachineConfig:
     ps_attempts: int = 3
 
 
-class RecoveryMachine(ElasticFlows):
+class RecoveryMachine:
     """The recovery state of every task; see the module docstring. Workers join and
-    leave at run time (`ElasticFlows`, recovery_elastic.py)."""
+    leave at run time (their tickets: `Joins`, joining.py)."""
 
     def __init__(self, config: MachineConfig, now: float):
         self.config = config
@@ -159,16 +160,13 @@ class RecoveryMachine(ElasticFlows):
         self._rounds = 0
         self._paused_at_round = 0
         # checkpoints
-        self._has_checkpoint = config.has_checkpoint
-        self._saved_once = False
-        self._saved_at = now
-        self._saved_completed = 0
-        self._requests: list[tuple[Any, str]] = []
+        self._checkpoints = CheckpointSchedule(interval=config.checkpoint_interval, every=config.checkpoint_every,
+                                               has_checkpoint=config.has_checkpoint, now=now)
         self._ckpt_waiting_since: float | None = None
         self._ckpt_reason = ""
         # A failed checkpoint or drop is tried again after a growing pause, not at once.
         self.backoff = Backoff(base=min(0.5, config.interval), cap=30.0)
-        self._init_elastic()
+        self._joins = Joins()
 
     # ------------------------------------------------------------ queries
     def blocking(self) -> list[int]:
@@ -253,7 +251,7 @@ class RecoveryMachine(ElasticFlows):
             self._ps_failures = 0
             # Hold the queue at once: until the recovery, every closure fails against it.
             actions.append(PauseDispatch("ps"))
-            if not (self.config.checkpointing and self._has_checkpoint):
+            if not (self.config.checkpointing and self._checkpoints.has_checkpoint):
                 why = ("this strategy has no checkpoint_dir to restore its variables from"
                        if not self.config.checkpointing else "no checkpoint had been written yet")
                 actions += self._give_up_ps(why)
@@ -267,18 +265,44 @@ class RecoveryMachine(ElasticFlows):
     def _on_CheckpointRequested(self, event: CheckpointRequested, now: float) -> list:
         if not self.config.checkpointing:
             return [Finish(event.ticket, value=None)]
-        self._requests.append((event.ticket, event.reason))
+        self._checkpoints.request(event.ticket, event.reason)
         return []
 
     def _on_Restored(self, event: Restored, now: float) -> list:
-        self._has_checkpoint = True
+        self._checkpoints.has_checkpoint = True
         return []
 
     def _on_Shutdown(self, event: Shutdown, now: float) -> list:
         self.closed = True
-        actions = [Finish(ticket, error="closed") for ticket, _ in self._requests]
-        self._requests.clear()
-        return actions + self._elastic_shutdown()
+        return self._checkpoints.closed() + self._joins.shutdown()
+
+    def _on_WorkerAdded(self, event: WorkerAdded, now: float) -> list:
+        refused = self._joins.add(event.worker, event.ticket, self.workers, self.epochs)
+        if not refused:
+            self._back_since[event.worker] = now  # a rejoin candidate: the rejoin flow brings it in
+        return refused
+
+    def _on_WorkerRetired(self, event: WorkerRetired, now: float) -> list:
+        worker = event.worker
+        if worker >= len(self.workers) or self.workers[worker] is TaskState.RETIRED:
+            return [Finish(event.ticket, value=worker)]
+        actions = self._joins.leave(worker, event.ticket)
+        self._back_since.pop(worker, None)
+        if not self._up() and self._all_down_since is None:
+            self._all_down_since = now
+        return actions + self._retire_out_of_view()
+
+    def leaving(self) -> list[int]:
+        """Retired workers still in TF's view."""
+        return self._joins.leaving()
+
+    def _retire_out_of_view(self) -> list:
+        # A Reconnect under way may still put a worker it names into the view.
+        coming = self.op.workers if isinstance(self.op, Reconnect) else frozenset()
+        actions, left = self._joins.out_of_view(self.view, coming, self.workers)
+        for worker in left:
+            self._back_since.pop(worker, None)
+        return actions
 
     def _on_Done(self, event: Done, now: float) -> list:
         op, self.op = event.op, None
@@ -326,14 +350,14 @@ class RecoveryMachine(ElasticFlows):
         return actions
 
     def _gone_in_view(self) -> list[int]:
-        return [w for w in self.view if self.workers[w] is TaskState.LOST or w in self._leaving]
+        return [w for w in self.view if self.workers[w] is TaskState.LOST or self._joins.is_leaving(w)]
 
     def _up(self) -> frozenset:
         """Workers that take work (a leaving one is no longer among them)."""
-        return frozenset(w for w, s in enumerate(self.workers) if s is TaskState.UP and w not in self._leaving)
+        return frozenset(w for w, s in enumerate(self.workers) if s is TaskState.UP and not self._joins.is_leaving(w))
 
     def _reconnect(self, workers: frozenset, purpose: str, returning: int | None = None) -> list:
-        return self._start(Reconnect(workers, purpose, returning, self._leaving_in_view(workers)))
+        return self._start(Reconnect(workers, purpose, returning, self._joins.leaving_in_view(self.view, workers)))
 
     def _may_reconnect(self, actions: list) -> bool:
         """The guards every Reconnect passes."""
@@ -361,7 +385,7 @@ class RecoveryMachine(ElasticFlows):
     def _advance_rejoin(self, now: float) -> list:
         if self.broken:
             return []
-        for worker in sorted(w for w in self._back_since if w not in self._leaving):
+        for worker in sorted(w for w in self._back_since if not self._joins.is_leaving(w)):
             # (It answers again, so it does not count as hanging itself.)
             actions: list = []
             if not self._may_reconnect(actions):
@@ -374,7 +398,7 @@ class RecoveryMachine(ElasticFlows):
         worker = op.returning if isinstance(op, Reconnect) else op.worker
         if self.workers[worker] is not TaskState.REJOINING:
             return []
-        if worker in self._leaving:  # removed meanwhile: the flow ends, the drop flow takes it out
+        if self._joins.is_leaving(worker):  # removed meanwhile: the flow ends, the drop flow takes it out
             self.workers[worker] = TaskState.UP if event.ok else TaskState.SUSPECT
             return []
         if self.lost_ps():
@@ -393,7 +417,7 @@ class RecoveryMachine(ElasticFlows):
         self.workers[worker] = TaskState.UP
         self.epochs[worker] += 1
         self._all_down_since = None
-        return self._joined(worker, since, now)
+        return self._joins.joined(worker, since, now)
 
     def _advance_ps(self, now: float) -> list:
         if self.broken or self._ps_since is None or self._ps_retry_next_round:
@@ -455,16 +479,7 @@ class RecoveryMachine(ElasticFlows):
         self._ps_since = self._ps_back_at = None
 
     def _checkpoint_due(self, now: float) -> str | None:
-        if self._requests:
-            return self._requests[0][1]
-        if not self.config.checkpointing or not self._saved_once or self.broken:
-            return None  # nothing to save before the first requested one
-        interval, every = self.config.checkpoint_interval, self.config.checkpoint_every
-        if interval is not None and now - self._saved_at >= interval:
-            return "interval"
-        if every is not None and self._completed - self._saved_completed >= every:
-            return "interval"
-        return None
+        return self._checkpoints.due(now, self._completed, periodic=self.config.checkpointing and not self.broken)
 
     def _advance_checkpoint(self, now: float) -> list:
         reason = self._checkpoint_due(now)
@@ -487,21 +502,16 @@ class RecoveryMachine(ElasticFlows):
             return self._start(Checkpoint(self._ckpt_reason))
         if now - self._ckpt_waiting_since >= self.config.hang_timeout:
             self._ckpt_waiting_since = None
-            requests, self._requests = self._requests, []
-            return [ResumeDispatch("checkpoint"), *(Finish(t, value=None) for t, _ in requests)]
+            return [ResumeDispatch("checkpoint"), *self._checkpoints.skipped()]
         return []
 
     def _checkpoint_done(self, event: Done, now: float) -> list:
-        requests, self._requests = self._requests, []
-        self._saved_at = now
         if event.ok:
             path, completed = event.value
-            self._saved_once = self._has_checkpoint = True
-            self._saved_completed = completed
-            finish = [Finish(t, value=path) for t, _ in requests]
+            finish = self._checkpoints.saved(now, path, completed)
             self.backoff.succeeded("checkpoint")
         else:
-            finish = [Finish(t, error=event.error) for t, _ in requests]
+            finish = self._checkpoints.failed(now, event.error)
             self.backoff.failed("checkpoint", now)
         return [ResumeDispatch("checkpoint"), *finish]
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from psclient._coordinator import registry
-from psclient._coordinator import runtime as _runtime
-from psclient._coordinator.dispatch import Dispatcher
-from psclient._coordinator.recovery import Recovery
+from psclient._engine import registry
+from psclient._engine.dispatch import Dispatcher
+from psclient._engine.edge import Edge
+from psclient._engine.recovery import Recovery
 from psclient._core.health import Prober
 from psclient._core.scheduler import Scheduler
 
@@ -22,9 +22,9 @@ __all__ = ["leave", "shutdown_quietly", "stop_dispatch"]
 log = logging.getLogger("psclient")
 
 
-def leave(strategy: Any) -> None:
+def leave(edge: Edge, strategy: Any) -> None:
     """Undo a constructor's connection: the next strategy can connect at once."""
-    _runtime.disconnect()
+    edge.disconnect()
     registry.release(strategy)
 
 
@@ -34,7 +34,7 @@ def stop_dispatch(scheduler: Scheduler, dispatcher: Dispatcher, timeout: float) 
 
 
 def shutdown_quietly(
-    scheduler: Scheduler, dispatcher: Dispatcher, recovery: Recovery, prober: Prober, timeout: float,
+    scheduler: Scheduler, dispatcher: Dispatcher, recovery: Recovery, prober: Prober, edge: Edge, timeout: float,
 ) -> None:
     stopped = recovery.stop(timeout)
     scheduler.close()
@@ -52,7 +52,7 @@ def shutdown_quietly(
     elif hung:
         log.warning("shutdown: worker(s) %s hang; TF's view of the cluster is kept", hung)
     else:
-        _runtime.disconnect()
+        edge.disconnect()
     if stuck:
         log.warning(
             "shutdown: %s still wait on a task that does not answer (hung?); they "

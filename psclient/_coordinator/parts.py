@@ -1,0 +1,106 @@
+"""The parts of a `ParameterServerStrategy`, built from its config in dependency order.
+
+Each part is given what it needs when it is made; nothing is filled in
+afterwards. TensorFlow's side (tracing, variables, per-worker values,
+checkpoints, the edge) is made here, then the engine (`psclient._engine`:
+dispatcher threads, probes, the recovery thread, elastic workers) around it:
+
+    edge, roster, scheduler
+    steps (scheduler) -> variable store (steps' renew) -> tracer (store, steps)
+    per-worker registry, checkpoints (roster, for messages)
+    engine (all of the above; retrace: the tracer by weak reference)
+
+Nothing is connected or started here: the strategy does that once every
+argument has passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+
+from psclient._cluster.spec import Cluster
+from psclient._coordinator.checkpoint import Checkpoints
+from psclient._coordinator.per_worker import resolve_per_worker
+from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
+from psclient._coordinator.sync import Steps
+from psclient._coordinator.engine_edge import TFEdge
+from psclient._coordinator.tracing import Tracer
+from psclient._core.closure import Closure
+from psclient._core.scheduler import Scheduler
+from psclient._engine.assembly import Engine
+from psclient._engine.config import StrategyConfig
+from psclient._engine.edge import Roster
+from psclient._engine.recovery import RecoveryConfig
+
+__all__ = ["Parts", "assemble"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    edge: TFEdge
+    scheduler: Scheduler
+    steps: Steps
+    store: VariableStore
+    tracer: Tracer
+    per_worker: PerWorkerRegistry
+    checkpoints: Checkpoints | None
+    engine: Engine
+
+
+def assemble(cluster: Cluster, config: StrategyConfig, *, checkpoint_dir: str | None,
+             partitioner, checkpoint_meta=None) -> Parts:
+    """Every part of a strategy on `cluster` (`checkpoint_dir` and `partitioner`: the config's, made concrete;
+    `checkpoint_meta(variables)`: what joins each checkpoint's layout, the data ledgers)."""
+    hang_timeout = config.hang_timeout
+    edge = TFEdge(streaming_enqueue=config.streaming)
+    roster = Roster(cluster)
+    scheduler = Scheduler(cluster.num_workers)
+    steps = Steps(scheduler, config.max_staleness, config.replicas_to_aggregate, timeout=hang_timeout,
+                  measured=config.measured)
+    store = VariableStore(cluster.num_ps, partitioner, on_renew=(steps.renew,))
+    tracer = Tracer(store.create, steps if config.measured else None)
+    per_worker = PerWorkerRegistry()
+    checkpoints = Checkpoints(
+        checkpoint_dir, keep=config.checkpoints_to_keep, overwrite=config.overwrite_checkpoints,
+        describe_ps=functools.partial(roster.address, "ps"),
+    ) if checkpoint_dir is not None else None
+    engine = Engine(
+        roster, edge=edge, scheduler=scheduler,
+        recovery_config=RecoveryConfig(
+            checkpoint_interval=config.checkpoint_interval, checkpoint_every=config.checkpoint_every,
+            hang_timeout=hang_timeout, worker_timeout=config.worker_timeout, ps_timeout=config.ps_timeout,
+            probe_timeout=min(10.0, hang_timeout), interval=min(1.0, hang_timeout / 4),
+        ),
+        pipeline_depth=config.pipeline_depth, connect_timeout=config.connect_timeout, prepare=prepare,
+        store=store, per_worker=per_worker, checkpoints=checkpoints, retrace=QueuedRetrace(tracer, scheduler),
+        checkpoint_meta=checkpoint_meta,
+    )
+    return Parts(edge, scheduler, steps, store, tracer, per_worker, checkpoints, engine)
+
+
+class QueuedRetrace:
+    """What the recovery thread calls after variables got new resources: trace what is queued again.
+
+    Holds the tracer by weak reference: the tracer holds the user's functions,
+    which may hold the strategy (a model holding the coordinator), and the
+    recovery thread must not keep them alive.
+    """
+
+    def __init__(self, tracer: Tracer, scheduler: Scheduler):
+        self._tracer = weakref.ref(tracer)
+        self._scheduler = scheduler
+
+    def __call__(self) -> None:
+        tracer = self._tracer()
+        if tracer is not None:  # None: the strategy is being collected
+            tracer.retrace(self._scheduler.queued())
+
+
+def prepare(closure: Closure, worker: int) -> tuple:
+    """What a dispatcher calls for `closure` on `worker` (per-worker values resolved)."""
+    if not closure.per_worker:
+        return closure.fn, closure.args, closure.kwargs
+    args, kwargs = resolve_per_worker(closure.args, closure.kwargs, worker)
+    return closure.fn, args, kwargs

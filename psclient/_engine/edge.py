@@ -1,0 +1,144 @@
+"""What the engine asks of TensorFlow: the `Edge` protocol.
+
+The engine (dispatch, recovery, probes, elastic workers, lifecycle) decides
+and orders; every TensorFlow call it needs goes through one object with these
+names, given to each part at construction. The strategy gives the real one
+(`psclient._coordinator.engine_edge.TFEdge`); `benchmarks/_sim.py` and
+`tests/_fake_edge.py` give fakes, so the real scheduler, dispatcher, probes,
+recovery thread and elastic workers run without TensorFlow.
+
+Closures' calls themselves go through the `prepare` callable given to the
+dispatcher (tracing is the strategy's). The TensorFlow-side parts the engine
+is given are named here too, by what it uses of them: the variables
+(`VariableStore`), the per-worker values (`PerWorkerValues`) and the
+checkpoints (`CheckpointStore`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, ContextManager, Protocol
+
+from psclient._cluster.spec import Cluster
+
+__all__ = ["CheckpointStore", "Edge", "PerWorkerValues", "Roster", "VariableStore"]
+
+
+class Edge(Protocol):
+    """Every TensorFlow operation the engine uses (see the module docstring)."""
+
+    def worker_device(self, index: int) -> str:
+        """The device name of worker `index` (TF's "/job:worker/replica:0/task:N")."""
+
+    def ps_device(self, index: int) -> str:
+        """The device name of ps task `index`'s CPU."""
+
+    def tcp_state(self, address: str, timeout: float) -> str:
+        """What a TCP connect to "host:port" gets within `timeout`: "open", "closed" or "timeout"."""
+
+    def tcp_reachable(self, address: str, timeout: float) -> bool:
+        """Whether something accepts TCP connections at `address`."""
+
+    def probe(self, device: str) -> None:
+        """One round trip to the task of `device`; raises what TF raises when it does not answer."""
+
+    def check_handle(self, variable: Any) -> None:
+        """Raises if `variable`'s ps task no longer holds its resource (it restarted)."""
+
+    def device_scope(self, device: str, worker: int) -> ContextManager:
+        """Where a dispatcher thread calls a closure's function for `worker`."""
+
+    def cancellable_call(self) -> ContextManager:
+        """A call that another thread may cancel: entering gives its `cancel()`."""
+
+    def function_not_registered_yet(self, error: BaseException) -> bool:
+        """Whether `error` says the function's registration has not reached the worker yet."""
+
+    def to_numpy(self, outputs: Any) -> Any:
+        """A call's outputs copied to the coordinator as numpy values."""
+
+    def name_error(self, error: BaseException, fn_name: str, where: str) -> BaseException:
+        """`error` of a scheduled function, its message naming the function and where it ran."""
+
+    def op_error(self) -> type:
+        """The base class of TF's op errors (what a failed call or connect raises)."""
+
+    def connect(self, cluster: Cluster, workers: list[int]) -> None:
+        """(Re)connect to `cluster` with only `workers` in TF's view (the others are down)."""
+
+    def disconnect(self) -> None:
+        """Leave TF's view of the cluster (the coordinator alone again)."""
+
+
+class VariableStore(Protocol):
+    """What the recovery thread and the probes use of the strategy's variables (`stores.VariableStore`)."""
+
+    def count(self) -> int:
+        """Variables created so far."""
+
+    def named(self) -> dict[str, Any]:
+        """Live variables by their checkpoint key."""
+
+    def renew(self, lost_ps: set) -> int:
+        """New resources for the variables on the lost ps tasks; how many."""
+
+    def one_per_ps(self) -> dict[int, Any]:
+        """A live variable on each ps task that holds any."""
+
+
+class PerWorkerValues(Protocol):
+    """What the engine uses of the per-worker datasets, iterators and resources (`stores.PerWorkerRegistry`)."""
+
+    def generation(self, worker: int) -> int:
+        """Changes each time `worker`'s iterators are renewed."""
+
+    def renew_iterators(self, worker: int, seen_generation: int) -> int:
+        """Make `worker`'s iterators again, unless renewed since `seen_generation`."""
+
+    def rebuild(self, worker: int | None, *, resources_only: bool) -> None:
+        """Build the per-worker values of `worker` (every worker: None) again."""
+
+
+class CheckpointStore(Protocol):
+    """What the recovery thread uses of the checkpoint directory (`checkpoint.Checkpoints`)."""
+
+    def latest(self) -> str | None:
+        """This run's newest checkpoint, or None."""
+
+    def check_writable(self) -> None:
+        """Raise FileExistsError if the directory holds another run's checkpoints."""
+
+    def save(self, variables: dict[str, Any], completed: int | None) -> str:
+        """Write one checkpoint of `variables`; return its path."""
+
+    def restore(self, variables: dict[str, Any], *, adopt: bool = False) -> dict | None:
+        """Assign every variable its newest checkpointed value."""
+
+
+class Roster:
+    """The cluster as it is now: elastic workers grow it, everyone else reads it.
+
+    Its workers are every worker slot, removed ones included (a slot and its
+    address never move). One object shared at construction by the parts that
+    name tasks (recovery, probes, checkpoints' messages), so a worker added
+    later is seen by all of them at once.
+    """
+
+    def __init__(self, cluster: Cluster):
+        self._cluster = cluster
+        self._lock = threading.Lock()
+
+    @property
+    def cluster(self) -> Cluster:
+        return self._cluster
+
+    def address(self, job: str, index: int) -> str:
+        return self._cluster.address(job, index)
+
+    def grow(self, address: str) -> int:
+        """One more worker slot at `address`; returns its index."""
+        with self._lock:
+            jobs = self._cluster.jobs
+            jobs["worker"].append(address)
+            self._cluster = Cluster(jobs)
+            return self._cluster.num_workers - 1

@@ -1,0 +1,100 @@
+"""TF's eager context and dispatch context, where no public API reaches.
+
+The coordinator's device names, the server definition a connected coordinator
+is pointed at, the worker index a scheduled function reads, the cross-replica
+mode of a strategy's scope, and TF's `ClosureInputError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+from tensorflow.core.protobuf.tensorflow_server_pb2 import ServerDef
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute.coordinator import coordinator_context
+from tensorflow.python.distribute.coordinator.cluster_coordinator import ClosureInputError
+from tensorflow.python.eager import context
+
+__all__ = [
+    "ClosureInputError",
+    "coordinator_cpu",
+    "cross_replica_context",
+    "current_device",
+    "current_worker",
+    "ensure_initialized",
+    "update_server_def",
+    "worker_index_scope",
+]
+
+
+def coordinator_cpu() -> str:
+    """The coordinator's own CPU device (for state that must not live on a task)."""
+    return context.context().host_address_space() + "/device:CPU:0"
+
+
+def current_device() -> str:
+    """The device name in force on this thread (a `tf.device` scope's, else empty)."""
+    return context.context().device_name
+
+
+def ensure_initialized() -> None:
+    """Make TF's eager context now (a connected coordinator starts its server, and binds its port, then)."""
+    context.ensure_initialized()
+
+
+def update_server_def(cluster_spec, filters, job_name: str) -> None:
+    """Point the running coordinator server at `cluster_spec`, as task 0 of `job_name`."""
+    server_def = ServerDef(
+        cluster=cluster_spec.as_cluster_def(),
+        job_name=job_name,
+        task_index=0,
+        protocol="grpc",
+        default_session_config=copy.deepcopy(context.context().config),
+        cluster_device_filters=filters._as_cluster_device_filters(),  # noqa: SLF001
+    )
+    context.context().update_server_def(server_def)
+
+
+class _WorkerIndex:
+    """What TF's dispatch context reads: the index of the worker a call runs on."""
+
+    __slots__ = ("worker_index",)
+
+    def __init__(self, worker_index: int):
+        self.worker_index = worker_index
+
+
+def worker_index_scope(worker: int):
+    """A context in which a call runs "on worker `worker`" as far as TF can tell.
+
+    A function that called `tf.distribute.coordinator.experimental_get_current_worker_index()`
+    when traced reads the index from TF's thread-local dispatch context each
+    time it is called; TF's coordinator enters it around every closure.
+    """
+    return coordinator_context.with_dispatch_context(_WorkerIndex(worker))
+
+
+def current_worker() -> int | None:
+    """The index of the worker this thread calls (a dispatcher thread's), else None."""
+    dispatch = coordinator_context.get_current_dispatch_context()
+    return None if dispatch is None else dispatch.worker_index
+
+
+@contextlib.contextmanager
+def cross_replica_context():
+    """Make `tf.distribute.in_cross_replica_context()` True, as in TF's strategy scope.
+
+    Pushes TF's cross-replica mode for its *default* strategy onto this
+    thread's stack (only a real `tf.distribute.Strategy`'s scope does this
+    publicly). `tf.distribute.get_strategy()` stays the default one, so Keras
+    and TF take the same code paths as without a strategy; only
+    `in_cross_replica_context()` / `get_replica_context()` answer as TF's
+    parameter-server strategy's scope does.
+    """
+    mode = distribute_lib._CrossReplicaThreadMode(distribute_lib._get_default_strategy())  # noqa: SLF001
+    distribute_lib._push_per_thread_mode(mode)  # noqa: SLF001
+    try:
+        yield
+    finally:
+        distribute_lib._pop_per_thread_mode()  # noqa: SLF001

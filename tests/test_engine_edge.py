@@ -1,0 +1,102 @@
+"""The engine (`psclient._engine`) against a fake TensorFlow edge: no TensorFlow.
+
+The real scheduler, dispatcher threads, failure probes, recovery thread and
+elastic workers, built as the strategy builds them (`Engine`), with every
+TensorFlow call going to `_fake_edge.FakeEdge`. Waits are on futures and
+events with generous limits, never fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _fake_edge import FakeEdge, fake_engine
+from _polling import wait_for
+
+from psclient._cluster.spec import Cluster
+from psclient._core.closure import Closure
+from psclient._core.future import Future
+from psclient._core.scheduler import Scheduler
+from psclient._engine import lifecycle
+
+LIMIT = 60.0
+
+
+@pytest.fixture
+def running():
+    """A started engine on two fake workers and one fake ps; stopped (and checked stopped) after."""
+    edge = FakeEdge(Cluster({"worker": ["fake-worker0:1", "fake-worker1:1"], "ps": ["fake-ps0:1"]}))
+    scheduler = Scheduler(2)
+    engine = fake_engine(edge, scheduler)
+    engine.start_dispatch()
+    engine.start_recovery()
+    yield edge, engine
+    lifecycle.shutdown_quietly(scheduler, engine.dispatcher, engine.recovery, engine.prober, edge, 10.0)
+    assert engine.dispatcher.alive_threads == 0
+    assert edge.disconnects == 1  # nothing hung: TF's view is left
+
+
+def submit(engine, fn, *args) -> Future:
+    closure = Closure(fn, args, {}, Future(getattr(fn, "__name__", "fn")))
+    engine.scheduler.submit(closure)
+    return closure.future
+
+
+def double(x):
+    return 2 * x
+
+
+def test_closures_run_on_the_workers_and_resolve_once(running):
+    edge, engine = running
+    futures = [submit(engine, double, i) for i in range(20)]
+    assert [f.result(timeout=LIMIT) for f in futures] == [2 * i for i in range(20)]
+    assert set(edge.calls) <= {0, 1} and len(edge.calls) == 20
+
+
+def test_a_dead_workers_closures_run_elsewhere_and_it_rejoins_once_back(running):
+    edge, engine = running
+    edge.state["fake-worker1:1"] = "dead"
+    futures = [submit(engine, double, i) for i in range(10)]
+    assert [f.result(timeout=LIMIT) for f in futures] == [2 * i for i in range(10)]
+    wait_for(lambda: not engine.scheduler.stats()["workers"][1]["up"], LIMIT, "worker 1 taken out")
+    edge.state["fake-worker1:1"] = "up"  # restarted: the recovery thread reconnects it
+    wait_for(lambda: engine.scheduler.stats()["workers"][1]["up"], LIMIT, "worker 1 back")
+    assert any(1 in workers for workers in edge.connects)
+    assert submit(engine, double, 21).result(timeout=LIMIT) == 42
+
+
+def test_an_added_worker_joins_through_the_edge_and_a_removed_one_leaves(running):
+    edge, engine = running
+    edge.add("fake-worker2:1")
+    assert engine.elastic.add_worker("fake-worker2:1", timeout=LIMIT) == 2
+    assert engine.roster.cluster.workers[2] == "fake-worker2:1"  # every part reads the grown cluster
+    assert engine.elastic.workers == {0: "fake-worker0:1", 1: "fake-worker1:1", 2: "fake-worker2:1"}
+    assert 2 in edge.connects[-1]  # the reconnect named it
+    engine.elastic.remove_worker(0, drain=True, timeout=LIMIT)
+    assert 0 not in edge.connects[-1] and engine.elastic.workers.keys() == {1, 2}
+    futures = [submit(engine, double, i) for i in range(10)]
+    assert [f.result(timeout=LIMIT) for f in futures] == [2 * i for i in range(10)]
+    assert 0 not in edge.calls[-10:]
+
+
+def test_adding_an_address_nothing_serves_names_it():
+    from psclient._core.errors import TaskUnreachableError
+
+    edge = FakeEdge(Cluster({"worker": ["fake-worker0:1"], "ps": ["fake-ps0:1"]}))
+    engine = fake_engine(edge, Scheduler(1), hang_timeout=0.5)  # connect_timeout: 0.5 s
+    with pytest.raises(TaskUnreachableError, match="fake-worker9:1"):
+        engine.elastic.add_worker("fake-worker9:1")
+
+
+def test_the_real_edge_and_the_fakes_provide_every_name_of_the_protocol():
+    import inspect
+
+    from psclient._coordinator.engine_edge import TFEdge
+    from psclient._engine.edge import Edge
+
+    names = {n for n, v in vars(Edge).items() if inspect.isfunction(v) and not n.startswith("_")}
+    assert {"connect", "disconnect", "probe", "tcp_state", "worker_device"} <= names
+    for edge in (TFEdge, FakeEdge):
+        missing = sorted(n for n in names if not callable(getattr(edge, n, None)))
+        assert not missing, f"{edge.__name__} lacks {missing}"
+    # The real edge binds the strategy's choice; the engine passes only the cluster and workers.
+    assert list(inspect.signature(TFEdge.connect).parameters)[:3] == ["self", "cluster", "workers"]
