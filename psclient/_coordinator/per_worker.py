@@ -308,7 +308,7 @@ def check_dataset_fn(dataset_fn: Callable, argument: str = "dataset_fn") -> None
         return  # builtins and C functions: let the call itself decide
     try:
         signature.bind(object())
-    except TypeError:
+    except TypeError:  # bind's message is about our probe argument, not the user's function
         raise TypeError(
             f"Invalid value for argument `{argument}`. Received: a function with signature "
             f"{getattr(dataset_fn, '__name__', 'dataset_fn')}{signature}. Expected a function "

@@ -208,7 +208,7 @@ def _check_make_dataset(make_dataset: Any) -> None:
         return  # builtins: the call decides
     try:
         signature.bind(object())
-    except TypeError:
+    except TypeError:  # bind's message is about our probe argument, not the user's function
         raise TypeError(
             f"Invalid value for argument `make_dataset`. Received: a function with signature "
             f"{getattr(make_dataset, '__name__', 'make_dataset')}{signature}. Expected a function taking "

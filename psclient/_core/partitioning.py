@@ -67,7 +67,7 @@ def shard_count(name: str, shape: Sequence[int], result) -> int:
     )
     try:
         counts = [operator.index(c) for c in result]
-    except TypeError:
+    except TypeError:  # operator.index's message names no variable; ours says what was expected
         raise PartitionError(
             f"The variable_partitioner returned an invalid partition for variable {name!r}. "
             f"Received: {result!r} of type {type(result).__name__}. {expected}"
