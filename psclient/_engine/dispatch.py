@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from psclient._engine.edge import Edge, PerWorkerValues
 from psclient._core.failures import Verdict, classify, iterator_cancelled, retry_pause
-from psclient._core.recovery_machine import PsNotAnswering, WorkerNotAnswering
+from psclient._core.recovery_messages import PsNotAnswering, WorkerNotAnswering
 from psclient._core.closure import Closure
 from psclient._core.scheduler import Scheduler
 

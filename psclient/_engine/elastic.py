@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 from psclient._cluster.spec import Cluster, address_problem
-from psclient._core import recovery_machine as rm
+from psclient._core import recovery_messages as rm
 from psclient._core.errors import TaskUnreachableError
 from psclient._core.scheduler import Scheduler
 from psclient._engine.dispatch import Dispatcher

@@ -28,9 +28,10 @@ from typing import Any, Callable
 
 from psclient._engine.edge import CheckpointStore, Edge, PerWorkerValues, Roster, VariableStore
 from psclient._engine.probes import FailureProbes, Published
-from psclient._core import recovery_machine as rm
+from psclient._core import recovery_messages as rm
 from psclient._core.errors import PSUnavailableError, StrategyClosedError, WorkerUnavailableError
 from psclient._core.health import Prober
+from psclient._core.recovery_machine import MachineConfig, RecoveryMachine
 from psclient._core.scheduler import Scheduler
 
 __all__ = ["Recovery", "RecoveryConfig"]
@@ -108,7 +109,7 @@ class Recovery:
         self._clock = clock
         self.checkpoints = checkpoints
         cluster = roster.cluster
-        self._machine = rm.RecoveryMachine(rm.MachineConfig(
+        self._machine = RecoveryMachine(MachineConfig(
             num_workers=cluster.num_workers, num_ps=cluster.num_ps,
             hang_timeout=config.hang_timeout, worker_timeout=config.worker_timeout,
             ps_timeout=config.ps_timeout, interval=config.interval,
