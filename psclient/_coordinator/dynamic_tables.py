@@ -34,6 +34,7 @@ import tensorflow as tf
 from psclient._coordinator.runtime import coordinator_cpu
 from psclient._engine import registry
 from psclient._core import dynamic_tables as rules
+from psclient._core.errors import first_line
 
 __all__ = ["DynamicTable", "initial_rows", "live_tables", "mix64", "shard_of", "stats_on_ps"]
 
@@ -72,9 +73,7 @@ def _shard_stats_or_unavailable(table: "DynamicTable", index: int) -> dict:
     try:
         return table.shard_stats(index)
     except tf.errors.OpError as error:
-        message = (error.message or "").strip().splitlines()
-        return {"ps": index, "available": False,
-                "error": f"{type(error).__name__}: {message[0] if message else ''}"}
+        return {"ps": index, "available": False, "error": f"{type(error).__name__}: {first_line(error)}"}
 
 
 def _shift(x, bits: int):
