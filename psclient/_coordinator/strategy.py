@@ -113,7 +113,6 @@ class ParameterServerStrategy(TFStrategyAPI):
             checkpoint_dir = check_directory(checkpoint_dir)  # a regular file fails before connecting
         _runtime.wait_reachable(cluster, connect_timeout)
         self._closed = False
-        self._cluster_coordinator = None  # set by the first ClusterCoordinator(self)
         self._shutdown_lock = threading.Lock()
         self._pipeline_depth = pipeline_depth
         self._hang_timeout = hang_timeout
