@@ -1,8 +1,13 @@
-"""Fixtures shared by every test module: one real LocalCluster for the session.
+"""Fixtures shared by every test module: real LocalClusters for the session.
 
-Tests that kill, stop or restart tasks of the shared `local_cluster` must leave
-every task running when they finish (restart/resume), or start their own
-LocalCluster instead.
+`local_cluster` (2 workers, 1 ps) serves most modules; `two_workers_two_ps` and
+`one_worker_two_ps` serve the modules that need those shapes (a TF task takes
+seconds to start, so one cluster per shape, not one per module). Each shape's
+cluster is closed after the last test that uses it, to keep no idle tasks.
+
+Tests that kill, stop or restart tasks of a shared cluster must leave every
+task running when they finish (restart/resume; the `restore_shared_clusters` fixture), or
+start their own LocalCluster instead.
 """
 
 import os
@@ -18,11 +23,19 @@ if _ROOT not in sys.path:
 from psclient._cluster.local import LocalCluster  # noqa: E402
 
 
+# The shared clusters besides `local_cluster`, by fixture name: (workers, ps).
+_SHAPES = {"two_workers_two_ps": (2, 2), "one_worker_two_ps": (1, 2)}
+_open_clusters: dict[str, LocalCluster] = {}  # the open shared clusters, local_cluster too
+_last_modules: dict[str, object] = {}  # fixture name -> path of the last module that uses it
+
+
 @pytest.fixture(scope="session")
 def local_cluster():
     """A LocalCluster with 2 workers and 1 ps, shared by the whole session."""
     with LocalCluster(num_workers=2, num_ps=1) as cluster:
+        _open_clusters["local_cluster"] = cluster
         yield cluster
+        _open_clusters.pop("local_cluster", None)
 
 
 @pytest.fixture(scope="module")
@@ -37,3 +50,57 @@ def strategy(local_cluster):
     s = ParameterServerStrategy(local_cluster.cluster)
     yield s
     s.shutdown()
+
+
+
+
+def _shared(name):
+    num_workers, num_ps = _SHAPES[name]
+    with LocalCluster(num_workers=num_workers, num_ps=num_ps) as cluster:
+        _open_clusters[name] = cluster
+        yield cluster
+        _open_clusters.pop(name, None)
+
+
+@pytest.fixture(scope="session")
+def two_workers_two_ps():
+    """A LocalCluster with 2 workers and 2 ps, shared by the modules of that shape."""
+    yield from _shared("two_workers_two_ps")
+
+
+@pytest.fixture(scope="session")
+def one_worker_two_ps():
+    """A LocalCluster with 1 worker and 2 ps, shared by the modules of that shape."""
+    yield from _shared("one_worker_two_ps")
+
+
+@pytest.fixture
+def restore_shared_clusters():
+    """After the test: every task of the shared clusters runs again (restarts the ones it killed)."""
+    yield
+    for cluster in list(_open_clusters.values()):
+        for job, index, _ in cluster.cluster.tasks():
+            if not cluster.is_running(job, index):
+                cluster.restart(job, index)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """Notes the last module (in run order, after deselection) using each shared shape."""
+    _last_modules.clear()
+    for item in items:
+        for name in _SHAPES:
+            if name in getattr(item, "fixturenames", ()):
+                _last_modules[name] = item.path
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Closes a shared cluster after the last module that uses it, once that
+    module's own fixtures (its strategies) are torn down."""
+    yield
+    if nextitem is not None and nextitem.path == item.path:
+        return
+    for name, path in list(_last_modules.items()):
+        if path == item.path and name in _open_clusters:
+            _open_clusters.pop(name).close()  # its session finalizer closes it again: idempotent

@@ -99,18 +99,18 @@ NUM_PS = 2
 
 
 @pytest.fixture(scope="module")
-def strategy():
-    """2 workers + 2 ps and the TF tutorial's partitioner (this module's own:
-    the shared session cluster has one ps, so nothing would be sharded)."""
-    with psclient.LocalCluster(num_workers=2, num_ps=NUM_PS) as local:
-        partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
-            min_shard_bytes=256 << 10, max_shards=NUM_PS
-        )
-        s = psclient.ParameterServerStrategy(local.cluster, variable_partitioner=partitioner)
-        try:
-            yield s
-        finally:
-            s.shutdown()
+def strategy(two_workers_two_ps):
+    """2 workers + 2 ps and the TF tutorial's partitioner (the shared 2 + 2
+    cluster: `local_cluster` has one ps, so nothing would be sharded)."""
+    assert two_workers_two_ps.cluster.num_ps == NUM_PS
+    partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=256 << 10, max_shards=NUM_PS
+    )
+    s = psclient.ParameterServerStrategy(two_workers_two_ps.cluster, variable_partitioner=partitioner)
+    try:
+        yield s
+    finally:
+        s.shutdown()
 
 
 @pytest.mark.cluster

@@ -5,9 +5,10 @@ worker's failure is handled by re-running its functions elsewhere, training
 goes on when it comes back) and the situations TF's own fault-tolerance
 cases put a coordinator in: a worker killed and restarted between functions,
 both workers killed and restarted while functions run, and a coordinator
-released without `shutdown()`. The cases on 2 workers and 2 ps share one
-LocalCluster (every task is running again when each case ends; a TF task
-process takes seconds to start); the 1 worker, 1 ps case starts its own.
+released without `shutdown()`. The cases on 2 workers and 2 ps use the
+session's shared `two_workers_two_ps` cluster (every task is running again
+when each case ends; a TF task process takes seconds to start); the 1 worker,
+1 ps case starts its own.
 """
 
 import contextlib
@@ -21,7 +22,8 @@ from _polling import wait_for
 
 import psclient
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420),
+              pytest.mark.usefixtures("restore_shared_clusters")]
 
 
 def _psclient_threads():
@@ -72,14 +74,8 @@ class _Training:
         self.coordinator.join()
 
 
-@pytest.fixture(scope="module")
-def two_workers_two_ps():
-    with psclient.LocalCluster(num_workers=2, num_ps=2) as local:
-        yield local
-
-
 def _cluster(request, num_workers, num_ps):
-    """The module's 2 workers, 2 ps cluster (left open), or a fresh one of that shape."""
+    """The shared 2 workers, 2 ps cluster (left open), or a fresh one of that shape."""
     if (num_workers, num_ps) == (2, 2):
         return contextlib.nullcontext(request.getfixturevalue("two_workers_two_ps"))
     return psclient.LocalCluster(num_workers=num_workers, num_ps=num_ps)

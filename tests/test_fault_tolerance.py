@@ -1,7 +1,7 @@
 """Fault tolerance on a real LocalCluster: workers killed, hung and restarted; ps tasks lost.
 
-Each test makes its own strategy (with short timeouts) on this module's own
-cluster, and leaves every task running when it ends.
+Each test makes its own strategy (with short timeouts) on the session's
+shared `local_cluster`, and leaves every task running when it ends (`heal`).
 """
 
 import concurrent.futures
@@ -19,9 +19,8 @@ HANG_TIMEOUT = 3.0
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with psclient.LocalCluster(num_workers=2, num_ps=1) as local:
-        yield local
+def cluster(local_cluster):
+    return local_cluster
 
 
 @pytest.fixture

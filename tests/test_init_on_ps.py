@@ -21,12 +21,11 @@ ROWS, DIM = 1_000_000, 64  # 256 MB of float32, twice with Adagrad's accumulator
 
 
 @pytest.fixture(scope="module")
-def strategy():
-    with psclient.LocalCluster(num_workers=1, num_ps=2) as cluster:
-        s = psclient.ParameterServerStrategy(
-            cluster.cluster, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2))
-        yield s
-        s.shutdown()
+def strategy(one_worker_two_ps):
+    s = psclient.ParameterServerStrategy(
+        one_worker_two_ps.cluster, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2))
+    yield s
+    s.shutdown()
 
 
 def _rss() -> int:

@@ -45,14 +45,12 @@ def build():
 
 
 @pytest.fixture(scope="module")
-def strategy():
+def strategy(two_workers_two_ps):
     from psclient import ParameterServerStrategy
-    from psclient._cluster.local import LocalCluster
 
-    with LocalCluster(num_workers=2, num_ps=2) as cluster:
-        s = ParameterServerStrategy(cluster.cluster)
-        yield s
-        s.shutdown()
+    s = ParameterServerStrategy(two_workers_two_ps.cluster)
+    yield s
+    s.shutdown()
 
 
 def _local_copy(model):

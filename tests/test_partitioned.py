@@ -27,9 +27,8 @@ partitioners = tf.distribute.experimental.partitioners
 
 
 @pytest.fixture(scope="module")
-def local():
-    with psclient.LocalCluster(num_workers=2, num_ps=2) as local_cluster:
-        yield local_cluster
+def local(two_workers_two_ps):
+    return two_workers_two_ps
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +37,13 @@ def cluster(local):
 
 
 @pytest.fixture(scope="module")
-def one_worker_cluster():
+def one_worker_cluster(one_worker_two_ps):
     """For fit runs compared with local Keras: one worker gives the local order of steps.
 
-    Its own tasks: a strategy on a subset of another cluster's workers would
-    leave TF's device filters of the first connection in force.
+    A cluster of its own shape: a strategy on a subset of another cluster's
+    workers would leave TF's device filters of the first connection in force.
     """
-    with psclient.LocalCluster(num_workers=1, num_ps=2) as local:
-        yield local.cluster
+    return one_worker_two_ps.cluster
 
 
 @contextlib.contextmanager

@@ -11,13 +11,12 @@ pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
-def strategy():
-    with psclient.LocalCluster(num_workers=1, num_ps=2) as cluster:
-        # Whole variables, said explicitly: this module tests placing them
-        # (partitioned ones are tests/test_partitioned.py's).
-        s = psclient.ParameterServerStrategy(cluster.cluster, variable_partitioner=None)
-        yield s
-        s.shutdown()
+def strategy(one_worker_two_ps):
+    # Whole variables, said explicitly: this module tests placing them
+    # (partitioned ones are tests/test_partitioned.py's).
+    s = psclient.ParameterServerStrategy(one_worker_two_ps.cluster, variable_partitioner=None)
+    yield s
+    s.shutdown()
 
 
 def ps_of(variable):

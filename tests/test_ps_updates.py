@@ -26,7 +26,6 @@ import pytest
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
-from psclient._cluster.local import LocalCluster  # noqa: E402
 from psclient._coordinator.runtime import ps_index_of  # noqa: E402
 from psclient._coordinator.strategy import ParameterServerStrategy  # noqa: E402
 
@@ -44,13 +43,12 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 @pytest.fixture(scope="module")
-def strategy():
-    with LocalCluster(num_workers=1, num_ps=2) as local:
-        # Whole variables, said explicitly: this module reads the data path of
-        # unpartitioned ones (partitioned ones: tests/test_partitioned.py).
-        s = ParameterServerStrategy(local.cluster, variable_partitioner=None)
-        yield s
-        s.shutdown()
+def strategy(one_worker_two_ps):
+    # Whole variables, said explicitly: this module reads the data path of
+    # unpartitioned ones (partitioned ones: tests/test_partitioned.py).
+    s = ParameterServerStrategy(one_worker_two_ps.cluster, variable_partitioner=None)
+    yield s
+    s.shutdown()
 
 
 # ------------------------------------------------------------ models and data

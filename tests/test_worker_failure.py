@@ -9,9 +9,9 @@ pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with psclient.LocalCluster(num_workers=2, num_ps=1) as local:
-        yield local
+def cluster(local_cluster):
+    """The session's shared cluster: the test restarts the worker it kills."""
+    return local_cluster
 
 
 def test_killed_worker_closures_rerun_on_the_other(cluster):
