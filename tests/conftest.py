@@ -1,13 +1,13 @@
 """Fixtures shared by every test module: real LocalClusters for the session.
 
-`local_cluster` (2 workers, 1 ps) serves most modules; `two_workers_two_ps` and
-`one_worker_two_ps` serve the modules that need those shapes (a TF task takes
-seconds to start, so one cluster per shape, not one per module). Each shape's
-cluster is closed after the last test that uses it, to keep no idle tasks.
+`local_cluster` (2 workers, 1 ps) serves most modules; `two_workers_two_ps`,
+`one_worker_two_ps` and `three_workers_one_ps` serve the modules that need those
+shapes (a TF task takes seconds to start: one cluster per shape, not one per
+module). Each of these three is closed after the last module that uses it.
 
-Tests that kill, stop or restart tasks of a shared cluster must leave every
-task running when they finish (restart/resume; the `restore_shared_clusters` fixture), or
-start their own LocalCluster instead.
+Tests that kill, stop, throttle or restart tasks of a shared cluster must leave
+every task running at full speed when they finish (restart/resume, or the
+`restore_shared_clusters` fixture), or start their own LocalCluster instead.
 """
 
 import os
@@ -24,7 +24,7 @@ from psclient._cluster.local import LocalCluster  # noqa: E402
 
 
 # The shared clusters besides `local_cluster`, by fixture name: (workers, ps).
-_SHAPES = {"two_workers_two_ps": (2, 2), "one_worker_two_ps": (1, 2)}
+_SHAPES = {"two_workers_two_ps": (2, 2), "one_worker_two_ps": (1, 2), "three_workers_one_ps": (3, 1)}
 _open_clusters: dict[str, LocalCluster] = {}  # the open shared clusters, local_cluster too
 _last_modules: dict[str, object] = {}  # fixture name -> path of the last module that uses it
 
@@ -72,6 +72,12 @@ def two_workers_two_ps():
 def one_worker_two_ps():
     """A LocalCluster with 1 worker and 2 ps, shared by the modules of that shape."""
     yield from _shared("one_worker_two_ps")
+
+
+@pytest.fixture(scope="session")
+def three_workers_one_ps():
+    """A LocalCluster with 3 workers and 1 ps, shared by the modules of that shape."""
+    yield from _shared("three_workers_one_ps")
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ import threading
 import pytest
 import tensorflow as tf
 
-import psclient
 from psclient._coordinator import runtime
 
 pytestmark = pytest.mark.cluster
@@ -52,35 +51,36 @@ class _CallingThread:
                     self._answers.put((False, error))
 
 
-def test_calls_and_probes_of_a_healthy_worker_ignore_a_dead_one():
-    with psclient.LocalCluster(num_workers=2, num_ps=1) as local:
-        # Streaming on: TF then remembers the client each call went to.
-        runtime.connect(local.cluster, streaming_enqueue=True)
-        caller = None
-        try:
-            with tf.device(runtime.ps_device(0)):
-                counter = tf.Variable(0, dtype=tf.int64)
+@pytest.mark.usefixtures("restore_shared_clusters")
+def test_calls_and_probes_of_a_healthy_worker_ignore_a_dead_one(local_cluster):
+    local = local_cluster  # shared: restore_shared_clusters restarts worker 1 afterwards
+    # Streaming on: TF then remembers the client each call went to.
+    runtime.connect(local.cluster, streaming_enqueue=True)
+    caller = None
+    try:
+        with tf.device(runtime.ps_device(0)):
+            counter = tf.Variable(0, dtype=tf.int64)
 
-            @tf.function
-            def step():
-                counter.assign_add(1)
-                return counter.read_value()
+        @tf.function
+        def step():
+            counter.assign_add(1)
+            return counter.read_value()
 
-            caller = _CallingThread(0)
-            assert caller.call(step) == 1
-            # A probe made after a call on this (the main) thread's executor.
-            with tf.device(runtime.worker_device(0)):
-                assert step().numpy() == 2
-            runtime.connect(local.cluster, streaming_enqueue=True)  # a reconnect: new clients
-            local.kill("worker", 1)  # still in TF's view
+        caller = _CallingThread(0)
+        assert caller.call(step) == 1
+        # A probe made after a call on this (the main) thread's executor.
+        with tf.device(runtime.worker_device(0)):
+            assert step().numpy() == 2
+        runtime.connect(local.cluster, streaming_enqueue=True)  # a reconnect: new clients
+        local.kill("worker", 1)  # still in TF's view
 
-            assert caller.call(step) == 3
-            probed: list = []
-            prober = threading.Thread(target=lambda: probed.append(runtime.probe(runtime.worker_device(0))))
-            prober.start()
-            prober.join(60)
-            assert probed == [None], "the probe of the healthy worker did not answer"
-        finally:
-            if caller is not None:
-                caller.stop()
-            runtime.disconnect()
+        assert caller.call(step) == 3
+        probed: list = []
+        prober = threading.Thread(target=lambda: probed.append(runtime.probe(runtime.worker_device(0))))
+        prober.start()
+        prober.join(60)
+        assert probed == [None], "the probe of the healthy worker did not answer"
+    finally:
+        if caller is not None:
+            caller.stop()
+        runtime.disconnect()

@@ -51,9 +51,9 @@ class Heartbeat:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with psclient.LocalCluster(num_workers=3, num_ps=1) as local:
-        yield local
+def cluster(three_workers_one_ps):
+    """The session's shared 3 workers, 1 ps cluster: `heal` restores what a test stopped or killed."""
+    return three_workers_one_ps
 
 
 @pytest.fixture

@@ -167,9 +167,9 @@ def tc_works():
 
 
 @pytest.fixture(scope="module")
-def cluster(tc_works):
-    with psclient.LocalCluster(num_workers=2, num_ps=1) as local:
-        yield local
+def cluster(tc_works, local_cluster):
+    """The session's shared cluster: `partition` heals the cut and restarts what a test killed."""
+    return local_cluster
 
 
 @pytest.fixture

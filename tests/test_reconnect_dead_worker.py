@@ -19,13 +19,13 @@ import psclient
 from psclient._coordinator import runtime
 from tests._polling import wait_for
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("restore_shared_clusters")]
 
 
 @pytest.fixture(scope="module")
-def local():
-    with psclient.LocalCluster(num_workers=2, num_ps=1) as cluster:
-        yield cluster
+def local(local_cluster):
+    """The session's shared cluster: restore_shared_clusters restarts what a test killed."""
+    return local_cluster
 
 
 def _in_thread(fn, timeout):

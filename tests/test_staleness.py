@@ -1,6 +1,6 @@
 """Staleness measured, and bounded with `max_staleness`.
 
-One LocalCluster of 3 workers and 1 ps for the module; each test connects its
+The session's shared LocalCluster of 3 workers and 1 ps; each test connects its
 own strategy. A straggler is made with `LocalCluster.throttle`, so that stale
 updates really happen. What is checked against what: the staleness
 statistics against `optimizer.iterations` (every applied update counted once),
@@ -18,7 +18,6 @@ keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
 import psclient  # noqa: E402
-from psclient._cluster.local import LocalCluster  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,9 +29,9 @@ Y = tf.constant(RNG.integers(0, 4, 32).astype("int32"))
 
 
 @pytest.fixture(scope="module")
-def local():
-    with LocalCluster(num_workers=WORKERS, num_ps=1) as cluster:
-        yield cluster
+def local(three_workers_one_ps):
+    assert three_workers_one_ps.cluster.num_workers == WORKERS
+    return three_workers_one_ps
 
 
 @contextlib.contextmanager
