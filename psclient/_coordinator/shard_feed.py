@@ -22,7 +22,10 @@ the one it had started beside that read, then stops. So at most two batches
 of a cut-off attempt are trained twice: an attempt > 1 reports its first two
 batches' records as `replayed` (an upper bound: a worker that died trains
 nothing more, and a step cut off before its update reached the ps trained
-nothing). The attempt counters carry a random fence in their high 32 bits,
+nothing). With `steps_per_iteration=k` (fit's `steps_per_execution`) a loop
+iteration trains k batches between two position writes and attempt reads:
+the ledger costs a k-th as many ps operations per batch, and a cut-off attempt
+replays at most 2k batches (its first 2k are reported). The attempt counters carry a random fence in their high 32 bits,
 new at each `start_epoch`, so a closure of an earlier epoch or of a killed
 coordinator never takes itself for the newest attempt.
 
@@ -127,19 +130,30 @@ class ShardFeed:
         return (tf.constant(slot, tf.int64), shard.start, shard.end, shard.file)
 
     # ------------------------------------------------------------ the closure
-    def shard_function(self, step_fn: Callable, *, result_fn: Callable | None = None, name: str | None = None):
+    def shard_function(self, step_fn: Callable, *, result_fn: Callable | None = None, name: str | None = None,
+                       steps_per_iteration: int = 1):
         """A `tf.function(slot, start, end, file)` that runs `step_fn(batch)` on the shard's remaining batches.
 
         It returns `{"batches", "records", "replayed", "result"}`: batches and
         records it read, records it may have read twice (module doc), and
         `result_fn()` called after the loop (None without it; e.g. the
         model's metric results). `step_fn`'s own return value is dropped: keep
-        what you need in ps variables.
+        what you need in ps variables. `steps_per_iteration` (fit's
+        `steps_per_execution`): batches per loop iteration, so the shard's
+        position is written and its attempt read once every that many batches;
+        a cut-off attempt then replays at most twice that many batches.
         """
-        key = (id(step_fn), id(result_fn))
+        if isinstance(steps_per_iteration, bool) or not isinstance(steps_per_iteration, int) \
+                or steps_per_iteration < 1:
+            raise ValueError(
+                f"Invalid value for argument `steps_per_iteration`. Received: steps_per_iteration="
+                f"{steps_per_iteration!r}. Expected an integer >= 1."
+            )
+        key = (id(step_fn), id(result_fn), steps_per_iteration)
         if key in self._functions:
             return self._functions[key][1]
         sharded, positions, attempts = self._sharded, self._positions, self._attempts
+        every = steps_per_iteration
 
         def run_shard(slot, start, end, file):
             one = tf.ones([1], tf.int64)
@@ -150,24 +164,35 @@ class ShardFeed:
             retried = tf.math.floormod(attempt, _FENCE) > 1
             first = positions.sparse_read(slot)
             iterator = iter(sharded.call(start, end, file).skip(first))
+            zero = tf.constant(0, tf.int64)
 
-            def body(i, records, replayed, optional, _owner):
-                # Iteration i starts once iteration i-1, its step included, completed.
-                positions.scatter_max(tf.IndexedSlices(tf.reshape(first + i, [1]), slots))
-                # Read alongside the step (not in the loop condition, which would wait for it
-                # alone): a newer attempt on the shard (this worker was taken for hung, then woke
-                # up) owns it now, so stop after this batch instead of training it all again.
-                owner = tf.equal(attempts.sparse_read(slot), attempt)
+            def train(i, records, replayed, optional):
                 batch = optional.get_value()
                 step_fn(batch)
                 count = _records_in(batch)
-                replayed = replayed + tf.where(tf.logical_and(i < 2, retried), count, tf.constant(0, tf.int64))
-                return i + 1, records + count, replayed, iterator.get_next_as_optional(), owner
+                # A cut-off attempt trained at most its iteration and the next (module doc).
+                replayed = replayed + tf.where(tf.logical_and(i < 2 * every, retried), count, zero)
+                return i + 1, records + count, replayed, iterator.get_next_as_optional()
+
+            def body(i, records, replayed, optional, _owner):
+                # Iteration n starts once iteration n-1, its steps included, completed.
+                positions.scatter_max(tf.IndexedSlices(tf.reshape(first + i, [1]), slots))
+                # Read alongside the steps (not in the loop condition, which would wait for it
+                # alone): a newer attempt on the shard (this worker was taken for hung, then woke
+                # up) owns it now, so stop after this iteration instead of training it all again.
+                owner = tf.equal(attempts.sparse_read(slot), attempt)
+                if every == 1:
+                    return (*train(i, records, replayed, optional), owner)
+                # `every` batches (fewer at the shard's end) between two ledger writes.
+                end_of_iteration = i + every
+                i, records, replayed, optional = tf.while_loop(
+                    lambda i, r, p, o: tf.logical_and(i < end_of_iteration, o.has_value()),
+                    lambda i, r, p, o: train(i, r, p, o), (i, records, replayed, optional))
+                return i, records, replayed, optional, owner
 
             def more(i, records, replayed, optional, owner):
                 return tf.logical_and(optional.has_value(), owner)
 
-            zero = tf.constant(0, tf.int64)
             i, records, replayed, _, _ = tf.while_loop(
                 more, body, (zero, zero, zero, iterator.get_next_as_optional(), tf.constant(True)))
             with tf.control_dependencies([i]):
