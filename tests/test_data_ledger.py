@@ -162,6 +162,45 @@ def test_fit_honours_steps_per_execution(strategy):
         feed.shard_function(counting_step(counts), steps_per_iteration=0)
 
 
+def test_fit_reads_make_csv_dataset_with_its_default_shuffle_once_per_epoch(strategy, tmp_path):
+    import keras
+
+    # CSV files written here (offline), read with make_csv_dataset's defaults: shuffled without
+    # a seed, reshuffled per iteration, size unknown (num_epochs=1).
+    for part in range(3):
+        rows = "".join(f"{i},{i % 5}.0\n" for i in range(part * 40, (part + 1) * 40))
+        (tmp_path / f"part-{part}.csv").write_text("id,y\n" + rows)
+    with strategy.scope():
+        counts = tf.Variable(tf.zeros([120], tf.int64))
+
+        class CsvCounting(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.dense = keras.layers.Dense(1)
+
+            def call(self, features):
+                return self.dense(tf.cast(features["id"], tf.float32)[:, None] / 120.0)
+
+            def train_step(self, data):
+                ids = tf.cast(data[0]["id"], tf.int64)
+                counts.scatter_add(tf.IndexedSlices(tf.ones_like(ids), ids))
+                return super().train_step(data)
+
+        model = CsvCounting()
+        model.compile("sgd", "mse")
+    data = tf.data.experimental.make_csv_dataset(str(tmp_path / "part-*.csv"), batch_size=4, label_name="y",
+                                                 num_epochs=1)
+    per_epoch = []
+
+    class EveryEpoch(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            per_epoch.append(counts.numpy().copy())
+
+    model.fit(data, epochs=2, verbose=0, callbacks=[EveryEpoch()])
+    np.testing.assert_array_equal(per_epoch[0], np.ones([120]))  # each record once in epoch 0
+    np.testing.assert_array_equal(per_epoch[1], np.full([120], 2))  # and once more in epoch 1
+
+
 def test_backup_and_restore_resumes_the_epoch(strategy, tmp_path):
     import json
 
