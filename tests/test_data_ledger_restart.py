@@ -1,10 +1,8 @@
 """The data ledger across a coordinator SIGKILLed mid-epoch (strategy checkpoints) and a hung
 worker (SIGSTOP): records counted on the ps, each at least once, twice only when in flight."""
 
-import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -17,9 +15,9 @@ import psclient
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
-CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ledger_restart_child.py")
-sys.path.insert(0, os.path.dirname(CHILD))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _ledger_restart_child import BATCH, N, SHARD  # noqa: E402
+from _ledger_runs import run_coordinator, write_cluster_file  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,45 +26,20 @@ def cluster():
         yield local
 
 
-def child(cluster_file, checkpoint_dir, mode, kill_after_shards=None):
-    """Run the child coordinator; SIGKILL it once it reported `kill_after_shards` finished shards."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(CHILD)), os.environ.get("PYTHONPATH", "")]))
-    stderr = open(checkpoint_dir.parent / f"stderr-{mode}.txt", "w+")
-    process = subprocess.Popen([sys.executable, CHILD, str(cluster_file), str(checkpoint_dir), mode],
-                               stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
-    events = []
-    try:
-        for line in process.stdout:
-            if line.startswith("{"):
-                events.append(json.loads(line))
-                shards = sum(e["event"] == "shard" for e in events)
-                if kill_after_shards is not None and shards >= kill_after_shards:
-                    process.send_signal(signal.SIGKILL)  # mid-epoch, shards in flight
-                    break
-        process.wait(timeout=400)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
-        process.stdout.close()
-        stderr.seek(0)
-        tail = stderr.read()[-3000:]
-        stderr.close()
-    return process.returncode, events, tail
+def shards_finished_at_least(count):
+    return lambda events: sum(e["event"] == "shard" for e in events) >= count
 
 
 def test_a_coordinator_killed_mid_epoch_resumes_the_epoch(cluster, tmp_path):
     cluster_file = tmp_path / "cluster.json"
-    cluster_file.write_text(json.dumps({job: tasks for job, tasks in cluster.cluster.training_spec().items()
-                                        if job != "chief"}))
+    write_cluster_file(cluster, cluster_file)
     ckpt = tmp_path / "ckpt"
     num_shards = N // SHARD
-    code, first, err = child(cluster_file, ckpt, "first", kill_after_shards=num_shards // 2)
+    code, first, err = run_coordinator(cluster_file, ckpt, "first", kill_when=shards_finished_at_least(num_shards // 2))
     assert code == -signal.SIGKILL, err
     assert not any(e["event"] == "done" for e in first)
 
-    code, second, err = child(cluster_file, ckpt, "again")
+    code, second, err = run_coordinator(cluster_file, ckpt, "again")
     assert code == 0, (second, err)
     restored, done = second[0], second[-1]
     assert restored["event"] == "restored" and done["event"] == "done"
@@ -87,10 +60,41 @@ def test_a_coordinator_killed_mid_epoch_resumes_the_epoch(cluster, tmp_path):
     assert done["stats"]["done"] == num_shards and done["stats"]["records"] == N
 
     # The same program over other shards (as many: the ps variables match) is refused, not restarted.
-    code, third, err = child(cluster_file, ckpt, "other")
+    code, third, err = run_coordinator(cluster_file, ckpt, "other")
     assert code == 0, (third, err)
     assert third[-1]["event"] == "refused" and third[-1]["error"] == "LedgerMismatchError", third
     assert f"Received: a ledger of {num_shards} shards" in third[-1]["message"]
+
+
+def test_fit_killed_mid_epoch_resumes_the_epoch_after_restore(cluster, tmp_path):
+    # model.fit(ShardedDataset) with strategy checkpoints, SIGKILLed mid-epoch; the same script
+    # run again calls strategy.restore() and then fit: the epoch goes on where the checkpoint was.
+    cluster_file = tmp_path / "cluster.json"
+    write_cluster_file(cluster, cluster_file)
+    ckpt = tmp_path / "ckpt"
+    num_shards = N // SHARD
+
+    def half_done(events):
+        return any(e["event"] == "saved" for e in events) and events[-1].get("done", 0) >= num_shards // 2
+
+    code, first, err = run_coordinator(cluster_file, ckpt, "fit-first", kill_when=half_done)
+    assert code == -signal.SIGKILL, (first, err)
+    assert not any(e["event"] == "done" for e in first)
+
+    code, second, err = run_coordinator(cluster_file, ckpt, "fit-again")
+    assert code == 0, (second, err)
+    restored, begin, done = second[0], second[1], second[-1]
+    assert restored == {"event": "restored", "ledgers": 1}, second[:2]
+    assert begin["event"] == "begin" and done["event"] == "done", second
+    assert begin["epoch"] == 0 and 0 < len(begin["done"]) < num_shards, begin  # the same epoch resumed
+    counts = np.array(done["counts"])
+    assert counts.min() >= 1, "every record at least once"
+    done_ids = np.concatenate([np.arange(s * SHARD, (s + 1) * SHARD) for s in begin["done"]])
+    np.testing.assert_array_equal(counts[done_ids], 1)  # the shards done were not trained again
+    # Twice only for the batches a closure of the killed coordinator still trained after the
+    # restore: at most two batches of each shard it had in flight (fit keeps 4: two per worker).
+    assert counts.max() <= 2 and int((counts == 2).sum()) <= 4 * 2 * BATCH, counts
+    assert done["stats"]["done"] == num_shards and done["stats"]["records"] == N
 
 
 def make_dataset(shard):
