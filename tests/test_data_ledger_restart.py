@@ -176,3 +176,55 @@ def test_a_hung_worker_gives_its_shard_back_and_trains_at_most_two_batches_of_it
             cluster.resume("worker", 1)
         cluster.throttle("worker", 1, 1.0)
         strategy.shutdown()
+
+
+def test_a_lost_ps_rolls_the_ledger_back_with_the_variables(cluster, tmp_path):
+    # A ps killed mid-epoch and restarted: every variable comes back from the newest checkpoint,
+    # the per-record counts included, so the shards finished after that checkpoint must be
+    # trained again for every record to be in the epoch's final model at least once.
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, checkpoint_dir=str(tmp_path / "ckpt"),
+                                                checkpoint_every=100_000, hang_timeout=30, connect_timeout=120)
+    n = 480
+    try:
+        with strategy.scope():
+            counts = tf.Variable(tf.zeros([n], tf.int64))
+        data = psclient.data.ShardedDataset(psclient.data.range_shards(n, 40), make_dataset, seed=5)
+        feed = psclient.data.ShardFeed(strategy, data)
+
+        def step(ids):
+            x = tf.random.uniform([256, 256])
+            for _ in range(20):
+                x = tf.linalg.matmul(x, x) / 256.0
+            with tf.control_dependencies([x]):
+                counts.scatter_add(tf.IndexedSlices(tf.ones_like(ids), ids))
+
+        run_shard = feed.shard_function(step)
+        finished, saved_at, killed = [], [], threading.Event()
+
+        def kill_and_restart_ps():
+            cluster.kill("ps", 0)
+            cluster.restart("ps", 0, timeout=300)  # generous: a loaded machine starts TF slowly
+
+        def on_shard_done(item, result):
+            finished.append(item.slot)
+            if len(finished) == 3:
+                saved_at.append(sorted(feed.ledger.state()["done"]))
+                strategy.save_checkpoint()  # the checkpoint the ps comes back to: 3 shards done
+            if len(finished) == 6 and not killed.is_set():
+                killed.set()  # 3 more done since the checkpoint: lost with the ps
+                threading.Thread(target=kill_and_restart_ps, daemon=True).start()
+
+        stats = feed.run_epoch(run_shard, 0, on_shard_done=on_shard_done)
+        assert killed.is_set()
+        assert strategy.stats()["ps"][0]["recoveries"] == 1, strategy.stats()["ps"]
+        trained = counts.numpy()
+        assert trained.min() >= 1, ("every record at least once in the epoch's final model", trained)
+        assert trained.max() <= 2, trained
+        assert stats["done"] == n // 40 and stats["rolled_back_shards"] >= 1, stats
+        # The shards done at the checkpoint were not trained again.
+        done_ids = np.concatenate([np.arange(s * 40, (s + 1) * 40) for s in saved_at[0]])
+        np.testing.assert_array_equal(trained[done_ids], 1)
+    finally:
+        strategy.shutdown()
+        if not cluster.is_running("ps", 0):
+            cluster.restart("ps", 0, timeout=300)

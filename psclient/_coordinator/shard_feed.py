@@ -31,6 +31,10 @@ coordinator never takes itself for the newest attempt.
 
 The ledger (`psclient._core.ledger`) records which shards finished; its
 `state()` (with the positions read from the ps) is what a checkpoint saves.
+A lost ps restored from a checkpoint takes the ledger back with the
+variables (`roll_back_ledgers`, from the recovery thread): the shards done
+since are handed out again, and a result that arrives after the roll-back is
+checked against the restored position on the ps (`mark_done`).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from psclient._coordinator.shards import ShardedDataset
 from psclient._core.future import FIRST_COMPLETED, wait
 from psclient._core.ledger import Ledger, Work
 
-__all__ = ["LEDGERS_KEY", "ShardFeed", "ShardWork", "ledger_meta", "restore_ledgers"]
+__all__ = ["LEDGERS_KEY", "ShardFeed", "ShardWork", "ledger_meta", "restore_ledgers", "roll_back_ledgers"]
 
 #: Where a strategy checkpoint keeps the data ledgers (in its layout, by positions variable).
 LEDGERS_KEY = "data_ledgers"
@@ -61,12 +65,13 @@ log = logging.getLogger("psclient")
 class ShardWork:
     """One shard handed out: `args` are the arguments of a `shard_function` closure."""
 
-    def __init__(self, work: Work, args: tuple):
+    def __init__(self, work: Work, args: tuple, generation: int = 0):
         self.slot = work.slot
         self.shard = work.shard
         self.position = work.position
         self.epoch = work.epoch
         self.args = args
+        self.generation = generation  # the feed's roll-backs before it was handed out
 
     def __repr__(self) -> str:
         return f"<ShardWork slot={self.slot} {self.shard.as_list()} from batch {self.position}>"
@@ -109,6 +114,7 @@ class ShardFeed:
         self._functions: dict[Any, Any] = {}
         self._args = [self._tensors(slot) for slot in range(n)]
         self._restored = False
+        self._generation = 0  # roll-backs so far (a lost ps restored from a checkpoint)
         _FEEDS.setdefault(strategy, weakref.WeakSet()).add(self)
         # Created after strategy.restore() (fit creates its feed): take the ledger saved for it.
         pending = _RESTORED.get(strategy)
@@ -134,8 +140,9 @@ class ShardFeed:
                        steps_per_iteration: int = 1):
         """A `tf.function(slot, start, end, file)` that runs `step_fn(batch)` on the shard's remaining batches.
 
-        It returns `{"batches", "records", "replayed", "result"}`: batches and
-        records it read, records it may have read twice (module doc), and
+        It returns `{"batches", "records", "replayed", "position", "result"}`:
+        batches and records it read, records it may have read twice (module
+        doc), the shard's position it left (batches done), and
         `result_fn()` called after the loop (None without it; e.g. the
         model's metric results). `step_fn`'s own return value is dropped: keep
         what you need in ps variables. `steps_per_iteration` (fit's
@@ -198,7 +205,7 @@ class ShardFeed:
             with tf.control_dependencies([i]):
                 positions.scatter_max(tf.IndexedSlices(tf.reshape(first + i, [1]), slots))
             result = result_fn() if result_fn is not None else tf.constant(0)
-            return {"batches": i, "records": records, "replayed": replayed, "result": result}
+            return {"batches": i, "records": records, "replayed": replayed, "position": first + i, "result": result}
 
         run_shard.__name__ = name or f"run_shard_{getattr(step_fn, '__name__', 'step')}"
         function = tf.function(run_shard, autograph=False)
@@ -229,7 +236,8 @@ class ShardFeed:
         """The next shard to schedule (late binding: call it when a worker can take one), or None."""
         with self._lock:
             work = self._ledger.hand_out()
-        return None if work is None else ShardWork(work, self._args[work.slot])
+            generation = self._generation
+        return None if work is None else ShardWork(work, self._args[work.slot], generation)
 
     def hand_out_all(self) -> Iterator[ShardWork]:
         """Every shard not done or held yet, in this epoch's order."""
@@ -241,6 +249,18 @@ class ShardFeed:
         # A resumed attempt reads only the rest of its shard: count the shard's size when known.
         known = work.shard.end - work.shard.start if work.shard.end >= 0 else None
         records = known if known is not None else int(result["records"])
+        if work.generation != self._generation and "position" in result:
+            # A ps was lost and restored from a checkpoint since `work` was handed out: its
+            # closure may have finished before the loss, its training rolled back with the
+            # variables. The position restored on the ps tells: behind where the closure
+            # left it, the shard goes out again from there.
+            position = int(self._positions.sparse_read(work.slot).numpy())
+            if position < int(result["position"]):
+                log.warning("data ledger: shard %d finished before a ps was restored from a checkpoint "
+                            "that holds %d of its batches: handed out again from there", work.slot, position)
+                with self._lock:
+                    self._ledger.give_back(work.slot, position)
+                return
         with self._lock:
             self._ledger.finish(work.slot, records, int(result["replayed"]))
 
@@ -252,6 +272,30 @@ class ShardFeed:
 
     def complete(self) -> bool:
         return self._ledger.complete()
+
+    def roll_back(self, saved: dict | None) -> list[int]:
+        """A lost ps was restored from a checkpoint whose ledger for this feed was `saved`
+        (recovery thread, while no closure runs): the shards done since then go out again.
+        Returns them."""
+        import numpy as np
+
+        with self._lock:
+            if self._ledger.epoch is None:
+                return []
+            undone, over = self._ledger.roll_back(saved)
+            self._generation += 1
+            held = self._ledger.held()
+        if over:
+            # The checkpoint predates this epoch: its positions on the ps are another epoch's.
+            n = len(self._sharded.shards)
+            attempts = np.full([n], _FENCE * random.SystemRandom().randrange(1, 1 << 30), np.int64)
+            attempts[sorted(held)] += 1  # their closures run again: a replay may be counted
+            self._positions.assign(np.zeros([n], np.int64))
+            self._attempts.assign(attempts)
+        if undone or over:
+            log.warning("data ledger: a ps was restored from a checkpoint %s; %d shard(s) done since "
+                        "are handed out again", "of an earlier epoch" if over else "of this epoch", len(undone))
+        return undone
 
     def run_epoch(self, shard_function, epoch: int, *, max_in_flight: int | None = None,
                   on_shard_done: Callable[[ShardWork, dict], None] | None = None) -> dict:
@@ -378,6 +422,17 @@ def restore_ledgers(strategy, saved: dict) -> int:
             feed.load(pending.pop(key))
     _RESTORED[strategy] = pending
     return len(saved)
+
+
+def roll_back_ledgers(strategy_ref, meta: dict | None) -> None:
+    """A lost ps was restored from a checkpoint with `meta` (recovery thread): every feed of
+    the strategy goes back to that checkpoint's ledger, as its variables did."""
+    strategy = strategy_ref()
+    if strategy is None:
+        return
+    saved = (meta or {}).get(LEDGERS_KEY, {})
+    for feed in list(_FEEDS.get(strategy, ())):
+        feed.roll_back(saved.get(_key_of(strategy, feed)))
 
 
 def data_stats(strategy) -> dict:
