@@ -67,6 +67,11 @@ def test_bad_sharded_dataset():
         data.ShardedDataset(data.range_shards(4, 2), _two_arguments())
     with pytest.raises(TypeError, match="Received: make_dataset=3 of type int"):
         data.ShardedDataset(data.range_shards(4, 2), 3)
+    for bad in (data.Shard(5, 2), data.Shard(-3, 2), data.Shard(0, -1), data.Shard(0.5, 2)):
+        with pytest.raises(ValueError, match=r"Received: Shard\(start=.*Expected integer bounds 0 <= start < end"):
+            data.ShardedDataset([data.Shard(0, 2), bad], make_dataset)
+    with pytest.raises(FileNotFoundError, match=r"do not exist\. Received: \['/nonexistent/part-0'\]"):
+        data.ShardedDataset([data.Shard(0, -1, "/nonexistent/part-0")], make_dataset)
     with pytest.raises(ValueError, match="seed=-1"):
         data.ShardedDataset(data.range_shards(4, 2), make_dataset, seed=-1)
     not_a_dataset = data.ShardedDataset(data.range_shards(4, 2), lambda shard: [shard.start])

@@ -13,6 +13,7 @@ new shard costs no new trace. How shards are handed to workers and tracked is
 from __future__ import annotations
 
 import inspect
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -110,6 +111,13 @@ def _count_records(path: str) -> int:
     return int(tf.data.TFRecordDataset(path).reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
 
 
+def _valid_bounds(shard: Shard) -> bool:
+    ints = all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (shard.start, shard.end))
+    if not ints or shard.start < 0:
+        return False
+    return shard.start < shard.end or (shard.end == -1 and shard.file is not None)
+
+
 class ShardedDataset:
     """Data whose epoch is every shard once (module doc).
 
@@ -133,10 +141,22 @@ class ShardedDataset:
                 f"Invalid value for argument `shards`. Received: an element {wrong[0]!r} of type "
                 f"{type(wrong[0]).__name__}. Expected psclient.data.Shard (from range_shards or file_shards)."
             )
+        bad = [s for s in shards if not _valid_bounds(s)]
+        if bad:
+            raise ValueError(
+                f"Invalid value for argument `shards`. Received: {bad[0]!r}. Expected integer bounds "
+                "0 <= start < end (records [start, end)), or end=-1 (to the end) for a file shard."
+            )
         kinds = {s.file is None for s in shards}
         if len(kinds) > 1:
             raise ValueError("Invalid value for argument `shards`. Received: range shards and file shards "
                              "mixed. Expected shards of one kind.")
+        missing = sorted({s.file for s in shards if s.file is not None and not _exists(s.file)})
+        if missing:
+            raise FileNotFoundError(
+                f"Invalid value for argument `shards`: the files of {len(missing)} shard file(s) do not exist. "
+                f"Received: {missing[:5]}{' ...' if len(missing) > 5 else ''}. Expected existing files."
+            )
         if seed is not None:
             _check_count("seed", seed, minimum=0)
         _check_make_dataset(make_dataset)
