@@ -228,3 +228,84 @@ def test_a_lost_ps_rolls_the_ledger_back_with_the_variables(cluster, tmp_path):
         strategy.shutdown()
         if not cluster.is_running("ps", 0):
             cluster.restart("ps", 0, timeout=300)
+
+
+def test_fit_with_a_lost_ps_trains_every_record_into_the_final_model(cluster, tmp_path):
+    # The same through model.fit: the ps killed mid-epoch, three shards after a checkpoint.
+    import keras
+
+    from psclient._keras.sharded_fit import active_feed
+
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, checkpoint_dir=str(tmp_path / "ckpt"),
+                                                checkpoint_every=100_000, hang_timeout=30, connect_timeout=120)
+    n = 960  # 24 shards: the ps is lost well before the epoch's end
+    try:
+        with strategy.scope():
+            counts = tf.Variable(tf.zeros([n], tf.int64))
+
+            class Counting(keras.Model):
+                def __init__(self):
+                    super().__init__()
+                    self.dense = keras.layers.Dense(1)
+
+                def call(self, x):
+                    return self.dense(x)
+
+                def train_step(self, data):
+                    ids = tf.cast(data[0][:, 0], tf.int64)
+                    x = tf.random.uniform([256, 256])
+                    for _ in range(20):
+                        x = tf.linalg.matmul(x, x) / 256.0
+                    with tf.control_dependencies([x]):
+                        counts.scatter_add(tf.IndexedSlices(tf.ones_like(ids), ids))
+                    return super().train_step(data)
+
+            model = Counting()
+            model.compile("sgd", "mse")
+
+        def id_dataset(shard):
+            ids = tf.data.Dataset.range(shard.start, shard.end)
+            return ids.map(lambda i: (tf.cast([i], tf.float32), tf.cast([i % 3], tf.float32))).batch(BATCH)
+
+        data = psclient.data.ShardedDataset(psclient.data.range_shards(n, 40), id_dataset, seed=5)
+        saved_at, killed, finished = [], threading.Event(), threading.Event()
+
+        def lose_ps(feed):
+            # Watches the ledger (coordinator memory, not the ps): a checkpoint once 3 shards are
+            # done, the ps killed once 3 more are (mid-epoch: fit's own steps run ahead of the shards).
+            while not finished.is_set():
+                done = feed.stats()["done"]
+                if done >= 3 and not saved_at:
+                    saved_at.append(sorted(feed.ledger.state()["done"]))
+                    strategy.save_checkpoint()
+                elif saved_at and done >= len(saved_at[0]) + 3:
+                    killed.set()
+                    cluster.kill("ps", 0)
+                    cluster.restart("ps", 0, timeout=300)  # generous: a loaded machine starts TF slowly
+                    return
+                time.sleep(0.01)  # polling the ledger, not synchronising
+
+        class LosePs(keras.callbacks.Callback):
+            def on_train_begin(self, logs=None):
+                threading.Thread(target=lose_ps, args=(active_feed(self.model),), daemon=True).start()
+
+            def on_train_end(self, logs=None):
+                saved_at.append(active_feed(self.model).stats())
+
+        try:
+            model.fit(data, epochs=1, verbose=0, callbacks=[LosePs()])
+        finally:
+            finished.set()
+        assert killed.is_set(), "the epoch ended before the ps was killed"
+        assert strategy.stats()["ps"][0]["recoveries"] == 1, strategy.stats()["ps"]
+        trained = counts.numpy()
+        assert trained.min() >= 1, ("every record at least once in the epoch's final model", trained)
+        assert trained.max() <= 2, trained
+        stats = saved_at[-1]
+        assert stats["done"] == n // 40 and stats["rolled_back_shards"] >= 1, stats
+        done_ids = np.concatenate([np.arange(s * 40, (s + 1) * 40) for s in saved_at[0]])
+        np.testing.assert_array_equal(trained[done_ids], 1)  # done at the checkpoint: not again
+    finally:
+        strategy.shutdown()
+        if not cluster.is_running("ps", 0):
+            cluster.restart("ps", 0, timeout=300)
