@@ -12,7 +12,6 @@ new shard costs no new trace. How shards are handed to workers and tracked is
 
 from __future__ import annotations
 
-import inspect
 import numbers
 import os
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from psclient._core.checks import signature_refusing_one_argument
 from psclient._core.ledger import ShardKey
 
 __all__ = ["Shard", "ShardedDataset", "file_shards", "range_shards"]
@@ -222,19 +222,14 @@ def _check_make_dataset(make_dataset: Any) -> None:
             f"Invalid value for argument `make_dataset`. Received: make_dataset={make_dataset!r} of type "
             f"{type(make_dataset).__name__}. Expected a function shard -> tf.data.Dataset."
         )
-    try:
-        signature = inspect.signature(make_dataset)
-    except (TypeError, ValueError):
-        return  # builtins: the call decides
-    try:
-        signature.bind(object())
-    except TypeError:
+    signature = signature_refusing_one_argument(make_dataset)
+    if signature is not None:
         raise TypeError(
             f"Invalid value for argument `make_dataset`. Received: a function with signature "
             f"{getattr(make_dataset, '__name__', 'make_dataset')}{signature}. Expected a function taking "
             "exactly one argument, the shard (shard.start, shard.end, shard.file), and returning a "
             "tf.data.Dataset of its batches."
-        ) from None
+        )
 
 
 def _short(value: Any) -> str:
