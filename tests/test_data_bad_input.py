@@ -125,6 +125,15 @@ def test_a_dataset_of_unknown_size_is_cut_into_ranges_of_batches(tmp_path):
         copies = [[int(i) for batch in sharded.as_dataset() for i in batch["a"]] for _ in range(2)]
         assert sorted(copies[0]) == list(range(20)), copies[0]  # each record once
         assert copies[0] == copies[1]  # the same order in every copy
+
+        def epoch_order(epoch):  # every shard of `epoch`, in list order, as a worker builds each
+            return [int(i) for shard in sharded.shards for batch in sharded.make_dataset(data.Shard(
+                tf.constant(shard.start, tf.int64), tf.constant(shard.end, tf.int64), None,
+                tf.constant(epoch, tf.int64))) for i in batch["a"]]
+
+        assert epoch_order(0) == copies[0]
+        assert sorted(epoch_order(1)) == list(range(20)) and epoch_order(1) != copies[0]  # reshuffled per epoch
+        assert epoch_order(1) == epoch_order(1)  # the same in every copy of that epoch
     unordered = tf.data.Dataset.range(2).interleave(lambda i: tf.data.Dataset.range(i, 10, 2),
                                                     num_parallel_calls=2, deterministic=False)
     with pytest.raises(NondeterministicDatasetError, match="Received: deterministic=False"):

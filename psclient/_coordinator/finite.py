@@ -36,8 +36,13 @@ __all__ = ["NondeterministicDatasetError", "is_finite_of_unknown_size", "sharded
 
 log = logging.getLogger("psclient")
 
-#: The seed of shuffles that had none (one order in every copy and every run).
+#: The seed of shuffles that had none (one order in every copy and every run); epoch e uses
+#: variant e % SHUFFLE_EPOCHS of the rewritten graph (`fix_shuffle_orders`).
 SHUFFLE_SEED = 0
+#: Distinct shuffle orders, epoch after epoch: one graph of the dataset each, so only for a
+#: graph under SMALL_GRAPH bytes (a file reader, not data held in the graph); else one order.
+SHUFFLE_EPOCHS = 8
+SMALL_GRAPH = 1 << 20
 
 #: Shards per worker: enough for late binding to balance a slow worker, few enough
 #: that the skips stay cheap.
@@ -54,12 +59,17 @@ def is_finite_of_unknown_size(x) -> bool:
 
 def sharded_from_dataset(dataset, num_workers: int) -> ShardedDataset:
     """`dataset` (finite, of unknown size) as a ShardedDataset of ranges of its batches."""
-    serialized, changed = fix_shuffle_orders(serialize_dataset(dataset).numpy(), SHUFFLE_SEED)
-    if changed:
-        log.info("fit: a dataset of unknown size: its shuffles given one order on every worker (%s); "
-                 "the shard order is shuffled per epoch instead", "; ".join(changed))
+    original = serialize_dataset(dataset).numpy()
+    serialized, changed = fix_shuffle_orders(original, SHUFFLE_SEED)
     _refuse_nondeterministic(serialized)
-    graph = tf.constant(serialized)
+    orders = 1
+    if changed:
+        orders = SHUFFLE_EPOCHS if len(serialized) < SMALL_GRAPH else 1
+        log.info("fit: a dataset of unknown size: its shuffles given one order on every worker, %s (%s)",
+                 f"a new one for each of {orders} epochs in turn" if orders > 1 else "the same every epoch",
+                 "; ".join(changed))
+    # One graph per epoch's order: every copy of epoch e is the same, epoch after epoch they differ.
+    graphs = tf.constant([serialized] + [fix_shuffle_orders(original, SHUFFLE_SEED, k)[0] for k in range(1, orders)])
     log.info("fit: a dataset of unknown size and no steps_per_epoch: counting its batches on the coordinator")
     count = int(dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
     if count == 0:
@@ -71,6 +81,7 @@ def sharded_from_dataset(dataset, num_workers: int) -> ShardedDataset:
     spec = dataset.element_spec
 
     def make_dataset(shard):
+        graph = graphs[0] if orders == 1 else tf.gather(graphs, tf.math.floormod(shard.epoch, orders))
         return deserialize_dataset(graph, spec).skip(shard.start).take(shard.end - shard.start)
 
     # The shard order is shuffled per epoch (seeded), in place of the dataset's own shuffle.

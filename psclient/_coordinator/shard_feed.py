@@ -113,6 +113,7 @@ class ShardFeed:
             self._attempts = tf.Variable(tf.zeros([n], tf.int64), trainable=False, name="shard_attempts")
         self._functions: dict[Any, Any] = {}
         self._args = [self._tensors(slot) for slot in range(n)]
+        self._epoch_tensors: dict[int, Any] = {}  # the epoch each closure passes to make_dataset
         self._restored = False
         self._generation = 0  # roll-backs so far (a lost ps restored from a checkpoint)
         _FEEDS.setdefault(strategy, weakref.WeakSet()).add(self)
@@ -138,7 +139,7 @@ class ShardFeed:
     # ------------------------------------------------------------ the closure
     def shard_function(self, step_fn: Callable, *, result_fn: Callable | None = None, name: str | None = None,
                        steps_per_iteration: int = 1):
-        """A `tf.function(slot, start, end, file)` that runs `step_fn(batch)` on the shard's remaining batches.
+        """A `tf.function(slot, start, end, file, epoch)` that runs `step_fn(batch)` on the shard's remaining batches.
 
         It returns `{"batches", "records", "replayed", "position", "result"}`:
         batches and records it read, records it may have read twice (module
@@ -162,7 +163,7 @@ class ShardFeed:
         sharded, positions, attempts = self._sharded, self._positions, self._attempts
         every = steps_per_iteration
 
-        def run_shard(slot, start, end, file):
+        def run_shard(slot, start, end, file, epoch):
             one = tf.ones([1], tf.int64)
             slots = tf.reshape(slot, [1])
             attempts.scatter_add(tf.IndexedSlices(one, slots))
@@ -170,7 +171,7 @@ class ShardFeed:
             # The low 32 bits count this epoch's attempts; the high ones fence off older closures.
             retried = tf.math.floormod(attempt, _FENCE) > 1
             first = positions.sparse_read(slot)
-            iterator = iter(sharded.call(start, end, file).skip(first))
+            iterator = iter(sharded.call(start, end, file, epoch).skip(first))
             zero = tf.constant(0, tf.int64)
 
             def train(i, records, replayed, optional):
@@ -237,7 +238,11 @@ class ShardFeed:
         with self._lock:
             work = self._ledger.hand_out()
             generation = self._generation
-        return None if work is None else ShardWork(work, self._args[work.slot], generation)
+        if work is None:
+            return None
+        if work.epoch not in self._epoch_tensors:
+            self._epoch_tensors = {work.epoch: tf.constant(work.epoch, tf.int64)}
+        return ShardWork(work, (*self._args[work.slot], self._epoch_tensors[work.epoch]), generation)
 
     def hand_out_all(self) -> Iterator[ShardWork]:
         """Every shard not done or held yet, in this epoch's order."""

@@ -33,7 +33,9 @@ class Shard:
     In the lists `range_shards` and `file_shards` return, the fields are
     Python values; `end` is -1 for "to the end of the file" (a file whose
     records were not counted). Inside `make_dataset` they are tensors:
-    `start`/`end` int64 scalars and `file` a string scalar (or None).
+    `start`/`end` int64 scalars and `file` a string scalar (or None), and
+    `epoch` is the epoch being run, an int64 scalar (0 in evaluate and
+    predict; None in the lists).
     `dataset.skip(shard.start).take(shard.end - shard.start)` reads exactly
     the shard in both cases (`take(-1)` takes everything).
     """
@@ -41,6 +43,7 @@ class Shard:
     start: Any
     end: Any
     file: Any = None
+    epoch: Any = None
 
     @property
     def num_records(self) -> int | None:
@@ -178,13 +181,14 @@ class ShardedDataset:
     def shard_tensors(self, shard: Shard | None = None, *, symbolic: bool = False) -> Shard:
         """`shard` as make_dataset receives it (tensors), or TensorSpecs when `symbolic`."""
         if symbolic:
-            return Shard(tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.string))
+            return Shard(tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.string),
+                         tf.TensorSpec([], tf.int64))
         return Shard(tf.constant(shard.start, tf.int64), tf.constant(shard.end, tf.int64),
                      tf.constant(shard.file or "", tf.string))
 
-    def call(self, start, end, file):
+    def call(self, start, end, file, epoch):
         """`make_dataset` on tensors (inside a traced function), checked to return a dataset."""
-        dataset = self.make_dataset(Shard(start, end, file if self.has_files else None))
+        dataset = self.make_dataset(Shard(start, end, file if self.has_files else None, epoch))
         if not isinstance(dataset, tf.data.Dataset):
             raise TypeError(
                 f"Invalid value for argument `make_dataset`: it returned an object of type "
@@ -197,7 +201,8 @@ class ShardedDataset:
         """The spec of one batch, from one trace of `make_dataset` on the coordinator."""
         if self._element_spec is None:
             spec = self.shard_tensors(symbolic=True)
-            concrete = tf.function(self.call, autograph=False).get_concrete_function(spec.start, spec.end, spec.file)
+            concrete = tf.function(self.call, autograph=False).get_concrete_function(
+                spec.start, spec.end, spec.file, spec.epoch)
             self._element_spec = concrete.structured_outputs.element_spec
         return self._element_spec
 
@@ -208,7 +213,7 @@ class ShardedDataset:
         files = [s.file or "" for s in self.shards]
         table = tf.data.Dataset.from_tensor_slices((tf.constant(starts, tf.int64), tf.constant(ends, tf.int64),
                                                     tf.constant(files, tf.string)))
-        return table.flat_map(self.call)
+        return table.flat_map(lambda start, end, file: self.call(start, end, file, tf.constant(0, tf.int64)))
 
     def __repr__(self) -> str:
         records = self.num_records

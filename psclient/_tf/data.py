@@ -32,11 +32,14 @@ def deserialize_dataset(graph_def, element_spec):
     return tf.data.experimental.from_variant(variant, element_spec)
 
 
-def fix_shuffle_orders(serialized: bytes, seed: int) -> tuple[bytes, list[str]]:
+def fix_shuffle_orders(serialized: bytes, seed: int, variant: int = 0) -> tuple[bytes, list[str]]:
     """The dataset graph `serialized` with every shuffle made to give one order in every copy.
 
     A shuffle without a seed (seed and seed2 the constant 0, TF's "no seed")
-    gets seeds derived from `seed` and the node's name; every shuffle stops
+    gets seeds derived from `seed`, `variant` and the node's name; a seeded
+    shuffle that reshuffled per iteration keeps its seeds in variant 0 and
+    gets seeds derived from them and `variant` in the others (one variant per
+    epoch: a new order each epoch, as reshuffling gives); every shuffle stops
     reshuffling per iteration; and each shuffle's seed generator gets a name
     of its own, so that copies rebuilt on one worker never share a generator
     with another dataset's (a worker keeps generators by name, and a shared
@@ -49,14 +52,15 @@ def fix_shuffle_orders(serialized: bytes, seed: int) -> tuple[bytes, list[str]]:
     graph.ParseFromString(serialized)
     changed: list[str] = []
     run = uuid.uuid4().hex  # generator names unique to this rewrite
-    _fix_nodes(graph.node, graph.node, lambda name: name.split(":")[0].lstrip("^"), None, seed, run, changed)
+    _fix_nodes(graph.node, graph.node, lambda name: name.split(":")[0].lstrip("^"), None, (seed, variant), run,
+               changed)
     for function in graph.library.function:  # datasets made inside map/interleave functions
         _fix_nodes(function.node_def, function.node_def, lambda name: name.split(":")[0].lstrip("^"),
-                   function.signature.name, seed, run, changed)
+                   function.signature.name, (seed, variant), run, changed)
     return graph.SerializeToString(), changed
 
 
-def _fix_nodes(nodes, container, base_name, scope, seed, run, changed) -> None:
+def _fix_nodes(nodes, container, base_name, scope, seeding, run, changed) -> None:
     by_name = {node.name: node for node in nodes}
     in_function = scope is not None
     for node in list(nodes):
@@ -64,8 +68,11 @@ def _fix_nodes(nodes, container, base_name, scope, seed, run, changed) -> None:
             continue
         what = []
         seeds = [_int_constant(by_name.get(base_name(name))) for name in node.input[2:4]]
-        if seeds == [0, 0]:
-            digest = hashlib.sha256(f"{seed}/{scope}/{node.name}".encode()).digest()
+        reshuffles = "reshuffle_each_iteration" in node.attr and node.attr["reshuffle_each_iteration"].b
+        base, variant = seeding
+        if seeds == [0, 0] or (reshuffles and variant and None not in seeds):
+            origin = f"{base}" if seeds == [0, 0] else f"{seeds[0]}/{seeds[1]}"
+            digest = hashlib.sha256(f"{origin}/{variant}/{scope}/{node.name}".encode()).digest()
             for position, value in ((2, int.from_bytes(digest[:4], "little") + 1),
                                     (3, int.from_bytes(digest[4:8], "little") + 1)):
                 name = f"{node.name}/psclient_seed{position - 1}"
@@ -75,8 +82,8 @@ def _fix_nodes(nodes, container, base_name, scope, seed, run, changed) -> None:
                 const.attr["dtype"].type = tf.int64.as_datatype_enum
                 const.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, tf.int64))
                 node.input[position] = f"{name}:output:0" if in_function else name
-            what.append("seeded")
-        if "reshuffle_each_iteration" in node.attr and node.attr["reshuffle_each_iteration"].b:
+            what.append("seeded" if seeds == [0, 0] else "reseeded")
+        if reshuffles:
             node.attr["reshuffle_each_iteration"].b = False
             what.append("reshuffle_each_iteration=False")
         generator = _GENERATOR_INPUT.get(node.op)
