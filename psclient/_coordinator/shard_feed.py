@@ -24,10 +24,12 @@ batches' records as `replayed` (an upper bound: a worker that died trains
 nothing more, and a step cut off before its update reached the ps trained
 nothing). With `steps_per_iteration=k` (fit's `steps_per_execution`) a loop
 iteration trains k batches between two position writes and attempt reads:
-the ledger costs a k-th as many ps operations per batch, and a cut-off attempt
-replays at most 2k batches (its first 2k are reported). The attempt counters carry a random fence in their high 32 bits,
-new at each `start_epoch`, so a closure of an earlier epoch or of a killed
-coordinator never takes itself for the newest attempt.
+the ledger costs a k-th as many ps operations per batch, and a cut-off
+attempt replays at most 2k batches (its first 2k are reported). The attempt
+counters carry a random fence in their high 32 bits, new at each
+`start_epoch`, so a closure of an earlier epoch or of a killed coordinator
+never takes itself for the newest attempt. Each closure also passes the
+epoch to `make_dataset` (`shard.epoch`).
 
 The ledger (`psclient._core.ledger`) records which shards finished; its
 `state()` (with the positions read from the ps) is what a checkpoint saves.
