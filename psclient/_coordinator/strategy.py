@@ -30,7 +30,7 @@ from psclient._coordinator.per_worker import (
     PerWorkerDataset,
     per_worker_resource,
 )
-from psclient._coordinator.shard_feed import LEDGERS_KEY, data_stats, ledger_meta, restore_ledgers
+from psclient._coordinator.shard_feed import LEDGERS_KEY, data_stats, ledger_meta, restore_ledgers, roll_back_ledgers
 from psclient._coordinator.sharding import partitioner_argument
 from psclient._coordinator.tf_api import TFStrategyAPI, refuse_input_options
 from psclient._coordinator.updates import place_updates_on_ps
@@ -121,7 +121,8 @@ class ParameterServerStrategy(TFStrategyAPI):
         # Every checkpoint carries the data ledgers of this strategy's feeds (by weak
         # reference: the recovery thread must not keep the strategy alive).
         parts = assemble(cluster, config, checkpoint_dir=checkpoint_dir, partitioner=variable_partitioner,
-                         checkpoint_meta=functools.partial(ledger_meta, weakref.ref(self)))
+                         checkpoint_meta=functools.partial(ledger_meta, weakref.ref(self)),
+                         meta_restored=functools.partial(roll_back_ledgers, weakref.ref(self)))
         edge, scheduler, engine, checkpoints = parts.edge, parts.scheduler, parts.engine, parts.checkpoints
         self._scheduler, self._steps, self._store = scheduler, parts.steps, parts.store
         self._tracer, self._per_worker = parts.tracer, parts.per_worker

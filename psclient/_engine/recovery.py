@@ -86,8 +86,11 @@ class Recovery:
         edge: Edge,
         clock: Callable[[], float] = time.monotonic,
         checkpoint_meta: Callable[[dict], dict | None] | None = None,
+        meta_restored: Callable[[dict | None], None] | None = None,
     ):
         # `checkpoint_meta(variables)`: what joins each checkpoint's layout (the data ledgers);
+        # `meta_restored(meta)`: told the meta of the checkpoint a lost ps was restored from
+        # (the data ledgers roll back with the variables);
         # `store`: the variables; `per_worker`: rebuilt on a worker that comes back;
         # `checkpoints`: the checkpoint directory, or None (edge.py names what is used of each);
         # `retrace()`: trace what is queued again (after variables got new resources);
@@ -106,6 +109,7 @@ class Recovery:
         self._retrace = retrace
         self._cancel_calls = cancel_calls
         self._checkpoint_meta = checkpoint_meta or _no_meta
+        self._meta_restored = meta_restored or _ignore_meta
         self._clock = clock
         self.checkpoints = checkpoints
         cluster = roster.cluster
@@ -392,6 +396,8 @@ class Recovery:
             renewed = self._store.renew(set(action.lost))
             restored = self.checkpoints.restore(self._store.named(), tables=self._store.tables())
             self._completed_then = None if restored is None else restored["completed_closures"]
+            # While nothing is dispatched: what the coordinator keeps of the data goes back too.
+            self._meta_restored(None if restored is None else restored.get("meta"))
             log.info("ps task(s) %s: %d variables re-created, every variable restored", action.lost, renewed)
             return True
         if isinstance(action, rm.Retrace):
@@ -469,6 +475,10 @@ def _finish(action: rm.Finish) -> None:
         ticket.set_exception(action.error)
     else:
         ticket.set_result(action.value)
+
+
+def _ignore_meta(meta: dict | None) -> None:
+    return None
 
 
 def _no_meta(variables: dict) -> None:
