@@ -52,11 +52,10 @@ def strategy(local_cluster):
     s.shutdown()
 
 
-
-
 def _shared(name):
     num_workers, num_ps = _SHAPES[name]
-    with LocalCluster(num_workers=num_workers, num_ps=num_ps) as cluster:
+    # Generous: 3 or 4 TF tasks start at once, and restarts wait as long, on a loaded machine.
+    with LocalCluster(num_workers=num_workers, num_ps=num_ps, start_timeout=300) as cluster:
         _open_clusters[name] = cluster
         yield cluster
         _open_clusters.pop(name, None)
