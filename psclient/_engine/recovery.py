@@ -134,6 +134,8 @@ class Recovery:
         self._last_failure: tuple | None = None  # (step, error type, first line), for the log
         self._same_failures = 0
         self._stopping = False
+        # Notified whenever what is published changes, or the thread ends: `wait_ps_settled`.
+        self._settled = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="psclient-health", daemon=True)
 
     # ------------------------------------------------------- other threads
@@ -183,6 +185,24 @@ class Recovery:
             self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def wait_ps_settled(self, epoch: int, timeout: float) -> bool:
+        """Wait until the ps loss reported at `epoch` is settled (restored or given up: the
+        published `ps_epoch` moved on), or the recovery stopped; False on timeout."""
+        with self._settled:
+            return self._settled.wait_for(
+                lambda: self._published.ps_epoch != epoch or self.broken is not None or self._stopping,
+                timeout,
+            )
+
+    @property
+    def stopped(self) -> bool:
+        """Shut down, or the thread ended: nothing will settle a ps loss any more."""
+        return self._stopping
+
+    def _notify_settled(self) -> None:
+        with self._settled:
+            self._settled.notify_all()
+
     def hung_in_view(self) -> list[int]:
         """Workers in TF's view that may hang (TCP not refused): no reconnect while any."""
         return [
@@ -201,6 +221,7 @@ class Recovery:
             if not ended:
                 self._died()  # the exception goes on to threading.excepthook, which prints it
             self._answer_leftover_requests()
+            self._notify_settled()
 
     def _rounds(self) -> None:
         next_round = self._clock()
@@ -290,6 +311,8 @@ class Recovery:
                     # Before the outcome: the flow that goes on from it must know.
                     pending += self._ps_restarted_behind(done)
                     pending.append(done)
+            # After the actions: a given-up ps sets `broken` while carrying out FailAll.
+            self._notify_settled()
 
     def _ps_restarted_behind(self, done: rm.Done) -> list:
         """A PsNotAnswering for each ps that no longer holds its variables, after
