@@ -62,7 +62,7 @@ class CoordinatorAccess:
     def given_up(self) -> BaseException | None:
         if self._recovery.broken is not None:
             return self._recovery.broken
-        if self._recovery.stopped:
+        if self._recovery.stopped:  # shut down, or the recovery thread died
             return StrategyClosedError("the strategy was shut down")
         return None
 

@@ -186,22 +186,13 @@ class Recovery:
         return not self._thread.is_alive()
 
     def wait_ps_settled(self, epoch: int, timeout: float) -> bool:
-        """Wait until the ps loss reported at `epoch` is settled (restored or given up: the
-        published `ps_epoch` moved on), or the recovery stopped; False on timeout."""
+        """Until the ps loss seen at `epoch` is settled (ps_epoch moved on) or the recovery ended."""
         with self._settled:
-            return self._settled.wait_for(
-                lambda: self._published.ps_epoch != epoch or self.broken is not None or self._stopping,
-                timeout,
-            )
+            return self._settled.wait_for(lambda: self._published.ps_epoch != epoch or self.stopped, timeout)
 
     @property
-    def stopped(self) -> bool:
-        """Shut down, or the thread ended: nothing will settle a ps loss any more."""
-        return self._stopping
-
-    def _notify_settled(self) -> None:
-        with self._settled:
-            self._settled.notify_all()
+    def stopped(self) -> bool:  # shut down, died or given up: nothing will settle a ps loss
+        return self._stopping or self.broken is not None
 
     def hung_in_view(self) -> list[int]:
         """Workers in TF's view that may hang (TCP not refused): no reconnect while any."""
@@ -221,7 +212,8 @@ class Recovery:
             if not ended:
                 self._died()  # the exception goes on to threading.excepthook, which prints it
             self._answer_leftover_requests()
-            self._notify_settled()
+            with self._settled:
+                self._settled.notify_all()
 
     def _rounds(self) -> None:
         next_round = self._clock()
@@ -311,8 +303,8 @@ class Recovery:
                     # Before the outcome: the flow that goes on from it must know.
                     pending += self._ps_restarted_behind(done)
                     pending.append(done)
-            # After the actions: a given-up ps sets `broken` while carrying out FailAll.
-            self._notify_settled()
+            with self._settled:  # after the actions: FailAll sets `broken`
+                self._settled.notify_all()
 
     def _ps_restarted_behind(self, done: rm.Done) -> list:
         """A PsNotAnswering for each ps that no longer holds its variables, after
