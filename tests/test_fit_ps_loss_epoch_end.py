@@ -30,6 +30,49 @@ def cluster():
         yield local
 
 
+def make_model(strategy):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
+class KillPsAfterLastStep(keras.callbacks.Callback):
+    """After epoch 0's last step (every step joined): `kill()`, before Keras reads the epoch's logs."""
+
+    def __init__(self, kill):
+        super().__init__()
+        self.kill = kill
+        self.epoch = None
+        self.killed = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 0 and batch == STEPS - 1 and not self.killed:
+            self.killed = True
+            self.kill()
+
+
+def test_without_a_checkpoint_dir_fit_raises_ps_unavailable_naming_the_read(cluster):
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=30, connect_timeout=120)
+    try:
+        model = make_model(strategy)
+        killer = KillPsAfterLastStep(lambda: cluster.kill("ps", 0))
+        with pytest.raises(psclient.PSUnavailableError, match="metrics of .* on the coordinator failed") as info:
+            model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[killer])
+        assert killer.killed
+        assert "checkpoint_dir" in str(info.value)
+        assert isinstance(info.value.__cause__, tf.errors.OpError), repr(info.value.__cause__)
+    finally:
+        strategy.shutdown()
+        if not cluster.is_running("ps", 0):
+            cluster.restart("ps", 0, timeout=300)  # generous: a loaded machine starts TF slowly
+
+
 def test_a_ps_lost_before_the_epochs_logs_are_read_is_recovered_and_fit_goes_on(cluster, tmp_path):
     strategy = psclient.ParameterServerStrategy(
         cluster.cluster, checkpoint_dir=str(tmp_path / "ckpt"), hang_timeout=30, connect_timeout=120,
@@ -45,34 +88,16 @@ def test_a_ps_lost_before_the_epochs_logs_are_read_is_recovered_and_fit_goes_on(
         finally:
             restarted.set()
 
-    class KillPsAfterLastStep(keras.callbacks.Callback):
-        """After epoch 0's last step (every step joined): the ps is killed, before Keras reads the logs."""
-
-        def __init__(self):
-            super().__init__()
-            self.epoch = None
-            self.killed = False
-
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epoch = epoch
-
-        def on_train_batch_end(self, batch, logs=None):
-            if self.epoch == 0 and batch == STEPS - 1 and not self.killed:
-                self.killed = True
-                # A checkpoint of this moment, so nothing of epoch 0 is rolled back.
-                assert strategy.save_checkpoint() is not None
-                cluster.kill("ps", 0)  # SIGKILL; returns once the process is gone
-                assert not cluster.is_running("ps", 0)
-                threading.Thread(target=restart_ps, name="restart-ps", daemon=True).start()
+    def kill():
+        # A checkpoint of this moment, so nothing of epoch 0 is rolled back.
+        assert strategy.save_checkpoint() is not None
+        cluster.kill("ps", 0)  # SIGKILL; returns once the process is gone
+        assert not cluster.is_running("ps", 0)
+        threading.Thread(target=restart_ps, name="restart-ps", daemon=True).start()
 
     try:
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                      keras.layers.Dense(2)])
-            model.compile(optimizer=keras.optimizers.SGD(0.05),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          metrics=["accuracy"])
-        killer = KillPsAfterLastStep()
+        model = make_model(strategy)
+        killer = KillPsAfterLastStep(kill)
         history = model.fit(X, Y, batch_size=BATCH, epochs=3, verbose=0, callbacks=[killer])
         assert killer.killed
         assert restarted.wait(300) and not restart_errors, restart_errors

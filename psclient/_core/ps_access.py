@@ -78,7 +78,7 @@ def through_ps_loss(access: Callable[[], T], edge: PsAccessEdge, what: str,
                 raise
             broken = edge.given_up()
             if broken is not None:
-                raise _unavailable(edge, (), what, broken) from error
+                raise _unavailable(edge, (), what, broken, error) from error
             lost: tuple = ()
 
             def ps_lost() -> bool:
@@ -90,13 +90,15 @@ def through_ps_loss(access: Callable[[], T], edge: PsAccessEdge, what: str,
             if verdict is Verdict.PS_LOST:
                 recoveries += 1
                 if recoveries > MAX_PS_RECOVERIES:
-                    raise _unavailable(edge, lost, what, f"lost again after {MAX_PS_RECOVERIES} recoveries") from error
+                    raise _unavailable(edge, lost, what, f"lost again after {MAX_PS_RECOVERIES} recoveries",
+                                       error) from error
                 edge.report_lost(lost, epoch)
                 if not edge.wait_settled(epoch, edge.settle_timeout):
-                    raise _unavailable(edge, lost, what, f"not recovered within {edge.settle_timeout:g} s") from error
+                    raise _unavailable(edge, lost, what, f"not recovered within {edge.settle_timeout:g} s",
+                                       error) from error
                 broken = edge.given_up()
                 if broken is not None:
-                    raise _unavailable(edge, lost, what, broken) from error
+                    raise _unavailable(edge, lost, what, broken, error) from error
                 continue
             if verdict is Verdict.TRANSIENT:
                 unexplained += 1
@@ -105,11 +107,12 @@ def through_ps_loss(access: Callable[[], T], edge: PsAccessEdge, what: str,
             raise
 
 
-def _unavailable(edge: PsAccessEdge, lost: tuple, what: str, why) -> PSUnavailableError:
+def _unavailable(edge: PsAccessEdge, lost: tuple, what: str, why, error: BaseException) -> PSUnavailableError:
     task, address = edge.describe(lost)
     reason = first_line(why) if isinstance(why, BaseException) else why
+    # TF's error named in the message too: Keras's traceback filter drops the chain.
     return PSUnavailableError(
         f"{what} on the coordinator failed: parameter server task {task} ({address}) was lost and "
-        f"the strategy could not restore it: {reason}", task=task, address=address,
+        f"the strategy could not restore it: {reason} (TF's error: {type(error).__name__}: "
+        f"{first_line(error)[:300]})", task=task, address=address,
     )
-

@@ -55,7 +55,7 @@ from psclient._coordinator import finite
 from psclient._keras import adafactor, initializers, moving_stats, sparse_adagrad
 from psclient._keras import eval as _keras_eval
 from psclient._keras import seam, sharded_fit
-from psclient._keras.ps_reads import metrics_through_ps_loss
+from psclient._keras.ps_reads import metrics_through_ps_loss, restore_cause
 from psclient._keras.trainer import (
     TrainFunction,
     cluster_strategy,
@@ -409,6 +409,7 @@ def _fit(stock, model, strategy, a: dict):
         # Interrupted (Ctrl-C): the user wants out, not the steps in flight; the
         # strategy's shutdown cancels them. Any other error: wait for them.
         train_function.abandon(wait=not isinstance(error, KeyboardInterrupt))
+        restore_cause(error)
         raise
     finally:
         model.train_function = previous

@@ -20,7 +20,9 @@ from typing import Callable, TypeVar
 
 import tensorflow as tf
 
-__all__ = ["guarded", "metrics_through_ps_loss"]
+from psclient._core.errors import PSUnavailableError
+
+__all__ = ["guarded", "metrics_through_ps_loss", "restore_cause"]
 
 T = TypeVar("T")
 
@@ -41,6 +43,15 @@ def _settled(result):
         if isinstance(value, tf.Tensor):
             value.numpy()
     return result
+
+
+def restore_cause(error: BaseException) -> None:
+    """A `PSUnavailableError` from inside Keras's fit chained to TF's error again.
+
+    Keras's traceback filter re-raises `from None`, which drops `__cause__`
+    but keeps `__context__` (the same TF error here)."""
+    if isinstance(error, PSUnavailableError) and error.__cause__ is None and error.__context__ is not None:
+        error.__cause__ = error.__context__
 
 
 @contextlib.contextmanager

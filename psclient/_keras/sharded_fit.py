@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from psclient._coordinator.shard_feed import ShardFeed
 from psclient._coordinator.shards import ShardedDataset
-from psclient._keras.ps_reads import metrics_through_ps_loss
+from psclient._keras.ps_reads import metrics_through_ps_loss, restore_cause
 from psclient._keras.trainer import prepare_model, result_or_first_error
 
 __all__ = ["active_feed", "as_finite", "fit", "is_sharded"]
@@ -201,6 +201,9 @@ def fit(stock, model, strategy, a: dict, forwarded: dict, make_callbacks):
                             shuffle=False, steps_per_epoch=train_function.steps, **forwarded)
         ok = True
         return history
+    except Exception as error:
+        restore_cause(error)
+        raise
     finally:
         _active.pop(model, None)
         if not ok:
