@@ -39,12 +39,28 @@ def make_model(strategy):
     return model
 
 
+def sharded():
+    """The same examples as a psclient.data.ShardedDataset: one Keras step per shard of 32."""
+    def make(shard):
+        ids = tf.data.Dataset.range(shard.start, shard.end)
+        return ids.map(lambda i: (tf.gather(X, i), tf.gather(Y, i))).batch(BATCH)
+
+    return psclient.data.ShardedDataset(psclient.data.range_shards(len(X), 32), make, seed=1)
+
+
+def fit(model, data, callbacks, epochs):
+    if data == "shards":
+        return model.fit(sharded(), epochs=epochs, verbose=0, callbacks=callbacks)
+    return model.fit(X, Y, batch_size=BATCH, epochs=epochs, verbose=0, callbacks=callbacks)
+
+
 class KillPsAfterLastStep(keras.callbacks.Callback):
     """After epoch 0's last step (every step joined): `kill()`, before Keras reads the epoch's logs."""
 
-    def __init__(self, kill):
+    def __init__(self, kill, steps=STEPS):
         super().__init__()
         self.kill = kill
+        self.steps = steps
         self.epoch = None
         self.killed = False
 
@@ -52,7 +68,7 @@ class KillPsAfterLastStep(keras.callbacks.Callback):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.epoch == 0 and batch == STEPS - 1 and not self.killed:
+        if self.epoch == 0 and batch == self.steps - 1 and not self.killed:
             self.killed = True
             self.kill()
 
@@ -73,7 +89,8 @@ def test_without_a_checkpoint_dir_fit_raises_ps_unavailable_naming_the_read(clus
             cluster.restart("ps", 0, timeout=300)  # generous: a loaded machine starts TF slowly
 
 
-def test_a_ps_lost_before_the_epochs_logs_are_read_is_recovered_and_fit_goes_on(cluster, tmp_path):
+@pytest.mark.parametrize("data", ["arrays", "shards"])
+def test_a_ps_lost_before_the_epochs_logs_are_read_is_recovered_and_fit_goes_on(cluster, tmp_path, data):
     strategy = psclient.ParameterServerStrategy(
         cluster.cluster, checkpoint_dir=str(tmp_path / "ckpt"), hang_timeout=30, connect_timeout=120,
     )
@@ -97,15 +114,15 @@ def test_a_ps_lost_before_the_epochs_logs_are_read_is_recovered_and_fit_goes_on(
 
     try:
         model = make_model(strategy)
-        killer = KillPsAfterLastStep(kill)
-        history = model.fit(X, Y, batch_size=BATCH, epochs=3, verbose=0, callbacks=[killer])
+        killer = KillPsAfterLastStep(kill, steps=STEPS if data == "arrays" else len(X) // 32)
+        history = fit(model, data, [killer], epochs=3)
         assert killer.killed
         assert restarted.wait(300) and not restart_errors, restart_errors
         assert strategy.stats()["ps"][0]["recoveries"] == 1, strategy.stats()["ps"]
         assert len(history.history["loss"]) == 3 and len(history.history["accuracy"]) == 3
         assert all(np.isfinite(history.history["loss"])), history.history
         # The model trains on after the recovery.
-        more = model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0)
+        more = fit(model, data, [], epochs=1)
         assert np.isfinite(more.history["loss"][0])
         assert int(model.optimizer.iterations.numpy()) >= 2 * STEPS
     finally:
