@@ -75,8 +75,19 @@ class DenseShard:
         self.make({})
 
     def _variable(self, value, name):
-        return tf.Variable(value, trainable=False, name=f"{self.prefix}_{name}",
-                           shape=tf.TensorShape([None, *value.shape[1:]]))
+        # Of unknown shape, so a restore can hold more rows than the share. Unknown rank, not
+        # [None, dim]: a worker given a handle with an unknown dimension aborts (TF 2.21's
+        # DeserializeRemoteTensorHandle checks every dimension >= 0).
+        return tf.Variable(value, trainable=False, name=f"{self.prefix}_{name}", shape=tf.TensorShape(None))
+
+    @staticmethod
+    def _vector(variable, at=None):
+        """A 1-D variable's values (at `at`), of known rank."""
+        value = variable.read_value() if at is None else tf.gather(variable, at)
+        return tf.reshape(value, [-1])
+
+    def _gather(self, variable, at):
+        return tf.reshape(tf.gather(variable, at), [-1, self.dim])
 
     def make(self, slot_defaults: dict[str, float]) -> None:
         """New, empty storage on the shard's device (at first, and after its ps was lost)."""
@@ -111,15 +122,15 @@ class DenseShard:
         """(row of each key or -1, that row clamped to >= 0), checking the row still holds the key."""
         at = tf.reshape(self.index.lookup(keys), [-1])
         safe = tf.maximum(at, 0)
-        held = (at >= 0) & (tf.gather(self.row_key, safe) == keys) & (tf.gather(self.last, safe) >= 0)
+        held = (at >= 0) & (self._vector(self.row_key, safe) == keys) & (self._vector(self.last, safe) >= 0)
         return tf.where(held, at, -1), safe
 
     def lookup(self, keys):
         at, safe = self._rows_of(keys)
         alive = at >= 0
         if self.policy.ttl_steps is not None:
-            alive &= self.clock.read_value() - tf.gather(self.last, safe) <= self.policy.ttl_steps
-        found = tf.gather(self.rows, safe)
+            alive &= self.clock.read_value() - self._vector(self.last, safe) <= self.policy.ttl_steps
+        found = self._gather(self.rows, safe)
         return tf.where(alive[:, None], found, tf.zeros_like(found))
 
     # ------------------------------------------------------------ admission
@@ -138,7 +149,7 @@ class DenseShard:
         at, safe = self._rows_of(keys)
         have = at >= 0
         if policy.ttl_steps is not None:  # an expired row is freed; its key is admitted afresh
-            stale = have & (clock - tf.gather(self.last, safe) > policy.ttl_steps)
+            stale = have & (clock - self._vector(self.last, safe) > policy.ttl_steps)
             stale_at = tf.boolean_mask(at, stale)
             free_stale = tf.group(
                 self.index.remove(tf.boolean_mask(keys, stale)),
@@ -151,7 +162,7 @@ class DenseShard:
         count = waiting[:, 0]
         if policy.ttl_steps is not None:
             count = tf.where(clock - waiting[:, 1] > policy.ttl_steps, tf.zeros_like(count), count)
-        count = tf.where(have, tf.gather(self.count, safe), count)
+        count = tf.where(have, self._vector(self.count, safe), count)
         total = count + seen_now
         admitted = total >= minimum
         fresh = admitted & ~have
@@ -168,12 +179,12 @@ class DenseShard:
         touch = [self.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(kept_at), clock), kept_at)),
                  self.count.scatter_update(tf.IndexedSlices(tf.boolean_mask(total, have), kept_at))]
         with tf.control_dependencies(touch):
-            held = tf.reduce_sum(tf.cast(self.last.read_value() >= 0, tf.int64))
+            held = tf.reduce_sum(tf.cast(self._vector(self.last) >= 0, tf.int64))
             excess = tf.maximum(held + need - self.share, 0)
             excess = tf.where(excess > 0, held + need - (self.share - rules.headroom(self.share)), excess)
             evict = self._remove_rows(lambda last: (last >= 0) & (last != clock), excess, count_rows=True)
         with tf.control_dependencies([evict]):
-            free = tf.reshape(tf.where(self.last.read_value() < 0), [-1])[:need]
+            free = tf.reshape(tf.where(self._vector(self.last) < 0), [-1])[:need]
             new_keys = tf.boolean_mask(keys, fresh)
             # Rows for every fresh key (the share holds a batch's admitted keys, checked above).
             places = tf.scatter_nd(tf.where(fresh), free, tf.shape(keys, tf.int64))
@@ -188,15 +199,15 @@ class DenseShard:
                 tf.fill(tf.stack([tf.size(free), self.dim]), tf.constant(self.slot_defaults[name], tf.float32)),
                 free)) for name, var in self.slots.items()]
         with tf.control_dependencies(writes):
-            found = tf.gather(self.rows, tf.maximum(at, 0))
+            found = self._gather(self.rows, tf.maximum(at, 0))
             return (tf.where(admitted[:, None], found, tf.zeros_like(found)), tf.identity(admitted),
                     tf.identity(fresh), tf.identity(at))
 
     def _remove_rows(self, members, k, count_rows):
         """Free the `k` least recently used rows among `members(last)` (all of them where k is None)."""
-        last = self.last.read_value()
+        last = self._vector(self.last)
         member = members(last)
-        keys = self.row_key.read_value()
+        keys = self._vector(self.row_key)
         if k is None:
             gone = member
         else:
@@ -224,7 +235,7 @@ class DenseShard:
             done.append(self._remove_rows(lambda last: (last >= 0) & (clock - last > policy.ttl_steps),
                                           None, count_rows=True))
         with tf.control_dependencies(done):
-            held = tf.reduce_sum(tf.cast(self.last.read_value() >= 0, tf.int64))
+            held = tf.reduce_sum(tf.cast(self._vector(self.last) >= 0, tf.int64))
             excess = tf.where(held > share, held - (share - rules.headroom(share)), 0)
             done.append(self._remove_rows(lambda last: last >= 0, excess, count_rows=True))
         keys, waiting = self.pending.export()
@@ -250,9 +261,9 @@ class DenseShard:
     # ------------------------------------------------------------- updates
     def read_for_update(self, keys, at, admitted):
         """(which keys still hold their row, their rows, their slots) for an optimizer step."""
-        valid = admitted & (at >= 0) & (tf.gather(self.row_key, tf.maximum(at, 0)) == keys)
+        valid = admitted & (at >= 0) & (self._vector(self.row_key, tf.maximum(at, 0)) == keys)
         at = tf.boolean_mask(at, valid)
-        return valid, at, tf.gather(self.rows, at), {name: tf.gather(var, at) for name, var in self.slots.items()}
+        return valid, at, self._gather(self.rows, at), {name: self._gather(var, at) for name, var in self.slots.items()}
 
     def write(self, at, rows, slots) -> list:
         writes = [self.rows.scatter_update(tf.IndexedSlices(rows, at))]
@@ -267,14 +278,14 @@ class DenseShard:
 
     def saved(self):
         """(keys, counters, row_keys, rows, {slot: rows}) of the shard, as tensors on its device."""
-        held = tf.reshape(tf.where(self.last.read_value() >= 0), [-1])
-        row_keys = tf.gather(self.row_key, held)
+        held = tf.reshape(tf.where(self._vector(self.last) >= 0), [-1])
+        row_keys = self._vector(self.row_key, held)
         waiting_keys, waiting = self.pending.export()
         keys = tf.concat([row_keys, tf.reshape(waiting_keys, [-1])], 0)
-        counters = tf.concat([tf.stack([tf.gather(self.count, held), tf.gather(self.last, held)], 1),
+        counters = tf.concat([tf.stack([self._vector(self.count, held), self._vector(self.last, held)], 1),
                               tf.reshape(waiting, [-1, 2])], 0)
-        slots = {name: tf.gather(var, held) for name, var in self.slots.items()}
-        return keys, counters, row_keys, tf.gather(self.rows, held), slots
+        slots = {name: self._gather(var, held) for name, var in self.slots.items()}
+        return keys, counters, row_keys, self._gather(self.rows, held), slots
 
     def replace(self, keys, counters, row_keys, rows, slots, clock, admissions, evictions) -> None:
         """Hold exactly these (a restore or an import); more rows than the share are kept until a scan."""
