@@ -34,11 +34,12 @@ _NEWEST = 2**63 - 1
 
 
 def least_recent(keys, last, member, k):
-    """A mask of the `k` least recently seen `member` entries (ties: the smaller key first).
+    """A mask of the `k` least recently seen `member` entries (ties: the smaller key first; keys unique).
 
     Selection, not a sort of the whole shard: the k-th smallest step
     (`top_k`) splits the members into those seen before it (all go) and
-    those seen at it, of which the smallest keys make up the rest.
+    those seen at it, of which the keys up to the needed-th smallest go
+    (a second `top_k`).
     """
     def pick():
         # ~x reverses the order of int64 without overflow; non-members sort last.
@@ -46,10 +47,12 @@ def least_recent(keys, last, member, k):
         top = tf.math.top_k(tf.bitwise.invert(masked), k=tf.cast(k, tf.int32), sorted=False).values
         threshold = tf.bitwise.invert(tf.reduce_min(top))
         below = member & (last < threshold)
-        tie = tf.reshape(tf.where(member & (last == threshold)), [-1])
+        tie = member & (last == threshold)
         needed = k - tf.reduce_sum(tf.cast(below, tf.int64))
-        chosen = tf.gather(tie, tf.argsort(tf.gather(keys, tie))[:needed])
-        return below | tf.scatter_nd(chosen[:, None], tf.ones(tf.shape(chosen), tf.bool), tf.shape(member, tf.int64))
+        tie_keys = tf.where(tie, keys, tf.constant(_NEWEST, tf.int64))
+        smallest = tf.math.top_k(tf.bitwise.invert(tie_keys), k=tf.cast(needed, tf.int32), sorted=False).values
+        upto = tf.bitwise.invert(tf.reduce_min(smallest))
+        return below | (tie & (keys <= upto) & (needed > 0))
 
     return tf.cond(k > 0, pick, lambda: tf.zeros_like(member))
 

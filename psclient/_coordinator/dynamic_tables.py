@@ -190,7 +190,7 @@ class DynamicTable:
     # ---------------------------------------------------------------- slots
     def ensure_slots(self, defaults: dict[str, float]) -> None:
         """Create the optimizer's slot tables (name -> initial value) where missing."""
-        with tf.init_scope():
+        with tf.init_scope(), self._unmanaged():
             for shard in self.shards:
                 if shard.dense:
                     shard.add_slots(defaults)
