@@ -24,6 +24,8 @@ placed, with the same victims as `psclient._core.dynamic_tables`' rules.
 
 from __future__ import annotations
 
+import weakref
+
 import tensorflow as tf
 
 from psclient._core import dynamic_tables as rules
@@ -31,6 +33,24 @@ from psclient._core import dynamic_tables as rules
 __all__ = ["DenseShard", "least_recent"]
 
 _NEWEST = 2**63 - 1
+
+# Per traced graph, the output of its last critical section. Each one starts only after the previous
+# one ended (and after its own inputs arrived), so a step holds at most one shard's lock at a time:
+# two steps can never each hold a lock the other waits for. (Locks taken as soon as the step
+# started, in no order, deadlocked two workers' steps over three tables.)
+_last_section: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def in_turn(section, inputs=()):
+    """Run `section()` (which takes a lock) after the graph's previous locked section and `inputs`."""
+    if tf.executing_eagerly():
+        return section()
+    graph = tf.compat.v1.get_default_graph()
+    before = [t for t in (_last_section.get(graph), *inputs) if t is not None]
+    with tf.control_dependencies(before):
+        out = section()
+    _last_section[graph] = tf.nest.flatten(out)[0]
+    return out
 
 
 def least_recent(keys, last, member, k):
@@ -144,8 +164,7 @@ class DenseShard:
         def locked():
             return self._admit(keys, seen_now, clock, initial_rows, check_batch)
 
-        found, admitted, fresh, at = self.lock.execute(locked, exclusive_resource_access=False)
-        return found, admitted, fresh, at
+        return in_turn(lambda: self.lock.execute(locked, exclusive_resource_access=False), (keys, seen_now, clock))
 
     def _admit(self, keys, seen_now, clock, initial_rows, check_batch):
         policy, minimum = self.policy, self.policy.min_frequency

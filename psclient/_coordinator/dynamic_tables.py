@@ -35,7 +35,7 @@ import tensorflow as tf
 from psclient._coordinator.runtime import coordinator_cpu
 from psclient._engine import registry
 from psclient._core import dynamic_tables as rules
-from psclient._coordinator.dense_shard import DenseShard, least_recent
+from psclient._coordinator.dense_shard import DenseShard, in_turn, least_recent
 
 __all__ = ["DynamicTable", "initial_rows", "live_tables", "mix64", "shard_of", "stats_on_ps"]
 
@@ -316,7 +316,8 @@ class DynamicTable:
                     valid, at, rows, slots = shard.read_for_update(keys, at, admitted)
                     rows, slots = rule(rows, tf.reshape(tf.boolean_mask(grad, valid), [-1, self.dim]), slots)
                     with tf.control_dependencies(shard.write(at, rows, slots)):
-                        ops.append(tf.cond(shard.due(), shard.scan, lambda: tf.constant(0, tf.int64)))
+                        ops.append(in_turn(lambda shard=shard: tf.cond(
+                            shard.due(), shard.scan, lambda: tf.constant(0, tf.int64))))
                     continue
                 # Rows another worker's scan evicted since the lookup are not
                 # written back (that would leave rows without counters).
