@@ -159,12 +159,12 @@ class DenseShard:
     # ------------------------------------------------------------ admission
     def admit(self, keys, seen_now, initial_rows, check_batch):
         """Count, admit and read `keys`; returns (rows, admitted, fresh, row of each key)."""
-        clock = self.clock.assign_add(1)
-
         def locked():
+            # Under the lock: two steps' increments read back apart, so each step has its own clock.
+            clock = self.clock.assign_add(1)
             return self._admit(keys, seen_now, clock, initial_rows, check_batch)
 
-        return in_turn(lambda: self.lock.execute(locked, exclusive_resource_access=False), (keys, seen_now, clock))
+        return in_turn(lambda: self.lock.execute(locked, exclusive_resource_access=False), (keys, seen_now))
 
     def _admit(self, keys, seen_now, clock, initial_rows, check_batch):
         policy, minimum = self.policy, self.policy.min_frequency
@@ -201,10 +201,12 @@ class DenseShard:
         touch = [self.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(kept_at), clock), kept_at)),
                  self.count.scatter_update(tf.IndexedSlices(tf.boolean_mask(total, have), kept_at))]
         with tf.control_dependencies(touch):
-            held = tf.reduce_sum(tf.cast(self._vector(self.last) >= 0, tf.int64))
+            last = self._vector(self.last)
+            ours = tf.scatter_nd(kept_at[:, None], tf.ones(tf.shape(kept_at), tf.bool), tf.shape(last, tf.int64))
+            held = tf.reduce_sum(tf.cast(last >= 0, tf.int64))
             excess = tf.maximum(held + need - self.share, 0)
             excess = tf.where(excess > 0, held + need - (self.share - rules.headroom(self.share)), excess)
-            evict = self._remove_rows(lambda last: (last >= 0) & (last != clock), excess, count_rows=True)
+            evict = self._remove_rows(lambda last: (last >= 0) & ~ours, excess, count_rows=True)
         with tf.control_dependencies([evict]):
             free = tf.reshape(tf.where(self._vector(self.last) < 0), [-1])[:need]
             new_keys = tf.boolean_mask(keys, fresh)
