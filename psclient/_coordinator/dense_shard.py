@@ -201,12 +201,13 @@ class DenseShard:
         touch = [self.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(kept_at), clock), kept_at)),
                  self.count.scatter_update(tf.IndexedSlices(tf.boolean_mask(total, have), kept_at))]
         with tf.control_dependencies(touch):
-            last = self._vector(self.last)
-            ours = tf.scatter_nd(kept_at[:, None], tf.ones(tf.shape(kept_at), tf.bool), tf.shape(last, tf.int64))
-            held = tf.reduce_sum(tf.cast(last >= 0, tf.int64))
+            # The batch's rows were last seen at this step's clock, which no other step shares (it
+            # is read under the lock). (A mask scattered into `tf.shape(last)` failed on a cluster:
+            # "does not index into shape [1]".)
+            held = tf.reduce_sum(tf.cast(self._vector(self.last) >= 0, tf.int64))
             excess = tf.maximum(held + need - self.share, 0)
             excess = tf.where(excess > 0, held + need - (self.share - rules.headroom(self.share)), excess)
-            evict = self._remove_rows(lambda last: (last >= 0) & ~ours, excess, count_rows=True)
+            evict = self._remove_rows(lambda last: (last >= 0) & (last != clock), excess, count_rows=True)
         with tf.control_dependencies([evict]):
             free = tf.reshape(tf.where(self._vector(self.last) < 0), [-1])[:need]
             new_keys = tf.boolean_mask(keys, fresh)

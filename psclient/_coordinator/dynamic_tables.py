@@ -1,7 +1,10 @@
-"""Dynamic embedding tables: rows kept by key in hash tables on the ps tasks.
+"""Dynamic embedding tables: rows kept by key on the ps tasks.
 
-A `DynamicTable` holds, on each of its ps tasks (one "shard" each, or one
-local shard without a cluster), `tf.lookup.experimental.MutableHashTable`s:
+A `DynamicTable` holds one "shard" on each of its ps tasks (or one local
+shard without a cluster). With a `capacity`, a shard is a `DenseShard`
+(`psclient._coordinator.dense_shard`: rows and slots in preallocated
+variables beside a key -> row index). Without one, the rows need storage
+that grows: the shard holds `tf.lookup.experimental.MutableHashTable`s:
 
   values   key -> row (float32[dim]), for admitted keys
   slots    one table per optimizer slot, key -> float32[dim]
@@ -12,7 +15,7 @@ it), admissions and evictions. Keys go to shard `mix64(key) % shards`.
 Everything here is TensorFlow ops placed with `tf.device` on the shard's ps:
 called from a function that runs on a worker, the lookup, the admission, the
 optimizer's arithmetic and the eviction scan run on the ps and only the
-looked-up rows (and their gradients) cross. Why a MutableHashTable, and what
+looked-up rows (and their gradients) cross. Why these storages, and what
 was measured: docs/dynamic_embeddings.md. The rules of admission and
 eviction are `psclient._core.dynamic_tables`.
 
