@@ -35,10 +35,10 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from psclient._coordinator.runtime import coordinator_cpu
-from psclient._engine import registry
-from psclient._core import dynamic_tables as rules
 from psclient._coordinator.dense_shard import DenseShard, in_turn, least_recent
+from psclient._coordinator.runtime import coordinator_cpu
+from psclient._core import dynamic_tables as rules
+from psclient._engine import registry
 
 __all__ = ["DynamicTable", "initial_rows", "live_tables", "mix64", "shard_of", "stats_on_ps"]
 
