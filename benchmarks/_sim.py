@@ -1,8 +1,9 @@
 """A simulated cluster behind psclient's real coordinator logic (no TensorFlow).
 
 `SimCluster` fakes only the TensorFlow edge (`psclient._engine.edge.Edge`:
-probes, TCP states, device scopes, outputs, connects) and the calls dispatcher
-threads make (through the `prepare` callable). Everything else is psclient's
+probes, TCP states, connects; the rest as every fake edge answers it,
+`tests/_fake_edge.py`) and the calls dispatcher threads make (through the
+`prepare` callable). Everything else is psclient's
 own: the `Engine` (`Scheduler`, `Dispatcher`, `Prober`, `Recovery` and its
 `RecoveryMachine`) built as `ParameterServerStrategy` builds it, minus tracing,
 variables and checkpoints.
@@ -23,11 +24,11 @@ the worker out and until each closure that was running there ran elsewhere.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
 import random
+import sys
 import threading
 import time
 from typing import Any
@@ -40,6 +41,10 @@ from psclient._engine.assembly import Engine
 from psclient._engine.edge import Roster
 from psclient._engine.recovery import RecoveryConfig
 
+# The fake edge's common part, and the empty variable store and per-worker values, are the tests'.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from _fake_edge import EmptyStore, FakeEdgeBase, NoPerWorker  # noqa: E402
+
 __all__ = ["SimConfig", "SimCluster", "Harness", "UnavailableError", "AbortedError"]
 
 
@@ -51,10 +56,6 @@ class UnavailableError(Exception):
 class AbortedError(Exception):
     """What a restarted fake worker raises until the coordinator connects again (TF's
     restarted task no longer knows the coordinator's context)."""
-
-
-class SimOpError(Exception):
-    """The fake edge's base of failed-op errors (TF's OpError)."""
 
 
 @dataclasses.dataclass
@@ -94,7 +95,7 @@ class _Worker:
         self.known = 0
 
 
-class SimCluster:
+class SimCluster(FakeEdgeBase):
     """Fake workers and the fake TF edge (`edge` is this object)."""
 
     def __init__(self, config: SimConfig):
@@ -115,50 +116,11 @@ class SimCluster:
         self.connects = 0
 
     # ------------------------------------------------------------ the edge
-    @staticmethod
-    def worker_device(index: int) -> str:
-        return f"/job:worker/replica:0/task:{index}"
-
-    @staticmethod
-    def ps_device(index: int) -> str:
-        return f"/job:ps/replica:0/task:{index}/device:CPU:0"
-
     def tcp_state(self, address: str, timeout: float) -> str:
         worker = self._by_address.get(address)
         if worker is None:
             return "open"  # the ps never fails here
         return "closed" if self.workers[worker].state == "dead" else "open"
-
-    def tcp_reachable(self, address: str, timeout: float) -> bool:
-        return self.tcp_state(address, timeout) == "open"
-
-    @staticmethod
-    def check_handle(variable: Any) -> None:
-        """No variables here: never asked."""
-
-    @staticmethod
-    def device_scope(device: str, worker: int):
-        return contextlib.nullcontext()
-
-    @staticmethod
-    def function_not_registered_yet(error: BaseException) -> bool:
-        return False
-
-    @staticmethod
-    def cancellable_call():
-        return contextlib.nullcontext(lambda: None)
-
-    @staticmethod
-    def to_numpy(outputs: Any) -> Any:
-        return outputs
-
-    @staticmethod
-    def name_error(error: BaseException, fn_name: str, where: str) -> BaseException:
-        return error
-
-    @staticmethod
-    def op_error() -> type:
-        return SimOpError
 
     # ------------------------------------------------ calls, probes, connects
     def prepare(self, closure: Closure, worker: int) -> tuple:
@@ -226,35 +188,6 @@ class SimCluster:
         w.resumed.set()
 
 
-class _Store:
-    """No variables: recovery's variable store, empty."""
-
-    def count(self) -> int:
-        return 0
-
-    def named(self) -> dict:
-        return {}
-
-    def renew(self, lost) -> int:
-        return 0
-
-    def one_per_ps(self) -> dict:
-        return {}
-
-
-class _PerWorker:
-    """No per-worker values: the registry recovery rebuilds, empty."""
-
-    def generation(self, worker: int) -> int:
-        return 0
-
-    def renew_iterators(self, worker: int, seen_generation: int) -> int:
-        return 0
-
-    def rebuild(self, worker, *, resources_only: bool) -> None:
-        pass
-
-
 class _TimedScheduler(Scheduler):
     """The real scheduler, noting when a worker is taken out and when its closures run again."""
 
@@ -294,7 +227,7 @@ class Harness:
                                            probe_timeout=min(10.0, config.hang_timeout),
                                            interval=min(1.0, config.hang_timeout / 4)),
             pipeline_depth=config.pipeline_depth, connect_timeout=config.hang_timeout, prepare=self.sim.prepare,
-            store=_Store(), per_worker=_PerWorker(),
+            store=EmptyStore(), per_worker=NoPerWorker(),
         )
         self.prober, self.recovery, self.dispatcher = self.engine.prober, self.engine.recovery, self.engine.dispatcher
         #: Closures submitted; per closure number, times its future resolved

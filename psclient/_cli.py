@@ -201,6 +201,20 @@ users of this machine can still reach them.
 """
 
 
+def _add_command(parser: argparse.ArgumentParser, whose: str) -> None:
+    """The trailing command line of `launch` and `k8s` (after --)."""
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                        help=f"{whose} command line, after --")
+
+
+def _command(args: argparse.Namespace, expected: str) -> list[str]:
+    """The command line given after --; a usage error saying `expected` when there is none."""
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        args.command_parser.error(f"No training command given. Expected {expected}")
+    return command
+
+
 def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
     launch = commands.add_parser(
         "launch",
@@ -219,8 +233,7 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
     launch.add_argument("--max-restarts", type=int, default=3, metavar="K",
                         help="restarts per task with --restart-failed (default: 3)")
     launch.add_argument("--log-dir", metavar="DIR", help="keep the task logs there (default: a temporary directory)")
-    launch.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
-                        help="the training script's command line, after --")
+    _add_command(launch, "the training script's")
     launch.set_defaults(handler=_run_launch, command_parser=launch)
 
 
@@ -229,10 +242,7 @@ def _run_launch(args: argparse.Namespace) -> int:
     from psclient._core.errors import TaskUnreachableError
 
     parser = args.command_parser
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        parser.error("No training command given. Expected it after --, e.g. "
-                     "psclient launch --workers 2 --ps 1 -- python train.py")
+    command = _command(args, "it after --, e.g. psclient launch --workers 2 --ps 1 -- python train.py")
     try:
         check_positive("workers", args.workers, integer=True)
         check_positive("ps", args.ps, integer=True)
@@ -320,8 +330,7 @@ def _add_k8s_parser(commands: argparse._SubParsersAction) -> None:
         k8s.add_argument(f"--{role}-cpu", default=cpu, metavar="QTY", help=f"CPU request per {role} (default: {cpu})")
         k8s.add_argument(f"--{role}-memory", default=memory, metavar="QTY",
                          help=f"memory request and limit per {role} (default: {memory})")
-    k8s.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
-                     help="the chief's (coordinator's) command line, after --")
+    _add_command(k8s, "the chief's (coordinator's)")
     k8s.set_defaults(handler=_run_k8s, command_parser=k8s)
 
 
@@ -329,10 +338,8 @@ def _run_k8s(args: argparse.Namespace) -> int:
     from psclient._cluster.k8s import K8sJob, manifests, to_yaml
 
     parser = args.command_parser
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        parser.error("No training command given. Expected the chief's command after --, e.g. "
-                     "psclient k8s --name mnist --image IMAGE --workers 2 --ps 1 -- python train.py")
+    command = _command(args, "the chief's command after --, e.g. "
+                       "psclient k8s --name mnist --image IMAGE --workers 2 --ps 1 -- python train.py")
     fields = {f: getattr(args, f) for f in (
         "name", "image", "workers", "ps", "evaluator", "evaluator_model", "evaluator_data",
         "evaluator_checkpoint_dir", "port", "checkpoint_size", "storage_class", "chief_restarts",

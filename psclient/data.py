@@ -5,8 +5,9 @@
     model.fit(data, epochs=3)                       # every shard once per epoch
 
 `make_dataset(shard)` returns one shard's batches, with `shard.start`,
-`shard.end` (int64 scalars) and `shard.file` (a string scalar, file shards)
-as tensors; it is traced once and runs on the workers. For custom loops,
+`shard.end` (int64 scalars), `shard.file` (a string scalar, file shards)
+and `shard.epoch` (int64 scalar) as tensors; it is traced once and runs on
+the workers. For custom loops,
 `ShardFeed` drives the same ledger with `strategy.schedule`. The guarantee
 and how it holds across failures and restarts: docs/data_ledger.md.
 """

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 
@@ -67,7 +68,8 @@ def _serve(path):
     import keras
     import tensorflow as tf
 
-    import psclient  # noqa: F401  (not psclient.layers: the layer is registered when Keras loads)
+    # For its side effect (not psclient.layers: the layer is registered when Keras loads).
+    importlib.import_module("psclient")
 
     model = keras.models.load_model(path)
     unknown = model.get_layer("ids")(tf.constant(UNKNOWN, tf.int64)).numpy()

@@ -1,6 +1,8 @@
 """A fake of the engine's TensorFlow edge (`psclient._engine.edge.Edge`), for tests
 of the real engine (scheduler, dispatcher, probes, recovery thread, elastic
-workers) without TensorFlow. Benchmarks have a fuller one (`benchmarks/_sim.py`).
+workers) without TensorFlow. `FakeEdgeBase` holds what every fake edge answers
+the same way; the benchmarks' simulated cluster (`benchmarks/_sim.py`) builds on
+it too, with workers that hang, die and restart, and calls that take time.
 
 A fake task is "up" (calls run, probes answer, TCP open) or "dead" (calls and
 probes raise `UnavailableError`, named as TF's UnavailableError, which the
@@ -30,19 +32,11 @@ class UnavailableError(FakeOpError):
     error_code = 14  # TF's (and gRPC's) UNAVAILABLE
 
 
-class FakeEdge:
-    """Fake tasks at "fake-<job><index>:1" and every `Edge` name over them."""
+class FakeEdgeBase:
+    """The `Edge` names every fake answers alike: TF's device names, no variables,
+    no device scopes, outputs as they are. A subclass gives `tcp_state`, `probe`,
+    `connect`, `disconnect` and the calls (`prepare`)."""
 
-    def __init__(self, cluster: Cluster):
-        self.state: dict[str, str] = {a: "up" for addresses in cluster.jobs.values() for a in addresses}
-        self.cluster = cluster
-        self.connects: list[tuple[int, ...]] = []
-        self.disconnects = 0
-        self.calls: list[int] = []
-        self.connected = threading.Event()
-        self._lock = threading.Lock()
-
-    # ------------------------------------------------------------ the Edge
     @staticmethod
     def worker_device(index: int) -> str:
         return f"/job:worker/replica:0/task:{index}"
@@ -52,15 +46,10 @@ class FakeEdge:
         return f"/job:ps/replica:0/task:{index}/device:CPU:0"
 
     def tcp_state(self, address: str, timeout: float) -> str:
-        return "closed" if self.state.get(address, "dead") == "dead" else "open"
+        raise NotImplementedError
 
     def tcp_reachable(self, address: str, timeout: float) -> bool:
         return self.tcp_state(address, timeout) == "open"
-
-    def probe(self, device: str) -> None:
-        job = "ps" if "/job:ps/" in device else "worker"
-        index = int(device.split("/task:")[1].split("/")[0])
-        self._answer(self.address(job, index))
 
     @staticmethod
     def check_handle(variable: Any) -> None:
@@ -89,6 +78,28 @@ class FakeEdge:
     @staticmethod
     def op_error() -> type:
         return FakeOpError
+
+
+class FakeEdge(FakeEdgeBase):
+    """Fake tasks at "fake-<job><index>:1" and every `Edge` name over them."""
+
+    def __init__(self, cluster: Cluster):
+        self.state: dict[str, str] = {a: "up" for addresses in cluster.jobs.values() for a in addresses}
+        self.cluster = cluster
+        self.connects: list[tuple[int, ...]] = []
+        self.disconnects = 0
+        self.calls: list[int] = []
+        self.connected = threading.Event()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ the Edge
+    def tcp_state(self, address: str, timeout: float) -> str:
+        return "closed" if self.state.get(address, "dead") == "dead" else "open"
+
+    def probe(self, device: str) -> None:
+        job = "ps" if "/job:ps/" in device else "worker"
+        index = int(device.split("/task:")[1].split("/")[0])
+        self._answer(self.address(job, index))
 
     def connect(self, cluster: Cluster, workers: list[int]) -> None:
         for worker in workers:

@@ -67,6 +67,11 @@ def test_bad_sharded_dataset():
         data.ShardedDataset(data.range_shards(4, 2), _two_arguments())
     with pytest.raises(TypeError, match="Received: make_dataset=3 of type int"):
         data.ShardedDataset(data.range_shards(4, 2), 3)
+    for bad in (data.Shard(5, 2), data.Shard(-3, 2), data.Shard(0, -1), data.Shard(0.5, 2)):
+        with pytest.raises(ValueError, match=r"Received: Shard\(start=.*Expected integer bounds 0 <= start < end"):
+            data.ShardedDataset([data.Shard(0, 2), bad], make_dataset)
+    with pytest.raises(FileNotFoundError, match=r"do not exist\. Received: \['/nonexistent/part-0'\]"):
+        data.ShardedDataset([data.Shard(0, -1, "/nonexistent/part-0")], make_dataset)
     with pytest.raises(ValueError, match="seed=-1"):
         data.ShardedDataset(data.range_shards(4, 2), make_dataset, seed=-1)
     not_a_dataset = data.ShardedDataset(data.range_shards(4, 2), lambda shard: [shard.start])
@@ -111,10 +116,28 @@ def test_a_dataset_of_unknown_size_is_cut_into_ranges_of_batches(tmp_path):
         sharded_from_dataset(tf.data.Dataset.range(5).repeat().filter(lambda i: i > 1), 2)
     csv = tmp_path / "data.csv"
     csv.write_text("a,b\n" + "".join(f"{i},{i % 3}\n" for i in range(20)))
-    with pytest.raises(NondeterministicDatasetError, match="seed=None.*shuffle=False"):
-        sharded_from_dataset(tf.data.experimental.make_csv_dataset(str(csv), 4, num_epochs=1), 2)
-    with pytest.raises(NondeterministicDatasetError, match="reshuffle_each_iteration=True"):
-        sharded_from_dataset(tf.data.experimental.make_csv_dataset(str(csv), 4, num_epochs=1, shuffle_seed=1), 2)
+    # make_csv_dataset's default shuffle (no seed, reshuffled per iteration), with a seed, and a
+    # plain unseeded shuffle: rewritten to one order in every copy, so shards take each record once.
+    for dataset in (tf.data.experimental.make_csv_dataset(str(csv), 4, num_epochs=1),
+                    tf.data.experimental.make_csv_dataset(str(csv), 4, num_epochs=1, shuffle_seed=1),
+                    tf.data.Dataset.range(20).shuffle(20).filter(lambda i: i >= 0).map(lambda i: {"a": i}).batch(4)):
+        sharded = sharded_from_dataset(dataset, 2)
+        copies = [[int(i) for batch in sharded.as_dataset() for i in batch["a"]] for _ in range(2)]
+        assert sorted(copies[0]) == list(range(20)), copies[0]  # each record once
+        assert copies[0] == copies[1]  # the same order in every copy
+
+        def epoch_order(epoch):  # every shard of `epoch`, in list order, as a worker builds each
+            return [int(i) for shard in sharded.shards for batch in sharded.make_dataset(data.Shard(
+                tf.constant(shard.start, tf.int64), tf.constant(shard.end, tf.int64), None,
+                tf.constant(epoch, tf.int64))) for i in batch["a"]]
+
+        assert epoch_order(0) == copies[0]
+        assert sorted(epoch_order(1)) == list(range(20)) and epoch_order(1) != copies[0]  # reshuffled per epoch
+        assert epoch_order(1) == epoch_order(1)  # the same in every copy of that epoch
+    unordered = tf.data.Dataset.range(2).interleave(lambda i: tf.data.Dataset.range(i, 10, 2),
+                                                    num_parallel_calls=2, deterministic=False)
+    with pytest.raises(NondeterministicDatasetError, match="Received: deterministic=False"):
+        sharded_from_dataset(unordered.filter(lambda i: i >= 0).batch(2), 2)
     for dataset in (tf.data.experimental.make_csv_dataset(str(csv), 4, num_epochs=1, shuffle=False),
                     filtered.shuffle(4, seed=1, reshuffle_each_iteration=False)):
         sharded = sharded_from_dataset(dataset, 2)

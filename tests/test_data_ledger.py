@@ -87,7 +87,7 @@ def test_a_throttled_worker_takes_fewer_shards(strategy, cluster):
     np.testing.assert_array_equal(counts.numpy(), np.full([N], 2))
 
 
-def id_model(counts):
+def id_model(counts, **compile_args):
     import keras
 
     class Counting(keras.Model):
@@ -111,7 +111,7 @@ def id_model(counts):
 
     model = Counting()
     model.build((None, 1))
-    model.compile("sgd", "mse", metrics=["mae"])
+    model.compile("sgd", "mse", metrics=["mae"], **compile_args)
     return model
 
 
@@ -138,6 +138,67 @@ def test_fit_evaluate_predict(strategy):
     odd = tf.data.Dataset.range(N).filter(lambda i: i % 2 == 1)
     model.fit(odd.map(lambda i: (tf.cast([i], tf.float32), tf.cast([i % 3], tf.float32))).batch(4), verbose=0)
     np.testing.assert_array_equal(counts.numpy() - before, np.arange(N) % 2)
+
+
+def test_fit_honours_steps_per_execution(strategy):
+    # steps_per_execution=3: Keras calls the train function once per 3 shards, and each shard's
+    # loop trains 3 batches between two ledger writes (10 batches a shard: the last iteration short).
+    with strategy.scope():
+        counts = tf.Variable(tf.zeros([N], tf.int64))
+        model = id_model(counts, steps_per_execution=3)
+    data = psclient.data.ShardedDataset(psclient.data.range_shards(N, 40), id_dataset)
+    seen = []
+
+    class Batches(__import__("keras").callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(batch)
+
+    model.fit(data, epochs=2, verbose=0, callbacks=[Batches()])
+    np.testing.assert_array_equal(counts.numpy(), np.full([N], 2))  # every record once per epoch
+    assert int(model.optimizer.iterations.numpy()) == 2 * N // 4
+    assert seen == [2, 5, 2, 5], seen  # 6 shards an epoch: two calls of three
+    feed = psclient.data.ShardFeed(strategy, data)
+    with pytest.raises(ValueError, match=r"Received: steps_per_iteration=0\. Expected an integer >= 1"):
+        feed.shard_function(counting_step(counts), steps_per_iteration=0)
+
+
+def test_fit_reads_make_csv_dataset_with_its_default_shuffle_once_per_epoch(strategy, tmp_path):
+    import keras
+
+    # CSV files written here (offline), read with make_csv_dataset's defaults: shuffled without
+    # a seed, reshuffled per iteration, size unknown (num_epochs=1).
+    for part in range(3):
+        rows = "".join(f"{i},{i % 5}.0\n" for i in range(part * 40, (part + 1) * 40))
+        (tmp_path / f"part-{part}.csv").write_text("id,y\n" + rows)
+    with strategy.scope():
+        counts = tf.Variable(tf.zeros([120], tf.int64))
+
+        class CsvCounting(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.dense = keras.layers.Dense(1)
+
+            def call(self, features):
+                return self.dense(tf.cast(features["id"], tf.float32)[:, None] / 120.0)
+
+            def train_step(self, data):
+                ids = tf.cast(data[0]["id"], tf.int64)
+                counts.scatter_add(tf.IndexedSlices(tf.ones_like(ids), ids))
+                return super().train_step(data)
+
+        model = CsvCounting()
+        model.compile("sgd", "mse")
+    data = tf.data.experimental.make_csv_dataset(str(tmp_path / "part-*.csv"), batch_size=4, label_name="y",
+                                                 num_epochs=1)
+    per_epoch = []
+
+    class EveryEpoch(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            per_epoch.append(counts.numpy().copy())
+
+    model.fit(data, epochs=2, verbose=0, callbacks=[EveryEpoch()])
+    np.testing.assert_array_equal(per_epoch[0], np.ones([120]))  # each record once in epoch 0
+    np.testing.assert_array_equal(per_epoch[1], np.full([120], 2))  # and once more in epoch 1
 
 
 def test_backup_and_restore_resumes_the_epoch(strategy, tmp_path):

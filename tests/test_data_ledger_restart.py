@@ -1,10 +1,8 @@
 """The data ledger across a coordinator SIGKILLed mid-epoch (strategy checkpoints) and a hung
 worker (SIGSTOP): records counted on the ps, each at least once, twice only when in flight."""
 
-import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -17,9 +15,9 @@ import psclient
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
-CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ledger_restart_child.py")
-sys.path.insert(0, os.path.dirname(CHILD))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _ledger_restart_child import BATCH, N, SHARD  # noqa: E402
+from _ledger_runs import run_coordinator, write_cluster_file  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,45 +26,20 @@ def cluster():
         yield local
 
 
-def child(cluster_file, checkpoint_dir, mode, kill_after_shards=None):
-    """Run the child coordinator; SIGKILL it once it reported `kill_after_shards` finished shards."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(CHILD)), os.environ.get("PYTHONPATH", "")]))
-    stderr = open(checkpoint_dir.parent / f"stderr-{mode}.txt", "w+")
-    process = subprocess.Popen([sys.executable, CHILD, str(cluster_file), str(checkpoint_dir), mode],
-                               stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
-    events = []
-    try:
-        for line in process.stdout:
-            if line.startswith("{"):
-                events.append(json.loads(line))
-                shards = sum(e["event"] == "shard" for e in events)
-                if kill_after_shards is not None and shards >= kill_after_shards:
-                    process.send_signal(signal.SIGKILL)  # mid-epoch, shards in flight
-                    break
-        process.wait(timeout=400)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
-        process.stdout.close()
-        stderr.seek(0)
-        tail = stderr.read()[-3000:]
-        stderr.close()
-    return process.returncode, events, tail
+def shards_finished_at_least(count):
+    return lambda events: sum(e["event"] == "shard" for e in events) >= count
 
 
 def test_a_coordinator_killed_mid_epoch_resumes_the_epoch(cluster, tmp_path):
     cluster_file = tmp_path / "cluster.json"
-    cluster_file.write_text(json.dumps({job: tasks for job, tasks in cluster.cluster.training_spec().items()
-                                        if job != "chief"}))
+    write_cluster_file(cluster, cluster_file)
     ckpt = tmp_path / "ckpt"
     num_shards = N // SHARD
-    code, first, err = child(cluster_file, ckpt, "first", kill_after_shards=num_shards // 2)
+    code, first, err = run_coordinator(cluster_file, ckpt, "first", kill_when=shards_finished_at_least(num_shards // 2))
     assert code == -signal.SIGKILL, err
     assert not any(e["event"] == "done" for e in first)
 
-    code, second, err = child(cluster_file, ckpt, "again")
+    code, second, err = run_coordinator(cluster_file, ckpt, "again")
     assert code == 0, (second, err)
     restored, done = second[0], second[-1]
     assert restored["event"] == "restored" and done["event"] == "done"
@@ -87,10 +60,41 @@ def test_a_coordinator_killed_mid_epoch_resumes_the_epoch(cluster, tmp_path):
     assert done["stats"]["done"] == num_shards and done["stats"]["records"] == N
 
     # The same program over other shards (as many: the ps variables match) is refused, not restarted.
-    code, third, err = child(cluster_file, ckpt, "other")
+    code, third, err = run_coordinator(cluster_file, ckpt, "other")
     assert code == 0, (third, err)
     assert third[-1]["event"] == "refused" and third[-1]["error"] == "LedgerMismatchError", third
     assert f"Received: a ledger of {num_shards} shards" in third[-1]["message"]
+
+
+def test_fit_killed_mid_epoch_resumes_the_epoch_after_restore(cluster, tmp_path):
+    # model.fit(ShardedDataset) with strategy checkpoints, SIGKILLed mid-epoch; the same script
+    # run again calls strategy.restore() and then fit: the epoch goes on where the checkpoint was.
+    cluster_file = tmp_path / "cluster.json"
+    write_cluster_file(cluster, cluster_file)
+    ckpt = tmp_path / "ckpt"
+    num_shards = N // SHARD
+
+    def half_done(events):
+        return any(e["event"] == "saved" for e in events) and events[-1].get("done", 0) >= num_shards // 2
+
+    code, first, err = run_coordinator(cluster_file, ckpt, "fit-first", kill_when=half_done)
+    assert code == -signal.SIGKILL, (first, err)
+    assert not any(e["event"] == "done" for e in first)
+
+    code, second, err = run_coordinator(cluster_file, ckpt, "fit-again")
+    assert code == 0, (second, err)
+    restored, begin, done = second[0], second[1], second[-1]
+    assert restored == {"event": "restored", "ledgers": 1}, second[:2]
+    assert begin["event"] == "begin" and done["event"] == "done", second
+    assert begin["epoch"] == 0 and 0 < len(begin["done"]) < num_shards, begin  # the same epoch resumed
+    counts = np.array(done["counts"])
+    assert counts.min() >= 1, "every record at least once"
+    done_ids = np.concatenate([np.arange(s * SHARD, (s + 1) * SHARD) for s in begin["done"]])
+    np.testing.assert_array_equal(counts[done_ids], 1)  # the shards done were not trained again
+    # Twice only for the batches a closure of the killed coordinator still trained after the
+    # restore: at most two batches of each shard it had in flight (fit keeps 4: two per worker).
+    assert counts.max() <= 2 and int((counts == 2).sum()) <= 4 * 2 * BATCH, counts
+    assert done["stats"]["done"] == num_shards and done["stats"]["records"] == N
 
 
 def make_dataset(shard):
@@ -172,3 +176,136 @@ def test_a_hung_worker_gives_its_shard_back_and_trains_at_most_two_batches_of_it
             cluster.resume("worker", 1)
         cluster.throttle("worker", 1, 1.0)
         strategy.shutdown()
+
+
+def test_a_lost_ps_rolls_the_ledger_back_with_the_variables(cluster, tmp_path):
+    # A ps killed mid-epoch and restarted: every variable comes back from the newest checkpoint,
+    # the per-record counts included, so the shards finished after that checkpoint must be
+    # trained again for every record to be in the epoch's final model at least once.
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, checkpoint_dir=str(tmp_path / "ckpt"),
+                                                checkpoint_every=100_000, hang_timeout=30, connect_timeout=120)
+    n = 480
+    try:
+        with strategy.scope():
+            counts = tf.Variable(tf.zeros([n], tf.int64))
+        data = psclient.data.ShardedDataset(psclient.data.range_shards(n, 40), make_dataset, seed=5)
+        feed = psclient.data.ShardFeed(strategy, data)
+
+        def step(ids):
+            x = tf.random.uniform([256, 256])
+            for _ in range(20):
+                x = tf.linalg.matmul(x, x) / 256.0
+            with tf.control_dependencies([x]):
+                counts.scatter_add(tf.IndexedSlices(tf.ones_like(ids), ids))
+
+        run_shard = feed.shard_function(step)
+        finished, saved_at, killed = [], [], threading.Event()
+
+        def kill_and_restart_ps():
+            cluster.kill("ps", 0)
+            cluster.restart("ps", 0, timeout=300)  # generous: a loaded machine starts TF slowly
+
+        def on_shard_done(item, result):
+            finished.append(item.slot)
+            if len(finished) == 3:
+                saved_at.append(sorted(feed.ledger.state()["done"]))
+                strategy.save_checkpoint()  # the checkpoint the ps comes back to: 3 shards done
+            if len(finished) == 6 and not killed.is_set():
+                killed.set()  # 3 more done since the checkpoint: lost with the ps
+                threading.Thread(target=kill_and_restart_ps, daemon=True).start()
+
+        stats = feed.run_epoch(run_shard, 0, on_shard_done=on_shard_done)
+        assert killed.is_set()
+        assert strategy.stats()["ps"][0]["recoveries"] == 1, strategy.stats()["ps"]
+        trained = counts.numpy()
+        assert trained.min() >= 1, ("every record at least once in the epoch's final model", trained)
+        assert trained.max() <= 2, trained
+        assert stats["done"] == n // 40 and stats["rolled_back_shards"] >= 1, stats
+        # The shards done at the checkpoint were not trained again.
+        done_ids = np.concatenate([np.arange(s * 40, (s + 1) * 40) for s in saved_at[0]])
+        np.testing.assert_array_equal(trained[done_ids], 1)
+    finally:
+        strategy.shutdown()
+        if not cluster.is_running("ps", 0):
+            cluster.restart("ps", 0, timeout=300)
+
+
+def test_fit_with_a_lost_ps_trains_every_record_into_the_final_model(cluster, tmp_path):
+    # The same through model.fit: the ps killed mid-epoch, three shards after a checkpoint.
+    import keras
+
+    from psclient._keras.sharded_fit import active_feed
+
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, checkpoint_dir=str(tmp_path / "ckpt"),
+                                                checkpoint_every=100_000, hang_timeout=30, connect_timeout=120)
+    n = 960  # 24 shards: the ps is lost well before the epoch's end
+    try:
+        with strategy.scope():
+            counts = tf.Variable(tf.zeros([n], tf.int64))
+
+            class Counting(keras.Model):
+                def __init__(self):
+                    super().__init__()
+                    self.dense = keras.layers.Dense(1)
+
+                def call(self, x):
+                    return self.dense(x)
+
+                def train_step(self, data):
+                    ids = tf.cast(data[0][:, 0], tf.int64)
+                    x = tf.random.uniform([256, 256])
+                    for _ in range(20):
+                        x = tf.linalg.matmul(x, x) / 256.0
+                    with tf.control_dependencies([x]):
+                        counts.scatter_add(tf.IndexedSlices(tf.ones_like(ids), ids))
+                    return super().train_step(data)
+
+            model = Counting()
+            model.compile("sgd", "mse")
+
+        def id_dataset(shard):
+            ids = tf.data.Dataset.range(shard.start, shard.end)
+            return ids.map(lambda i: (tf.cast([i], tf.float32), tf.cast([i % 3], tf.float32))).batch(BATCH)
+
+        data = psclient.data.ShardedDataset(psclient.data.range_shards(n, 40), id_dataset, seed=5)
+        saved_at, killed, finished = [], threading.Event(), threading.Event()
+
+        def lose_ps(feed):
+            # Watches the ledger (coordinator memory, not the ps): a checkpoint once 3 shards are
+            # done, the ps killed once 3 more are (mid-epoch: fit's own steps run ahead of the shards).
+            while not finished.is_set():
+                done = feed.stats()["done"]
+                if done >= 3 and not saved_at:
+                    saved_at.append(sorted(feed.ledger.state()["done"]))
+                    strategy.save_checkpoint()
+                elif saved_at and done >= len(saved_at[0]) + 3:
+                    killed.set()
+                    cluster.kill("ps", 0)
+                    cluster.restart("ps", 0, timeout=300)  # generous: a loaded machine starts TF slowly
+                    return
+                time.sleep(0.01)  # polling the ledger, not synchronising
+
+        class LosePs(keras.callbacks.Callback):
+            def on_train_begin(self, logs=None):
+                threading.Thread(target=lose_ps, args=(active_feed(self.model),), daemon=True).start()
+
+            def on_train_end(self, logs=None):
+                saved_at.append(active_feed(self.model).stats())
+
+        try:
+            model.fit(data, epochs=1, verbose=0, callbacks=[LosePs()])
+        finally:
+            finished.set()
+        assert killed.is_set(), "the epoch ended before the ps was killed"
+        assert strategy.stats()["ps"][0]["recoveries"] == 1, strategy.stats()["ps"]
+        trained = counts.numpy()
+        assert trained.min() >= 1, ("every record at least once in the epoch's final model", trained)
+        assert trained.max() <= 2, trained
+        stats = saved_at[-1]
+        assert stats["done"] == n // 40 and stats["rolled_back_shards"] >= 1, stats
+        done_ids = np.concatenate([np.arange(s * 40, (s + 1) * 40) for s in saved_at[0]])
+        np.testing.assert_array_equal(trained[done_ids], 1)  # done at the checkpoint: not again
+    finally:
+        strategy.shutdown()
+        if not cluster.is_running("ps", 0):
+            cluster.restart("ps", 0, timeout=300)

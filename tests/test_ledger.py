@@ -109,3 +109,43 @@ def test_bad_calls():
     ledger.start_epoch(0)
     with pytest.raises(IndexError, match="slot 5"):
         ledger.finish(5)
+
+
+def test_roll_back_to_a_checkpoint_of_this_epoch_hands_out_again_what_was_done_since():
+    ledger = Ledger(shards(6), seed=None)
+    ledger.start_epoch(0)
+    for slot in (0, 1):
+        ledger.hand_out()
+        ledger.finish(slot, records=10)
+    ledger.hand_out()  # slot 2 held
+    ledger.progress(2, 3)
+    saved = json.loads(json.dumps(ledger.state()))  # the checkpoint: 0 and 1 done, 2 at batch 3
+    ledger.finish(2, records=10)
+    ledger.hand_out()
+    ledger.finish(3, records=10)
+    held = ledger.hand_out()  # slot 4, in flight when the ps is lost
+    undone, over = ledger.roll_back(saved)
+    assert (undone, over) == ([2, 3], False)
+    assert ledger.held() == {held.slot}  # its closure runs again from the restored positions
+    stats = ledger.stats()
+    assert stats["done"] == 2 and stats["records"] == 20 and stats["rolled_back_shards"] == 2
+    again = ledger.hand_out()
+    assert (again.slot, again.position) == (2, 3)  # from its position at the checkpoint
+    assert ledger.hand_out().slot == 3 and ledger.hand_out().slot == 5 and ledger.hand_out() is None
+
+
+def test_roll_back_to_a_checkpoint_of_an_earlier_epoch_starts_this_epoch_over():
+    ledger = Ledger(shards(4), seed=3)
+    ledger.start_epoch(0)
+    drain(ledger)
+    saved = ledger.state()  # taken in epoch 0
+    ledger.start_epoch(1)
+    ledger.finish(ledger.hand_out().slot, records=10)
+    held = ledger.hand_out()
+    undone, over = ledger.roll_back(saved)
+    assert over and len(undone) == 1 and ledger.stats()["done"] == 0
+    assert ledger.roll_back(None)[1]  # a checkpoint without this ledger: the same
+    rest = drain(ledger)
+    assert sorted(rest + [held.slot]) == [0, 1, 2, 3]
+    with pytest.raises(LedgerMismatchError, match="2 shards"):
+        ledger.roll_back(Ledger(shards(2), seed=3).state())

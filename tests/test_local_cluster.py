@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 import psclient._cluster.local
+import psclient._cluster.task_process
 from psclient._cluster.local import LocalCluster
 from psclient._core.errors import TaskUnreachableError
 
@@ -246,7 +247,7 @@ def test_a_task_whose_process_cannot_be_created_leaks_no_pipe(monkeypatch, tmp_p
     def no_fork(*args, **kwargs):
         raise OSError(11, "Resource temporarily unavailable")
 
-    monkeypatch.setattr(psclient._cluster.local.subprocess, "Popen", no_fork)
+    monkeypatch.setattr(psclient._cluster.task_process.subprocess, "Popen", no_fork)
     fds = set(os.listdir("/proc/self/fd"))
     with pytest.raises(OSError, match="Resource temporarily unavailable"):
         LocalCluster(num_workers=1, num_ps=1, log_dir=tmp_path)

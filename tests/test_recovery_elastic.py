@@ -7,9 +7,9 @@ tests/test_recovery_machine.py (whose driver this uses).
 import pytest
 from test_recovery_machine import Driver, kinds
 
-from psclient._core import recovery_machine as rm
+from psclient._core import recovery_messages as rm
 from psclient._core.errors import StrategyClosedError
-from psclient._core.recovery_machine import TaskState
+from psclient._core.recovery_messages import TaskState
 
 UP, SUSPECT, LOST, REJOINING, RETIRED = (
     TaskState.UP, TaskState.SUSPECT, TaskState.LOST, TaskState.REJOINING, TaskState.RETIRED,

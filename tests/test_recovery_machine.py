@@ -7,8 +7,9 @@ actions that come out, including the races found by reading the old code.
 
 import pytest
 
-from psclient._core import recovery_machine as rm
-from psclient._core.recovery_machine import TaskState
+from psclient._core import recovery_messages as rm
+from psclient._core.recovery_machine import MachineConfig, RecoveryMachine
+from psclient._core.recovery_messages import TaskState
 
 UP, SUSPECT, HUNG, LOST, REJOINING, RECOVERING = (
     TaskState.UP, TaskState.SUSPECT, TaskState.HUNG, TaskState.LOST, TaskState.REJOINING,
@@ -26,7 +27,7 @@ class Driver:
         config.setdefault("worker_timeout", 30.0)
         config.setdefault("ps_timeout", 60.0)
         self.now = 0.0
-        self.m = rm.RecoveryMachine(rm.MachineConfig(**config), self.now)
+        self.m = RecoveryMachine(MachineConfig(**config), self.now)
 
     def __call__(self, event, at=None):
         if at is not None:

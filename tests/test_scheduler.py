@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from psclient._core.attempts import RunningAttempts
 from psclient._core.errors import StrategyClosedError
 from psclient._core.future import Future
 from psclient._core.closure import Closure
@@ -411,6 +412,19 @@ def test_latency_summary_matches_a_sort_of_the_recent_window():
     for v in values:
         stats.record_latency(v)
     window = sorted(values[-LATENCY_WINDOW:])
-    summary = stats.summary()
+    summary = stats.summary(in_flight=0)
     assert summary["latency_mean_s"] == pytest.approx(sum(window) / len(window), rel=1e-9)
     assert summary["latency_p99_s"] == window[int(0.99 * len(window))]
+
+
+def test_running_attempts_end_once_and_count_late_reports_as_stale():
+    attempts, a, b = RunningAttempts(2), make("a"), make("b")
+    a.attempts = b.attempts = 1
+    attempts.start(0, a)
+    attempts.start(1, b)
+    assert (attempts.total, attempts.on(0), attempts.busy_workers()) == (2, 1, [0, 1])
+    assert attempts.end(0, a, attempt=1) and a.worker is None
+    assert not attempts.end(0, a, attempt=1)  # reported twice: the second is stale
+    assert attempts.abandon(1) == [b] and b.worker is None
+    assert not attempts.end(1, b, attempt=1)  # abandoned (its worker was lost), then reported
+    assert (attempts.total, attempts.stale, attempts.busy_workers()) == (0, 2, [])

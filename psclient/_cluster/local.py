@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import selectors
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import portpicker
@@ -41,186 +38,13 @@ from psclient._cluster import exposure
 from psclient._cluster.process import child_env
 from psclient._cluster.server import check_inter_op_threads
 from psclient._cluster.spec import Cluster
+from psclient._cluster.task_process import TaskProcess, launch, shutdown, wait_ready
 from psclient._cluster.throttle import DEFAULT_PERIOD_S, Throttler, check_fraction, check_period
 from psclient._core.checks import check_positive
 from psclient._core.errors import TaskUnreachableError
 
 _HOST = "127.0.0.1"
 _JOBS = ("worker", "ps")
-# How long close() lets tasks exit after SIGTERM before it SIGKILLs them.
-_TERM_GRACE_S = 5.0
-# Bound on reaping a SIGKILLed process (it cannot resist, but may be in I/O).
-_REAP_TIMEOUT_S = 30.0
-_LOG_TAIL_LINES = 20
-
-
-@dataclass(eq=False)  # Hashed by identity: _LIVE_TASKS holds them.
-class _Task:
-    """One task process and the pipes that tie it to this process."""
-
-    job: str
-    index: int
-    address: str
-    log_path: str
-    process: subprocess.Popen | None = None
-    parent_w: int | None = None  # Held, never written: EOF tells the task we are gone.
-    ready_r: int | None = None  # Open only while waiting for "ready".
-    stopped: bool = False
-    throttle: float = 1.0  # The fraction of its speed `LocalCluster.throttle` set...
-    period: float = DEFAULT_PERIOD_S  # ...and the length of its duty cycle.
-
-    @property
-    def name(self) -> str:
-        return f"{self.job}:{self.index}"
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def close_fds(self) -> None:
-        for attr in ("parent_w", "ready_r"):
-            fd = getattr(self, attr)
-            if fd is not None:
-                os.close(fd)
-                setattr(self, attr, None)
-
-    def reap(self) -> None:
-        """SIGKILLs the process if alive, waits for it and closes the pipes."""
-        if self.process is not None:
-            if self.process.poll() is None:
-                self.process.send_signal(signal.SIGCONT)  # Harmless, and a stopped task reaps faster.
-                self.process.kill()
-            self.process.wait(timeout=_REAP_TIMEOUT_S)
-        self.stopped = False
-        self.close_fds()
-
-    def state(self) -> str:
-        if self.process is None:
-            return "not started"
-        code = self.process.poll()
-        if code is None:
-            return f"pid {self.process.pid}, " + ("stopped" if self.stopped else "running")
-        return f"exited {code}"
-
-
-# Every task whose pipe ends this process holds: a child forked from here
-# closes them at once, so that only this process keeps its tasks alive.
-_LIVE_TASKS: weakref.WeakSet = weakref.WeakSet()
-
-
-def _forget_tasks_in_child() -> None:
-    for task in list(_LIVE_TASKS):
-        task.close_fds()
-        task.process = None  # Not this child's to signal or reap.
-    _LIVE_TASKS.clear()
-
-
-os.register_at_fork(after_in_child=_forget_tasks_in_child)
-
-
-def _log_tail(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 8192))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError as e:
-        return f"(cannot read {path}: {e.strerror})"
-    return "\n".join("    " + line for line in lines[-_LOG_TAIL_LINES:])
-
-
-def _launch(task: _Task, env: dict[str, str], serve_options: list[str]) -> None:
-    """Starts `task`'s process; does not wait for it to be ready."""
-    # os.pipe() fds are non-inheritable: a task inherits only the two ends in
-    # pass_fds, so the write end of each parent pipe stays in this process alone.
-    # Our ends belong to the task at once: its close_fds() (run by reap()) closes
-    # them, also when Popen fails below.
-    task.ready_r, ready_w = os.pipe()
-    parent_r, task.parent_w = os.pipe()
-    _LIVE_TASKS.add(task)
-    argv = [sys.executable, "-m", "psclient", "serve", "--job", task.job,
-            "--index", str(task.index), "--ready-fd", str(ready_w), "--parent-fd", str(parent_r)]
-    if exposure.supported():
-        argv.append("--restrict-to-peers")
-    argv += serve_options
-    try:
-        with open(task.log_path, "ab") as log:
-            task.process = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, pass_fds=(ready_w, parent_r),
-                # Own session: a Ctrl-C in the terminal reaches the coordinator,
-                # which decides what happens to the tasks, not the tasks directly.
-                start_new_session=True,
-            )
-    finally:
-        os.close(ready_w)
-        os.close(parent_r)
-
-
-def _failure(task: _Task, what: str) -> TaskUnreachableError:
-    return TaskUnreachableError(
-        f"Task {task.name} ({task.address}) {what}. Last lines of its log "
-        f"{task.log_path}:\n{_log_tail(task.log_path)}",
-        task=task.name, address=task.address,
-    )
-
-
-def _wait_ready(tasks: list[_Task], deadline: float, timeout: float) -> None:
-    """Waits until every task wrote "ready" to its pipe, against one deadline.
-
-    Raises:
-        TaskUnreachableError: a task exited first, or the deadline passed.
-    """
-    with selectors.DefaultSelector() as selector:
-        for task in tasks:
-            selector.register(task.ready_r, selectors.EVENT_READ, task)
-        while selector.get_map():
-            remaining = deadline - time.monotonic()
-            events = selector.select(remaining) if remaining > 0 else []
-            if not events:
-                pending = [key.data for key in selector.get_map().values()]
-                names = ", ".join(f"{t.name} ({t.address})" for t in pending)
-                raise _failure(pending[0], f"was not ready within {timeout} s (not ready: {names})")
-            for key, _ in events:
-                task = key.data
-                selector.unregister(key.fd)
-                message = os.read(key.fd, 64)
-                os.close(key.fd)
-                task.ready_r = None
-                if not message.startswith(b"ready"):  # EOF: the task died first.
-                    try:
-                        code = task.process.wait(timeout=_TERM_GRACE_S)
-                    except subprocess.TimeoutExpired:
-                        code = "unknown"
-                    raise _failure(task, f"exited with status {code} before it was ready")
-
-
-def _shutdown(tasks: list[_Task], tempdir: tempfile.TemporaryDirectory | None, owner: int,
-              throttler: Throttler) -> None:
-    """Ends the throttle helper, then every task: SIGTERM, a grace period, then SIGKILL; reaps all.
-
-    Only in the process that started them (`owner`): a forked child that
-    exits runs this finalizer too, and must leave its parent's tasks alone.
-    """
-    if os.getpid() != owner:
-        return
-    throttler.close()  # First: it continues the tasks it stopped.
-    live = [t for t in tasks if t.alive()]
-    for task in live:
-        # A stopped task cannot handle SIGTERM (stop(), or a throttle helper that was killed).
-        task.process.send_signal(signal.SIGCONT)
-        task.process.terminate()
-    deadline = time.monotonic() + _TERM_GRACE_S
-    for task in live:
-        try:
-            task.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass  # reap() below SIGKILLs it.
-    for task in tasks:
-        task.reap()
-    if tempdir is not None:
-        tempdir.cleanup()
-
-
 _PORT_ATTEMPTS = 3
 # What `psclient serve` logs when TensorFlow could not bind its port.
 _PORT_TAKEN = ("Could not start gRPC server", "Failed to add port to server")
@@ -327,7 +151,7 @@ class LocalCluster:
         # and its tasks ended (at the latest at interpreter exit). `add_worker` appends to the list.
         self._task_list = list(self._tasks.values())
         self._finalizer = weakref.finalize(
-            self, _shutdown, self._task_list, self._tempdir, os.getpid(), self._throttler)
+            self, shutdown, self._task_list, self._tempdir, os.getpid(), self._throttler)
         with contextlib.ExitStack() as on_failure:  # Whatever stops the start ends every task.
             on_failure.callback(self.close)
             for attempt in range(_PORT_ATTEMPTS):
@@ -354,16 +178,16 @@ class LocalCluster:
             {"worker": addresses[:num_workers], "ps": addresses[num_workers:-1], "chief": addresses[-1:]}
         )
         self._tasks = {
-            (job, index): _Task(job, index, address, os.path.join(self._log_dir, f"{job}-{index}.log"))
+            (job, index): TaskProcess(job, index, address, os.path.join(self._log_dir, f"{job}-{index}.log"))
             for job, index, address in self._cluster.tasks()
         }
 
-    def _start(self, tasks: list[_Task], timeout: float) -> None:
+    def _start(self, tasks: list[TaskProcess], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for task in tasks:  # All at once: TensorFlow's import dominates start-up.
             env = dict(self._env, TF_CONFIG=self._cluster.to_tf_config(task.job, task.index))
-            _launch(task, env, self._serve_options)
-        _wait_ready(tasks, deadline, timeout)
+            launch(task, env, self._serve_options)
+        wait_ready(tasks, deadline, timeout)
 
     # Inspection -------------------------------------------------------------
 
@@ -376,7 +200,7 @@ class LocalCluster:
     def log_dir(self) -> str:
         return self._log_dir
 
-    def _task(self, job: str, index: int) -> _Task:
+    def _task(self, job: str, index: int) -> TaskProcess:
         if job not in _JOBS:
             raise ValueError(
                 f"Invalid value for argument `job`. Received: job={job!r}. "
@@ -425,7 +249,7 @@ class LocalCluster:
             self._unthrottle(task, forget=True)
             task.reap()
 
-    def _signal_live(self, job: str, index: int, sig: signal.Signals) -> _Task:
+    def _signal_live(self, job: str, index: int, sig: signal.Signals) -> TaskProcess:
         with self._lock:
             self._check_open()
             task = self._task(job, index)
@@ -483,7 +307,7 @@ class LocalCluster:
         with self._lock:
             return {key: t.throttle for key, t in self._tasks.items() if t.throttle < 1 and t.alive()}
 
-    def _unthrottle(self, task: _Task, forget: bool = False) -> None:
+    def _unthrottle(self, task: TaskProcess, forget: bool = False) -> None:
         if task.throttle < 1 and task.alive():
             self._throttler.set(task.process.pid, 1.0)
         if forget:
@@ -536,7 +360,7 @@ class LocalCluster:
             jobs = self._cluster.jobs
             jobs["worker"].append(address)
             grown = Cluster(jobs)
-            task = _Task("worker", index, address, os.path.join(self._log_dir, f"worker-{index}.log"))
+            task = TaskProcess("worker", index, address, os.path.join(self._log_dir, f"worker-{index}.log"))
             previous, self._cluster = self._cluster, grown
             with contextlib.ExitStack() as on_failure:  # a worker that did not start leaves no trace
                 on_failure.callback(task.reap)
@@ -555,7 +379,7 @@ class LocalCluster:
         """
         with self._lock:
             self._closed = True
-            self._finalizer()  # Runs _shutdown at most once.
+            self._finalizer()  # Runs shutdown at most once.
 
     def __enter__(self) -> LocalCluster:
         return self

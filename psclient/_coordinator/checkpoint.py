@@ -52,6 +52,7 @@ import tensorflow as tf
 from psclient._coordinator import checkpoint_parts as _parts
 from psclient._coordinator import table_checkpoint
 from psclient._coordinator.checkpoint_parts import CheckpointUnreadable
+from psclient._core.errors import first_line
 from psclient._core.files import replaced_atomically
 from psclient._tf import checkpoints as _checkpoints
 
@@ -280,7 +281,7 @@ class Checkpoints:
             shapes = reader.get_variable_to_shape_map()
             dtypes = reader.get_variable_to_dtype_map()
         except (tf.errors.OpError, ValueError) as error:
-            raise CheckpointUnreadable(f"{_index_problem(path)}: {_first_line(error)}") from error
+            raise CheckpointUnreadable(f"{_index_problem(path)}: {first_line(error)}") from error
         self._check_matches(variables, path, shapes, dtypes, self._matched_by)
         layout, completed = None, None
         try:
@@ -290,7 +291,7 @@ class Checkpoints:
                 completed = int(reader.get_tensor(_COMPLETED_KEY + _VALUE))
         except (tf.errors.OpError, ValueError, IndexError) as error:
             raise CheckpointUnreadable(
-                f"the coordinator's part of it cannot be read: {_first_line(error)}") from error
+                f"the coordinator's part of it cannot be read: {first_line(error)}") from error
         if tables:
             problems = table_checkpoint.check(tables, (layout or {}).get("tables", {}))
             if problems:
@@ -309,7 +310,7 @@ class Checkpoints:
             what = getattr(error, "_psclient_table", "a dynamic table")
             raise CheckpointUnreadable(
                 f"the shards of {what} cannot be read from {path} (corrupt or truncated data file?): "
-                f"{_first_line(error)}") from error
+                f"{first_line(error)}") from error
 
     def _next_number(self) -> int:
         """One past the highest `ckpt-N` in the directory or its state file: no save overwrites another."""
@@ -352,8 +353,3 @@ def _index_problem(path: str) -> str:
     if not tf.io.gfile.exists(path + ".index"):
         return f"its index file {path}.index is missing"
     return f"its index file {path}.index is unreadable"
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(getattr(error, "message", None) or error)
-    return text.strip().splitlines()[0] if text.strip() else type(error).__name__

@@ -50,7 +50,7 @@ from psclient._coordinator import table_checkpoint
 from psclient._coordinator.sharding import is_partitioned
 from psclient._tf import checkpoints as _checkpoints
 from psclient._tf import executors as _executors
-from psclient._core.errors import CheckpointUnreadable, PSClientError
+from psclient._core.errors import CheckpointUnreadable, PSClientError, first_line
 
 __all__ = ["CheckpointDirError", "CheckpointUnreadable", "CheckpointWriteError", "LAYOUT_KEY", "Slot",
            "assign_on_ps", "probe_writable", "read_on_ps", "save_parts", "slots_of"]
@@ -198,7 +198,7 @@ def save_parts(prefix: str, variables: dict[str, Any], scalars: dict[str, Any],
             where = _task(ps, describe_ps)
             raise CheckpointWriteError(
                 f"{where} could not write its part of checkpoint {prefix} "
-                f"(in {scratch}, to become {final_names.get(ps, 'its data file')}): {_first_line(error)}. "
+                f"(in {scratch}, to become {final_names.get(ps, 'its data file')}): {first_line(error)}. "
                 "The checkpoint was not written; the previous one stays the newest. Every ps task "
                 "must be able to write to checkpoint_dir (a directory shared by every ps and the "
                 "coordinator)."
@@ -252,7 +252,7 @@ def read_on_ps(path: str, variables: dict[str, Any], dtypes: dict[str, Any],
         files = _files_of(path, layout, {s.key for s in slots})
         raise CheckpointUnreadable(
             f"the value of {what} cannot be read by {_task(ps, describe_ps)} from {' or '.join(files)} "
-            f"(corrupt or truncated data file?): {_first_line(error)}") from error
+            f"(corrupt or truncated data file?): {first_line(error)}") from error
 
 
 def _failing(slots: list, restore: Callable, errors) -> Any:
@@ -311,7 +311,7 @@ def probe_writable(directory: str, num_ps: int, describe_ps: Callable[[int], str
             ps = getattr(error, "_psclient_ps", None)
             raise CheckpointDirError(
                 f"Invalid value for argument `checkpoint_dir`. Received: checkpoint_dir={directory!r}, "
-                f"where ps:{ps} ({describe_ps(ps)}) cannot write: {_first_line(error)}. Expected a "
+                f"where ps:{ps} ({describe_ps(ps)}) cannot write: {first_line(error)}. Expected a "
                 "directory every ps task can write (each ps writes its own part of every checkpoint)."
             ) from error
         for ps in range(num_ps):
@@ -342,8 +342,3 @@ def _object_graph(keys: list[str], scalars: list[str]) -> bytes:
         attribute.name, attribute.full_name = "VARIABLE_VALUE", name
         attribute.checkpoint_key = name + _VALUE
     return graph.SerializeToString()
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(getattr(error, "message", None) or error)
-    return text.strip().splitlines()[0] if text.strip() else type(error).__name__

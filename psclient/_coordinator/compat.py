@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 from typing import Any, Callable
 
 import tensorflow as tf
@@ -27,6 +28,10 @@ from psclient._core.future import Future
 __all__ = ["ClusterCoordinator"]
 
 _lock = threading.Lock()
+#: Each strategy's coordinator while one is referenced, by the strategy's id (the
+#: coordinator holds its strategy, so that id is not reused meanwhile). The strategy
+#: itself knows nothing of its coordinator.
+_coordinators: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 class ClusterCoordinator:
@@ -35,8 +40,8 @@ class ClusterCoordinator:
     def __new__(cls, strategy: ParameterServerStrategy):
         # As TF's: one coordinator per strategy; a second call returns the first.
         with _lock:
-            existing = getattr(strategy, "_cluster_coordinator", None)
-            if isinstance(existing, cls):
+            existing = _coordinators.get(id(strategy))
+            if existing is not None and existing._strategy is strategy:
                 return existing
             return super().__new__(cls)
 
@@ -50,11 +55,8 @@ class ClusterCoordinator:
                 "(TF's own strategy works only with TF's own coordinator)."
             )
         self._strategy = strategy
-        # The strategy holds its coordinator (a reference cycle, as in TF):
-        # when both are dropped, gc collects them and the strategy's finalizer
-        # stops its threads.
         with _lock:
-            strategy._cluster_coordinator = self
+            _coordinators[id(strategy)] = self
 
     @property
     def strategy(self) -> ParameterServerStrategy:

@@ -38,6 +38,7 @@ import tensorflow as tf
 from psclient._coordinator.dense_shard import DenseShard, in_turn, least_recent
 from psclient._coordinator.runtime import coordinator_cpu
 from psclient._core import dynamic_tables as rules
+from psclient._core.errors import first_line
 from psclient._engine import registry
 
 __all__ = ["DynamicTable", "initial_rows", "live_tables", "mix64", "shard_of", "stats_on_ps"]
@@ -63,8 +64,21 @@ def stats_on_ps(strategy) -> dict[str, list[dict]]:
     Only that strategy's: a table made under an earlier strategy (a model still
     referenced after its shutdown) lives on tasks this one may not reach.
     """
-    return {table.name: table.stats() for table in live_tables()
-            if table.shards[0].device and table.owner() is strategy}
+    return {table.name: [_shard_stats_or_unavailable(table, index) for index in range(len(table.shards))]
+            for table in live_tables() if table.shards[0].device and table.owner() is strategy}
+
+
+def _shard_stats_or_unavailable(table: "DynamicTable", index: int) -> dict:
+    """The shard's stats; for a ps that cannot be read now, `available: False` and why.
+
+    A ps that restarted holds none of the table until recovery rebuilds it
+    (reading fails, e.g. AbortedError), and recovery runs only once a closure
+    fails against it: stats() reports that, it does not raise.
+    """
+    try:
+        return table.shard_stats(index)
+    except tf.errors.OpError as error:
+        return {"ps": index, "available": False, "error": f"{type(error).__name__}: {first_line(error)}"}
 
 
 def _shift(x, bits: int):
@@ -387,19 +401,21 @@ class DynamicTable:
     # ------------------------------------------------------------ state out
     def stats(self) -> list[dict]:
         """Per shard: rows, keys tracked (rows and keys counting towards admission), admissions, evictions."""
-        out = []
-        for index, shard in enumerate(self.shards):
-            with shard.placed():
-                rows, tracked = shard.sizes() if shard.dense else (shard.values.size(), shard.counters.size())
-                out.append({
-                    "ps": index if shard.device else None,
-                    "rows": int(rows),
-                    "tracked_keys": int(tracked),
-                    "admissions": int(shard.admissions.read_value()),
-                    "evictions": int(shard.evictions.read_value()),
-                    "clock": int(shard.clock.read_value()),
-                })
-        return out
+        return [self.shard_stats(index) for index in range(len(self.shards))]
+
+    def shard_stats(self, index: int) -> dict:
+        """One shard's `stats()` entry (read on its ps)."""
+        shard = self.shards[index]
+        with shard.placed():
+            rows, tracked = shard.sizes() if shard.dense else (shard.values.size(), shard.counters.size())
+            return {
+                "ps": index if shard.device else None,
+                "rows": int(rows),
+                "tracked_keys": int(tracked),
+                "admissions": int(shard.admissions.read_value()),
+                "evictions": int(shard.evictions.read_value()),
+                "clock": int(shard.clock.read_value()),
+            }
 
     def export_shard(self, index: int) -> dict:
         """One shard's whole state as numpy arrays: keys, rows, slots, counters and clocks.

@@ -13,9 +13,12 @@ worker that is a few passes over the data per epoch, spread over the workers.
 That is exact only if every copy of the dataset yields its batches in the same
 order. A `shuffle` without a seed or that reshuffles each iteration (the
 defaults of `Dataset.shuffle` and `make_csv_dataset`: its seed generator
-advances from copy to copy) or a `deterministic=False` / sloppy interleave
-gives each copy its own order, so shards would overlap and miss batches: such a dataset
-is refused, naming the op and what to change.
+advances from copy to copy) would give each copy its own order, so shards
+would overlap and miss batches: psclient rewrites such shuffles in the
+dataset's graph (`psclient._tf.data.fix_shuffle_orders`) to a fixed seed that
+does not reshuffle, so every copy has one order (the shard order is shuffled
+per epoch instead). A `deterministic=False` / sloppy interleave or map cannot
+be fixed that way: such a dataset is refused, naming the op and what to change.
 """
 
 from __future__ import annotations
@@ -25,12 +28,21 @@ import logging
 import tensorflow as tf
 
 from psclient._coordinator.per_worker import deserialize_dataset, serialize_dataset
+from psclient._tf.data import fix_shuffle_orders
 from psclient._coordinator.shards import ShardedDataset, range_shards
 from psclient._core.errors import PSClientError
 
 __all__ = ["NondeterministicDatasetError", "is_finite_of_unknown_size", "sharded_from_dataset"]
 
 log = logging.getLogger("psclient")
+
+#: The seed of shuffles that had none (one order in every copy and every run); epoch e uses
+#: variant e % SHUFFLE_EPOCHS of the rewritten graph (`fix_shuffle_orders`).
+SHUFFLE_SEED = 0
+#: Distinct shuffle orders, epoch after epoch: one graph of the dataset each, so only for a
+#: graph under SMALL_GRAPH bytes (a file reader, not data held in the graph); else one order.
+SHUFFLE_EPOCHS = 8
+SMALL_GRAPH = 1 << 20
 
 #: Shards per worker: enough for late binding to balance a slow worker, few enough
 #: that the skips stay cheap.
@@ -47,8 +59,17 @@ def is_finite_of_unknown_size(x) -> bool:
 
 def sharded_from_dataset(dataset, num_workers: int) -> ShardedDataset:
     """`dataset` (finite, of unknown size) as a ShardedDataset of ranges of its batches."""
-    graph = serialize_dataset(dataset)
-    _refuse_nondeterministic(graph.numpy())
+    original = serialize_dataset(dataset).numpy()
+    serialized, changed = fix_shuffle_orders(original, SHUFFLE_SEED)
+    _refuse_nondeterministic(serialized)
+    orders = 1
+    if changed:
+        orders = SHUFFLE_EPOCHS if len(serialized) < SMALL_GRAPH else 1
+        log.info("fit: a dataset of unknown size: its shuffles given one order on every worker, %s (%s)",
+                 f"a new one for each of {orders} epochs in turn" if orders > 1 else "the same every epoch",
+                 "; ".join(changed))
+    # One graph per epoch's order: every copy of epoch e is the same, epoch after epoch they differ.
+    graphs = tf.constant([serialized] + [fix_shuffle_orders(original, SHUFFLE_SEED, k)[0] for k in range(1, orders)])
     log.info("fit: a dataset of unknown size and no steps_per_epoch: counting its batches on the coordinator")
     count = int(dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
     if count == 0:
@@ -60,6 +81,7 @@ def sharded_from_dataset(dataset, num_workers: int) -> ShardedDataset:
     spec = dataset.element_spec
 
     def make_dataset(shard):
+        graph = graphs[0] if orders == 1 else tf.gather(graphs, tf.math.floormod(shard.epoch, orders))
         return deserialize_dataset(graph, spec).skip(shard.start).take(shard.end - shard.start)
 
     # The shard order is shuffled per epoch (seeded), in place of the dataset's own shuffle.

@@ -50,9 +50,10 @@ class Parts:
 
 
 def assemble(cluster: Cluster, config: StrategyConfig, *, checkpoint_dir: str | None,
-             partitioner, checkpoint_meta=None) -> Parts:
+             partitioner, checkpoint_meta=None, meta_restored=None) -> Parts:
     """Every part of a strategy on `cluster` (`checkpoint_dir` and `partitioner`: the config's, made concrete;
-    `checkpoint_meta(variables)`: what joins each checkpoint's layout, the data ledgers)."""
+    `checkpoint_meta(variables)`: what joins each checkpoint's layout, the data ledgers;
+    `meta_restored(meta)`: told that meta when a lost ps is restored from a checkpoint)."""
     hang_timeout = config.hang_timeout
     edge = TFEdge(streaming_enqueue=config.streaming)
     roster = Roster(cluster)
@@ -75,7 +76,7 @@ def assemble(cluster: Cluster, config: StrategyConfig, *, checkpoint_dir: str | 
         ),
         pipeline_depth=config.pipeline_depth, connect_timeout=config.connect_timeout, prepare=prepare,
         store=store, per_worker=per_worker, checkpoints=checkpoints, retrace=QueuedRetrace(tracer, scheduler),
-        checkpoint_meta=checkpoint_meta,
+        checkpoint_meta=checkpoint_meta, meta_restored=meta_restored,
     )
     return Parts(edge, scheduler, steps, store, tracer, per_worker, checkpoints, engine)
 

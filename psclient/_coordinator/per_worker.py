@@ -21,7 +21,6 @@ A worker's value is in one of three states:
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from typing import Any
 import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
+from psclient._core.checks import signature_refusing_one_argument
 from psclient._core.failures import is_connection_error_type
 from psclient._tf.data import deserialize_dataset, serialize_dataset
 
@@ -302,20 +302,15 @@ def check_dataset_fn(dataset_fn: Callable, argument: str = "dataset_fn") -> None
             f"{argument}={dataset_fn!r} of type {type(dataset_fn).__name__}. Expected a "
             "tf.data.Dataset or a function input_context -> tf.data.Dataset."
         )
-    try:
-        signature = inspect.signature(dataset_fn)
-    except (TypeError, ValueError):
-        return  # builtins and C functions: let the call itself decide
-    try:
-        signature.bind(object())
-    except TypeError:
+    signature = signature_refusing_one_argument(dataset_fn)
+    if signature is not None:
         raise TypeError(
             f"Invalid value for argument `{argument}`. Received: a function with signature "
             f"{getattr(dataset_fn, '__name__', 'dataset_fn')}{signature}. Expected a function "
             "taking exactly one argument, the tf.distribute.InputContext (use "
             "input_context.num_input_pipelines and input_context.input_pipeline_id to shard), "
             "and returning a tf.data.Dataset."
-        ) from None
+        )
 
 
 def call_dataset_fn(dataset_fn: Callable, input_context, argument: str = "dataset_fn"):

@@ -22,12 +22,21 @@ the one it had started beside that read, then stops. So at most two batches
 of a cut-off attempt are trained twice: an attempt > 1 reports its first two
 batches' records as `replayed` (an upper bound: a worker that died trains
 nothing more, and a step cut off before its update reached the ps trained
-nothing). The attempt counters carry a random fence in their high 32 bits,
-new at each `start_epoch`, so a closure of an earlier epoch or of a killed
-coordinator never takes itself for the newest attempt.
+nothing). With `steps_per_iteration=k` (fit's `steps_per_execution`) a loop
+iteration trains k batches between two position writes and attempt reads:
+the ledger costs a k-th as many ps operations per batch, and a cut-off
+attempt replays at most 2k batches (its first 2k are reported). The attempt
+counters carry a random fence in their high 32 bits, new at each
+`start_epoch`, so a closure of an earlier epoch or of a killed coordinator
+never takes itself for the newest attempt. Each closure also passes the
+epoch to `make_dataset` (`shard.epoch`).
 
 The ledger (`psclient._core.ledger`) records which shards finished; its
 `state()` (with the positions read from the ps) is what a checkpoint saves.
+A lost ps restored from a checkpoint takes the ledger back with the
+variables (`roll_back_ledgers`, from the recovery thread): the shards done
+since are handed out again, and a result that arrives after the roll-back is
+checked against the restored position on the ps (`mark_done`).
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from psclient._coordinator.shards import ShardedDataset
 from psclient._core.future import FIRST_COMPLETED, wait
 from psclient._core.ledger import Ledger, Work
 
-__all__ = ["LEDGERS_KEY", "ShardFeed", "ShardWork", "ledger_meta", "restore_ledgers"]
+__all__ = ["LEDGERS_KEY", "ShardFeed", "ShardWork", "ledger_meta", "restore_ledgers", "roll_back_ledgers"]
 
 #: Where a strategy checkpoint keeps the data ledgers (in its layout, by positions variable).
 LEDGERS_KEY = "data_ledgers"
@@ -58,12 +67,13 @@ log = logging.getLogger("psclient")
 class ShardWork:
     """One shard handed out: `args` are the arguments of a `shard_function` closure."""
 
-    def __init__(self, work: Work, args: tuple):
+    def __init__(self, work: Work, args: tuple, generation: int = 0):
         self.slot = work.slot
         self.shard = work.shard
         self.position = work.position
         self.epoch = work.epoch
         self.args = args
+        self.generation = generation  # the feed's roll-backs before it was handed out
 
     def __repr__(self) -> str:
         return f"<ShardWork slot={self.slot} {self.shard.as_list()} from batch {self.position}>"
@@ -105,7 +115,9 @@ class ShardFeed:
             self._attempts = tf.Variable(tf.zeros([n], tf.int64), trainable=False, name="shard_attempts")
         self._functions: dict[Any, Any] = {}
         self._args = [self._tensors(slot) for slot in range(n)]
+        self._epoch_tensors: dict[int, Any] = {}  # the epoch each closure passes to make_dataset
         self._restored = False
+        self._generation = 0  # roll-backs so far (a lost ps restored from a checkpoint)
         _FEEDS.setdefault(strategy, weakref.WeakSet()).add(self)
         # Created after strategy.restore() (fit creates its feed): take the ledger saved for it.
         pending = _RESTORED.get(strategy)
@@ -127,21 +139,33 @@ class ShardFeed:
         return (tf.constant(slot, tf.int64), shard.start, shard.end, shard.file)
 
     # ------------------------------------------------------------ the closure
-    def shard_function(self, step_fn: Callable, *, result_fn: Callable | None = None, name: str | None = None):
-        """A `tf.function(slot, start, end, file)` that runs `step_fn(batch)` on the shard's remaining batches.
+    def shard_function(self, step_fn: Callable, *, result_fn: Callable | None = None, name: str | None = None,
+                       steps_per_iteration: int = 1):
+        """A `tf.function(slot, start, end, file, epoch)` that runs `step_fn(batch)` on the shard's remaining batches.
 
-        It returns `{"batches", "records", "replayed", "result"}`: batches and
-        records it read, records it may have read twice (module doc), and
+        It returns `{"batches", "records", "replayed", "position", "result"}`:
+        batches and records it read, records it may have read twice (module
+        doc), the shard's position it left (batches done), and
         `result_fn()` called after the loop (None without it; e.g. the
         model's metric results). `step_fn`'s own return value is dropped: keep
-        what you need in ps variables.
+        what you need in ps variables. `steps_per_iteration` (fit's
+        `steps_per_execution`): batches per loop iteration, so the shard's
+        position is written and its attempt read once every that many batches;
+        a cut-off attempt then replays at most twice that many batches.
         """
-        key = (id(step_fn), id(result_fn))
+        if isinstance(steps_per_iteration, bool) or not isinstance(steps_per_iteration, int) \
+                or steps_per_iteration < 1:
+            raise ValueError(
+                f"Invalid value for argument `steps_per_iteration`. Received: steps_per_iteration="
+                f"{steps_per_iteration!r}. Expected an integer >= 1."
+            )
+        key = (id(step_fn), id(result_fn), steps_per_iteration)
         if key in self._functions:
             return self._functions[key][1]
         sharded, positions, attempts = self._sharded, self._positions, self._attempts
+        every = steps_per_iteration
 
-        def run_shard(slot, start, end, file):
+        def run_shard(slot, start, end, file, epoch):
             one = tf.ones([1], tf.int64)
             slots = tf.reshape(slot, [1])
             attempts.scatter_add(tf.IndexedSlices(one, slots))
@@ -149,31 +173,42 @@ class ShardFeed:
             # The low 32 bits count this epoch's attempts; the high ones fence off older closures.
             retried = tf.math.floormod(attempt, _FENCE) > 1
             first = positions.sparse_read(slot)
-            iterator = iter(sharded.call(start, end, file).skip(first))
+            iterator = iter(sharded.call(start, end, file, epoch).skip(first))
+            zero = tf.constant(0, tf.int64)
 
-            def body(i, records, replayed, optional, _owner):
-                # Iteration i starts once iteration i-1, its step included, completed.
-                positions.scatter_max(tf.IndexedSlices(tf.reshape(first + i, [1]), slots))
-                # Read alongside the step (not in the loop condition, which would wait for it
-                # alone): a newer attempt on the shard (this worker was taken for hung, then woke
-                # up) owns it now, so stop after this batch instead of training it all again.
-                owner = tf.equal(attempts.sparse_read(slot), attempt)
+            def train(i, records, replayed, optional):
                 batch = optional.get_value()
                 step_fn(batch)
                 count = _records_in(batch)
-                replayed = replayed + tf.where(tf.logical_and(i < 2, retried), count, tf.constant(0, tf.int64))
-                return i + 1, records + count, replayed, iterator.get_next_as_optional(), owner
+                # A cut-off attempt trained at most its iteration and the next (module doc).
+                replayed = replayed + tf.where(tf.logical_and(i < 2 * every, retried), count, zero)
+                return i + 1, records + count, replayed, iterator.get_next_as_optional()
+
+            def body(i, records, replayed, optional, _owner):
+                # Iteration n starts once iteration n-1, its steps included, completed.
+                positions.scatter_max(tf.IndexedSlices(tf.reshape(first + i, [1]), slots))
+                # Read alongside the steps (not in the loop condition, which would wait for it
+                # alone): a newer attempt on the shard (this worker was taken for hung, then woke
+                # up) owns it now, so stop after this iteration instead of training it all again.
+                owner = tf.equal(attempts.sparse_read(slot), attempt)
+                if every == 1:
+                    return (*train(i, records, replayed, optional), owner)
+                # `every` batches (fewer at the shard's end) between two ledger writes.
+                end_of_iteration = i + every
+                i, records, replayed, optional = tf.while_loop(
+                    lambda i, r, p, o: tf.logical_and(i < end_of_iteration, o.has_value()),
+                    lambda i, r, p, o: train(i, r, p, o), (i, records, replayed, optional))
+                return i, records, replayed, optional, owner
 
             def more(i, records, replayed, optional, owner):
                 return tf.logical_and(optional.has_value(), owner)
 
-            zero = tf.constant(0, tf.int64)
             i, records, replayed, _, _ = tf.while_loop(
                 more, body, (zero, zero, zero, iterator.get_next_as_optional(), tf.constant(True)))
             with tf.control_dependencies([i]):
                 positions.scatter_max(tf.IndexedSlices(tf.reshape(first + i, [1]), slots))
             result = result_fn() if result_fn is not None else tf.constant(0)
-            return {"batches": i, "records": records, "replayed": replayed, "result": result}
+            return {"batches": i, "records": records, "replayed": replayed, "position": first + i, "result": result}
 
         run_shard.__name__ = name or f"run_shard_{getattr(step_fn, '__name__', 'step')}"
         function = tf.function(run_shard, autograph=False)
@@ -204,7 +239,12 @@ class ShardFeed:
         """The next shard to schedule (late binding: call it when a worker can take one), or None."""
         with self._lock:
             work = self._ledger.hand_out()
-        return None if work is None else ShardWork(work, self._args[work.slot])
+            generation = self._generation
+        if work is None:
+            return None
+        if work.epoch not in self._epoch_tensors:
+            self._epoch_tensors = {work.epoch: tf.constant(work.epoch, tf.int64)}
+        return ShardWork(work, (*self._args[work.slot], self._epoch_tensors[work.epoch]), generation)
 
     def hand_out_all(self) -> Iterator[ShardWork]:
         """Every shard not done or held yet, in this epoch's order."""
@@ -216,6 +256,18 @@ class ShardFeed:
         # A resumed attempt reads only the rest of its shard: count the shard's size when known.
         known = work.shard.end - work.shard.start if work.shard.end >= 0 else None
         records = known if known is not None else int(result["records"])
+        if work.generation != self._generation and "position" in result:
+            # A ps was lost and restored from a checkpoint since `work` was handed out: its
+            # closure may have finished before the loss, its training rolled back with the
+            # variables. The position restored on the ps tells: behind where the closure
+            # left it, the shard goes out again from there.
+            position = int(self._positions.sparse_read(work.slot).numpy())
+            if position < int(result["position"]):
+                log.warning("data ledger: shard %d finished before a ps was restored from a checkpoint "
+                            "that holds %d of its batches: handed out again from there", work.slot, position)
+                with self._lock:
+                    self._ledger.give_back(work.slot, position)
+                return
         with self._lock:
             self._ledger.finish(work.slot, records, int(result["replayed"]))
 
@@ -227,6 +279,30 @@ class ShardFeed:
 
     def complete(self) -> bool:
         return self._ledger.complete()
+
+    def roll_back(self, saved: dict | None) -> list[int]:
+        """A lost ps was restored from a checkpoint whose ledger for this feed was `saved`
+        (recovery thread, while no closure runs): the shards done since then go out again.
+        Returns them."""
+        import numpy as np
+
+        with self._lock:
+            if self._ledger.epoch is None:
+                return []
+            undone, over = self._ledger.roll_back(saved)
+            self._generation += 1
+            held = self._ledger.held()
+        if over:
+            # The checkpoint predates this epoch: its positions on the ps are another epoch's.
+            n = len(self._sharded.shards)
+            attempts = np.full([n], _FENCE * random.SystemRandom().randrange(1, 1 << 30), np.int64)
+            attempts[sorted(held)] += 1  # their closures run again: a replay may be counted
+            self._positions.assign(np.zeros([n], np.int64))
+            self._attempts.assign(attempts)
+        if undone or over:
+            log.warning("data ledger: a ps was restored from a checkpoint %s; %d shard(s) done since "
+                        "are handed out again", "of an earlier epoch" if over else "of this epoch", len(undone))
+        return undone
 
     def run_epoch(self, shard_function, epoch: int, *, max_in_flight: int | None = None,
                   on_shard_done: Callable[[ShardWork, dict], None] | None = None) -> dict:
@@ -353,6 +429,17 @@ def restore_ledgers(strategy, saved: dict) -> int:
             feed.load(pending.pop(key))
     _RESTORED[strategy] = pending
     return len(saved)
+
+
+def roll_back_ledgers(strategy_ref, meta: dict | None) -> None:
+    """A lost ps was restored from a checkpoint with `meta` (recovery thread): every feed of
+    the strategy goes back to that checkpoint's ledger, as its variables did."""
+    strategy = strategy_ref()
+    if strategy is None:
+        return
+    saved = (meta or {}).get(LEDGERS_KEY, {})
+    for feed in list(_FEEDS.get(strategy, ())):
+        feed.roll_back(saved.get(_key_of(strategy, feed)))
 
 
 def data_stats(strategy) -> dict:

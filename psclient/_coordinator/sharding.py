@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from psclient._core.partitioning import AUTO_MIN_SHARD_BYTES
+from psclient._core.partitioning import AUTO_MIN_SHARD_BYTES, check_partitioner
 from psclient._tf.partitioned import PartitionedVariable, focus, is_partitioned
 
 __all__ = ["create_partitioned", "cut", "is_partitioned", "partitioner_argument", "per_shard", "split_update"]
@@ -145,20 +145,7 @@ def partitioner_argument(variable_partitioner: Any, num_ps: int) -> Callable | N
     least, one shard per ps at most (None with a single ps task: nothing to
     split over).
     """
-    if isinstance(variable_partitioner, str) and variable_partitioner != "auto":
-        raise ValueError(
-            "Invalid value for argument `variable_partitioner`. Received: "
-            f"variable_partitioner={variable_partitioner!r}. Expected \"auto\" (the default), "
-            "None (no partitioning) or a callable (shape, dtype) -> shards per axis."
-        )
-    if not (variable_partitioner is None or isinstance(variable_partitioner, str) or callable(variable_partitioner)):
-        raise TypeError(
-            "Invalid value for argument `variable_partitioner`. Received: "
-            f"variable_partitioner={variable_partitioner!r} of type "
-            f"{type(variable_partitioner).__name__}. Expected \"auto\" (the default), None (no "
-            "partitioning) or a callable (shape, dtype) -> shards per axis, e.g. "
-            "tf.distribute.experimental.partitioners.MinSizePartitioner(...)."
-        )
+    check_partitioner(variable_partitioner)
     if variable_partitioner != "auto":
         return variable_partitioner
     if num_ps == 1:

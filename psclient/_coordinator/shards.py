@@ -12,7 +12,7 @@ new shard costs no new trace. How shards are handed to workers and tracked is
 
 from __future__ import annotations
 
-import inspect
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from psclient._core.checks import signature_refusing_one_argument
 from psclient._core.ledger import ShardKey
 
 __all__ = ["Shard", "ShardedDataset", "file_shards", "range_shards"]
@@ -32,7 +33,9 @@ class Shard:
     In the lists `range_shards` and `file_shards` return, the fields are
     Python values; `end` is -1 for "to the end of the file" (a file whose
     records were not counted). Inside `make_dataset` they are tensors:
-    `start`/`end` int64 scalars and `file` a string scalar (or None).
+    `start`/`end` int64 scalars and `file` a string scalar (or None), and
+    `epoch` is the epoch being run, an int64 scalar (0 in evaluate and
+    predict; None in the lists).
     `dataset.skip(shard.start).take(shard.end - shard.start)` reads exactly
     the shard in both cases (`take(-1)` takes everything).
     """
@@ -40,6 +43,7 @@ class Shard:
     start: Any
     end: Any
     file: Any = None
+    epoch: Any = None
 
     @property
     def num_records(self) -> int | None:
@@ -110,6 +114,13 @@ def _count_records(path: str) -> int:
     return int(tf.data.TFRecordDataset(path).reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
 
 
+def _valid_bounds(shard: Shard) -> bool:
+    ints = all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (shard.start, shard.end))
+    if not ints or shard.start < 0:
+        return False
+    return shard.start < shard.end or (shard.end == -1 and shard.file is not None)
+
+
 class ShardedDataset:
     """Data whose epoch is every shard once (module doc).
 
@@ -133,10 +144,22 @@ class ShardedDataset:
                 f"Invalid value for argument `shards`. Received: an element {wrong[0]!r} of type "
                 f"{type(wrong[0]).__name__}. Expected psclient.data.Shard (from range_shards or file_shards)."
             )
+        bad = [s for s in shards if not _valid_bounds(s)]
+        if bad:
+            raise ValueError(
+                f"Invalid value for argument `shards`. Received: {bad[0]!r}. Expected integer bounds "
+                "0 <= start < end (records [start, end)), or end=-1 (to the end) for a file shard."
+            )
         kinds = {s.file is None for s in shards}
         if len(kinds) > 1:
             raise ValueError("Invalid value for argument `shards`. Received: range shards and file shards "
                              "mixed. Expected shards of one kind.")
+        missing = sorted({s.file for s in shards if s.file is not None and not _exists(s.file)})
+        if missing:
+            raise FileNotFoundError(
+                f"Invalid value for argument `shards`: the files of {len(missing)} shard file(s) do not exist. "
+                f"Received: {missing[:5]}{' ...' if len(missing) > 5 else ''}. Expected existing files."
+            )
         if seed is not None:
             _check_count("seed", seed, minimum=0)
         _check_make_dataset(make_dataset)
@@ -158,13 +181,14 @@ class ShardedDataset:
     def shard_tensors(self, shard: Shard | None = None, *, symbolic: bool = False) -> Shard:
         """`shard` as make_dataset receives it (tensors), or TensorSpecs when `symbolic`."""
         if symbolic:
-            return Shard(tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.string))
+            return Shard(tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.string),
+                         tf.TensorSpec([], tf.int64))
         return Shard(tf.constant(shard.start, tf.int64), tf.constant(shard.end, tf.int64),
                      tf.constant(shard.file or "", tf.string))
 
-    def call(self, start, end, file):
+    def call(self, start, end, file, epoch):
         """`make_dataset` on tensors (inside a traced function), checked to return a dataset."""
-        dataset = self.make_dataset(Shard(start, end, file if self.has_files else None))
+        dataset = self.make_dataset(Shard(start, end, file if self.has_files else None, epoch))
         if not isinstance(dataset, tf.data.Dataset):
             raise TypeError(
                 f"Invalid value for argument `make_dataset`: it returned an object of type "
@@ -177,7 +201,8 @@ class ShardedDataset:
         """The spec of one batch, from one trace of `make_dataset` on the coordinator."""
         if self._element_spec is None:
             spec = self.shard_tensors(symbolic=True)
-            concrete = tf.function(self.call, autograph=False).get_concrete_function(spec.start, spec.end, spec.file)
+            concrete = tf.function(self.call, autograph=False).get_concrete_function(
+                spec.start, spec.end, spec.file, spec.epoch)
             self._element_spec = concrete.structured_outputs.element_spec
         return self._element_spec
 
@@ -188,7 +213,7 @@ class ShardedDataset:
         files = [s.file or "" for s in self.shards]
         table = tf.data.Dataset.from_tensor_slices((tf.constant(starts, tf.int64), tf.constant(ends, tf.int64),
                                                     tf.constant(files, tf.string)))
-        return table.flat_map(self.call)
+        return table.flat_map(lambda start, end, file: self.call(start, end, file, tf.constant(0, tf.int64)))
 
     def __repr__(self) -> str:
         records = self.num_records
@@ -202,19 +227,14 @@ def _check_make_dataset(make_dataset: Any) -> None:
             f"Invalid value for argument `make_dataset`. Received: make_dataset={make_dataset!r} of type "
             f"{type(make_dataset).__name__}. Expected a function shard -> tf.data.Dataset."
         )
-    try:
-        signature = inspect.signature(make_dataset)
-    except (TypeError, ValueError):
-        return  # builtins: the call decides
-    try:
-        signature.bind(object())
-    except TypeError:
+    signature = signature_refusing_one_argument(make_dataset)
+    if signature is not None:
         raise TypeError(
             f"Invalid value for argument `make_dataset`. Received: a function with signature "
             f"{getattr(make_dataset, '__name__', 'make_dataset')}{signature}. Expected a function taking "
             "exactly one argument, the shard (shard.start, shard.end, shard.file), and returning a "
             "tf.data.Dataset of its batches."
-        ) from None
+        )
 
 
 def _short(value: Any) -> str:

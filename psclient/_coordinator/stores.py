@@ -223,18 +223,11 @@ class VariableStore:
 
     def renew(self, lost_ps) -> int:
         """New (uninitialized) resources for the live variables on `lost_ps`; how many."""
-        with self._lock:
-            entries = list(self._variables)
         count = 0
-        for ref, tasks in entries:
-            variable = ref()
-            if variable is None:
-                continue
-            parts = variable.variables if is_partitioned(variable) else (variable,)
-            for part, ps in zip(parts, tasks):
-                if ps in lost_ps:
-                    _runtime.renew_variable_handle(part, _runtime.ps_device(ps))
-                    count += 1
+        for part, ps in self._live_parts():
+            if ps in lost_ps:
+                _runtime.renew_variable_handle(part, _runtime.ps_device(ps))
+                count += 1
         for table in self.tables().values():
             table.renew(set(lost_ps))
         for ref in self._on_renew:
@@ -257,19 +250,22 @@ class VariableStore:
     def one_per_ps(self) -> dict[int, Any]:
         """A live variable (or shard) on each ps task that holds any: what shows
         whether that task still holds the resources this coordinator made."""
-        with self._lock:
-            entries = list(self._variables)
         found: dict[int, Any] = {}
-        for ref, tasks in entries:
-            variable = ref()
-            if variable is None:
-                continue
-            parts = variable.variables if is_partitioned(variable) else (variable,)
-            for part, ps in zip(parts, tasks):
-                found.setdefault(ps, part)
+        for part, ps in self._live_parts():
+            found.setdefault(ps, part)
             if len(found) == self._num_ps:
                 break
         return found
+
+    def _live_parts(self):
+        """(variable or shard, its ps task) of every live variable, in creation order."""
+        with self._lock:
+            entries = list(self._variables)
+        for ref, tasks in entries:
+            variable = ref()
+            if variable is not None:
+                parts = variable.variables if is_partitioned(variable) else (variable,)
+                yield from zip(parts, tasks)
 
 
 class PerWorkerRegistry:

@@ -30,10 +30,9 @@ from psclient._coordinator.per_worker import (
     PerWorkerDataset,
     per_worker_resource,
 )
-from psclient._coordinator.shard_feed import LEDGERS_KEY, data_stats, ledger_meta, restore_ledgers
+from psclient._coordinator.shard_feed import LEDGERS_KEY, data_stats, ledger_meta, restore_ledgers, roll_back_ledgers
 from psclient._coordinator.sharding import partitioner_argument
 from psclient._coordinator.tf_api import TFStrategyAPI, refuse_input_options
-from psclient._coordinator.tracing import warn_unless_scheduling
 from psclient._coordinator.updates import place_updates_on_ps
 from psclient._core.checks import check_positive
 from psclient._engine.config import StrategyConfig, with_overrides
@@ -114,7 +113,6 @@ class ParameterServerStrategy(TFStrategyAPI):
             checkpoint_dir = check_directory(checkpoint_dir)  # a regular file fails before connecting
         _runtime.wait_reachable(cluster, connect_timeout)
         self._closed = False
-        self._cluster_coordinator = None  # set by the first ClusterCoordinator(self)
         self._shutdown_lock = threading.Lock()
         self._pipeline_depth = pipeline_depth
         self._hang_timeout = hang_timeout
@@ -123,7 +121,8 @@ class ParameterServerStrategy(TFStrategyAPI):
         # Every checkpoint carries the data ledgers of this strategy's feeds (by weak
         # reference: the recovery thread must not keep the strategy alive).
         parts = assemble(cluster, config, checkpoint_dir=checkpoint_dir, partitioner=variable_partitioner,
-                         checkpoint_meta=functools.partial(ledger_meta, weakref.ref(self)))
+                         checkpoint_meta=functools.partial(ledger_meta, weakref.ref(self)),
+                         meta_restored=functools.partial(roll_back_ledgers, weakref.ref(self)))
         edge, scheduler, engine, checkpoints = parts.edge, parts.scheduler, parts.engine, parts.checkpoints
         self._scheduler, self._steps, self._store = scheduler, parts.steps, parts.store
         self._tracer, self._per_worker = parts.tracer, parts.per_worker
@@ -311,41 +310,6 @@ class ParameterServerStrategy(TFStrategyAPI):
         Raises the pending error of a failed function, as `join` does.
         """
         return self._scheduler.done()
-
-    # ------------------------------------- tf.distribute-style step helpers
-    #: Replicas that see each step: one per worker call (TF's PS strategy on CPU says the same).
-    num_replicas_in_sync = 1
-
-    def run(self, fn: Callable, args: tuple = (), kwargs: Mapping | None = None):
-        """Call `fn` as the one replica of a step: `fn(*args, **kwargs)`.
-
-        Present so code written for TF's strategies runs. Inside `fn`,
-        `tf.distribute.in_cross_replica_context()` is False and
-        `tf.distribute.get_replica_context()` is the (only) replica's context.
-        As TF's does, it logs a warning when called outside a function being
-        scheduled: that runs on the coordinator, not on a worker.
-        """
-        warn_unless_scheduling("run")
-        # TF's public replica context of its default strategy: replica 0 of 1.
-        with tf.distribute.ReplicaContext(tf.distribute.get_strategy(), replica_id_in_sync_group=0):
-            return fn(*args, **(kwargs or {}))
-
-    def reduce(self, reduce_op, value, axis=None):
-        """Reduce a per-replica value; with one replica per call only `axis` matters.
-
-        `reduce_op` is a `tf.distribute.ReduceOp` or its name ("SUM", "MEAN").
-        """
-        warn_unless_scheduling("reduce")
-        op = str(getattr(reduce_op, "value", reduce_op)).upper()
-        if op not in ("SUM", "MEAN"):
-            raise ValueError(
-                f"Invalid value for argument `reduce_op`. Received: reduce_op={reduce_op!r}. "
-                "Expected tf.distribute.ReduceOp.SUM or MEAN (or \"SUM\" / \"MEAN\")."
-            )
-        if axis is None:
-            return value
-        reduce = tf.reduce_sum if op == "SUM" else tf.reduce_mean
-        return tf.nest.map_structure(lambda v: reduce(v, axis=axis), value)
 
     # ---------------------------------------------------- per-worker values
     def distribute_datasets_from_function(self, dataset_fn, options=None) -> PerWorkerDataset:

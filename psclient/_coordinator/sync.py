@@ -171,8 +171,8 @@ class Steps:
         last = getattr(_tracing, "last", None)
         _tracing.last = None
         if last is not None:  # traced just now on this thread: remember what it found
-            concrete._psclient_applies = last.measured
-        return getattr(concrete, "_psclient_applies", False)
+            _applies[concrete] = last.measured
+        return _applies.get(concrete, False)
 
     def check_concrete(self, concrete, name: str) -> None:
         """A ConcreteFunction given to schedule() cannot be instrumented: refuse one that applies."""
@@ -422,6 +422,9 @@ def _finish(trace: _StepTrace):
 
 #: Function graphs in which a Keras optimizer applied gradients outside an instrumented step.
 _applied_untracked: "weakref.WeakSet" = weakref.WeakSet()
+#: Per instrumented trace (a ConcreteFunction), whether it applies gradients; kept
+#: here, not stamped on TF's object, and forgotten with the trace.
+_applies: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def note_untracked_apply() -> None:

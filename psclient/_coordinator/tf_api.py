@@ -1,10 +1,12 @@
 """The rest of `tf.distribute.Strategy`'s public surface, for code written for TF's stack.
 
 `ParameterServerStrategy` answers what parameter-server code calls on TF's
-strategy (`run`, `reduce`, `scope`, `num_replicas_in_sync` and the dataset
-methods are the strategy's own). This mixin adds the others, with TF's
-parameter-server semantics where they have a meaning on psclient, and a
-`StrategyAPIUnsupportedError` naming psclient's way otherwise.
+strategy (`scope`, `schedule` and the dataset methods are the strategy's
+own). This base class gives the rest of TF's surface: the step helpers `run`
+and `reduce`, and the others with TF's parameter-server semantics where they
+have a meaning on psclient, and a `StrategyAPIUnsupportedError` naming
+psclient's way otherwise. It calls only public methods of the strategy
+(`cluster`, `distribute_datasets_from_function`).
 
 As in TF's `ParameterServerStrategy` without GPUs, each scheduled call is one
 replica: `experimental_local_results` of a value is `(value,)`, `gather` of a
@@ -15,10 +17,12 @@ by another strategy) is unpacked into its values as TF does.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import tensorflow as tf
 
+from psclient._coordinator.tracing import warn_unless_scheduling
 from psclient._core.errors import StrategyAPIUnsupportedError
 
 __all__ = ["TFStrategyAPI", "UNSUPPORTED", "refuse_input_options"]
@@ -55,6 +59,41 @@ def _values_of(value: Any) -> tuple | None:
 
 class TFStrategyAPI:
     """`tf.distribute.Strategy` methods of `ParameterServerStrategy` (which sets `cluster`)."""
+
+    # ------------------------------------- tf.distribute-style step helpers
+    #: Replicas that see each step: one per worker call (TF's PS strategy on CPU says the same).
+    num_replicas_in_sync = 1
+
+    def run(self, fn: Callable, args: tuple = (), kwargs: Mapping | None = None):
+        """Call `fn` as the one replica of a step: `fn(*args, **kwargs)`.
+
+        Present so code written for TF's strategies runs. Inside `fn`,
+        `tf.distribute.in_cross_replica_context()` is False and
+        `tf.distribute.get_replica_context()` is the (only) replica's context.
+        As TF's does, it logs a warning when called outside a function being
+        scheduled: that runs on the coordinator, not on a worker.
+        """
+        warn_unless_scheduling("run")
+        # TF's public replica context of its default strategy: replica 0 of 1.
+        with tf.distribute.ReplicaContext(tf.distribute.get_strategy(), replica_id_in_sync_group=0):
+            return fn(*args, **(kwargs or {}))
+
+    def reduce(self, reduce_op, value, axis=None):
+        """Reduce a per-replica value; with one replica per call only `axis` matters.
+
+        `reduce_op` is a `tf.distribute.ReduceOp` or its name ("SUM", "MEAN").
+        """
+        warn_unless_scheduling("reduce")
+        op = str(getattr(reduce_op, "value", reduce_op)).upper()
+        if op not in ("SUM", "MEAN"):
+            raise ValueError(
+                f"Invalid value for argument `reduce_op`. Received: reduce_op={reduce_op!r}. "
+                "Expected tf.distribute.ReduceOp.SUM or MEAN (or \"SUM\" / \"MEAN\")."
+            )
+        if axis is None:
+            return value
+        reduce = tf.reduce_sum if op == "SUM" else tf.reduce_mean
+        return tf.nest.map_structure(lambda v: reduce(v, axis=axis), value)
 
     def experimental_local_results(self, value: Any) -> tuple:
         """The values of `value`, one per replica, as a tuple: `(value,)` (one replica per call).

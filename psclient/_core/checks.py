@@ -6,11 +6,12 @@ the message names the argument, shows what was received and says what was expect
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["check_positive"]
+__all__ = ["as_option", "check_positive", "signature_refusing_one_argument"]
 
 
 def check_positive(
@@ -61,3 +62,20 @@ def as_option(message: str) -> str:
     on the command line, None is leaving the option out)."""
     message = re.sub(r"(argument `(\w+)`\. Received: )\2=", r"\1", message).replace(" or None.", ".")
     return re.sub(r"argument `(\w+)`", lambda m: "--" + m.group(1).replace("_", "-"), message)
+
+
+def signature_refusing_one_argument(fn: Callable) -> inspect.Signature | None:
+    """`fn`'s signature if it cannot be called with exactly one positional argument, else None.
+
+    None too when `fn` has no signature to read (builtins, C functions): the
+    call itself decides then.
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(object())
+    except TypeError:
+        return signature
+    return None

@@ -53,3 +53,9 @@ class StrategyAPIUnsupportedError(PSClientError, NotImplementedError, AttributeE
     An `AttributeError` too, so `hasattr(strategy, name)` is False, as for any
     attribute an object does not have.
     """
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (TF's run to many lines), for messages and logs."""
+    text = str(getattr(error, "message", None) or error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -14,6 +14,8 @@ cluster:
   last attempt read and those it may have read twice (see below).
 - `give_back(slot, position)`: a holder failed or hung; the shard goes back to
   the front of the queue and is resumed from `position`.
+- `roll_back(saved)`: the variables were restored from a checkpoint whose
+  ledger was `saved` (a lost ps): shards done since then are not done any more.
 
 `replayed_records` counts records that a failure may have made train twice:
 the batch that was in flight when an attempt was cut off is read again by the
@@ -102,6 +104,8 @@ class Ledger:
         self._records = 0
         self._replayed = 0
         self._given_back = 0
+        self._rolled_back = 0
+        self._finished_records: dict[int, int] = {}  # records each done shard added to _records
         # Shards held when a loaded state was saved: their next attempt may replay a batch.
         self._cut_off: set[int] = set()
 
@@ -143,6 +147,7 @@ class Ledger:
             "records": self._records,
             "replayed_records": self._replayed,
             "given_back": self._given_back,
+            "rolled_back_shards": self._rolled_back,
         }
 
     # --------------------------------------------------------- transitions
@@ -161,6 +166,7 @@ class Ledger:
         self._held.clear()
         self._cut_off.clear()
         self._positions.clear()
+        self._finished_records.clear()
 
     def hand_out(self) -> Work | None:
         """The next shard to run, or None when every shard is done or held."""
@@ -189,6 +195,7 @@ class Ledger:
         self._done.add(slot)
         self._positions.pop(slot, None)
         self._records += int(records)
+        self._finished_records[slot] = int(records)
         self._replayed += int(replayed)
 
     def give_back(self, slot: int, position: int | None = None, replayed: int = 0) -> None:
@@ -203,6 +210,29 @@ class Ledger:
         self._given_back += 1
         self._held.discard(slot)
         self._queue.appendleft(slot)
+
+    def roll_back(self, saved: dict | None) -> tuple[list[int], bool]:
+        """The variables (shard positions included) were restored from a checkpoint whose
+        ledger was `saved`: what was trained since is lost, so the shards done since are
+        handed out again, first, from their positions then. Held shards stay held (their
+        closures run again, from the positions restored). `saved` None or of another epoch
+        (a checkpoint older than this epoch): nothing of this epoch is done, every position
+        is 0. Returns (the shards handed out again, whether the epoch started over)."""
+        self._require_epoch("roll_back")
+        same_epoch = saved is not None and saved.get("epoch") == self._epoch
+        if saved is not None:
+            self._check_state(saved)
+        kept = {int(s) for s in saved["done"]} if same_epoch else set()
+        undone = sorted(self._done - kept)
+        for slot in undone:
+            self._records -= self._finished_records.pop(slot, 0)
+        self._done &= kept
+        self._positions = {int(s): int(p) for s, p in saved["positions"].items()} if same_epoch else {}
+        self._rolled_back += len(undone)
+        waiting = [s for s in self._order if s not in self._done and s not in self._held]
+        # Those done since the checkpoint first: they are the ones the epoch lost.
+        self._queue = collections.deque([s for s in waiting if s in undone] + [s for s in waiting if s not in undone])
+        return undone, not same_epoch
 
     def _requeue_held(self) -> None:
         for slot in sorted(self._held, key=self._order.index, reverse=True):
@@ -228,6 +258,22 @@ class Ledger:
 
     def load(self, state: Any) -> None:
         """Take over a saved `state()`; raise `LedgerMismatchError` if it describes other shards."""
+        self._check_state(state)
+        epoch = state["epoch"]
+        self._epoch = epoch
+        self._order = shard_order(len(self._shards), self._seed, epoch) if epoch is not None else []
+        self._done = {int(s) for s in state["done"]}
+        self._held = set()
+        self._cut_off = {int(s) for s in state["held"]}
+        self._positions = {int(s): int(p) for s, p in state["positions"].items()}
+        # The shards cut off first, then the others in this epoch's order.
+        first = [s for s in self._order if s in self._cut_off]
+        self._queue = collections.deque(first + [s for s in self._order if s not in self._done and s not in self._cut_off])
+        self._records = int(state["records"])
+        self._replayed = int(state["replayed_records"])
+        self._finished_records.clear()
+
+    def _check_state(self, state: Any) -> None:
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise LedgerMismatchError(
                 f"Invalid data ledger state. Received: {_short(state)}. Expected a dict saved by "
@@ -246,18 +292,6 @@ class Ledger:
                 f"The saved data ledger was shuffled with another seed. Received: seed={state['seed']!r}. "
                 f"Expected seed={self._seed!r} (the ShardedDataset's seed now)."
             )
-        epoch = state["epoch"]
-        self._epoch = epoch
-        self._order = shard_order(len(self._shards), self._seed, epoch) if epoch is not None else []
-        self._done = {int(s) for s in state["done"]}
-        self._held = set()
-        self._cut_off = {int(s) for s in state["held"]}
-        self._positions = {int(s): int(p) for s, p in state["positions"].items()}
-        # The shards cut off first, then the others in this epoch's order.
-        first = [s for s in self._order if s in self._cut_off]
-        self._queue = collections.deque(first + [s for s in self._order if s not in self._done and s not in self._cut_off])
-        self._records = int(state["records"])
-        self._replayed = int(state["replayed_records"])
 
     # -------------------------------------------------------------- checks
     def _require_epoch(self, what: str) -> None:

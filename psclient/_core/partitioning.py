@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import Any
 
 from psclient._core.errors import PSClientError
 
 __all__ = [
-    "AUTO_MIN_SHARD_BYTES", "PartitionError", "can_split", "min_size_shards", "row_ranges", "shard_count",
-    "shard_tasks",
+    "AUTO_MIN_SHARD_BYTES", "PartitionError", "can_split", "check_partitioner", "min_size_shards", "row_ranges",
+    "shard_count", "shard_tasks",
 ]
 
 # "auto": variables of more than 128 KiB are split. Small enough that a model's
@@ -45,6 +46,24 @@ AUTO_MIN_SHARD_BYTES = 128 << 10
 
 class PartitionError(PSClientError, ValueError):
     """A partitioner's answer that cannot be used for a variable."""
+
+
+def check_partitioner(variable_partitioner: Any) -> None:
+    """`variable_partitioner=`: "auto", None or a callable (shape, dtype) -> shards per axis."""
+    if isinstance(variable_partitioner, str) and variable_partitioner != "auto":
+        raise ValueError(
+            "Invalid value for argument `variable_partitioner`. Received: "
+            f"variable_partitioner={variable_partitioner!r}. Expected \"auto\" (the default), "
+            "None (no partitioning) or a callable (shape, dtype) -> shards per axis."
+        )
+    if not (variable_partitioner is None or isinstance(variable_partitioner, str) or callable(variable_partitioner)):
+        raise TypeError(
+            "Invalid value for argument `variable_partitioner`. Received: "
+            f"variable_partitioner={variable_partitioner!r} of type "
+            f"{type(variable_partitioner).__name__}. Expected \"auto\" (the default), None (no "
+            "partitioning) or a callable (shape, dtype) -> shards per axis, e.g. "
+            "tf.distribute.experimental.partitioners.MinSizePartitioner(...)."
+        )
 
 
 def can_split(shape: Sequence[int | None] | None) -> bool:
@@ -67,7 +86,7 @@ def shard_count(name: str, shape: Sequence[int], result) -> int:
     )
     try:
         counts = [operator.index(c) for c in result]
-    except TypeError:
+    except TypeError:  # operator.index's message names no variable; ours says what was expected
         raise PartitionError(
             f"The variable_partitioner returned an invalid partition for variable {name!r}. "
             f"Received: {result!r} of type {type(result).__name__}. {expected}"

@@ -41,10 +41,10 @@ WorkerRetired(worker, ticket)             | out of every Reconnect; RETIRED and
 Shutdown()                                | Finish every waiting ticket; nothing after
 
 Flows, tried after each event in this order, one at a time:
-1. ps recovery: wait for running closures (hang_timeout, then RequeueRunning)
-   and for every lost ps to accept connections (ps_timeout, then
-   FailAll(ps, permanent)); then Reconnect -> RenewAndRestore -> Retrace ->
-   RebuildResources -> PsRecovered + ResumeDispatch. Nothing else runs meanwhile.
+1. ps recovery (`PsLoss`, ps_loss.py): wait for running closures, then for
+   every lost ps to accept connections; Reconnect -> RenewAndRestore ->
+   Retrace -> RebuildResources -> PsRecovered + ResumeDispatch, or
+   FailAll(ps, permanent). Nothing else runs meanwhile.
 2. drop gone workers from TF's view: Reconnect(UP workers).
 3. checkpoint (requested, or due by interval/count): PauseDispatch, wait for
    running closures (hang_timeout, then skipped), Checkpoint, ResumeDispatch.
@@ -68,12 +68,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["TaskState", "MachineConfig", "RecoveryMachine", "OPERATIONS", "BringUp", "WorkerAdded", "WorkerRetired"]
-
-
-from psclient._core.recovery_messages import (  # noqa: F401 - the machine's vocabulary, re-exported
-    OPERATIONS,
-    BringUp,
+from psclient._core.checkpoint_schedule import CheckpointSchedule
+from psclient._core.joining import Joins
+from psclient._core.ps_loss import GiveUp, PsLoss
+from psclient._core.recovery_messages import (
     CheckAnswers,
     Checkpoint,
     CheckpointRequested,
@@ -90,7 +88,6 @@ from psclient._core.recovery_messages import (  # noqa: F401 - the machine's voc
     RebuildWorker,
     Reconnect,
     RenewAndRestore,
-    RequeueRunning,
     Restored,
     ResumeDispatch,
     Retrace,
@@ -103,9 +100,9 @@ from psclient._core.recovery_messages import (  # noqa: F401 - the machine's voc
     WorkerRetired,
     WorkerSeen,
 )
-from psclient._core.checkpoint_schedule import CheckpointSchedule
-from psclient._core.joining import Joins
 from psclient._core.retry import Backoff
+
+__all__ = ["MachineConfig", "RecoveryMachine"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,12 +147,7 @@ class RecoveryMachine:
         self._gave_up_since: float | None = None
         self._running = 0
         self._completed = 0
-        # ps recovery
-        self._ps_since: float | None = None
-        self._ps_back_at: float | None = None
-        self._ps_requeued = False
-        self._ps_failures = 0
-        self._ps_retry_next_round = False
+        self._ps_loss: PsLoss | None = None  # a ps loss under way
         # Rounds seen, so that a running count from before a pause is never used.
         self._rounds = 0
         self._paused_at_round = 0
@@ -204,7 +196,8 @@ class RecoveryMachine:
     def _on_Tick(self, event: Tick, now: float) -> list:
         self._running, self._completed = event.running, event.completed
         self._rounds += 1
-        self._ps_retry_next_round = False
+        if self._ps_loss is not None:
+            self._ps_loss.retry_next_round = False
         since = self._all_down_since
         if since is not None and now - since >= self.config.worker_timeout:
             first = self._gave_up_since != since
@@ -245,10 +238,8 @@ class RecoveryMachine:
             if self.ps[ps] is TaskState.UP:
                 self.ps[ps] = TaskState.LOST
                 actions.append(PsFailed(ps))
-        if actions and self._ps_since is None:
-            self._ps_since = now
-            self._ps_requeued = False
-            self._ps_failures = 0
+        if actions and self._ps_loss is None:
+            self._ps_loss = PsLoss(now, self.config.hang_timeout, self.config.ps_timeout, self.config.ps_attempts)
             # Hold the queue at once: until the recovery, every closure fails against it.
             actions.append(PauseDispatch("ps"))
             if not (self.config.checkpointing and self._checkpoints.has_checkpoint):
@@ -359,10 +350,6 @@ class RecoveryMachine:
     def _reconnect(self, workers: frozenset, purpose: str, returning: int | None = None) -> list:
         return self._start(Reconnect(workers, purpose, returning, self._joins.leaving_in_view(self.view, workers)))
 
-    def _may_reconnect(self, actions: list) -> bool:
-        """The guards every Reconnect passes."""
-        return not self.blocking()
-
     def _idle_since_pause(self) -> bool:
         """No closure runs, by a round counted after the newest pause."""
         return self._rounds > self._paused_at_round and self._running == 0
@@ -377,21 +364,19 @@ class RecoveryMachine:
             return []
         # TF fails anything that registers a function on every task (a
         # checkpoint, a new trace) while a gone worker is in its view.
-        actions: list = []
-        if not self._may_reconnect(actions):
-            return actions
-        return actions + self._reconnect(target, "drop")
+        if self.blocking():
+            return []  # no Reconnect while a worker in the view may hang
+        return self._reconnect(target, "drop")
 
     def _advance_rejoin(self, now: float) -> list:
         if self.broken:
             return []
         for worker in sorted(w for w in self._back_since if not self._joins.is_leaving(w)):
             # (It answers again, so it does not count as hanging itself.)
-            actions: list = []
-            if not self._may_reconnect(actions):
-                return actions
+            if self.blocking():
+                return []
             self.workers[worker] = TaskState.REJOINING
-            return actions + self._reconnect(self._up() | {worker}, "rejoin", returning=worker)
+            return self._reconnect(self._up() | {worker}, "rejoin", returning=worker)
         return []
 
     def _rejoin_step(self, op: Any, event: Done, now: float) -> list:
@@ -420,50 +405,33 @@ class RecoveryMachine:
         return self._joins.joined(worker, since, now)
 
     def _advance_ps(self, now: float) -> list:
-        if self.broken or self._ps_since is None or self._ps_retry_next_round:
+        loss = self._ps_loss
+        if self.broken or loss is None or loss.retry_next_round:
             return []
-        lost = tuple(self.lost_ps())
-        if self._running and not self._ps_requeued:
-            if now - self._ps_since < self.config.hang_timeout:
-                return []  # running closures fail against the lost ps and come back
-            # Any still running are abandoned: nothing traced for the old
-            # variables may report after the recovery.
-            self._ps_requeued = True
-            return [RequeueRunning()]
-        # Gone, or back but not taking connections yet: either way, for ps_timeout at most.
-        if now - self._ps_since > self.config.ps_timeout:
-            return self._give_up_ps(f"it did not come back within ps_timeout={self.config.ps_timeout:g} s")
-        if any(self.ps[ps] is TaskState.LOST for ps in lost):
-            return []
-        if self._ps_back_at is None:
-            self._ps_back_at = now
-        actions: list = []
-        if not self._may_reconnect(actions):
-            return actions  # a hung worker in the view: wait until it answers or dies
-        return actions + self._reconnect(self._up(), "ps")
+        unreachable = any(state is TaskState.LOST for state in self.ps)
+        waiting = loss.before_reconnect(now, self._running, unreachable)
+        if isinstance(waiting, GiveUp):
+            return self._give_up_ps(waiting.why)
+        if waiting is not None:
+            return waiting
+        if self.blocking():
+            return []  # a hung worker in the view: wait until it answers or dies
+        return self._reconnect(self._up(), "ps")
 
     def _ps_step(self, op: Any, event: Done, now: float) -> list:
         lost = tuple(self.lost_ps())
         if self.closed or not lost:
             return []
+        loss = self._ps_loss
         if not event.ok:
-            self._ps_retry_next_round = True
-            if event.error is None:
-                # A named task did not answer (a worker is taken out; a ps just
-                # back may not take connections yet): tried again next round,
-                # until ps_timeout (`_advance_ps`).
-                return []
-            self._ps_failures += 1
-            if self._ps_failures >= self.config.ps_attempts:
-                return self._give_up_ps(f"restoring it failed {self._ps_failures} times: {event.error}")
-            return []  # tried again next round
-        if isinstance(op, Reconnect):
-            return self._start(RenewAndRestore(lost))
-        if isinstance(op, RenewAndRestore):
-            return self._start(Retrace())
-        if isinstance(op, Retrace):
-            return self._start(RebuildResources())
-        back_at = self._ps_back_at if self._ps_back_at is not None else now
+            # (A named task that did not answer is a worker taken out, or a ps
+            # just back that does not take connections yet.)
+            given_up = loss.failed(event.error)
+            return self._give_up_ps(given_up.why) if given_up else []
+        step = loss.next_step(op, lost)
+        if step is not None:
+            return self._start(step)
+        back_at = loss.back_at if loss.back_at is not None else now
         self._end_ps_loss()
         return [PsRecovered(lost, back_at), ResumeDispatch("ps")]
 
@@ -476,7 +444,7 @@ class RecoveryMachine:
     def _end_ps_loss(self) -> None:
         self.ps = [TaskState.UP] * len(self.ps)
         self.ps_epoch += 1
-        self._ps_since = self._ps_back_at = None
+        self._ps_loss = None
 
     def _checkpoint_due(self, now: float) -> str | None:
         return self._checkpoints.due(now, self._completed, periodic=self.config.checkpointing and not self.broken)

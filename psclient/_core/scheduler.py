@@ -47,6 +47,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from psclient._core.attempts import RunningAttempts
 from psclient._core.closure import Closure, cancel_all
 from psclient._core.errors import StrategyClosedError
 from psclient._core.membership import Membership
@@ -64,7 +65,8 @@ class Scheduler:
     that can take it. Counters (running, completed) are kept, not summed over
     workers. Callers that wait for a state (join, wait_idle, wait_released)
     wait on conditions of their own, told only when that state may be reached.
-    Workers join and retire at run time (which slots: `Membership`, membership.py).
+    Workers join and retire at run time (which slots: `Membership`, membership.py);
+    what runs where, and which reports are stale: `RunningAttempts`, attempts.py.
     """
 
     def __init__(self, num_workers: int, *, clock: Callable[[], float] = time.monotonic):
@@ -80,14 +82,12 @@ class Scheduler:
         self._error: BaseException | None = None
         self._closed = False
         self._workers = [WorkerStats() for _ in range(num_workers)]
-        self._running: list[dict[int, Closure]] = [{} for _ in range(num_workers)]
-        self._running_total = 0
+        self._running = RunningAttempts(num_workers)
         self._completed = 0
         #: When each worker last finished a closure (a sign of life for the heartbeat).
         self._last_done = [float("-inf")] * num_workers
         self._submitted = 0
         self._paused = 0
-        self._stale = 0
         #: Waiting dispatcher threads.
         self._waiters = Waiters(self._lock)
         #: Closures cancelled instead of re-queued (error pending), resolved outside the lock.
@@ -129,10 +129,7 @@ class Scheduler:
                             continue
                         closure.attempts += 1
                         closure.started_at = self._clock()
-                        closure.worker = worker
-                        self._running[worker][closure.id] = closure
-                        self._running_total += 1
-                        stats.in_flight += 1
+                        self._running.start(worker, closure)
                         return closure
                 if woken:
                     self._wake_locked()  # not taken here: the wakeup goes to another waiter
@@ -209,9 +206,7 @@ class Scheduler:
         their late reports are stale and ignored.
         """
         with self._lock:
-            requeued = self._requeue_running_locked(
-                [w for w, running in enumerate(self._running) if running]
-            )
+            requeued = self._requeue_running_locked(self._running.busy_workers())
         self._resolve_cancelled_on_requeue()
         return requeued
 
@@ -245,12 +240,12 @@ class Scheduler:
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until no closure is running on any worker; False on timeout."""
         with self._lock:
-            return self._released.wait_for(lambda: self._running_total == 0, timeout)
+            return self._released.wait_for(lambda: self._running.total == 0, timeout)
 
     def running(self) -> int:
         """Closures running now, over all workers."""
         with self._lock:
-            return self._running_total
+            return self._running.total
 
     def wait_released(self, worker: int, closure: Closure, attempt: int, timeout: float | None) -> bool:
         """Wait until this attempt of `closure` no longer runs on `worker` (taken out,
@@ -258,7 +253,7 @@ class Scheduler:
         with self._lock:
             return self._released.wait_for(
                 lambda: self._closed or closure.worker != worker or closure.attempts != attempt
-                or closure.id not in self._running[worker],
+                or not self._running.runs(worker, closure),
                 timeout,
             )
 
@@ -285,14 +280,8 @@ class Scheduler:
         with self._lock:
             victims = list(self._queue)
             self._queue.clear()
-            for worker, running in enumerate(self._running):
-                if running:
-                    self._workers[worker].in_flight -= len(running)
-                    victims.extend(running.values())
-                    running.clear()
-            self._running_total = 0
-            for closure in victims:
-                closure.worker = None
+            for worker in self._running.busy_workers():
+                victims.extend(self._running.abandon(worker))
             self._unfinished -= len(victims)
             if victims and self._error is None:
                 self._error = error
@@ -321,7 +310,7 @@ class Scheduler:
         with self._lock:
             index = len(self._workers)
             self._workers.append(WorkerStats(up=False))
-            self._running.append({})
+            self._running.add_worker()
             self._last_done.append(float("-inf"))
             self._membership.joined(index)
             return index
@@ -363,12 +352,12 @@ class Scheduler:
     def running_on(self, worker: int) -> int:
         """Closures running on `worker` now."""
         with self._lock:
-            return len(self._running[worker])
+            return self._running.on(worker)
 
     def wait_drained(self, worker: int, timeout: float | None) -> bool:
         """Wait until nothing runs on `worker` (or the scheduler is closed); False on timeout."""
         with self._lock:
-            return self._released.wait_for(lambda: self._closed or not self._running[worker], timeout)
+            return self._released.wait_for(lambda: self._closed or not self._running.on(worker), timeout)
 
     def hand_back(self, worker: int) -> list:
         """Abandon what still runs on `worker` and queue it again (a drain that took too long)."""
@@ -426,8 +415,8 @@ class Scheduler:
                 "unfinished": self._unfinished,
                 "queue_depth": len(self._queue),
                 "paused": bool(self._paused),
-                "stale_reports": self._stale,
-                "workers": [w.summary() for w in self._workers],
+                "stale_reports": self._running.stale,
+                "workers": [w.summary(in_flight=self._running.on(i)) for i, w in enumerate(self._workers)],
             }
 
     def waiting_threads(self) -> tuple[int, int]:
@@ -443,33 +432,23 @@ class Scheduler:
 
     def _release_locked(self, worker: int, closure: Closure, attempt: int | None) -> bool:
         """End the attempt; False if it was abandoned earlier (stale report)."""
-        current = closure.worker == worker and (attempt is None or attempt == closure.attempts)
-        if not current or self._running[worker].pop(closure.id, None) is None:
-            self._stale += 1
+        if not self._running.end(worker, closure, attempt):
             return False
-        closure.worker = None
-        self._workers[worker].in_flight -= 1
-        self._running_total -= 1
-        if self._running_total == 0:
+        if self._running.total == 0:
             self._released.notify_all()  # wait_idle
-        elif self._membership.is_retired(worker) and not self._running[worker]:
+        elif self._membership.is_retired(worker) and not self._running.on(worker):
             self._released.notify_all()  # wait_drained
         return True
 
     def _requeue_running_locked(self, workers) -> list[Closure]:
         requeued = []
         for worker in workers:
-            running = list(self._running[worker].values())
-            self._running[worker].clear()
-            self._workers[worker].in_flight -= len(running)
+            running = self._running.abandon(worker)
             self._workers[worker].retried += len(running)
-            self._running_total -= len(running)
             requeued.extend(running)
         requeued.sort(key=lambda c: c.id)
         if self._error is not None and requeued:
             # An error is pending: cancelled, not run again (see failed()).
-            for closure in requeued:
-                closure.worker = None
             self._unfinished -= len(requeued)
             if self._unfinished == 0:
                 self._finished.notify_all()
@@ -477,7 +456,6 @@ class Scheduler:
             self._cancelled_on_requeue.extend(requeued)
             return []
         for closure in reversed(requeued):
-            closure.worker = None
             self._queue.appendleft(closure)
         self._released.notify_all()
         self._wake_locked()
@@ -517,6 +495,6 @@ class Scheduler:
             # As TF's coordinator: before the error is raised (and cleared),
             # wait for the closures still running; their own errors are
             # absorbed by it, so a later join() does not raise them.
-            self._released.wait_for(lambda: self._running_total == 0)
+            self._released.wait_for(lambda: self._running.total == 0)
             error, self._error = self._error, None
             raise error

@@ -21,7 +21,6 @@ class WorkerStats:
     done: int = 0
     failed: int = 0
     retried: int = 0
-    in_flight: int = 0
     up: bool = True
     #: Removed from the strategy (`remove_worker`): takes no work, its slot kept.
     retired: bool = False
@@ -52,7 +51,8 @@ class WorkerStats:
         bisect.insort(self._sorted, seconds)
         self._sum += seconds
 
-    def summary(self) -> dict:
+    def summary(self, *, in_flight: int) -> dict:
+        """The counts and latencies; `in_flight` (running now) is the scheduler's to say."""
         lat = self._sorted
         mean = max(0.0, self._sum / len(lat)) if lat else None
         p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None
@@ -60,7 +60,7 @@ class WorkerStats:
             "done": self.done,
             "failed": self.failed,
             "retried": self.retried,
-            "in_flight": self.in_flight,
+            "in_flight": in_flight,
             "up": self.up,
             "retired": self.retired,
             "failures": self.failures,

@@ -50,6 +50,7 @@ class Engine:
         checkpoints: CheckpointStore | None = None,
         retrace: Callable[[], None] | None = None,
         checkpoint_meta: Callable[[dict], dict | None] | None = None,
+        meta_restored: Callable[[dict | None], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         # `prepare(closure, worker)` -> (function, args, kwargs) for that worker;
@@ -72,7 +73,7 @@ class Engine:
             recovery_config, roster=roster, scheduler=scheduler, prober=self.prober, probes=self.probes,
             published=published, inbox=inbox, store=store, per_worker=per_worker, checkpoints=checkpoints,
             retrace=retrace or _no_retrace, cancel_calls=self.dispatcher.cancel_calls, edge=edge, clock=clock,
-            checkpoint_meta=checkpoint_meta,
+            checkpoint_meta=checkpoint_meta, meta_restored=meta_restored,
         )
         self.elastic = Elastic(roster, scheduler=scheduler, dispatcher=self.dispatcher, recovery=self.recovery,
                                edge=edge, connect_timeout=connect_timeout, hang_timeout=hang_timeout)

@@ -15,6 +15,7 @@ import os
 from typing import Any, Callable
 
 from psclient._core.checks import check_positive
+from psclient._core.partitioning import check_partitioner
 
 __all__ = ["StrategyConfig", "check_replicas", "with_overrides"]
 
@@ -56,7 +57,7 @@ class StrategyConfig:
                 "pass one of max_staleness (bounded asynchronous) and replicas_to_aggregate (synchronous)."
             )
         self._check_measure_staleness()
-        _check_partitioner(self.variable_partitioner)
+        check_partitioner(self.variable_partitioner)
         for name, integer in (
             ("checkpoint_interval", False),
             ("checkpoint_every", True),
@@ -161,21 +162,4 @@ def check_replicas(replicas_to_aggregate: Any, num_workers: int) -> None:
             "Invalid value for argument `replicas_to_aggregate`. Received: replicas_to_aggregate="
             f"{replicas_to_aggregate!r} with {num_workers} workers. Expected an integer between 1 "
             f"and the number of workers ({num_workers}), or None (asynchronous training)."
-        )
-
-
-def _check_partitioner(variable_partitioner: Any) -> None:
-    if isinstance(variable_partitioner, str) and variable_partitioner != "auto":
-        raise ValueError(
-            "Invalid value for argument `variable_partitioner`. Received: "
-            f"variable_partitioner={variable_partitioner!r}. Expected \"auto\" (the default), "
-            "None (no partitioning) or a callable (shape, dtype) -> shards per axis."
-        )
-    if not (variable_partitioner is None or isinstance(variable_partitioner, str) or callable(variable_partitioner)):
-        raise TypeError(
-            "Invalid value for argument `variable_partitioner`. Received: "
-            f"variable_partitioner={variable_partitioner!r} of type "
-            f"{type(variable_partitioner).__name__}. Expected \"auto\" (the default), None (no "
-            "partitioning) or a callable (shape, dtype) -> shards per axis, e.g. "
-            "tf.distribute.experimental.partitioners.MinSizePartitioner(...)."
         )

@@ -22,8 +22,9 @@ from typing import Any, Callable
 
 from psclient._engine.edge import Edge, PerWorkerValues
 from psclient._core.failures import Verdict, classify, iterator_cancelled, retry_pause
-from psclient._core.recovery_machine import PsNotAnswering, WorkerNotAnswering
+from psclient._core.recovery_messages import PsNotAnswering, WorkerNotAnswering
 from psclient._core.closure import Closure
+from psclient._core.errors import first_line
 from psclient._core.scheduler import Scheduler
 
 __all__ = ["Dispatcher"]
@@ -217,7 +218,7 @@ class Dispatcher:
         )
         if verdict is Verdict.WORKER_LOST:
             log.warning("worker %d does not answer (%s: %s); re-queueing its closures for other workers",
-                        worker, type(error).__name__, _first_line(error))
+                        worker, type(error).__name__, first_line(error)[:300])
             self._report(WorkerNotAnswering(worker, time.monotonic() - failed_at, epochs[worker]))
             # Taking the worker out re-queues this closure (and any other running
             # there); this attempt's own report would then be stale.
@@ -242,14 +243,8 @@ class Dispatcher:
                     pause = 0.0
             log.warning(
                 "%r on worker %d failed with %s (%s: %s); re-queueing it%s", closure, worker,
-                type(error).__name__, verdict.value, _first_line(error), f" in {pause:.1f} s" if pause else "",
+                type(error).__name__, verdict.value, first_line(error)[:300], f" in {pause:.1f} s" if pause else "",
             )
             if pause:
                 time.sleep(pause)  # back off in this worker's thread: the channel needs the time
             self._scheduler.failed(worker, closure, error, retry=True, attempt=attempt)
-
-
-def _first_line(error: BaseException) -> str:
-    """The start of an error's message, for a log line (TF's run to many lines)."""
-    text = str(error)
-    return text.splitlines()[0][:300] if text else ""

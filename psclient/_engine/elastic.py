@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 from psclient._cluster.spec import Cluster, address_problem
-from psclient._core import recovery_machine as rm
+from psclient._core import recovery_messages as rm
 from psclient._core.errors import TaskUnreachableError
 from psclient._core.scheduler import Scheduler
 from psclient._engine.dispatch import Dispatcher
@@ -102,7 +102,7 @@ class Elastic:
             wait = max(60.0, self._connect_timeout) if timeout is None else timeout
             try:
                 ticket.result(timeout=wait)
-            except concurrent.futures.TimeoutError:
+            except concurrent.futures.TimeoutError:  # the message says all: the wait's own error is noise
                 raise TimeoutError(
                     f"worker {index} ({address}) was added but has not joined within {wait:g} s "
                     "(it did not answer, or a hung task holds TF's reconnect). It stays in the "
@@ -152,7 +152,7 @@ class Elastic:
             wait = max(60.0, self._connect_timeout, self._hang_timeout) if timeout is None else timeout
             try:
                 ticket.result(timeout=wait)
-            except concurrent.futures.TimeoutError:
+            except concurrent.futures.TimeoutError:  # the message says all: the wait's own error is noise
                 raise TimeoutError(
                     f"worker {index} takes no more work, but is still in TF's view after {wait:g} s "
                     "(it, or another worker, does not answer). It leaves once it answers or its "

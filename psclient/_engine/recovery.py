@@ -28,16 +28,16 @@ from typing import Any, Callable
 
 from psclient._engine.edge import CheckpointStore, Edge, PerWorkerValues, Roster, VariableStore
 from psclient._engine.probes import FailureProbes, Published
-from psclient._core import recovery_machine as rm
-from psclient._core.errors import PSUnavailableError, StrategyClosedError, WorkerUnavailableError
+from psclient._engine.reconnect import Reconnector, Refused
+from psclient._core import recovery_messages as rm
+from psclient._core.errors import PSUnavailableError, StrategyClosedError, WorkerUnavailableError, first_line
 from psclient._core.health import Prober
+from psclient._core.recovery_machine import MachineConfig, RecoveryMachine
 from psclient._core.scheduler import Scheduler
 
 __all__ = ["Recovery", "RecoveryConfig"]
 
 log = logging.getLogger("psclient")
-#: TF's (and gRPC's) code for UnavailableError: the task did not take the call.
-_UNAVAILABLE = 14
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +86,11 @@ class Recovery:
         edge: Edge,
         clock: Callable[[], float] = time.monotonic,
         checkpoint_meta: Callable[[dict], dict | None] | None = None,
+        meta_restored: Callable[[dict | None], None] | None = None,
     ):
         # `checkpoint_meta(variables)`: what joins each checkpoint's layout (the data ledgers);
+        # `meta_restored(meta)`: told the meta of the checkpoint a lost ps was restored from
+        # (the data ledgers roll back with the variables);
         # `store`: the variables; `per_worker`: rebuilt on a worker that comes back;
         # `checkpoints`: the checkpoint directory, or None (edge.py names what is used of each);
         # `retrace()`: trace what is queued again (after variables got new resources);
@@ -100,15 +103,17 @@ class Recovery:
         self._roster = roster
         self._scheduler = scheduler
         self._prober = prober
+        self._reconnector = Reconnector(edge, roster, prober, probe_timeout=config.probe_timeout)
         self._store = store
         self._per_worker = per_worker
         self._retrace = retrace
         self._cancel_calls = cancel_calls
         self._checkpoint_meta = checkpoint_meta or _no_meta
+        self._meta_restored = meta_restored or _ignore_meta
         self._clock = clock
         self.checkpoints = checkpoints
         cluster = roster.cluster
-        self._machine = rm.RecoveryMachine(rm.MachineConfig(
+        self._machine = RecoveryMachine(MachineConfig(
             num_workers=cluster.num_workers, num_ps=cluster.num_ps,
             hang_timeout=config.hang_timeout, worker_timeout=config.worker_timeout,
             ps_timeout=config.ps_timeout, interval=config.interval,
@@ -325,7 +330,7 @@ class Recovery:
         except Exception as error:  # noqa: BLE001 - the thread must outlive one failed step: the machine decides
             self._log_failure(action, error)
             return rm.Done(action, ok=False, error=error)
-        if isinstance(value, _Refused):
+        if isinstance(value, Refused):
             return rm.Done(action, ok=False, value=value.workers)
         if value is False:
             return rm.Done(action, ok=False)
@@ -334,7 +339,7 @@ class Recovery:
     def _log_failure(self, action: Any, error: BaseException) -> None:
         """A warning for a step's failure; the same failure again in a row only
         at its 2nd, 4th, 8th... time (the machine backs off between tries)."""
-        key = (type(action).__name__, type(error).__name__, _first_line(error))
+        key = (type(action).__name__, type(error).__name__, first_line(error))
         count = self._same_failures + 1 if key == self._last_failure else 1
         self._last_failure, self._same_failures = key, count
         if count & (count - 1) == 0:
@@ -378,7 +383,7 @@ class Recovery:
 
     def _operate(self, action: Any) -> Any:
         if isinstance(action, rm.Reconnect):
-            return self._reconnect(action)
+            return self._reconnector.reconnect(action, self._scheduler.retired())
         if isinstance(action, rm.CheckAnswers):
             if not self.probes.answers(self._edge.worker_device(action.worker)):
                 log.info("worker %d accepts connections but does not answer yet; retrying", action.worker)
@@ -391,6 +396,8 @@ class Recovery:
             renewed = self._store.renew(set(action.lost))
             restored = self.checkpoints.restore(self._store.named(), tables=self._store.tables())
             self._completed_then = None if restored is None else restored["completed_closures"]
+            # While nothing is dispatched: what the coordinator keeps of the data goes back too.
+            self._meta_restored(None if restored is None else restored.get("meta"))
             log.info("ps task(s) %s: %d variables re-created, every variable restored", action.lost, renewed)
             return True
         if isinstance(action, rm.Retrace):
@@ -404,46 +411,6 @@ class Recovery:
         raise TypeError(f"unknown recovery operation {action!r}")
 
     # ------------------------------------------------------------- steps
-    def _reconnect(self, action: rm.Reconnect) -> Any:
-        """Every named worker (but the returning one) must answer first: TF's
-        `update_server_def` waits for good on a task that does not. So must
-        each leaving one it drops (retired), unless its port refuses (gone)."""
-        leaving = [w for w in action.leaving
-                   if self._edge.tcp_state(self._roster.cluster.address("worker", w), 1.0) != "closed"]
-        probes = {
-            worker: self._prober.start(self._edge.worker_device(worker))
-            for worker in [*action.workers, *leaving] if worker != action.returning
-        }
-        deadline = time.monotonic() + min(2.0, self.config.probe_timeout)
-        refused = {}
-        for worker, probe in probes.items():
-            # Any answer, even an error, means the process is there; an error
-            # can come from the stale view this reconnect replaces.
-            answered = probe.done.wait(max(0.0, deadline - time.monotonic()))
-            state = self._edge.tcp_state(self._roster.cluster.address("worker", worker), 1.0)
-            if not (answered and (probe.ok or state == "open")):
-                refused[worker] = state
-        if refused:
-            return _Refused(refused)
-        try:
-            self._edge.connect(self._roster.cluster, sorted(action.workers))
-        except self._edge.op_error() as error:
-            if getattr(error, "error_code", None) != _UNAVAILABLE:
-                raise
-            # A named task did not take the connection: a worker that died
-            # after its probe (its port now refuses: taken out at once), or a
-            # restarted ps whose channel has not reconnected yet (TF's gRPC
-            # channels retry within a second). Not a failed step: next round.
-            log.info("reconnect: a task was not reachable yet (%s); trying again", _first_line(error))
-            return _Refused({
-                worker: state for worker in action.workers
-                if (state := self._edge.tcp_state(self._roster.cluster.address("worker", worker), 1.0)) == "closed"
-            })
-        gone = sorted(set(range(self._roster.cluster.num_workers)) - set(action.workers) - self._scheduler.retired())
-        if action.purpose == "drop" and gone:  # (a removed worker is no longer expected back)
-            log.info("worker(s) %s left out of the cluster until they answer again", gone)
-        return True
-
     def _checkpoint(self, reason: str) -> tuple:
         created = self._store.count()
         variables = self._store.named()
@@ -498,13 +465,6 @@ class Recovery:
         self._scheduler.fail_all(error)
 
 
-class _Refused:
-    """A Reconnect not tried: these workers (-> TCP state) did not answer first."""
-
-    def __init__(self, workers: dict):
-        self.workers = workers
-
-
 def _finish(action: rm.Finish) -> None:
     ticket = action.ticket
     if ticket.done():
@@ -517,9 +477,8 @@ def _finish(action: rm.Finish) -> None:
         ticket.set_result(action.value)
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error)
-    return text.splitlines()[0] if text else ""
+def _ignore_meta(meta: dict | None) -> None:
+    return None
 
 
 def _no_meta(variables: dict) -> None:

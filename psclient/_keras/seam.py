@@ -232,5 +232,5 @@ def internal(obj: Any, name: str) -> Any:
     assert name in _INSTANCE_NAMES, f"{name} is not listed in KERAS_INTERNALS"
     try:
         return getattr(obj, name)
-    except AttributeError:
+    except AttributeError:  # the AttributeError only repeats the name the message gives
         raise _missing(f"attribute `{name}` of {type(obj).__module__}.{type(obj).__qualname__}") from None

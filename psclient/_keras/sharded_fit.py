@@ -53,6 +53,17 @@ def _feed(model, strategy, sharded: ShardedDataset) -> ShardFeed:
     return feed
 
 
+def _steps_per_execution(model) -> int:
+    value = getattr(model, "steps_per_execution", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"Invalid value for argument `steps_per_execution`. Received: steps_per_execution={value!r} "
+            "with a psclient.data.ShardedDataset as `x`. Expected an integer >= 1 (batches per loop "
+            "iteration of a shard, and shards per call of the train function)."
+        )
+    return value
+
+
 def _refuse(a: dict) -> None:
     for name in ("y", "sample_weight", "class_weight", "batch_size", "steps_per_epoch"):
         if a.get(name) is not None:
@@ -84,7 +95,11 @@ class ShardTrainFunction:
             return model_ref().get_metrics_result()
 
         step.__name__ = f"{model.name}_train_step"
-        self._function = feed.shard_function(step, result_fn=results, name=f"{model.name}_train_shard")
+        # steps_per_execution=N: Keras calls once per N of its steps (shards here), and the
+        # shard loop trains N batches between two ledger writes (shard_feed's module doc).
+        self._per_call = _steps_per_execution(model)
+        self._function = feed.shard_function(step, result_fn=results, name=f"{model.name}_train_shard",
+                                             steps_per_iteration=self._per_call)
         self._in_flight: collections.OrderedDict = collections.OrderedDict()
         self._latest = None
         self._calls = 0
@@ -100,10 +115,11 @@ class ShardTrainFunction:
 
     def __call__(self, iterator):
         self._calls += 1
-        work = self._feed.hand_out()
-        if work is not None:
-            self._in_flight[self._strategy.schedule(self._function, args=work.args)] = work
-        if self._calls >= self.steps:
+        for _ in range(self._per_call):
+            work = self._feed.hand_out()
+            if work is not None:
+                self._in_flight[self._strategy.schedule(self._function, args=work.args)] = work
+        if self._calls * self._per_call >= self.steps:
             return self.finish()
         while len(self._in_flight) > self._max_in_flight or (self._latest is None and self._in_flight):
             self._settle(next(iter(self._in_flight)))

@@ -40,11 +40,7 @@ from tensorflow.core.framework import summary_pb2
 from psclient._core.checks import check_positive
 from psclient._core.files import replaced_atomically
 from psclient._sidecar import formats
-from psclient._sidecar.formats import (  # The errors are re-exported for psclient's API.
-    CheckpointMismatchError,  # noqa: F401
-    CheckpointRef,
-    CheckpointUnreadableError,
-)
+from psclient._sidecar.formats import CheckpointRef, CheckpointUnreadableError
 
 FINAL_MARKER = "psclient-final.json"
 METRICS_FILE = "evaluations.jsonl"

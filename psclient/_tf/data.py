@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import uuid
+
 import tensorflow as tf
 
-__all__ = ["deserialize_dataset", "serialize_dataset"]
+__all__ = ["deserialize_dataset", "fix_shuffle_orders", "serialize_dataset"]
+
+#: Dataset ops whose inputs 2 and 3 are (seed, seed2) and which have `reshuffle_each_iteration`.
+_SEEDED_SHUFFLES = ("ShuffleDataset", "ShuffleDatasetV3", "ShuffleAndRepeatDataset", "ShuffleAndRepeatDatasetV2")
+#: Their seed-generator resource input (a handle serialized as a constant), for the V3 / V2 ops.
+_GENERATOR_INPUT = {"ShuffleDatasetV3": 4, "ShuffleAndRepeatDatasetV2": 5}
 
 
 def serialize_dataset(dataset):
@@ -22,3 +30,74 @@ def deserialize_dataset(graph_def, element_spec):
     """The dataset whose graph `serialize_dataset` gave, built where this runs."""
     variant = tf.raw_ops.DatasetFromGraph(graph_def=graph_def)
     return tf.data.experimental.from_variant(variant, element_spec)
+
+
+def fix_shuffle_orders(serialized: bytes, seed: int, variant: int = 0) -> tuple[bytes, list[str]]:
+    """The dataset graph `serialized` with every shuffle made to give one order in every copy.
+
+    A shuffle without a seed (seed and seed2 the constant 0, TF's "no seed")
+    gets seeds derived from `seed`, `variant` and the node's name; a seeded
+    shuffle that reshuffled per iteration keeps its seeds in variant 0 and
+    gets seeds derived from them and `variant` in the others (one variant per
+    epoch: a new order each epoch, as reshuffling gives); every shuffle stops
+    reshuffling per iteration; and each shuffle's seed generator gets a name
+    of its own, so that copies rebuilt on one worker never share a generator
+    with another dataset's (a worker keeps generators by name, and a shared
+    one would advance from copy to copy). Returns the new graph and the ops
+    changed ("op name: what"). Shuffles whose order cannot be fixed here (no
+    seed inputs, or seeds computed at run time from random ops) are left
+    alone: the caller checks what is left.
+    """
+    graph = tf.compat.v1.GraphDef()
+    graph.ParseFromString(serialized)
+    changed: list[str] = []
+    run = uuid.uuid4().hex  # generator names unique to this rewrite
+    _fix_nodes(graph.node, graph.node, lambda name: name.split(":")[0].lstrip("^"), None, (seed, variant), run,
+               changed)
+    for function in graph.library.function:  # datasets made inside map/interleave functions
+        _fix_nodes(function.node_def, function.node_def, lambda name: name.split(":")[0].lstrip("^"),
+                   function.signature.name, (seed, variant), run, changed)
+    return graph.SerializeToString(), changed
+
+
+def _fix_nodes(nodes, container, base_name, scope, seeding, run, changed) -> None:
+    by_name = {node.name: node for node in nodes}
+    in_function = scope is not None
+    for node in list(nodes):
+        if node.op not in _SEEDED_SHUFFLES:
+            continue
+        what = []
+        seeds = [_int_constant(by_name.get(base_name(name))) for name in node.input[2:4]]
+        reshuffles = "reshuffle_each_iteration" in node.attr and node.attr["reshuffle_each_iteration"].b
+        base, variant = seeding
+        if seeds == [0, 0] or (reshuffles and variant and None not in seeds):
+            origin = f"{base}" if seeds == [0, 0] else f"{seeds[0]}/{seeds[1]}"
+            digest = hashlib.sha256(f"{origin}/{variant}/{scope}/{node.name}".encode()).digest()
+            for position, value in ((2, int.from_bytes(digest[:4], "little") + 1),
+                                    (3, int.from_bytes(digest[4:8], "little") + 1)):
+                name = f"{node.name}/psclient_seed{position - 1}"
+                const = container.add()
+                const.name = name
+                const.op = "Const"
+                const.attr["dtype"].type = tf.int64.as_datatype_enum
+                const.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, tf.int64))
+                node.input[position] = f"{name}:output:0" if in_function else name
+            what.append("seeded" if seeds == [0, 0] else "reseeded")
+        if reshuffles:
+            node.attr["reshuffle_each_iteration"].b = False
+            what.append("reshuffle_each_iteration=False")
+        generator = _GENERATOR_INPUT.get(node.op)
+        handle = by_name.get(base_name(node.input[generator])) if generator is not None \
+            and generator < len(node.input) else None
+        if handle is not None and handle.op == "Const" and handle.attr["value"].tensor.resource_handle_val:
+            for value in handle.attr["value"].tensor.resource_handle_val:
+                value.name = f"{value.name}/psclient-{run}"
+        if what:
+            changed.append(f"{node.op} {node.name}: {', '.join(what)}")
+
+
+def _int_constant(node) -> int | None:
+    """The value of a scalar integer Const node, or None."""
+    if node is None or node.op != "Const" or node.attr["value"].tensor.dtype not in (3, 9):  # int32, int64
+        return None
+    return int(tf.make_ndarray(node.attr["value"].tensor))

@@ -1,0 +1,97 @@
+"""One loss of ps tasks, from the first report until recovered or given up. Pure logic.
+
+When a ps task does not answer, the recovery machine (recovery_machine.py)
+holds the queue and opens a `PsLoss`; until it ends, nothing else runs. The
+loss decides the waiting and the order of the steps; the machine keeps the
+tasks' states and carries its answers out. It is guarded as the machine is
+(one thread, one event at a time).
+
+1. Wait for the closures still running: they fail against the lost ps and
+   come back. After hang_timeout, RequeueRunning abandons the rest (nothing
+   traced for the old variables may report after the recovery).
+2. Wait for every lost ps to accept connections again, for ps_timeout at most
+   from the first report (then give up).
+3. Reconnect -> RenewAndRestore -> Retrace -> RebuildResources: recovered.
+   A step that fails is tried again next round; a step that fails with an
+   error `attempts` times gives up. A step refused by a task that does not
+   answer (a ps just back may not take connections yet) is tried again
+   without counting, until ps_timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from psclient._core.recovery_messages import (
+    RebuildResources,
+    Reconnect,
+    RenewAndRestore,
+    RequeueRunning,
+    Retrace,
+)
+
+__all__ = ["PsLoss", "GiveUp"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GiveUp:
+    """The loss cannot be recovered: every closure fails, for good."""
+
+    why: str
+
+
+@dataclasses.dataclass
+class PsLoss:
+    """One loss under way; see the module docstring."""
+
+    since: float
+    hang_timeout: float
+    ps_timeout: float
+    attempts: int
+    #: When every lost ps accepted connections again (reported with PsRecovered).
+    back_at: float | None = None
+    requeued: bool = False
+    failures: int = 0
+    #: A step failed this round: the next try waits for the next round.
+    retry_next_round: bool = False
+
+    def before_reconnect(self, now: float, running: int, unreachable: bool) -> list | GiveUp | None:
+        """What still comes before the reconnect: actions (`[]`: wait on), `GiveUp`, or None: go.
+
+        `running`: closures running now; `unreachable`: a lost ps does not accept connections yet.
+        """
+        if running and not self.requeued:
+            if now - self.since < self.hang_timeout:
+                return []
+            self.requeued = True
+            return [RequeueRunning()]
+        # Gone, or back but not taking connections yet: either way, for ps_timeout at most.
+        if now - self.since > self.ps_timeout:
+            return GiveUp(f"it did not come back within ps_timeout={self.ps_timeout:g} s")
+        if unreachable:
+            return []
+        if self.back_at is None:
+            self.back_at = now
+        return None
+
+    def failed(self, error: Any) -> GiveUp | None:
+        """A step failed (`error` None: a named task did not answer); it is tried again next round."""
+        self.retry_next_round = True
+        if error is None:
+            return None  # not counted: tried again until ps_timeout (`before_reconnect`)
+        self.failures += 1
+        if self.failures >= self.attempts:
+            return GiveUp(f"restoring it failed {self.failures} times: {error}")
+        return None
+
+    @staticmethod
+    def next_step(op: Any, lost: tuple) -> Any:
+        """The operation after `op` succeeded; None once the last one did (recovered)."""
+        if isinstance(op, Reconnect):
+            return RenewAndRestore(lost)
+        if isinstance(op, RenewAndRestore):
+            return Retrace()
+        if isinstance(op, Retrace):
+            return RebuildResources()
+        return None

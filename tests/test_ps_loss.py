@@ -1,0 +1,44 @@
+"""`PsLoss`: the waits, steps and giving up of one loss of ps tasks. Pure logic: times are given."""
+
+from __future__ import annotations
+
+from psclient._core import recovery_messages as rm
+from psclient._core.ps_loss import GiveUp, PsLoss
+
+
+def loss(**overrides) -> PsLoss:
+    return PsLoss(**{"since": 0.0, "hang_timeout": 5.0, "ps_timeout": 30.0, "attempts": 2, **overrides})
+
+
+def test_running_closures_are_waited_for_then_requeued_once():
+    ps = loss()
+    assert ps.before_reconnect(1.0, running=3, unreachable=False) == []
+    assert ps.before_reconnect(5.0, running=3, unreachable=False) == [rm.RequeueRunning()]
+    # Requeued once: closures still counted as running no longer hold the recovery.
+    assert ps.before_reconnect(5.5, running=3, unreachable=False) is None
+    assert ps.back_at == 5.5
+
+
+def test_an_unreachable_ps_is_waited_for_until_ps_timeout():
+    ps = loss()
+    assert ps.before_reconnect(10.0, running=0, unreachable=True) == []
+    assert ps.back_at is None
+    given_up = ps.before_reconnect(30.5, running=0, unreachable=True)
+    assert given_up == GiveUp("it did not come back within ps_timeout=30 s")
+
+
+def test_the_steps_follow_in_order_and_end_recovered():
+    ps, lost = loss(), (1,)
+    assert ps.next_step(rm.Reconnect(frozenset({0}), "ps"), lost) == rm.RenewAndRestore(lost)
+    assert ps.next_step(rm.RenewAndRestore(lost), lost) == rm.Retrace()
+    assert ps.next_step(rm.Retrace(), lost) == rm.RebuildResources()
+    assert ps.next_step(rm.RebuildResources(), lost) is None
+
+
+def test_failures_with_an_error_count_and_give_up_refusals_do_not():
+    ps = loss(attempts=2)
+    for _ in range(5):  # a task that did not answer: tried again, never counted
+        assert ps.failed(None) is None
+    assert ps.retry_next_round and ps.failures == 0
+    assert ps.failed(RuntimeError("restore failed")) is None
+    assert ps.failed(RuntimeError("restore failed")) == GiveUp("restoring it failed 2 times: restore failed")
