@@ -9,6 +9,8 @@ path after the other on the same cluster and the same stream (each path a fresh 
                   ps task serves all 26 features
   dynamic         26 DynamicEmbedding(dim, capacity=rows), one per feature (26 lookups per ps task)
   hashing         26 Hashing(num_bins=rows) + Embedding(rows, dim), one per feature
+  dynamic_shared_hash  dynamic_shared in the storage bounded tables had before the dense one (hash
+                  tables per ps: key -> row, key -> slot, key -> counters), for a before/after
 
 Equal memory: 26*rows rows of `dim` floats (and one Adagrad slot each) in every path.
 
@@ -25,8 +27,12 @@ Printed per path: steps/s; CPU per step of the coordinator, the ps tasks and the
 for dynamic paths keys looked up per second per ps task (distinct keys per batch and feature, summed,
 times steps/s, over the ps tasks), rows held, admissions and evictions, and the ps tasks' resident
 memory over the run as growth over what they held before the path's model was built, beside the table
-payload `capacity * (dim + slots) * 4` bytes (dynamic_shared runs first, on ps tasks that hold nothing
-else yet).
+payload `capacity * (dim + slots) * 4` bytes (the issue's formula) and beside the floats a row and its
+slots hold, `capacity * dim * (1 + slots) * 4` bytes. Only the first path runs on ps tasks that hold
+nothing else yet, and pays the ps tasks' own warm-up (TensorFlow's runtime on the ps grows by tens of
+MiB in its first steps, whatever the model): for a path's memory run the hashing path first, as a
+warm-up, then that path (`--paths hashing,dynamic_shared`). The hashing path's bytes per row are over
+its `capacity` rows (all held from the start).
 
     python benchmarks/dynamic_embeddings.py --paths dynamic_shared,hashing   # >= 10 million distinct keys:
                                                    # 12.5 minutes on a loaded 2-core machine
@@ -51,7 +57,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import cpu_seconds, environment, log, print_json, task_usage  # noqa: E402
 
 FEATURES = 26
-PATHS = ("dynamic_shared", "hashing", "dynamic")
+PATHS = ("dynamic_shared", "hashing", "dynamic", "dynamic_shared_hash")
+STORAGE_ENV = "PSCLIENT_DYNAMIC_TABLE_STORAGE"  # psclient._coordinator.dynamic_tables.STORAGE_ENV
 
 
 def stream(seed: int, n_batches: int, batch: int, window: int, drift: float = 1.0) -> np.ndarray:
@@ -74,7 +81,7 @@ def build(keras, kind: str, rows: int, dim: int):
     from psclient.layers import DynamicEmbedding
 
     ids = keras.Input((FEATURES,), dtype="int64")
-    if kind == "dynamic_shared":
+    if kind.startswith("dynamic_shared"):
         embedded = keras.layers.Flatten()(DynamicEmbedding(dim, capacity=rows * FEATURES, name="shared")(ids))
     else:
         parts = []
@@ -126,10 +133,13 @@ def main(argv=None) -> int:
     slots = 1  # Adagrad's accumulator
     capacity = args.rows * FEATURES
     payload_mib = capacity * (args.dim + slots) * 4 / 2**20
+    floats_mib = capacity * args.dim * (1 + slots) * 4 / 2**20
 
     result = {"args": vars(args), "environment": environment(sys.argv),
               "distinct_keys_over_run": distinct, "capacity_rows": capacity,
-              "table_payload_mib_at_capacity": round(payload_mib, 1)}
+              "table_payload_mib_at_capacity": round(payload_mib, 1),
+              "rows_and_slots_mib_at_capacity": round(floats_mib, 1),
+              "rows_and_slots_bytes_per_row": args.dim * (1 + slots) * 4}
     with psclient.LocalCluster(num_workers=2, num_ps=2, start_timeout=300) as local:
         pids = {f"{job}:{i}": local.pid(job, i) for job, i, _ in local.cluster.tasks()}
         ps_pids = [pid for name, pid in pids.items() if name.startswith("ps")]
@@ -139,8 +149,13 @@ def main(argv=None) -> int:
             for kind in paths:
                 gc.collect()
                 rss_before = task_usage(ps_pids)["rss_mib"]
-                with strategy.scope():
-                    model = build(keras, kind, args.rows, args.dim)
+                if kind == "dynamic_shared_hash":
+                    os.environ[STORAGE_ENV] = "hash"
+                try:
+                    with strategy.scope():
+                        model = build(keras, kind, args.rows, args.dim)
+                finally:
+                    os.environ.pop(STORAGE_ENV, None)
                 marks, rss = {}, []
 
                 def mark():
@@ -168,19 +183,21 @@ def main(argv=None) -> int:
                 if kind != "hashing":
                     run["lookups_per_s_per_ps"] = round(keys_per_batch * args.steps / seconds / len(ps_pids))
                     tables = strategy.stats()["dynamic_embeddings"]
-                    names = ["shared"] if kind == "dynamic_shared" else [f"f{i}" for i in range(FEATURES)]
+                    names = ["shared"] if kind.startswith("dynamic_shared") else [f"f{i}" for i in range(FEATURES)]
                     for field in ("rows", "admissions", "evictions"):
                         run[field] = sum(e[field] for name in names for e in tables[name])
-                    rss.append(round(task_usage(ps_pids)["rss_mib"] - rss_before, 1))
-                    run["ps_rss_growth_mib_over_run"] = rss
-                    run["ps_rss_growth_vs_payload_at_capacity"] = round(rss[-1] / payload_mib, 2)
-                    run["ps_rss_growth_bytes_per_row_held"] = round(rss[-1] * 2**20 / max(1, run["rows"]))
+                rss.append(round(task_usage(ps_pids)["rss_mib"] - rss_before, 1))
+                run["ps_rss_growth_mib_over_run"] = rss
+                run["ps_rss_growth_vs_payload_at_capacity"] = round(rss[-1] / payload_mib, 2)
+                run["ps_rss_growth_vs_rows_and_slots_at_capacity"] = round(rss[-1] / floats_mib, 2)
+                held = capacity if kind == "hashing" else run["rows"]
+                run["ps_rss_growth_bytes_per_row_held"] = round(rss[-1] * 2**20 / max(1, held))
                 result[kind] = run
                 log(f"{kind}: {run['steps_per_s']} steps/s")
                 del model, timer
         finally:
             strategy.shutdown()
-    for kind in ("dynamic_shared", "dynamic"):
+    for kind in ("dynamic_shared", "dynamic", "dynamic_shared_hash"):
         if kind in result and "hashing" in result:
             result[f"{kind}_vs_hashing_steps_per_s"] = round(
                 result[kind]["steps_per_s"] / result["hashing"]["steps_per_s"], 2)

@@ -7,7 +7,10 @@ Adagrad update. Printed, CPU ms per step (this process, after `--warmup` steps):
   unique            tf.unique_with_counts of the batch's keys (every path does it)
   lookup_only       the training lookup (counters, admission, new rows, rows read), no update
   step_unbounded    lookup + update, capacity=None (no eviction)
-  step_capacity     lookup + update with `--capacity` (the LRU scan runs when the shard is over its share)
+  step_capacity     lookup + update with `--capacity` (dense storage: the LRU eviction runs inside the
+                    admission when the new rows would not fit)
+  step_capacity_hash  the same in hash tables, the storage bounded tables had before (the LRU scan runs
+                    when the shard is over its share)
 
 and the LRU scan on a full shard of `--capacity` rows whose keys were last seen at random steps, in ms per
 scan: `scan` (all of it: export of the counters, selection, removal from the tables), `scan_select`
@@ -56,7 +59,7 @@ def main(argv=None) -> int:
     import keras
     import tensorflow as tf
 
-    from psclient._coordinator.dynamic_tables import DynamicTable, _export, _least_recent
+    from psclient._coordinator.dynamic_tables import STORAGE_ENV, DynamicTable, _export, _least_recent
     from psclient._core.dynamic_tables import Policy
     from psclient.layers import DynamicEmbedding
 
@@ -70,7 +73,13 @@ def main(argv=None) -> int:
     out["cpu_ms_per_step"]["unique"] = cpu_ms(unique, timed)
 
     def layer_step(capacity, update: bool, name: str):
-        layer = DynamicEmbedding(args.dim, capacity=capacity, name=name)
+        if name.endswith("_hash"):
+            os.environ[STORAGE_ENV] = "hash"
+        try:
+            layer = DynamicEmbedding(args.dim, capacity=capacity, name=name)
+            layer.build()
+        finally:
+            os.environ.pop(STORAGE_ENV, None)
         layer(batches[0], training=False)
         optimizer = keras.optimizers.Adagrad(0.05)
 
@@ -85,23 +94,30 @@ def main(argv=None) -> int:
         return layer, step
 
     for key, capacity, update in (("lookup_only", None, False), ("step_unbounded", None, True),
-                                  ("step_capacity", args.capacity, True)):
+                                  ("step_capacity", args.capacity, True),
+                                  ("step_capacity_hash", args.capacity, True)):
         layer, step = layer_step(capacity, update, key)
         cpu_ms(step, warm)
         out["cpu_ms_per_step"][key] = cpu_ms(step, timed)
-        if key == "step_capacity":
+        if key.startswith("step_capacity"):
             graph = step.get_concrete_function(batches[0]).graph
             ops = collections.Counter(op.type for op in graph.get_operations())
-            out["ops_in_step_graph"] = sum(ops.values())
-            out["table_ops_in_step_graph"] = {k: v for k, v in sorted(ops.items()) if k.startswith("LookupTable")}
-            out["rows_after"], out["evictions"] = layer.table_stats()[0]["rows"], layer.table_stats()[0]["evictions"]
+            out.setdefault("ops_in_step_graph", {})[key] = sum(ops.values())
+            out.setdefault("table_ops_in_step_graph", {})[key] = {
+                k: v for k, v in sorted(ops.items()) if k.startswith("LookupTable")}
+            out.setdefault("rows_after", {})[key] = layer.table_stats()[0]["rows"]
+            out.setdefault("evictions", {})[key] = layer.table_stats()[0]["evictions"]
 
     # The scan on a full shard: capacity + one headroom's worth of rows over it.
     n = args.capacity + args.capacity // 8
     rng = np.random.default_rng(0)
     keys = tf.constant(rng.integers(0, 2**62, n))
     last = tf.constant(rng.integers(0, 200, n))
-    table = DynamicTable("scan", args.dim, [None], ("uniform", -0.05, 0.05, 0), Policy(1, args.capacity, None))
+    os.environ[STORAGE_ENV] = "hash"
+    try:
+        table = DynamicTable("scan", args.dim, [None], ("uniform", -0.05, 0.05, 0), Policy(1, args.capacity, None))
+    finally:
+        os.environ.pop(STORAGE_ENV, None)
     table.ensure_slots({"accumulator": 0.1})
     shard = table.shards[0]
 

@@ -111,3 +111,33 @@ def test_state_of_two_ps_tasks_moves_into_one_local_table(strategy):
     np.testing.assert_array_equal(local(tf.constant(keys)).numpy(), layer(tf.constant(keys)).numpy())
     [merged] = local.export_state()
     assert sorted(merged["keys"]) == sorted(np.concatenate([s["keys"] for s in states]))
+
+
+def test_concurrent_admissions_from_two_workers_never_share_a_row(strategy):
+    # A small capacity (16 rows per ps) and 16 new keys a step (about 8 per ps): from the third step
+    # on every step evicts and reuses rows, while the other worker's steps do the same on the same ps.
+    with strategy.scope():
+        layer = DynamicEmbedding(4, name="race_ids", capacity=32)
+        layer.build()
+        optimizer = keras.optimizers.SGD(0.1)
+
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(ids, training=True))
+        optimizer.apply(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
+        return loss
+
+    for start in range(0, 80 * 16, 16):
+        strategy.schedule(step, (tf.range(start, start + 16, dtype=tf.int64),))
+    strategy.join()
+    stats = layer.table_stats()
+    assert sum(entry["admissions"] for entry in stats) == 80 * 16  # every key new, admitted once
+    assert sum(entry["admissions"] - entry["evictions"] - entry["rows"] for entry in stats) == 0
+    for shard in layer.table.shards:
+        assert shard.dense
+        keys, rows = (t.numpy().reshape(-1) for t in shard.index.export())
+        assert len(set(rows.tolist())) == len(rows)  # one key per row
+        np.testing.assert_array_equal(shard.row_key.numpy()[rows], keys)  # each row holds its key
+        held = shard.last.numpy() >= 0
+        assert held[rows].all() and held.sum() == len(rows) <= 16

@@ -100,3 +100,27 @@ def test_the_real_edge_and_the_fakes_provide_every_name_of_the_protocol():
         assert not missing, f"{edge.__name__} lacks {missing}"
     # The real edge binds the strategy's choice; the engine passes only the cluster and workers.
     assert list(inspect.signature(TFEdge.connect).parameters)[:3] == ["self", "cluster", "workers"]
+
+
+def test_a_coordinator_read_of_a_lost_ps_without_checkpoints_reports_it_and_raises_ps_unavailable(running):
+    # The engine's side of psclient._core.ps_access: the read's error is classified with the
+    # failure probes, the lost ps reported to the real recovery thread, whose give-up (no
+    # checkpoint to restore from) wakes the wait at once.
+    from _fake_edge import UnavailableError
+
+    from psclient._core.errors import PSUnavailableError
+
+    edge, engine = running
+    edge.state["fake-ps0:1"] = "dead"
+
+    def read():
+        edge.probe("/job:ps/replica:0/task:0/device:CPU:0")  # a read of a ps variable: the ps is gone
+        return "value"
+
+    with pytest.raises(PSUnavailableError, match="reading x on the coordinator failed.*checkpoint") as info:
+        engine.coordinator_access.run(read, "reading x")
+    assert isinstance(info.value.__cause__, UnavailableError)
+    assert engine.recovery.ps_stats[0].failures == 1
+    assert engine.recovery.stopped  # given up for good: the next access raises at once
+    with pytest.raises(PSUnavailableError):
+        engine.coordinator_access.run(read, "reading x")

@@ -1,7 +1,10 @@
-"""Dynamic embedding tables: rows kept by key in hash tables on the ps tasks.
+"""Dynamic embedding tables: rows kept by key on the ps tasks.
 
-A `DynamicTable` holds, on each of its ps tasks (one "shard" each, or one
-local shard without a cluster), `tf.lookup.experimental.MutableHashTable`s:
+A `DynamicTable` holds one "shard" on each of its ps tasks (or one local
+shard without a cluster). With a `capacity`, a shard is a `DenseShard`
+(`psclient._coordinator.dense_shard`: rows and slots in preallocated
+variables beside a key -> row index). Without one, the rows need storage
+that grows: the shard holds `tf.lookup.experimental.MutableHashTable`s:
 
   values   key -> row (float32[dim]), for admitted keys
   slots    one table per optimizer slot, key -> float32[dim]
@@ -12,7 +15,7 @@ it), admissions and evictions. Keys go to shard `mix64(key) % shards`.
 Everything here is TensorFlow ops placed with `tf.device` on the shard's ps:
 called from a function that runs on a worker, the lookup, the admission, the
 optimizer's arithmetic and the eviction scan run on the ps and only the
-looked-up rows (and their gradients) cross. Why a MutableHashTable, and what
+looked-up rows (and their gradients) cross. Why these storages, and what
 was measured: docs/dynamic_embeddings.md. The rules of admission and
 eviction are `psclient._core.dynamic_tables`.
 
@@ -25,16 +28,18 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 import weakref
 from typing import Any, Callable
 
 import tensorflow as tf
 
+from psclient._coordinator.dense_shard import DenseShard, in_turn, least_recent
 from psclient._coordinator.runtime import coordinator_cpu
-from psclient._engine import registry
 from psclient._core import dynamic_tables as rules
 from psclient._core.errors import first_line
+from psclient._engine import registry
 
 __all__ = ["DynamicTable", "initial_rows", "live_tables", "mix64", "shard_of", "stats_on_ps"]
 
@@ -132,29 +137,13 @@ def _table(value_dtype, default: list):
     return tf.lookup.experimental.MutableHashTable(tf.int64, value_dtype, default, checkpoint=False)
 
 
-def _least_recent(keys, last, member, k):
-    """A mask of the `k` least recently seen `member` entries (ties: the smaller key first).
-
-    Selection, not a sort of the whole shard: the k-th smallest step
-    (`top_k`) splits the members into those seen before it (all go), and
-    those seen at it, of which the smallest keys make up the rest.
-    """
-    def pick():
-        # ~x reverses the order of int64 without overflow; non-members sort last.
-        masked = tf.where(member, last, tf.constant(2**63 - 1, tf.int64))
-        top = tf.math.top_k(tf.bitwise.invert(masked), k=tf.cast(k, tf.int32), sorted=False).values
-        threshold = tf.bitwise.invert(tf.reduce_min(top))
-        below = member & (last < threshold)
-        tie = tf.reshape(tf.where(member & (last == threshold)), [-1])
-        needed = k - tf.reduce_sum(tf.cast(below, tf.int64))
-        chosen = tf.gather(tie, tf.argsort(tf.gather(keys, tie))[:needed])
-        return below | tf.scatter_nd(chosen[:, None], tf.ones(tf.shape(chosen), tf.bool), tf.shape(member, tf.int64))
-
-    return tf.cond(k > 0, pick, lambda: tf.zeros_like(member))
+_least_recent = least_recent
 
 
 class _Shard:
-    """One ps task's part of a table."""
+    """One ps task's part of a table without a capacity: hash tables, which grow as keys come."""
+
+    dense = False
 
     def __init__(self, device: str | None, dim: int, prefix: str):
         self.device, self.dim, self.prefix = device, dim, prefix
@@ -178,6 +167,15 @@ class _Shard:
         return tf.device(self.device) if self.device else contextlib.nullcontext()
 
 
+#: Set to "hash" to keep a bounded table in hash tables too (the storage before the dense one:
+#: benchmarks compare the two).
+STORAGE_ENV = "PSCLIENT_DYNAMIC_TABLE_STORAGE"
+
+
+def _placer(device):
+    return (lambda: tf.device(device)) if device else contextlib.nullcontext
+
+
 class DynamicTable:
     """Rows by key over `devices` (ps device strings; [None]: one local shard).
 
@@ -195,7 +193,11 @@ class DynamicTable:
         store = getattr(strategy, "_store", None)
         self._unmanaged = store.unmanaged if store is not None else contextlib.nullcontext
         with tf.init_scope(), self._unmanaged():
-            self.shards = [_Shard(d, dim, f"{name}_ps{i}") for i, d in enumerate(devices)]
+            if self.share is not None and os.environ.get(STORAGE_ENV, "dense") != "hash":
+                self.shards = [DenseShard(d, dim, f"{name}_ps{i}", self.share, policy, _placer(d), _table)
+                               for i, d in enumerate(devices)]
+            else:
+                self.shards = [_Shard(d, dim, f"{name}_ps{i}") for i, d in enumerate(devices)]
         if store is not None:
             store.add_table(self)  # its checkpoints and ps recovery carry the rows
         with _lock:
@@ -205,8 +207,11 @@ class DynamicTable:
     # ---------------------------------------------------------------- slots
     def ensure_slots(self, defaults: dict[str, float]) -> None:
         """Create the optimizer's slot tables (name -> initial value) where missing."""
-        with tf.init_scope():
+        with tf.init_scope(), self._unmanaged():
             for shard in self.shards:
+                if shard.dense:
+                    shard.add_slots(defaults)
+                    continue
                 for slot, value in defaults.items():
                     if slot not in shard.slots:
                         with shard.placed():
@@ -240,6 +245,9 @@ class DynamicTable:
         rows = []
         for shard, part in zip(self.shards, parts):
             with shard.placed():
+                if shard.dense:
+                    rows.append(shard.lookup(part))
+                    continue
                 found = tf.reshape(shard.values.lookup(part), [-1, self.dim])
                 if self.policy.ttl_steps is not None:
                     seen = tf.reshape(shard.counters.lookup(part), [-1, 2])
@@ -260,9 +268,14 @@ class DynamicTable:
         rows, states = [], []
         for shard, part, seen_now in zip(self.shards, parts, count_parts):
             with shard.placed():
-                found, admitted, fresh = self._admit(shard, part, seen_now)
+                if shard.dense:
+                    part = tf.reshape(part, [-1])
+                    found, admitted, fresh, at = shard.admit(
+                        part, seen_now, lambda k: initial_rows(k, self.dim, self.init), self._check_batch)
+                else:
+                    (found, admitted, fresh), at = self._admit(shard, part, seen_now), None
             rows.append(found)
-            states.append((part, admitted, fresh))
+            states.append((part, admitted, fresh, at))
         return tf.dynamic_stitch(positions, rows), (positions, states)
 
     def _split_like(self, values, keys):
@@ -280,16 +293,7 @@ class DynamicTable:
         total = count + seen_now
         admitted = total >= policy.min_frequency
         fresh = admitted & (count < policy.min_frequency)
-        checks = []
-        if self.share is not None:
-            # A batch's own rows must fit, or they would evict each other.
-            rows_now = tf.reduce_sum(tf.cast(admitted, tf.int64))
-            checks.append(tf.debugging.assert_less_equal(
-                rows_now, tf.constant(self.share, tf.int64),
-                message=(f"Invalid value for argument `capacity` of DynamicEmbedding {self.name!r}. Received: "
-                         f"capacity={policy.capacity} ({self.share} rows per ps task). Expected at least the "
-                         "distinct admitted keys one batch brings to one ps task; this batch brought")))
-        with tf.control_dependencies(checks):
+        with tf.control_dependencies([self._check_batch(admitted)]):
             write = shard.counters.insert(keys, tf.stack([total, tf.fill(tf.shape(total), clock)], axis=1))
         new_keys = tf.boolean_mask(keys, fresh)
         with tf.control_dependencies([write]):
@@ -298,6 +302,17 @@ class DynamicTable:
         with tf.control_dependencies([admit]):
             found = tf.reshape(shard.values.lookup(keys), [-1, self.dim])
         return tf.where(admitted[:, None], found, tf.zeros_like(found)), admitted, fresh
+
+    def _check_batch(self, admitted):
+        """A batch's own rows must fit in a ps task's share, or they would evict each other."""
+        if self.share is None:
+            return tf.no_op()
+        policy = self.policy
+        return tf.debugging.assert_less_equal(
+            tf.reduce_sum(tf.cast(admitted, tf.int64)), tf.constant(self.share, tf.int64),
+            message=(f"Invalid value for argument `capacity` of DynamicEmbedding {self.name!r}. Received: "
+                     f"capacity={policy.capacity} ({self.share} rows per ps task). Expected at least the "
+                     "distinct admitted keys one batch brings to one ps task; this batch brought"))
 
     # --------------------------------------------------------------- update
     def apply(self, state, gradient, rule: Callable) -> list:
@@ -310,9 +325,17 @@ class DynamicTable:
         """
         positions, states = state
         ops = []
-        for shard, position, (keys, admitted, fresh) in zip(self.shards, positions, states):
+        for shard, position, (keys, admitted, fresh, at) in zip(self.shards, positions, states):
             grad = tf.gather(gradient, position)  # this shard's rows only travel to it
             with shard.placed():
+                if shard.dense:
+                    # Rows evicted (and reused) since the lookup are not written back.
+                    valid, at, rows, slots = shard.read_for_update(keys, at, admitted)
+                    rows, slots = rule(rows, tf.reshape(tf.boolean_mask(grad, valid), [-1, self.dim]), slots)
+                    with tf.control_dependencies(shard.write(at, rows, slots)):
+                        ops.append(in_turn(lambda shard=shard: tf.cond(
+                            shard.due(), shard.scan, lambda: tf.constant(0, tf.int64))))
+                    continue
                 # Rows another worker's scan evicted since the lookup are not
                 # written back (that would leave rows without counters).
                 admitted = admitted & (tf.reshape(shard.counters.lookup(keys), [-1, 2])[:, 0] > 0)
@@ -372,7 +395,7 @@ class DynamicTable:
         before = sum(int(shard.evictions.read_value()) for shard in self.shards)
         for shard in self.shards:
             with shard.placed():
-                self._evict(shard)
+                shard.scan() if shard.dense else self._evict(shard)
         return sum(int(shard.evictions.read_value()) for shard in self.shards) - before
 
     # ------------------------------------------------------------ state out
@@ -384,10 +407,11 @@ class DynamicTable:
         """One shard's `stats()` entry (read on its ps)."""
         shard = self.shards[index]
         with shard.placed():
+            rows, tracked = shard.sizes() if shard.dense else (shard.values.size(), shard.counters.size())
             return {
                 "ps": index if shard.device else None,
-                "rows": int(shard.values.size()),
-                "tracked_keys": int(shard.counters.size()),
+                "rows": int(rows),
+                "tracked_keys": int(tracked),
                 "admissions": int(shard.admissions.read_value()),
                 "evictions": int(shard.evictions.read_value()),
                 "clock": int(shard.clock.read_value()),
@@ -401,9 +425,12 @@ class DynamicTable:
         import numpy as np
         shard = self.shards[index]
         with shard.placed():
-            keys, tracked = _export(shard.counters)
-            row_keys, rows = _export(shard.values)
-            slots = {name: table.lookup(row_keys) for name, table in shard.slots.items()}
+            if shard.dense:
+                keys, tracked, row_keys, rows, slots = shard.saved()
+            else:
+                keys, tracked = _export(shard.counters)
+                row_keys, rows = _export(shard.values)
+                slots = {name: table.lookup(row_keys) for name, table in shard.slots.items()}
         return {
             "keys": keys.numpy(), "counters": tracked.numpy(), "row_keys": row_keys.numpy(),
             "rows": rows.numpy(), "slots": {k: v.numpy() for k, v in slots.items()},
@@ -431,10 +458,18 @@ class DynamicTable:
         owner = shard_of(tf.constant(keys, tf.int64), n).numpy() if n > 1 else np.zeros(len(keys), int)
         row_owner = shard_of(tf.constant(row_keys, tf.int64), n).numpy() if n > 1 else np.zeros(len(row_keys), int)
         for index, shard in enumerate(self.shards):
+            mine, mine_rows = owner == index, row_owner == index
             with shard.placed():
+                if shard.dense:
+                    shard.replace(tf.constant(keys[mine], tf.int64), tf.constant(counters[mine], tf.int64),
+                                  tf.constant(row_keys[mine_rows], tf.int64), tf.constant(rows[mine_rows]),
+                                  {n: tf.constant(v[mine_rows]) for n, v in slots.items() if n in shard.slots},
+                                  tf.constant(clock, tf.int64),
+                                  tf.constant(sum(int(s["admissions"]) for s in states) if index == 0 else 0, tf.int64),
+                                  tf.constant(sum(int(s["evictions"]) for s in states) if index == 0 else 0, tf.int64))
+                    continue
                 for table in (shard.values, shard.counters, *shard.slots.values()):
                     table.remove(_export(table)[0])
-                mine, mine_rows = owner == index, row_owner == index
                 shard.counters.insert(tf.constant(keys[mine], tf.int64), tf.constant(counters[mine], tf.int64))
                 shard.values.insert(tf.constant(row_keys[mine_rows], tf.int64), tf.constant(rows[mine_rows]))
                 for name, value in slots.items():

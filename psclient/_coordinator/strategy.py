@@ -127,6 +127,8 @@ class ParameterServerStrategy(TFStrategyAPI):
         self._scheduler, self._steps, self._store = scheduler, parts.steps, parts.store
         self._tracer, self._per_worker = parts.tracer, parts.per_worker
         self._elastic, self._dispatcher, self._recovery = engine.elastic, engine.dispatcher, engine.recovery
+        # Keras's reads and writes of ps variables on the coordinator, through a ps loss.
+        self._coordinator_access = engine.coordinator_access
         # Connected only once everything that checks arguments or the checkpoint
         # directory has passed; a failure after that undoes the connection.
         registry.claim(self, functools.partial(edge.connect, cluster, patience=connect_timeout))

@@ -84,14 +84,18 @@ def save_work(tables: dict[str, Any]) -> dict[int, Callable[[], tuple[list[str],
             names, tensors = [], []
             for key, index, table, shard in entries:
                 slots = sorted(shard.slots)
-                keys, counters = shard.counters.export()
-                row_keys, rows = shard.values.export()
-                row_keys = tf.reshape(row_keys, [-1])
+                if shard.dense:
+                    keys, counters, row_keys, rows, slot_rows = shard.saved()
+                else:
+                    keys, counters = shard.counters.export()
+                    row_keys, rows = shard.values.export()
+                    row_keys = tf.reshape(row_keys, [-1])
+                    slot_rows = {s: shard.slots[s].lookup(row_keys) for s in slots}
                 names += _names(key, index, slots)
                 tensors += [tf.reshape(keys, [-1]), tf.reshape(counters, [-1, 2]), row_keys,
                             tf.reshape(rows, [-1, table.dim]), shard.clock.read_value(),
                             shard.admissions.read_value(), shard.evictions.read_value()]
-                tensors += [tf.reshape(shard.slots[s].lookup(row_keys), [-1, table.dim]) for s in slots]
+                tensors += [tf.reshape(slot_rows[s], [-1, table.dim]) for s in slots]
             return names, tensors
         return run
 
@@ -175,6 +179,10 @@ def assign(states: dict[int, list], on_each_ps: Callable) -> None:
         def run():
             for _table, shard, state in entries:
                 with shard.placed():
+                    if shard.dense:
+                        shard.replace(state["keys"], state["counters"], state["row_keys"], state["rows"],
+                                      state["slots"], state["clock"], state["admissions"], state["evictions"])
+                        continue
                     for table in (shard.values, shard.counters, *shard.slots.values()):
                         keys, _ = table.export()
                         table.remove(tf.reshape(keys, [-1]))

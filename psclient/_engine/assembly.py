@@ -23,6 +23,7 @@ from typing import Callable
 from psclient._core.closure import Closure
 from psclient._core.health import Prober
 from psclient._core.scheduler import Scheduler
+from psclient._engine.coordinator_access import CoordinatorAccess
 from psclient._engine.dispatch import Dispatcher
 from psclient._engine.edge import CheckpointStore, Edge, PerWorkerValues, Roster, VariableStore
 from psclient._engine.elastic import Elastic
@@ -75,6 +76,7 @@ class Engine:
             retrace=retrace or _no_retrace, cancel_calls=self.dispatcher.cancel_calls, edge=edge, clock=clock,
             checkpoint_meta=checkpoint_meta, meta_restored=meta_restored,
         )
+        self.coordinator_access = CoordinatorAccess(self.recovery, edge, roster)
         self.elastic = Elastic(roster, scheduler=scheduler, dispatcher=self.dispatcher, recovery=self.recovery,
                                edge=edge, connect_timeout=connect_timeout, hang_timeout=hang_timeout)
 

@@ -134,6 +134,8 @@ class Recovery:
         self._last_failure: tuple | None = None  # (step, error type, first line), for the log
         self._same_failures = 0
         self._stopping = False
+        # Notified whenever what is published changes, or the thread ends: `wait_ps_settled`.
+        self._settled = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="psclient-health", daemon=True)
 
     # ------------------------------------------------------- other threads
@@ -183,6 +185,15 @@ class Recovery:
             self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def wait_ps_settled(self, epoch: int, timeout: float) -> bool:
+        """Until the ps loss seen at `epoch` is settled (ps_epoch moved on) or the recovery ended."""
+        with self._settled:
+            return self._settled.wait_for(lambda: self._published.ps_epoch != epoch or self.stopped, timeout)
+
+    @property
+    def stopped(self) -> bool:  # shut down, died or given up: nothing will settle a ps loss
+        return self._stopping or self.broken is not None
+
     def hung_in_view(self) -> list[int]:
         """Workers in TF's view that may hang (TCP not refused): no reconnect while any."""
         return [
@@ -201,6 +212,8 @@ class Recovery:
             if not ended:
                 self._died()  # the exception goes on to threading.excepthook, which prints it
             self._answer_leftover_requests()
+            with self._settled:
+                self._settled.notify_all()
 
     def _rounds(self) -> None:
         next_round = self._clock()
@@ -290,6 +303,8 @@ class Recovery:
                     # Before the outcome: the flow that goes on from it must know.
                     pending += self._ps_restarted_behind(done)
                     pending.append(done)
+            with self._settled:  # after the actions: FailAll sets `broken`
+                self._settled.notify_all()
 
     def _ps_restarted_behind(self, done: rm.Done) -> list:
         """A PsNotAnswering for each ps that no longer holds its variables, after

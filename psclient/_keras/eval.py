@@ -28,6 +28,7 @@ import tensorflow as tf
 from psclient._coordinator.per_worker import deserialize_dataset
 from psclient._keras import data as _keras_data
 from psclient._keras import seam
+from psclient._keras.ps_reads import guarded
 from psclient._keras.ranges import read_ranges
 from psclient._keras.trainer import prepare_model, result_or_first_error
 
@@ -50,9 +51,14 @@ def evaluate(
     callbacks = _callback_list(model, callbacks, verbose, num_batches)
     model.stop_evaluating = False
     callbacks.on_test_begin()
-    model.reset_metrics()
     variables = model.metrics_variables
-    initial = tuple(np.asarray(v.numpy()) for v in variables)
+
+    def reset():
+        model.reset_metrics()
+        return tuple(np.asarray(v.numpy()) for v in variables)
+
+    # On the coordinator, not in a closure: through a ps loss (`psclient._keras.ps_reads`).
+    initial = guarded(strategy, reset, f"resetting the metrics of {model.name!r}")
     merged = [value.copy() for value in initial]
     function = _evaluate_function(model, dataset.element_spec, variables)
     # Tensors made here, on the coordinator: a NumPy argument would be
@@ -68,8 +74,11 @@ def evaluate(
         logs = _results(model, variables, merged)
         callbacks.on_test_batch_end(done - 1, logs)
     # Leave the merged state in the metric variables, as Keras's evaluate does.
-    for variable, value in zip(variables, merged):
-        variable.assign(value)
+    def leave():
+        for variable, value in zip(variables, merged):
+            variable.assign(value)
+
+    guarded(strategy, leave, f"writing the evaluated metrics of {model.name!r}")
     logs = pythonify_logs(_results(model, variables, merged))
     callbacks.on_test_end(logs)
     return logs if return_dict else model._flatten_metrics_in_order(logs)

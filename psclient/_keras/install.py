@@ -12,7 +12,9 @@ that do not live on a psclient strategy's ps tasks:
    arithmetic is identical; only the race goes. Optimizer weight updates
    already use `tf.Variable.assign_sub` directly.
 2. `model.fit/evaluate/predict` on the cluster (`psclient._keras.trainer`,
-   `psclient._keras.eval`): `TensorFlowTrainer.fit/evaluate/predict` wrapped.
+   `psclient._keras.eval`): `TensorFlowTrainer.fit/evaluate/predict` wrapped;
+   during fit, the model's `reset_metrics` and `get_metrics_result` are
+   guarded against a lost ps (`psclient._keras.ps_reads`).
 3. The data path (docs/data_path.md). Optimizer updates already run on
    the ps of their variable (`psclient._coordinator.updates`); two Keras paths
    do not go through it and are placed here: embedding lookups (`ops.take` on
@@ -53,6 +55,7 @@ from psclient._coordinator import finite
 from psclient._keras import adafactor, initializers, moving_stats, sparse_adagrad
 from psclient._keras import eval as _keras_eval
 from psclient._keras import seam, sharded_fit
+from psclient._keras.ps_reads import metrics_through_ps_loss, restore_cause
 from psclient._keras.trainer import (
     TrainFunction,
     cluster_strategy,
@@ -397,14 +400,16 @@ def _fit(stock, model, strategy, a: dict):
     try:
         forwarded = {name: a[name] for name, use in FIT_ARGUMENTS.items() if use == "forwarded"}
         forwarded["callbacks"] = callbacks
-        return stock(
-            model, x=adapter, batch_size=None, validation_data=validation_data, shuffle=False,
-            steps_per_epoch=steps_per_epoch, **forwarded,
-        )
+        with metrics_through_ps_loss(model, strategy):  # Keras's own metric reads, through a ps loss
+            return stock(
+                model, x=adapter, batch_size=None, validation_data=validation_data, shuffle=False,
+                steps_per_epoch=steps_per_epoch, **forwarded,
+            )
     except BaseException as error:
         # Interrupted (Ctrl-C): the user wants out, not the steps in flight; the
         # strategy's shutdown cancels them. Any other error: wait for them.
         train_function.abandon(wait=not isinstance(error, KeyboardInterrupt))
+        restore_cause(error)
         raise
     finally:
         model.train_function = previous

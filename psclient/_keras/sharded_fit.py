@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from psclient._coordinator.shard_feed import ShardFeed
 from psclient._coordinator.shards import ShardedDataset
+from psclient._keras.ps_reads import metrics_through_ps_loss, restore_cause
 from psclient._keras.trainer import prepare_model, result_or_first_error
 
 __all__ = ["active_feed", "as_finite", "fit", "is_sharded"]
@@ -194,10 +195,15 @@ def fit(stock, model, strategy, a: dict, forwarded: dict, make_callbacks):
     ok = False
     try:
         # An endless stand-in for the data: each step's shard comes from the ledger.
-        history = stock(model, x=_Steps(sharded), batch_size=None, validation_data=as_finite(a["validation_data"]),
-                        shuffle=False, steps_per_epoch=train_function.steps, **forwarded)
+        with metrics_through_ps_loss(model, strategy):  # Keras's own metric reads, through a ps loss
+            history = stock(model, x=_Steps(sharded), batch_size=None,
+                            validation_data=as_finite(a["validation_data"]),
+                            shuffle=False, steps_per_epoch=train_function.steps, **forwarded)
         ok = True
         return history
+    except Exception as error:
+        restore_cause(error)
+        raise
     finally:
         _active.pop(model, None)
         if not ok:

@@ -1,0 +1,344 @@
+"""A bounded dynamic table's shard: rows and slots in preallocated variables on the ps.
+
+For a table with `capacity`, each ps task holds `share = ceil(capacity /
+num_ps)` rows in
+
+  rows     tf.Variable float32[share, dim]   (and one per optimizer slot)
+  row_key  int64[share]  the key a row holds
+  last     int64[share]  the step a row's key was last seen (-1: a free row)
+  count    int64[share]  its sightings
+  index    MutableHashTable key -> row (-1: none)
+  pending  MutableHashTable key -> (sightings, last seen) of keys still
+           counting towards admission (empty with min_frequency=1)
+
+so a row costs its payload plus the index entry and 24 bytes of counters,
+instead of three hash-table nodes (docs/dynamic_embeddings.md, "Design").
+Eviction is a selection over the dense `last` and removal from one table,
+and a freed row is reused by the next admission.
+
+Admission runs under a `tf.CriticalSection` placed on the ps: two workers'
+steps admitting keys on one ps at once must not take the same free row. The
+eviction a full shard needs runs inside it, before the new rows are
+placed, with the same victims as `psclient._core.dynamic_tables`' rules.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import tensorflow as tf
+
+from psclient._core import dynamic_tables as rules
+
+__all__ = ["DenseShard", "least_recent"]
+
+_NEWEST = 2**63 - 1
+
+# Per traced graph, the output of its last critical section. Each one starts only after the previous
+# one ended (and after its own inputs arrived), so a step holds at most one shard's lock at a time:
+# two steps can never each hold a lock the other waits for. (Locks taken as soon as the step
+# started, in no order, deadlocked two workers' steps over three tables.)
+_last_section: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def in_turn(section, inputs=()):
+    """Run `section()` (which takes a lock) after the graph's previous locked section and `inputs`."""
+    if tf.executing_eagerly():
+        return section()
+    graph = tf.compat.v1.get_default_graph()
+    before = [t for t in (_last_section.get(graph), *inputs) if t is not None]
+    with tf.control_dependencies(before):
+        out = section()
+    _last_section[graph] = tf.nest.flatten(out)[0]
+    return out
+
+
+def least_recent(keys, last, member, k):
+    """A mask of the `k` least recently seen `member` entries (ties: the smaller key first; keys unique).
+
+    Selection, not a sort of the whole shard: the k-th smallest step
+    (`top_k`) splits the members into those seen before it (all go) and
+    those seen at it, of which the keys up to the needed-th smallest go
+    (a second `top_k`).
+    """
+    def pick():
+        # ~x reverses the order of int64 without overflow; non-members sort last.
+        masked = tf.where(member, last, tf.constant(_NEWEST, tf.int64))
+        top = tf.math.top_k(tf.bitwise.invert(masked), k=tf.cast(k, tf.int32), sorted=False).values
+        threshold = tf.bitwise.invert(tf.reduce_min(top))
+        below = member & (last < threshold)
+        tie = member & (last == threshold)
+        needed = k - tf.reduce_sum(tf.cast(below, tf.int64))
+        tie_keys = tf.where(tie, keys, tf.constant(_NEWEST, tf.int64))
+        smallest = tf.math.top_k(tf.bitwise.invert(tie_keys), k=tf.cast(needed, tf.int32), sorted=False).values
+        upto = tf.bitwise.invert(tf.reduce_min(smallest))
+        return below | (tie & (keys <= upto) & (needed > 0))
+
+    return tf.cond(k > 0, pick, lambda: tf.zeros_like(member))
+
+
+def _grow(value, size, fill):
+    """`value` padded with `fill` along the first axis to `size` entries."""
+    pad = tf.fill(tf.concat([[size - tf.shape(value, tf.int64)[0]], tf.shape(value, tf.int64)[1:]], 0),
+                  tf.constant(fill, value.dtype))
+    return tf.concat([value, pad], 0)
+
+
+class DenseShard:
+    """One ps task's part of a table with a capacity (see the module's docstring)."""
+
+    dense = True
+
+    def __init__(self, device: str | None, dim: int, prefix: str, share: int, policy: rules.Policy,
+                 placed, table_factory):
+        self.device, self.dim, self.prefix, self.share, self.policy = device, dim, prefix, share, policy
+        self.placed, self._table = placed, table_factory
+        self.slots: dict = {}
+        self.slot_defaults: dict[str, float] = {}
+        self.make({})
+
+    def _variable(self, value, name):
+        # Of unknown shape, so a restore can hold more rows than the share. Unknown rank, not
+        # [None, dim]: a worker given a handle with an unknown dimension aborts (TF 2.21's
+        # DeserializeRemoteTensorHandle checks every dimension >= 0).
+        return tf.Variable(value, trainable=False, name=f"{self.prefix}_{name}", shape=tf.TensorShape(None))
+
+    @staticmethod
+    def _vector(variable, at=None):
+        """A 1-D variable's values (at `at`), of known rank."""
+        value = variable.read_value() if at is None else tf.gather(variable, at)
+        return tf.reshape(value, [-1])
+
+    def _gather(self, variable, at):
+        return tf.reshape(tf.gather(variable, at), [-1, self.dim])
+
+    def make(self, slot_defaults: dict[str, float]) -> None:
+        """New, empty storage on the shard's device (at first, and after its ps was lost)."""
+        with self.placed():
+            size = self.share
+            self.rows = self._variable(tf.zeros([size, self.dim]), "rows")
+            self.row_key = self._variable(tf.zeros([size], tf.int64), "row_key")
+            self.last = self._variable(tf.fill([size], tf.constant(-1, tf.int64)), "last")
+            self.count = self._variable(tf.zeros([size], tf.int64), "count")
+            self.index = self._table(tf.int64, -1)
+            self.pending = self._table(tf.int64, [0, -1])
+            self.clock = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{self.prefix}_clock")
+            self.admissions = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                          name=f"{self.prefix}_admissions")
+            self.evictions = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                         name=f"{self.prefix}_evictions")
+            self.lock = tf.CriticalSection(name=f"{self.prefix}_lock")
+            self.slots = {}
+        self.add_slots(slot_defaults)
+
+    def add_slots(self, defaults: dict[str, float]) -> None:
+        self.slot_defaults = {**self.slot_defaults, **{k: float(v) for k, v in defaults.items()}}
+        with self.placed():
+            size = tf.shape(self.rows.read_value())[0]
+            for slot, value in defaults.items():
+                if slot not in self.slots:
+                    self.slots[slot] = self._variable(
+                        tf.fill(tf.stack([size, self.dim]), tf.constant(float(value), tf.float32)), f"slot_{slot}")
+
+    # ---------------------------------------------------------------- reads
+    def _rows_of(self, keys):
+        """(row of each key or -1, that row clamped to >= 0), checking the row still holds the key."""
+        at = tf.reshape(self.index.lookup(keys), [-1])
+        safe = tf.maximum(at, 0)
+        held = (at >= 0) & (self._vector(self.row_key, safe) == keys) & (self._vector(self.last, safe) >= 0)
+        return tf.where(held, at, -1), safe
+
+    def lookup(self, keys):
+        at, safe = self._rows_of(keys)
+        alive = at >= 0
+        if self.policy.ttl_steps is not None:
+            alive &= self.clock.read_value() - self._vector(self.last, safe) <= self.policy.ttl_steps
+        found = self._gather(self.rows, safe)
+        return tf.where(alive[:, None], found, tf.zeros_like(found))
+
+    # ------------------------------------------------------------ admission
+    def admit(self, keys, seen_now, initial_rows, check_batch):
+        """Count, admit and read `keys`; returns (rows, admitted, fresh, row of each key)."""
+        def locked():
+            # Under the lock: two steps' increments read back apart, so each step has its own clock.
+            clock = self.clock.assign_add(1)
+            return self._admit(keys, seen_now, clock, initial_rows, check_batch)
+
+        return in_turn(lambda: self.lock.execute(locked, exclusive_resource_access=False), (keys, seen_now))
+
+    def _admit(self, keys, seen_now, clock, initial_rows, check_batch):
+        policy, minimum = self.policy, self.policy.min_frequency
+        at, safe = self._rows_of(keys)
+        have = at >= 0
+        if policy.ttl_steps is not None:  # an expired row is freed; its key is admitted afresh
+            stale = have & (clock - self._vector(self.last, safe) > policy.ttl_steps)
+            stale_at = tf.boolean_mask(at, stale)
+            free_stale = tf.group(
+                self.index.remove(tf.boolean_mask(keys, stale)),
+                self.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(stale_at), tf.constant(-1, tf.int64)),
+                                                          stale_at)))
+            have &= ~stale
+        else:
+            free_stale = tf.no_op()
+        waiting = tf.reshape(self.pending.lookup(keys), [-1, 2])
+        count = waiting[:, 0]
+        if policy.ttl_steps is not None:
+            count = tf.where(clock - waiting[:, 1] > policy.ttl_steps, tf.zeros_like(count), count)
+        count = tf.where(have, self._vector(self.count, safe), count)
+        total = count + seen_now
+        admitted = total >= minimum
+        fresh = admitted & ~have
+        with tf.control_dependencies([check_batch(admitted), free_stale]):
+            need = tf.reduce_sum(tf.cast(fresh, tf.int64))
+        if minimum > 1:
+            counting = ~admitted
+            self.pending.insert(tf.boolean_mask(keys, counting),
+                                tf.stack([tf.boolean_mask(total, counting),
+                                          tf.fill(tf.shape(tf.boolean_mask(total, counting)), clock)], 1))
+            self.pending.remove(tf.boolean_mask(keys, fresh))
+        # The batch's rows are seen now: never this step's victims.
+        kept_at = tf.boolean_mask(at, have)
+        touch = [self.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(kept_at), clock), kept_at)),
+                 self.count.scatter_update(tf.IndexedSlices(tf.boolean_mask(total, have), kept_at))]
+        with tf.control_dependencies(touch):
+            # The batch's rows were last seen at this step's clock, which no other step shares (it
+            # is read under the lock). (A mask scattered into `tf.shape(last)` failed on a cluster:
+            # "does not index into shape [1]".)
+            held = tf.reduce_sum(tf.cast(self._vector(self.last) >= 0, tf.int64))
+            excess = tf.maximum(held + need - self.share, 0)
+            excess = tf.where(excess > 0, held + need - (self.share - rules.headroom(self.share)), excess)
+            evict = self._remove_rows(lambda last: (last >= 0) & (last != clock), excess, count_rows=True)
+        with tf.control_dependencies([evict]):
+            free = tf.reshape(tf.where(self._vector(self.last) < 0), [-1])[:need]
+            new_keys = tf.boolean_mask(keys, fresh)
+            # Rows for every fresh key (the share holds a batch's admitted keys, checked above).
+            places = tf.scatter_nd(tf.where(fresh), free, tf.shape(keys, tf.int64))
+            at = tf.where(have, at, tf.where(fresh, places, -1))
+            writes = [self.index.insert(new_keys, free),
+                      self.row_key.scatter_update(tf.IndexedSlices(new_keys, free)),
+                      self.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(free), clock), free)),
+                      self.count.scatter_update(tf.IndexedSlices(tf.boolean_mask(total, fresh), free)),
+                      self.rows.scatter_update(tf.IndexedSlices(initial_rows(new_keys), free)),
+                      self.admissions.assign_add(need)]
+            writes += [var.scatter_update(tf.IndexedSlices(
+                tf.fill(tf.stack([tf.size(free), self.dim]), tf.constant(self.slot_defaults[name], tf.float32)),
+                free)) for name, var in self.slots.items()]
+        with tf.control_dependencies(writes):
+            found = self._gather(self.rows, tf.maximum(at, 0))
+            return (tf.where(admitted[:, None], found, tf.zeros_like(found)), tf.identity(admitted),
+                    tf.identity(fresh), tf.identity(at))
+
+    def _remove_rows(self, members, k, count_rows):
+        """Free the `k` least recently used rows among `members(last)` (all of them where k is None)."""
+        last = self._vector(self.last)
+        member = members(last)
+        keys = self._vector(self.row_key)
+        if k is None:
+            gone = member
+        else:
+            k = tf.minimum(k, tf.reduce_sum(tf.cast(member, tf.int64)))
+            gone = least_recent(keys, last, member, k)
+        victims = tf.reshape(tf.where(gone), [-1])
+        n = tf.size(victims, tf.int64)
+        ops = [self.index.remove(tf.gather(keys, victims)),
+               self.last.scatter_update(tf.IndexedSlices(tf.fill([n], tf.constant(-1, tf.int64)), victims))]
+        if count_rows:
+            ops.append(self.evictions.assign_add(n))
+        with tf.control_dependencies(ops):
+            return tf.identity(n)
+
+    # ---------------------------------------------------------------- scan
+    def scan(self):
+        """Expired rows and keys, and rows or counting keys over the share, removed (under the lock)."""
+        return self.lock.execute(self._scan, exclusive_resource_access=False)
+
+    def _scan(self):
+        policy, share = self.policy, self.share
+        clock = self.clock.read_value()
+        done = []
+        if policy.ttl_steps is not None:
+            done.append(self._remove_rows(lambda last: (last >= 0) & (clock - last > policy.ttl_steps),
+                                          None, count_rows=True))
+        with tf.control_dependencies(done):
+            held = tf.reduce_sum(tf.cast(self._vector(self.last) >= 0, tf.int64))
+            excess = tf.where(held > share, held - (share - rules.headroom(share)), 0)
+            done.append(self._remove_rows(lambda last: last >= 0, excess, count_rows=True))
+        keys, waiting = self.pending.export()
+        keys, waiting = tf.reshape(keys, [-1]), tf.reshape(waiting, [-1, 2])
+        gone = tf.zeros(tf.shape(keys), tf.bool)
+        if policy.ttl_steps is not None:
+            gone = clock - waiting[:, 1] > policy.ttl_steps
+        size = tf.reduce_sum(tf.cast(~gone, tf.int64))
+        excess = tf.where(size > share, size - (share - rules.headroom(share)), 0)
+        gone |= least_recent(keys, waiting[:, 1], ~gone, excess)
+        done.append(self.pending.remove(tf.boolean_mask(keys, gone)))
+        with tf.control_dependencies(done):
+            return self.evictions.read_value()
+
+    def due(self):
+        """Whether a scan is due after a step (rows over the share only come from a restore)."""
+        share, every = self.share, rules.scan_every(self.policy.ttl_steps)
+        due = (self.pending.size() > share) | (self.index.size() > share)
+        if every is not None:
+            due |= self.clock.read_value() % every == 0
+        return due
+
+    # ------------------------------------------------------------- updates
+    def read_for_update(self, keys, at, admitted):
+        """(which keys still hold their row, their rows, their slots) for an optimizer step."""
+        valid = admitted & (at >= 0) & (self._vector(self.row_key, tf.maximum(at, 0)) == keys)
+        at = tf.boolean_mask(at, valid)
+        return valid, at, self._gather(self.rows, at), {name: self._gather(var, at) for name, var in self.slots.items()}
+
+    def write(self, at, rows, slots) -> list:
+        writes = [self.rows.scatter_update(tf.IndexedSlices(rows, at))]
+        writes += [self.slots[name].scatter_update(tf.IndexedSlices(value, at)) for name, value in slots.items()]
+        return writes
+
+    # ------------------------------------------------------------ state out
+    def sizes(self):
+        """(rows, keys tracked)."""
+        rows = self.index.size()
+        return rows, rows + self.pending.size()
+
+    def saved(self):
+        """(keys, counters, row_keys, rows, {slot: rows}) of the shard, as tensors on its device."""
+        held = tf.reshape(tf.where(self._vector(self.last) >= 0), [-1])
+        row_keys = self._vector(self.row_key, held)
+        waiting_keys, waiting = self.pending.export()
+        keys = tf.concat([row_keys, tf.reshape(waiting_keys, [-1])], 0)
+        counters = tf.concat([tf.stack([self._vector(self.count, held), self._vector(self.last, held)], 1),
+                              tf.reshape(waiting, [-1, 2])], 0)
+        slots = {name: self._gather(var, held) for name, var in self.slots.items()}
+        return keys, counters, row_keys, self._gather(self.rows, held), slots
+
+    def replace(self, keys, counters, row_keys, rows, slots, clock, admissions, evictions) -> None:
+        """Hold exactly these (a restore or an import); more rows than the share are kept until a scan."""
+        n = tf.size(row_keys, tf.int64)
+        size = tf.maximum(n, self.share)
+        old, _ = self.index.export()
+        self.index.remove(tf.reshape(old, [-1]))
+        old, _ = self.pending.export()
+        self.pending.remove(tf.reshape(old, [-1]))
+        self.index.insert(row_keys, tf.range(n))
+        at = tf.reshape(self.index.lookup(keys), [-1])
+        is_row = at >= 0
+        rows_at = tf.boolean_mask(at, is_row)
+        counters = tf.reshape(counters, [-1, 2])
+        count = tf.scatter_nd(rows_at[:, None], tf.boolean_mask(counters[:, 0], is_row), [size])
+        last = tf.tensor_scatter_nd_update(_grow(tf.zeros([n], tf.int64), size, -1), rows_at[:, None],
+                                           tf.boolean_mask(counters[:, 1], is_row))
+        self.rows.assign(_grow(tf.reshape(rows, [-1, self.dim]), size, 0.0), read_value=False)
+        self.row_key.assign(_grow(row_keys, size, 0), read_value=False)
+        self.last.assign(last, read_value=False)
+        self.count.assign(count, read_value=False)
+        for name, var in self.slots.items():
+            value = slots.get(name)
+            if value is None:
+                value = tf.fill(tf.stack([n, self.dim]), tf.constant(self.slot_defaults[name], tf.float32))
+            var.assign(_grow(tf.reshape(value, [-1, self.dim]), size, self.slot_defaults[name]), read_value=False)
+        waiting = ~is_row
+        self.pending.insert(tf.boolean_mask(keys, waiting), tf.boolean_mask(counters, waiting))
+        self.clock.assign(clock, read_value=False)
+        self.admissions.assign(admissions, read_value=False)
+        self.evictions.assign(evictions, read_value=False)

@@ -1,0 +1,118 @@
+"""Reads and writes of ps variables made on the coordinator, through a ps loss. Pure logic.
+
+A scheduled closure whose ps goes away is run again once the recovery has
+restored the ps (`psclient._core.failures`). Keras's fit also touches the
+ps variables from the coordinator itself, outside any closure: it resets
+the metrics at each epoch's start and reads them for the epoch's logs. A ps
+lost just before one of those fails it with TF's error, and the user's
+training with it. `through_ps_loss` runs such an access and, when it fails:
+
+- classifies the error as a closure's is classified (`failures.classify`,
+  the ps probed first; no worker is involved);
+- a lost ps: reports it to the recovery (the event a closure's ps error
+  posts), waits until the recovery has settled (restored the ps, or given
+  up), then runs the access again; given up: `PSUnavailableError` chained
+  to TF's error;
+- a connection error while every ps answers: run again a few times after a
+  growing pause (a channel to a task just back can fail for a moment);
+- any other error: the access's own, raised unchanged.
+
+The TensorFlow side (what an op error is, the probes, the recovery's event
+and wait) comes in as a `PsAccessEdge`, so this is testable without TF.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, TypeVar
+
+from psclient._core.errors import PSUnavailableError, first_line
+from psclient._core.failures import Verdict, classify, retry_pause
+
+__all__ = ["PsAccessEdge", "through_ps_loss"]
+
+T = TypeVar("T")
+
+#: At most this many ps recoveries for one access: a ps that keeps dying under
+#: the same read is past what waiting can fix.
+MAX_PS_RECOVERIES = 3
+
+
+class PsAccessEdge(Protocol):
+    def is_op_error(self, error: BaseException) -> bool:
+        """Whether `error` is TF's (an access's own bug is raised unchanged)."""
+
+    def lost_ps(self) -> tuple:
+        """The ps tasks that do not answer or no longer hold their variables (probes)."""
+
+    def ps_epoch(self) -> int:
+        """The recovery's count of settled ps losses, read before probing."""
+
+    def report_lost(self, lost: tuple, epoch: int) -> None:
+        """Tell the recovery these ps tasks are lost (as a failed closure does)."""
+
+    def wait_settled(self, epoch: int, timeout: float) -> bool:
+        """Wait until the recovery settled the loss seen at `epoch`; False on timeout."""
+
+    def given_up(self) -> BaseException | None:
+        """The recovery's error once it gave up on a lost ps (or stopped), else None."""
+
+    def describe(self, lost: tuple) -> tuple[str, str | None]:
+        """(task, address) of the first lost ps, for the error."""
+
+    #: How long one recovery may take before the access gives up (the strategy's
+    #: ps recovery limits: ps_timeout plus the wait for running closures).
+    settle_timeout: float
+
+
+def through_ps_loss(access: Callable[[], T], edge: PsAccessEdge, what: str,
+                    sleep: Callable[[float], None]) -> T:
+    """`access()`, run again after a ps loss is recovered (module doc). `what` names it in errors."""
+    unexplained = 0
+    recoveries = 0
+    while True:
+        epoch = edge.ps_epoch()
+        try:
+            return access()
+        except Exception as error:
+            if not edge.is_op_error(error):
+                raise
+            broken = edge.given_up()
+            if broken is not None:
+                raise _unavailable(edge, (), what, broken, error) from error
+            lost: tuple = ()
+
+            def ps_lost() -> bool:
+                nonlocal lost
+                lost = tuple(edge.lost_ps())
+                return bool(lost)
+
+            verdict = classify(error, lambda: True, ps_lost=ps_lost, attempts=unexplained + 1)
+            if verdict is Verdict.PS_LOST:
+                recoveries += 1
+                if recoveries > MAX_PS_RECOVERIES:
+                    raise _unavailable(edge, lost, what, f"lost again after {MAX_PS_RECOVERIES} recoveries",
+                                       error) from error
+                edge.report_lost(lost, epoch)
+                if not edge.wait_settled(epoch, edge.settle_timeout):
+                    raise _unavailable(edge, lost, what, f"not recovered within {edge.settle_timeout:g} s",
+                                       error) from error
+                broken = edge.given_up()
+                if broken is not None:
+                    raise _unavailable(edge, lost, what, broken, error) from error
+                continue
+            if verdict is Verdict.TRANSIENT:
+                unexplained += 1
+                sleep(retry_pause(verdict, unexplained))  # the channel needs the time
+                continue
+            raise
+
+
+def _unavailable(edge: PsAccessEdge, lost: tuple, what: str, why, error: BaseException) -> PSUnavailableError:
+    task, address = edge.describe(lost)
+    reason = first_line(why) if isinstance(why, BaseException) else why
+    # TF's error named in the message too: Keras's traceback filter drops the chain.
+    return PSUnavailableError(
+        f"{what} on the coordinator failed: parameter server task {task} ({address}) was lost and "
+        f"the strategy could not restore it: {reason} (TF's error: {type(error).__name__}: "
+        f"{first_line(error)[:300]})", task=task, address=address,
+    )

@@ -1,0 +1,71 @@
+"""The engine's side of `psclient._core.ps_access`: reads and writes of ps variables made
+on the coordinator (Keras's fit resetting and reading its metrics), run again once
+the recovery has restored a lost ps.
+
+What a failed access means is decided in `psclient._core.ps_access`; here are
+the probes (`FailureProbes`, as a failed closure's), the event a failed closure
+posts for a lost ps (`PsNotAnswering`) and the recovery's wait for it to settle.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, TypeVar
+
+from psclient._core import ps_access
+from psclient._core.errors import StrategyClosedError
+from psclient._core.recovery_messages import PsNotAnswering
+from psclient._engine.edge import Edge, Roster
+from psclient._engine.recovery import Recovery
+
+__all__ = ["CoordinatorAccess"]
+
+T = TypeVar("T")
+
+#: Beyond the ps recovery's own limits (hang_timeout for running closures,
+#: ps_timeout for the ps to come back): its steps once the ps is back
+#: (reconnect, restore, retrace). The recovery gives up by itself before that.
+_STEPS_AFTER_BACK_S = 120.0
+
+
+class CoordinatorAccess:
+    """`run(access, what)`: `access()`, through a ps loss (`psclient._core.ps_access`)."""
+
+    def __init__(self, recovery: Recovery, edge: Edge, roster: Roster,
+                 sleep: Callable[[float], None] = time.sleep):
+        self._recovery = recovery
+        self._edge = edge
+        self._roster = roster
+        self._sleep = sleep
+        config = recovery.config
+        self.settle_timeout = config.hang_timeout + config.ps_timeout + _STEPS_AFTER_BACK_S
+
+    def run(self, access: Callable[[], T], what: str) -> T:
+        return ps_access.through_ps_loss(access, self, what, self._sleep)
+
+    # ------------------------------------------------------------- PsAccessEdge
+    def is_op_error(self, error: BaseException) -> bool:
+        return isinstance(error, self._edge.op_error())
+
+    def lost_ps(self) -> tuple:
+        return self._recovery.probes.lost_ps()
+
+    def ps_epoch(self) -> int:
+        return self._recovery.probes.ps_epoch()
+
+    def report_lost(self, lost: tuple, epoch: int) -> None:
+        self._recovery.report(PsNotAnswering(lost, epoch))
+
+    def wait_settled(self, epoch: int, timeout: float) -> bool:
+        return self._recovery.wait_ps_settled(epoch, timeout)
+
+    def given_up(self) -> BaseException | None:
+        if self._recovery.broken is not None:
+            return self._recovery.broken
+        if self._recovery.stopped:  # shut down, or the recovery thread died
+            return StrategyClosedError("the strategy was shut down")
+        return None
+
+    def describe(self, lost: tuple) -> tuple[str, str | None]:
+        ps = lost[0] if lost else 0
+        return f"ps:{ps}", self._roster.cluster.address("ps", ps)
