@@ -20,7 +20,7 @@ Prints one JSON object (progress on stderr): for each run, futures scheduled
 vs resolved, errors surfaced, retried closures, kills, rejoin times (from a
 restart, i.e. the task serving again, to that worker's first completed closure),
 ps recovery time and steps rolled back, wall time and final loss, plus ratios
-to the clean run and the issue's targets (0 futures lost, 0 errors, 0 hangs,
+to the clean run and the targets (0 futures lost, 0 errors, 0 hangs,
 median rejoin <= 2 s, ps recovery <= 15 s). Also the coordinator's CPU per
 step and its Python threads at peak, and a count of the steps that ran: each
 step also adds one to a counter on a ps, which must end between the steps

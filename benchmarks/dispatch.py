@@ -31,7 +31,7 @@ Usage:
 
 Prints one JSON object on stdout (progress on stderr): steps/s of every
 repeat and their median, coordinator CPU per closure, task CPU per step, and
-psclient's ratio to the other paths against the issue's targets. Exits 0 when
+psclient's ratio to the other paths against its targets. Exits 0 when
 every run finished, whether or not the targets are met; 1 if any run failed.
 """
 

@@ -27,7 +27,7 @@ Printed per path: steps/s; CPU per step of the coordinator, the ps tasks and the
 for dynamic paths keys looked up per second per ps task (distinct keys per batch and feature, summed,
 times steps/s, over the ps tasks), rows held, admissions and evictions, and the ps tasks' resident
 memory over the run as growth over what they held before the path's model was built, beside the table
-payload `capacity * (dim + slots) * 4` bytes (the issue's formula) and beside the floats a row and its
+payload `capacity * (dim + slots) * 4` bytes (the target's formula) and beside the floats a row and its
 slots hold, `capacity * dim * (1 + slots) * 4` bytes. Only the first path runs on ps tasks that hold
 nothing else yet, and pays the ps tasks' own warm-up (TensorFlow's runtime on the ps grows by tens of
 MiB in its first steps, whatever the model): for a path's memory run the hashing path first, as a

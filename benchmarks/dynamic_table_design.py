@@ -35,7 +35,7 @@ new keys), for three layouts:
                 is reused by the next new key
 
 Payload: `dim * (1 + slots) * 4` bytes per row (the floats that must be
-held), and the issue's formula `(dim + slots) * 4`; both ratios are printed.
+held), and the target's formula `(dim + slots) * 4`; both ratios are printed.
 """
 
 from __future__ import annotations

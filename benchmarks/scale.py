@@ -10,7 +10,7 @@ No TensorFlow is imported. Each size runs in its own subprocess, in phases:
   own_path    psclient's own code per closure on one thread (Closure, Future,
               submit, take, prepare, a no-op call, succeeded): no contention
   scheduler_alone  one thread per worker taking closures from the Scheduler and
-              reporting them done at once (the issue's first measurement)
+              reporting them done at once (the first measurement)
   fake_only   the same threads calling the fake step in a loop, no psclient:
               the simulation's own CPU per call (subtracted to estimate
               psclient's own share)
@@ -51,7 +51,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # _common, _sim, and the psclient of this checkout
 import _common  # noqa: E402
 
-#: The issue's targets (simulated, 1,000 workers, 10 ms fake step).
+#: The targets (simulated, 1,000 workers, 10 ms fake step).
 TARGETS = {
     "closures_per_s_at_1000": 50_000,
     "cpu_us_per_closure_psclient": 20.0,
@@ -93,7 +93,7 @@ def fake_only(config, seconds: float) -> dict:
 
 
 def scheduler_alone(workers: int, seconds: float) -> dict:
-    """The issue's first measurement: one thread per worker taking closures from
+    """The first measurement: one thread per worker taking closures from
     the real Scheduler and reporting them done at once (no calls, no dispatch)."""
     from psclient._core.future import Future
     from psclient._core.closure import Closure

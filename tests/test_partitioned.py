@@ -195,7 +195,7 @@ def test_update_of_each_shard_runs_on_its_ps(cluster, name):
 
 
 def test_adafactor_on_the_default_partitioner_matches_local_keras(cluster, monkeypatch):
-    """The issue's model under "auto": the 256x256 kernel in two shards, its
+    """The reference model under "auto": the 256x256 kernel in two shards, its
     Adafactor row and column factors whole (too small to split), v split
     like the kernel; sums of both shards make the whole-variable means."""
 
