@@ -3,10 +3,10 @@
 import json
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
+from _child_runs import run_and_read_events
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -20,31 +20,16 @@ def run_script(cluster_file, checkpoint_dir, kill_after_epoch=None):
 
     Returns its exit status, its JSON events and the tail of its stderr.
     """
-    stderr = open(checkpoint_dir.parent / f"stderr-{kill_after_epoch}.txt", "w+")
-    process = subprocess.Popen(
+    def killed_after_epoch(events):
+        # mid-run: the next epoch is being scheduled
+        return kill_after_epoch is not None and events[-1].get("epoch") == kill_after_epoch \
+            and events[-1]["event"] == "epoch"
+
+    return run_and_read_events(
         [sys.executable, SCRIPT, "--cluster", str(cluster_file), "--checkpoint-dir",
          str(checkpoint_dir), "--epochs", "4", "--steps-per-epoch", str(STEPS)],
-        stdout=subprocess.PIPE, stderr=stderr, text=True,
+        checkpoint_dir.parent / f"stderr-{kill_after_epoch}.txt", killed_after_epoch, timeout=200,
     )
-    events = []
-    try:
-        for line in process.stdout:
-            if line.startswith("{"):
-                events.append(json.loads(line))
-                if kill_after_epoch is not None and events[-1].get("epoch") == kill_after_epoch \
-                        and events[-1]["event"] == "epoch":
-                    process.send_signal(signal.SIGKILL)  # mid-run: epoch 3 is being scheduled
-                    break
-        process.wait(timeout=200)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
-        process.stdout.close()
-        stderr.seek(0)
-        tail = stderr.read()[-3000:]
-        stderr.close()
-    return process.returncode, events, tail
 
 
 def test_killed_coordinator_resumes_from_the_last_completed_epoch(local_cluster, tmp_path):
