@@ -1,9 +1,10 @@
 """Fixtures shared by every test module: real LocalClusters for the session.
 
 `local_cluster` (2 workers, 1 ps) serves most modules; `two_workers_two_ps`,
-`one_worker_two_ps` and `three_workers_one_ps` serve the modules that need those
-shapes (a TF task takes seconds to start: one cluster per shape, not one per
-module). Each of these three is closed after the last module that uses it.
+`one_worker_two_ps`, `three_workers_one_ps` and `two_workers_three_ps` serve the
+modules that need those shapes (a TF task takes seconds to start: one cluster per
+shape, not one per module). Each of these four is closed after the last module
+that uses it.
 
 Tests that kill, stop, throttle or restart tasks of a shared cluster must leave
 every task running at full speed when they finish (restart/resume, or the
@@ -24,7 +25,8 @@ from psclient._cluster.local import LocalCluster  # noqa: E402
 
 
 # The shared clusters besides `local_cluster`, by fixture name: (workers, ps).
-_SHAPES = {"two_workers_two_ps": (2, 2), "one_worker_two_ps": (1, 2), "three_workers_one_ps": (3, 1)}
+_SHAPES = {"two_workers_two_ps": (2, 2), "one_worker_two_ps": (1, 2), "three_workers_one_ps": (3, 1),
+           "two_workers_three_ps": (2, 3)}
 _open_clusters: dict[str, LocalCluster] = {}  # the open shared clusters, local_cluster too
 _last_modules: dict[str, object] = {}  # fixture name -> path of the last module that uses it
 
@@ -79,14 +81,28 @@ def three_workers_one_ps():
     yield from _shared("three_workers_one_ps")
 
 
+@pytest.fixture(scope="session")
+def two_workers_three_ps():
+    """A LocalCluster with 2 workers and 3 ps, shared by the modules of that shape (their
+    strategies may use only the first ps tasks)."""
+    yield from _shared("two_workers_three_ps")
+
+
 @pytest.fixture
 def restore_shared_clusters():
-    """After the test: every task of the shared clusters runs again (restarts the ones it killed)."""
+    """After the test: every task of the shared clusters runs again at full speed (restarts
+    the ones it killed, resumes the ones it stopped, ends their throttles), even when it failed
+    before its own clean-up."""
     yield
     for cluster in list(_open_clusters.values()):
+        throttled = cluster.throttled()
         for job, index, _ in cluster.cluster.tasks():
             if not cluster.is_running(job, index):
                 cluster.restart(job, index)
+                continue
+            cluster.resume(job, index)  # SIGCONT: nothing to a task that was not stopped
+            if (job, index) in throttled:
+                cluster.throttle(job, index, 1.0)
 
 
 @pytest.hookimpl(trylast=True)

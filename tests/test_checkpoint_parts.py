@@ -30,9 +30,9 @@ TABLE_BYTES = ROWS * COLS * 4
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with psclient.LocalCluster(num_workers=2, num_ps=3) as local:
-        yield local
+def cluster(two_workers_three_ps):
+    """The session's 2 workers + 3 ps (shared with the dynamic embedding checkpoint tests)."""
+    return two_workers_three_ps
 
 
 def on_ps(cluster, count):
@@ -42,14 +42,9 @@ def on_ps(cluster, count):
 
 
 @pytest.fixture
-def heal(cluster):
-    yield cluster
-    for job, count in (("worker", 2), ("ps", 3)):
-        for index in range(count):
-            if not cluster.is_running(job, index):
-                cluster.restart(job, index)
-            elif cluster.pid(job, index) is not None:
-                cluster.resume(job, index)
+def heal(cluster, restore_shared_clusters):
+    """The cluster; after the test every task runs again (restarted or resumed)."""
+    return cluster
 
 
 def rss() -> int:

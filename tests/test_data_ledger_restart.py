@@ -20,10 +20,10 @@ from _ledger_restart_child import BATCH, N, SHARD  # noqa: E402
 from _ledger_runs import run_coordinator, write_cluster_file  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with psclient.LocalCluster(num_workers=2, num_ps=1, start_timeout=300) as local:
-        yield local
+@pytest.fixture()
+def cluster(local_cluster, restore_shared_clusters):
+    """The session's 2 workers + 1 ps; a task a test killed is restarted after it."""
+    return local_cluster
 
 
 def shards_finished_at_least(count):

@@ -18,7 +18,6 @@ keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
 import psclient  # noqa: E402
-from psclient._cluster.local import LocalCluster  # noqa: E402
 from psclient._coordinator.dynamic_tables import shard_of  # noqa: E402
 from psclient._coordinator.runtime import ps_index_of  # noqa: E402
 from _dynamic_coordinator import UNKNOWN, data, make_model, probe  # noqa: E402
@@ -28,10 +27,11 @@ HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_dynamic_coor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def local():
-    with LocalCluster(num_workers=2, num_ps=3, start_timeout=300) as cluster:  # generous: a loaded machine
-        yield cluster
+@pytest.fixture()
+def local(two_workers_three_ps, restore_shared_clusters):
+    """The session's 2 workers + 3 ps (shared with tests/test_checkpoint_parts.py); a ps a test
+    killed is restarted after it."""
+    return two_workers_three_ps
 
 
 def jobs(local, num_ps):

@@ -11,7 +11,6 @@ import pytest
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
-from psclient._cluster.local import LocalCluster  # noqa: E402
 from psclient._coordinator.runtime import ps_index_of  # noqa: E402
 from psclient._coordinator.strategy import ParameterServerStrategy  # noqa: E402
 from psclient.layers import DynamicEmbedding  # noqa: E402
@@ -21,11 +20,10 @@ CAPACITY = 400
 
 
 @pytest.fixture(scope="module")
-def strategy():
-    with LocalCluster(num_workers=2, num_ps=2, start_timeout=300) as local:  # generous: a loaded machine
-        s = ParameterServerStrategy(local.cluster)
-        yield s
-        s.shutdown()
+def strategy(two_workers_two_ps):
+    s = ParameterServerStrategy(two_workers_two_ps.cluster)
+    yield s
+    s.shutdown()
 
 
 def data(seed, n=1024):

@@ -24,10 +24,10 @@ BATCH = 16
 STEPS = len(X) // BATCH
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with psclient.LocalCluster(num_workers=2, num_ps=1) as local:
-        yield local
+@pytest.fixture()
+def cluster(local_cluster, restore_shared_clusters):
+    """The session's 2 workers + 1 ps; a ps a test killed is restarted after it."""
+    return local_cluster
 
 
 def make_model(strategy):
