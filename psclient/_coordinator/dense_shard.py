@@ -151,6 +151,12 @@ class DenseShard:
         return tf.where(held, at, -1), safe
 
     def lookup(self, keys):
+        """Rows of `keys` (zeros where none), under the lock: an index rebuild (empty, then refilled)
+        must not be seen half done by a lookup outside training."""
+        return in_turn(lambda: self.lock.execute(lambda: self._lookup(keys), exclusive_resource_access=False),
+                       (keys,))
+
+    def _lookup(self, keys):
         at, safe = self._rows_of(keys)
         alive = at >= 0
         if self.policy.ttl_steps is not None:

@@ -401,8 +401,9 @@ class DynamicTable:
     # ------------------------------------------------------------ state out
     def stats(self) -> list[dict]:
         """Per shard: rows, keys tracked (rows and keys counting towards admission), admissions, evictions,
-        clock, and for a table with a capacity the bytes its storage holds."""
-        return [self.shard_stats(index) for index in range(len(self.shards))]
+        clock, and for a table with a capacity the bytes its storage holds. A ps that cannot be read
+        now gives `{"ps": k, "available": False, "error": ...}` instead."""
+        return [_shard_stats_or_unavailable(self, index) for index in range(len(self.shards))]
 
     def shard_stats(self, index: int) -> dict:
         """One shard's `stats()` entry (read on its ps)."""
