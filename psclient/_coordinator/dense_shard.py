@@ -319,8 +319,11 @@ class DenseShard:
     def storage_bytes(self):
         """Bytes the shard's rows, slots, per-row counters and key index hold (keys still counting
         towards admission are in a hash table of their own, not counted)."""
-        floats = tf.size(self.rows, tf.int64) + sum(tf.size(var, tf.int64) for var in self.slots.values())
-        counters = tf.size(self.row_key, tf.int64) + tf.size(self.last, tf.int64)
+        def size(variable):  # from the variable's shape: reading it could copy it
+            return tf.reduce_prod(tf.shape(variable, tf.int64))
+
+        floats = size(self.rows) + sum(size(var) for var in self.slots.values())
+        counters = size(self.row_key) + size(self.last)
         return 4 * floats + 8 * counters + self.index.BUCKET_BYTES * self.index.buckets()
 
     def saved(self):
