@@ -28,7 +28,9 @@ for dynamic paths keys looked up per second per ps task (distinct keys per batch
 times steps/s, over the ps tasks), rows held, admissions and evictions, and the ps tasks' resident
 memory over the run as growth over what they held before the path's model was built, beside the table
 payload `capacity * (dim + slots) * 4` bytes (the target's formula) and beside the floats a row and its
-slots hold, `capacity * dim * (1 + slots) * 4` bytes. Only the first path runs on ps tasks that hold
+slots hold, `capacity * dim * (1 + slots) * 4` bytes; and, exactly, the bytes the dense storage holds
+(`table_bytes` of `strategy.stats()`: rows, slots, per-row counters and key index, allocated for the
+whole capacity at the start) over the same two. Only the first path runs on ps tasks that hold
 nothing else yet, and pays the ps tasks' own warm-up (TensorFlow's runtime on the ps grows by tens of
 MiB in its first steps, whatever the model): for a path's memory run the hashing path first, as a
 warm-up, then that path (`--paths hashing,dynamic_shared`). The hashing path's bytes per row are over
@@ -184,8 +186,14 @@ def main(argv=None) -> int:
                     run["lookups_per_s_per_ps"] = round(keys_per_batch * args.steps / seconds / len(ps_pids))
                     tables = strategy.stats()["dynamic_embeddings"]
                     names = ["shared"] if kind.startswith("dynamic_shared") else [f"f{i}" for i in range(FEATURES)]
-                    for field in ("rows", "admissions", "evictions"):
-                        run[field] = sum(e[field] for name in names for e in tables[name])
+                    for field in ("rows", "admissions", "evictions", "table_bytes"):
+                        if all(field in e for name in names for e in tables[name]):
+                            run[field] = sum(e[field] for name in names for e in tables[name])
+                    if "table_bytes" in run:  # exact: what the storage holds, at any fill
+                        run["table_bytes_per_row_at_capacity"] = round(run["table_bytes"] / capacity, 1)
+                        run["table_bytes_vs_payload_at_capacity"] = round(run["table_bytes"] / 2**20 / payload_mib, 2)
+                        run["table_bytes_vs_rows_and_slots_at_capacity"] = round(
+                            run["table_bytes"] / 2**20 / floats_mib, 2)
                 rss.append(round(task_usage(ps_pids)["rss_mib"] - rss_before, 1))
                 run["ps_rss_growth_mib_over_run"] = rss
                 run["ps_rss_growth_vs_payload_at_capacity"] = round(rss[-1] / payload_mib, 2)

@@ -23,16 +23,21 @@ measures instead, in one process per layout and no cluster, the resident
 memory a shard's storage takes per row (RSS growth / rows), after filling
 `--rows` rows (keys, one Adagrad slot, counters) and again after `--cycles`
 churn cycles (each removes the oldest tenth of the rows and admits as many
-new keys), for three layouts:
+new keys), for four layouts:
 
-  three_tables  today's: MutableHashTables key -> counters int64[2],
+  three_tables  the storage of a table without capacity: MutableHashTables key -> counters int64[2],
                 key -> row float32[dim], key -> slot float32[dim]
   concat_table  key -> row and slot concatenated float32[2 * dim], beside
                 the counters table
   index_dense   preallocated tf.Variables [rows, dim] for the rows and the
                 slot, int64[rows] sightings and last-seen indexed by row,
                 and one MutableHashTable key -> row index; a victim's row
-                is reused by the next new key
+                is reused by the next new key (the storage with capacity
+                before the open-addressing index)
+  index_open    what a table with capacity holds now: the same variables
+                without the sightings (key and last-seen per row) and
+                psclient's open-addressing key index (`KeyIndex`: TF's
+                DenseHashTable, rebuilt when removals wear it)
 
 Payload: `dim * (1 + slots) * 4` bytes per row (the floats that must be
 held), and the target's formula `(dim + slots) * 4`; both ratios are printed.
@@ -57,7 +62,30 @@ def _memory_one(layout: str, dim: int, rows: int, cycles: int) -> dict:
     tf.constant(0) + 1  # TF's runtime up before the baseline
     batch = 10_000
     before = proc.memory_info().rss
-    if layout == "index_dense":
+    if layout == "index_open":
+        from psclient._coordinator.key_index import KeyIndex
+
+        open_index = KeyIndex(rows, "memory")
+        values = tf.Variable(tf.zeros([rows, dim]))
+        slot = tf.Variable(tf.zeros([rows, dim]))
+        row_key = tf.Variable(tf.zeros([rows], tf.int64))
+        last = tf.Variable(tf.fill([rows], tf.constant(-1, tf.int64)))
+
+        def admit(keys, at):
+            open_index.insert(keys, at)
+            row_key.scatter_update(tf.IndexedSlices(keys, at))
+            values.scatter_update(tf.IndexedSlices(tf.random.uniform([len(at), dim]), at))
+            slot.scatter_update(tf.IndexedSlices(tf.fill([len(at), dim], 0.1), at))
+            last.scatter_update(tf.IndexedSlices(tf.fill([len(at)], tf.constant(1, tf.int64)), at))
+
+        def evict(keys):
+            at = open_index.lookup(keys)
+            open_index.remove(keys)
+            last.scatter_update(tf.IndexedSlices(tf.fill([len(keys)], tf.constant(-1, tf.int64)), at))
+            held = tf.reshape(tf.where(last >= 0), [-1])
+            open_index.rebuild_if_worn(lambda: (tf.gather(row_key, held), held))
+            return at
+    elif layout == "index_dense":
         index = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, -1)
         values = tf.Variable(tf.zeros([rows, dim]))
         slot = tf.Variable(tf.zeros([rows, dim]))
@@ -120,7 +148,7 @@ def memory(args) -> int:
               "slots": 1, "layouts": {}}
     for dim in [int(d) for d in args.dims.split(",")]:
         payload, formula = dim * 2 * 4, (dim + 1) * 4
-        for layout in ("three_tables", "concat_table", "index_dense"):
+        for layout in args.layouts.split(","):
             out = subprocess.run(
                 [sys.executable, __file__, "--memory-one", layout, "--dim", str(dim), "--rows", str(args.rows),
                  "--cycles", str(args.cycles)], check=True, capture_output=True, text=True).stdout
@@ -137,7 +165,9 @@ def memory(args) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--memory", action="store_true", help="memory per row of three layouts (no cluster)")
+    parser.add_argument("--memory", action="store_true", help="memory per row of storage layouts (no cluster)")
+    parser.add_argument("--layouts", default="three_tables,concat_table,index_dense,index_open",
+                        help="with --memory: which layouts, comma-separated")
     parser.add_argument("--memory-one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--dims", default="8,32")
     parser.add_argument("--cycles", type=int, default=50)

@@ -56,11 +56,20 @@ def test_bad_arguments_name_the_option(args, message):
     assert message in result.stderr
 
 
-def test_evaluate_option_errors_use_option_names(tmp_path):
-    result = psclient("evaluate", "--checkpoint-dir", str(tmp_path), "--model", f"{EXAMPLE}:model",
-                      "--data", f"{EXAMPLE}:data", "--max-evaluations", "0")
-    assert result.returncode == 2
-    assert "Invalid value for --max-evaluations. Received: 0. Expected an integer >= 1." in result.stderr
+@pytest.mark.parametrize("option, message", [
+    (["--max-evaluations", "0"], "Invalid value for --max-evaluations. Received: 0. Expected an integer >= 1."),
+    (["--export-best", "best.h5"], "Invalid value for --export-best. Received: 'best.h5'. Expected a path ending in '.keras'."),
+])
+def test_evaluate_option_errors_use_option_names_before_the_model_is_built(tmp_path, option, message):
+    built = tmp_path / "built"
+    (tmp_path / "builders.py").write_text(
+        f"def model():\n    open({str(built)!r}, 'w').close()\n    raise SystemExit(3)\n"
+        "def data():\n    raise SystemExit(3)\n")
+    result = psclient("evaluate", "--checkpoint-dir", str(tmp_path), "--model", f"{tmp_path / 'builders.py'}:model",
+                      "--data", f"{tmp_path / 'builders.py'}:data", *option)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert not built.exists()  # refused before --model's function ran
 
 
 def test_evaluate_job_on_tf_checkpoints_then_a_mismatching_model(tmp_path):

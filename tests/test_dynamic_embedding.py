@@ -229,3 +229,32 @@ def test_saved_model_predicts_the_same_without_the_training_state(tmp_path):
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
     np.testing.assert_array_equal(rows_of(loaded.get_layer("ids_embedding"), [10**12]), np.zeros((1, 3)))
     assert loaded.get_layer("ids_embedding").get_config()["capacity"] == 100
+
+
+def test_an_unreadable_shard_is_reported_and_left_out_of_the_epoch_logs(monkeypatch):
+    """A ps lost at an epoch's end: stats say so instead of raising, the logs keep what can be read."""
+    from psclient._keras.dynamic_embedding import epoch_logs
+
+    ids = keras.Input((1,), dtype="int64")
+    layer = DynamicEmbedding(DIM, capacity=8, name="outage")
+    model = keras.Model(ids, layer(ids))
+    layer(tf.constant([[1], [2]], tf.int64), training=True)
+    assert epoch_logs(model)["outage/rows"] == 2.0
+
+    def lost(index):
+        raise tf.errors.UnavailableError(None, None, "ps task 0 restarted")
+
+    monkeypatch.setattr(layer.table, "shard_stats", lost)
+    [entry] = layer.table_stats()
+    assert entry["available"] is False and "UnavailableError: ps task 0 restarted" in entry["error"]
+    assert not any(name.startswith("outage/") for name in epoch_logs(model))
+
+
+def test_reserved_index_keys_read_the_default_row_and_are_never_admitted():
+    from psclient._coordinator.key_index import RESERVED_KEYS
+
+    layer = DynamicEmbedding(DIM, capacity=8, embeddings_initializer="ones")
+    out = layer(tf.constant([*RESERVED_KEYS, 3], tf.int64), training=True).numpy()
+    np.testing.assert_array_equal(out[:2], np.zeros((2, DIM)))
+    np.testing.assert_array_equal(out[2], np.ones(DIM))
+    assert layer.table_stats()[0]["rows"] == 1

@@ -134,7 +134,7 @@ def test_concurrent_admissions_from_two_workers_never_share_a_row(strategy):
     assert sum(entry["admissions"] - entry["evictions"] - entry["rows"] for entry in stats) == 0
     for shard in layer.table.shards:
         assert shard.dense
-        keys, rows = (t.numpy().reshape(-1) for t in shard.index.export())
+        keys, rows = (t.numpy().reshape(-1) for t in shard.index.entries())
         assert len(set(rows.tolist())) == len(rows)  # one key per row
         np.testing.assert_array_equal(shard.row_key.numpy()[rows], keys)  # each row holds its key
         held = shard.last.numpy() >= 0

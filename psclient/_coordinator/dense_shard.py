@@ -6,13 +6,15 @@ num_ps)` rows in
   rows     tf.Variable float32[share, dim]   (and one per optimizer slot)
   row_key  int64[share]  the key a row holds
   last     int64[share]  the step a row's key was last seen (-1: a free row)
-  count    int64[share]  its sightings
-  index    MutableHashTable key -> row (-1: none)
+  index    key -> row, an open-addressing table (`psclient._coordinator.key_index`)
   pending  MutableHashTable key -> (sightings, last seen) of keys still
            counting towards admission (empty with min_frequency=1)
 
-so a row costs its payload plus the index entry and 24 bytes of counters,
-instead of three hash-table nodes (docs/dynamic_embeddings.md, "Design").
+so a row costs its payload, 16 bytes (its key and step) and 12 bytes per
+index bucket (1.25 to 2.5 buckets a row), instead of three hash-table nodes
+(docs/dynamic_embeddings.md, "Design"). A key's sightings are kept only
+while it counts towards admission: once it holds a row they decide nothing
+(eviction goes by recency), and a saved row reads `min_frequency` of them.
 Eviction is a selection over the dense `last` and removal from one table,
 and a freed row is reused by the next admission.
 
@@ -28,6 +30,7 @@ import weakref
 
 import tensorflow as tf
 
+from psclient._coordinator.key_index import KeyIndex
 from psclient._core import dynamic_tables as rules
 
 __all__ = ["DenseShard", "least_recent"]
@@ -119,8 +122,7 @@ class DenseShard:
             self.rows = self._variable(tf.zeros([size, self.dim]), "rows")
             self.row_key = self._variable(tf.zeros([size], tf.int64), "row_key")
             self.last = self._variable(tf.fill([size], tf.constant(-1, tf.int64)), "last")
-            self.count = self._variable(tf.zeros([size], tf.int64), "count")
-            self.index = self._table(tf.int64, -1)
+            self.index = KeyIndex(size, self.prefix)
             self.pending = self._table(tf.int64, [0, -1])
             self.clock = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{self.prefix}_clock")
             self.admissions = tf.Variable(tf.constant(0, tf.int64), trainable=False,
@@ -143,12 +145,18 @@ class DenseShard:
     # ---------------------------------------------------------------- reads
     def _rows_of(self, keys):
         """(row of each key or -1, that row clamped to >= 0), checking the row still holds the key."""
-        at = tf.reshape(self.index.lookup(keys), [-1])
+        at = self.index.lookup(keys)
         safe = tf.maximum(at, 0)
         held = (at >= 0) & (self._vector(self.row_key, safe) == keys) & (self._vector(self.last, safe) >= 0)
         return tf.where(held, at, -1), safe
 
     def lookup(self, keys):
+        """Rows of `keys` (zeros where none), under the lock: an index rebuild (empty, then refilled)
+        must not be seen half done by a lookup outside training."""
+        return in_turn(lambda: self.lock.execute(lambda: self._lookup(keys), exclusive_resource_access=False),
+                       (keys,))
+
+    def _lookup(self, keys):
         at, safe = self._rows_of(keys)
         alive = at >= 0
         if self.policy.ttl_steps is not None:
@@ -184,9 +192,9 @@ class DenseShard:
         count = waiting[:, 0]
         if policy.ttl_steps is not None:
             count = tf.where(clock - waiting[:, 1] > policy.ttl_steps, tf.zeros_like(count), count)
-        count = tf.where(have, self._vector(self.count, safe), count)
-        total = count + seen_now
-        admitted = total >= minimum
+        # A key holding a row was admitted: its sightings no longer matter.
+        total = tf.where(have, tf.constant(minimum, tf.int64), count + seen_now)
+        admitted = (total >= minimum) & self.index.usable(keys)
         fresh = admitted & ~have
         with tf.control_dependencies([check_batch(admitted), free_stale]):
             need = tf.reduce_sum(tf.cast(fresh, tf.int64))
@@ -198,8 +206,7 @@ class DenseShard:
             self.pending.remove(tf.boolean_mask(keys, fresh))
         # The batch's rows are seen now: never this step's victims.
         kept_at = tf.boolean_mask(at, have)
-        touch = [self.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(kept_at), clock), kept_at)),
-                 self.count.scatter_update(tf.IndexedSlices(tf.boolean_mask(total, have), kept_at))]
+        touch = [self.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(kept_at), clock), kept_at))]
         with tf.control_dependencies(touch):
             # The batch's rows were last seen at this step's clock, which no other step shares (it
             # is read under the lock). (A mask scattered into `tf.shape(last)` failed on a cluster:
@@ -209,6 +216,8 @@ class DenseShard:
             excess = tf.where(excess > 0, held + need - (self.share - rules.headroom(self.share)), excess)
             evict = self._remove_rows(lambda last: (last >= 0) & (last != clock), excess, count_rows=True)
         with tf.control_dependencies([evict]):
+            evict = self.index.rebuild_if_worn(self._live)
+        with tf.control_dependencies([evict]):
             free = tf.reshape(tf.where(self._vector(self.last) < 0), [-1])[:need]
             new_keys = tf.boolean_mask(keys, fresh)
             # Rows for every fresh key (the share holds a batch's admitted keys, checked above).
@@ -217,7 +226,6 @@ class DenseShard:
             writes = [self.index.insert(new_keys, free),
                       self.row_key.scatter_update(tf.IndexedSlices(new_keys, free)),
                       self.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(free), clock), free)),
-                      self.count.scatter_update(tf.IndexedSlices(tf.boolean_mask(total, fresh), free)),
                       self.rows.scatter_update(tf.IndexedSlices(initial_rows(new_keys), free)),
                       self.admissions.assign_add(need)]
             writes += [var.scatter_update(tf.IndexedSlices(
@@ -227,6 +235,11 @@ class DenseShard:
             found = self._gather(self.rows, tf.maximum(at, 0))
             return (tf.where(admitted[:, None], found, tf.zeros_like(found)), tf.identity(admitted),
                     tf.identity(fresh), tf.identity(at))
+
+    def _live(self):
+        """(keys, rows) of the rows that hold a key."""
+        held = tf.reshape(tf.where(self._vector(self.last) >= 0), [-1])
+        return self._vector(self.row_key, held), held
 
     def _remove_rows(self, members, k, count_rows):
         """Free the `k` least recently used rows among `members(last)` (all of them where k is None)."""
@@ -273,6 +286,8 @@ class DenseShard:
         gone |= least_recent(keys, waiting[:, 1], ~gone, excess)
         done.append(self.pending.remove(tf.boolean_mask(keys, gone)))
         with tf.control_dependencies(done):
+            rebuilt = self.index.rebuild_if_worn(self._live)
+        with tf.control_dependencies([rebuilt]):
             return self.evictions.read_value()
 
     def due(self):
@@ -301,13 +316,25 @@ class DenseShard:
         rows = self.index.size()
         return rows, rows + self.pending.size()
 
+    def storage_bytes(self):
+        """Bytes the shard's rows, slots, per-row counters and key index hold (keys still counting
+        towards admission are in a hash table of their own, not counted)."""
+        def size(variable):  # from the variable's shape: reading it could copy it
+            return tf.reduce_prod(tf.shape(variable, tf.int64))
+
+        floats = size(self.rows) + sum(size(var) for var in self.slots.values())
+        counters = size(self.row_key) + size(self.last)
+        return 4 * floats + 8 * counters + self.index.BUCKET_BYTES * self.index.buckets()
+
     def saved(self):
         """(keys, counters, row_keys, rows, {slot: rows}) of the shard, as tensors on its device."""
         held = tf.reshape(tf.where(self._vector(self.last) >= 0), [-1])
         row_keys = self._vector(self.row_key, held)
         waiting_keys, waiting = self.pending.export()
         keys = tf.concat([row_keys, tf.reshape(waiting_keys, [-1])], 0)
-        counters = tf.concat([tf.stack([self._vector(self.count, held), self._vector(self.last, held)], 1),
+        last = self._vector(self.last, held)
+        counters = tf.concat([tf.stack([tf.fill(tf.shape(last), tf.constant(self.policy.min_frequency, tf.int64)),
+                                        last], 1),
                               tf.reshape(waiting, [-1, 2])], 0)
         slots = {name: self._gather(var, held) for name, var in self.slots.items()}
         return keys, counters, row_keys, self._gather(self.rows, held), slots
@@ -316,22 +343,18 @@ class DenseShard:
         """Hold exactly these (a restore or an import); more rows than the share are kept until a scan."""
         n = tf.size(row_keys, tf.int64)
         size = tf.maximum(n, self.share)
-        old, _ = self.index.export()
-        self.index.remove(tf.reshape(old, [-1]))
+        self.index.reset(row_keys, tf.range(n))
         old, _ = self.pending.export()
         self.pending.remove(tf.reshape(old, [-1]))
-        self.index.insert(row_keys, tf.range(n))
-        at = tf.reshape(self.index.lookup(keys), [-1])
+        at = self.index.lookup(keys)
         is_row = at >= 0
         rows_at = tf.boolean_mask(at, is_row)
         counters = tf.reshape(counters, [-1, 2])
-        count = tf.scatter_nd(rows_at[:, None], tf.boolean_mask(counters[:, 0], is_row), [size])
         last = tf.tensor_scatter_nd_update(_grow(tf.zeros([n], tf.int64), size, -1), rows_at[:, None],
                                            tf.boolean_mask(counters[:, 1], is_row))
         self.rows.assign(_grow(tf.reshape(rows, [-1, self.dim]), size, 0.0), read_value=False)
         self.row_key.assign(_grow(row_keys, size, 0), read_value=False)
         self.last.assign(last, read_value=False)
-        self.count.assign(count, read_value=False)
         for name, var in self.slots.items():
             value = slots.get(name)
             if value is None:

@@ -400,8 +400,10 @@ class DynamicTable:
 
     # ------------------------------------------------------------ state out
     def stats(self) -> list[dict]:
-        """Per shard: rows, keys tracked (rows and keys counting towards admission), admissions, evictions."""
-        return [self.shard_stats(index) for index in range(len(self.shards))]
+        """Per shard: rows, keys tracked (rows and keys counting towards admission), admissions, evictions,
+        clock, and for a table with a capacity the bytes its storage holds. A ps that cannot be read
+        now gives `{"ps": k, "available": False, "error": ...}` instead."""
+        return [_shard_stats_or_unavailable(self, index) for index in range(len(self.shards))]
 
     def shard_stats(self, index: int) -> dict:
         """One shard's `stats()` entry (read on its ps)."""
@@ -415,6 +417,7 @@ class DynamicTable:
                 "admissions": int(shard.admissions.read_value()),
                 "evictions": int(shard.evictions.read_value()),
                 "clock": int(shard.clock.read_value()),
+                **({"table_bytes": int(shard.storage_bytes())} if shard.dense else {}),
             }
 
     def export_shard(self, index: int) -> dict:

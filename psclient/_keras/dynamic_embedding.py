@@ -85,9 +85,13 @@ def epoch_logs(model) -> dict[str, float]:
         todo.extend(getattr(layer, "layers", []))
         if isinstance(layer, DynamicEmbedding) and layer.table is not None:
             per_ps = layer.table_stats()
+            # A ps lost at the epoch's end is left out (recovery rebuilds it when the next step
+            # runs); a total over the others would read as a drop, so there is none then.
+            readable = [(index, entry) for index, entry in enumerate(per_ps) if entry.get("available", True)]
             for name in ("rows", "admissions", "evictions"):
-                logs[f"{layer.name}/{name}"] = float(sum(entry[name] for entry in per_ps))
-                for index, entry in enumerate(per_ps):
+                if len(readable) == len(per_ps):
+                    logs[f"{layer.name}/{name}"] = float(sum(entry[name] for entry in per_ps))
+                for index, entry in readable:
                     logs[f"{layer.name}/ps{index}/{name}"] = float(entry[name])
     return logs
 
@@ -268,7 +272,8 @@ class DynamicEmbedding(keras.layers.Layer):
         self.table.import_shards(states)
 
     def table_stats(self) -> list[dict]:
-        """Per ps task: rows, keys tracked, admissions, evictions, clock."""
+        """Per ps task: rows, keys tracked, admissions, evictions, clock (and `table_bytes` with a
+        capacity); a ps that cannot be read now: `{"ps": k, "available": False, "error": ...}`."""
         return self.table.stats()
 
     def save_own_variables(self, store):

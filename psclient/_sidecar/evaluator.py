@@ -193,6 +193,38 @@ class SidecarReport:
     best: dict | None = None  # The exported best evaluation, if export_best was set.
 
 
+def check_options(checkpoint_dir, *, steps=None, max_evaluations=None, idle_timeout=600.0, settle_time=2.0,
+                  poll_interval=1.0, export_best=None, best_metric="loss", best_mode="auto") -> dict:
+    """`SidecarEvaluator`'s options checked (ValueError naming the argument), before any model is built.
+
+    Returns them as the evaluator keeps them (absolute paths, `best_mode` resolved).
+    """
+    directory = os.path.abspath(os.fspath(checkpoint_dir))
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"Invalid value for argument `checkpoint_dir`. Received: checkpoint_dir={checkpoint_dir!r}, "
+                         "which is a file, not a directory. Expected the directory training writes checkpoints to.")
+    best = None
+    if export_best is not None:
+        best = os.path.abspath(os.fspath(export_best))
+        if not best.endswith(".keras"):
+            raise ValueError(f"Invalid value for argument `export_best`. Received: {export_best!r}. "
+                             "Expected a path ending in '.keras'.")
+    if best_mode not in ("auto", "max", "min"):
+        raise ValueError(f"Invalid value for argument `best_mode`. Received: {best_mode!r}. "
+                         "Expected 'auto', 'max' or 'min'.")
+    if best_mode == "auto":
+        best_mode = "max" if any(k in best_metric for k in ("acc", "auc", "precision", "recall", "f1")) else "min"
+    return {
+        "checkpoint_dir": directory,
+        "steps": check_positive("steps", steps, integer=True, optional=True),
+        "max_evaluations": check_positive("max_evaluations", max_evaluations, integer=True, optional=True),
+        "idle_timeout": check_positive("idle_timeout", idle_timeout, optional=True, finite=True, unit="seconds"),
+        "settle_time": check_positive("settle_time", settle_time, allow_zero=True, finite=True, unit="seconds"),
+        "poll_interval": check_positive("poll_interval", poll_interval, finite=True, unit="seconds"),
+        "export_best": best, "best_metric": best_metric, "best_mode": best_mode,
+    }
+
+
 class SidecarEvaluator:
     """Evaluates each new checkpoint that training writes, in a process of its own.
 
@@ -247,31 +279,18 @@ class SidecarEvaluator:
             raise ValueError(f"Invalid value for argument `model`. Received: an uncompiled {type(model).__name__}. "
                              "Expected a compiled model: compile(loss=..., metrics=[...]) names what is reported.")
         self.model, self.data = model, data
-        self.checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
-        if os.path.exists(self.checkpoint_dir) and not os.path.isdir(self.checkpoint_dir):
-            raise ValueError(f"Invalid value for argument `checkpoint_dir`. Received: checkpoint_dir={checkpoint_dir!r}, "
-                             "which is a file, not a directory. Expected the directory training writes checkpoints to.")
-        self.steps = check_positive("steps", steps, integer=True, optional=True)
-        self.max_evaluations = check_positive("max_evaluations", max_evaluations, integer=True, optional=True)
-        self.idle_timeout = check_positive("idle_timeout", idle_timeout, optional=True, finite=True, unit="seconds")
-        self.settle_time = check_positive("settle_time", settle_time, allow_zero=True, finite=True, unit="seconds")
-        self.poll_interval = check_positive("poll_interval", poll_interval, finite=True, unit="seconds")
+        options = check_options(checkpoint_dir, steps=steps, max_evaluations=max_evaluations,
+                                idle_timeout=idle_timeout, settle_time=settle_time, poll_interval=poll_interval,
+                                export_best=export_best, best_metric=best_metric, best_mode=best_mode)
+        self.checkpoint_dir, self.steps = options["checkpoint_dir"], options["steps"]
+        self.max_evaluations, self.idle_timeout = options["max_evaluations"], options["idle_timeout"]
+        self.settle_time, self.poll_interval = options["settle_time"], options["poll_interval"]
+        self.export_best = options["export_best"]
+        self.best_metric, self.best_mode = options["best_metric"], options["best_mode"]
         self.callbacks = list(callbacks or [])
         self.model_key = model_key
         self.log_dir = os.path.abspath(os.fspath(log_dir)) if log_dir is not None \
             else os.path.join(self.checkpoint_dir, "eval")
-        self.export_best = None
-        if export_best is not None:
-            self.export_best = os.path.abspath(os.fspath(export_best))
-            if not self.export_best.endswith(".keras"):
-                raise ValueError(f"Invalid value for argument `export_best`. Received: {export_best!r}. "
-                                 "Expected a path ending in '.keras'.")
-        if best_mode not in ("auto", "max", "min"):
-            raise ValueError(f"Invalid value for argument `best_mode`. Received: {best_mode!r}. "
-                             "Expected 'auto', 'max' or 'min'.")
-        if best_mode == "auto":
-            best_mode = "max" if any(k in best_metric for k in ("acc", "auc", "precision", "recall", "f1")) else "min"
-        self.best_metric, self.best_mode = best_metric, best_mode
         self._clock = clock
         self._stop = threading.Event()
         self._keras_expected: dict | None = None

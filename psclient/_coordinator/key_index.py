@@ -1,0 +1,133 @@
+"""A bounded table shard's key -> row index: one open-addressing hash table on the ps.
+
+TF's `DenseHashTable` keeps its entries in two flat arrays (keys int64 and
+rows int32: 12 bytes a bucket, buckets a power of two, at most 80% full),
+where a `MutableHashTable` allocates a node per key (about 60 to 80 bytes
+with its bucket array, measured: docs/dynamic_embeddings.md, "Speed and
+memory"). The index is made once with enough buckets for the shard's
+rows, so it never grows while the shard stays within them.
+
+Two things of open addressing the index takes care of:
+
+- A removed key leaves a tombstone that lookups walk past and only a
+  rebuild clears; under steady eviction they would fill every empty bucket
+  and make each lookup of an unknown key scan the whole array. `removed`
+  counts them; once they fill half of the buckets no live key holds, the
+  index is rebuilt from the shard's live keys (`rebuild_if_worn`), which
+  costs one pass over the buckets per that many removals.
+- Two key values mark empty and removed buckets (`RESERVED_KEYS`): those
+  keys never get a row (they read as absent and are never admitted).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from psclient._coordinator.runtime import coordinator_cpu
+
+__all__ = ["KeyIndex", "RESERVED_KEYS", "buckets_for"]
+
+#: Key values the index uses to mark empty and removed buckets: they never get a row of their own.
+#: Arbitrary 64-bit constants, so that no natural id (small integers, -1, 0, INT64_MIN as a missing
+#: marker) and only a 2**-63 chance of a string's fingerprint falls on them.
+EMPTY_KEY = -0x3C6EF372FE94F82B
+REMOVED_KEY = -0x3C6EF372FE94F82A
+RESERVED_KEYS = (EMPTY_KEY, REMOVED_KEY)
+
+_MAX_LOAD = 0.8  # DenseHashTable doubles its buckets past this fill
+
+
+def buckets_for(rows: int) -> int:
+    """The power of two of buckets (at least 4) that holds `rows` keys without the table growing."""
+    need = max(4, -(-rows * 5 // 4))  # rows / _MAX_LOAD, rounded up
+    return 1 << (need - 1).bit_length()
+
+
+class KeyIndex:
+    """key (int64) -> row (int32 stored, int64 returned; -1: none), on the device in effect when made.
+
+    The lookup's default value is held on the coordinator: a function using
+    the table captures it when traced, and held on the ps, a trace made
+    while that ps is down would fail on it.
+    """
+
+    BUCKET_BYTES = 12  # an int64 key and an int32 row
+
+    def __init__(self, rows: int, prefix: str):
+        if rows >= 2**31:
+            raise ValueError(f"a shard of {rows} rows: rows are indexed as int32, expected fewer than 2**31 per ps")
+        with tf.device(coordinator_cpu()):
+            default = tf.constant(-1, tf.int32)
+        self.table = tf.lookup.experimental.DenseHashTable(
+            tf.int64, tf.int32, default, empty_key=EMPTY_KEY, deleted_key=REMOVED_KEY,
+            initial_num_buckets=buckets_for(rows), name=f"{prefix}_index", checkpoint=False)
+        self.removed = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{prefix}_index_removed")
+        vector = tf.TensorSpec([None], tf.int64)
+        self._reset_function = tf.function(lambda keys, rows: self._reset(keys, rows) and None,
+                                           input_signature=[vector, vector], autograph=False)
+
+    @staticmethod
+    def usable(keys):
+        """Which `keys` may hold a row (all but `RESERVED_KEYS`)."""
+        return (keys != EMPTY_KEY) & (keys != REMOVED_KEY)
+
+    def lookup(self, keys):
+        usable = self.usable(keys)
+        # The table refuses its own marker keys: ask for a harmless key in their place.
+        found = self.table.lookup(tf.where(usable, keys, tf.zeros_like(keys)))
+        return tf.where(usable, tf.cast(tf.reshape(found, [-1]), tf.int64), tf.constant(-1, tf.int64))
+
+    def insert(self, keys, rows):
+        """Add keys not in the index (a key already in it past a tombstone would be held twice)."""
+        return self.table.insert(keys, tf.cast(rows, tf.int32))
+
+    def remove(self, keys):
+        with tf.control_dependencies([self.table.remove(keys)]):
+            return self.removed.assign_add(tf.size(keys, tf.int64), read_value=False)
+
+    def size(self):
+        return self.table.size()
+
+    def entries(self):
+        """(keys, rows) of every key the index holds (a pass over all buckets)."""
+        keys, rows = self.table.export()
+        keys, rows = tf.reshape(keys, [-1]), tf.cast(tf.reshape(rows, [-1]), tf.int64)
+        held = self.usable(keys)
+        return tf.boolean_mask(keys, held), tf.boolean_mask(rows, held)
+
+    def buckets(self):
+        """The number of buckets (the export hands back the table's own arrays, without a copy)."""
+        return tf.shape(self.table.export()[0], tf.int64)[0]
+
+    def reset(self, keys, rows):
+        """Hold exactly `keys` -> `rows`: the buckets emptied (tombstones gone), then the keys inserted
+        (the table doubles its buckets if they are too few for the keys)."""
+        if tf.executing_eagerly():
+            return self._reset_function(keys, rows)
+        return self._reset(keys, rows)
+
+    def _reset(self, keys, rows):
+        # Emptied arrays shaped after the table's own ([buckets, 1] each), of a shape unknown when
+        # traced: the import's shape check wants keys of rank 1, its kernel rank 2 (an eager call on
+        # a remote ps runs the check on the real shapes, hence `_reset_function`).
+        old_keys, old_rows = self.table.export()
+        emptied = tf.raw_ops.LookupTableImportV2(
+            table_handle=self.table.resource_handle,
+            keys=tf.fill(tf.shape(old_keys), tf.constant(EMPTY_KEY, tf.int64)), values=tf.zeros_like(old_rows))
+        with tf.control_dependencies([emptied, self.removed.assign(0, read_value=False)]):
+            return self.insert(keys, rows)
+
+    def rebuild_if_worn(self, live_keys):
+        """Rebuild (see the module's docstring) once tombstones fill half the buckets no key holds.
+
+        `live_keys()`: (keys, rows) of the shard's live rows, read only when rebuilding.
+        """
+        buckets = self.buckets()
+        worn = self.removed.read_value() * 2 >= buckets - self.size()
+
+        def rebuild():
+            keys, rows = live_keys()
+            with tf.control_dependencies([self.reset(keys, rows)]):
+                return tf.constant(True)
+
+        return tf.cond(worn, rebuild, lambda: tf.constant(False))
