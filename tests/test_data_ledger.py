@@ -16,15 +16,18 @@ pytestmark = pytest.mark.cluster
 N = 240
 
 
-@pytest.fixture()
-def cluster(local_cluster, restore_shared_clusters):
-    """The session's 2 workers + 1 ps; a worker a test killed is restarted after it."""
-    return local_cluster
+@pytest.fixture(scope="module")
+def cluster():
+    # Generous start and connect limits: a loaded machine starts TensorFlow slowly.
+    with psclient.LocalCluster(num_workers=2, num_ps=1, start_timeout=300) as local:
+        yield local
 
 
 @pytest.fixture()
 def strategy(cluster):
-    # A generous connect limit: a loaded machine starts TensorFlow slowly.
+    for index in range(2):  # a worker killed by an earlier test (the kill test runs last: none)
+        if not cluster.is_running("worker", index):
+            cluster.restart("worker", index, timeout=300)  # generous: a loaded machine starts TF slowly
     strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=10, connect_timeout=120)
     yield strategy
     strategy.shutdown()
