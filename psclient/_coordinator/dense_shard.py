@@ -100,24 +100,25 @@ def least_recent(keys, last, member, k):
     Selection, not a sort of the whole shard: the k-th smallest step
     (`top_k`) splits the members into those seen before it (all go) and
     those seen at it, of which the keys up to the needed-th smallest go
-    (a second `top_k`). Computed also for k == 0 (it then selects nothing),
-    without a `tf.cond`: on a ps, each conditional in a step cost
-    milliseconds (docs/dynamic_embeddings.md, "Speed and memory").
+    (a second `top_k`). Without a `tf.cond` (on a ps, each conditional in a
+    step cost milliseconds: docs/dynamic_embeddings.md, "Speed and
+    memory"): for k == 0 the selection runs on an empty slice.
     """
-    def pick():
-        # ~x reverses the order of int64 without overflow; non-members sort last.
-        masked = tf.where(member, last, tf.constant(_NEWEST, tf.int64))
-        top = tf.math.top_k(tf.bitwise.invert(masked), k=tf.cast(k, tf.int32), sorted=False).values
-        threshold = tf.bitwise.invert(tf.reduce_min(top))
-        below = member & (last < threshold)
-        tie = member & (last == threshold)
-        needed = k - tf.reduce_sum(tf.cast(below, tf.int64))
-        tie_keys = tf.where(tie, keys, tf.constant(_NEWEST, tf.int64))
-        smallest = tf.math.top_k(tf.bitwise.invert(tie_keys), k=tf.cast(needed, tf.int32), sorted=False).values
-        upto = tf.bitwise.invert(tf.reduce_min(smallest))
-        return below | (tie & (keys <= upto) & (needed > 0))
-
-    return pick()
+    size = tf.size(last, tf.int64)
+    n = tf.where(k > 0, size, tf.constant(0, tf.int64))
+    keys, last, member = keys[:n], last[:n], member[:n]
+    # ~x reverses the order of int64 without overflow; non-members sort last.
+    masked = tf.where(member, last, tf.constant(_NEWEST, tf.int64))
+    top = tf.math.top_k(tf.bitwise.invert(masked), k=tf.cast(k, tf.int32), sorted=False).values
+    threshold = tf.bitwise.invert(tf.reduce_min(top))
+    below = member & (last < threshold)
+    tie = member & (last == threshold)
+    needed = k - tf.reduce_sum(tf.cast(below, tf.int64))
+    tie_keys = tf.where(tie, keys, tf.constant(_NEWEST, tf.int64))
+    smallest = tf.math.top_k(tf.bitwise.invert(tie_keys), k=tf.cast(needed, tf.int32), sorted=False).values
+    upto = tf.bitwise.invert(tf.reduce_min(smallest))
+    chosen = below | (tie & (keys <= upto) & (needed > 0))
+    return tf.concat([chosen, tf.zeros(tf.reshape(size - n, [1]), tf.bool)], 0)
 
 
 def _grow(value, size, fill):
