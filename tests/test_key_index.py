@@ -96,5 +96,6 @@ def test_least_recent_selects_k_members_oldest_first_smaller_key_on_ties(k):
     expected = [key for _, key in sorted(zip([5, 2, 2, 7, 1], [10, 11, 12, 13, 14]))][:k]
     chosen = least_recent(keys, last, member, tf.constant(k, tf.int64)).numpy()
     assert chosen.shape == (6,) and sorted(keys.numpy()[chosen].tolist()) == sorted(expected)
-    traced = tf.function(least_recent)(keys, last, member, tf.constant(k, tf.int64)).numpy()
-    assert traced.tolist() == chosen.tolist()
+    for entries in (None, 6):  # under a conditional, and without (a small shard)
+        traced = tf.function(least_recent)(keys, last, member, tf.constant(k, tf.int64), entries).numpy()
+        assert traced.tolist() == chosen.tolist()
