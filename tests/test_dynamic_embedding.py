@@ -258,3 +258,30 @@ def test_reserved_index_keys_read_the_default_row_and_are_never_admitted():
     np.testing.assert_array_equal(out[:2], np.zeros((2, DIM)))
     np.testing.assert_array_equal(out[2], np.ones(DIM))
     assert layer.table_stats()[0]["rows"] == 1
+
+
+def test_a_stream_of_new_keys_keeps_the_key_index_exact_within_its_buckets():
+    """Far more keys than the index has buckets pass through a small table in traced steps: the
+    index is rebuilt by the steps' scans (its tombstones cleared) and never grows."""
+    layer = DynamicEmbedding(DIM, capacity=16, embeddings_initializer="ones")
+    sgd = keras.optimizers.SGD(0.1)
+
+    @tf.function
+    def step(keys):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(keys, training=True))
+        sgd.apply(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
+
+    layer.build()
+    [shard] = layer.table.shards
+    buckets = int(shard.index.buckets())
+    removed_before_rebuild = []
+    for start in range(0, 60 * 8, 8):
+        step(tf.range(start, start + 8, dtype=tf.int64))
+        removed_before_rebuild.append(int(shard.index.removed))
+    assert 60 * 8 > 10 * buckets and int(shard.index.buckets()) == buckets
+    assert any(b < a for a, b in zip(removed_before_rebuild, removed_before_rebuild[1:]))  # rebuilt
+    keys, rows = (t.numpy() for t in shard.index.entries())
+    np.testing.assert_array_equal(shard.row_key.numpy()[rows], keys)
+    assert set(keys.tolist()) >= set(range(472, 480))  # the last batch holds rows, trained once
+    np.testing.assert_allclose(rows_of(layer, list(range(472, 480))), np.full((8, DIM), 0.9))

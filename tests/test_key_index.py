@@ -1,4 +1,4 @@
-"""The bounded tables' key -> row index (no cluster): sizing, tombstones under churn, reserved keys."""
+"""The bounded tables' key -> row index and LRU selection (no cluster): sizing, tombstones under churn, reserved keys."""
 
 import numpy as np
 import pytest
@@ -84,3 +84,18 @@ def test_entries_are_the_held_keys_and_their_rows():
     index.remove(tf.constant([5], tf.int64))
     keys, rows = index.entries()
     assert sorted(zip(keys.numpy().tolist(), rows.numpy().tolist())) == [(4, 0), (6, 2)]
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 5])
+def test_least_recent_selects_k_members_oldest_first_smaller_key_on_ties(k):
+    from psclient._coordinator.dense_shard import least_recent
+
+    keys = tf.constant([10, 11, 12, 13, 14, 15], tf.int64)
+    last = tf.constant([5, 2, 2, 7, 1, 9], tf.int64)
+    member = tf.constant([True, True, True, True, True, False])
+    expected = [key for _, key in sorted(zip([5, 2, 2, 7, 1], [10, 11, 12, 13, 14]))][:k]
+    chosen = least_recent(keys, last, member, tf.constant(k, tf.int64)).numpy()
+    assert chosen.shape == (6,) and sorted(keys.numpy()[chosen].tolist()) == sorted(expected)
+    for entries in (None, 6):  # under a conditional, and without (a small shard)
+        traced = tf.function(least_recent)(keys, last, member, tf.constant(k, tf.int64), entries).numpy()
+        assert traced.tolist() == chosen.tolist()

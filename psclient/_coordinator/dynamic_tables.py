@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from psclient._coordinator.dense_shard import DenseShard, in_turn, least_recent
+from psclient._coordinator.dense_shard import DenseShard, least_recent, scan_when_due
 from psclient._coordinator.runtime import coordinator_cpu
 from psclient._core import dynamic_tables as rules
 from psclient._core.errors import first_line
@@ -332,9 +332,9 @@ class DynamicTable:
                     # Rows evicted (and reused) since the lookup are not written back.
                     valid, at, rows, slots = shard.read_for_update(keys, at, admitted)
                     rows, slots = rule(rows, tf.reshape(tf.boolean_mask(grad, valid), [-1, self.dim]), slots)
-                    with tf.control_dependencies(shard.write(at, rows, slots)):
-                        ops.append(in_turn(lambda shard=shard: tf.cond(
-                            shard.due(), shard.scan, lambda: tf.constant(0, tf.int64))))
+                    writes = shard.write(at, rows, slots)
+                    scan_when_due(shard, writes)  # by run_due_scans, once every table is updated
+                    ops.extend(writes)
                     continue
                 # Rows another worker's scan evicted since the lookup are not
                 # written back (that would leave rows without counters).

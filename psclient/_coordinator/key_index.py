@@ -12,9 +12,9 @@ Two things of open addressing the index takes care of:
 - A removed key leaves a tombstone that lookups walk past and only a
   rebuild clears; under steady eviction they would fill every empty bucket
   and make each lookup of an unknown key scan the whole array. `removed`
-  counts them; once they fill half of the buckets no live key holds, the
-  index is rebuilt from the shard's live keys (`rebuild_if_worn`), which
-  costs one pass over the buckets per that many removals.
+  counts them; once they fill half of the buckets no live key holds
+  (`worn`), the shard's next scan rebuilds the index from its live keys
+  (`rebuild_if_worn`), one pass over the buckets per that many removals.
 - Two key values mark empty and removed buckets (`RESERVED_KEYS`): those
   keys never get a row (they read as absent and are never admitted).
 """
@@ -117,13 +117,16 @@ class KeyIndex:
         with tf.control_dependencies([emptied, self.removed.assign(0, read_value=False)]):
             return self.insert(keys, rows)
 
+    def worn(self):
+        """Whether removals since the last rebuild could fill half of the buckets no key holds."""
+        return self.removed.read_value() * 2 >= self.buckets() - self.size()
+
     def rebuild_if_worn(self, live_keys):
         """Rebuild (see the module's docstring) once tombstones fill half the buckets no key holds.
 
         `live_keys()`: (keys, rows) of the shard's live rows, read only when rebuilding.
         """
-        buckets = self.buckets()
-        worn = self.removed.read_value() * 2 >= buckets - self.size()
+        worn = self.worn()
 
         def rebuild():
             keys, rows = live_keys()

@@ -27,6 +27,7 @@ import keras
 
 import tensorflow as tf
 
+from psclient._coordinator.dense_shard import run_due_scans
 from psclient._coordinator.dynamic_tables import DynamicTable
 from psclient._coordinator.runtime import ps_device, ps_index_of
 from psclient._core.dynamic_tables import Policy
@@ -63,6 +64,7 @@ def install() -> None:
                     layer = ref() if ref is not None else None
                     if layer is not None:
                         layer.apply_kept_gradients(self)
+                run_due_scans()  # one check per ps for all the tables just updated
             # The next class's apply, looked up now: psclient's own wrapper of
             # BaseOptimizer.apply may be installed after this one.
             return super(optimizer_class, self).apply(grads, trainable_variables)
