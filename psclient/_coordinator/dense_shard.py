@@ -339,7 +339,8 @@ class DenseShard:
         """Whether a scan is due after a step (rows over the share only come from a restore; the key
         index is rebuilt there, not in the admission, which would need a conditional of its own)."""
         share, every = self.share, rules.scan_every(self.policy.ttl_steps)
-        due = (self.pending.size() > share) | (self.index.size() > share) | self.index.worn()
+        rows = self.index.size()
+        due = (self.pending.size() > share) | (rows > share) | self.index.worn(rows)
         if every is not None:
             due |= self.clock.read_value() % every == 0
         return due
@@ -374,8 +375,7 @@ class DenseShard:
 
     def saved(self):
         """(keys, counters, row_keys, rows, {slot: rows}) of the shard, as tensors on its device."""
-        held = tf.reshape(tf.where(self._vector(self.last) >= 0), [-1])
-        row_keys = self._vector(self.row_key, held)
+        row_keys, held = self._live()
         waiting_keys, waiting = self.pending.export()
         keys = tf.concat([row_keys, tf.reshape(waiting_keys, [-1])], 0)
         last = self._vector(self.last, held)

@@ -64,7 +64,7 @@ def stats_on_ps(strategy) -> dict[str, list[dict]]:
     Only that strategy's: a table made under an earlier strategy (a model still
     referenced after its shutdown) lives on tasks this one may not reach.
     """
-    return {table.name: [_shard_stats_or_unavailable(table, index) for index in range(len(table.shards))]
+    return {table.name: table.stats()
             for table in live_tables() if table.shards[0].device and table.owner() is strategy}
 
 
@@ -136,8 +136,6 @@ def _table(value_dtype, default: list):
         default = tf.constant(default, value_dtype)
     return tf.lookup.experimental.MutableHashTable(tf.int64, value_dtype, default, checkpoint=False)
 
-
-_least_recent = least_recent
 
 
 class _Shard:
@@ -381,7 +379,7 @@ class DynamicTable:
             for group in groups:
                 size = tf.reduce_sum(tf.cast(group, tf.int64))
                 excess = tf.where(size > share, size - (share - rules.headroom(share)), 0)
-                gone = gone | _least_recent(keys, last, group, excess)
+                gone = gone | least_recent(keys, last, group, excess)
         victims = tf.boolean_mask(keys, gone)
         removals = [shard.values.remove(victims), shard.counters.remove(victims)]
         removals += [table.remove(victims) for table in shard.slots.values()]

@@ -63,8 +63,11 @@ class KeyIndex:
             initial_num_buckets=buckets_for(rows), name=f"{prefix}_index", checkpoint=False)
         self.removed = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{prefix}_index_removed")
         vector = tf.TensorSpec([None], tf.int64)
-        self._reset_function = tf.function(lambda keys, rows: self._reset(keys, rows) and None,
-                                           input_signature=[vector, vector], autograph=False)
+
+        def reset(keys, rows):
+            self._reset(keys, rows)
+
+        self._reset_function = tf.function(reset, input_signature=[vector, vector], autograph=False)
 
     @staticmethod
     def usable(keys):
@@ -117,9 +120,13 @@ class KeyIndex:
         with tf.control_dependencies([emptied, self.removed.assign(0, read_value=False)]):
             return self.insert(keys, rows)
 
-    def worn(self):
-        """Whether removals since the last rebuild could fill half of the buckets no key holds."""
-        return self.removed.read_value() * 2 >= self.buckets() - self.size()
+    def worn(self, size=None):
+        """Whether removals since the last rebuild could fill half of the buckets no key holds.
+
+        `size`: the index's size, when the caller has read it already.
+        """
+        size = self.size() if size is None else size
+        return self.removed.read_value() * 2 >= self.buckets() - size
 
     def rebuild_if_worn(self, live_keys):
         """Rebuild (see the module's docstring) once tombstones fill half the buckets no key holds.
