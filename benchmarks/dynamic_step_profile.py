@@ -59,7 +59,8 @@ def main(argv=None) -> int:
     import keras
     import tensorflow as tf
 
-    from psclient._coordinator.dynamic_tables import STORAGE_ENV, DynamicTable, _export, _least_recent
+    from psclient._coordinator.dense_shard import least_recent
+    from psclient._coordinator.dynamic_tables import STORAGE_ENV, DynamicTable, _export
     from psclient._core.dynamic_tables import Policy
     from psclient.layers import DynamicEmbedding
 
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
     evict = tf.function(lambda: table._evict(shard))
     excess = tf.constant(n - (args.capacity - args.capacity // 16), tf.int64)
     member = tf.ones([n], tf.bool)
-    select = tf.function(lambda: _least_recent(keys, last, member, excess))
+    select = tf.function(lambda: least_recent(keys, last, member, excess))
 
     @tf.function
     def select_by_sorting():
