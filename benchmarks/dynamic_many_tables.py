@@ -1,0 +1,162 @@
+"""What each DynamicEmbedding layer adds to a step, against an Embedding behind the hashing trick.
+
+A click model with N categorical features, one embedding layer per feature (`--tables`, e.g. 1, 4 and
+26), then Dense(32, relu) and Dense(1), Adagrad, `model.fit` on LocalCluster(num_workers=2, num_ps=2),
+in one coordinator process. For each N, two fresh models on the same cluster and the same stream
+(the ids of `dynamic_embeddings.py`: Zipf over a drifting window, most keys of a batch new):
+
+  dynamic   N DynamicEmbedding(dim, capacity=rows), one per feature
+  hashing   N Hashing(num_bins=rows) + Embedding(rows, dim), one per feature
+
+Printed per path and N: steps/s; CPU per step of the coordinator, the ps tasks and the workers (from
+/proc); and `ps_ops_in_step`: the operations placed on ps tasks in the traced training step (a
+custom step of the same model: forward, gradient, `optimizer.apply`; the ops of the conditionals'
+branches included, as they are in the step's graph whether a branch runs or not). Then per path, what
+one more table costs: `ms_per_step_per_table` and `ps_ops_per_table` (the difference between the
+largest and the smallest N, over the tables between them), and the ratio of dynamic to hashing steps/s
+per N.
+
+    python benchmarks/dynamic_many_tables.py                  # N = 1, 4, 26: about 6 minutes on a loaded 2-core machine
+    python benchmarks/dynamic_many_tables.py --tables 1,8 --steps 60
+
+Prints one JSON object (progress on stderr). Noisy machine: compare the ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import cpu_seconds, environment, log, print_json  # noqa: E402
+from dynamic_embeddings import FEATURES, stream  # noqa: E402
+
+PATHS = ("dynamic", "hashing")
+
+
+def build(keras, kind: str, tables: int, rows: int, dim: int):
+    from psclient.layers import DynamicEmbedding
+
+    ids = keras.Input((tables,), dtype="int64")
+    parts = []
+    for i in range(tables):
+        if kind == "dynamic":
+            parts.append(DynamicEmbedding(dim, capacity=rows, name=f"f{i}")(ids[:, i]))
+        else:
+            parts.append(keras.layers.Embedding(rows, dim, name=f"f{i}")(keras.layers.Hashing(rows)(ids[:, i])))
+    embedded = keras.layers.Concatenate()(parts) if tables > 1 else parts[0]
+    model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Dense(32, activation="relu")(embedded)))
+    model.compile(optimizer=keras.optimizers.Adagrad(0.05), loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    return model
+
+
+def ps_ops_in_step(tf, keras, model, batch: int, tables: int) -> int:
+    """Operations placed on a ps task in a traced training step of `model` (branch functions included)."""
+    optimizer = model.optimizer
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(model.loss(y, model(x, training=True)))
+        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        return loss
+
+    graph = step.get_concrete_function(tf.TensorSpec((batch, tables), tf.int64),
+                                       tf.TensorSpec((batch,), tf.float32)).graph.as_graph_def()
+    nodes = [*graph.node, *(node for function in graph.library.function for node in function.node_def)]
+    return sum("/job:ps/" in node.device for node in nodes)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tables", default="1,4,26", help=f"comma-separated numbers of features, each 1..{FEATURES}")
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per run (after the warm-up)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed first steps of each run (tracing)")
+    parser.add_argument("--rows", type=int, default=20_000, help="rows per feature: capacity and num_bins")
+    parser.add_argument("--dim", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {PATHS}")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        counts = sorted({int(n) for n in args.tables.split(",") if n})
+    except ValueError:
+        parser.error(f"--tables must be comma-separated integers, got {args.tables!r}")
+    if not counts or any(not 1 <= n <= FEATURES for n in counts):
+        parser.error(f"--tables must name numbers between 1 and {FEATURES}, got {args.tables!r}")
+    paths = [p for p in args.paths.split(",") if p]
+    if not paths or any(p not in PATHS for p in paths):
+        parser.error(f"--paths must name some of {PATHS}, got {args.paths!r}")
+
+    import keras
+    import tensorflow as tf
+
+    import psclient
+
+    total = args.warmup + args.steps
+    x_all = stream(args.seed, total, args.batch, 50_000)
+    y = (x_all[:, 0] % 3 == 0).astype("float32")
+    result = {"args": vars(args), "environment": environment(sys.argv)}
+    with psclient.LocalCluster(num_workers=2, num_ps=2, start_timeout=300) as local:
+        roles = {role: [local.pid(job, i) for job, i, _ in local.cluster.tasks() if job == role]
+                 for role in ("ps", "worker")}
+        strategy = psclient.ParameterServerStrategy(local.cluster)
+        try:
+            for n in counts:
+                x = np.ascontiguousarray(x_all[:, :n])
+                for kind in paths:
+                    gc.collect()
+                    with strategy.scope():
+                        model = build(keras, kind, n, args.rows, args.dim)
+                    marks = {}
+
+                    def mark():
+                        return (time.perf_counter(), time.process_time(),
+                                cpu_seconds(roles["ps"]), cpu_seconds(roles["worker"]))
+
+                    def on_batch_end(batch, logs):
+                        if batch == args.warmup - 1:
+                            marks["start"] = mark()
+
+                    timer = keras.callbacks.LambdaCallback(
+                        on_train_batch_end=on_batch_end, on_train_end=lambda logs: marks.__setitem__("end", mark()))
+                    model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+                    (w0, c0, p0, k0), (w1, c1, p1, k1) = marks["start"], marks["end"]
+                    run = {
+                        "steps_per_s": round(args.steps / (w1 - w0), 2),
+                        "coordinator_cpu_ms_per_step": round(1000 * (c1 - c0) / args.steps, 2),
+                        "ps_cpu_ms_per_step": round(1000 * (p1 - p0) / args.steps, 2),
+                        "worker_cpu_ms_per_step": round(1000 * (k1 - k0) / args.steps, 2),
+                        "ps_ops_in_step": ps_ops_in_step(tf, keras, model, args.batch, n),
+                    }
+                    result.setdefault(kind, {})[str(n)] = run
+                    log(f"{kind} x{n}: {run}")
+                    del model, timer
+        finally:
+            strategy.shutdown()
+    low, high = str(counts[0]), str(counts[-1])
+    for kind in paths:
+        runs = result[kind]
+        if high != low:
+            added = counts[-1] - counts[0]
+            runs["ms_per_step_per_table"] = round(
+                1000 * (1 / runs[high]["steps_per_s"] - 1 / runs[low]["steps_per_s"]) / added, 2)
+            runs["ps_cpu_ms_per_step_per_table"] = round(
+                (runs[high]["ps_cpu_ms_per_step"] - runs[low]["ps_cpu_ms_per_step"]) / added, 2)
+            runs["ps_ops_per_table"] = round((runs[high]["ps_ops_in_step"] - runs[low]["ps_ops_in_step"]) / added, 1)
+    if set(PATHS) <= set(paths):
+        result["dynamic_vs_hashing_steps_per_s"] = {
+            str(n): round(result["dynamic"][str(n)]["steps_per_s"] / result["hashing"][str(n)]["steps_per_s"], 2)
+            for n in counts}
+    print_json(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
