@@ -7,6 +7,8 @@ in one coordinator process. For each N, two fresh models on the same cluster and
 
   dynamic   N DynamicEmbedding(dim, capacity=rows), one per feature
   hashing   N Hashing(num_bins=rows) + Embedding(rows, dim), one per feature
+  dynamic_dict  ONE DynamicEmbedding(dim, capacity=N*rows) called on a dict of the N features (their
+            keys salted apart by the feature's name; the features share the capacity)
 
 Printed per path and N: steps/s; CPU per step of the coordinator, the ps tasks and the workers (from
 /proc); and `ps_ops_in_step`: the operations placed on ps tasks in the traced training step (a
@@ -37,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import cpu_seconds, environment, log, print_json  # noqa: E402
 from dynamic_embeddings import FEATURES, stream  # noqa: E402
 
-PATHS = ("dynamic", "hashing")
+PATHS = ("dynamic", "hashing", "dynamic_dict")
 
 
 def build(keras, kind: str, tables: int, rows: int, dim: int):
@@ -45,7 +47,11 @@ def build(keras, kind: str, tables: int, rows: int, dim: int):
 
     ids = keras.Input((tables,), dtype="int64")
     parts = []
-    for i in range(tables):
+    if kind == "dynamic_dict":
+        embedded = DynamicEmbedding(dim, capacity=rows * tables, name="features")(
+            {f"f{i}": ids[:, i] for i in range(tables)})
+        parts = [embedded[f"f{i}"] for i in range(tables)]
+    for i in range(tables if kind != "dynamic_dict" else 0):
         if kind == "dynamic":
             parts.append(DynamicEmbedding(dim, capacity=rows, name=f"f{i}")(ids[:, i]))
         else:
@@ -150,10 +156,11 @@ def main(argv=None) -> int:
             runs["ps_cpu_ms_per_step_per_table"] = round(
                 (runs[high]["ps_cpu_ms_per_step"] - runs[low]["ps_cpu_ms_per_step"]) / added, 2)
             runs["ps_ops_per_table"] = round((runs[high]["ps_ops_in_step"] - runs[low]["ps_ops_in_step"]) / added, 1)
-    if set(PATHS) <= set(paths):
-        result["dynamic_vs_hashing_steps_per_s"] = {
-            str(n): round(result["dynamic"][str(n)]["steps_per_s"] / result["hashing"][str(n)]["steps_per_s"], 2)
-            for n in counts}
+    for kind in ("dynamic", "dynamic_dict"):
+        if kind in paths and "hashing" in paths:
+            result[f"{kind}_vs_hashing_steps_per_s"] = {
+                str(n): round(result[kind][str(n)]["steps_per_s"] / result["hashing"][str(n)]["steps_per_s"], 2)
+                for n in counts}
     print_json(result)
     return 0
 

@@ -20,6 +20,7 @@ Storage, admission and eviction: `psclient._coordinator.dynamic_tables`.
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
 import weakref
 
@@ -28,7 +29,7 @@ import keras
 import tensorflow as tf
 
 from psclient._coordinator.dense_shard import run_due_scans
-from psclient._coordinator.dynamic_tables import DynamicTable
+from psclient._coordinator.dynamic_tables import DynamicTable, mix64
 from psclient._coordinator.runtime import ps_device, ps_index_of
 from psclient._core.dynamic_tables import Policy
 from psclient._keras import dynamic_optimizers
@@ -120,6 +121,11 @@ def _initializer(value) -> tuple:
     )
 
 
+def _salt(name: str) -> int:
+    """A feature name's 64-bit salt (int64): the same in every process and version."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
+
+
 @keras.saving.register_keras_serializable(package="psclient")
 class DynamicEmbedding(keras.layers.Layer):
     """Embeds any int64 (or string) key without a vocabulary; rows live on the ps tasks.
@@ -135,6 +141,13 @@ class DynamicEmbedding(keras.layers.Layer):
         rows are evicted first. None: unbounded.
       ttl_steps: a key not seen for this many training steps is evicted. None: never.
       combiner: for `tf.RaggedTensor` inputs (multi-hot): "sum" or "mean" of a row's keys' rows.
+
+    Called on a dict of features ({name: keys}), one layer embeds them all
+    (a dict of outputs, by the same names): the same id in two features gets
+    two rows (keys are salted with the feature's name), and the features
+    share the layer's `capacity`. A step then costs one lookup and one
+    update per ps task for all of them instead of one per layer
+    (docs/dynamic_embeddings.md, "Many features").
     """
 
     def __init__(self, output_dim, key_dtype="int64", embeddings_initializer="uniform", min_frequency=1,
@@ -176,38 +189,52 @@ class DynamicEmbedding(keras.layers.Layer):
         self.built = True
 
     def compute_output_shape(self, input_shape):
+        if isinstance(input_shape, dict):
+            return {name: self.compute_output_shape(shape) for name, shape in input_shape.items()}
         if self.combiner is not None:
             return tuple(input_shape[:-1]) + (self.output_dim,)
         return tuple(input_shape) + (self.output_dim,)
 
     def compute_output_spec(self, inputs, *args, **kwargs):
+        if isinstance(inputs, dict):
+            self._check_features(inputs)
+            return {name: self.compute_output_spec(value) for name, value in inputs.items()}
         return keras.KerasTensor(self.compute_output_shape(inputs.shape), dtype="float32")
 
     # ---------------------------------------------------------------- call
-    def keys_of(self, inputs):
-        """(inputs, their int64 keys flattened) (strings hashed); raise for a dtype or rank the layer does not take."""
+    def _check_features(self, features: dict) -> None:
+        if not features or not all(isinstance(name, str) and name for name in features):
+            raise ValueError(f"Invalid value for argument `inputs` of DynamicEmbedding {self.name!r}. Received: a "
+                             f"dict with keys {sorted(map(repr, features))}. Expected a non-empty dict of features "
+                             "by name (non-empty strings), or one tensor of keys.")
+
+    def keys_of(self, inputs, argument: str = "inputs"):
+        """(inputs, their int64 keys flattened) (strings hashed); raise for a dtype or rank the layer does not take.
+
+        `argument`: how errors name the input (`inputs['user']` for a feature of a dict).
+        """
         ragged = isinstance(inputs, tf.RaggedTensor)
         if isinstance(inputs, tf.SparseTensor):
-            raise TypeError(f"Invalid value for argument `inputs` of DynamicEmbedding {self.name!r}. Received: a "
-                            "tf.SparseTensor. Expected a dense tensor of keys, or a tf.RaggedTensor with combiner.")
+            raise TypeError(f"Invalid value for argument `{argument}` of DynamicEmbedding {self.name!r}. Received: "
+                            "a tf.SparseTensor. Expected a dense tensor of keys, or a tf.RaggedTensor with combiner.")
         if not ragged:
             inputs = tf.convert_to_tensor(inputs)
         dtype = inputs.dtype
         if self.key_dtype == "string":
             if dtype != tf.string:
-                raise TypeError(f"Invalid dtype for argument `inputs` of DynamicEmbedding {self.name!r}. Received: "
-                                f"dtype={dtype.name}. Expected string keys (key_dtype='string').")
+                raise TypeError(f"Invalid dtype for argument `{argument}` of DynamicEmbedding {self.name!r}. "
+                                f"Received: dtype={dtype.name}. Expected string keys (key_dtype='string').")
         elif dtype not in (tf.int64, tf.int32):
-            raise TypeError(f"Invalid dtype for argument `inputs` of DynamicEmbedding {self.name!r}. Received: "
+            raise TypeError(f"Invalid dtype for argument `{argument}` of DynamicEmbedding {self.name!r}. Received: "
                             f"dtype={dtype.name}. Expected int64 or int32 keys (key_dtype='int64'); float keys "
                             "are refused because they round.")
         rank = inputs.shape.rank
         if ragged and (self.combiner is None or rank != 2):
-            raise ValueError(f"Invalid value for argument `inputs` of DynamicEmbedding {self.name!r}. Received: a "
-                             f"tf.RaggedTensor of rank {rank} with combiner={self.combiner!r}. Expected a rank-2 "
+            raise ValueError(f"Invalid value for argument `{argument}` of DynamicEmbedding {self.name!r}. Received: "
+                             f"a tf.RaggedTensor of rank {rank} with combiner={self.combiner!r}. Expected a rank-2 "
                              "RaggedTensor (batch, keys) and combiner='sum' or 'mean'.")
         if not ragged and (rank is None or rank < 1 or self.combiner is not None and rank < 2):
-            raise ValueError(f"Invalid value for argument `inputs` of DynamicEmbedding {self.name!r}. Received: "
+            raise ValueError(f"Invalid value for argument `{argument}` of DynamicEmbedding {self.name!r}. Received: "
                              f"shape={inputs.shape}. Expected a tensor of rank >= 1 (>= 2 with a combiner): "
                              "a batch of keys.")
         flat = inputs.flat_values if ragged else tf.reshape(inputs, [-1])
@@ -216,14 +243,32 @@ class DynamicEmbedding(keras.layers.Layer):
         return inputs, tf.cast(flat, tf.int64)
 
     def call(self, inputs, training=None):
+        if isinstance(inputs, dict):
+            return self._call_features(inputs, training)
         inputs, flat = self.keys_of(inputs)
+        return self._shaped(inputs, self._rows(flat, training))
+
+    def _call_features(self, features: dict, training):
+        """One lookup for every feature of the dict, their keys salted apart (see the class's docstring)."""
+        self._check_features(features)
+        names = sorted(features)
+        parts = [self.keys_of(features[name], f"inputs[{name!r}]") for name in names]
+        flat = tf.concat([mix64(keys + _salt(name)) for name, (_, keys) in zip(names, parts)], 0)
+        found = tf.split(self._rows(flat, training), [tf.size(keys) for _, keys in parts])
+        return {name: self._shaped(inputs, rows) for name, (inputs, _), rows in zip(names, parts, found)}
+
+    def _rows(self, flat, training):
+        """A row for each of the int64 keys `flat` (admitted and watched for the gradient when training)."""
         unique, index, counts = tf.unique_with_counts(flat)
         if training:
             rows, state = self.table.train_lookup(unique, counts)
             rows = self.watched(rows, state)
         else:
             rows = self.table.lookup(unique)
-        found = tf.gather(rows, index)
+        return tf.gather(rows, index)
+
+    def _shaped(self, inputs, found):
+        """The rows `found` for the keys of `inputs`, in the inputs' shape (combined if multi-hot)."""
         if isinstance(inputs, tf.RaggedTensor):
             found = inputs.with_flat_values(found)
             return tf.reduce_sum(found, 1) if self.combiner == "sum" else tf.reduce_mean(found, 1)
