@@ -140,9 +140,9 @@ class DenseShard:
     dense = True
 
     def __init__(self, device: str | None, dim: int, prefix: str, share: int, policy: rules.Policy,
-                 placed, table_factory):
+                 placed, table_factory, lock_for):
         self.device, self.dim, self.prefix, self.share, self.policy = device, dim, prefix, share, policy
-        self.placed, self._table = placed, table_factory
+        self.placed, self._table, self._lock_for = placed, table_factory, lock_for
         self.slots: dict = {}
         self.slot_defaults: dict[str, float] = {}
         self.make({})
@@ -176,7 +176,8 @@ class DenseShard:
                                           name=f"{self.prefix}_admissions")
             self.evictions = tf.Variable(tf.constant(0, tf.int64), trainable=False,
                                          name=f"{self.prefix}_evictions")
-            self.lock = tf.CriticalSection(name=f"{self.prefix}_lock")
+            # Shared by the bounded tables' shards on this device: a step admits into them at once.
+            self.lock = self._lock_for(self.device)
             self.slots = {}
         self.add_slots(slot_defaults)
 
@@ -211,76 +212,35 @@ class DenseShard:
         found = self._gather(self.rows, safe)
         return tf.where(alive[:, None], found, tf.zeros_like(found))
 
-    # ------------------------------------------------------------ admission
-    def admit(self, keys, seen_now, initial_rows, check_batch):
-        """Count, admit and read `keys`; returns (rows, admitted, fresh, row of each key)."""
-        def locked():
-            # Under the lock: two steps' increments read back apart, so each step has its own clock.
-            clock = self.clock.assign_add(1)
-            return self._admit(keys, seen_now, clock, initial_rows, check_batch)
+    def peek(self, keys, seen_now, initial_rows, check_batch):
+        """The rows a training step's forward pass reads for `keys` (seen `seen_now` times), read only.
 
-        return in_turn(lambda: self.lock.execute(locked, exclusive_resource_access=False), (keys, seen_now))
-
-    def _admit(self, keys, seen_now, clock, initial_rows, check_batch):
-        policy, minimum = self.policy, self.policy.min_frequency
+        A key holding a row reads it; a key its update will admit reads the
+        row it will start from (`initial_rows`); others read zeros. The
+        admission itself runs with the update (`psclient._coordinator.fused_admission`).
+        Without the lock: during another step's rebuild of the key index a
+        held key can read as new (its forward pass then sees its first row;
+        the update still reaches its row).
+        """
+        policy = self.policy
         at, safe = self._rows_of(keys)
-        have = at >= 0
-        if policy.ttl_steps is not None:  # an expired row is freed; its key is admitted afresh
-            stale = have & (clock - self._vector(self.last, safe) > policy.ttl_steps)
-            stale_at = tf.boolean_mask(at, stale)
-            free_stale = tf.group(
-                self.index.remove(tf.boolean_mask(keys, stale)),
-                self.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(stale_at), tf.constant(-1, tf.int64)),
-                                                          stale_at)))
-            have &= ~stale
-        else:
-            free_stale = tf.no_op()
-        waiting = tf.reshape(self.pending.lookup(keys), [-1, 2])
-        count = waiting[:, 0]
+        alive = at >= 0
         if policy.ttl_steps is not None:
-            count = tf.where(clock - waiting[:, 1] > policy.ttl_steps, tf.zeros_like(count), count)
-        # A key holding a row was admitted: its sightings no longer matter.
-        total = tf.where(have, tf.constant(minimum, tf.int64), count + seen_now)
-        admitted = (total >= minimum) & self.index.usable(keys)
-        fresh = admitted & ~have
-        with tf.control_dependencies([check_batch(admitted), free_stale]):
-            need = tf.reduce_sum(tf.cast(fresh, tf.int64))
-        if minimum > 1:
-            counting = ~admitted
-            self.pending.insert(tf.boolean_mask(keys, counting),
-                                tf.stack([tf.boolean_mask(total, counting),
-                                          tf.fill(tf.shape(tf.boolean_mask(total, counting)), clock)], 1))
-            self.pending.remove(tf.boolean_mask(keys, fresh))
-        # The batch's rows are seen now: never this step's victims.
-        kept_at = tf.boolean_mask(at, have)
-        touch = [self.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(kept_at), clock), kept_at))]
-        with tf.control_dependencies(touch):
-            # The batch's rows were last seen at this step's clock, which no other step shares (it
-            # is read under the lock). (A mask scattered into `tf.shape(last)` failed on a cluster:
-            # "does not index into shape [1]".)
-            held = tf.reduce_sum(tf.cast(self._vector(self.last) >= 0, tf.int64))
-            excess = tf.maximum(held + need - self.share, 0)
-            excess = tf.where(excess > 0, held + need - (self.share - rules.headroom(self.share)), excess)
-            evict = self._remove_rows(lambda last: (last >= 0) & (last != clock), excess, count_rows=True)
-        with tf.control_dependencies([evict]):
-            free = tf.reshape(tf.where(self._vector(self.last) < 0), [-1])[:need]
-            new_keys = tf.boolean_mask(keys, fresh)
-            # Rows for every fresh key (the share holds a batch's admitted keys, checked above).
-            places = tf.scatter_nd(tf.where(fresh), free, tf.shape(keys, tf.int64))
-            at = tf.where(have, at, tf.where(fresh, places, -1))
-            writes = [self.index.insert(new_keys, free),
-                      self.row_key.scatter_update(tf.IndexedSlices(new_keys, free)),
-                      self.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(free), clock), free)),
-                      self.rows.scatter_update(tf.IndexedSlices(initial_rows(new_keys), free)),
-                      self.admissions.assign_add(need)]
-            writes += [var.scatter_update(tf.IndexedSlices(
-                tf.fill(tf.stack([tf.size(free), self.dim]), tf.constant(self.slot_defaults[name], tf.float32)),
-                free)) for name, var in self.slots.items()]
-        with tf.control_dependencies(writes):
-            found = self._gather(self.rows, tf.maximum(at, 0))
-            return (tf.where(admitted[:, None], found, tf.zeros_like(found)), tf.identity(admitted),
-                    tf.identity(fresh), tf.identity(at))
+            alive &= self.clock.read_value() + 1 - self._vector(self.last, safe) <= policy.ttl_steps
+        will = self.index.usable(keys)
+        if policy.min_frequency > 1:
+            waiting = tf.reshape(self.pending.lookup(keys), [-1, 2])
+            count = waiting[:, 0]
+            if policy.ttl_steps is not None:
+                count = tf.where(self.clock.read_value() + 1 - waiting[:, 1] > policy.ttl_steps,
+                                 tf.zeros_like(count), count)
+            will &= alive | (count + seen_now >= policy.min_frequency)
+        with tf.control_dependencies([check_batch(will)]):
+            found = self._gather(self.rows, safe)
+        start = tf.where(will[:, None], initial_rows(keys), tf.zeros_like(found))
+        return tf.where(alive[:, None], found, start)
 
+    # ------------------------------------------------------------ admission
     def _live(self):
         """(keys, rows) of the rows that hold a key."""
         held = tf.reshape(tf.where(self._vector(self.last) >= 0), [-1])
@@ -386,7 +346,17 @@ class DenseShard:
         return keys, counters, row_keys, self._gather(self.rows, held), slots
 
     def replace(self, keys, counters, row_keys, rows, slots, clock, admissions, evictions) -> None:
-        """Hold exactly these (a restore or an import); more rows than the share are kept until a scan."""
+        """Hold these (a restore or an import; eagerly). Restored into fewer ps tasks, a shard can get
+        more rows than its share: the scan then evicts by the usual rules and the rows left are packed
+        into the share (the fused admission wants every shard of a table at its share)."""
+        self._replace(keys, counters, row_keys, rows, slots, clock, admissions, evictions)
+        if int(tf.size(row_keys)) > self.share:
+            self.scan()
+            keys, counters, row_keys, rows, slots = self.saved()
+            self._replace(keys, counters, row_keys, rows, slots, self.clock.read_value(),
+                          self.admissions.read_value(), self.evictions.read_value())
+
+    def _replace(self, keys, counters, row_keys, rows, slots, clock, admissions, evictions) -> None:
         n = tf.size(row_keys, tf.int64)
         size = tf.maximum(n, self.share)
         self.index.reset(row_keys, tf.range(n))

@@ -36,16 +36,13 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from psclient._coordinator.dense_shard import DenseShard, least_recent, scan_when_due
+from psclient._coordinator.key_hash import initial_rows, mix64, shard_of
 from psclient._coordinator.runtime import coordinator_cpu
 from psclient._core import dynamic_tables as rules
 from psclient._core.errors import first_line
 from psclient._engine import registry
 
 __all__ = ["DynamicTable", "initial_rows", "live_tables", "mix64", "shard_of", "stats_on_ps"]
-
-_GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # splitmix64's constants, as int64
-_MIX_1 = 0xBF58476D1CE4E5B9 - 2**64
-_MIX_2 = 0x94D049BB133111EB - 2**64
 
 _lock = threading.Lock()
 _tables: "weakref.WeakSet[DynamicTable]" = weakref.WeakSet()
@@ -79,44 +76,6 @@ def _shard_stats_or_unavailable(table: "DynamicTable", index: int) -> dict:
         return table.shard_stats(index)
     except tf.errors.OpError as error:
         return {"ps": index, "available": False, "error": f"{type(error).__name__}: {first_line(error)}"}
-
-
-def _shift(x, bits: int):
-    """Logical right shift of int64 (TF's is arithmetic on signed types)."""
-    return tf.bitwise.bitwise_and(tf.bitwise.right_shift(x, bits), (1 << (64 - bits)) - 1)
-
-
-def mix64(x):
-    """splitmix64's finaliser on int64 tensors (wrapping arithmetic): well-spread bits from any keys."""
-    x = x + tf.constant(_GOLDEN, tf.int64)
-    x = tf.bitwise.bitwise_xor(x, _shift(x, 30)) * tf.constant(_MIX_1, tf.int64)
-    x = tf.bitwise.bitwise_xor(x, _shift(x, 27)) * tf.constant(_MIX_2, tf.int64)
-    return tf.bitwise.bitwise_xor(x, _shift(x, 31))
-
-
-def shard_of(keys, shards: int):
-    """The shard of each int64 key."""
-    return tf.cast(_shift(mix64(keys), 1) % shards, tf.int32)
-
-
-def initial_rows(keys, dim: int, init: tuple):
-    """A new row per key, drawn from a stream seeded by the key itself.
-
-    So a key's first row is the same on any ps, worker or process, with or
-    without a cluster. `init`: ("uniform", low, high, seed),
-    ("normal", mean, stddev, seed) or ("constant", value, 0, seed).
-    """
-    kind, a, b, seed = init
-    if kind == "constant":
-        return tf.fill(tf.stack([tf.size(keys), dim]), tf.constant(a, tf.float32))
-    base = mix64(tf.bitwise.bitwise_xor(keys, tf.constant(seed, tf.int64)))
-    h = mix64(base[:, None] + tf.range(dim, dtype=tf.int64)[None, :] * tf.constant(_GOLDEN, tf.int64))
-    u = tf.cast(_shift(h, 11), tf.float64) * 2.0**-53  # [0, 1)
-    if kind == "uniform":
-        return tf.cast(a + (b - a) * u, tf.float32)
-    u2 = tf.cast(_shift(mix64(h), 11), tf.float64) * 2.0**-53
-    normal = tf.sqrt(-2.0 * tf.math.log1p(-u)) * tf.cos(2.0 * 3.141592653589793 * u2)  # Box-Muller
-    return tf.cast(a + b * normal, tf.float32)
 
 
 def _export(table):
@@ -170,6 +129,19 @@ class _Shard:
 STORAGE_ENV = "PSCLIENT_DYNAMIC_TABLE_STORAGE"
 
 
+_local_locks: dict = {}
+
+
+def _local_lock(device):
+    """The lock the bounded tables of this process share without a cluster (see stores.table_lock),
+    one per local device name: connecting to a cluster renames this process's devices."""
+    with _lock, tf.init_scope():
+        here = tf.constant(0).device
+        if here not in _local_locks:
+            _local_locks[here] = tf.CriticalSection(name="psclient_tables_local")
+        return _local_locks[here]
+
+
 def _placer(device):
     return (lambda: tf.device(device)) if device else contextlib.nullcontext
 
@@ -192,7 +164,8 @@ class DynamicTable:
         self._unmanaged = store.unmanaged if store is not None else contextlib.nullcontext
         with tf.init_scope(), self._unmanaged():
             if self.share is not None and os.environ.get(STORAGE_ENV, "dense") != "hash":
-                self.shards = [DenseShard(d, dim, f"{name}_ps{i}", self.share, policy, _placer(d), _table)
+                lock_for = store.table_lock if store is not None else _local_lock
+                self.shards = [DenseShard(d, dim, f"{name}_ps{i}", self.share, policy, _placer(d), _table, lock_for)
                                for i, d in enumerate(devices)]
             else:
                 self.shards = [_Shard(d, dim, f"{name}_ps{i}") for i, d in enumerate(devices)]
@@ -266,15 +239,26 @@ class DynamicTable:
         rows, states = [], []
         for shard, part, seen_now in zip(self.shards, parts, count_parts):
             with shard.placed():
-                if shard.dense:
+                if shard.dense:  # admitted with the update (`parts`, fused_admission)
                     part = tf.reshape(part, [-1])
-                    found, admitted, fresh, at = shard.admit(
-                        part, seen_now, lambda k: initial_rows(k, self.dim, self.init), self._check_batch)
-                else:
-                    (found, admitted, fresh), at = self._admit(shard, part, seen_now), None
+                    found = shard.peek(part, seen_now, lambda k: initial_rows(k, self.dim, self.init),
+                                       self._check_batch)
+                    rows.append(found)
+                    states.append((part, seen_now))
+                    continue
+                (found, admitted, fresh), at = self._admit(shard, part, seen_now), None
             rows.append(found)
             states.append((part, admitted, fresh, at))
         return tf.dynamic_stitch(positions, rows), (positions, states)
+
+    def parts(self, state, gradient) -> list:
+        """`fused_admission.Part`s of a `train_lookup` with a capacity: each shard's keys, their
+        sightings and gradient rows (only a shard's rows travel to its ps)."""
+        from psclient._coordinator.fused_admission import Part
+
+        positions, states = state
+        return [Part(self.serial, self.name, shard, keys, seen, tf.gather(gradient, position), self.init)
+                for shard, position, (keys, seen) in zip(self.shards, positions, states)]
 
     def _split_like(self, values, keys):
         n = len(self.shards)

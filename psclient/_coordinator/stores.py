@@ -63,6 +63,9 @@ class VariableStore:
         # Dynamic embedding tables made under this strategy, in creation order (weakly): saved
         # by their ps tasks beside the variables, re-made with them when a ps is lost.
         self._tables: list[weakref.ref] = []
+        # The lock of the bounded tables' shards on each ps task (one per task: a training step
+        # admits into all of that task's tables at once): re-made with the task's resources.
+        self._table_locks: dict[str, Any] = {}
         self._unmanaged = threading.local()
 
     @contextlib.contextmanager
@@ -228,6 +231,9 @@ class VariableStore:
             if ps in lost_ps:
                 _runtime.renew_variable_handle(part, _runtime.ps_device(ps))
                 count += 1
+        with self._lock:  # the lost tasks' locks died with them: the tables' renewal makes new ones
+            for ps in lost_ps:
+                self._table_locks.pop(_runtime.ps_device(ps), None)
         for table in self.tables().values():
             table.renew(set(lost_ps))
         for ref in self._on_renew:
@@ -240,6 +246,16 @@ class VariableStore:
         """Track a dynamic embedding table (`psclient._coordinator.dynamic_tables.DynamicTable`)."""
         with self._lock:
             self._tables.append(weakref.ref(table))
+
+    def table_lock(self, device: str) -> Any:
+        """The `tf.CriticalSection` the bounded tables' shards on `device` (a ps task) share."""
+        with self._lock:
+            lock = self._table_locks.get(device)
+            if lock is None:
+                with tf.init_scope(), tf.device(device):
+                    lock = tf.CriticalSection(name=f"psclient_tables_ps{_runtime.ps_index_of(device)}")
+                self._table_locks[device] = lock
+            return lock
 
     def tables(self) -> dict[str, Any]:
         """Live dynamic tables keyed by creation index (`table/0000`), as variables are."""

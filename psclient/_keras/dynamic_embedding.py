@@ -29,6 +29,7 @@ import keras
 import tensorflow as tf
 
 from psclient._coordinator.dense_shard import run_due_scans
+from psclient._coordinator.fused_admission import apply_parts
 from psclient._coordinator.dynamic_tables import DynamicTable, mix64
 from psclient._coordinator.runtime import ps_device, ps_index_of
 from psclient._core.dynamic_tables import Policy
@@ -60,11 +61,16 @@ def install() -> None:
         def apply(self, grads, trainable_variables=None):
             if trainable_variables is not None:
                 trainable_variables = list(trainable_variables)
+                parts, rule = [], None
                 for variable in trainable_variables:
                     ref = getattr(variable, "_psclient_dynamic_layer", None)
                     layer = ref() if ref is not None else None
                     if layer is not None:
-                        layer.apply_kept_gradients(self)
+                        layer_parts, layer_rule = layer.apply_kept_gradients(self)
+                        parts += layer_parts
+                        rule = rule or layer_rule
+                if parts:  # one admission and update per ps for the alike tables of the step
+                    apply_parts(parts, rule)
                 run_due_scans()  # one check per ps for all the tables just updated
             # The next class's apply, looked up now: psclient's own wrapper of
             # BaseOptimizer.apply may be installed after this one.
@@ -293,8 +299,12 @@ class DynamicEmbedding(keras.layers.Layer):
         key = _Kept.EAGER if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         self._kept.by_graph.setdefault(key, []).append((state, gradient))
 
-    def apply_kept_gradients(self, optimizer):
-        """Apply the gradients kept in this graph (or its outer graphs) to the rows, on their ps."""
+    def apply_kept_gradients(self, optimizer) -> tuple[list, object]:
+        """Apply the gradients kept in this graph (or its outer graphs) to the rows, on their ps.
+
+        A table without a capacity is updated here; a bounded one's shares are
+        returned, with the optimizer's update rule, for `fused_admission.apply_parts`.
+        """
         if tf.executing_eagerly():
             kept = self._kept.by_graph.pop(_Kept.EAGER, [])
         else:
@@ -303,11 +313,16 @@ class DynamicEmbedding(keras.layers.Layer):
                 kept = self._kept.by_graph.pop(graph, [])
                 graph = getattr(graph, "outer_graph", None)
         if not kept:
-            return
+            return [], None
         slots, rule = dynamic_optimizers.rule_for(optimizer, self.name)
         self.table.ensure_slots(slots)
+        parts = []
         for state, gradient in kept:
-            self.table.apply(state, gradient, rule)
+            if self.table.shards[0].dense:
+                parts += self.table.parts(state, gradient)
+            else:
+                self.table.apply(state, gradient, rule)
+        return parts, rule
 
     # ------------------------------------------------------ state and saving
     def export_state(self) -> list[dict]:
