@@ -289,12 +289,12 @@ class DynamicTable:
         """A batch's own rows must fit in a ps task's share, or they would evict each other."""
         if self.share is None:
             return tf.no_op()
-        policy = self.policy
-        return tf.debugging.assert_less_equal(
-            tf.reduce_sum(tf.cast(admitted, tf.int64)), tf.constant(self.share, tf.int64),
-            message=(f"Invalid value for argument `capacity` of DynamicEmbedding {self.name!r}. Received: "
-                     f"capacity={policy.capacity} ({self.share} rows per ps task). Expected at least the "
-                     "distinct admitted keys one batch brings to one ps task; this batch brought"))
+        brought = tf.reduce_sum(tf.cast(admitted, tf.int32))
+        # tf.Assert with int32 and string data only: a single op, no conditional around it.
+        return tf.debugging.Assert(brought <= self.share, [
+            f"Invalid value for argument `capacity` of DynamicEmbedding {self.name!r}. Received: "
+            f"capacity={self.policy.capacity} ({self.share} rows per ps task). Expected at least the distinct "
+            "admitted keys one batch brings to one ps task; this batch brought", brought])
 
     # --------------------------------------------------------------- update
     def apply(self, state, gradient, rule: Callable) -> list:
