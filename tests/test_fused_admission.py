@@ -1,0 +1,97 @@
+"""Several bounded DynamicEmbedding tables admitted and updated together in one step
+(psclient/_coordinator/fused_admission.py): each table keeps its own capacity, LRU order and rows,
+as a reference computed here says; the batched LRU selection picks what the per-shard one picks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+tf = pytest.importorskip("tensorflow")
+
+from psclient._coordinator.dense_shard import least_recent  # noqa: E402
+from psclient._coordinator.fused_admission import _least_recent_rows  # noqa: E402
+from psclient._core.dynamic_tables import headroom  # noqa: E402
+from psclient.layers import DynamicEmbedding  # noqa: E402
+
+START, LR = 0.5, 0.1
+
+
+def test_the_batched_selection_picks_what_the_per_shard_one_picks():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        shards, share = rng.integers(1, 5), rng.integers(1, 40)
+        keys = rng.choice(10**6, (shards, share), replace=False) - 500_000
+        last = rng.integers(-1, 6, (shards, share))  # few distinct steps: many ties
+        member = last >= 0
+        k = np.array([rng.integers(0, m + 1) for m in member.sum(1)])
+        got = _least_recent_rows(tf.constant(keys), tf.constant(last), tf.constant(member), tf.constant(k)).numpy()
+        for g in range(shards):
+            want = least_recent(tf.constant(keys[g]), tf.constant(last[g]), tf.constant(member[g]),
+                                tf.constant(k[g])).numpy()
+            np.testing.assert_array_equal(got[g], want)
+            assert got[g].sum() == k[g]
+
+
+class Reference:
+    """One table by hand: SGD on sum(rows * weights), LRU down to share - headroom when full."""
+
+    def __init__(self, capacity):
+        self.capacity, self.rows, self.last, self.clock = capacity, {}, {}, 0
+
+    def step(self, keys, weights):
+        self.clock += 1
+        batch = list(dict.fromkeys(keys))
+        new = [k for k in batch if k not in self.rows]
+        held = len(self.rows)
+        if held + len(new) > self.capacity:
+            excess = held + len(new) - (self.capacity - headroom(self.capacity))
+            old = sorted((self.last[k], k) for k in self.rows if k not in batch)
+            for _, k in old[:excess]:
+                del self.rows[k], self.last[k]
+        for k in new:
+            self.rows[k] = np.full(2, START)
+        grads = {}
+        for k, w in zip(keys, weights):
+            grads[k] = grads.get(k, 0) + np.asarray(w)
+        for k, g in grads.items():
+            self.rows[k] = self.rows[k] - LR * g
+            self.last[k] = self.clock
+
+
+def test_tables_of_one_step_keep_their_own_capacity_and_rows():
+    """Three alike tables (one group), one of another capacity and one of another width (groups of
+    their own), all in one traced step, over batches that keep evicting."""
+    rng = np.random.default_rng(1)
+    specs = {"a": (2, 6), "b": (2, 6), "c": (2, 6), "d": (2, 9), "e": (3, 6)}
+    init = keras.initializers.Constant(START)
+    layers = {name: DynamicEmbedding(dim, capacity=cap, embeddings_initializer=init, name=f"fused_{name}")
+              for name, (dim, cap) in specs.items()}
+    for layer in layers.values():
+        layer.build()
+    refs = {name: Reference(cap) for name, (_, cap) in specs.items() if specs[name][0] == 2}
+    sgd = keras.optimizers.SGD(LR)
+    variables = [v for layer in layers.values() for v in layer.trainable_variables]
+
+    @tf.function
+    def step(keys, weights):
+        with tf.GradientTape() as tape:
+            loss = sum(tf.reduce_sum(layers[n](keys[n], training=True)[:, :2] * weights[n]) for n in layers)
+        sgd.apply(tape.gradient(loss, variables), variables)
+
+    for _ in range(12):
+        keys = {n: rng.integers(0, 15, 4).astype("int64") for n in layers}
+        weights = {n: rng.normal(size=(4, 2)).astype("float32") for n in layers}
+        step({n: tf.constant(v) for n, v in keys.items()}, {n: tf.constant(v) for n, v in weights.items()})
+        for n, ref in refs.items():
+            ref.step(keys[n].tolist(), weights[n].tolist())
+    for name, ref in refs.items():
+        [state] = layers[name].export_state()
+        held = dict(zip(state["row_keys"].tolist(), state["rows"].tolist()))
+        assert set(held) == set(ref.rows), name
+        for key, row in held.items():
+            np.testing.assert_allclose(row, ref.rows[key], rtol=1e-5, err_msg=f"{name} key {key}")
+        stats = layers[name].table_stats()[0]
+        assert stats["rows"] == len(ref.rows) <= specs[name][1] and stats["clock"] == 12
+    assert layers["e"].table_stats()[0]["rows"] <= 6
