@@ -18,10 +18,15 @@ while it counts towards admission: once it holds a row they decide nothing
 Eviction is a selection over the dense `last` and removal from one table,
 and a freed row is reused by the next admission.
 
-Admission runs under a `tf.CriticalSection` placed on the ps: two workers'
-steps admitting keys on one ps at once must not take the same free row. The
-eviction a full shard needs runs inside it, before the new rows are
-placed, with the same victims as `psclient._core.dynamic_tables`' rules.
+A training step's forward pass only reads (`peek`); the admission runs with
+the optimizer's update, for all alike tables of the step at once
+(`psclient._coordinator.fused_admission`), under a `tf.CriticalSection` on
+the ps that its shards share: two workers' steps admitting keys on one ps
+at once must not take the same free row. The eviction a full shard needs
+runs inside it, before the new rows are placed, with the same victims as
+`psclient._core.dynamic_tables`' rules. Scans (`scan`) handle expiry, keys
+still counting and index rebuilds for tables with `ttl_steps` or
+`min_frequency > 1`, and restores.
 """
 
 from __future__ import annotations
@@ -296,26 +301,14 @@ class DenseShard:
             return self.evictions.read_value()
 
     def due(self):
-        """Whether a scan is due after a step (rows over the share only come from a restore; the key
-        index is rebuilt there, not in the admission, which would need a conditional of its own)."""
+        """Whether a scan is due after a step (with `ttl_steps` or `min_frequency > 1`; rows over the
+        share only come from a restore, which scans at once)."""
         share, every = self.share, rules.scan_every(self.policy.ttl_steps)
         rows = self.index.size()
         due = (self.pending.size() > share) | (rows > share) | self.index.worn(rows)
         if every is not None:
             due |= self.clock.read_value() % every == 0
         return due
-
-    # ------------------------------------------------------------- updates
-    def read_for_update(self, keys, at, admitted):
-        """(which keys still hold their row, their rows, their slots) for an optimizer step."""
-        valid = admitted & (at >= 0) & (self._vector(self.row_key, tf.maximum(at, 0)) == keys)
-        at = tf.boolean_mask(at, valid)
-        return valid, at, self._gather(self.rows, at), {name: self._gather(var, at) for name, var in self.slots.items()}
-
-    def write(self, at, rows, slots) -> list:
-        writes = [self.rows.scatter_update(tf.IndexedSlices(rows, at))]
-        writes += [self.slots[name].scatter_update(tf.IndexedSlices(value, at)) for name, value in slots.items()]
-        return writes
 
     # ------------------------------------------------------------ state out
     def sizes(self):

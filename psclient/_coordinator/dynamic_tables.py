@@ -15,7 +15,9 @@ it), admissions and evictions. Keys go to shard `mix64(key) % shards`.
 Everything here is TensorFlow ops placed with `tf.device` on the shard's ps:
 called from a function that runs on a worker, the lookup, the admission, the
 optimizer's arithmetic and the eviction scan run on the ps and only the
-looked-up rows (and their gradients) cross. Why these storages, and what
+looked-up rows (and their gradients) cross. A bounded table's training
+lookup only reads; its admission runs with the optimizer's update, together
+with the other bounded tables of the step (`psclient._coordinator.fused_admission`). Why these storages, and what
 was measured: docs/dynamic_embeddings.md. The rules of admission and
 eviction are `psclient._core.dynamic_tables`.
 
@@ -35,7 +37,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from psclient._coordinator.dense_shard import DenseShard, least_recent, scan_when_due
+from psclient._coordinator.dense_shard import DenseShard, least_recent
 from psclient._coordinator.key_hash import initial_rows, mix64, shard_of
 from psclient._coordinator.runtime import coordinator_cpu
 from psclient._core import dynamic_tables as rules
@@ -298,7 +300,8 @@ class DynamicTable:
 
     # --------------------------------------------------------------- update
     def apply(self, state, gradient, rule: Callable) -> list:
-        """Update the admitted rows of a `train_lookup` with `gradient` (one row per key), on their ps.
+        """Update the admitted rows of a `train_lookup` of a table without a capacity with `gradient`
+        (one row per key), on their ps (a bounded table's: `parts`, fused_admission).
 
         `rule(rows, gradient, slots) -> (rows, slots)`, `slots` a dict of the
         slot tables' values for those rows (a freshly admitted row's slots
@@ -310,14 +313,6 @@ class DynamicTable:
         for shard, position, (keys, admitted, fresh, at) in zip(self.shards, positions, states):
             grad = tf.gather(gradient, position)  # this shard's rows only travel to it
             with shard.placed():
-                if shard.dense:
-                    # Rows evicted (and reused) since the lookup are not written back.
-                    valid, at, rows, slots = shard.read_for_update(keys, at, admitted)
-                    rows, slots = rule(rows, tf.reshape(tf.boolean_mask(grad, valid), [-1, self.dim]), slots)
-                    writes = shard.write(at, rows, slots)
-                    scan_when_due(shard, writes)  # by run_due_scans, once every table is updated
-                    ops.extend(writes)
-                    continue
                 # Rows another worker's scan evicted since the lookup are not
                 # written back (that would leave rows without counters).
                 admitted = admitted & (tf.reshape(shard.counters.lookup(keys), [-1, 2])[:, 0] > 0)
