@@ -203,12 +203,12 @@ class DynamicEmbedding(keras.layers.Layer):
 
     def compute_output_spec(self, inputs, *args, **kwargs):
         if isinstance(inputs, dict):
-            self._check_features(inputs)
+            self.check_features(inputs)
             return {name: self.compute_output_spec(value) for name, value in inputs.items()}
         return keras.KerasTensor(self.compute_output_shape(inputs.shape), dtype="float32")
 
     # ---------------------------------------------------------------- call
-    def _check_features(self, features: dict) -> None:
+    def check_features(self, features: dict) -> None:
         if not features or not all(isinstance(name, str) and name for name in features):
             raise ValueError(f"Invalid value for argument `inputs` of DynamicEmbedding {self.name!r}. Received: a "
                              f"dict with keys {sorted(map(repr, features))}. Expected a non-empty dict of features "
@@ -250,20 +250,20 @@ class DynamicEmbedding(keras.layers.Layer):
 
     def call(self, inputs, training=None):
         if isinstance(inputs, dict):
-            return self._call_features(inputs, training)
+            return self.call_features(inputs, training)
         inputs, flat = self.keys_of(inputs)
-        return self._shaped(inputs, self._rows(flat, training))
+        return self.shaped(inputs, self.rows_of(flat, training))
 
-    def _call_features(self, features: dict, training):
+    def call_features(self, features: dict, training):
         """One lookup for every feature of the dict, their keys salted apart (see the class's docstring)."""
-        self._check_features(features)
+        self.check_features(features)
         names = sorted(features)
         parts = [self.keys_of(features[name], f"inputs[{name!r}]") for name in names]
         flat = tf.concat([mix64(keys + _salt(name)) for name, (_, keys) in zip(names, parts)], 0)
-        found = tf.split(self._rows(flat, training), [tf.size(keys) for _, keys in parts])
-        return {name: self._shaped(inputs, rows) for name, (inputs, _), rows in zip(names, parts, found)}
+        found = tf.split(self.rows_of(flat, training), [tf.size(keys) for _, keys in parts])
+        return {name: self.shaped(inputs, rows) for name, (inputs, _), rows in zip(names, parts, found)}
 
-    def _rows(self, flat, training):
+    def rows_of(self, flat, training):
         """A row for each of the int64 keys `flat` (admitted and watched for the gradient when training)."""
         unique, index, counts = tf.unique_with_counts(flat)
         if training:
@@ -273,7 +273,7 @@ class DynamicEmbedding(keras.layers.Layer):
             rows = self.table.lookup(unique)
         return tf.gather(rows, index)
 
-    def _shaped(self, inputs, found):
+    def shaped(self, inputs, found):
         """The rows `found` for the keys of `inputs`, in the inputs' shape (combined if multi-hot)."""
         if isinstance(inputs, tf.RaggedTensor):
             found = inputs.with_flat_values(found)
