@@ -95,3 +95,33 @@ def test_tables_of_one_step_keep_their_own_capacity_and_rows():
         stats = layers[name].table_stats()[0]
         assert stats["rows"] == len(ref.rows) <= specs[name][1] and stats["clock"] == 12
     assert layers["e"].table_stats()[0]["rows"] <= 6
+
+
+def test_a_layer_called_twice_in_a_step_admits_and_updates_each_key_once():
+    """One table for two inputs (user and item ids from one key space): as one call on both."""
+    init = keras.initializers.Constant(START)
+    twice = DynamicEmbedding(2, capacity=8, embeddings_initializer=init, name="called_twice")
+    once = DynamicEmbedding(2, capacity=8, embeddings_initializer=init, name="called_once")
+    for layer in (twice, once):
+        layer.build()
+    sgd = keras.optimizers.SGD(LR)
+
+    @tf.function
+    def step(a, b, wa, wb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(twice(a, training=True) * wa) + tf.reduce_sum(twice(b, training=True) * wb)
+            loss += tf.reduce_sum(once(tf.concat([a, b], 0), training=True) * tf.concat([wa, wb], 0))
+        variables = twice.trainable_variables + once.trainable_variables
+        sgd.apply(tape.gradient(loss, variables), variables)
+
+    rng = np.random.default_rng(2)
+    for _ in range(6):
+        a, b = (tf.constant(rng.integers(0, 10, 3), tf.int64) for _ in range(2))
+        wa, wb = (tf.constant(rng.normal(size=(3, 2)), tf.float32) for _ in range(2))
+        step(a, b, wa, wb)
+    [got], [want] = twice.export_state(), once.export_state()
+    assert sorted(got["row_keys"].tolist()) == sorted(want["row_keys"].tolist())
+    rows = dict(zip(want["row_keys"].tolist(), want["rows"].tolist()))
+    for key, row in zip(got["row_keys"].tolist(), got["rows"].tolist()):
+        np.testing.assert_allclose(row, rows[key], rtol=1e-5)
+    assert twice.table_stats()[0]["admissions"] == once.table_stats()[0]["admissions"]

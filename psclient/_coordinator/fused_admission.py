@@ -52,7 +52,7 @@ class Part:
 def apply_parts(parts: list[Part], rule: Callable) -> list:
     """Admit and update `parts` (from any tables and ps tasks), one locked section per group of alike shards."""
     groups: dict = {}
-    for part in sorted(parts, key=lambda p: p.order):
+    for part in sorted(_one_per_shard(parts), key=lambda p: p.order):
         shard = part.shard
         alike = (shard.device, shard.share, shard.dim, shard.policy, tuple(sorted(shard.slots)), part.init[0])
         groups.setdefault(alike, []).append(part)
@@ -65,6 +65,26 @@ def apply_parts(parts: list[Part], rule: Callable) -> list:
                 scan_when_due(part.shard, [done])
         ops.append(done)
     return ops
+
+
+def _one_per_shard(parts: list[Part]) -> list[Part]:
+    """A layer called more than once in a step (one table for two inputs) gave a shard several parts:
+    one part per shard, its keys unique, their sightings and gradients summed."""
+    by_shard: dict = {}
+    for part in parts:
+        by_shard.setdefault(id(part.shard), []).append(part)
+    merged = []
+    for same in by_shard.values():
+        if len(same) == 1:
+            merged.append(same[0])
+            continue
+        with same[0].shard.placed():
+            keys, index = tf.unique(tf.concat([tf.reshape(p.keys, [-1]) for p in same], 0))
+            n = tf.size(keys)
+            seen = tf.math.unsorted_segment_sum(tf.concat([tf.reshape(p.seen, [-1]) for p in same], 0), index, n)
+            gradient = tf.math.unsorted_segment_sum(tf.concat([p.gradient for p in same], 0), index, n)
+        merged.append(dataclasses.replace(same[0], keys=keys, seen=seen, gradient=gradient))
+    return merged
 
 
 def _locked(group: list[Part], rule: Callable):
