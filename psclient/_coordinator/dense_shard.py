@@ -38,7 +38,7 @@ import tensorflow as tf
 from psclient._coordinator.key_index import KeyIndex
 from psclient._core import dynamic_tables as rules
 
-__all__ = ["DenseShard", "least_recent", "run_due_scans", "scan_when_due"]
+__all__ = ["DenseShard", "least_recent", "live_rows", "run_due_scans", "scan_when_due", "vector"]
 
 _NEWEST = 2**63 - 1
 
@@ -97,6 +97,18 @@ def run_due_scans() -> None:
         with shards[0].placed(), tf.control_dependencies([op for _, writes in entries for op in writes]):
             due = tf.reduce_any(tf.stack([shard.due() for shard in shards]))
             in_turn(lambda due=due, scan_each=scan_each: tf.cond(due, scan_each, lambda: tf.constant(0, tf.int64)))
+
+
+def vector(variable, at=None):
+    """A 1-D variable's values (at `at`), of known rank (its shape is unknown: see `DenseShard._variable`)."""
+    value = variable.read_value() if at is None else tf.gather(variable, at)
+    return tf.reshape(value, [-1])
+
+
+def live_rows(row_keys, last):
+    """(keys, rows) of the rows that hold a key, from a shard's `row_key` and `last` values."""
+    held = tf.reshape(tf.where(last >= 0), [-1])
+    return tf.gather(row_keys, held), held
 
 
 # Up to this many entries the LRU selection runs every step, even with nothing to evict; above, it
@@ -158,11 +170,7 @@ class DenseShard:
         # DeserializeRemoteTensorHandle checks every dimension >= 0).
         return tf.Variable(value, trainable=False, name=f"{self.prefix}_{name}", shape=tf.TensorShape(None))
 
-    @staticmethod
-    def _vector(variable, at=None):
-        """A 1-D variable's values (at `at`), of known rank."""
-        value = variable.read_value() if at is None else tf.gather(variable, at)
-        return tf.reshape(value, [-1])
+    _vector = staticmethod(vector)
 
     def _gather(self, variable, at):
         return tf.reshape(tf.gather(variable, at), [-1, self.dim])
@@ -248,8 +256,7 @@ class DenseShard:
     # ------------------------------------------------------------ admission
     def _live(self):
         """(keys, rows) of the rows that hold a key."""
-        held = tf.reshape(tf.where(self._vector(self.last) >= 0), [-1])
-        return self._vector(self.row_key, held), held
+        return live_rows(self._vector(self.row_key), self._vector(self.last))
 
     def _remove_rows(self, members, k, count_rows):
         """Free the `k` least recently used rows among `members(last)` (all of them where k is None)."""

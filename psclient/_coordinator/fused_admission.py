@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from psclient._coordinator.dense_shard import _NEWEST, in_turn, scan_when_due
+from psclient._coordinator.dense_shard import _NEWEST, in_turn, live_rows, scan_when_due, vector
 from psclient._coordinator.key_hash import initial_rows
 from psclient._core import dynamic_tables as rules
 
@@ -93,10 +93,6 @@ def _locked(group: list[Part], rule: Callable):
     return lock.execute(lambda: _admit_and_update(group, rule), exclusive_resource_access=False)
 
 
-def _vector(variable):
-    return tf.reshape(variable.read_value(), [-1])
-
-
 def _least_recent_rows(keys, last, member, k):
     """Per row of [G, S] `last`: a mask of its `k[g]` least recently seen members (ties: the smaller key)."""
     masked = tf.where(member, last, tf.constant(_NEWEST, tf.int64))
@@ -136,8 +132,8 @@ def _admit_and_update(group: list[Part], rule: Callable):
     at = tf.concat([tf.cast(tf.reshape(shard.index.table.lookup(k), [-1]), tf.int64)
                     for shard, k in zip(shards, asked)], 0)
     at = tf.where(usable, at, -1)
-    last = tf.concat([_vector(shard.last) for shard in shards], 0)  # [G * S]
-    held_keys = tf.concat([_vector(shard.row_key) for shard in shards], 0)
+    last = tf.concat([vector(shard.last) for shard in shards], 0)  # [G * S]
+    held_keys = tf.concat([vector(shard.row_key) for shard in shards], 0)
     offset = seg * share
     flat = offset + tf.maximum(at, 0)
     have = (at >= 0) & (tf.gather(held_keys, flat) == keys) & (tf.gather(last, flat) >= 0)
@@ -172,10 +168,10 @@ def _admit_and_update(group: list[Part], rule: Callable):
         tf.cast(tf.reduce_max(admitted_per_shard), tf.int32)])]
     if minimum > 1:
         counting = ~admitted
-        for shard, g_keys, g_total, g_count, g_fresh in zip(
+        for g, (shard, g_keys, g_total, g_count, g_fresh) in enumerate(zip(
                 shards, tf.split(keys, sizes), tf.split(total, sizes), tf.split(counting, sizes),
-                tf.split(fresh, sizes)):
-            g_clock = tf.fill(tf.shape(tf.boolean_mask(g_total, g_count)), tf.gather(clock, shards.index(shard)))
+                tf.split(fresh, sizes))):
+            g_clock = tf.fill(tf.shape(tf.boolean_mask(g_total, g_count)), clock[g])
             checks.append(shard.pending.insert(tf.boolean_mask(g_keys, g_count),
                                                tf.stack([tf.boolean_mask(g_total, g_count), g_clock], 1)))
             checks.append(shard.pending.remove(tf.boolean_mask(g_keys, g_fresh)))
@@ -254,12 +250,7 @@ def _admit_and_update(group: list[Part], rule: Callable):
             updates += [shard.slots[name].scatter_update(tf.IndexedSlices(value, r))
                         for name, value in zip(first.slots, new_slots)]
     with tf.control_dependencies(updates):
-        rebuilt = [shard.index.rebuild_if_worn(lambda g=g, shard=shard: _live(keys2d[g], last2d[g]))
+        rebuilt = [shard.index.rebuild_if_worn(lambda g=g, shard=shard: live_rows(keys2d[g], last2d[g]))
                    for g, shard in enumerate(shards)]
     with tf.control_dependencies(rebuilt):
         return tf.identity(clock[0])
-
-
-def _live(keys, last):
-    held = tf.reshape(tf.where(last >= 0), [-1])
-    return tf.gather(keys, held), held
