@@ -170,9 +170,14 @@ def test_ttl_steps_expires_keys_not_seen_for_that_many_steps():
 
 
 def test_capacity_below_one_batch_of_keys_is_a_clear_error():
+    # The keys are admitted by the update, which checks that they fit and writes nothing if not.
     layer = DynamicEmbedding(DIM, capacity=2)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"argument `capacity`.*Received: capacity=2"):
-        layer(tf.constant([1, 2, 3], tf.int64), training=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"(?s)argument `capacity`.*Received: capacity=2 "
+                                                              r"\(2 rows per ps task\).*brought.*3"):
+        train(layer, keras.optimizers.SGD(0.1), [([1, 2, 3], [[1.0] * DIM] * 3)])
+    assert layer.table_stats()[0]["rows"] == 0
+    train(layer, keras.optimizers.SGD(0.1), [([1, 2], [[1.0] * DIM] * 2)])  # a batch that fits still trains
+    assert layer.table_stats()[0]["rows"] == 2
 
 
 @pytest.mark.parametrize("inputs, error, match", [
@@ -254,10 +259,11 @@ def test_reserved_index_keys_read_the_default_row_and_are_never_admitted():
     from psclient._coordinator.key_index import RESERVED_KEYS
 
     layer = DynamicEmbedding(DIM, capacity=8, embeddings_initializer="ones")
+    reserved = len(RESERVED_KEYS)
     out = layer(tf.constant([*RESERVED_KEYS, 3], tf.int64), training=True).numpy()
-    np.testing.assert_array_equal(out[:2], np.zeros((2, DIM)))
-    np.testing.assert_array_equal(out[2], np.ones(DIM))
-    train(layer, keras.optimizers.SGD(0.1), [([*RESERVED_KEYS, 3], [[1.0] * DIM] * 3)])  # admits with the update
+    np.testing.assert_array_equal(out[:reserved], np.zeros((reserved, DIM)))
+    np.testing.assert_array_equal(out[reserved], np.ones(DIM))
+    train(layer, keras.optimizers.SGD(0.1), [([*RESERVED_KEYS, 3], [[1.0] * DIM] * (reserved + 1))])  # admits
     assert layer.table_stats()[0]["rows"] == 1
 
 

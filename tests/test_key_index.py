@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from psclient._coordinator.key_index import RESERVED_KEYS, KeyIndex, buckets_for
+from psclient._coordinator.key_index import RESERVED_KEYS, SUBSTITUTE_KEY, KeyIndex, buckets_for
 
 
 @pytest.mark.parametrize("rows, buckets", [(1, 4), (3, 4), (4, 8), (100, 128), (102, 128), (103, 256),
@@ -59,8 +59,11 @@ def test_reserved_keys_read_as_absent_and_are_not_usable():
     index = KeyIndex(8, "reserved")
     index.insert(tf.constant([5], tf.int64), tf.constant([2], tf.int64))
     keys = tf.constant([5, *RESERVED_KEYS], tf.int64)
-    assert index.lookup(keys).numpy().tolist() == [2, -1, -1]
-    assert index.usable(keys).numpy().tolist() == [True, False, False]
+    assert len(RESERVED_KEYS) == 3
+    assert index.lookup(keys).numpy().tolist() == [2, -1, -1, -1]
+    assert index.usable(keys).numpy().tolist() == [True, False, False, False]
+    # The table refuses two of them; asked for, they become the third, which is never inserted.
+    assert index.asked(keys).numpy().tolist() == [5, SUBSTITUTE_KEY, SUBSTITUTE_KEY, SUBSTITUTE_KEY]
 
 
 def test_reset_holds_exactly_the_given_keys_growing_for_more_than_the_rows():

@@ -6,17 +6,19 @@ num_ps)` rows in
   rows     tf.Variable float32[share, dim]   (and one per optimizer slot)
   row_key  int64[share]  the key a row holds
   last     int64[share]  the step a row's key was last seen (-1: a free row)
+  free     int32[share]  a stack of the free rows, its first `free_count` entries valid
   index    key -> row, an open-addressing table (`psclient._coordinator.key_index`)
   pending  MutableHashTable key -> (sightings, last seen) of keys still
            counting towards admission (empty with min_frequency=1)
 
-so a row costs its payload, 16 bytes (its key and step) and 12 bytes per
+so a row costs its payload, 20 bytes (its key, step and free-stack entry) and 12 bytes per
 index bucket (1.25 to 2.5 buckets a row), instead of three hash-table nodes
 (docs/dynamic_embeddings.md, "Design"). A key's sightings are kept only
 while it counts towards admission: once it holds a row they decide nothing
 (eviction goes by recency), and a saved row reads `min_frequency` of them.
-Eviction is a selection over the dense `last` and removal from one table,
-and a freed row is reused by the next admission.
+Eviction is a selection over the dense `last` and removal from one table;
+a freed row goes onto the free stack, from which admissions take rows, so
+a step that evicts nothing costs in proportion to its keys, not to the share.
 
 A training step's forward pass only reads (`peek`); the admission runs with
 the optimizer's update, for all alike tables of the step at once
@@ -35,7 +37,7 @@ import weakref
 
 import tensorflow as tf
 
-from psclient._coordinator.key_index import KeyIndex
+from psclient._coordinator.key_index import KeyIndex, find
 from psclient._core import dynamic_tables as rules
 
 __all__ = ["DenseShard", "least_recent", "live_rows", "run_due_scans", "scan_when_due", "vector"]
@@ -182,6 +184,10 @@ class DenseShard:
             self.rows = self._variable(tf.zeros([size, self.dim]), "rows")
             self.row_key = self._variable(tf.zeros([size], tf.int64), "row_key")
             self.last = self._variable(tf.fill([size], tf.constant(-1, tf.int64)), "last")
+            # Popped from the end: rows 0, 1, 2... are taken first.
+            self.free = self._variable(tf.range(size - 1, -1, -1, dtype=tf.int32), "free")
+            self.free_count = tf.Variable(tf.constant(size, tf.int64), trainable=False,
+                                          name=f"{self.prefix}_free_count")
             self.index = KeyIndex(size, self.prefix)
             self.pending = self._table(tf.int64, [0, -1])
             self.clock = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{self.prefix}_clock")
@@ -225,36 +231,42 @@ class DenseShard:
         found = self._gather(self.rows, safe)
         return tf.where(alive[:, None], found, tf.zeros_like(found))
 
-    def peek(self, keys, seen_now, initial_rows, check_batch):
-        """The rows a training step's forward pass reads for `keys` (seen `seen_now` times), read only.
+    def peek(self, asked, seen_now):
+        """What a training step's forward pass reads for `asked` keys (`KeyIndex.asked`, seen
+        `seen_now` times: only read with `min_frequency > 1`), read only: (rows, code), code per key
 
-        A key holding a row reads it; a key its update will admit reads the
-        row it will start from (`initial_rows`); others read zeros. The
-        admission itself runs with the update (`psclient._coordinator.fused_admission`).
-        Without the lock: during another step's rebuild of the key index a
-        held key can read as new (its forward pass then sees its first row;
-        the update still reaches its row).
+          >= 0  the key holds a row: `rows` has it
+          -1    its update will admit it: it reads the row it will start from (drawn by the caller)
+          -2    it is still counting towards admission (`min_frequency`): it reads zeros
+
+        Few ops on the ps, as a step runs one per table and ps (with neither `ttl_steps` nor
+        `min_frequency > 1`: the index lookup and the gather). The admission runs with the update
+        (`psclient._coordinator.fused_admission`). Without the lock: during another step's rebuild
+        of the key index a held key can read as new (its forward pass then sees its first row; the
+        update still reaches its row), and a row another step just freed and gave to a new key can
+        be read once, like any read racing an asynchronous update.
         """
         policy = self.policy
-        at, safe = self._rows_of(keys)
+        at = self.index.find(asked)
+        found = tf.gather(self.rows, tf.maximum(at, 0))  # of unknown shape: the caller reshapes it
+        if policy.ttl_steps is None and policy.min_frequency == 1:
+            return found, at
         alive = at >= 0
         if policy.ttl_steps is not None:
-            alive &= self.clock.read_value() + 1 - self._vector(self.last, safe) <= policy.ttl_steps
-        will = self.index.usable(keys)
+            last = self._vector(self.last, tf.maximum(at, 0))
+            alive &= self.clock.read_value() + 1 - last <= policy.ttl_steps
+        code = tf.where(alive, at, -1)
         if policy.min_frequency > 1:
-            waiting = tf.reshape(self.pending.lookup(keys), [-1, 2])
+            waiting = tf.reshape(find(self.pending, asked, [0, -1]), [-1, 2])
             count = waiting[:, 0]
             if policy.ttl_steps is not None:
                 count = tf.where(self.clock.read_value() + 1 - waiting[:, 1] > policy.ttl_steps,
                                  tf.zeros_like(count), count)
-            will &= alive | (count + seen_now >= policy.min_frequency)
-        with tf.control_dependencies([check_batch(will)]):
-            found = self._gather(self.rows, safe)
-        start = tf.where(will[:, None], initial_rows(keys), tf.zeros_like(found))
-        return tf.where(alive[:, None], found, start)
+            code = tf.where(alive | (count + seen_now >= policy.min_frequency), code, -2)
+        return found, code
 
     # ------------------------------------------------------------ admission
-    def _live(self):
+    def live(self):
         """(keys, rows) of the rows that hold a key."""
         return live_rows(self._vector(self.row_key), self._vector(self.last))
 
@@ -271,11 +283,26 @@ class DenseShard:
         victims = tf.reshape(tf.where(gone), [-1])
         n = tf.size(victims, tf.int64)
         ops = [self.index.remove(tf.gather(keys, victims)),
-               self.last.scatter_update(tf.IndexedSlices(tf.fill([n], tf.constant(-1, tf.int64)), victims))]
+               self.last.scatter_update(tf.IndexedSlices(tf.fill([n], tf.constant(-1, tf.int64)), victims)),
+               self.push_free(victims)]
         if count_rows:
             ops.append(self.evictions.assign_add(n))
         with tf.control_dependencies(ops):
             return tf.identity(n)
+
+    def push_free(self, rows):
+        """Put freed `rows` (int64) on the free stack."""
+        count = self.free_count.read_value()
+        at = count + tf.range(tf.size(rows, tf.int64))
+        with tf.control_dependencies([self.free.scatter_update(tf.IndexedSlices(tf.cast(rows, tf.int32), at))]):
+            return self.free_count.assign_add(tf.size(rows, tf.int64), read_value=False)
+
+    def pop_free(self, n):
+        """(the `n` rows taken from the free stack (int64), the op that takes them)."""
+        count = self.free_count.read_value()
+        rows = tf.cast(self._vector(self.free, tf.range(count - n, count)), tf.int64)
+        with tf.control_dependencies([rows]):
+            return rows, self.free_count.assign_sub(n, read_value=False)
 
     # ---------------------------------------------------------------- scan
     def scan(self):
@@ -303,7 +330,7 @@ class DenseShard:
         gone |= least_recent(keys, waiting[:, 1], ~gone, excess)
         done.append(self.pending.remove(tf.boolean_mask(keys, gone)))
         with tf.control_dependencies(done):
-            rebuilt = self.index.rebuild_if_worn(self._live)
+            rebuilt = self.index.rebuild_if_worn(self.live)
         with tf.control_dependencies([rebuilt]):
             return self.evictions.read_value()
 
@@ -331,11 +358,11 @@ class DenseShard:
 
         floats = size(self.rows) + sum(size(var) for var in self.slots.values())
         counters = size(self.row_key) + size(self.last)
-        return 4 * floats + 8 * counters + self.index.BUCKET_BYTES * self.index.buckets()
+        return 4 * floats + 8 * counters + 4 * size(self.free) + self.index.BUCKET_BYTES * self.index.buckets()
 
     def saved(self):
         """(keys, counters, row_keys, rows, {slot: rows}) of the shard, as tensors on its device."""
-        row_keys, held = self._live()
+        row_keys, held = self.live()
         waiting_keys, waiting = self.pending.export()
         keys = tf.concat([row_keys, tf.reshape(waiting_keys, [-1])], 0)
         last = self._vector(self.last, held)
@@ -371,6 +398,9 @@ class DenseShard:
         self.rows.assign(_grow(tf.reshape(rows, [-1, self.dim]), size, 0.0), read_value=False)
         self.row_key.assign(_grow(row_keys, size, 0), read_value=False)
         self.last.assign(last, read_value=False)
+        free = tf.cast(tf.reverse(tf.reshape(tf.where(last < 0), [-1]), [0]), tf.int32)  # lowest rows on top
+        self.free.assign(_grow(free, size, 0), read_value=False)
+        self.free_count.assign(tf.size(free, tf.int64), read_value=False)
         for name, var in self.slots.items():
             value = slots.get(name)
             if value is None:

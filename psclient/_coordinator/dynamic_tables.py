@@ -39,6 +39,7 @@ import tensorflow as tf
 
 from psclient._coordinator.dense_shard import DenseShard, least_recent
 from psclient._coordinator.key_hash import initial_rows, mix64, shard_of
+from psclient._coordinator.key_index import SUBSTITUTE_KEY, KeyIndex
 from psclient._coordinator.runtime import coordinator_cpu
 from psclient._core import dynamic_tables as rules
 from psclient._core.errors import first_line
@@ -233,25 +234,45 @@ class DynamicTable:
         """Count, admit and look up unique int64 `keys` (seen `counts` times in the batch).
 
         Returns the rows (zeros for keys not admitted) and the state that
-        `apply` needs to update them.
+        `apply` (or, with a capacity, `parts`) needs to update them.
         """
+        if self.shards[0].dense:
+            return self._peek(keys, counts)
         parts, positions = self._split(keys)
         counts = tf.cast(counts, tf.int64)
         count_parts = self._split_like(counts, keys)
         rows, states = [], []
         for shard, part, seen_now in zip(self.shards, parts, count_parts):
             with shard.placed():
-                if shard.dense:  # admitted with the update (`parts`, fused_admission)
-                    part = tf.reshape(part, [-1])
-                    found = shard.peek(part, seen_now, lambda k: initial_rows(k, self.dim, self.init),
-                                       self._check_batch)
-                    rows.append(found)
-                    states.append((part, seen_now))
-                    continue
                 (found, admitted, fresh), at = self._admit(shard, part, seen_now), None
             rows.append(found)
             states.append((part, admitted, fresh, at))
         return tf.dynamic_stitch(positions, rows), (positions, states)
+
+    def _peek(self, keys, counts):
+        """`train_lookup` of a table with a capacity: it only reads (see `DenseShard.peek`); the
+        admission, and its check that a batch's keys fit, run with the update (`parts`,
+        fused_admission). A new key's first row is drawn here, where the rows are used, once for
+        all shards."""
+        asked = KeyIndex.asked(keys)
+        parts, positions = self._split(asked)
+        # Sightings only decide an admission with min_frequency > 1: else they do not travel.
+        count_parts = (self._split_like(tf.cast(counts, tf.int64), asked) if self.policy.min_frequency > 1
+                       else [None] * len(parts))
+        rows, codes, states = [], [], []
+        for shard, part, seen_now in zip(self.shards, parts, count_parts):
+            with shard.placed():
+                found, code = shard.peek(part, seen_now)
+            rows.append(found)
+            codes.append(code)
+            states.append((part, seen_now))
+        found = tf.reshape(tf.dynamic_stitch(positions, rows), [-1, self.dim])
+        code = tf.dynamic_stitch(positions, codes)
+        starts = asked != SUBSTITUTE_KEY  # a reserved key reads zeros
+        if self.policy.min_frequency > 1:
+            starts &= code != -2
+        start = tf.where(starts[:, None], initial_rows(asked, self.dim, self.init), tf.zeros_like(found))
+        return tf.where((code >= 0)[:, None], found, start), (positions, states)
 
     def parts(self, state, gradient) -> list:
         """`fused_admission.Part`s of a `train_lookup` with a capacity: each shard's keys, their
@@ -277,7 +298,7 @@ class DynamicTable:
         total = count + seen_now
         admitted = total >= policy.min_frequency
         fresh = admitted & (count < policy.min_frequency)
-        with tf.control_dependencies([self._check_batch(admitted)]):
+        with tf.control_dependencies([self._check_batch(tf.reduce_sum(tf.cast(admitted, tf.int32)))]):
             write = shard.counters.insert(keys, tf.stack([total, tf.fill(tf.shape(total), clock)], axis=1))
         new_keys = tf.boolean_mask(keys, fresh)
         with tf.control_dependencies([write]):
@@ -287,11 +308,11 @@ class DynamicTable:
             found = tf.reshape(shard.values.lookup(keys), [-1, self.dim])
         return tf.where(admitted[:, None], found, tf.zeros_like(found)), admitted, fresh
 
-    def _check_batch(self, admitted):
-        """A batch's own rows must fit in a ps task's share, or they would evict each other."""
+    def _check_batch(self, brought):
+        """A batch's own rows on one ps task (`brought`, int32) must fit in its share, or they would
+        evict each other."""
         if self.share is None:
             return tf.no_op()
-        brought = tf.reduce_sum(tf.cast(admitted, tf.int32))
         # tf.Assert with int32 and string data only: a single op, no conditional around it.
         return tf.debugging.Assert(brought <= self.share, [
             f"Invalid value for argument `capacity` of DynamicEmbedding {self.name!r}. Received: "

@@ -29,8 +29,9 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from psclient._coordinator.dense_shard import _NEWEST, in_turn, live_rows, scan_when_due, vector
+from psclient._coordinator.dense_shard import _NEWEST, in_turn, scan_when_due, vector
 from psclient._coordinator.key_hash import initial_rows
+from psclient._coordinator.key_index import SUBSTITUTE_KEY, find
 from psclient._core import dynamic_tables as rules
 
 __all__ = ["Part", "apply_parts"]
@@ -44,7 +45,7 @@ class Part:
     name: str
     shard: Any
     keys: Any
-    seen: Any
+    seen: Any  # None where the policy needs no sightings (min_frequency=1)
     gradient: Any
     init: tuple  # the table's initializer (see `initial_rows`)
 
@@ -59,6 +60,10 @@ def apply_parts(parts: list[Part], rule: Callable) -> list:
     ops = []
     for group in groups.values():
         with group[0].shard.placed():
+            # Received on the ps before the section: a tensor from the worker used in it would
+            # also be sent again, in full, for the lock's wait on the section's inputs.
+            group = [dataclasses.replace(p, keys=tf.identity(p.keys), gradient=tf.identity(p.gradient),
+                                         seen=None if p.seen is None else tf.identity(p.seen)) for p in group]
             done = in_turn(lambda group=group: _locked(group, rule), [p.keys for p in group])
         if group[0].shard.policy.ttl_steps is not None or group[0].shard.policy.min_frequency > 1:
             for part in group:  # expiry and keys still counting are the scan's (run_due_scans)
@@ -81,7 +86,8 @@ def _one_per_shard(parts: list[Part]) -> list[Part]:
         with same[0].shard.placed():
             keys, index = tf.unique(tf.concat([tf.reshape(p.keys, [-1]) for p in same], 0))
             n = tf.size(keys)
-            seen = tf.math.unsorted_segment_sum(tf.concat([tf.reshape(p.seen, [-1]) for p in same], 0), index, n)
+            seen = None if same[0].seen is None else tf.math.unsorted_segment_sum(
+                tf.concat([tf.reshape(p.seen, [-1]) for p in same], 0), index, n)
             gradient = tf.math.unsorted_segment_sum(tf.concat([p.gradient for p in same], 0), index, n)
         merged.append(dataclasses.replace(same[0], keys=keys, seen=seen, gradient=gradient))
     return merged
@@ -90,7 +96,14 @@ def _one_per_shard(parts: list[Part]) -> list[Part]:
 def _locked(group: list[Part], rule: Callable):
     lock = group[0].shard.lock  # the shards of one ps task share it (stores.table_lock)
     assert all(part.shard.lock is lock for part in group), "shards of one group under different locks"
-    return lock.execute(lambda: _admit_and_update(group, rule), exclusive_resource_access=False)
+    if not tf.executing_eagerly():
+        return lock.execute(lambda: _admit_and_update(group, rule), exclusive_resource_access=False)
+    try:
+        return lock.execute(lambda: _admit_and_update(group, rule), exclusive_resource_access=False)
+    except tf.errors.OpError as error:  # e.g. the capacity check
+        # Run eagerly, the lock is a tensor in `execute`'s frame: a traceback holding that frame
+        # would hold the lock, and every later step would wait for it. Raised without it.
+        raise error.with_traceback(None) from None
 
 
 def _least_recent_rows(keys, last, member, k):
@@ -121,123 +134,113 @@ def _admit_and_update(group: list[Part], rule: Callable):
     policy, share, dim = first.policy, first.share, first.dim
     count = len(group)
     sizes = [tf.size(part.keys) for part in group]
-    keys = tf.concat([tf.reshape(part.keys, [-1]) for part in group], 0)
-    seen = tf.concat([tf.reshape(part.seen, [-1]) for part in group], 0)
-    seg = tf.repeat(tf.range(count, dtype=tf.int64), tf.stack(sizes))
+    keys = tf.concat([tf.reshape(part.keys, [-1]) for part in group], 0)  # asked keys (KeyIndex.asked)
+    seg = tf.repeat(tf.range(count), tf.stack(sizes))
     clock = tf.stack([shard.clock.assign_add(1) for shard in shards])
     clock_k = tf.gather(clock, seg)
+    # The keys as computed from this step's clocks, which only the lock's holder reads: so no
+    # lookup below has the same inputs as the forward pass's lookup of the same keys, made
+    # without the lock, and TF's graph optimizer cannot merge the two (it did: a key admitted by
+    # another worker's step in between was admitted a second time).
+    keys = tf.where(clock_k >= 0, keys, tf.constant(SUBSTITUTE_KEY, tf.int64))
+    key_parts = tf.split(keys, sizes)  # in the order of the shards: so is every mask over them
 
-    usable = first.index.usable(keys)
-    asked = tf.split(tf.where(usable, keys, tf.zeros_like(keys)), sizes)
-    at = tf.concat([tf.cast(tf.reshape(shard.index.table.lookup(k), [-1]), tf.int64)
-                    for shard, k in zip(shards, asked)], 0)
-    at = tf.where(usable, at, -1)
-    last = tf.concat([vector(shard.last) for shard in shards], 0)  # [G * S]
-    held_keys = tf.concat([vector(shard.row_key) for shard in shards], 0)
-    offset = seg * share
-    flat = offset + tf.maximum(at, 0)
-    have = (at >= 0) & (tf.gather(held_keys, flat) == keys) & (tf.gather(last, flat) >= 0)
-    removals = [[] for _ in shards]
+    # Under the lock the index is exact: a key it finds holds that row.
+    at = tf.cast(tf.concat([tf.reshape(shard.index.find(k), [-1]) for shard, k in zip(shards, key_parts)], 0),
+                 tf.int64)
+    have = at >= 0
+    freed = []
     if policy.ttl_steps is not None:  # an expired row is freed; its key is admitted afresh
-        stale = have & (clock_k - tf.gather(last, flat) > policy.ttl_steps)
-        last = tf.tensor_scatter_nd_update(last, tf.boolean_mask(flat, stale)[:, None],
-                                           tf.fill(tf.shape(tf.boolean_mask(flat, stale)), tf.constant(-1, tf.int64)))
-        for g, gone in enumerate(tf.dynamic_partition(keys, tf.cast(seg, tf.int32) * tf.cast(stale, tf.int32)
-                                                      + tf.cast(~stale, tf.int32) * count, count + 1)[:count]):
-            removals[g].append(gone)
+        last_at = tf.concat([vector(shard.last, tf.maximum(a, 0)) for shard, a in zip(shards, tf.split(at, sizes))], 0)
+        stale = have & (clock_k - last_at > policy.ttl_steps)
+        stale_seg = tf.boolean_mask(seg, stale)
+        for shard, gone_keys, gone_rows in zip(shards, tf.dynamic_partition(tf.boolean_mask(keys, stale), stale_seg, count),
+                                               tf.dynamic_partition(tf.boolean_mask(at, stale), stale_seg, count)):
+            freed += _free_rows(shard, gone_keys, gone_rows)
         have &= ~stale
+        at = tf.where(stale, tf.constant(-1, tf.int64), at)
+    usable = keys != SUBSTITUTE_KEY  # a reserved key was asked for as this one
     minimum = policy.min_frequency
     if minimum > 1:
-        waiting = tf.concat([tf.reshape(shard.pending.lookup(k), [-1, 2]) for shard, k in
-                             zip(shards, tf.split(keys, sizes))], 0)
+        waiting = tf.concat([tf.reshape(find(shard.pending, k, [0, -1]), [-1, 2]) for shard, k in zip(shards, key_parts)], 0)
         counted = waiting[:, 0]
         if policy.ttl_steps is not None:
             counted = tf.where(clock_k - waiting[:, 1] > policy.ttl_steps, tf.zeros_like(counted), counted)
+        seen = tf.concat([tf.reshape(part.seen, [-1]) for part in group], 0)
         total = tf.where(have, tf.constant(minimum, tf.int64), counted + seen)
         admitted = (total >= minimum) & usable
     else:
         admitted = usable
     fresh = admitted & ~have
-    seg32 = tf.cast(seg, tf.int32)
-    admitted_per_shard = tf.math.unsorted_segment_sum(tf.cast(admitted, tf.int64), seg32, count)
-    need = tf.math.unsorted_segment_sum(tf.cast(fresh, tf.int64), seg32, count)
+    admitted_per_shard = tf.math.unsorted_segment_sum(tf.cast(admitted, tf.int64), seg, count)
+    need = tf.math.unsorted_segment_sum(tf.cast(fresh, tf.int64), seg, count)
     checks = [tf.debugging.Assert(tf.reduce_all(admitted_per_shard <= share), [
-        f"Invalid value for argument `capacity` of DynamicEmbedding {group[0].name!r} (or of another table "
-        f"on its ps, of {[part.name for part in group]}): {share} rows per ps task. Expected at least the "
-        "distinct admitted keys one batch brings to one ps task; this batch brought",
-        tf.cast(tf.reduce_max(admitted_per_shard), tf.int32)])]
+        f"Invalid value for argument `capacity` of DynamicEmbedding {_names(group)}. Received: capacity="
+        f"{first.policy.capacity} ({share} rows per ps task). Expected at least the distinct admitted keys one "
+        "batch brings to one ps task; this batch brought", tf.cast(tf.reduce_max(admitted_per_shard), tf.int32)])]
     if minimum > 1:
         counting = ~admitted
-        for g, (shard, g_keys, g_total, g_count, g_fresh) in enumerate(zip(
-                shards, tf.split(keys, sizes), tf.split(total, sizes), tf.split(counting, sizes),
-                tf.split(fresh, sizes))):
-            g_clock = tf.fill(tf.shape(tf.boolean_mask(g_total, g_count)), clock[g])
+        for shard, g_keys, g_total, g_count, g_fresh, g_clock in zip(
+                shards, key_parts, tf.split(total, sizes), tf.split(counting, sizes), tf.split(fresh, sizes),
+                tf.unstack(clock)):
+            g_clock = tf.fill(tf.shape(tf.boolean_mask(g_total, g_count)), g_clock)
             checks.append(shard.pending.insert(tf.boolean_mask(g_keys, g_count),
                                                tf.stack([tf.boolean_mask(g_total, g_count), g_clock], 1)))
             checks.append(shard.pending.remove(tf.boolean_mask(g_keys, g_fresh)))
 
-    # The batch's rows are seen now: never this step's victims.
-    kept = tf.boolean_mask(flat, have)
-    last = tf.tensor_scatter_nd_update(last, kept[:, None], tf.boolean_mask(clock_k, have))
-    last2d = tf.reshape(last, [count, share])
-    keys2d = tf.reshape(held_keys, [count, share])
-    held = tf.reduce_sum(tf.cast(last2d >= 0, tf.int64), 1)
-    excess = tf.maximum(held + need - share, 0)
-    excess = tf.where(excess > 0, held + need - (share - rules.headroom(share)), excess)
+    # A shard with fewer free rows than new keys evicts, down to the share minus the headroom.
+    with tf.control_dependencies(freed):
+        free = tf.stack([shard.free_count.read_value() for shard in shards])
+    short = need - free
 
     def evict():
-        member = (last2d >= 0) & (last2d != clock[:, None])
-        k = tf.minimum(excess, tf.reduce_sum(tf.cast(member, tf.int64), 1))
-        return _least_recent_rows(keys2d, last2d, member, k)
+        # [G, S], of that static shape (a shard holds exactly its share): this branch alone reads whole shards.
+        last2d = tf.reshape(tf.concat([vector(shard.last) for shard in shards], 0), [count, share])
+        keys2d = tf.reshape(tf.concat([vector(shard.row_key) for shard in shards], 0), [count, share])
+        mine = tf.boolean_mask(tf.stack([tf.cast(seg, tf.int64), at], 1), have)
+        seen_now = tf.scatter_nd(mine, tf.ones(tf.shape(mine)[:1], tf.int32), [count, share]) > 0
+        member = (last2d >= 0) & ~seen_now  # the batch's rows are never this step's victims
+        excess = tf.where(short > 0, share - free + need - (share - rules.headroom(share)), 0)
+        gone = _least_recent_rows(keys2d, last2d, member,
+                                  tf.minimum(excess, tf.reduce_sum(tf.cast(member, tf.int64), 1)))
+        ops = []
+        for g, shard in enumerate(shards):
+            victims = tf.reshape(tf.where(gone[g]), [-1])
+            ops += _free_rows(shard, tf.gather(keys2d[g], victims), victims)
+        with tf.control_dependencies(ops):
+            return tf.constant(True)
 
-    gone = tf.cond(tf.reduce_any(excess > 0), evict, lambda: tf.zeros_like(last2d, tf.bool))
-    victims = tf.reshape(tf.where(tf.reshape(gone, [-1])), [-1])
-    victim_seg = tf.cast(victims // share, tf.int32)
-    evicted = tf.math.unsorted_segment_sum(tf.ones_like(victims), victim_seg, count)
-    for g, gone_keys in enumerate(tf.dynamic_partition(tf.gather(held_keys, victims), victim_seg, count)):
-        removals[g].append(gone_keys)
-    last = tf.tensor_scatter_nd_update(last, victims[:, None], tf.fill(tf.shape(victims), tf.constant(-1, tf.int64)))
+    evicted = tf.cond(tf.reduce_any(short > 0), evict, lambda: tf.constant(False))
 
-    # New rows: the first `need` free rows of each shard, in the order of its fresh keys.
-    free = tf.reshape(last, [count, share]) < 0
-    rank = tf.cumsum(tf.cast(free, tf.int64), axis=1)
-    places = tf.reshape(tf.where(tf.reshape(free & (rank <= need[:, None]), [-1])), [-1])
-    new_keys = tf.boolean_mask(keys, fresh)
-    new_seg = tf.boolean_mask(seg32, fresh)
-    last = tf.tensor_scatter_nd_update(last, places[:, None], tf.gather(clock, new_seg))
-    held_keys = tf.tensor_scatter_nd_update(held_keys, places[:, None], new_keys)
-    positions = tf.scatter_nd(tf.where(fresh), places, tf.shape(keys, tf.int64))
-    at = tf.where(have, flat, tf.where(fresh, positions, -1))  # flat rows of the admitted keys
-
-    writes = list(checks)
-    last2d, keys2d = tf.reshape(last, [count, share]), tf.reshape(held_keys, [count, share])
-    local_places = places - tf.cast(new_seg, tf.int64) * share
-    new_parts = tf.dynamic_partition(new_keys, new_seg, count)
-    place_parts = tf.dynamic_partition(local_places, new_seg, count)
+    # New rows: popped from each shard's free stack, in the order of its fresh keys.
+    with tf.control_dependencies([evicted, *checks]):
+        popped = [shard.pop_free(n) for shard, n in zip(shards, tf.unstack(need))]
+    places = [rows for rows, _ in popped]
+    new_keys, new_seg = tf.boolean_mask(keys, fresh), tf.boolean_mask(seg, fresh)
+    at = tf.tensor_scatter_nd_update(at, tf.where(fresh), tf.concat(places, 0))
+    admitted_seg = tf.boolean_mask(seg, admitted)
+    rows_at = tf.dynamic_partition(tf.boolean_mask(at, admitted), admitted_seg, count)  # held and new rows
     # The new rows of every table at once, each key drawn with its own table's initializer.
     kind = group[0].init[0]
     a, b, seed = (tf.gather(tf.constant([part.init[i] for part in group], dtype), new_seg)
                   for i, dtype in ((1, tf.float64), (2, tf.float64), (3, tf.int64)))
     start_parts = tf.dynamic_partition(initial_rows(new_keys, dim, (kind, a, b, seed)), new_seg, count)
-    for g, (shard, part) in enumerate(zip(shards, group)):
-        gone = tf.concat(removals[g], 0) if removals[g] else None
-        if gone is not None:
-            writes.append(shard.index.remove(gone))
-        with tf.control_dependencies(writes[-1:] if gone is not None else []):
-            writes.append(shard.index.insert(new_parts[g], place_parts[g]))
-        writes.append(shard.last.assign(last2d[g], read_value=False))
-        writes.append(shard.row_key.assign(keys2d[g], read_value=False))
-        writes.append(shard.rows.scatter_update(tf.IndexedSlices(start_parts[g], place_parts[g])))
+    writes = []
+    for shard, (place, pop), new, start, rows, step, n in zip(
+            shards, popped, tf.dynamic_partition(new_keys, new_seg, count), start_parts, rows_at,
+            tf.unstack(clock), tf.unstack(need)):
+        with tf.control_dependencies([pop]):
+            writes.append(shard.index.insert(new, place))
+        writes.append(shard.row_key.scatter_update(tf.IndexedSlices(new, place)))
+        writes.append(shard.rows.scatter_update(tf.IndexedSlices(start, place)))
         for name, var in shard.slots.items():
-            fill = tf.fill(tf.stack([tf.size(place_parts[g]), dim]), tf.constant(shard.slot_defaults[name], tf.float32))
-            writes.append(var.scatter_update(tf.IndexedSlices(fill, place_parts[g])))
-        writes.append(shard.admissions.assign_add(need[g], read_value=False))
-        writes.append(shard.evictions.assign_add(evicted[g], read_value=False))
+            fill = tf.fill(tf.stack([tf.size(place), dim]), tf.constant(shard.slot_defaults[name], tf.float32))
+            writes.append(var.scatter_update(tf.IndexedSlices(fill, place)))
+        writes.append(shard.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(rows), step), rows)))
+        writes.append(shard.admissions.assign_add(n, read_value=False))
 
     with tf.control_dependencies(writes):
-        valid = at >= 0
-        rows_at = tf.dynamic_partition(tf.boolean_mask(at - seg * share, valid), tf.boolean_mask(seg32, valid), count)
-        gradient = tf.reshape(tf.boolean_mask(tf.concat([part.gradient for part in group], 0), valid), [-1, dim])
+        gradient = tf.reshape(tf.boolean_mask(tf.concat([part.gradient for part in group], 0), admitted), [-1, dim])
         rows = tf.concat([tf.reshape(tf.gather(shard.rows, r), [-1, dim]) for shard, r in zip(shards, rows_at)], 0)
         slots = {name: tf.concat([tf.reshape(tf.gather(shard.slots[name], r), [-1, dim])
                                   for shard, r in zip(shards, rows_at)], 0) for name in first.slots}
@@ -250,7 +253,35 @@ def _admit_and_update(group: list[Part], rule: Callable):
             updates += [shard.slots[name].scatter_update(tf.IndexedSlices(value, r))
                         for name, value in zip(first.slots, new_slots)]
     with tf.control_dependencies(updates):
-        rebuilt = [shard.index.rebuild_if_worn(lambda g=g, shard=shard: live_rows(keys2d[g], last2d[g]))
-                   for g, shard in enumerate(shards)]
-    with tf.control_dependencies(rebuilt):
-        return tf.identity(clock[0])
+        return _rebuild_worn(shards)
+
+
+def _names(group: list[Part]) -> str:
+    """The table named in a group's error: the one of the group, or all of them (any may have brought the keys)."""
+    names = sorted({part.name for part in group})
+    return repr(names[0]) if len(names) == 1 else f"{names[0]!r} or another table on its ps task ({', '.join(names)})"
+
+
+def _free_rows(shard, keys, rows) -> list:
+    """Ops that free `rows` (int64) of `shard`, which held `keys`: out of the index, onto the free stack."""
+    return [shard.index.remove(keys),
+            shard.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(rows), tf.constant(-1, tf.int64)), rows)),
+            shard.push_free(rows),
+            shard.evictions.assign_add(tf.size(rows, tf.int64), read_value=False)]
+
+
+def _rebuild_worn(shards):
+    """Rebuild the key index of each shard whose tombstones fill half the buckets no key holds
+    (`KeyIndex.worn`): one conditional for the group, a shard's own only when one is worn."""
+    removed = tf.stack([shard.index.removed.read_value() for shard in shards])
+    held = tf.stack([shard.share - shard.free_count.read_value() for shard in shards])
+    # The buckets each index was made with: a reset can only have added some (rebuilding early then).
+    buckets = tf.constant([shard.index.bucket_count for shard in shards], tf.int64)
+    worn = removed * 2 >= buckets - held
+
+    def rebuild():
+        done = [tf.cond(worn[g], lambda shard=shard: shard.index.rebuild(shard.live), lambda: tf.constant(False))
+                for g, shard in enumerate(shards)]
+        return tf.reduce_any(tf.stack(done))
+
+    return tf.cond(tf.reduce_any(worn), rebuild, lambda: tf.constant(False))

@@ -34,6 +34,25 @@ def shard_of(keys, shards: int):
     return tf.cast(_shift(mix64(keys), 1) % shards, tf.int32)
 
 
+def _dim_salts(dim: int, stream: int):
+    """`dim` distinct well-spread int64 constants (splitmix64's sequence), one per column of a row."""
+    import numpy as np
+
+    with np.errstate(over="ignore"):
+        steps = (np.arange(1, dim + 1, dtype=np.uint64) + np.uint64(stream * dim)) * np.uint64(_GOLDEN + 2**64)
+        x = steps ^ (steps >> np.uint64(30))
+        x = x * np.uint64(_MIX_1 + 2**64)
+        x = x ^ (x >> np.uint64(27))
+    return tf.constant(x.view(np.int64))
+
+
+def _unit(x):
+    """Uniform floats in [0, 1) from int64 `x`: a multiply-xorshift round, then the product's top 53 bits."""
+    x = x * tf.constant(_MIX_1, tf.int64)
+    x = tf.bitwise.bitwise_xor(x, _shift(x, 32)) * tf.constant(_MIX_2, tf.int64)
+    return tf.cast(_shift(x, 11), tf.float64) * 2.0**-53
+
+
 def initial_rows(keys, dim: int, init: tuple):
     """A new row per key, drawn from a stream seeded by the key itself.
 
@@ -42,6 +61,11 @@ def initial_rows(keys, dim: int, init: tuple):
     ("normal", mean, stddev, seed) or ("constant", value, 0, seed); `low`,
     `high` (...) and `seed` may also be tensors of one value per key (keys
     of several tables drawn at once).
+
+    Few ops, as a step draws rows for every table it touches: the key's
+    `mix64` (which `shard_of` computes too: one op in a traced step) xor
+    the seed's, then per column one multiply-xorshift round of that xor a
+    column constant.
     """
     kind, a, b, seed = init
 
@@ -52,11 +76,10 @@ def initial_rows(keys, dim: int, init: tuple):
     a, b = per_key(a, tf.float64), per_key(b, tf.float64)
     if kind == "constant":
         return tf.cast(a + tf.zeros(tf.stack([tf.size(keys), dim]), tf.float64), tf.float32)
-    base = mix64(tf.bitwise.bitwise_xor(keys, tf.convert_to_tensor(seed, tf.int64)))
-    h = mix64(base[:, None] + tf.range(dim, dtype=tf.int64)[None, :] * tf.constant(_GOLDEN, tf.int64))
-    u = tf.cast(_shift(h, 11), tf.float64) * 2.0**-53  # [0, 1)
+    base = tf.bitwise.bitwise_xor(mix64(keys), mix64(tf.convert_to_tensor(seed, tf.int64)))[:, None]
+    u = _unit(tf.bitwise.bitwise_xor(base, _dim_salts(dim, 0)[None, :]))
     if kind == "uniform":
         return tf.cast(a + (b - a) * u, tf.float32)
-    u2 = tf.cast(_shift(mix64(h), 11), tf.float64) * 2.0**-53
+    u2 = _unit(tf.bitwise.bitwise_xor(base, _dim_salts(dim, 1)[None, :]))
     normal = tf.sqrt(-2.0 * tf.math.log1p(-u)) * tf.cos(2.0 * 3.141592653589793 * u2)  # Box-Muller
     return tf.cast(a + b * normal, tf.float32)

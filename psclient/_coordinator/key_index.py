@@ -15,8 +15,10 @@ Two things of open addressing the index takes care of:
   counts them; once they fill half of the buckets no live key holds
   (`worn`), the shard's next scan rebuilds the index from its live keys
   (`rebuild_if_worn`), one pass over the buckets per that many removals.
-- Two key values mark empty and removed buckets (`RESERVED_KEYS`): those
-  keys never get a row (they read as absent and are never admitted).
+- Two key values mark empty and removed buckets, and the table refuses
+  to look them up; a training step asks for a third value in their place
+  (`asked`), which is never inserted. Those three keys (`RESERVED_KEYS`)
+  never get a row (they read as absent and are never admitted).
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ import tensorflow as tf
 
 from psclient._coordinator.runtime import coordinator_cpu
 
-__all__ = ["KeyIndex", "RESERVED_KEYS", "buckets_for"]
+__all__ = ["KeyIndex", "RESERVED_KEYS", "SUBSTITUTE_KEY", "buckets_for", "find"]
 
 #: Key values the index uses to mark empty and removed buckets: they never get a row of their own.
 #: Arbitrary 64-bit constants, so that no natural id (small integers, -1, 0, INT64_MIN as a missing
 #: marker) and only a 2**-63 chance of a string's fingerprint falls on them.
 EMPTY_KEY = -0x3C6EF372FE94F82B
 REMOVED_KEY = -0x3C6EF372FE94F82A
-RESERVED_KEYS = (EMPTY_KEY, REMOVED_KEY)
+SUBSTITUTE_KEY = -0x3C6EF372FE94F829  # asked for in place of the two above; never inserted
+RESERVED_KEYS = (EMPTY_KEY, REMOVED_KEY, SUBSTITUTE_KEY)
 
 _MAX_LOAD = 0.8  # DenseHashTable doubles its buckets past this fill
 
@@ -41,6 +44,14 @@ def buckets_for(rows: int) -> int:
     """The power of two of buckets (at least 4) that holds `rows` keys without the table growing."""
     need = max(4, -(-rows * 5 // 4))  # rows / _MAX_LOAD, rounded up
     return 1 << (need - 1).bit_length()
+
+
+def find(table, keys, default):
+    """`table.lookup(keys)` with its default made where the lookup runs: the table's own default is
+    held on the coordinator (see `KeyIndex`), and in a step run on a worker it would travel from
+    there to the ps with every lookup."""
+    value = tf.constant(default, table.value_dtype)
+    return tf.raw_ops.LookupTableFindV2(table_handle=table.resource_handle, keys=keys, default_value=value)
 
 
 class KeyIndex:
@@ -58,9 +69,11 @@ class KeyIndex:
             raise ValueError(f"a shard of {rows} rows: rows are indexed as int32, expected fewer than 2**31 per ps")
         with tf.device(coordinator_cpu()):
             default = tf.constant(-1, tf.int32)
+        #: The buckets it is made with (more only after a reset with more keys than `rows`).
+        self.bucket_count = buckets_for(rows)
         self.table = tf.lookup.experimental.DenseHashTable(
             tf.int64, tf.int32, default, empty_key=EMPTY_KEY, deleted_key=REMOVED_KEY,
-            initial_num_buckets=buckets_for(rows), name=f"{prefix}_index", checkpoint=False)
+            initial_num_buckets=self.bucket_count, name=f"{prefix}_index", checkpoint=False)
         self.removed = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{prefix}_index_removed")
         vector = tf.TensorSpec([None], tf.int64)
 
@@ -72,13 +85,20 @@ class KeyIndex:
     @staticmethod
     def usable(keys):
         """Which `keys` may hold a row (all but `RESERVED_KEYS`)."""
-        return (keys != EMPTY_KEY) & (keys != REMOVED_KEY)
+        return (keys != EMPTY_KEY) & (keys != REMOVED_KEY) & (keys != SUBSTITUTE_KEY)
+
+    @staticmethod
+    def asked(keys):
+        """`keys` as the table may be asked for them: the marker keys it refuses replaced by
+        `SUBSTITUTE_KEY`, which is never inserted (so reads as absent)."""
+        return tf.where((keys != EMPTY_KEY) & (keys != REMOVED_KEY), keys, tf.constant(SUBSTITUTE_KEY, tf.int64))
+
+    def find(self, asked):
+        """The int32 row of each of `asked(keys)` (-1: none): one op on the table's device."""
+        return find(self.table, asked, -1)
 
     def lookup(self, keys):
-        usable = self.usable(keys)
-        # The table refuses its own marker keys: ask for a harmless key in their place.
-        found = self.table.lookup(tf.where(usable, keys, tf.zeros_like(keys)))
-        return tf.where(usable, tf.cast(tf.reshape(found, [-1]), tf.int64), tf.constant(-1, tf.int64))
+        return tf.cast(tf.reshape(self.find(self.asked(keys)), [-1]), tf.int64)
 
     def insert(self, keys, rows):
         """Add keys not in the index (a key already in it past a tombstone would be held twice)."""
@@ -133,11 +153,10 @@ class KeyIndex:
 
         `live_keys()`: (keys, rows) of the shard's live rows, read only when rebuilding.
         """
-        worn = self.worn()
+        return tf.cond(self.worn(), lambda: self.rebuild(live_keys), lambda: tf.constant(False))
 
-        def rebuild():
-            keys, rows = live_keys()
-            with tf.control_dependencies([self.reset(keys, rows)]):
-                return tf.constant(True)
-
-        return tf.cond(worn, rebuild, lambda: tf.constant(False))
+    def rebuild(self, live_keys):
+        """Hold exactly the keys `live_keys()` gives, (keys, rows): no tombstones left. Returns True."""
+        keys, rows = live_keys()
+        with tf.control_dependencies([self.reset(keys, rows)]):
+            return tf.constant(True)
