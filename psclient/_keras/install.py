@@ -28,7 +28,9 @@ that do not live on a psclient strategy's ps tasks:
    runs on each shard's ps (`psclient._keras.adafactor`).
 4. BatchNormalization's moving statistics, which Keras writes with a plain
    read-then-assign, written with one atomic `assign_sub` each on their ps
-   (`psclient._keras.moving_stats`), so concurrent workers' updates compose.
+   (`psclient._keras.moving_stats`), so concurrent workers' updates compose;
+   with `renorm=True`, `moving_variance`, which Keras derives from
+   `moving_stddev`, is assigned that derivation after the stddev's update.
 5. Initial values made on the ps: each weight's and slot's initializer runs
    on its ps task (shard by shard when partitioned), never in the coordinator
    (`psclient._keras.initializers`).

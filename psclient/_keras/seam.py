@@ -104,7 +104,8 @@ KERAS_INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_BASE_OPTIMIZER}._overwrite_variable_with_gradient",
              "weights Keras overwrites with their gradient have no Adafactor slots"),
     Internal(f"{_BATCH_NORM}.call", "patched: in training, the moving statistics of a layer on a ps "
-             "written with one atomic assign_sub each (psclient._keras.moving_stats)"),
+             "written with one atomic assign_sub each, renorm's moving_variance assigned from the "
+             "updated moving_stddev (psclient._keras.moving_stats)"),
     Internal(f"{_BASE_OPTIMIZER}.apply", "patched: inside a scheduled step, applied under the strategy's "
              "max_staleness / replicas_to_aggregate rule and its staleness measured"),
     Internal(f"{_BASE_OPTIMIZER}._trainable_variables", "the weights of apply(grads) given no variables",
