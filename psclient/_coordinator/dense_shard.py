@@ -233,37 +233,38 @@ class DenseShard:
 
     def peek(self, asked, seen_now):
         """What a training step's forward pass reads for `asked` keys (`KeyIndex.asked`, seen
-        `seen_now` times: only read with `min_frequency > 1`), read only: (rows, code), code per key
+        `seen_now` times: only read with `min_frequency > 1`), read only: rows [n, dim + 1], each
+        key's row and, bitcast to float32 in the last column, its code
 
-          >= 0  the key holds a row: `rows` has it
+          >= 0  the key holds a row: the row is its
           -1    its update will admit it: it reads the row it will start from (drawn by the caller)
           -2    it is still counting towards admission (`min_frequency`): it reads zeros
 
-        Few ops on the ps, as a step runs one per table and ps (with neither `ttl_steps` nor
-        `min_frequency > 1`: the index lookup and the gather). The admission runs with the update
-        (`psclient._coordinator.fused_admission`). Without the lock: during another step's rebuild
-        of the key index a held key can read as new (its forward pass then sees its first row; the
-        update still reaches its row), and a row another step just freed and gave to a new key can
-        be read once, like any read racing an asynchronous update.
+        (one tensor: each tensor a step sends from a ps to a worker costs more than the ops on
+        it). Few ops on the ps, as a step runs one per table and ps. The admission runs with the
+        update (`psclient._coordinator.fused_admission`). Without the lock: during another step's
+        rebuild of the key index a held key can read as new (its forward pass then sees its first
+        row; the update still reaches its row), and a row another step just freed and gave to a
+        new key can be read once, like any read racing an asynchronous update.
         """
         policy = self.policy
         at = self.index.find(asked)
-        found = tf.gather(self.rows, tf.maximum(at, 0))  # of unknown shape: the caller reshapes it
-        if policy.ttl_steps is None and policy.min_frequency == 1:
-            return found, at
-        alive = at >= 0
-        if policy.ttl_steps is not None:
-            last = self._vector(self.last, tf.maximum(at, 0))
-            alive &= self.clock.read_value() + 1 - last <= policy.ttl_steps
-        code = tf.where(alive, at, -1)
-        if policy.min_frequency > 1:
-            waiting = tf.reshape(find(self.pending, asked, [0, -1]), [-1, 2])
-            count = waiting[:, 0]
+        found = self._gather(self.rows, tf.maximum(at, 0))
+        code = at
+        if policy.ttl_steps is not None or policy.min_frequency > 1:
+            alive = at >= 0
             if policy.ttl_steps is not None:
-                count = tf.where(self.clock.read_value() + 1 - waiting[:, 1] > policy.ttl_steps,
-                                 tf.zeros_like(count), count)
-            code = tf.where(alive | (count + seen_now >= policy.min_frequency), code, -2)
-        return found, code
+                last = self._vector(self.last, tf.maximum(at, 0))
+                alive &= self.clock.read_value() + 1 - last <= policy.ttl_steps
+            code = tf.where(alive, at, -1)
+            if policy.min_frequency > 1:
+                waiting = tf.reshape(find(self.pending, asked, [0, -1]), [-1, 2])
+                count = waiting[:, 0]
+                if policy.ttl_steps is not None:
+                    count = tf.where(self.clock.read_value() + 1 - waiting[:, 1] > policy.ttl_steps,
+                                     tf.zeros_like(count), count)
+                code = tf.where(alive | (count + seen_now >= policy.min_frequency), code, -2)
+        return tf.concat([found, tf.bitcast(code, tf.float32)[:, None]], 1)
 
     # ------------------------------------------------------------ admission
     def live(self):

@@ -259,15 +259,13 @@ class DynamicTable:
         # Sightings only decide an admission with min_frequency > 1: else they do not travel.
         count_parts = (self._split_like(tf.cast(counts, tf.int64), asked) if self.policy.min_frequency > 1
                        else [None] * len(parts))
-        rows, codes, states = [], [], []
+        rows, states = [], []
         for shard, part, seen_now in zip(self.shards, parts, count_parts):
             with shard.placed():
-                found, code = shard.peek(part, seen_now)
-            rows.append(found)
-            codes.append(code)
+                rows.append(shard.peek(part, seen_now))
             states.append((part, seen_now))
-        found = tf.reshape(tf.dynamic_stitch(positions, rows), [-1, self.dim])
-        code = tf.dynamic_stitch(positions, codes)
+        read = tf.reshape(tf.dynamic_stitch(positions, rows), [-1, self.dim + 1])
+        found, code = read[:, :self.dim], tf.bitcast(read[:, self.dim], tf.int32)
         starts = asked != SUBSTITUTE_KEY  # a reserved key reads zeros
         if self.policy.min_frequency > 1:
             starts &= code != -2
