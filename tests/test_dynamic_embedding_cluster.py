@@ -139,3 +139,36 @@ def test_concurrent_admissions_from_two_workers_never_share_a_row(strategy):
         np.testing.assert_array_equal(shard.row_key.numpy()[rows], keys)  # each row holds its key
         held = shard.last.numpy() >= 0
         assert held[rows].all() and held.sum() == len(rows) <= 16
+
+
+def held_rows(shard):
+    """(keys of the rows a shard holds, its index's keys and rows, its free stack's rows), read on its ps."""
+    last, row_key = shard.last.numpy().reshape(-1), shard.row_key.numpy().reshape(-1)
+    keys, rows = (t.numpy().reshape(-1) for t in shard.index.entries())
+    free = shard.free.numpy().reshape(-1)[:int(shard.free_count.numpy())]
+    return row_key[last >= 0], (keys, rows), free, last
+
+
+def test_two_workers_admitting_the_same_keys_hold_each_key_once(strategy):
+    # Both workers' steps bring the same frequent keys at once, and many new ones: a step must find
+    # a key the other worker's step admitted a moment before (the index lookup under the lock must
+    # not be the forward pass's, made without it), or the key is admitted twice. Keys go over the
+    # capacity, so rows are evicted and reused meanwhile.
+    with strategy.scope():
+        model, layer = make_model("shared_ids")
+    x, y = data(3, n=1536)
+    model.fit(x, y, epochs=2, batch_size=64, verbose=0)
+    for shard in layer.table.shards:
+        held, (keys, rows), free, last = held_rows(shard)
+        assert len(set(held.tolist())) == len(held)  # no key in two rows
+        assert sorted(keys.tolist()) == sorted(held.tolist())  # the index holds exactly the held keys
+        np.testing.assert_array_equal(shard.row_key.numpy().reshape(-1)[rows], keys)
+        assert len(set(free.tolist())) == len(free) and (last[free] < 0).all()  # free rows are free
+        assert len(held) + len(free) == shard.share
+    predicted = model.predict(x, verbose=0)
+    served = DynamicEmbedding.from_config(layer.get_config())
+    served.build()
+    served.import_state(layer.export_state())
+    keys = np.unique(x)
+    np.testing.assert_array_equal(served(tf.constant(keys)).numpy(), layer(tf.constant(keys)).numpy())
+    assert np.isfinite(predicted).all()
