@@ -20,6 +20,7 @@ per N.
 
     python benchmarks/dynamic_many_tables.py                  # N = 1, 4, 26: about 6 minutes on a loaded 2-core machine
     python benchmarks/dynamic_many_tables.py --tables 1,8 --steps 60
+    python benchmarks/dynamic_many_tables.py --tables 26 --min-frequency 2 --ttl-steps 400   # the policies with a scan
 
 Prints one JSON object (progress on stderr). Noisy machine: compare the ratios within one run.
 """
@@ -42,18 +43,18 @@ from dynamic_embeddings import FEATURES, stream  # noqa: E402
 PATHS = ("dynamic", "hashing", "dynamic_dict")
 
 
-def build(keras, kind: str, tables: int, rows: int, dim: int):
+def build(keras, kind: str, tables: int, rows: int, dim: int, **policy):
     from psclient.layers import DynamicEmbedding
 
     ids = keras.Input((tables,), dtype="int64")
     parts = []
     if kind == "dynamic_dict":
-        embedded = DynamicEmbedding(dim, capacity=rows * tables, name="features")(
+        embedded = DynamicEmbedding(dim, capacity=rows * tables, name="features", **policy)(
             {f"f{i}": ids[:, i] for i in range(tables)})
         parts = [embedded[f"f{i}"] for i in range(tables)]
     for i in range(tables if kind != "dynamic_dict" else 0):
         if kind == "dynamic":
-            parts.append(DynamicEmbedding(dim, capacity=rows, name=f"f{i}")(ids[:, i]))
+            parts.append(DynamicEmbedding(dim, capacity=rows, name=f"f{i}", **policy)(ids[:, i]))
         else:
             parts.append(keras.layers.Embedding(rows, dim, name=f"f{i}")(keras.layers.Hashing(rows)(ids[:, i])))
     embedded = keras.layers.Concatenate()(parts) if tables > 1 else parts[0]
@@ -89,6 +90,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {PATHS}")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-frequency", type=int, default=1, help="the dynamic tables' min_frequency")
+    parser.add_argument("--ttl-steps", type=int, default=None, help="the dynamic tables' ttl_steps (default: none)")
     args = parser.parse_args(argv)
     try:
         counts = sorted({int(n) for n in args.tables.split(",") if n})
@@ -99,6 +102,9 @@ def main(argv=None) -> int:
     paths = [p for p in args.paths.split(",") if p]
     if not paths or any(p not in PATHS for p in paths):
         parser.error(f"--paths must name some of {PATHS}, got {args.paths!r}")
+    if args.min_frequency < 1 or (args.ttl_steps is not None and args.ttl_steps < 1):
+        parser.error(f"--min-frequency and --ttl-steps must be >= 1, got {args.min_frequency} and {args.ttl_steps}")
+    policy = {"min_frequency": args.min_frequency, "ttl_steps": args.ttl_steps}
 
     import keras
     import tensorflow as tf
@@ -119,7 +125,7 @@ def main(argv=None) -> int:
                 for kind in paths:
                     gc.collect()
                     with strategy.scope():
-                        model = build(keras, kind, n, args.rows, args.dim)
+                        model = build(keras, kind, n, args.rows, args.dim, **(policy if kind != "hashing" else {}))
                     marks = {}
 
                     def mark():
