@@ -1,25 +1,27 @@
 """One admission and one update per ps task for all the bounded tables a training step touched.
 
-A `DynamicEmbedding` layer's admission and update cost hundreds of ops per
-ps task, whatever the number of keys, and a ps runs a step's ops at a few
-microseconds each: 26 layers, one per feature, spent most of a step there
+A step's cost on a ps is mostly its ops and the tensors it receives and
+sends, not its keys: 26 `DynamicEmbedding` layers, one per feature, each
+with its own admission and update, spent most of a step there
 (docs/dynamic_embeddings.md, "Speed and memory"). So a training step's
-forward pass only reads rows (`DenseShard.peek`: a row's key not yet held
-reads the row its admission will start it from), and when the optimizer
+forward pass only reads rows (`DenseShard.peek`), and when the optimizer
 applies the gradient, the shards of one ps task that are alike (same share,
-width, policy, initializer and slots) are admitted and updated together:
+width, policy, initializer and slots) are admitted and updated together, in
+one section under the ps's table lock (`stores.table_lock`):
 
-- each table keeps its own variables, key index and counters, so
-  checkpoints, stats and recovery see no difference; the shards of one ps
-  task share one lock (`stores.table_lock`), which a step's section holds;
-- what only reads and computes (which keys hold rows, which rows the LRU
-  frees, where new rows go, the optimizer's arithmetic) runs once on the
-  shards' counters stacked [shards, share]; what touches a table's own
-  resources (index lookups and inserts, the writes) is a few ops per table.
+- each table keeps its own variables, key index, free stack and counters,
+  so checkpoints, stats and recovery see no difference;
+- the arithmetic runs once for the group: which keys hold rows, how many
+  new rows each shard needs, the first rows of new keys, the optimizer's
+  rule; each table's own lookups, pops from its free stack and writes are
+  a few ops, on the step's rows only;
+- only a shard with fewer free rows than new keys evicts: then the
+  last-seen steps of the group's shards, stacked [shards, share], go
+  through one batched LRU selection (the one pass over whole shards).
 
-The rules are those of `DenseShard._admit` (and `psclient._core.dynamic_tables`),
-per shard: least recently used rows go first (ties: the smaller key), down
-to the share minus the headroom; the batch's own rows are never victims.
+The rules are those of `psclient._core.dynamic_tables`, per shard: least
+recently used rows go first (ties: the smaller key), down to the share
+minus the headroom; the batch's own rows are never victims.
 """
 
 from __future__ import annotations
