@@ -13,7 +13,7 @@ nox.options.sessions = ["oldest"]
 nox.options.reuse_existing_virtualenvs = False
 
 OLDEST = "constraints/oldest.txt"
-TESTS = ["tests/test_keras_seam.py", "tests/test_keras_fit.py", "tests/test_partitioned.py"]
+TESTS = ["tests/test_keras_seam.py", "tests/test_keras_fit.py", "tests/test_partitioned.py", "tests/test_keras_moving_stats.py"]
 
 
 @nox.session
