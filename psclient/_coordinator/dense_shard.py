@@ -282,14 +282,19 @@ class DenseShard:
             k = tf.minimum(k, tf.reduce_sum(tf.cast(member, tf.int64)))
             gone = least_recent(keys, last, member, k, entries=self.share)
         victims = tf.reshape(tf.where(gone), [-1])
-        n = tf.size(victims, tf.int64)
-        ops = [self.index.remove(tf.gather(keys, victims)),
-               self.last.scatter_update(tf.IndexedSlices(tf.fill([n], tf.constant(-1, tf.int64)), victims)),
-               self.push_free(victims)]
+        with tf.control_dependencies(self.free_rows(tf.gather(keys, victims), victims, count_rows)):
+            return tf.size(victims, tf.int64)
+
+    def free_rows(self, keys, rows, count_rows=True) -> list:
+        """Ops that free `rows` (int64), which held `keys`: out of the index, marked free, onto the
+        free stack (and counted as evictions)."""
+        n = tf.size(rows, tf.int64)
+        ops = [self.index.remove(keys),
+               self.last.scatter_update(tf.IndexedSlices(tf.fill([n], tf.constant(-1, tf.int64)), rows)),
+               self.push_free(rows)]
         if count_rows:
-            ops.append(self.evictions.assign_add(n))
-        with tf.control_dependencies(ops):
-            return tf.identity(n)
+            ops.append(self.evictions.assign_add(n, read_value=False))
+        return ops
 
     def push_free(self, rows):
         """Put freed `rows` (int64) on the free stack."""

@@ -98,13 +98,11 @@ def _one_per_shard(parts: list[Part]) -> list[Part]:
 def _locked(group: list[Part], rule: Callable):
     lock = group[0].shard.lock  # the shards of one ps task share it (stores.table_lock)
     assert all(part.shard.lock is lock for part in group), "shards of one group under different locks"
-    if not tf.executing_eagerly():
-        return lock.execute(lambda: _admit_and_update(group, rule), exclusive_resource_access=False)
     try:
         return lock.execute(lambda: _admit_and_update(group, rule), exclusive_resource_access=False)
-    except tf.errors.OpError as error:  # e.g. the capacity check
-        # Run eagerly, the lock is a tensor in `execute`'s frame: a traceback holding that frame
-        # would hold the lock, and every later step would wait for it. Raised without it.
+    except tf.errors.OpError as error:  # run eagerly, e.g. the capacity check (traced, nothing raises here)
+        # Eagerly, the lock is a tensor in `execute`'s frame: a traceback holding that frame would
+        # hold the lock, and every later step would wait for it. Raised without it.
         raise error.with_traceback(None) from None
 
 
@@ -158,7 +156,7 @@ def _admit_and_update(group: list[Part], rule: Callable):
         stale_seg = tf.boolean_mask(seg, stale)
         for shard, gone_keys, gone_rows in zip(shards, tf.dynamic_partition(tf.boolean_mask(keys, stale), stale_seg, count),
                                                tf.dynamic_partition(tf.boolean_mask(at, stale), stale_seg, count)):
-            freed += _free_rows(shard, gone_keys, gone_rows)
+            freed += shard.free_rows(gone_keys, gone_rows)
         have &= ~stale
         at = tf.where(stale, tf.constant(-1, tf.int64), at)
     usable = keys != SUBSTITUTE_KEY  # a reserved key was asked for as this one
@@ -208,7 +206,7 @@ def _admit_and_update(group: list[Part], rule: Callable):
         ops = []
         for g, shard in enumerate(shards):
             victims = tf.reshape(tf.where(gone[g]), [-1])
-            ops += _free_rows(shard, tf.gather(keys2d[g], victims), victims)
+            ops += shard.free_rows(tf.gather(keys2d[g], victims), victims)
         with tf.control_dependencies(ops):
             return tf.constant(True)
 
@@ -264,22 +262,13 @@ def _names(group: list[Part]) -> str:
     return repr(names[0]) if len(names) == 1 else f"{names[0]!r} or another table on its ps task ({', '.join(names)})"
 
 
-def _free_rows(shard, keys, rows) -> list:
-    """Ops that free `rows` (int64) of `shard`, which held `keys`: out of the index, onto the free stack."""
-    return [shard.index.remove(keys),
-            shard.last.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(rows), tf.constant(-1, tf.int64)), rows)),
-            shard.push_free(rows),
-            shard.evictions.assign_add(tf.size(rows, tf.int64), read_value=False)]
-
-
 def _rebuild_worn(shards):
     """Rebuild the key index of each shard whose tombstones fill half the buckets no key holds
     (`KeyIndex.worn`): one conditional for the group, a shard's own only when one is worn."""
-    removed = tf.stack([shard.index.removed.read_value() for shard in shards])
-    held = tf.stack([shard.share - shard.free_count.read_value() for shard in shards])
-    # The buckets each index was made with: a reset can only have added some (rebuilding early then).
-    buckets = tf.constant([shard.index.bucket_count for shard in shards], tf.int64)
-    worn = removed * 2 >= buckets - held
+    # Each index's worn state from the rows its shard holds and the buckets it was made with (a reset
+    # can only have added some: it is then rebuilt early), without reading the index's size.
+    worn = tf.stack([shard.index.worn(shard.share - shard.free_count.read_value(), shard.index.bucket_count)
+                     for shard in shards])
 
     def rebuild():
         done = [tf.cond(worn[g], lambda shard=shard: shard.index.rebuild(shard.live), lambda: tf.constant(False))

@@ -140,13 +140,14 @@ class KeyIndex:
         with tf.control_dependencies([emptied, self.removed.assign(0, read_value=False)]):
             return self.insert(keys, rows)
 
-    def worn(self, size=None):
+    def worn(self, size=None, buckets=None):
         """Whether removals since the last rebuild could fill half of the buckets no key holds.
 
-        `size`: the index's size, when the caller has read it already.
+        `size`, `buckets`: the index's size and buckets, when the caller knows them already.
         """
         size = self.size() if size is None else size
-        return self.removed.read_value() * 2 >= self.buckets() - size
+        buckets = self.buckets() if buckets is None else buckets
+        return self.removed.read_value() * 2 >= buckets - size
 
     def rebuild_if_worn(self, live_keys):
         """Rebuild (see the module's docstring) once tombstones fill half the buckets no key holds.

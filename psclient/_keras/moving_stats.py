@@ -93,7 +93,7 @@ DERIVED = {
         # Keras's `_update_renorm_statistics`: relu(new_moving_stddev**2 - epsilon).
         "moving_variance": Derived(
             source="moving_stddev",
-            applies=lambda layer: bool(getattr(layer, "renorm", False)),  # Keras < 3.11 has no renorm
+            applies=lambda layer: bool(getattr(layer, "renorm", False)),  # Keras 3.10 has no renorm
             value=lambda layer, stddev: tf.nn.relu(stddev * stddev - layer.epsilon),
         ),
     },
