@@ -298,7 +298,7 @@ def probe_writable(directory: str, num_ps: int, describe_ps: Callable[[int], str
         def run():
             with tf.device(_runtime.ps_device(ps)):
                 try:
-                    _checkpoints.save(part_prefix(scratch, ps, num_ps), ["probe"], [""], [tf.constant(ps)])
+                    _checkpoints.save(part_prefix(scratch, ps, num_ps), ["probe"], [""], [ps])
                 except tf.errors.OpError as error:
                     error._psclient_ps = ps
                     raise

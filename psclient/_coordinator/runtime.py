@@ -93,14 +93,16 @@ def probe(device: str) -> None:
         own = _probe_executors.executor = _executors.new_call_executor(streaming=False)
     try:
         with _executors.executor_scope(own):
-            # The constant is made here, not under the task's device: made there,
-            # TF copies it to the task while holding the GIL, and a hung
-            # (SIGSTOPped) task then froze every thread of the coordinator until
-            # it answered. The op's own copy of its input waits without the GIL.
+            # Both operands are made here, not under the task's device: a Python
+            # value converted there (a constant, or the `1` of `one + 1`) is
+            # copied to the task by the conversion, which holds the GIL, and a
+            # hung (SIGSTOPped) task then froze every thread of the coordinator
+            # until it answered. The op's own copy of its inputs waits without
+            # the GIL. tests/test_no_remote_conversions.py checks every such place.
             with tf.device(coordinator_cpu()):
                 one = tf.constant(1, dtype=tf.int32)
             with tf.device(f"{device}/device:CPU:0"):
-                (one + 1).numpy()
+                tf.add(one, one).numpy()
     except tf.errors.OpError:
         own.clear_error()  # or the next probe on this thread fails with it
         raise

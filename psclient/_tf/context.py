@@ -15,6 +15,7 @@ from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute.coordinator import coordinator_context
 from tensorflow.python.distribute.coordinator.cluster_coordinator import ClosureInputError
 from tensorflow.python.eager import context
+from tensorflow.python.framework import constant_op, dtypes, ops
 
 __all__ = [
     "ClosureInputError",
@@ -57,12 +58,20 @@ def update_server_def(cluster_spec, filters, job_name: str) -> None:
 
 
 class _WorkerIndex:
-    """What TF's dispatch context reads: the index of the worker a call runs on."""
+    """What TF's dispatch context reads: the index of the worker a call runs on.
+
+    An int64 tensor on the coordinator's CPU, not a Python int: a function
+    that reads the index converts it at every call under the worker's device,
+    and a Python int converted there is copied to the worker by the
+    conversion, which holds the GIL (a hung worker then stopped every thread
+    of the coordinator). A tensor is copied by the call, without the GIL.
+    """
 
     __slots__ = ("worker_index",)
 
     def __init__(self, worker_index: int):
-        self.worker_index = worker_index
+        with ops.init_scope(), ops.device(coordinator_cpu()):
+            self.worker_index = constant_op.constant(worker_index, dtypes.int64)
 
 
 def worker_index_scope(worker: int):
@@ -78,7 +87,7 @@ def worker_index_scope(worker: int):
 def current_worker() -> int | None:
     """The index of the worker this thread calls (a dispatcher thread's), else None."""
     dispatch = coordinator_context.get_current_dispatch_context()
-    return None if dispatch is None else dispatch.worker_index
+    return None if dispatch is None else int(dispatch.worker_index)
 
 
 @contextlib.contextmanager

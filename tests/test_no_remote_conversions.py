@@ -1,0 +1,91 @@
+"""psclient never converts a Python value under a task's device.
+
+Such a conversion copies the new tensor to the task while holding the GIL
+(`tests/_conversions.py`): a hung task then stops every thread of the
+coordinator for as long as it hangs. The health probe's `one + 1` did exactly
+that. This test records every such conversion on a real cluster while psclient
+probes, takes out and reconnects workers, builds per-worker resources, writes
+checkpoints and recovers a lost ps, and fails on the first, with its stack.
+"""
+
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from _conversions import RemoteConversions
+from _polling import wait_for
+
+import psclient
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+HANG_TIMEOUT = 2.0
+
+
+@pytest.fixture
+def heal(three_workers_one_ps):
+    cluster = three_workers_one_ps
+    yield cluster
+    for index in range(3):
+        if cluster.is_running("worker", index):
+            cluster.resume("worker", index)
+        else:
+            cluster.restart("worker", index)
+    if not cluster.is_running("ps", 0):
+        cluster.restart("ps", 0)
+
+
+def test_probes_reconnects_resources_checkpoints_and_recovery_convert_nothing_on_tasks(heal, tmp_path):
+    cluster = heal
+    strategy = psclient.ParameterServerStrategy(
+        cluster.cluster, hang_timeout=HANG_TIMEOUT, checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=25,
+    )
+    try:
+        with strategy.scope():
+            total = tf.Variable(0.0)
+        data = np.arange(64, dtype="float32")
+
+        def dataset_fn(ctx):
+            return tf.data.Dataset.from_tensor_slices(data).shard(
+                ctx.num_input_pipelines, ctx.input_pipeline_id).repeat().batch(4)
+
+        @tf.function
+        def step(iterator):
+            total.assign_add(tf.reduce_sum(next(iterator)))
+            return total.read_value()
+
+        with RemoteConversions() as seen:
+            iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+
+            def run(count):
+                futures = [strategy.schedule(step, args=(iterator,)) for _ in range(count)]
+                strategy.join(timeout=120)
+                assert all(f.exception() is None for f in futures)
+
+            run(30)  # per-worker iterators, a checkpoint falls due
+            strategy.save_checkpoint()
+
+            cluster.stop("worker", 2)  # probes of a hung worker, which is taken out
+            wait_for(lambda: not strategy.stats()["workers"][2]["up"], 30 * HANG_TIMEOUT,
+                     "the stopped worker to be taken out")
+            run(10)
+            cluster.resume("worker", 2)  # it answers its probes again and rejoins
+            wait_for(lambda: strategy.stats()["workers"][2]["up"], 120, "the resumed worker to rejoin")
+
+            cluster.kill("worker", 1)  # a restarted worker: reconnect, resources made again
+            cluster.restart("worker", 1)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and strategy.stats()["workers"][1]["done"] == 0:
+                run(6)
+            assert strategy.stats()["workers"][1]["done"] > 0
+
+            cluster.kill("ps", 0)  # a lost ps: handle checks, restore, retrace, rebuild
+            cluster.restart("ps", 0)
+            run(10)
+            wait_for(lambda: strategy.stats()["ps"][0]["recoveries"] == 1, 120, "the ps to recover")
+            run(10)
+        assert not seen.found, "Python values converted under a task's device:\n" + seen.report()
+    finally:
+        strategy.shutdown()
