@@ -151,6 +151,11 @@ def test_a_name_that_moves_is_followed_and_one_that_stops_resolving_keeps_its_ad
     assert peers.peers == {ip("10.2.0.7"), ip("10.2.0.2"), ip("10.2.0.3")}
     # The old address's connections are no intrusion; new ones from it are dropped.
     assert restrict.calls[-1][4] == {ip("10.2.0.1"), ip("10.2.0.2"), ip("10.2.0.3")}
+    # Nor later: a connection it made while admitted may outlive its move (a dead pod's,
+    # until keep-alive gives up), and the next change must not take it for a stranger's.
+    dns.table["chief.example"] = ["10.2.0.8"]
+    assert peers.refresh(now=2e9) is True
+    assert ip("10.2.0.1") in restrict.calls[-1][4] and ip("10.2.0.1") not in restrict.calls[-1][1]
 
 
 def test_is_name():

@@ -72,9 +72,8 @@ class Peers:
                  later: Iterable[str] = (), path: str | os.PathLike | None = None, interval: float = 2.0,
                  resolve_every: float = 5.0, resolve: Callable = exposure.resolve_peers,
                  restrict: Callable = exposure.restrict_port):
-        self._later = set(later)
-        self._strict = sorted(set(hosts) - self._later)
-        self._later = sorted(self._later)
+        self._later = sorted(set(later))
+        self._strict = sorted(set(hosts) - set(self._later))
         self._port = port
         self._what = what
         self._say = say
@@ -91,6 +90,9 @@ class Peers:
         self._resolved_at = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Every address ever admitted: a connection it made then is no
+        # intrusion later (connections stay when their host is dropped).
+        self._admitted: set = set()
         #: The peer addresses in force on the port (empty until `restrict()`).
         self.peers: set = set()
 
@@ -161,8 +163,9 @@ class Peers:
             PortExposedError: as `exposure.restrict_port`.
         """
         self._restrict(self._port, addresses, what=self._what, lock=not self.changing,
-                       established_ok=self.peers)
+                       established_ok=self._admitted)
         self.peers = set(addresses)
+        self._admitted |= self.peers
 
     def refresh(self, now: float | None = None) -> bool:
         """Reads the file if it changed and resolves the names again when due;

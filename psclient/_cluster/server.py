@@ -464,5 +464,7 @@ def serve(
     signal_name = _serve_until_stopped(stop, task, port, recycle_when_idle,
                                        restart_argv, keep_fds)
     _log(f"psclient serve: {task} stopping on {signal_name}")
+    if peers is not None:
+        peers.stop(timeout=10.0)  # at most one resolution round in progress
     del server
     _exit(0)
