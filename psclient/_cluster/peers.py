@@ -70,7 +70,7 @@ class Peers:
 
     def __init__(self, hosts: Iterable[str], port: int, *, what: str, say: Callable[[str], None],
                  later: Iterable[str] = (), path: str | os.PathLike | None = None, interval: float = 2.0,
-                 resolve_every: float = 5.0, resolve: Callable = exposure.resolve_peers,
+                 resolve_every: float = 4.0, resolve: Callable = exposure.resolve_peers,
                  restrict: Callable = exposure.restrict_port):
         self._later = sorted(set(later))
         self._strict = sorted(set(hosts) - set(self._later))
