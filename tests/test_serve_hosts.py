@@ -112,7 +112,7 @@ def test_the_documented_command_admits_the_cluster_and_no_stranger(network, chil
     for lines in (ps, worker_lines):
         warning = lines.wait_for("drops every packet", timeout=START)
         assert f"from the cluster's own hosts ({a['ps']}, {a['worker']}, {a['chief']})" in warning
-        lines.wait_for(f"ready at", timeout=START)
+        lines.wait_for("ready at", timeout=START)
     coordinator, trained = children.start(
         network.command("chief", [sys.executable, "-c", _COORDINATOR, str(cluster_file)]), stdin=True)
     trained.wait_for("CONNECTED", timeout=START)
