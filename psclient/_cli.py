@@ -295,8 +295,11 @@ only the job's chief, ps and worker pods to the task port. The image must hold
 psclient and your code. Needs Kubernetes 1.28 or later (each StatefulSet pod
 reads its index from its apps.kubernetes.io/pod-index label). COMMAND runs
 without a shell; Kubernetes replaces $(VAR) in it by the container's
-variables. Task servers accept unauthenticated RPCs: the NetworkPolicy works
-only where the cluster's network plugin enforces NetworkPolicies.
+variables. Task servers accept unauthenticated RPCs: each ps and worker pod's
+`psclient serve` drops packets from all but the job's chief, ps and worker
+pods (--peer-hosts: their DNS names, resolved again as pods move), whatever
+the network plugin; the NetworkPolicy works only where the plugin enforces
+NetworkPolicies.
 """
 
 

@@ -6,7 +6,8 @@ connection to every port of a LocalCluster and its coordinator (this process),
 of `psclient launch` (tasks and the script's coordinator) and of
 `psclient demo`: every attempt must fail, while training inside goes on. A
 plain listener beside them shows that the probe does reach this host.
-`psclient serve --restrict-to-peers` lets a cluster peer in and nobody else.
+`psclient serve` (closed by default) lets a cluster peer in and nobody else;
+tests/test_serve_hosts.py runs it on several hosts.
 Needs root and `ip`; the namespace and the veth are removed afterwards.
 Traffic goes only to loopback and to the namespace made here.
 """
@@ -272,14 +273,14 @@ def test_psclient_demo_is_closed_to_another_host(other_host, run_child, tmp_path
     assert process.wait(timeout=120) == 130  # "interrupted; everything it started is stopped"
 
 
-def test_serve_restrict_to_peers_lets_only_the_cluster_in(other_host, run_child, tmp_path):
+def test_serve_lets_only_the_cluster_in_by_default(other_host, run_child, tmp_path):
     with socket.socket() as s:  # A free port on this host.
         s.bind(("0.0.0.0", 0))
         port = s.getsockname()[1]
     cluster = {"worker": [f"{HOST_V4}:{port}"], "ps": ["127.0.0.1:1"], "chief": [f"{PEER_V4}:2"]}
     (tmp_path / "cluster.json").write_text(json.dumps(cluster))
     process, lines = run_child([sys.executable, "-m", "psclient", "serve", "--job", "worker", "--index", "0",
-                                "--cluster", str(tmp_path / "cluster.json"), "--restrict-to-peers"])
+                                "--cluster", str(tmp_path / "cluster.json")])
     warning = lines.wait_for("drops every packet", timeout=120)
     assert f"from the cluster's own hosts ({HOST_V4}, {PEER_V4}, 127.0.0.1)" in warning
     lines.wait_for("ready at", timeout=60)
@@ -316,6 +317,7 @@ def test_serve_peers_file_admits_a_worker_host_that_joins_and_drops_it_when_it_l
     (tmp_path / "cluster.json").write_text(json.dumps(cluster))
     peers = tmp_path / "peers.json"
     peers.write_text(json.dumps({"cluster": cluster}))
+    # --restrict-to-peers, the default's old name, is still accepted.
     process, lines = run_child([sys.executable, "-m", "psclient", "serve", "--job", "ps", "--index", "0",
                                 "--cluster", str(tmp_path / "cluster.json"), "--restrict-to-peers",
                                 "--peers-file", str(peers)])

@@ -25,6 +25,9 @@ import sys
 import pytest
 
 from psclient import Cluster
+from psclient._cli import build_parser
+from psclient._cluster.peers import cluster_hosts
+from psclient._cluster.serve_command import peer_hosts_option
 from psclient._cluster.serve_command import resolve_task as _resolve_task
 from psclient._cluster.k8s import (
     CHECKPOINT_ENV,
@@ -195,8 +198,9 @@ def test_every_pod_gets_a_tf_config_naming_the_same_tasks_at_their_stable_names(
         if role in ("chief", "ps", "worker"):
             assert int(port) in ports, f"{pod_name} does not declare its task port {port}"
         if role in ("ps", "worker"):
-            # `psclient serve` with no arguments picks this pod's task from TF_CONFIG.
-            assert spec["containers"][0]["command"] == ["psclient", "serve"]
+            # `psclient serve`, closed to all but the job's task pods, picks this pod's task from TF_CONFIG.
+            args = _serve_args(spec["containers"][0]["command"])
+            assert (args.job, args.index, args.cluster, args.allow_any_host) == (None, None, None, False)
             served = _resolve_task(argparse.Namespace(job=None, index=None),
                                    cluster_from_config(read_tf_config(env), source="TF_CONFIG"),
                                    (role, index))
@@ -206,6 +210,44 @@ def test_every_pod_gets_a_tf_config_naming_the_same_tasks_at_their_stable_names(
     assert sorted(seen) == sorted((r, i) for r, n in expected_roles.items() for i in range(n))
     assert cluster == job.cluster()
     assert {r: len(a) for r, a in cluster.jobs.items()} == {r: n for r, n in expected_roles.items() if n}
+
+
+def _serve_args(command):
+    """The `psclient serve` command line of a task pod, parsed as the real command parses it."""
+    assert command[:2] == ["psclient", "serve"], command
+    return build_parser().parse_args(command[1:])
+
+
+@pytest.mark.parametrize("which", ["plain", "evaluator", "elastic"])
+def test_the_socket_filter_admits_the_pods_the_network_policy_admits(which):
+    """Each task pod's `psclient serve` admits (besides loopback) the DNS names of the
+    job's chief, ps and worker pods, scaled-up worker slots included: the pods the
+    NetworkPolicy admits, so a network plugin that ignores the policy changes nothing."""
+    job = ELASTIC if which == "elastic" else JOBS[which]
+    docs = manifests(job)
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    (peer,) = policy["spec"]["ingress"][0]["from"]
+    pods = list(_pods(docs))
+    if job.elastic:  # the pods a `kubectl scale` to --max-workers adds
+        template = next(p for p in pods if p[0] == f"{job.name}-worker-0")
+        pods += [(f"{job.name}-worker-{i}", f"{job.name}-worker-{i}", template[2],
+                  dict(template[3], **{POD_INDEX_LABEL: str(i)}), template[4])
+                 for i in range(job.workers, job.max_workers)]
+    by_policy = {f"{hostname}.{subdomain}" for _, hostname, subdomain, labels, _ in pods
+                 if _selects(peer["podSelector"], labels)}
+    tasks = [(name, spec) for name, _, _, labels, spec in pods
+             if labels["app.kubernetes.io/component"] in ("ps", "worker")]
+    assert len(tasks) == job.ps + (job.max_workers or job.workers)
+    for name, spec in tasks:
+        args = _serve_args(spec["containers"][0]["command"])
+        assert not args.allow_any_host, name
+        assert set(peer_hosts_option(args.peer_hosts)) == by_policy, name
+    assert not any("evaluator" in host for host in by_policy)
+    # Every cluster host the pod's TF_CONFIG names (all jobs but the evaluator) may resolve
+    # late: pods start in any order, and worker slots exist only once scaled to.
+    name, spec = tasks[-1]
+    env = _environment(spec["containers"][0], next(p[3] for p in pods if p[0] == name))
+    assert set(cluster_hosts(Cluster.from_env(env))) <= by_policy
 
 
 def test_the_network_policy_covers_every_task_port_and_selects_every_pod(job):
@@ -303,8 +345,9 @@ def test_psclient_serve_accepts_a_worker_pods_environment():
     docs = manifests(JOBS["plain"])
     pod = next(p for p in _pods(docs) if p[0] == "mnist-worker-2")
     env = dict(os.environ, PYTHONPATH=ROOT, **_environment(pod[4]["containers"][0], pod[3]))
-    result = subprocess.run([sys.executable, "-m", "psclient", "serve"], capture_output=True, text=True, check=False,
-                            timeout=60, cwd=ROOT, env=env)
+    command = pod[4]["containers"][0]["command"]  # the pod's own: psclient serve --peer-hosts ...
+    result = subprocess.run([sys.executable, "-m", "psclient", *command[1:]], capture_output=True, text=True,
+                            check=False, timeout=60, cwd=ROOT, env=env)
     assert result.returncode == 1, result.stderr
     assert "cannot start worker:2 at mnist-worker-2.mnist:2222" in result.stderr
 
@@ -465,7 +508,8 @@ def test_recycle_when_idle_reaches_every_task_and_the_manifests_stay_valid():
     docs = manifests(job)
     commands = {doc["metadata"]["name"]: doc["spec"]["template"]["spec"]["containers"][0]["command"]
                 for doc in docs if doc["kind"] == "StatefulSet"}
-    assert commands == {f"pool-{role}": ["psclient", "serve", "--recycle-when-idle", "60"]
+    peers = ",".join(["pool-chief-0.pool", "pool-ps-0.pool", "pool-worker-0.pool", "pool-worker-1.pool"])
+    assert commands == {f"pool-{role}": ["psclient", "serve", "--peer-hosts", peers, "--recycle-when-idle", "60"]
                         for role in ("ps", "worker")}
     chief = next(doc for doc in docs if doc["kind"] == "Job")
     assert "--recycle-when-idle" not in chief["spec"]["template"]["spec"]["containers"][0]["command"]
@@ -473,5 +517,5 @@ def test_recycle_when_idle_reaches_every_task_and_the_manifests_stay_valid():
         kubernetes_validate.validate(doc, _schema_versions()[-1], strict=True)
     # Without the option the tasks' command is unchanged.
     plain = K8sJob(name="pool", image="train:1", command=["python", "train.py"], workers=2, ps=1)
-    assert all(doc["spec"]["template"]["spec"]["containers"][0]["command"] == ["psclient", "serve"]
+    assert all(doc["spec"]["template"]["spec"]["containers"][0]["command"] == ["psclient", "serve", "--peer-hosts", peers]
                for doc in manifests(plain) if doc["kind"] == "StatefulSet")

@@ -56,15 +56,15 @@ def test_idle_after_must_be_positive(bad):
 
 
 def _args(**overrides):
-    values = dict(cluster=None, inter_op_threads=None, restrict_to_peers=False, peers_file=None,
-                  parent_fd=None, recycle_when_idle=30.0)
+    values = dict(cluster=None, inter_op_threads=None, allow_any_host=False, restrict_to_peers=False,
+                  peers_file=None, peer_hosts=None, parent_fd=None, recycle_when_idle=30.0)
     values.update(overrides)
     return argparse.Namespace(**values)
 
 
 def test_the_restart_command_serves_the_same_task_without_the_ready_fd(tmp_path):
     argv = serve_command.serve_again_argv(
-        _args(cluster="c.json", inter_op_threads=4, restrict_to_peers=True, peers_file="p.json", parent_fd=9),
+        _args(cluster="c.json", inter_op_threads=4, peers_file="p.json", peer_hosts="a.j,b.j", parent_fd=9),
         "ps", 1)
     assert argv[:4] == [sys.executable, "-m", "psclient", "serve"]
     assert argv[4:8] == ["--job", "ps", "--index", "1"]
@@ -73,8 +73,9 @@ def test_the_restart_command_serves_the_same_task_without_the_ready_fd(tmp_path)
     assert options["--cluster"].endswith("/c.json") and options["--cluster"].startswith("/")
     assert options["--peers-file"].startswith("/")
     assert options["--inter-op-threads"] == "4" and options["--parent-fd"] == "9"
-    assert options["--recycle-when-idle"] == "30.0"
-    assert "--restrict-to-peers" in argv
+    assert options["--recycle-when-idle"] == "30.0" and options["--peer-hosts"] == "a.j,b.j"
+    assert "--allow-any-host" not in argv  # closed, as the first start was
+    assert "--allow-any-host" in serve_command.serve_again_argv(_args(allow_any_host=True), "ps", 1)
     # The minimal form: TF_CONFIG (kept in the environment) names the cluster.
     assert serve_command.serve_again_argv(_args(), "worker", 0)[4:] == [
         "--job", "worker", "--index", "0", "--recycle-when-idle", "30.0"]

@@ -86,9 +86,13 @@ class Serve:
                     self.lines.append(line)
 
 
-def cluster_jobs():
-    ports = [portpicker.pick_unused_port() for _ in range(2)]
-    return {"worker": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{ports[1]}"]}
+def cluster_jobs(chief=True):
+    """A worker and a ps on free ports of 127.0.0.1, and the coordinator's address (unless not `chief`)."""
+    ports = [portpicker.pick_unused_port() for _ in range(3)]
+    jobs = {"worker": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{ports[1]}"]}
+    if chief:
+        jobs["chief"] = [f"127.0.0.1:{ports[2]}"]
+    return jobs
 
 
 def write_json(tmp_path, obj):
@@ -99,18 +103,24 @@ def write_json(tmp_path, obj):
 
 @pytest.mark.cluster
 @pytest.mark.parametrize(
-    "sig, tf_config_style",
-    [(signal.SIGTERM, False), (signal.SIGINT, True)],
-    ids=["SIGTERM-jobs-file", "SIGINT-tf-config-file"],
+    "sig, tf_config_style, options",
+    [(signal.SIGTERM, False, []), (signal.SIGINT, True, ["--allow-any-host"])],
+    ids=["SIGTERM-jobs-file-closed", "SIGINT-tf-config-file-any-host"],
 )
-def test_serve_from_a_cluster_file_until_a_signal(tmp_path, sig, tf_config_style):
+def test_serve_from_a_cluster_file_until_a_signal(tmp_path, sig, tf_config_style, options):
     jobs = cluster_jobs()
     path = write_json(tmp_path, {"cluster": jobs} if tf_config_style else jobs)
-    serve = Serve("--job", "worker", "--index", "0", "--cluster", path)
+    serve = Serve("--job", "worker", "--index", "0", "--cluster", path, *options)
     ready = serve.wait_for("ready at")
     assert ready.strip() == f"psclient serve: worker:0 ready at {jobs['worker'][0]} (pid {serve.process.pid})"
     assert "WARNING: TensorFlow task servers accept unauthenticated RPCs" in serve.output()
-    assert "ALL network interfaces" in serve.output()
+    if options:  # open: the warning says to whom
+        assert "With --allow-any-host this task's port is open to EVERY host" in serve.output()
+        assert "drops every packet" not in serve.output()
+    else:  # closed by default: the cluster is all 127.0.0.1, so loopback alone gets in
+        assert "drops every packet that comes neither over loopback nor from the cluster's own hosts " \
+               "(127.0.0.1)" in serve.output()
+        assert "--allow-any-host" not in serve.output()
     with socket.create_connection(("127.0.0.1", int(jobs["worker"][0].split(":")[1])), timeout=10):
         pass
     serve.process.send_signal(sig)
@@ -225,21 +235,40 @@ def test_serve_refuses_a_host_that_does_not_resolve(tmp_path):
     assert "'no-such-host.invalid' does not resolve" in result.stderr
 
 
-def test_restrict_to_peers_needs_the_coordinator_in_the_cluster(tmp_path):
-    result = psclient("serve", "--job", "worker", "--index", "0", "--restrict-to-peers",
-                      "--cluster", write_json(tmp_path, cluster_jobs()))
+@pytest.mark.parametrize("options", [[], ["--restrict-to-peers"]], ids=["default", "restrict-to-peers"])
+def test_a_cluster_without_the_coordinator_is_refused(tmp_path, options):
+    # Closed by default, the task would shut out a coordinator whose host the cluster does not name.
+    result = psclient("serve", "--job", "worker", "--index", "0", *options,
+                      "--cluster", write_json(tmp_path, cluster_jobs(chief=False)))
     assert result.returncode == 1, result.stderr
-    assert "cannot start worker:0 with --restrict-to-peers: the cluster names no coordinator" in result.stderr
-    assert 'Expected a "chief" job' in result.stderr
+    assert "cannot start worker:0 closed to other hosts: the cluster names no coordinator" in result.stderr
+    assert 'Add a "chief" job with the coordinator\'s address to the cluster, or pass --allow-any-host' \
+        in result.stderr
     assert "ready" not in result.stderr
 
 
-def test_restrict_to_peers_refuses_a_peer_that_does_not_resolve(tmp_path):
+def test_a_peer_that_does_not_resolve_is_refused(tmp_path):
     jobs = dict(cluster_jobs(), chief=["no-such-host.invalid:2222"])
-    result = psclient("serve", "--job", "worker", "--index", "0", "--restrict-to-peers",
-                      "--cluster", write_json(tmp_path, jobs))
+    result = psclient("serve", "--job", "worker", "--index", "0", "--cluster", write_json(tmp_path, jobs))
     assert result.returncode == 1, result.stderr
     assert "cannot resolve the cluster host 'no-such-host.invalid'" in result.stderr
+    assert "ready" not in result.stderr
+
+
+def test_without_socket_filters_serve_refuses_unless_allow_any_host(tmp_path):
+    """Where socket filters do not exist (not Linux; simulated here by making
+    `exposure.supported()` say so), the closed default cannot hold: refused."""
+    code = ("import sys\n"
+            "from psclient._cluster import exposure\n"
+            "exposure.supported = lambda: False\n"
+            "from psclient._cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    path = write_json(tmp_path, cluster_jobs())
+    result = subprocess.run([sys.executable, "-c", code, "serve", "--job", "ps", "--index", "0", "--cluster", path],
+                            capture_output=True, text=True, timeout=START_TIMEOUT, cwd=ROOT, env=child_env())
+    assert result.returncode == 1, result.stderr
+    assert "cannot start ps:0 closed to other hosts: socket filters need Linux" in result.stderr
+    assert "Pass --allow-any-host to run it with its port open to every host" in result.stderr
     assert "ready" not in result.stderr
 
 

@@ -131,7 +131,7 @@ def test_tasks_restart_in_place_after_each_coordinator_and_stay_flat(cluster, tm
             assert cluster.pid(*task) == pids[task]  # same process (exec), same port
             # The old process's listening socket did not pass to the new one (one
             # socket, TF's new one), and the new one closed its port to other
-            # hosts again before saying ready (LocalCluster's --restrict-to-peers).
+            # hosts again before saying ready (serve's default, which LocalCluster keeps).
             port = int(cluster.cluster.address(*task).rsplit(":", 1)[1])
             assert listening_sockets(pids[task], port) == 1
             assert len(log_lines(cluster, *task, "drops every packet")) == ready_count(cluster, *task)

@@ -18,7 +18,9 @@ The shape of a job named NAME:
 - optionally a Job NAME-evaluator running `psclient evaluate` on that volume;
 - the PersistentVolumeClaim NAME-checkpoints;
 - a NetworkPolicy: only the job's chief, ps and worker pods may reach the task
-  port of any pod of the job (task servers take unauthenticated RPCs).
+  port of any pod of the job (task servers take unauthenticated RPCs). Where
+  the network plugin ignores NetworkPolicies, `psclient serve`'s own socket
+  filter still admits only those pods (by their DNS names, `--peer-hosts`).
 """
 
 from __future__ import annotations
@@ -301,8 +303,20 @@ def _volume_claim(job: K8sJob) -> dict[str, Any]:
             "metadata": _metadata(job, f"{job.name}-checkpoints"), "spec": spec}
 
 
+def peer_hosts(job: K8sJob) -> list[str]:
+    """The DNS names of every pod that may talk to a task: the chief's, each ps's and
+    each worker slot's (up to --max-workers), under the job's headless Service."""
+    return [job.host("chief", 0), *(job.host("ps", i) for i in range(job.ps)),
+            *(job.host("worker", i) for i in range(job.max_workers or job.workers))]
+
+
 def _task_set(job: K8sJob, role: str, replicas: int) -> dict[str, Any]:
-    serve = ["psclient", "serve"]
+    # `psclient serve` closes the task port to all but loopback and these pods
+    # (a socket filter: it holds where the network plugin ignores the
+    # NetworkPolicy). A pod that does not exist yet, or a worker slot not
+    # scaled to, is admitted once its name resolves; names are resolved again
+    # while the task runs, so a pod rescheduled at another IP gets back in.
+    serve = ["psclient", "serve", "--peer-hosts", ",".join(peer_hosts(job))]
     if job.recycle_when_idle is not None:  # tasks that outlive many coordinators (see server.py)
         serve += ["--recycle-when-idle", f"{job.recycle_when_idle:g}"]
     container = _container(job, role, serve, checkpoints=False)

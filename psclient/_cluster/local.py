@@ -13,7 +13,8 @@ Children this process forks close their copies of those write ends at once
 signal, which ends a task whose owner is gone even while it is stopped.
 
 On Linux, each task's port drops every packet that does not come over
-loopback (`psclient serve --restrict-to-peers`; the cluster is all 127.0.0.1).
+loopback (`psclient serve`'s default; the cluster is all 127.0.0.1).
+Elsewhere the tasks run with `--allow-any-host`, after a `RuntimeWarning`.
 
 `throttle` makes a straggler: a helper process owned the same way
 (`throttle.py`) runs the task on a SIGSTOP/SIGCONT duty cycle.

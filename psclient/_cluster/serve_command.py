@@ -24,7 +24,7 @@ from psclient._core.errors import ClusterConfigError
 _SERVE_EPILOG = """\
 example:
   $ cat cluster.json
-  {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"], "ps": ["10.0.0.3:2222"]}
+  {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"], "ps": ["10.0.0.3:2222"], "chief": ["10.0.0.4:2222"]}
   $ psclient serve --job worker --index 0 --cluster cluster.json
 
   # Or, with TF_CONFIG naming the cluster and this task:
@@ -32,8 +32,10 @@ example:
 
 The task runs until SIGTERM or SIGINT, then exits with status 0.
 Task servers accept unauthenticated RPCs and TensorFlow binds ALL network
-interfaces: run them only on a trusted network, and with --restrict-to-peers
-so that only the cluster's own hosts reach the port.
+interfaces. So the task's port drops every packet that comes neither over
+loopback nor from the cluster's hosts (all jobs but "evaluator"; the cluster
+must name the coordinator as "chief"). Linux only: elsewhere, and for a port
+open to any host, pass --allow-any-host.
 """
 
 
@@ -60,19 +62,33 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         metavar="N",
         help="TensorFlow inter-op threads, at least 2 (default: max(CPU count, workers + 1))",
     )
-    serve.add_argument(
+    who_gets_in = serve.add_mutually_exclusive_group()
+    who_gets_in.add_argument(
+        "--allow-any-host",
+        action="store_true",
+        help="leave this task's port open to every host that reaches it (a warning says so). By "
+        "default it drops every packet that comes neither over loopback nor from the cluster's "
+        'hosts (all jobs but "evaluator", names resolved again every few seconds; the cluster '
+        'must name a "chief", the coordinator). The default needs Linux; no privilege',
+    )
+    who_gets_in.add_argument(
         "--restrict-to-peers",
         action="store_true",
-        help="drop every packet to this task's port that comes neither over loopback nor from "
-        "the cluster's hosts (all jobs but evaluator, resolved at start; the cluster must name "
-        'a "chief", the coordinator). Linux only; no privilege needed',
+        help="the default (kept for command lines written when it was an option)",
     )
     serve.add_argument(
         "--peers-file",
         metavar="FILE.json",
-        help="with --restrict-to-peers: also admit the hosts of this JSON cluster file (same "
-        "format as --cluster), read again whenever it changes, for workers that join later "
-        "from other hosts (the file a psclient.WorkerWatcher follows)",
+        help="also admit the hosts of this JSON cluster file (same format as --cluster), read "
+        "again whenever it changes, for workers that join later from other hosts (the file a "
+        "psclient.WorkerWatcher follows)",
+    )
+    serve.add_argument(
+        "--peer-hosts",
+        metavar="HOST,...",
+        help="also admit these hosts, each once it resolves: names that may not resolve yet "
+        "(Kubernetes pods not yet scheduled; psclient k8s passes the job's pod names). A cluster "
+        "host named here may resolve late too",
     )
     serve.add_argument(
         "--recycle-when-idle",
@@ -157,9 +173,11 @@ def _run_serve(args: argparse.Namespace) -> int:
         check_positive("recycle_when_idle", args.recycle_when_idle, optional=True, unit="seconds")
         cluster, task = _load_config_file(args.cluster) if args.cluster else _load_tf_config()
         job, index = resolve_task(args, cluster, task)
-        if args.peers_file is not None and not args.restrict_to_peers:
-            raise ValueError(f"Invalid value for --peers-file. Received: {args.peers_file!r} without "
-                             "--restrict-to-peers. Expected it together with --restrict-to-peers.")
+        later = peer_hosts_option(args.peer_hosts)
+        for option, value in (("--peers-file", args.peers_file), ("--peer-hosts", args.peer_hosts)):
+            if value is not None and args.allow_any_host:
+                raise ValueError(f"Invalid value for {option}. Received: {value!r} with --allow-any-host, "
+                                 "which admits every host. Expected one or the other.")
     except ValueError as e:  # ClusterConfigError is a ValueError.
         args.command_parser.error(as_option(str(e)))  # Prints usage and the message; exits 2.
     _server.serve(
@@ -169,11 +187,29 @@ def _run_serve(args: argparse.Namespace) -> int:
         inter_op_threads=args.inter_op_threads,
         ready_fd=args.ready_fd,
         parent_fd=args.parent_fd,
-        restrict_to_peers=args.restrict_to_peers,
+        allow_any_host=args.allow_any_host,
+        peer_hosts_later=later,
         peers_file=args.peers_file,
         recycle_when_idle=args.recycle_when_idle,
         restart_argv=serve_again_argv(args, job, index) if args.recycle_when_idle is not None else None,
     )
+
+
+def peer_hosts_option(value: str | None) -> list[str]:
+    """The hosts of --peer-hosts ("a,b,c"), each checked to be a host name or address."""
+    if value is None:
+        return []
+    hosts = [host.strip() for host in value.split(",") if host.strip()]
+    for host in hosts:
+        # One colon is a port ("host:2222"); IPv6 addresses have more.
+        if host.count(":") == 1 or any(c.isspace() or c in "/@" for c in host):
+            raise ValueError(f"Invalid value for --peer-hosts. Received: {value!r}. Expected host "
+                             "names or addresses separated by commas, without ports, e.g. "
+                             "job-ps-0.job,job-worker-0.job")
+    if not hosts:
+        raise ValueError(f"Invalid value for --peer-hosts. Received: {value!r}. Expected at least "
+                         "one host name or address, e.g. job-ps-0.job,job-worker-0.job")
+    return hosts
 
 
 def serve_again_argv(args: argparse.Namespace, job: str, index: int) -> list[str]:
@@ -184,10 +220,12 @@ def serve_again_argv(args: argparse.Namespace, job: str, index: int) -> list[str
         argv += ["--cluster", os.path.abspath(args.cluster)]
     if args.inter_op_threads is not None:
         argv += ["--inter-op-threads", str(args.inter_op_threads)]
-    if args.restrict_to_peers:
-        argv.append("--restrict-to-peers")
+    if args.allow_any_host:
+        argv.append("--allow-any-host")
     if args.peers_file is not None:
         argv += ["--peers-file", os.path.abspath(args.peers_file)]
+    if args.peer_hosts is not None:
+        argv += ["--peer-hosts", args.peer_hosts]
     if args.parent_fd is not None:
         argv += ["--parent-fd", str(args.parent_fd)]
     return argv + ["--recycle-when-idle", repr(args.recycle_when_idle)]

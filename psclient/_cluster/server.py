@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from psclient._cluster import exposure
-from psclient._cluster.peers import PeerFile, cluster_hosts
+from psclient._cluster.peers import Peers, cluster_hosts
 from psclient._cluster.spec import Cluster
 from psclient._core.checks import check_positive
 from psclient._core.recycling import IdleRecycler, TaskLoad
@@ -37,8 +37,14 @@ _UNAUTHENTICATED = (
 
 SECURITY_WARNING = _UNAUTHENTICATED + (
     "TensorFlow also binds the port on ALL network interfaces, even for a 127.0.0.1 "
-    "address, and has no option to bind only one. Run tasks only on a trusted network, "
-    "or with --restrict-to-peers."
+    "address, and has no option to bind only one. Run tasks only on a trusted network."
+)
+
+ANY_HOST_WARNING = _UNAUTHENTICATED + (
+    "With --allow-any-host this task's port is open to EVERY host that can reach this "
+    "machine, on every network interface (TensorFlow binds them all): nothing but your "
+    "network keeps strangers out. Without it the port admits only loopback and the "
+    "cluster's hosts."
 )
 
 RESTRICTED_WARNING = _UNAUTHENTICATED + (
@@ -325,6 +331,30 @@ def _start_server(tf: Any, cluster: Cluster, job: str, index: int, inter_op_thre
     )
 
 
+def _peers_or_exit(cluster: Cluster, task: str, port: int, later: Sequence[str],
+                   peers_file: str | None) -> Peers:
+    """The task's peers, resolved; exits 1 (before TensorFlow starts) when the
+    port could not be closed to everyone else."""
+    cannot = f"psclient serve: error: cannot start {task} closed to other hosts"
+    if not exposure.supported():
+        _log(f"{cannot}: socket filters need Linux (this is {sys.platform}). Pass --allow-any-host "
+             "to run it with its port open to every host that reaches it.")
+        _exit(1)
+    if cluster.chief is None:
+        _log(f"{cannot}: the cluster names no coordinator, so its host would be shut out. Add a "
+             "\"chief\" job with the coordinator's address to the cluster, or pass --allow-any-host "
+             "to leave the port open to every host.")
+        _exit(1)
+    peers = Peers(cluster_hosts(cluster), port, what=task, later=later, path=peers_file,
+                  say=lambda line: _log(f"psclient serve: {line}"))
+    try:
+        peers.start()
+    except (exposure.PortExposedError, ValueError) as e:  # ClusterConfigError: a bad peers file
+        _log(f"{cannot}: {e}")
+        _exit(1)
+    return peers
+
+
 def serve(
     cluster: Cluster,
     job: str,
@@ -333,7 +363,8 @@ def serve(
     inter_op_threads: int | None = None,
     ready_fd: int | None = None,
     parent_fd: int | None = None,
-    restrict_to_peers: bool = False,
+    allow_any_host: bool = False,
+    peer_hosts_later: Sequence[str] = (),
     peers_file: str | None = None,
     recycle_when_idle: float | None = None,
     restart_argv: Sequence[str] | None = None,
@@ -355,13 +386,19 @@ def serve(
             its EOF (the parent died) ends the task. Also arms Linux's
             parent-death signal, which ends the task if its parent process is
             gone (even while the task is stopped).
-        restrict_to_peers: drop every packet to the task's port that comes
-            neither over loopback nor from an address of the cluster's hosts
-            (every job but "evaluator"; resolved once, at start), before saying
-            "ready"; exit 1 if that cannot be done (see `exposure.restrict_port`).
-        peers_file: with `restrict_to_peers`, a JSON cluster file whose hosts
-            are admitted too, read again whenever it changes (workers that
-            join from other hosts; see peers.py); exit 1 if it is unreadable at start.
+        allow_any_host: leave the task's port open to every host that reaches
+            it (a warning says so). By default the port drops every packet that
+            comes neither over loopback nor from an address of the cluster's
+            hosts (every job but "evaluator"), before saying "ready"; the task
+            exits 1 if that cannot be done: the cluster names no "chief" (the
+            coordinator, which would be shut out), a host does not resolve, not
+            Linux, or a stranger got in first (see `exposure.restrict_port`).
+            Names are resolved again while the task runs (see peers.py).
+        peer_hosts_later: hosts admitted too, once they resolve (`--peer-hosts`:
+            Kubernetes pods, which may not exist yet when this one starts).
+        peers_file: a JSON cluster file whose hosts are admitted too, read again
+            whenever it changes (workers that join from other hosts; see
+            peers.py); exit 1 if it is unreadable at start.
         recycle_when_idle: seconds; once the task holds what gone coordinators'
             contexts left (TF keeps some for good) and no connection has been
             open to its port that long, the process replaces itself with
@@ -401,24 +438,10 @@ def serve(
     if parent_fd is not None:
         stop.watch_owner(task)
         _exit_when_parent_dies(parent_fd, task)
-    peers = peer_file = None
-    if restrict_to_peers:
-        if cluster.chief is None:
-            _log(f"psclient serve: error: cannot start {task} with --restrict-to-peers: the cluster "
-                 "names no coordinator, so its host would be shut out. Expected a \"chief\" job "
-                 "with the coordinator's address.")
-            _exit(1)
-        try:
-            peers = exposure.resolve_peers(peer_hosts(cluster))
-            if peers_file is not None:
-                peer_file = PeerFile(peers_file, peers, int(address.rsplit(":", 1)[1]), what=task,
-                                     say=lambda line: _log(f"psclient serve: {line}"))
-                peers = peer_file.wanted()
-        except (exposure.PortExposedError, ValueError) as e:  # ClusterConfigError: a bad peers file
-            _log(f"psclient serve: error: cannot start {task} with --restrict-to-peers: {e}")
-            _exit(1)
-    else:
-        _log(f"psclient serve: {SECURITY_WARNING}")
+    port = int(address.rsplit(":", 1)[1])
+    peers = None if allow_any_host else _peers_or_exit(cluster, task, port, peer_hosts_later, peers_file)
+    if peers is None:
+        _log(f"psclient serve: {ANY_HOST_WARNING}")
     tf = _import_tensorflow()  # Lazily, and only after GRPC_FAIL_FAST is set.
 
     try:
@@ -428,22 +451,20 @@ def serve(
         _exit(1)
     if peers is not None:
         try:
-            # Replaceable (not locked) when a peers file may widen it later.
-            exposure.restrict_port(int(address.rsplit(":", 1)[1]), peers, what=task, lock=peers_file is None)
+            peers.restrict(peers.wanted())
         except exposure.PortExposedError as e:
             _log(f"psclient serve: error: {e}")
             _exit(1)
-        if peer_file is not None:
-            peer_file.peers = set(peers)
-            peer_file.check()  # marks the file as read (and applies a change made meanwhile)
-            peer_file.watch(on_error=lambda e: (_log(f"psclient serve: error: {e}"), _exit(1)))
-        _log("psclient serve: " + RESTRICTED_WARNING.format(peers=", ".join(sorted(str(p) for p in peers))))
+        peers.watch(on_error=lambda e: (_log(f"psclient serve: error: {e}"), _exit(1)))
+        _log("psclient serve: " + RESTRICTED_WARNING.format(peers=", ".join(sorted(str(p) for p in peers.peers))))
     _log(f"psclient serve: {task} ready at {address} (pid {os.getpid()})")
     if ready_fd is not None:
         _signal_ready(ready_fd)
     keep_fds = () if parent_fd is None else (parent_fd,)
-    signal_name = _serve_until_stopped(stop, task, int(address.rsplit(":", 1)[1]), recycle_when_idle,
+    signal_name = _serve_until_stopped(stop, task, port, recycle_when_idle,
                                        restart_argv, keep_fds)
     _log(f"psclient serve: {task} stopping on {signal_name}")
+    if peers is not None:
+        peers.stop(timeout=10.0)  # at most one resolution round in progress
     del server
     _exit(0)

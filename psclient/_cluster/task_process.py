@@ -119,8 +119,10 @@ def launch(task: TaskProcess, env: dict[str, str], serve_options: list[str]) -> 
     _LIVE_TASKS.add(task)
     argv = [sys.executable, "-m", "psclient", "serve", "--job", task.job,
             "--index", str(task.index), "--ready-fd", str(ready_w), "--parent-fd", str(parent_r)]
-    if exposure.supported():
-        argv.append("--restrict-to-peers")
+    if not exposure.supported():
+        # No socket filters: serve would refuse to start. LocalCluster has
+        # warned (RuntimeWarning) that the ports are open.
+        argv.append("--allow-any-host")
     argv += serve_options
     try:
         with open(task.log_path, "ab") as log:
