@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from psclient._cluster.serve_command import add_serve_parser
-from psclient._core.checks import as_option, check_positive
+from psclient._core.checks import as_option, check_port, check_positive
+from psclient._core.metrics import MetricsServer, evaluator_families
 
 _MAIN_EPILOG = """\
 example:
@@ -97,6 +98,9 @@ def _add_evaluate_parser(commands: argparse._SubParsersAction) -> None:
                           help="the metric that picks the best model (default: loss)")
     evaluate.add_argument("--best-mode", choices=("auto", "max", "min"), default="auto",
                           help="auto: max for accuracy-like metrics, else min")
+    evaluate.add_argument("--metrics-port", type=int, metavar="PORT",
+                          help="serve Prometheus metrics on this port of every interface: evaluations, the "
+                          "newest one's step and metrics, the process's memory (docs/metrics.md)")
     evaluate.set_defaults(handler=_run_evaluate, command_parser=evaluate)
 
 
@@ -158,6 +162,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     from psclient._sidecar.formats import CheckpointMismatchError
 
     try:  # Before --model and --data are built (a TensorFlow import, perhaps a dataset's download).
+        check_port("metrics_port", args.metrics_port)
         check_options(args.checkpoint_dir, steps=args.steps, max_evaluations=args.max_evaluations,
                       idle_timeout=args.idle_timeout or None, settle_time=args.settle_time,
                       poll_interval=args.poll_interval, export_best=args.export_best,
@@ -175,11 +180,16 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     except ValueError as e:  # Messages name the argument; say it as the option.
         parser.error(as_option(str(e)))
     _stop_on_signals(evaluator.stop)
+    metrics = None if args.metrics_port is None else MetricsServer(
+        args.metrics_port, lambda: evaluator_families(evaluator.report) if evaluator.report else [])
     try:
         report = evaluator.start()
     except CheckpointMismatchError as e:
         print(f"psclient evaluate: error: {e}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        if metrics is not None:
+            metrics.close()
     print(f"psclient evaluate: done: {len(report.evaluations)} evaluation(s), "
           f"{len(report.skipped)} skipped, {len(report.unreadable)} unreadable; {report.stop_reason}",
           file=sys.stderr, flush=True)
@@ -328,6 +338,9 @@ def _add_k8s_parser(commands: argparse._SubParsersAction) -> None:
     k8s.add_argument("--evaluator-checkpoint-dir", default="/checkpoints", metavar="DIR",
                      help="with --evaluator: the directory it evaluates, on the volume (default: /checkpoints)")
     k8s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"every task's port (default: {DEFAULT_PORT})")
+    k8s.add_argument("--metrics-port", type=int, metavar="PORT",
+                     help="serve Prometheus metrics on this port of every pod (tasks and evaluator; the chief's "
+                     "script gets it as PSCLIENT_METRICS_PORT) and annotate the pods for scraping")
     k8s.add_argument("--checkpoint-size", default="10Gi", metavar="QTY",
                      help="the checkpoint volume's size (default: 10Gi)")
     k8s.add_argument("--storage-class", metavar="CLASS",
@@ -354,7 +367,7 @@ def _run_k8s(args: argparse.Namespace) -> int:
     fields = {f: getattr(args, f) for f in (
         "name", "image", "workers", "ps", "evaluator", "evaluator_model", "evaluator_data",
         "evaluator_checkpoint_dir", "port", "checkpoint_size", "storage_class", "chief_restarts",
-        "max_workers", "recycle_when_idle", *(f"{role}_{what}" for role in ("worker", "ps", "chief", "evaluator") for what in ("cpu", "memory")),
+        "max_workers", "recycle_when_idle", "metrics_port", *(f"{role}_{what}" for role in ("worker", "ps", "chief", "evaluator") for what in ("cpu", "memory")),
     )}
     try:
         job = K8sJob(command=command, **fields)

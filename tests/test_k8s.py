@@ -61,6 +61,9 @@ JOBS = {
                         evaluator=True, evaluator_model="train:model", evaluator_data="train:data",
                         evaluator_checkpoint_dir="/checkpoints/model", port=5000, storage_class="nfs",
                         worker_cpu="500m", worker_memory="1.5Gi"),
+    # Prometheus metrics on every pod, scrape annotations.
+    "metrics": K8sJob(name="scraped", image="i", command=["train"], workers=2, ps=1, evaluator=True,
+                      evaluator_model="m:f", evaluator_data="m:g", metrics_port=9100),
     # The longest name: every derived name (pods, hostnames, revision labels) still fits.
     "longest-name": K8sJob(name="j" + "-" * 43 + "9", image="i", command=["train"], workers=2, ps=1,
                            evaluator=True, evaluator_model="m:f", evaluator_data="m:g", chief_restarts=0),
@@ -258,7 +261,10 @@ def test_the_network_policy_covers_every_task_port_and_selects_every_pod(job):
     pods = list(_pods(docs))
     for pod_name, _, _, labels, _ in pods:
         assert _selects(spec["podSelector"], labels), f"the policy does not protect {pod_name}"
-    (rule,) = spec["ingress"]
+    # The first rule is the task port's; with --metrics-port a second opens that port alone
+    # (test_metrics_port_reaches_every_pod_with_scrape_annotations_and_an_open_port).
+    rule, *metrics = spec["ingress"]
+    assert len(metrics) == (job.metrics_port is not None)
     admitted_ports = {(p["protocol"], p["port"]) for p in rule["ports"]}
     env = _environment(pods[0][4]["containers"][0], pods[0][3])
     task_ports = {("TCP", int(a.rpartition(":")[2])) for addrs in Cluster.from_env(env).jobs.values()
@@ -519,3 +525,43 @@ def test_recycle_when_idle_reaches_every_task_and_the_manifests_stay_valid():
     plain = K8sJob(name="pool", image="train:1", command=["python", "train.py"], workers=2, ps=1)
     assert all(doc["spec"]["template"]["spec"]["containers"][0]["command"] == ["psclient", "serve", "--peer-hosts", peers]
                for doc in manifests(plain) if doc["kind"] == "StatefulSet")
+
+
+def test_metrics_port_reaches_every_pod_with_scrape_annotations_and_an_open_port():
+    docs = manifests(JOBS["metrics"])
+    pods = list(_pods(docs))
+    assert {labels["app.kubernetes.io/component"] for _, _, _, labels, _ in pods} == {
+        "ps", "worker", "chief", "evaluator"}
+    templates = [d["spec"]["template"] for d in docs if d["kind"] in ("StatefulSet", "Job")]
+    for template in templates:
+        assert template["metadata"]["annotations"] == {
+            "prometheus.io/scrape": "true", "prometheus.io/port": "9100", "prometheus.io/path": "/metrics"}
+        container = template["spec"]["containers"][0]
+        assert {"name": "metrics", "containerPort": 9100, "protocol": "TCP"} in container["ports"]
+        role = template["metadata"]["labels"]["app.kubernetes.io/component"]
+        command = container["command"]
+        if role == "chief":  # the script reads it: StrategyConfig(metrics_port=...)
+            assert {"name": "PSCLIENT_METRICS_PORT", "value": "9100"} in container["env"]
+        else:  # psclient serve / psclient evaluate serve it themselves
+            assert command[command.index("--metrics-port") + 1] == "9100"
+            build_parser().parse_args(command[1:])  # a command line psclient accepts
+    policy = next(d for d in docs if d["kind"] == "NetworkPolicy")
+    rules = policy["spec"]["ingress"]
+    task_rule, metrics_rule = rules
+    assert metrics_rule == {"ports": [{"protocol": "TCP", "port": 9100}]}  # from anywhere: reads only
+    assert task_rule["ports"] == [{"protocol": "TCP", "port": JOBS["metrics"].port}]
+    # Without it: no annotations, no extra rule.
+    plain = manifests(JOBS["plain"])
+    assert all("annotations" not in d["spec"]["template"]["metadata"]
+               for d in plain if d["kind"] in ("StatefulSet", "Job"))
+
+
+@pytest.mark.parametrize("port", [0, 70000, "9100"])
+def test_a_bad_k8s_metrics_port_is_refused(port):
+    with pytest.raises(ValueError, match="metrics_port"):
+        K8sJob(name="m", image="i", command=["t"], workers=1, ps=1, metrics_port=port)
+
+
+def test_the_metrics_port_must_differ_from_the_task_port():
+    with pytest.raises(ValueError, match="another port than --port"):
+        K8sJob(name="m", image="i", command=["t"], workers=1, ps=1, port=9100, metrics_port=9100)

@@ -37,6 +37,8 @@ from psclient._core.checks import check_positive
 
 CHECKPOINT_MOUNT = "/checkpoints"
 CHECKPOINT_ENV = "PSCLIENT_CHECKPOINT_DIR"
+#: With --metrics-port: the port the chief's script passes as StrategyConfig(metrics_port=...).
+METRICS_PORT_ENV = "PSCLIENT_METRICS_PORT"
 INDEX_ENV = "PSCLIENT_TASK_INDEX"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 TASK_ROLES = ("chief", "ps", "worker")  # the pods that serve the task port
@@ -94,6 +96,8 @@ class K8sJob:
     chief_restarts: int = 6
     max_workers: int | None = None
     recycle_when_idle: float | None = None
+    #: Prometheus metrics on this port of every pod (scrape annotations added); None: none.
+    metrics_port: int | None = None
     worker_cpu: str = DEFAULT_RESOURCES["worker"][0]
     worker_memory: str = DEFAULT_RESOURCES["worker"][1]
     ps_cpu: str = DEFAULT_RESOURCES["ps"][0]
@@ -127,8 +131,13 @@ class K8sJob:
                                f"at least --workers ({self.workers}): the most worker pods the job may scale to")
         if self.recycle_when_idle is not None:
             check_positive("recycle_when_idle", self.recycle_when_idle, unit="seconds")
-        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 1 <= self.port <= 65535:
-            raise _invalid("port", self.port, "an integer in 1..65535")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if (value is not None or name == "port") and (
+                    not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 65535):
+                raise _invalid(name, value, "an integer in 1..65535")
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise _invalid("metrics_port", self.metrics_port, f"another port than --port ({self.port})")
         _check_quantity("checkpoint_size", self.checkpoint_size)
         if self.storage_class is not None and not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
                                                            self.storage_class):
@@ -234,6 +243,11 @@ def _container(job: K8sJob, role: str, command: Sequence[str], *, checkpoints: b
     }
     if role in TASK_ROLES:
         container["ports"] = [{"name": "grpc", "containerPort": job.port, "protocol": "TCP"}]
+    if job.metrics_port is not None:
+        container.setdefault("ports", []).append(
+            {"name": "metrics", "containerPort": job.metrics_port, "protocol": "TCP"})
+        if role == "chief":  # the script passes it on: StrategyConfig(metrics_port=...)
+            container["env"].append({"name": METRICS_PORT_ENV, "value": str(job.metrics_port)})
     if checkpoints:
         container["env"].append({"name": CHECKPOINT_ENV, "value": CHECKPOINT_MOUNT})
         container["volumeMounts"] = [{"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT}]
@@ -286,7 +300,11 @@ def _network_policy(job: K8sJob) -> dict[str, Any]:
                                           "values": list(TASK_ROLES)}],
                 }}],
                 "ports": [{"protocol": "TCP", "port": job.port}],
-            }],
+            }] + ([{
+                # Prometheus scrapes from its own namespace: the metrics port (reads
+                # only) is open to any pod; the task port stays the job's own.
+                "ports": [{"protocol": "TCP", "port": job.metrics_port}],
+            }] if job.metrics_port is not None else []),
         },
     }
 
@@ -319,6 +337,8 @@ def _task_set(job: K8sJob, role: str, replicas: int) -> dict[str, Any]:
     serve = ["psclient", "serve", "--peer-hosts", ",".join(peer_hosts(job))]
     if job.recycle_when_idle is not None:  # tasks that outlive many coordinators (see server.py)
         serve += ["--recycle-when-idle", f"{job.recycle_when_idle:g}"]
+    if job.metrics_port is not None:
+        serve += ["--metrics-port", str(job.metrics_port)]
     container = _container(job, role, serve, checkpoints=False)
     return {
         "apiVersion": "apps/v1",
@@ -329,7 +349,7 @@ def _task_set(job: K8sJob, role: str, replicas: int) -> dict[str, Any]:
             "replicas": replicas,
             "podManagementPolicy": "Parallel",  # no task waits for another to start
             "selector": {"matchLabels": job.labels(role)},
-            "template": {"metadata": {"labels": job.labels(role)},
+            "template": {"metadata": _pod_metadata(job, role),
                          "spec": _pod_spec(job, container, checkpoints=False)},
         },
     }
@@ -373,14 +393,25 @@ def _singleton_job(job: K8sJob, role: str, command: Sequence[str]) -> dict[str, 
             # A replacement pod starts only once the old one is gone: never two
             # pods with the same name at once.
             "podReplacementPolicy": "Failed",
-            "template": {"metadata": {"labels": job.labels(role)}, "spec": pod},
+            "template": {"metadata": _pod_metadata(job, role), "spec": pod},
         },
     }
 
 
 def evaluator_command(job: K8sJob) -> list[str]:
-    return ["psclient", "evaluate", "--checkpoint-dir", job.evaluator_checkpoint_dir,
-            "--model", job.evaluator_model, "--data", job.evaluator_data]
+    command = ["psclient", "evaluate", "--checkpoint-dir", job.evaluator_checkpoint_dir,
+               "--model", job.evaluator_model, "--data", job.evaluator_data]
+    return command + (["--metrics-port", str(job.metrics_port)] if job.metrics_port is not None else [])
+
+
+def _pod_metadata(job: K8sJob, role: str) -> dict[str, Any]:
+    """A pod template's labels, and with --metrics-port the annotations Prometheus's
+    Kubernetes service discovery reads (the common `prometheus.io/*` convention)."""
+    metadata: dict[str, Any] = {"labels": job.labels(role)}
+    if job.metrics_port is not None:
+        metadata["annotations"] = {"prometheus.io/scrape": "true", "prometheus.io/port": str(job.metrics_port),
+                                   "prometheus.io/path": "/metrics"}
+    return metadata
 
 
 def manifests(job: K8sJob) -> list[dict[str, Any]]:

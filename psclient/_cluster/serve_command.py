@@ -7,6 +7,7 @@ The command-line face of `server.serve`; `psclient._cli` adds it to the
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -18,7 +19,8 @@ from psclient._cluster.spec import (
     read_tf_config,
     task_from_config,
 )
-from psclient._core.checks import as_option, check_positive
+from psclient._core.checks import as_option, check_port, check_positive
+from psclient._core.metrics import MetricsServer, task_families
 from psclient._core.errors import ClusterConfigError
 
 _SERVE_EPILOG = """\
@@ -99,6 +101,13 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         "coordinator's context (threads, memory) for good, and only a fresh process gives it back. "
         "Linux only (default: never)",
     )
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port of every interface (the task's resident memory "
+        "and CPU, which task it is; docs/metrics.md). The port is not filtered: it answers reads only",
+    )
     # Used by LocalCluster only: see psclient._cluster.server.serve.
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     serve.add_argument("--parent-fd", type=int, help=argparse.SUPPRESS)
@@ -178,9 +187,20 @@ def _run_serve(args: argparse.Namespace) -> int:
             if value is not None and args.allow_any_host:
                 raise ValueError(f"Invalid value for {option}. Received: {value!r} with --allow-any-host, "
                                  "which admits every host. Expected one or the other.")
+        check_port("metrics_port", args.metrics_port)
     except ValueError as e:  # ClusterConfigError is a ValueError.
         args.command_parser.error(as_option(str(e)))  # Prints usage and the message; exits 2.
-    _server.serve(
+    metrics = None if args.metrics_port is None else MetricsServer(
+        args.metrics_port, functools.partial(task_families, job, index))
+    try:
+        return _serve(args, cluster, job, index, later)
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+def _serve(args: argparse.Namespace, cluster: Cluster, job: str, index: int, later: list[str]) -> int:
+    return _server.serve(
         cluster,
         job,
         index,
@@ -228,4 +248,6 @@ def serve_again_argv(args: argparse.Namespace, job: str, index: int) -> list[str
         argv += ["--peer-hosts", args.peer_hosts]
     if args.parent_fd is not None:
         argv += ["--parent-fd", str(args.parent_fd)]
+    if args.metrics_port is not None:
+        argv += ["--metrics-port", str(args.metrics_port)]
     return argv + ["--recycle-when-idle", repr(args.recycle_when_idle)]

@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from typing import Any, Callable
 
 import tensorflow as tf
@@ -97,6 +98,8 @@ class Checkpoints:
     def __init__(self, directory: str, *, keep: int, overwrite: bool = False,
                  describe_ps: Callable[[int], str] = lambda ps: f"ps:{ps}", matched_by: str = _BY_CREATION):
         self.directory = check_directory(directory)
+        #: For stats() and metrics: seconds spent saving, and the newest checkpoint's seconds and bytes.
+        self.times: dict = {"seconds_total": 0.0, "last_seconds": None, "last_bytes": None}
         self._matched_by = matched_by
         self.keep = keep
         self._describe_ps = describe_ps
@@ -155,8 +158,13 @@ class Checkpoints:
         extra = {name: np.int64(value) for name, value in (scalars or {}).items()}
         if completed is not None:
             extra[_COMPLETED_KEY] = np.int64(completed)
+        started = time.monotonic()
         _parts.save_parts(path, variables, extra, self._describe_ps, meta, tables)
         self._commit(number)
+        seconds = time.monotonic() - started
+        written = sum(tf.io.gfile.stat(f).length for f in tf.io.gfile.glob(path + ".*"))  # index and data files
+        self.times = {"seconds_total": self.times["seconds_total"] + seconds, "last_seconds": seconds,
+                      "last_bytes": written}
         return path
 
     def restore(self, variables: dict[str, Any], *, adopt: bool = False, tables: dict | None = None) -> dict | None:

@@ -36,6 +36,7 @@ from psclient._coordinator.tf_api import TFStrategyAPI, refuse_input_options
 from psclient._coordinator.updates import place_updates_on_ps
 from psclient._core.checks import check_positive
 from psclient._engine.config import StrategyConfig, with_overrides
+from psclient._core.metrics import MetricsServer, families
 from psclient._core.errors import StrategyClosedError
 from psclient._core.future import Future
 
@@ -95,6 +96,9 @@ class ParameterServerStrategy(TFStrategyAPI):
         training (None, the defaults: asynchronous); docs/staleness.md. measure_staleness: True to measure the
         staleness of asynchronous updates (`stats()["staleness"]`; it costs
         CPU per step); None (default) measures only with either of the two.
+      metrics_port: serve Prometheus metrics (the text format, `/metrics`) on
+        this port of every interface (0: any free one, see `metrics_port`);
+        None (default) serves none. docs/metrics.md lists them.
 
     Only one strategy may be connected per process at a time (TF's eager
     context is global); `shutdown()` one before creating the next. The rest
@@ -127,6 +131,7 @@ class ParameterServerStrategy(TFStrategyAPI):
         self._scheduler, self._steps, self._store = scheduler, parts.steps, parts.store
         self._tracer, self._per_worker = parts.tracer, parts.per_worker
         self._elastic, self._dispatcher, self._recovery = engine.elastic, engine.dispatcher, engine.recovery
+        self._published = engine.published
         # Keras's reads and writes of ps variables on the coordinator, through a ps loss.
         self._coordinator_access = engine.coordinator_access
         # Connected only once everything that checks arguments or the checkpoint
@@ -146,6 +151,10 @@ class ParameterServerStrategy(TFStrategyAPI):
             self, lifecycle.shutdown_quietly, scheduler, engine.dispatcher, engine.recovery, engine.prober, edge,
             hang_timeout,
         )
+        # Prometheus's scrapes read stats() through a weak reference (the server must not keep the strategy).
+        self._metrics = None if config.metrics_port is None else MetricsServer(
+            config.metrics_port, functools.partial(_metric_families, weakref.ref(self)))
+        self._close_metrics = weakref.finalize(self, self._metrics.close) if self._metrics else lambda: None
 
     # ------------------------------------------------------------------ info
     @property
@@ -358,7 +367,12 @@ class ParameterServerStrategy(TFStrategyAPI):
         return per_worker
 
     # ------------------------------------------------------------- lifecycle
-    def stats(self) -> dict:
+    @property
+    def metrics_port(self) -> int | None:
+        """The port Prometheus metrics are served on (`metrics_port=0` picks a free one), or None."""
+        return None if self._metrics is None else self._metrics.port
+
+    def stats(self, *, read_ps: bool | None = True) -> dict:
         """Counts and times, per worker and per ps task.
 
         Per worker: done, failed, retried, in flight, up, failures (times taken
@@ -368,20 +382,26 @@ class ParameterServerStrategy(TFStrategyAPI):
         ledgers of `psclient.data` feeds, and `replayed_records`: records they
         may have trained twice because a failure cut their step off. Per dynamic
         embedding table (`psclient.layers.DynamicEmbedding`) on the ps: rows,
-        keys tracked, admissions and evictions per ps task.
+        keys tracked, admissions and evictions per ps task (`read_ps=False`: left
+        out, nothing read from the ps tasks; None: left out while a ps is lost).
         """
         import dataclasses
 
         stats = self._scheduler.stats()
         stats["completed"] = self._scheduler.completed()
-        stats["ps"] = [dataclasses.asdict(ps) for ps in self._recovery.ps_stats]
+        lost = self._published.ps_down
+        stats["ps"] = [dict(dataclasses.asdict(ps), up=index not in lost)
+                       for index, ps in enumerate(self._recovery.ps_stats)]
         stats["checkpoints_written"] = self._recovery.checkpoints_written
+        if self._recovery.checkpoints is not None:
+            stats["checkpoint"] = dict(self._recovery.checkpoints.times)
         stats["pipeline_depth"] = self._pipeline_depth
         stats["dispatcher_threads_alive"] = self._dispatcher.alive_threads
         stats["staleness"] = self._steps.summary()
         stats["data"] = data_stats(self)  # sharded datasets' ledgers (psclient.data)
         stats["replayed_records"] = stats["data"]["replayed_records"]
-        stats["dynamic_embeddings"] = dynamic_tables.stats_on_ps(self)
+        read_ps = not lost if read_ps is None else read_ps
+        stats["dynamic_embeddings"] = dynamic_tables.stats_on_ps(self) if read_ps else {}
         return stats
 
     # ------------------------------------------------------------ checkpoints
@@ -449,6 +469,7 @@ class ParameterServerStrategy(TFStrategyAPI):
             if self._closed:
                 return
             self._closed = True
+        self._close_metrics()
         self._finalizer()
         registry.release(self)
 
@@ -470,3 +491,10 @@ class ParameterServerStrategy(TFStrategyAPI):
         recovery = self._recovery
         if recovery.checkpoints is not None and self._store.count() != recovery.saved_created:
             recovery.checkpoint("new variables")
+
+
+def _metric_families(strategy_ref: Callable) -> list:
+    """A scrape, through a weak reference: none once the strategy is gone or shut down. The
+    dynamic tables' rows only while no ps is lost (that read would wait for the recovery)."""
+    strategy = strategy_ref()
+    return [] if strategy is None or strategy._closed else families(strategy.stats(read_ps=None))  # noqa: SLF001

@@ -11,7 +11,7 @@ import math
 import re
 from typing import Any, Callable
 
-__all__ = ["as_option", "check_positive", "signature_refusing_one_argument"]
+__all__ = ["as_option", "check_port", "check_positive", "signature_refusing_one_argument"]
 
 
 def check_positive(
@@ -79,3 +79,12 @@ def signature_refusing_one_argument(fn: Callable) -> inspect.Signature | None:
     except TypeError:
         return signature
     return None
+
+
+def check_port(name: str, port: object) -> None:
+    """None, or a TCP port number (0: any free port)."""
+    if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535):
+        raise ValueError(
+            f"Invalid value for argument `{name}`. Received: {name}={port!r}. Expected None (no "
+            "metrics), 0 (any free port) or a TCP port number from 1 to 65535."
+        )

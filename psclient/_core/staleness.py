@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["APPLIED", "ACCUMULATED", "DROPPED", "EXACT_BELOW", "Distribution", "StalenessStats"]
+__all__ = ["APPLIED", "ACCUMULATED", "DROPPED", "EXACT_BELOW", "STALENESS_BUCKETS", "Distribution", "StalenessStats"]
 
 #: What became of one gradient, as the step function reports it.
 DROPPED, ACCUMULATED, APPLIED = 0, 1, 2
@@ -26,6 +26,8 @@ DROPPED, ACCUMULATED, APPLIED = 0, 1, 2
 #: Staleness values below this are counted exactly.
 EXACT_BELOW = 128
 _SUB_BINS = 16  # bins per doubling above EXACT_BELOW
+#: Upper bounds of the staleness histogram Prometheus reads (`Distribution.histogram`); the last is +inf.
+STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, float("inf"))
 
 
 def _bin(value: int) -> int:
@@ -66,6 +68,12 @@ class Distribution:
             if seen >= rank:
                 return edge
         return self.max  # unreachable: the bins hold `count` values
+
+    def histogram(self, bounds: tuple = STALENESS_BUCKETS) -> dict:
+        """Cumulative counts of values <= each of `bounds`, and their sum. Above EXACT_BELOW a
+        value counts at its bin's lower edge, at most 1/16 below its own value."""
+        cumulative = [sum(n for edge, n in self._bins.items() if edge <= bound) for bound in bounds]
+        return {"cumulative": cumulative, "sum": self._sum}
 
     def summary(self) -> dict:
         return {
@@ -126,6 +134,7 @@ class StalenessStats:
         with self._lock:
             summary = self._all.summary()
             summary["updates"] = self._updates
+            summary["histogram"] = self._all.histogram()
             summary["dropped"] = sum(self._dropped)
             summary["dropped_staleness"] = self._dropped_staleness.summary()
             summary["per_worker"] = [

@@ -9,11 +9,16 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import itertools
 
-__all__ = ["WorkerStats", "LATENCY_WINDOW"]
+__all__ = ["WorkerStats", "LATENCY_BUCKETS", "LATENCY_WINDOW"]
 
 #: Latencies kept per worker for stats().
 LATENCY_WINDOW = 2048
+#: Upper bounds (seconds) of the latency histogram that every latency ever recorded is counted in
+#: (Prometheus's `psclient_closure_latency_seconds`); the last is +inf.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   float("inf"))
 
 
 @dataclasses.dataclass
@@ -39,6 +44,9 @@ class WorkerStats:
     )
     _sorted: list = dataclasses.field(default_factory=list, repr=False)
     _sum: float = dataclasses.field(default=0.0, repr=False)
+    # Every latency, counted into LATENCY_BUCKETS (not cumulative here), and their sum.
+    _bucket_counts: list = dataclasses.field(default_factory=lambda: [0] * len(LATENCY_BUCKETS), repr=False)
+    _sum_ever: float = dataclasses.field(default=0.0, repr=False)
 
     def record_latency(self, seconds: float) -> None:
         """Keep `seconds` among the recent latencies (O(log n) search, one memmove)."""
@@ -50,6 +58,8 @@ class WorkerStats:
         window.append(seconds)
         bisect.insort(self._sorted, seconds)
         self._sum += seconds
+        self._bucket_counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self._sum_ever += seconds
 
     def summary(self, *, in_flight: int) -> dict:
         """The counts and latencies; `in_flight` (running now) is the scheduler's to say."""
@@ -69,4 +79,6 @@ class WorkerStats:
             "last_recovery_s": self.last_recovery_s,
             "latency_mean_s": mean,
             "latency_p99_s": p99,
+            "latency_histogram": {"cumulative": list(itertools.accumulate(self._bucket_counts)),
+                                  "sum": self._sum_ever},
         }

@@ -62,7 +62,8 @@ class Engine:
         self.roster = roster
         self.scheduler = scheduler
         self.prober = Prober(edge.probe)
-        published = Published(num_workers)
+        #: What the recovery thread last decided (the view, the ps tasks lost), for readers on other threads.
+        self.published = published = Published(num_workers)
         self.probes = FailureProbes(roster, self.prober, scheduler, published, recovery_config.probe_timeout,
                                     edge, held=store.one_per_ps)
         inbox: queue.Queue = queue.Queue()  # what the dispatcher and callers report to the recovery thread

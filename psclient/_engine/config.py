@@ -14,7 +14,7 @@ import dataclasses
 import os
 from typing import Any, Callable
 
-from psclient._core.checks import check_positive
+from psclient._core.checks import check_port, check_positive
 from psclient._core.partitioning import check_partitioner
 
 __all__ = ["StrategyConfig", "check_replicas", "with_overrides"]
@@ -45,6 +45,7 @@ class StrategyConfig:
     max_staleness: int | None = None
     replicas_to_aggregate: int | None = None
     measure_staleness: bool | None = None
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         check_positive("max_staleness", self.max_staleness, integer=True, optional=True, allow_zero=True)
@@ -71,6 +72,7 @@ class StrategyConfig:
         self._check_checkpoint_dir()
         check_positive("pipeline_depth", self.pipeline_depth, integer=True)
         check_positive("connect_timeout", self.connect_timeout, unit="seconds")
+        check_port("metrics_port", self.metrics_port)
 
     # ------------------------------------------------------------ derived
     @property

@@ -293,6 +293,8 @@ class SidecarEvaluator:
             else os.path.join(self.checkpoint_dir, "eval")
         self._clock = clock
         self._stop = threading.Event()
+        #: What `start()` has done so far (None before it runs).
+        self.report: SidecarReport | None = None
         self._keras_expected: dict | None = None
 
     def stop(self) -> None:
@@ -308,7 +310,8 @@ class SidecarEvaluator:
         """
         planner = Planner(settle_time=self.settle_time, idle_timeout=self.idle_timeout,
                           max_evaluations=self.max_evaluations, now=self._clock())
-        report = SidecarReport([], [], [], stop_reason="stop() was called")
+        # Filled in as it goes: `report` is what Prometheus's scrapes read meanwhile (--metrics-port).
+        report = self.report = SidecarReport([], [], [], stop_reason="stop() was called")
         writer = None
         waiting_for = None
         ignore = frozenset([self.export_best] if self.export_best else [])

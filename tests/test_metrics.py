@@ -1,0 +1,281 @@
+"""Prometheus metrics: the families a strategy's stats make, and a real Prometheus scraping a training run.
+
+The scrape test starts Debian's `prometheus` (`.ci/run` installs it) on
+loopback with a scrape interval of 1 s, points it at a strategy's
+`metrics_port`, and asks its HTTP API what it stored: the finished closures
+rise, and a worker SIGKILLed mid-run shows as down. Where no `prometheus`
+binary can be found the test is skipped, with the reason printed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+
+import portpicker
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from psclient import StrategyConfig
+from psclient._core.staleness import StalenessStats
+from psclient._core.worker_stats import WorkerStats
+from psclient._core.metrics import MetricsServer, families
+
+
+def _stats(**extra) -> dict:
+    worker = WorkerStats()
+    for seconds in (0.004, 0.02, 0.3):
+        worker.record_latency(seconds)
+    worker.done, worker.retried = 3, 1
+    down = WorkerStats(up=False, failures=2, rejoins=1)
+    staleness = StalenessStats(2)
+    for value in (0, 1, 5):
+        staleness.applied(0, value)
+    stats = {
+        "scheduled": 5, "queue_depth": 1,
+        "workers": [worker.summary(in_flight=1), down.summary(in_flight=0)],
+        "ps": [{"failures": 1, "recoveries": 1, "last_recovery_s": 0.5, "rolled_back_closures": 7, "up": True}],
+        "checkpoints_written": 2, "staleness": staleness.summary(),
+        "checkpoint": {"seconds_total": 1.5, "last_seconds": 0.5, "last_bytes": 4096},
+        "data": {"feeds": [{"shards": 8, "done": 3}]},
+        "dynamic_embeddings": {"user": [{"ps": 0, "rows": 10, "admissions": 12, "evictions": 2},
+                                        {"ps": 1, "available": False, "error": "AbortedError"}]},
+    }
+    stats.update(extra)
+    return stats
+
+
+def _scraped(stats: dict) -> dict:
+    """{(sample name, labels as a sorted tuple): value} of the text a scrape returns."""
+    registry = CollectorRegistry(auto_describe=False)
+
+    class Once:
+        def collect(self):
+            return families(stats)
+
+    registry.register(Once())
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_families_follow_prometheus_naming_and_carry_the_counts():
+    samples = _scraped(_stats())
+    assert samples[("psclient_closures_scheduled_total", ())] == 5
+    assert samples[("psclient_closures_finished_total", (("task", "worker:0"),))] == 3
+    assert samples[("psclient_closures_retried_total", (("task", "worker:0"),))] == 1
+    assert samples[("psclient_worker_up", (("task", "worker:0"),))] == 1
+    assert samples[("psclient_worker_up", (("task", "worker:1"),))] == 0
+    assert samples[("psclient_ps_up", (("task", "ps:0"),))] == 1
+    assert samples[("psclient_recoveries_total", (("kind", "worker"),))] == 1
+    assert samples[("psclient_recoveries_total", (("kind", "ps"),))] == 1
+    assert samples[("psclient_ps_rolled_back_closures_total", (("task", "ps:0"),))] == 7
+    assert samples[("psclient_closure_latency_seconds_count", ())] == 3
+    assert samples[("psclient_closure_latency_seconds_bucket", (("le", "0.005"),))] == 1
+    assert samples[("psclient_closure_latency_seconds_bucket", (("le", "+Inf"),))] == 3
+    assert samples[("psclient_closure_latency_seconds_sum", ())] == pytest.approx(0.324)
+    assert samples[("psclient_update_staleness_bucket", (("le", "1.0"),))] == 2
+    assert samples[("psclient_update_staleness_count", ())] == 3
+    assert samples[("psclient_checkpoint_seconds_total", ())] == 1.5
+    assert samples[("psclient_checkpoint_last_bytes", ())] == 4096
+    assert samples[("psclient_data_shards_pending", (("feed", "0"),))] == 5
+    assert samples[("psclient_embedding_rows", (("layer", "user"), ("task", "ps:0")))] == 10
+    assert samples[("psclient_embedding_admissions_total", (("layer", "user"), ("task", "ps:0")))] == 12
+    # A ps that cannot be read now is left out, not reported as empty.
+    assert ("psclient_embedding_rows", (("layer", "user"), ("task", "ps:1"))) not in samples
+    for name, _labels in samples:
+        assert name.startswith("psclient_"), name
+
+
+def test_metrics_server_serves_its_families_and_the_process_memory_and_closes():
+    server = MetricsServer(0, lambda: families(_stats()), host="127.0.0.1")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30) as response:
+            text = response.read().decode()
+        assert "psclient_closures_finished_total" in text
+        assert "process_resident_memory_bytes" in text
+    finally:
+        server.close()
+        server.close()  # idempotent
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5)
+
+
+@pytest.mark.parametrize("port", [-1, 70000, "9100", 1.5, True])
+def test_a_bad_metrics_port_is_refused_naming_it(port):
+    with pytest.raises(ValueError, match=r"metrics_port.*Received: metrics_port="):
+        StrategyConfig(metrics_port=port)
+
+
+# ---------------------------------------------------------------- real Prometheus
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+class Prometheus:
+    """A Prometheus server on loopback scraping `targets` every second; its owner stops it."""
+
+    def __init__(self, targets: list[str], directory):
+        self.port = portpicker.pick_unused_port()
+        config = directory / "prometheus.yml"
+        config.write_text(json.dumps({  # YAML is a superset of JSON
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+            "scrape_configs": [{"job_name": "psclient", "static_configs": [{"targets": targets}]}],
+        }))
+        self.process = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={directory / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+
+    def query(self, expression: str) -> list:
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": expression})
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return json.loads(response.read())["data"]["result"]
+
+    def value(self, expression: str) -> float | None:
+        try:
+            result = self.query(expression)
+        except OSError:  # not listening yet
+            return None
+        return float(result[0]["value"][1]) if result else None
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(30)
+
+
+def _wait_value(prometheus: Prometheus, expression: str, accept, limit: float, what: str) -> float:
+    deadline = time.monotonic() + limit
+    value = None
+    while time.monotonic() < deadline:
+        value = prometheus.value(expression)
+        if value is not None and accept(value):
+            return value
+        if prometheus.process.poll() is not None:
+            pytest.fail(f"prometheus exited: {prometheus.process.stderr.read().decode()[-2000:]}")
+        time.sleep(0.25)  # polling an external server's query API, bounded by `limit`
+    pytest.fail(f"{what}: {expression} was {value} after {limit} s")
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(PROMETHEUS is None, reason="no `prometheus` binary (Debian's package `prometheus`; "
+                                               ".ci/run installs it where apt-get can)")
+def test_a_real_prometheus_scrapes_a_training_run_and_sees_a_killed_worker_down(three_workers_one_ps, tmp_path):
+    import tensorflow as tf
+
+    import psclient
+
+    cluster = three_workers_one_ps
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, metrics_port=0, hang_timeout=5)
+    prometheus = Prometheus([f"127.0.0.1:{strategy.metrics_port}"], tmp_path)
+    stop = threading.Event()
+    errors: list = []
+    try:
+        with strategy.scope():
+            count = tf.Variable(0, dtype=tf.int64)
+
+        @tf.function
+        def step():
+            count.assign_add(1)
+            return count.read_value()
+
+        def train():  # closures keep finishing while the test reads Prometheus
+            try:
+                while not stop.is_set():
+                    for _ in range(20):
+                        strategy.schedule(step)
+                    strategy.join(timeout=120)
+            except Exception as error:  # noqa: BLE001 - reported by the test below
+                errors.append(error)
+
+        trainer = threading.Thread(target=train, name="test-trainer")
+        trainer.start()
+        finished = "sum(psclient_closures_finished_total)"
+        first = _wait_value(prometheus, finished, lambda v: v > 0, 120, "closures finished, scraped")
+        _wait_value(prometheus, finished, lambda v: v > first, 60, "finished closures rising")
+        assert _wait_value(prometheus, 'psclient_worker_up{task="worker:1"}', lambda v: v == 1, 60,
+                           "worker 1 up") == 1
+
+        cluster.kill("worker", 1)
+        _wait_value(prometheus, 'psclient_worker_up{task="worker:1"}', lambda v: v == 0, 120,
+                    "the killed worker down")
+        assert _wait_value(prometheus, 'sum(psclient_worker_up)', lambda v: v == 2, 60, "two workers up") == 2
+        assert _wait_value(prometheus, 'psclient_worker_failures_total{task="worker:1"}', lambda v: v >= 1, 60,
+                           "the failure counted") >= 1
+        assert prometheus.value("process_resident_memory_bytes") > 0
+        stop.set()
+        trainer.join(180)
+        assert not trainer.is_alive() and not errors, errors
+    finally:
+        stop.set()
+        prometheus.close()
+        strategy.shutdown()
+        cluster.restart("worker", 1)
+
+
+def test_evaluator_families_carry_the_newest_evaluation():
+    from psclient._sidecar.evaluator import SidecarReport
+
+    from psclient._core.metrics import evaluator_families
+
+    report = SidecarReport([], ["ckpt-1"], [], stop_reason="")
+    report.evaluations += [{"checkpoint": "ckpt-2", "step": 20, "metrics": {"loss": 0.5}, "time": 100.0},
+                           {"checkpoint": "ckpt-3", "step": 30, "metrics": {"loss": 0.25, "accuracy": 0.9},
+                            "time": 200.0}]
+    registry = CollectorRegistry(auto_describe=False)
+
+    class Once:
+        def collect(self):
+            return evaluator_families(report)
+
+    registry.register(Once())
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    assert samples[("psclient_evaluations_total", ())] == 2
+    assert samples[("psclient_evaluations_skipped_total", ())] == 1
+    assert samples[("psclient_evaluated_step", ())] == 30
+    assert samples[("psclient_evaluation_metric", (("name", "accuracy"),))] == 0.9
+    assert samples[("psclient_evaluation_metric", (("name", "loss"),))] == 0.25
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_psclient_serve_metrics_port_serves_the_tasks_memory(tmp_path):
+    import sys
+
+    ports = [portpicker.pick_unused_port() for _ in range(4)]
+    cluster_file = tmp_path / "cluster.json"
+    cluster_file.write_text(json.dumps({"chief": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{ports[1]}"],
+                                        "worker": [f"127.0.0.1:{ports[3]}"]}))
+    task = subprocess.Popen([sys.executable, "-m", "psclient", "serve", "--job", "ps", "--index", "0",
+                             "--cluster", str(cluster_file), "--metrics-port", str(ports[2])],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline, text = time.monotonic() + 120, None
+        while time.monotonic() < deadline and task.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{ports[2]}/metrics", timeout=5) as response:
+                    text = response.read().decode()
+                break
+            except OSError:
+                time.sleep(0.25)  # polling the starting task's port, bounded by the deadline
+        assert text is not None, f"no metrics served: {task.stderr.read().decode()[-2000:] if task.poll() else ''}"
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(text) for s in f.samples}
+        assert samples[("psclient_task_info", (("job", "ps"), ("task", "ps:0")))] == 1
+        assert samples[("process_resident_memory_bytes", ())] > 10 * 2**20
+    finally:
+        task.terminate()
+        task.wait(60)
