@@ -24,9 +24,11 @@ _TASK_JOBS = ("/job:worker", "/job:ps")
 
 
 class RemoteConversions:
-    """Context manager: `found` lists (device, value, stack) of conversions under a task's device."""
+    """Context manager: `found` lists (device, value, stack) of conversions under a task's device
+    (a task of `jobs`: "/job:worker", "/job:ps" or both)."""
 
-    def __init__(self):
+    def __init__(self, jobs: tuple[str, ...] = _TASK_JOBS):
+        self._jobs = jobs
         self.found: list[tuple[str, str, str]] = []
         self._lock = threading.Lock()
         self._original = None
@@ -36,7 +38,7 @@ class RemoteConversions:
 
         def recording(value, ctx, dtype=None):
             device = ctx.device_name or ""
-            if any(job in device for job in _TASK_JOBS) and not _is_eager_tensor(value):
+            if any(job in device for job in self._jobs) and not _is_eager_tensor(value):
                 # The frames of psclient and the tests: where the value came from.
                 stack = "".join(frame for frame in traceback.format_stack()[:-1]
                                 if "psclient" in frame or "/tests/" in frame)

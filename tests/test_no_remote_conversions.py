@@ -89,3 +89,35 @@ def test_probes_reconnects_resources_checkpoints_and_recovery_convert_nothing_on
         assert not seen.found, "Python values converted under a task's device:\n" + seen.report()
     finally:
         strategy.shutdown()
+
+
+def test_keras_fit_evaluate_and_checkpoints_with_dynamic_embeddings_convert_nothing_on_workers(
+        two_workers_two_ps, tmp_path):
+    # Workers only: building a model still converts Python values under a ps's
+    # device (a DynamicEmbedding's storage, initial values made on the ps:
+    # docs/development.md). A hung ps holds that build up anyway; the
+    # checkpoint and recovery steps, which also run while training, are
+    # checked on every task by the test above.
+    import keras
+
+    cluster = two_workers_two_ps
+    rng = np.random.default_rng(0)
+    keys = rng.integers(0, 5000, size=(256, 4)).astype("int64")
+    labels = (keys[:, 0] % 2).astype("float32")
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, checkpoint_dir=str(tmp_path / "ckpt"))
+    try:
+        with RemoteConversions(jobs=("/job:worker",)) as seen:
+            with strategy.scope():
+                inputs = keras.Input((4,), dtype="int64")
+                rows = psclient.layers.DynamicEmbedding(8, capacity=4096)(inputs)
+                outputs = keras.layers.Dense(1)(keras.layers.Flatten()(rows))
+                model = keras.Model(inputs, outputs)
+                model.compile(optimizer=keras.optimizers.Adagrad(0.1),
+                              loss=keras.losses.BinaryCrossentropy(from_logits=True))
+            model.fit(keys, labels, batch_size=32, epochs=2, verbose=0)
+            model.evaluate(keys, labels, batch_size=64, verbose=0)
+            strategy.save_checkpoint()
+            strategy.stats()
+        assert not seen.found, "Python values converted under a task's device:\n" + seen.report()
+    finally:
+        strategy.shutdown()
