@@ -160,7 +160,7 @@ def run_seed(seed: int, args) -> dict:
     join_errors: list[str] = []
     futures = []
     join_s: list[float] = []
-    stall = [0.0]
+    stall = [0.0, None]  # the longest stall, and when it ended (seconds into the plan)
     with psclient.LocalCluster(num_workers=PLAN_WORKERS, num_ps=PLAN_PS) as local, \
             tempfile.TemporaryDirectory() as ckpt:
         strategy = psclient.ParameterServerStrategy(
@@ -171,7 +171,8 @@ def run_seed(seed: int, args) -> dict:
             last = time.monotonic()
             while not sampling.wait(0.05):
                 now = time.monotonic()
-                stall[0] = max(stall[0], now - last - 0.05)
+                if now - last - 0.05 > stall[0]:
+                    stall[0], stall[1] = now - last - 0.05, now - started
                 last = now
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -234,6 +235,7 @@ def run_seed(seed: int, args) -> dict:
         "ps_recoveries": ps["recoveries"],
         "recovery_step_failures": logged.step_failures,
         "max_stall_s": round(stall[0], 2),
+        "max_stall_ended_at_s": None if stall[1] is None else round(stall[1], 1),
         "batches": len(join_s),
         "max_join_s": round(max(join_s), 2) if join_s else None,
         "steps_counted": steps,
