@@ -1,4 +1,4 @@
-"""Relative file paths in a dataset's graph made absolute before it is sent (psclient._tf.data_paths).
+"""Datasets sent to the workers (psclient._tf.data): relative file paths made absolute, and a pipeline that cannot be sent.
 
 No cluster: the rewritten graph is rebuilt and read in this process from another working directory,
 as a worker would read it from its own.
@@ -58,3 +58,13 @@ def test_strings_that_are_data_are_left_alone(data_dir):
         assert absolute_paths(graph, str(data_dir)) == (graph, [])
     _, changed = absolute_paths(csv._as_serialized_graph().numpy(), str(data_dir))
     assert changed == [f"a.csv -> {data_dir / 'a.csv'}"]  # the file, not the delimiter
+
+
+def test_a_pipeline_whose_resource_is_gone_says_what_to_do():
+    # A resource that no longer exists, as one made on a device the process lost would be.
+    table = tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(["a"], [1]), -1)
+    dataset = tf.data.Dataset.from_tensor_slices(["a", "b"]).map(table.lookup)
+    tf.raw_ops.DestroyResourceOp(resource=table.resource_handle)
+    with pytest.raises(ValueError, match=r"Cannot send this tf\.data\.Dataset to the workers.*made before "
+                                         r"psclient\.ParameterServerStrategy\(\.\.\.\) connected this process"):
+        serialize_dataset(dataset)

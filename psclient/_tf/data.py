@@ -27,10 +27,23 @@ def serialize_dataset(dataset):
     directory (`data_paths`): a worker would look them up in its own.
     TF-internal: a dataset's graph is the only way to move it.
     """
-    graph = dataset._as_serialized_graph(  # noqa: SLF001
-        strip_device_assignment=True,
-        external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
-    )
+    try:
+        graph = dataset._as_serialized_graph(  # noqa: SLF001
+            strip_device_assignment=True,
+            external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
+        )
+    except (tf.errors.FailedPreconditionError, tf.errors.NotFoundError) as error:
+        # TF fails this way when a resource the pipeline uses is gone (made on a device that
+        # no longer exists); psclient carries variables and lookup tables across the connection.
+        raise ValueError(
+            "Cannot send this tf.data.Dataset to the workers: TensorFlow cannot serialize its "
+            f"graph ({type(error).__name__}: {str(error).splitlines()[0]}). If the pipeline uses "
+            "a TF resource other than a variable or a lookup table that was made before "
+            "psclient.ParameterServerStrategy(...) connected this process to the cluster, it "
+            "lives on a device the process no longer has: make it (and the dataset) after "
+            "creating the strategy, or pass a dataset function, fn(input_context), that makes it "
+            "on each worker."
+        ) from error
     serialized, changed = absolute_paths(graph.numpy())
     if not changed:
         return graph

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import warnings
 
 import tensorflow as tf
 from tensorflow.python.eager import context
@@ -65,9 +66,19 @@ def export_local_tables() -> list[SavedTable]:
         if key in seen:
             continue
         seen.add(key)
-        with tf.device(handle.device):
-            keys, values = gen_lookup_ops.lookup_table_export_v2(
-                handle, Tkeys=table.key_dtype, Tvalues=table.value_dtype)
+        try:
+            with tf.device(handle.device):
+                keys, values = gen_lookup_ops.lookup_table_export_v2(
+                    handle, Tkeys=table.key_dtype, Tvalues=table.value_dtype)
+        except tf.errors.OpError as error:  # a table kind whose kernel cannot export
+            warnings.warn(
+                f"Lookup table {table._shared_name!r} ({type(table).__name__}) was made before "  # noqa: SLF001
+                "psclient.ParameterServerStrategy(...) connected this process to the cluster and "
+                f"cannot be carried over ({type(error).__name__}: {str(error).splitlines()[0]}); "
+                "anything that uses it afterwards fails. Make it after creating the strategy.",
+                RuntimeWarning, stacklevel=2,
+            )
+            continue
         saved.append(SavedTable(table, handle.device, keys, values))
     return saved
 
