@@ -2,7 +2,7 @@
 
 Published Keras examples read a CSV, make a tf.data pipeline and adapt their preprocessing
 layers first, then build the model. Creating a strategy connects the process to the cluster;
-everything made before must keep working (issue 34). TF connects a process once, so the
+everything made before must keep working. TF connects a process once, so the
 script runs in a fresh child process (`_published_patterns_child.py`) on the shared cluster:
 local Keras first, then the same model on the cluster, in the same process, compared here.
 Its CSVs are read by relative paths from a working directory that is not the cluster tasks'.
