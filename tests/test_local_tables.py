@@ -14,7 +14,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SCRIPT = r'''
 import json, portpicker, tensorflow as tf
-from psclient._tf import context, local_tables
+from psclient._tf import local_tables
 
 static = tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(["a", "b"], [1, 2]), -1)
 vocabulary = tf.lookup.StaticVocabularyTable(
@@ -30,7 +30,7 @@ before = tf.config.list_logical_devices()
 
 saved = local_tables.export_local_tables()
 spec = tf.train.ClusterSpec({"localhost": [f"localhost:{portpicker.pick_unused_port()}"]})
-context.set_server_def(spec, tf.config.experimental.ClusterDeviceFilters(), "localhost")
+tf.config.experimental_connect_to_cluster(spec, job_name="localhost", task_index=0, protocol="grpc")
 local_tables.rebuild_tables(saved)
 
 print(json.dumps({

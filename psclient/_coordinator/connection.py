@@ -34,11 +34,13 @@ __all__ = [
 log = logging.getLogger("psclient")
 
 #: The coordinator's job in TF's view of the cluster: "localhost", the job this
-#: process's devices have before it connects, so that connecting renames
-#: nothing. Under any other name TF makes new local devices, and every dataset,
-#: lookup table and variable made before the strategy would point at devices
-#: that no longer exist (TF's own `connect_to_cluster` defaults to this name
-#: too). The cluster description still calls the coordinator's address "chief".
+#: process's devices have before it connects (and the default of TF's own
+#: `connect_to_cluster`). Connecting gives the process new local devices; under
+#: this name they keep the old names, so datasets, iterators and variables made
+#: before the strategy still find their device (under "chief" every one of them
+#: failed: "/job:localhost/... unknown device"). Named lookup tables lived in
+#: the old devices' resource manager: `local_tables` carries them over. The
+#: cluster description still calls the coordinator's address "chief".
 COORDINATOR_JOB = "localhost"
 
 #: The TensorFlow versions psclient is tested with (the oldest by the `oldest`
@@ -172,7 +174,10 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None, patience
             # Tables made before keep their contents across the connection
             # (TF gives this process a new device under the same name).
             tables = _local_tables.export_local_tables()
-            _context.set_server_def(cluster_spec, filters, COORDINATOR_JOB)
+            tf.config.experimental_connect_to_cluster(
+                cluster_spec, job_name=COORDINATOR_JOB, task_index=0, protocol="grpc",
+                cluster_device_filters=filters,
+            )
             _local_tables.rebuild_tables(tables)
         else:
             _restrict_coordinator_port(cluster)  # first: a worker that joins may call back while TF updates

@@ -23,7 +23,6 @@ __all__ = [
     "current_device",
     "current_worker",
     "ensure_initialized",
-    "set_server_def",
     "update_server_def",
     "worker_index_scope",
 ]
@@ -44,15 +43,9 @@ def ensure_initialized() -> None:
     context.ensure_initialized()
 
 
-def _server_def(cluster_spec, filters, job_name: str) -> ServerDef:
-    # The session config is the context's own, unchanged: TF reuses this
-    # process's local devices for its server (their resources, lookup tables
-    # included, survive the connection) only when the job is the local
-    # devices' job and this config serializes exactly as the one the context
-    # was made with (`AreLocalDevicesCompatible` in TF's
-    # context_distributed_manager.cc). `tf.config.experimental_connect_to_cluster`
-    # adds a collective group leader to it, so it never reuses them.
-    return ServerDef(
+def update_server_def(cluster_spec, filters, job_name: str) -> None:
+    """Point the running coordinator server at `cluster_spec`, as task 0 of `job_name`."""
+    server_def = ServerDef(
         cluster=cluster_spec.as_cluster_def(),
         job_name=job_name,
         task_index=0,
@@ -60,20 +53,7 @@ def _server_def(cluster_spec, filters, job_name: str) -> ServerDef:
         default_session_config=copy.deepcopy(context.context().config),
         cluster_device_filters=filters._as_cluster_device_filters(),  # noqa: SLF001
     )
-
-
-def set_server_def(cluster_spec, filters, job_name: str) -> None:
-    """Connect this process to `cluster_spec` as task 0 of `job_name` (its first connection).
-
-    With `job_name` the local devices' own job, the devices keep their names and
-    what lives on them (datasets, variables, lookup tables made before).
-    """
-    context.context().set_server_def(_server_def(cluster_spec, filters, job_name))
-
-
-def update_server_def(cluster_spec, filters, job_name: str) -> None:
-    """Point the running coordinator server at `cluster_spec`, as task 0 of `job_name`."""
-    context.context().update_server_def(_server_def(cluster_spec, filters, job_name))
+    context.context().update_server_def(server_def)
 
 
 class _WorkerIndex:

@@ -1,7 +1,11 @@
 """Lookup tables made before this process connected to a cluster, carried across the connection.
 
 Connecting gives this process's CPU a new TF device under the same name
-(`/job:localhost/replica:0/task:0/device:CPU:0`): handles keep working for
+(`/job:localhost/replica:0/task:0/device:CPU:0`). TF would keep the old device
+only if the server's session config serialized exactly as the context's
+(`AreLocalDevicesCompatible` in TF's context_distributed_manager.cc); with TF
+2.21 it made a new one whatever config it was given here (the context's own,
+an empty one, one without `device_count`). Handles keep working for
 state TF keeps in the handle itself (variables, datasets, iterators, anonymous
 tables), but a lookup table created with a name (`tf.lookup.StaticHashTable`,
 `MutableHashTable`, `DenseHashTable`, and what is built on them: Keras's
