@@ -66,12 +66,15 @@ def test_generator_input_is_refused(model):
         model.fit(batches(), epochs=1, steps_per_epoch=2, verbose=0)
 
 
-def test_model_built_outside_scope_compiled_inside(strategy):
+def test_model_built_outside_scope_compiled_inside_moves_its_weights_to_the_ps(strategy):
     model = keras.Sequential(layers())  # weights created here, in this process
+    before = [w.numpy() for w in model.weights]
     with strategy.scope():
         compile_(model)  # optimizer and loss tracker on the ps
-    with pytest.raises(ValueError, match=r"variables 'sequential\w*/dense\w*/kernel', .* created outside strategy\.scope\(\)"):
-        model.fit(X, Y, epochs=1, verbose=0)
+    with pytest.warns(UserWarning, match=r"variables 'sequential\w*/dense\w*/kernel', .* created outside strategy\.scope\(\).*copied onto the ps"):
+        model.fit(X, Y, epochs=1, steps_per_epoch=1, verbose=0)
+    assert all("/job:ps" in w._value.device for w in model.weights)
+    assert [w.shape for w in model.weights] == [b.shape for b in before]
 
 
 def test_model_entirely_outside_scope_trains_locally_with_a_warning(strategy):

@@ -24,6 +24,7 @@ from psclient._cluster.spec import Cluster
 from psclient._core.errors import TaskUnreachableError
 from psclient._tf import context as _context
 from psclient._tf import executors as _executors
+from psclient._tf import local_tables as _local_tables
 
 __all__ = [
     "COORDINATOR_JOB", "CONNECTION_LOCK_TIMEOUT", "TF_VERSIONS", "connect", "disconnect",
@@ -32,7 +33,15 @@ __all__ = [
 
 log = logging.getLogger("psclient")
 
-COORDINATOR_JOB = "chief"
+#: The coordinator's job in TF's view of the cluster: "localhost", the job this
+#: process's devices have before it connects (and the default of TF's own
+#: `connect_to_cluster`). Connecting gives the process new local devices; under
+#: this name they keep the old names, so datasets, iterators and variables made
+#: before the strategy still find their device (under "chief" every one of them
+#: failed: "/job:localhost/... unknown device"). Named lookup tables lived in
+#: the old devices' resource manager: `local_tables` carries them over. The
+#: cluster description still calls the coordinator's address "chief".
+COORDINATOR_JOB = "localhost"
 
 #: The TensorFlow versions psclient is tested with (the oldest by the `oldest`
 #: nox session, the newest by the suite); pyproject.toml requires the same range.
@@ -139,7 +148,7 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None, patience
 
     check_tensorflow_version(tf.__version__)
     spec: dict = cluster.training_spec()
-    wanted = (spec.get(COORDINATOR_JOB) or [None])[0]
+    wanted = (spec.pop("chief", None) or [None])[0]
     if workers is not None:
         spec["worker"] = {i: spec["worker"][i] for i in sorted(workers)}
     with _connection_lock("connect to the cluster"):
@@ -162,10 +171,14 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None, patience
             filters.set_device_filters("ps", i, ["/job:worker", f"/job:{COORDINATOR_JOB}"])
         cluster_spec = tf.train.ClusterSpec(spec)
         if first:
+            # Tables made before keep their contents across the connection
+            # (TF gives this process a new device under the same name).
+            tables = _local_tables.export_local_tables()
             tf.config.experimental_connect_to_cluster(
                 cluster_spec, job_name=COORDINATOR_JOB, task_index=0, protocol="grpc",
                 cluster_device_filters=filters,
             )
+            _local_tables.rebuild_tables(tables)
         else:
             _restrict_coordinator_port(cluster)  # first: a worker that joins may call back while TF updates
             _update_patiently(cluster, cluster_spec, filters, patience)

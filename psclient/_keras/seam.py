@@ -119,7 +119,7 @@ KERAS_INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_VARIABLE}._dtype", "the dtype of a variable being initialised", kind="instance"),
     Internal("keras.src.initializers.random_initializers.compute_fans",
              "the fans of a partitioned variable's full shape, for each shard's VarianceScaling"),
-    Internal(f"{_VARIABLE}._value", "the tf.Variable inside: its device says ps or local", kind="instance"),
+    Internal(f"{_VARIABLE}._value", "the tf.Variable inside: its device says ps or local; replaced by a ps copy for state made outside the scope (outside_state.py)", kind="instance"),
     Internal("keras.src.backend.backend", "the configured backend, read before Keras is imported"),
     Internal("keras.src.backend.common.stateless_scope.in_stateless_scope",
              "assign_add inside a StatelessScope keeps Keras's own path"),

@@ -32,7 +32,7 @@ import tensorflow as tf
 
 from psclient._engine import registry
 from psclient._coordinator import runtime as _runtime
-from psclient._keras import seam
+from psclient._keras import outside_state, seam
 
 __all__ = ["TrainFunction", "cluster_strategy", "fit_callbacks", "prepare_model", "result_or_first_error"]
 
@@ -70,8 +70,9 @@ def _connected_strategy():
 def cluster_strategy(model, method: str):
     """The psclient strategy that holds `model`'s variables, or None for a local model.
 
-    A model with variables both on ps tasks and in this process cannot be
-    trained either way: that is an error naming the first local variables.
+    A model with variables both on ps tasks and in this process (state made
+    outside the scope) gets copies of the local ones on the ps tasks, with a
+    warning (`outside_state`).
     """
     variables = _state(model)
     on_ps = [v for v in variables if _runtime.ps_index_of(_device(v)) is not None]
@@ -86,7 +87,6 @@ def cluster_strategy(model, method: str):
                 stacklevel=3,
             )
         return None
-    _check_all_on_ps(model, variables, method)
     if strategy is None:
         raise RuntimeError(
             f"Cannot run model.{method}() for {model.name!r}: its variables live on ps tasks, "
@@ -94,20 +94,8 @@ def cluster_strategy(model, method: str):
             "the strategy that created them (or load the model from a file to use it locally)."
         )
     _check_mode(model, method)
+    outside_state.move_to_ps(model, strategy, variables, method)
     return strategy
-
-
-def _check_all_on_ps(model, variables, method: str) -> None:
-    local = [v for v in variables if _runtime.ps_index_of(_device(v)) is None]
-    if local:
-        names = ", ".join(repr(getattr(v, "path", v.name)) for v in local[:5])
-        more = f" and {len(local) - 5} more" if len(local) > 5 else ""
-        raise ValueError(
-            f"Cannot run model.{method}() for {model.name!r} on the cluster: variables {names}{more} "
-            "were created outside strategy.scope() and live in this process, while the others "
-            "live on ps tasks. Expected every variable on the ps tasks: create the model (build "
-            "it) and call model.compile() inside `with strategy.scope():`."
-        )
 
 
 def _check_mode(model, method: str) -> None:
@@ -135,7 +123,7 @@ def prepare_model(model, strategy, element_spec, method: str) -> None:
     elif _needs_build(model):
         with strategy.scope():
             model._symbolic_build(data_batch=element_spec)  # Keras's own build, on the ps
-    _check_all_on_ps(model, _state(model), method)
+    outside_state.move_to_ps(model, strategy, _state(model), method)
 
 
 def _needs_build(model) -> bool:

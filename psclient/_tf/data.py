@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import uuid
 
 import tensorflow as tf
 
+from psclient._tf.data_paths import absolute_paths
+
 __all__ = ["deserialize_dataset", "fix_shuffle_orders", "serialize_dataset"]
+
+log = logging.getLogger("psclient")
 
 #: Dataset ops whose inputs 2 and 3 are (seed, seed2) and which have `reshuffle_each_iteration`.
 _SEEDED_SHUFFLES = ("ShuffleDataset", "ShuffleDatasetV3", "ShuffleAndRepeatDataset", "ShuffleAndRepeatDatasetV2")
@@ -18,12 +23,32 @@ _GENERATOR_INPUT = {"ShuffleDatasetV3": 4, "ShuffleAndRepeatDatasetV2": 5}
 def serialize_dataset(dataset):
     """The dataset's graph as a string tensor, to rebuild it on any worker (`deserialize_dataset`).
 
+    Relative file paths in it are made absolute against this process's working
+    directory (`data_paths`): a worker would look them up in its own.
     TF-internal: a dataset's graph is the only way to move it.
     """
-    return dataset._as_serialized_graph(  # noqa: SLF001
-        strip_device_assignment=True,
-        external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
-    )
+    try:
+        graph = dataset._as_serialized_graph(  # noqa: SLF001
+            strip_device_assignment=True,
+            external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
+        )
+    except (tf.errors.FailedPreconditionError, tf.errors.NotFoundError) as error:
+        # TF fails this way when a resource the pipeline uses is gone (made on a device that
+        # no longer exists); psclient carries variables and lookup tables across the connection.
+        raise ValueError(
+            "Cannot send this tf.data.Dataset to the workers: TensorFlow cannot serialize its "
+            f"graph ({type(error).__name__}: {str(error).splitlines()[0]}). If the pipeline uses "
+            "a TF resource other than a variable or a lookup table that was made before "
+            "psclient.ParameterServerStrategy(...) connected this process to the cluster, it "
+            "lives on a device the process no longer has: make it (and the dataset) after "
+            "creating the strategy, or pass a dataset function, fn(input_context), that makes it "
+            "on each worker."
+        ) from error
+    serialized, changed = absolute_paths(graph.numpy())
+    if not changed:
+        return graph
+    log.info("dataset sent to the workers with its relative paths made absolute: %s", "; ".join(changed[:5]))
+    return tf.constant(serialized)
 
 
 def deserialize_dataset(graph_def, element_spec):
