@@ -127,7 +127,8 @@ class ParameterServerStrategy(TFStrategyAPI):
         self._scheduler, self._steps, self._store = scheduler, parts.steps, parts.store
         self._tracer, self._per_worker = parts.tracer, parts.per_worker
         self._elastic, self._dispatcher, self._recovery = engine.elastic, engine.dispatcher, engine.recovery
-        # Keras's reads and writes of ps variables on the coordinator, through a ps loss.
+        # psclient's own reads and writes of ps state on the coordinator (traces, checkpoints,
+        # Keras's metrics, dynamic tables), through a ps loss (psclient._coordinator.ps_state).
         self._coordinator_access = engine.coordinator_access
         # Connected only once everything that checks arguments or the checkpoint
         # directory has passed; a failure after that undoes the connection.
@@ -287,7 +288,7 @@ class ParameterServerStrategy(TFStrategyAPI):
         if self._recovery.broken is not None:
             raise self._recovery.broken
         closure = self._tracer.ready_closure(fn, args, kwargs, before_trace=self._checkpoint_new_variables,
-                                             submit=self._scheduler.submit)
+                                             submit=self._scheduler.submit, guard=self._coordinator_access.run)
         return closure.future
 
     def join(self, timeout: float | None = None) -> None:
@@ -394,7 +395,9 @@ class ParameterServerStrategy(TFStrategyAPI):
         """
         self._check_open("save_checkpoint")
         self._require_checkpoint_dir("save_checkpoint")
-        path = self._recovery.checkpoint("requested")
+        # Through a ps loss: a ps restarted while nothing ran fails the save; the recovery
+        # restores it from the newest checkpoint, then this one is taken.
+        path = self._coordinator_access.run(lambda: self._recovery.checkpoint("requested"), "save_checkpoint()")
         if path is None:
             raise TimeoutError(
                 f"save_checkpoint() could not pause: functions still ran after "
@@ -419,7 +422,7 @@ class ParameterServerStrategy(TFStrategyAPI):
         """
         self._check_open("restore")
         self._require_checkpoint_dir("restore")
-        restored = self._recovery.restore()
+        restored = self._coordinator_access.run(self._recovery.restore, "restore()")
         if restored is not None:
             # The data ledgers saved with it go to their feeds (now or when they are created).
             restored["data_ledgers"] = restore_ledgers(self, restored.pop("meta", {}).get(LEDGERS_KEY, {}))

@@ -29,6 +29,7 @@ from typing import Any, Callable
 from psclient._engine.edge import CheckpointStore, Edge, PerWorkerValues, Roster, VariableStore
 from psclient._engine.probes import FailureProbes, Published
 from psclient._engine.reconnect import Reconnector, Refused
+from psclient._core import ps_access
 from psclient._core import recovery_messages as rm
 from psclient._core.errors import PSUnavailableError, StrategyClosedError, WorkerUnavailableError, first_line
 from psclient._core.health import Prober
@@ -205,7 +206,9 @@ class Recovery:
     def _loop(self) -> None:
         ended = False
         try:
-            self._rounds()
+            # Its own reads of the ps (a retrace, a rebuild) fail its step; the machine decides.
+            with ps_access.handled_elsewhere():
+                self._rounds()
             ended = True
         finally:
             self._stopping = True
