@@ -18,7 +18,9 @@ from typing import Callable, TypeVar
 
 import tensorflow as tf
 
-__all__ = ["on_ps", "settled"]
+from psclient._coordinator.runtime import check_handle
+
+__all__ = ["check_every_ps", "on_ps", "settled"]
 
 T = TypeVar("T")
 
@@ -40,3 +42,17 @@ def settled(result):
         if isinstance(value, tf.Tensor) and hasattr(value, "numpy"):
             value.numpy()
     return result
+
+
+def check_every_ps(strategy, what: str) -> None:
+    """One shape op on a variable of each ps task (no data moves), through a ps loss.
+
+    What fit, evaluate and predict do first: a ps lost since the last call
+    (nothing ran to notice it) is then restored before the call sends any
+    closure or reads anything, whichever of its reads would have met it first.
+    """
+    def check() -> None:
+        for variable in strategy._store.one_per_ps().values():
+            check_handle(variable)
+
+    on_ps(strategy, check, what)

@@ -69,7 +69,7 @@ def handled_elsewhere() -> Iterator[None]:
 
 class PsAccessEdge(Protocol):
     def is_op_error(self, error: BaseException) -> bool:
-        """Whether `error` is TF's (an access's own bug is raised unchanged)."""
+        """Whether `error` is TF's, or raised from TF's (an access's own bug is raised unchanged)."""
 
     def lost_ps(self) -> tuple:
         """The ps tasks that do not answer or no longer hold their variables (probes)."""
