@@ -410,8 +410,8 @@ class DynamicTable:
     # ------------------------------------------------------------ state out
     def stats(self) -> list[dict]:
         """Per shard: rows, keys tracked (rows and keys counting towards admission), admissions, evictions,
-        clock, and for a table with a capacity the bytes its storage holds. A ps that cannot be read
-        now gives `{"ps": k, "available": False, "error": ...}` instead."""
+        clock, and for a table with a capacity the bytes its storage holds. A lost ps is waited for
+        (`_shard_stats_or_unavailable`); one the recovery gave up on gives `{"ps": k, "available": False, ...}`."""
         return [_shard_stats_or_unavailable(self, index) for index in range(len(self.shards))]
 
     def shard_stats(self, index: int) -> dict:
