@@ -276,6 +276,8 @@ class ParameterServerStrategy(TFStrategyAPI):
         `fn` is a `tf.function` (a plain Python callable is wrapped in one,
         once). It is traced here, on the coordinator, once per input
         signature, so argument mismatches raise `TypeError` now, not later.
+        A trace that meets a ps lost while nothing ran (its eager reads of ps
+        state) is made again once the ps is restored (docs/fault_tolerance.md).
         Per-worker values in the arguments (iterators of
         `distribute_datasets_from_function`, `create_per_worker_resource`
         values) resolve to the executing worker's own.

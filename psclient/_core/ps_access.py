@@ -107,8 +107,13 @@ def through_ps_loss(access: Callable[[], T], edge: PsAccessEdge, what: str,
     while True:
         epoch = edge.ps_epoch()
         try:
-            with handled_elsewhere():  # accesses nested in this one: their errors come here
+            # Accesses nested in this one run plainly: their errors come here. (Inline, not
+            # `handled_elsewhere()`: schedule() passes here at every call.)
+            _inside.depth = 1
+            try:
                 return access()
+            finally:
+                _inside.depth = 0
         except Exception as error:
             if not edge.is_op_error(error):
                 raise
