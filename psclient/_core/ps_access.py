@@ -1,11 +1,12 @@
 """Reads and writes of ps variables made on the coordinator, through a ps loss. Pure logic.
 
 A scheduled closure whose ps goes away is run again once the recovery has
-restored the ps (`psclient._core.failures`). Keras's fit also touches the
-ps variables from the coordinator itself, outside any closure: it resets
-the metrics at each epoch's start and reads them for the epoch's logs. A ps
-lost just before one of those fails it with TF's error, and the user's
-training with it. `through_ps_loss` runs such an access and, when it fails:
+restored the ps (`psclient._core.failures`). psclient also touches ps state
+from the coordinator itself, outside any closure: traces reading a dynamic
+table, checkpoints, Keras's metric resets and reads, stats
+(`psclient._coordinator.ps_state` lists them). A ps lost while nothing ran
+fails the first of those with TF's error, and the user's training with it.
+`through_ps_loss` runs such an access and, when it fails:
 
 - classifies the error as a closure's is classified (`failures.classify`,
   the ps probed first; no worker is involved);
