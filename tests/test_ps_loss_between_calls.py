@@ -1,11 +1,11 @@
 """A ps SIGKILLed and started again while nothing runs: the next call recovers it and succeeds.
 
 Between two calls no closure runs, so no closure's failure reports the lost
-ps; the next call's own reads and writes of ps state on the coordinator (a
-trace sizing a dynamic table's slots, Keras's metric resets, a checkpoint)
-meet it first. Each goes through the strategy's guarded access: the loss is
-reported, the ps restored from the newest checkpoint (docs/fault_tolerance.md),
-and the access made again.
+ps; the next call's own reads and writes of ps state on the coordinator meet
+it first (fit/evaluate/predict's check of every ps, a trace sizing a dynamic
+table's slots, Keras's metric resets, a checkpoint). Each goes through the
+strategy's guarded access: the loss is reported, the ps restored from the
+newest checkpoint (docs/fault_tolerance.md), and the access made again.
 
 How "restored from the newest checkpoint" is checked: the model trains for
 two epochs, then its learning rate is set to 0 and a checkpoint is taken,
