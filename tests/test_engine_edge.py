@@ -124,3 +124,26 @@ def test_a_coordinator_read_of_a_lost_ps_without_checkpoints_reports_it_and_rais
     assert engine.recovery.stopped  # given up for good: the next access raises at once
     with pytest.raises(PSUnavailableError):
         engine.coordinator_access.run(read, "reading x")
+
+
+def test_a_coordinator_access_that_fails_with_an_error_raised_from_tfs_counts_as_tfs(running):
+    # A checkpoint a lost ps could not write raises CheckpointWriteError from TF's error: the
+    # ps is reported all the same (here the recovery gives up: no checkpoint to restore from).
+    from _fake_edge import UnavailableError
+
+    from psclient._core.errors import PSUnavailableError
+
+    edge, engine = running
+    edge.state["fake-ps0:1"] = "dead"
+
+    def save():
+        try:
+            edge.probe("/job:ps/replica:0/task:0/device:CPU:0")
+        except UnavailableError as error:
+            raise OSError("ps:0 could not write its part of the checkpoint") from error
+
+    with pytest.raises(PSUnavailableError, match="saving on the coordinator failed"):
+        engine.coordinator_access.run(save, "saving")
+    assert engine.recovery.ps_stats[0].failures == 1
+    with pytest.raises(ValueError, match="own"):  # not caused by TF's: raised unchanged
+        engine.coordinator_access.run(lambda: (_ for _ in ()).throw(ValueError("own")), "x")

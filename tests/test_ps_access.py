@@ -142,3 +142,36 @@ def test_the_accesss_own_errors_pass_unchanged():
     with pytest.raises(InvalidArgumentError, match="shape"):
         ps_access.through_ps_loss(failing(InvalidArgumentError("shape")), edge, "x", no_sleep)
     assert edge.reports == []
+
+
+def test_an_access_nested_in_another_runs_plainly_and_the_outer_one_waits_and_runs_it_all_again():
+    # A read at trace time inside schedule()'s guarded trace: the outer access waits (holding no
+    # lock of psclient's), the inner one only raises.
+    edge = FakeEdge()
+    inner_error = [UnavailableError("refused")]
+    runs = []
+
+    def inner():
+        runs.append(("inner", ps_access.guarding()))
+        if inner_error:
+            raise inner_error.pop()
+        return "row count"
+
+    def outer():
+        runs.append(("outer", ps_access.guarding()))
+        return ps_access.through_ps_loss(inner, edge, "inner", no_sleep)
+
+    assert not ps_access.guarding()
+    assert ps_access.through_ps_loss(outer, edge, "outer", no_sleep) == "row count"
+    assert runs == [("outer", True), ("inner", True)] * 2  # made again whole, once
+    assert edge.reports == [((0,), 0)] and len(edge.waits) == 1  # one report, one wait: the outer one's
+    assert not ps_access.guarding()
+
+
+def test_a_thread_whose_ps_losses_are_handled_elsewhere_never_waits():
+    edge = FakeEdge()
+    with ps_access.handled_elsewhere():
+        with pytest.raises(UnavailableError):
+            ps_access.through_ps_loss(failing(UnavailableError("refused")), edge, "x", no_sleep)
+    assert edge.reports == [] and edge.waits == []
+    assert ps_access.through_ps_loss(failing(UnavailableError("refused")), edge, "x", no_sleep) == "read"

@@ -202,12 +202,14 @@ class DenseShard:
 
     def add_slots(self, defaults: dict[str, float]) -> None:
         self.slot_defaults = {**self.slot_defaults, **{k: float(v) for k, v in defaults.items()}}
+        missing = {slot: value for slot, value in defaults.items() if slot not in self.slots}
+        if not missing:
+            return  # no read of the ps: every trace of a training step asks (docs/fault_tolerance.md)
         with self.placed():
             size = tf.shape(self.rows.read_value())[0]
-            for slot, value in defaults.items():
-                if slot not in self.slots:
-                    self.slots[slot] = self._variable(
-                        tf.fill(tf.stack([size, self.dim]), tf.constant(float(value), tf.float32)), f"slot_{slot}")
+            for slot, value in missing.items():
+                self.slots[slot] = self._variable(
+                    tf.fill(tf.stack([size, self.dim]), tf.constant(float(value), tf.float32)), f"slot_{slot}")
 
     # ---------------------------------------------------------------- reads
     def _rows_of(self, keys):

@@ -42,7 +42,8 @@ from psclient._coordinator.key_hash import initial_rows, mix64, shard_of
 from psclient._coordinator.key_index import SUBSTITUTE_KEY, KeyIndex
 from psclient._coordinator.runtime import coordinator_cpu
 from psclient._core import dynamic_tables as rules
-from psclient._core.errors import first_line
+from psclient._coordinator.ps_state import on_ps
+from psclient._core.errors import PSUnavailableError, first_line
 from psclient._engine import registry
 
 __all__ = ["DynamicTable", "initial_rows", "live_tables", "mix64", "shard_of", "stats_on_ps"]
@@ -69,15 +70,18 @@ def stats_on_ps(strategy) -> dict[str, list[dict]]:
 
 
 def _shard_stats_or_unavailable(table: "DynamicTable", index: int) -> dict:
-    """The shard's stats; for a ps that cannot be read now, `available: False` and why.
+    """The shard's stats; for a ps that cannot be read, `available: False` and why.
 
-    A ps that restarted holds none of the table until recovery rebuilds it
-    (reading fails, e.g. AbortedError), and recovery runs only once a closure
-    fails against it: stats() reports that, it does not raise.
+    A ps that restarted holds none of the table until the recovery restores
+    it: the read reports the loss and waits for that (`ps_state.on_ps`).
+    Only when the recovery gives up (or another TF error) is the shard
+    reported unavailable: stats() is what one reads to see what happened,
+    it does not raise.
     """
     try:
-        return table.shard_stats(index)
-    except tf.errors.OpError as error:
+        return on_ps(table.owner(), lambda: table.shard_stats(index),
+                     f"reading the stats of dynamic table {table.name!r}")
+    except (tf.errors.OpError, PSUnavailableError) as error:
         return {"ps": index, "available": False, "error": f"{type(error).__name__}: {first_line(error)}"}
 
 
@@ -180,7 +184,13 @@ class DynamicTable:
 
     # ---------------------------------------------------------------- slots
     def ensure_slots(self, defaults: dict[str, float]) -> None:
-        """Create the optimizer's slot tables (name -> initial value) where missing."""
+        """Create the optimizer's slot tables (name -> initial value) where missing.
+
+        Called while a training step is traced: inside `schedule()`'s guarded trace, a lost ps
+        fails the trace, which is made again once the ps is restored (`ps_state`)."""
+        on_ps(self.owner(), lambda: self._ensure_slots(defaults), f"adding slots to dynamic table {self.name!r}")
+
+    def _ensure_slots(self, defaults: dict[str, float]) -> None:
         with tf.init_scope(), self._unmanaged():
             for shard in self.shards:
                 if shard.dense:
@@ -388,6 +398,9 @@ class DynamicTable:
 
     def scan(self) -> int:
         """Run the eviction scan on every shard now (training runs it when due); return rows evicted."""
+        return on_ps(self.owner(), self._scan, f"scanning dynamic table {self.name!r}")
+
+    def _scan(self) -> int:
         before = sum(int(shard.evictions.read_value()) for shard in self.shards)
         for shard in self.shards:
             with shard.placed():
@@ -397,8 +410,8 @@ class DynamicTable:
     # ------------------------------------------------------------ state out
     def stats(self) -> list[dict]:
         """Per shard: rows, keys tracked (rows and keys counting towards admission), admissions, evictions,
-        clock, and for a table with a capacity the bytes its storage holds. A ps that cannot be read
-        now gives `{"ps": k, "available": False, "error": ...}` instead."""
+        clock, and for a table with a capacity the bytes its storage holds. A lost ps is waited for
+        (`_shard_stats_or_unavailable`); one the recovery gave up on gives `{"ps": k, "available": False, ...}`."""
         return [_shard_stats_or_unavailable(self, index) for index in range(len(self.shards))]
 
     def shard_stats(self, index: int) -> dict:
@@ -421,6 +434,9 @@ class DynamicTable:
 
         Runs on the shard's ps; only the result crosses to the caller.
         """
+        return on_ps(self.owner(), lambda: self._export_shard(index), f"exporting dynamic table {self.name!r}")
+
+    def _export_shard(self, index: int) -> dict:
         import numpy as np
         shard = self.shards[index]
         with shard.placed():
@@ -442,7 +458,11 @@ class DynamicTable:
 
         Clocks: the largest exported one on every shard (so no key looks
         older than it was); admissions and evictions: summed onto shard 0.
+        Made again whole after a ps loss (each shard's contents are replaced).
         """
+        on_ps(self.owner(), lambda: self._import_shards(states), f"importing dynamic table {self.name!r}")
+
+    def _import_shards(self, states: list[dict]) -> None:
         import numpy as np
         def cat(name, width=None):
             parts = [s[name] for s in states]

@@ -78,6 +78,7 @@ def assemble(cluster: Cluster, config: StrategyConfig, *, checkpoint_dir: str | 
         store=store, per_worker=per_worker, checkpoints=checkpoints, retrace=QueuedRetrace(tracer, scheduler),
         checkpoint_meta=checkpoint_meta, meta_restored=meta_restored,
     )
+    store.guard = engine.coordinator_access.run  # variables made on the coordinator, through a ps loss
     return Parts(edge, scheduler, steps, store, tracer, per_worker, checkpoints, engine)
 
 

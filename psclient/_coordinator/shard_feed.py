@@ -50,6 +50,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from psclient._coordinator.ps_state import on_ps
 from psclient._coordinator.shards import ShardedDataset
 from psclient._core.future import FIRST_COMPLETED, wait
 from psclient._core.ledger import Ledger, Work
@@ -261,7 +262,7 @@ class ShardFeed:
             # closure may have finished before the loss, its training rolled back with the
             # variables. The position restored on the ps tells: behind where the closure
             # left it, the shard goes out again from there.
-            position = int(self._positions.sparse_read(work.slot).numpy())
+            position = self._position(work.slot)
             if position < int(result["position"]):
                 log.warning("data ledger: shard %d finished before a ps was restored from a checkpoint "
                             "that holds %d of its batches: handed out again from there", work.slot, position)
@@ -273,7 +274,7 @@ class ShardFeed:
 
     def give_back(self, work: ShardWork) -> None:
         """`work`'s closure failed for good: hand its shard out again, from its position on the ps."""
-        position = int(self._positions.sparse_read(work.slot).numpy())
+        position = self._position(work.slot)
         with self._lock:
             self._ledger.give_back(work.slot, position)
 
@@ -348,7 +349,15 @@ class ShardFeed:
     # ----------------------------------------------------------- persistence
     def positions(self) -> list[int]:
         """Batches done this epoch in each shard, as the ps has them now."""
-        return [int(p) for p in self._positions.numpy()]
+        return [int(p) for p in self._read_positions()]
+
+    def _read_positions(self):
+        # Read on the caller's thread: through a ps loss (a lost ps is restored first).
+        return on_ps(self._strategy, self._positions.numpy, "reading a data ledger's positions")
+
+    def _position(self, slot: int) -> int:
+        return int(on_ps(self._strategy, lambda: self._positions.sparse_read(slot).numpy(),
+                         "reading a data ledger's position"))
 
     def stats(self) -> dict:
         with self._lock:
@@ -356,7 +365,7 @@ class ShardFeed:
 
     def state(self) -> dict:
         """The ledger's JSON-ready state, with held shards' positions read from the ps now."""
-        positions = self._positions.numpy()
+        positions = self._read_positions()
         with self._lock:
             for slot in self._ledger.held():
                 self._ledger.progress(slot, int(positions[slot]))

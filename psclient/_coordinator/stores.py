@@ -48,6 +48,9 @@ class VariableStore:
                  on_renew: tuple[Callable[[set], None], ...] = ()):
         self._num_ps = num_ps
         self._partitioner = partitioner
+        #: `guard(make, what)`: a variable made through a ps loss (the strategy's coordinator
+        #: access, set once the engine exists; psclient._coordinator.ps_state).
+        self.guard: Callable = lambda make, what: make()
         self.placer = Placer(num_ps)
         self._lock = threading.Lock()
         self._variables: list[tuple[weakref.ref, tuple[int, ...]]] = []
@@ -112,6 +115,12 @@ class VariableStore:
         # A Keras variable's description (shape, dtype, how to make a shard),
         # taken here, by the outermost psclient creator, and only once.
         spec = initial_values.take_pending()
+        # Made again whole (its value too, from a fresh copy of the arguments) if a ps is lost
+        # under it: outside a trace, the guard waits for the recovery first.
+        return self.guard(lambda: self._create_placed(next_creator, dict(kwargs), spec, requested, reason),
+                          f"creating variable {kwargs.get('name')!r} on the ps")
+
+    def _create_placed(self, next_creator, kwargs, spec, requested, reason):
         initial_value = kwargs.get("initial_value")
         if callable(initial_value) and not initial_values.is_checkpoint_value(initial_value):
             return self._create_on_ps(next_creator, kwargs, initial_value, spec, requested, reason)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import threading
@@ -96,9 +97,8 @@ class ParameterServerStrategy(TFStrategyAPI):
         training (None, the defaults: asynchronous); docs/staleness.md. measure_staleness: True to measure the
         staleness of asynchronous updates (`stats()["staleness"]`; it costs
         CPU per step); None (default) measures only with either of the two.
-      metrics_port: serve Prometheus metrics (the text format, `/metrics`) on
-        this port of every interface (0: any free one, see `metrics_port`);
-        None (default) serves none. docs/metrics.md lists them.
+      metrics_port: serve Prometheus metrics on this port of every interface (0: any free
+        one, see `metrics_port`); None (default) serves none. docs/metrics.md lists them.
 
     Only one strategy may be connected per process at a time (TF's eager
     context is global); `shutdown()` one before creating the next. The rest
@@ -132,7 +132,8 @@ class ParameterServerStrategy(TFStrategyAPI):
         self._tracer, self._per_worker = parts.tracer, parts.per_worker
         self._elastic, self._dispatcher, self._recovery = engine.elastic, engine.dispatcher, engine.recovery
         self._published = engine.published
-        # Keras's reads and writes of ps variables on the coordinator, through a ps loss.
+        # psclient's own reads and writes of ps state on the coordinator (traces, checkpoints,
+        # Keras's metrics, dynamic tables), through a ps loss (psclient._coordinator.ps_state).
         self._coordinator_access = engine.coordinator_access
         # Connected only once everything that checks arguments or the checkpoint
         # directory has passed; a failure after that undoes the connection.
@@ -147,11 +148,9 @@ class ParameterServerStrategy(TFStrategyAPI):
             engine.start_recovery()
             undo.pop_all()
         # Shuts down when shutdown() is called, the strategy is collected, or at exit.
-        self._finalizer = weakref.finalize(
-            self, lifecycle.shutdown_quietly, scheduler, engine.dispatcher, engine.recovery, engine.prober, edge,
-            hang_timeout,
-        )
-        # Prometheus's scrapes read stats() through a weak reference (the server must not keep the strategy).
+        self._finalizer = weakref.finalize(self, lifecycle.shutdown_quietly, scheduler, engine.dispatcher,
+                                           engine.recovery, engine.prober, edge, hang_timeout)
+        # Scrapes read stats() through a weak reference: the server must not keep the strategy.
         self._metrics = None if config.metrics_port is None else MetricsServer(
             config.metrics_port, functools.partial(_metric_families, weakref.ref(self)))
         self._close_metrics = weakref.finalize(self, self._metrics.close) if self._metrics else lambda: None
@@ -284,6 +283,8 @@ class ParameterServerStrategy(TFStrategyAPI):
         `fn` is a `tf.function` (a plain Python callable is wrapped in one,
         once). It is traced here, on the coordinator, once per input
         signature, so argument mismatches raise `TypeError` now, not later.
+        A trace that meets a ps lost while nothing ran (its eager reads of ps
+        state) is made again once the ps is restored (docs/fault_tolerance.md).
         Per-worker values in the arguments (iterators of
         `distribute_datasets_from_function`, `create_per_worker_resource`
         values) resolve to the executing worker's own.
@@ -296,7 +297,7 @@ class ParameterServerStrategy(TFStrategyAPI):
         if self._recovery.broken is not None:
             raise self._recovery.broken
         closure = self._tracer.ready_closure(fn, args, kwargs, before_trace=self._checkpoint_new_variables,
-                                             submit=self._scheduler.submit)
+                                             submit=self._scheduler.submit, guard=self._coordinator_access.run)
         return closure.future
 
     def join(self, timeout: float | None = None) -> None:
@@ -375,18 +376,15 @@ class ParameterServerStrategy(TFStrategyAPI):
     def stats(self, *, read_ps: bool | None = True) -> dict:
         """Counts and times, per worker and per ps task.
 
-        Per worker: done, failed, retried, in flight, up, failures (times taken
-        out), rejoins, last detection and recovery times, latencies. Per ps:
-        failures, recoveries, last recovery time, closures rolled back. Plus
-        queue depth, completed closures and checkpoints written. `data`: the
+        Per worker: done, failed, retried, in flight, up, failures (times taken out), rejoins,
+        last detection and recovery times, latencies. Per ps: up, failures, recoveries, last
+        recovery time, closures rolled back. Plus queue depth, completed closures, checkpoints
+        written and (with checkpoint_dir) their times and bytes. `data`: the
         ledgers of `psclient.data` feeds, and `replayed_records`: records they
-        may have trained twice because a failure cut their step off. Per dynamic
-        embedding table (`psclient.layers.DynamicEmbedding`) on the ps: rows,
-        keys tracked, admissions and evictions per ps task (`read_ps=False`: left
-        out, nothing read from the ps tasks; None: left out while a ps is lost).
+        may have trained twice because a failure cut their step off. Per DynamicEmbedding table
+        on the ps: rows, keys tracked, admissions and evictions per ps task (`read_ps=False`:
+        left out, nothing read from the ps; None: left out while a ps is lost).
         """
-        import dataclasses
-
         stats = self._scheduler.stats()
         stats["completed"] = self._scheduler.completed()
         lost = self._published.ps_down
@@ -400,8 +398,8 @@ class ParameterServerStrategy(TFStrategyAPI):
         stats["staleness"] = self._steps.summary()
         stats["data"] = data_stats(self)  # sharded datasets' ledgers (psclient.data)
         stats["replayed_records"] = stats["data"]["replayed_records"]
-        read_ps = not lost if read_ps is None else read_ps
-        stats["dynamic_embeddings"] = dynamic_tables.stats_on_ps(self) if read_ps else {}
+        stats["dynamic_embeddings"] = dynamic_tables.stats_on_ps(self) if (
+            not lost if read_ps is None else read_ps) else {}
         return stats
 
     # ------------------------------------------------------------ checkpoints
@@ -414,7 +412,9 @@ class ParameterServerStrategy(TFStrategyAPI):
         """
         self._check_open("save_checkpoint")
         self._require_checkpoint_dir("save_checkpoint")
-        path = self._recovery.checkpoint("requested")
+        # Through a ps loss: a ps restarted while nothing ran fails the save; the recovery
+        # restores it from the newest checkpoint, then this one is taken.
+        path = self._coordinator_access.run(lambda: self._recovery.checkpoint("requested"), "save_checkpoint()")
         if path is None:
             raise TimeoutError(
                 f"save_checkpoint() could not pause: functions still ran after "
@@ -439,7 +439,7 @@ class ParameterServerStrategy(TFStrategyAPI):
         """
         self._check_open("restore")
         self._require_checkpoint_dir("restore")
-        restored = self._recovery.restore()
+        restored = self._coordinator_access.run(self._recovery.restore, "restore()")
         if restored is not None:
             # The data ledgers saved with it go to their feeds (now or when they are created).
             restored["data_ledgers"] = restore_ledgers(self, restored.pop("meta", {}).get(LEDGERS_KEY, {}))

@@ -139,7 +139,7 @@ class Tracer:
         return tuple(bound.args), dict(bound.kwargs)
 
     def ready_closure(self, fn: Callable, args: Any, kwargs: Any, *, before_trace: Callable[[], None],
-                      submit: Callable[[Closure], None]) -> Closure:
+                      submit: Callable[[Closure], None], guard: Callable | None = None) -> Closure:
         """`fn(*args, **kwargs)` as a closure ready to run, given to `submit` and returned.
 
         Checks the call (argument mismatches raise TypeError here), calls
@@ -149,6 +149,14 @@ class Tracer:
         lock, so no closure is traced for variables that are gone. If no
         worker could build a per-worker argument, the closure fails with that
         input error when it runs (as in TF: `join()` raises it).
+
+        `guard(attempt, what)` runs the checkpoint and the trace through a ps
+        loss (`psclient._core.ps_access`): a trace reads ps state eagerly
+        (a dynamic table's slots), and a ps lost while nothing ran fails
+        that read. The attempt is made again whole, once the recovery has
+        restored the ps; the wait is outside this tracer's lock, which the
+        recovery's retrace takes. What `submit` refuses (an earlier
+        function's error, a strategy shut down) is raised, never retried.
         """
         function, name = self.as_function(fn)
         if not isinstance(args, (tuple, list)):
@@ -166,13 +174,23 @@ class Tracer:
         closure = Closure(None, args, kwargs, Future(name))
         closure.per_worker = has_per_worker(args, kwargs)  # only walk the arguments when needed
         closure.function = function
-        before_trace()
-        with self.lock:
-            try:
-                self.prepare(closure)
-            except _runtime.closure_input_error_type() as error:
-                closure.fn = _raise(error)
-            submit(closure)
+
+        def attempt() -> BaseException | None:
+            before_trace()
+            with self.lock:
+                try:
+                    self.prepare(closure)
+                except _runtime.closure_input_error_type() as error:
+                    closure.fn = _raise(error)
+                try:
+                    submit(closure)
+                except Exception as refusal:  # noqa: BLE001 - the scheduler's, raised below: outside the guard
+                    return refusal
+            return None
+
+        refused = attempt() if guard is None else guard(attempt, f"tracing {name!r} for schedule()")
+        if refused is not None:
+            raise refused
         return closure
 
     def prepare(self, closure: Closure) -> None:

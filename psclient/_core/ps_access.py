@@ -1,11 +1,12 @@
 """Reads and writes of ps variables made on the coordinator, through a ps loss. Pure logic.
 
 A scheduled closure whose ps goes away is run again once the recovery has
-restored the ps (`psclient._core.failures`). Keras's fit also touches the
-ps variables from the coordinator itself, outside any closure: it resets
-the metrics at each epoch's start and reads them for the epoch's logs. A ps
-lost just before one of those fails it with TF's error, and the user's
-training with it. `through_ps_loss` runs such an access and, when it fails:
+restored the ps (`psclient._core.failures`). psclient also touches ps state
+from the coordinator itself, outside any closure: traces reading a dynamic
+table, checkpoints, Keras's metric resets and reads, stats
+(`psclient._coordinator.ps_state` lists them). A ps lost while nothing ran
+fails the first of those with TF's error, and the user's training with it.
+`through_ps_loss` runs such an access and, when it fails:
 
 - classifies the error as a closure's is classified (`failures.classify`,
   the ps probed first; no worker is involved);
@@ -19,16 +20,28 @@ training with it. `through_ps_loss` runs such an access and, when it fails:
 
 The TensorFlow side (what an op error is, the probes, the recovery's event
 and wait) comes in as a `PsAccessEdge`, so this is testable without TF.
+
+Who waits: only the outermost guarded access of a thread. An access made
+inside another (a read at trace time, inside `schedule()`'s guarded trace)
+runs plainly and its error goes to the outer one, which runs the whole
+thing again once the recovery has settled: the outer one waits where it
+holds none of psclient's locks (the tracer's lock, which the recovery's
+retrace takes, is held only inside). psclient's own threads (the recovery
+thread, the dispatcher threads) run inside `handled_elsewhere()`: their
+failures are the closures' and the recovery's to handle, and a wait there
+would wait on itself.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, TypeVar
+import contextlib
+import threading
+from typing import Callable, Iterator, Protocol, TypeVar
 
 from psclient._core.errors import PSUnavailableError, first_line
 from psclient._core.failures import Verdict, classify, retry_pause
 
-__all__ = ["PsAccessEdge", "through_ps_loss"]
+__all__ = ["PsAccessEdge", "guarding", "handled_elsewhere", "through_ps_loss"]
 
 T = TypeVar("T")
 
@@ -36,10 +49,28 @@ T = TypeVar("T")
 #: the same read is past what waiting can fix.
 MAX_PS_RECOVERIES = 3
 
+#: `depth` > 0 while this thread is inside a guarded access (or `handled_elsewhere`).
+_inside = threading.local()
+
+
+def guarding() -> bool:
+    """Whether a ps loss met on this thread now is handled further out (module doc)."""
+    return getattr(_inside, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def handled_elsewhere() -> Iterator[None]:
+    """While inside: guarded accesses of this thread run plainly (a thread of psclient's own)."""
+    _inside.depth = getattr(_inside, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _inside.depth -= 1
+
 
 class PsAccessEdge(Protocol):
     def is_op_error(self, error: BaseException) -> bool:
-        """Whether `error` is TF's (an access's own bug is raised unchanged)."""
+        """Whether `error` is TF's, or raised from TF's (an access's own bug is raised unchanged)."""
 
     def lost_ps(self) -> tuple:
         """The ps tasks that do not answer or no longer hold their variables (probes)."""
@@ -66,13 +97,24 @@ class PsAccessEdge(Protocol):
 
 def through_ps_loss(access: Callable[[], T], edge: PsAccessEdge, what: str,
                     sleep: Callable[[float], None]) -> T:
-    """`access()`, run again after a ps loss is recovered (module doc). `what` names it in errors."""
+    """`access()`, run again after a ps loss is recovered (module doc). `what` names it in errors.
+
+    Inside another guarded access, or on a thread `handled_elsewhere`: `access()` as is.
+    """
+    if guarding():
+        return access()
     unexplained = 0
     recoveries = 0
     while True:
         epoch = edge.ps_epoch()
         try:
-            return access()
+            # Accesses nested in this one run plainly: their errors come here. (Inline, not
+            # `handled_elsewhere()`: schedule() passes here at every call.)
+            _inside.depth = 1
+            try:
+                return access()
+            finally:
+                _inside.depth = 0
         except Exception as error:
             if not edge.is_op_error(error):
                 raise

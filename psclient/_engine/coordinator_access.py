@@ -1,6 +1,6 @@
-"""The engine's side of `psclient._core.ps_access`: reads and writes of ps variables made
-on the coordinator (Keras's fit resetting and reading its metrics), run again once
-the recovery has restored a lost ps.
+"""The engine's side of `psclient._core.ps_access`: reads and writes of ps state made
+on the coordinator (traces, checkpoints, Keras's metrics, dynamic tables: see
+`psclient._coordinator.ps_state`), run again once the recovery has restored a lost ps.
 
 What a failed access means is decided in `psclient._core.ps_access`; here are
 the probes (`FailureProbes`, as a failed closure's), the event a failed closure
@@ -45,7 +45,14 @@ class CoordinatorAccess:
 
     # ------------------------------------------------------------- PsAccessEdge
     def is_op_error(self, error: BaseException) -> bool:
-        return isinstance(error, self._edge.op_error())
+        # Or caused by one: a checkpoint a ps could not write raises CheckpointWriteError from TF's error.
+        op_error = self._edge.op_error()
+        seen = 0
+        while error is not None and seen < 8:
+            if isinstance(error, op_error):
+                return True
+            error, seen = error.__cause__, seen + 1
+        return False
 
     def lost_ps(self) -> tuple:
         return self._recovery.probes.lost_ps()

@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable
 
 from psclient._engine.edge import Edge, PerWorkerValues
+from psclient._core import ps_access
 from psclient._core.failures import Verdict, classify, iterator_cancelled, retry_pause
 from psclient._core.recovery_messages import PsNotAnswering, WorkerNotAnswering
 from psclient._core.closure import Closure
@@ -130,7 +131,9 @@ class Dispatcher:
 
     def _run(self, worker: int) -> None:
         device = self._edge.worker_device(worker)
-        with self._edge.device_scope(device, worker):
+        # A ps lost under a call here (its trace included) fails the closure: the closure's
+        # failure handling reports it and runs the closure again (psclient._core.ps_access).
+        with self._edge.device_scope(device, worker), ps_access.handled_elsewhere():
             while True:
                 closure = self._scheduler.take(worker)
                 if closure is None:

@@ -29,7 +29,7 @@ from typing import Any, Callable
 from psclient._engine.edge import CheckpointStore, Edge, PerWorkerValues, Roster, VariableStore
 from psclient._engine.probes import FailureProbes, Published
 from psclient._engine.reconnect import Reconnector, Refused
-from psclient._core import recovery_messages as rm
+from psclient._core import ps_access, recovery_messages as rm
 from psclient._core.errors import PSUnavailableError, StrategyClosedError, WorkerUnavailableError, first_line
 from psclient._core.health import Prober
 from psclient._core.recovery_machine import MachineConfig, RecoveryMachine
@@ -149,9 +149,8 @@ class Recovery:
     def checkpoint(self, reason: str) -> str | None:
         """Take a checkpoint between closures on the recovery thread and wait for it.
 
-        Returns its path, or None if running closures did not stop within
-        hang_timeout (skipped). Raises what the save raised, or
-        StrategyClosedError if the strategy shuts down first.
+        Returns its path, or None if running closures did not stop within hang_timeout
+        (skipped). Raises what the save raised, or StrategyClosedError if the strategy shuts down first.
         """
         if self.checkpoints is not None:
             self.checkpoints.check_writable()  # another run's checkpoints: refused here, at once
@@ -205,7 +204,8 @@ class Recovery:
     def _loop(self) -> None:
         ended = False
         try:
-            self._rounds()
+            with ps_access.handled_elsewhere():  # its steps' own ps errors fail them: the machine decides
+                self._rounds()
             ended = True
         finally:
             self._stopping = True

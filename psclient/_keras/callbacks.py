@@ -28,6 +28,7 @@ from keras.callbacks import BackupAndRestore as _KerasBackupAndRestore
 
 import tensorflow as tf
 
+from psclient._coordinator.ps_state import on_ps
 from psclient._core.files import replaced_atomically
 from psclient._keras import sharded_fit
 from psclient._keras.checkpoints import meta_of, model_tables, model_variables, sharded_checkpoints, step_of
@@ -84,7 +85,9 @@ class BackupAndRestore(_KerasBackupAndRestore):
         if optimizer is not None and not optimizer.built:
             with self._strategy.scope():  # its slots on the ps, beside their variables
                 optimizer.build(self.model.trainable_variables)
-        if checkpoints.restore(model_variables(self.model), adopt=True, tables=model_tables(self.model)) is None:
+        restored = on_ps(self._strategy, lambda: checkpoints.restore(
+            model_variables(self.model), adopt=True, tables=model_tables(self.model)), "restoring a BackupAndRestore")
+        if restored is None:
             return
         if tf.io.gfile.exists(self._training_metadata_path):  # absent: killed before the first was written
             with tf.io.gfile.GFile(self._training_metadata_path, "r") as f:
@@ -94,7 +97,9 @@ class BackupAndRestore(_KerasBackupAndRestore):
         # The ledger is read first and written last: a crash in between leaves an older
         # ledger beside newer weights, which replays shards; never one that skips any.
         feed = sharded_fit.active_feed(self.model)
-        ledger = None if feed is None else json.dumps(feed.state())
+        self.sharded_checkpoints()  # sets self._strategy (None for a local model)
+        ledger = None if feed is None else json.dumps(on_ps(
+            self._strategy, feed.state, "reading the data ledger for BackupAndRestore"))
         self.save_weights_and_epoch()
         if ledger is not None:
             with replaced_atomically(self.ledger_path) as temp, open(temp, "w") as f:
@@ -109,8 +114,9 @@ class BackupAndRestore(_KerasBackupAndRestore):
         if not remote:
             os.makedirs(self.backup_dir, exist_ok=True)
         if checkpoints is not None:
-            checkpoints.save(model_variables(self.model), completed=None, scalars=step_of(self.model),
-                             meta=meta_of(self.model), tables=model_tables(self.model))
+            on_ps(self._strategy, lambda: checkpoints.save(
+                model_variables(self.model), completed=None, scalars=step_of(self.model),
+                meta=meta_of(self.model), tables=model_tables(self.model)), "writing a BackupAndRestore")
         else:
             # Each under its own name in a private temporary directory, then renamed into place.
             with replaced_atomically(self._weights_path) as temp:

@@ -23,6 +23,7 @@ from typing import Any
 import keras
 
 from psclient._coordinator.checkpoint import Checkpoints
+from psclient._coordinator.ps_state import on_ps
 from psclient._keras.trainer import _tf_variable, cluster_strategy
 
 __all__ = ["ModelCheckpoint", "KEYED_BY_POSITION", "meta_of", "model_tables", "model_variables",
@@ -128,14 +129,16 @@ class ModelCheckpoint(keras.callbacks.Callback):
         self.max_to_keep = max_to_keep
         self.overwrite = overwrite
         self._checkpoints = None
+        self._strategy = None
         self._batches = 0
         #: Paths of the checkpoints written, oldest first.
         self.saved: list[str] = []
 
     def on_train_begin(self, logs=None):
         if self._checkpoints is None:
-            strategy, self._checkpoints = sharded_checkpoints(
+            self._strategy, self._checkpoints = sharded_checkpoints(
                 self.model, self.directory, self.max_to_keep, self.overwrite, "ModelCheckpoint")
+            strategy = self._strategy
             if strategy is None:
                 raise ValueError(
                     f"psclient.ModelCheckpoint writes the checkpoints of a model on the ps tasks. "
@@ -157,7 +160,10 @@ class ModelCheckpoint(keras.callbacks.Callback):
             self.save_now()
 
     def save_now(self):
-        """Write a checkpoint of the model now (what fit calls at `save_freq`)."""
-        self.saved.append(self._checkpoints.save(
+        """Write a checkpoint of the model now (what fit calls at `save_freq`).
+
+        Through a ps loss: a ps lost since the last step is restored from the strategy's newest
+        checkpoint first (psclient._coordinator.ps_state)."""
+        self.saved.append(on_ps(self._strategy, lambda: self._checkpoints.save(
             model_variables(self.model), completed=None, scalars=step_of(self.model), meta=meta_of(self.model),
-            tables=model_tables(self.model)))
+            tables=model_tables(self.model)), "writing a psclient.ModelCheckpoint"))

@@ -94,8 +94,8 @@ def epoch_logs(model) -> dict[str, float]:
         todo.extend(getattr(layer, "layers", []))
         if isinstance(layer, DynamicEmbedding) and layer.table is not None:
             per_ps = layer.table_stats()
-            # A ps lost at the epoch's end is left out (recovery rebuilds it when the next step
-            # runs); a total over the others would read as a drop, so there is none then.
+            # A ps the recovery gave up on is left out (a lost one is waited for, table_stats);
+            # a total over the others would read as a drop, so there is none then.
             readable = [(index, entry) for index, entry in enumerate(per_ps) if entry.get("available", True)]
             for name in ("rows", "admissions", "evictions"):
                 if len(readable) == len(per_ps):
@@ -335,7 +335,8 @@ class DynamicEmbedding(keras.layers.Layer):
 
     def table_stats(self) -> list[dict]:
         """Per ps task: rows, keys tracked, admissions, evictions, clock (and `table_bytes` with a
-        capacity); a ps that cannot be read now: `{"ps": k, "available": False, "error": ...}`."""
+        capacity); a lost ps is waited for until restored; one the recovery gave up on:
+        `{"ps": k, "available": False, "error": ...}`."""
         return self.table.stats()
 
     def save_own_variables(self, store):

@@ -18,8 +18,7 @@ import contextlib
 import functools
 from typing import Callable, TypeVar
 
-import tensorflow as tf
-
+from psclient._coordinator.ps_state import on_ps
 from psclient._core.errors import PSUnavailableError
 
 __all__ = ["guarded", "metrics_through_ps_loss", "restore_cause"]
@@ -32,17 +31,7 @@ _METHODS = {"reset_metrics": "resetting the metrics", "get_metrics_result": "rea
 
 def guarded(strategy, access: Callable[[], T], what: str) -> T:
     """`access()` through a ps loss; as is while tracing (a traced read runs in a closure)."""
-    if not tf.executing_eagerly():
-        return access()
-    return strategy._coordinator_access.run(lambda: _settled(access()), what)
-
-
-def _settled(result):
-    # Values read here, inside the guard: a remote read's error surfaces at once.
-    for value in tf.nest.flatten(result):
-        if isinstance(value, tf.Tensor):
-            value.numpy()
-    return result
+    return on_ps(strategy, access, what)
 
 
 def restore_cause(error: BaseException) -> None:

@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from psclient._engine import registry
 from psclient._coordinator import runtime as _runtime
+from psclient._coordinator.ps_state import check_every_ps
 from psclient._keras import outside_state, seam
 
 __all__ = ["TrainFunction", "cluster_strategy", "fit_callbacks", "prepare_model", "result_or_first_error"]
@@ -109,7 +110,10 @@ def _check_mode(model, method: str) -> None:
 
 
 def prepare_model(model, strategy, element_spec, method: str) -> None:
-    """Build what is still unbuilt (on the ps, from the data's spec) and re-check placement."""
+    """Build what is still unbuilt (on the ps, from the data's spec) and re-check placement.
+
+    First every ps is checked through a ps loss: one lost since the last call is restored now."""
+    check_every_ps(strategy, f"checking the ps tasks before model.{method}()")
     if method == "predict":
         # The layers only: Keras's own build also builds the compiled loss and metrics, from
         # targets predict has none of (a compiled model never fitted failed on None targets).

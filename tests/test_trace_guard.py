@@ -1,0 +1,73 @@
+"""schedule()'s trace through a ps loss: `Tracer.ready_closure`'s guard (local TF, no cluster)."""
+
+import threading
+
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from psclient._coordinator.tracing import Tracer  # noqa: E402
+
+
+def place_nowhere(next_creator, **kwargs):
+    return next_creator(**kwargs)
+
+
+def lock_is_free(lock) -> bool:
+    """Whether another thread could take `lock` now (the caller's own hold counts: an RLock)."""
+    free = []
+
+    def probe():
+        if lock.acquire(blocking=False):
+            lock.release()
+            free.append(True)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    return bool(free)
+
+
+def test_a_trace_that_fails_is_made_again_whole_by_the_guard_outside_the_tracers_lock():
+    tracer = Tracer(place_nowhere)
+    traces, checkpoints, waits = [], [], []
+
+    @tf.function(autograph=False)
+    def step():
+        traces.append("started")
+        if len(traces) == 1:  # what a read of a lost ps at trace time raises
+            raise tf.errors.UnavailableError(None, None, "Socket closed")
+        return tf.constant(1)
+
+    def guard(attempt, what):
+        try:
+            return attempt()
+        except tf.errors.UnavailableError:
+            waits.append((what, lock_is_free(tracer.lock)))  # where the recovery is waited for
+            return attempt()
+
+    submitted = []
+    closure = tracer.ready_closure(step, (), None, before_trace=lambda: checkpoints.append(1),
+                                   submit=submitted.append, guard=guard)
+    assert submitted == [closure] and len(traces) == 2
+    assert waits == [("tracing 'step' for schedule()", True)]
+    assert checkpoints == [1, 1]  # the checkpoint of new variables is part of the attempt
+    assert int(closure.fn()) == 1
+
+
+def test_what_submit_refuses_is_raised_not_retried():
+    tracer = Tracer(place_nowhere)
+    guarded = []
+
+    def guard(attempt, what):
+        outcome = attempt()
+        guarded.append(outcome)
+        return outcome
+
+    def refuse(closure):
+        raise tf.errors.UnavailableError(None, None, "an earlier scheduled function failed")
+
+    with pytest.raises(tf.errors.UnavailableError, match="earlier scheduled function"):
+        tracer.ready_closure(tf.function(lambda: tf.constant(1)), (), None, before_trace=lambda: None,
+                             submit=refuse, guard=guard)
+    assert len(guarded) == 1 and isinstance(guarded[0], tf.errors.UnavailableError)  # returned, not raised
