@@ -7,7 +7,8 @@ import uuid
 
 import tensorflow as tf
 
-__all__ = ["deserialize_dataset", "fix_shuffle_orders", "make_deterministic", "serialize_dataset"]
+__all__ = ["deserialize_dataset", "fix_shuffle_orders", "make_deterministic", "serialize_dataset",
+           "serialize_self_contained"]
 
 #: Dataset ops with a random order or random elements, each with the position of its (seed, seed2)
 #: inputs, its attribute that draws anew each iteration (None: it has none) and the position of its
@@ -32,6 +33,38 @@ def serialize_dataset(dataset):
         strip_device_assignment=True,
         external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
     )
+
+
+#: Ops that read or write files, or reach outside the process (a dataset that has one reads the
+#: coordinator's disk, where a worker may see other files or none); besides, any op whose name
+#: has "File", "Reader" or "Record" in it.
+_OUTSIDE_OPS = frozenset({
+    "TextLineDataset", "CSVDataset", "CSVDatasetV2", "ExperimentalCSVDataset", "LMDBDataset",
+    "ExperimentalLMDBDataset", "SqlDataset", "ExperimentalSqlDataset", "LoadDataset", "SnapshotDataset",
+    "SnapshotDatasetV2", "SnapshotDatasetReader", "CacheDataset", "CacheDatasetV2", "DataServiceDataset",
+    "DataServiceDatasetV2", "DataServiceDatasetV3", "DataServiceDatasetV4", "SaveDataset", "SaveDatasetV2",
+    "ImmutableConst",
+})
+
+
+def serialize_self_contained(dataset):
+    """The dataset's graph as `serialize_dataset` gives it if it holds everything it yields
+    (tensors in the graph, maps of them), else None: it reads files (`_OUTSIDE_OPS`) or has
+    state TF cannot put in a graph (random ops in a map, a Python function)."""
+    try:
+        graph = dataset._as_serialized_graph(  # noqa: SLF001 - as serialize_dataset
+            strip_device_assignment=True,
+            external_state_policy=tf.data.experimental.ExternalStatePolicy.FAIL,
+        )
+    except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError, tf.errors.InvalidArgumentError):
+        return None
+    parsed = tf.compat.v1.GraphDef()
+    parsed.ParseFromString(graph.numpy())
+    ops = {node.op for node in parsed.node} | {
+        node.op for function in parsed.library.function for node in function.node_def}
+    if any(op in _OUTSIDE_OPS or any(word in op for word in ("File", "Reader", "Record")) for op in ops):
+        return None
+    return graph
 
 
 def deserialize_dataset(graph_def, element_spec):
