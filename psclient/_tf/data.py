@@ -6,6 +6,7 @@ import hashlib
 import uuid
 
 import tensorflow as tf
+from tensorflow.core.framework import dataset_options_pb2
 
 __all__ = ["deserialize_dataset", "fix_shuffle_orders", "make_deterministic", "serialize_dataset",
            "serialize_self_contained"]
@@ -157,8 +158,6 @@ def make_deterministic(serialized: bytes) -> tuple[bytes, list[str]]:
     same elements, in the order of the data. Returns the new graph and the
     ops changed ("op name: what").
     """
-    from tensorflow.core.framework import dataset_options_pb2
-
     graph = tf.compat.v1.GraphDef()
     graph.ParseFromString(serialized)
     changed: list[str] = []
