@@ -58,7 +58,10 @@ def make_data(rows: int):
 
 
 def write_csv(path: str, features: dict, labels) -> None:
-    names = [*NUMERIC, *CATEGORIES]
+    # Columns in sorted order: make_csv_dataset yields an OrderedDict in the file's order, and
+    # Keras 3.15's functional model flattens an OrderedDict in that order but its dict of inputs
+    # sorted, so in another order it feeds columns to the wrong inputs (in one process too).
+    names = sorted([*NUMERIC, *CATEGORIES])
     with open(path, "w") as f:
         f.write(",".join([*names, "label"]) + "\n")
         for row in range(len(labels)):
@@ -90,7 +93,7 @@ def cases(csv_path: str, features: dict, labels) -> dict:
     def csv():
         return {"x": tf.data.experimental.make_csv_dataset(
             csv_path, batch_size=BATCH, label_name="label", num_epochs=1, shuffle=False,
-            column_defaults=[tf.float32] * len(NUMERIC) + [tf.int32] * (len(CATEGORIES) + 1))}
+            column_defaults=[tf.int32] * len(CATEGORIES) + [tf.float32] * len(NUMERIC) + [tf.int32])}
 
     return {"dataset": dataset, "arrays": lambda: {"x": features, "y": labels, "batch_size": BATCH}, "csv": csv}
 
