@@ -57,7 +57,7 @@ CASES = {
     "validation_data, batch_size=64": dict(batch_size=64, validation_data=(XV, YV)),
     "validation_batch_size=16": dict(batch_size=64, validation_data=(XV, YV), validation_batch_size=16),
     "validation_steps of arrays": dict(batch_size=64, validation_data=(XV, YV), validation_steps=2),
-    # The dataset made in the test, after the strategy (data made before it is issue 34's item 1).
+    # The dataset made in the test, after the strategy: what this module checks is validation.
     "validation_steps of a dataset": lambda: dict(
         batch_size=64, validation_data=tf.data.Dataset.from_tensor_slices((XV, YV)).batch(16), validation_steps=3),
     "validation_freq=2": dict(batch_size=32, epochs=4, validation_data=(XV, YV), validation_freq=2),
