@@ -105,7 +105,8 @@ def test_public_names():
 
 
 def test_a_dataset_of_unknown_size_is_cut_into_ranges_of_batches(tmp_path):
-    from psclient._coordinator.finite import NondeterministicDatasetError, sharded_from_dataset
+    from psclient._coordinator.finite import NondeterministicDatasetError, _refuse_nondeterministic, sharded_from_dataset
+    from psclient._tf.data import make_deterministic, serialize_dataset
 
     filtered = tf.data.Dataset.range(50).filter(lambda i: i % 2 == 0).batch(3)
     sharded = sharded_from_dataset(filtered, num_workers=2)
@@ -134,10 +135,28 @@ def test_a_dataset_of_unknown_size_is_cut_into_ranges_of_batches(tmp_path):
         assert epoch_order(0) == copies[0]
         assert sorted(epoch_order(1)) == list(range(20)) and epoch_order(1) != copies[0]  # reshuffled per epoch
         assert epoch_order(1) == epoch_order(1)  # the same in every copy of that epoch
-    unordered = tf.data.Dataset.range(2).interleave(lambda i: tf.data.Dataset.range(i, 10, 2),
-                                                    num_parallel_calls=2, deterministic=False)
-    with pytest.raises(NondeterministicDatasetError, match="Received: deterministic=False"):
-        sharded_from_dataset(unordered.filter(lambda i: i >= 0).batch(2), 2)
+    # Parallel ops that may yield out of order (and sample_from_datasets' unseeded choices): made
+    # to keep one order in every copy, so shards take each record once.
+    sloppy = tf.data.Options()
+    sloppy.deterministic = False
+    ten = tf.data.Dataset.range(10)
+    parallel = (
+        tf.data.Dataset.range(2).interleave(lambda i: tf.data.Dataset.range(i, 10, 2), num_parallel_calls=2,
+                                            deterministic=False),
+        ten.map(lambda i: i + 0, num_parallel_calls=4, deterministic=False),
+        ten.batch(1, num_parallel_calls=2, deterministic=False).unbatch(),
+        ten.map(lambda i: i + 0, num_parallel_calls=4).with_options(sloppy),
+    )
+    for dataset in parallel:  # each rewritten (so small a pipeline rarely yields out of order anyway)
+        assert make_deterministic(serialize_dataset(dataset).numpy())[1]
+    sampled = tf.data.Dataset.sample_from_datasets([tf.data.Dataset.range(5), tf.data.Dataset.range(5, 10)],
+                                                   stop_on_empty_dataset=False)
+    for dataset in (*parallel, sampled):
+        sharded = sharded_from_dataset(dataset.filter(lambda i: i >= 0).batch(2), 2)
+        copies = [[int(i) for batch in sharded.as_dataset() for i in batch] for _ in range(2)]
+        assert sorted(copies[0]) == list(range(10)) and copies[0] == copies[1], copies
+    with pytest.raises(NondeterministicDatasetError, match="Received: a new order every iteration"):
+        _refuse_nondeterministic(serialize_dataset(filtered.shuffle(4, seed=1)).numpy())
     for dataset in (tf.data.experimental.make_csv_dataset(str(csv), 4, num_epochs=1, shuffle=False),
                     filtered.shuffle(4, seed=1, reshuffle_each_iteration=False)):
         sharded = sharded_from_dataset(dataset, 2)

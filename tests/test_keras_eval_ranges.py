@@ -11,12 +11,14 @@ from psclient._coordinator.per_worker import deserialize_dataset  # noqa: E402
 from psclient._keras import ranges  # noqa: E402
 
 
-@pytest.mark.parametrize("num_batches, workers", [(1, 2), (7, 2), (8, 2), (313, 2), (100, 3), (5, 4)])
-def test_known_sizes_cover_every_batch_in_ranges_within_one(num_batches, workers):
+@pytest.mark.parametrize("num_batches, workers, pieces", [
+    (1, 2, 1), (7, 2, 1), (16, 2, 1), (40, 2, 2), (313, 2, 8), (100, 3, 6), (5, 4, 1), (1000, 4, 16)])
+def test_known_sizes_cover_every_batch_in_ranges_within_one(num_batches, workers, pieces):
     sizes = list(ranges.range_sizes(num_batches, workers))
     assert sum(sizes) == num_batches
-    assert len(sizes) == min(num_batches, ranges.RANGES_PER_WORKER * workers)
-    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+    # RANGES_PER_WORKER a worker, none under MIN_RANGE_BATCHES unless the data has fewer.
+    assert len(sizes) == pieces
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= min(num_batches, ranges.MIN_RANGE_BATCHES)
 
 
 def test_unknown_size_is_cut_in_fixed_ranges():
@@ -78,8 +80,28 @@ def test_ranges_rebuilt_from_their_graph_give_the_batches_read():
             read += piece
         assert starts == list(range(0, len(want), ranges.UNKNOWN_SIZE_BATCHES))
         _assert_same_batches(read, want)
-    # A known size in several ranges, the short last batch in the last one.
-    pieces = list(ranges.read_ranges(dense, 5, 1))
-    assert [(start, count) for start, count, _ in pieces] == [(0, 2), (2, 1), (3, 1), (4, 1)]
-    rebuilt = [b for _, _, graph in pieces for b in deserialize_dataset(graph, dense.element_spec)]
-    _assert_same_batches(rebuilt, list(dense))
+    # A known size in several ranges (none under MIN_RANGE_BATCHES), the short last batch in the last one.
+    longer = tf.data.Dataset.from_tensor_slices(np.arange(163)).batch(5)  # 33 batches, the last of 3
+    pieces = list(ranges.read_ranges(longer, 33, 1))
+    assert [(start, count) for start, count, _ in pieces] == [(0, 17), (17, 16)]
+    rebuilt = [b for _, _, graph in pieces for b in deserialize_dataset(graph, longer.element_spec)]
+    _assert_same_batches(rebuilt, list(longer))
+    assert [(start, count) for start, count, _ in ranges.read_ranges(dense, 5, 2)] == [(0, 5)]  # small: one
+
+
+def test_small_self_contained_data_goes_whole_and_the_rest_is_read_here(tmp_path):
+    x = np.arange(40, dtype="float32").reshape(20, 2)
+    small = tf.data.Dataset.from_tensor_slices({"x": x, "y": np.arange(20)}).batch(3)  # 7 batches
+    [(start, count, graph)] = list(ranges.read_ranges(small, 7, 2))
+    assert (start, count) == (0, 7) and graph is not None
+    assert ranges.whole_range(small, 7) is not None  # its own graph: nothing read here
+    _assert_same_batches(list(deserialize_dataset(graph, small.element_spec)), list(small))
+    (tmp_path / "lines.txt").write_text("".join(f"{i}\n" for i in range(5)))
+    files = tf.data.TextLineDataset(str(tmp_path / "lines.txt")).batch(2)
+    read_file = tf.data.Dataset.from_tensor_slices([str(tmp_path / "lines.txt")]).map(tf.io.read_file).batch(1)
+    random_map = small.map(lambda b: {"x": b["x"] + tf.random.uniform([2]), "y": b["y"]})
+    long = tf.data.Dataset.range(100).batch(2)
+    # Files are read here (a worker may not see them), random maps too (not in a graph), and data
+    # above MIN_RANGE_BATCHES or of unknown size is cut into ranges read here.
+    for dataset, batches in ((files, 3), (read_file, 1), (random_map, 7), (long, 50), (small, None)):
+        assert ranges.whole_range(dataset, batches) is None, dataset

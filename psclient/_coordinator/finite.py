@@ -13,12 +13,18 @@ worker that is a few passes over the data per epoch, spread over the workers.
 That is exact only if every copy of the dataset yields its batches in the same
 order. A `shuffle` without a seed or that reshuffles each iteration (the
 defaults of `Dataset.shuffle` and `make_csv_dataset`: its seed generator
-advances from copy to copy) would give each copy its own order, so shards
+advances from copy to copy), and likewise the random choices of
+`sample_from_datasets` or `Dataset.random`, would give each copy its own order, so shards
 would overlap and miss batches: psclient rewrites such shuffles in the
 dataset's graph (`psclient._tf.data.fix_shuffle_orders`) to a fixed seed that
 does not reshuffle, so every copy has one order (the shard order is shuffled
-per epoch instead). A `deterministic=False` / sloppy interleave or map cannot
-be fixed that way: such a dataset is refused, naming the op and what to change.
+per epoch instead). Likewise a parallel `map`, `interleave` or `batch` with
+`deterministic=False` (or `Options.deterministic=False`), which yields whichever
+element is ready first, is rewritten to keep the data's order
+(`psclient._tf.data.make_deterministic`). The cost: such an op holds back the
+elements that finish early until the ones before them are done, so a pipeline
+whose elements take uneven times runs slower (docs/keras.md says how much). The
+epoch's batches are the same; only when each arrives changes.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import logging
 import tensorflow as tf
 
 from psclient._coordinator.per_worker import deserialize_dataset, serialize_dataset
-from psclient._tf.data import fix_shuffle_orders
+from psclient._tf.data import SEEDED_OPS, fix_shuffle_orders, make_deterministic
 from psclient._coordinator.shards import ShardedDataset, range_shards
 from psclient._core.errors import PSClientError
 
@@ -59,7 +65,10 @@ def is_finite_of_unknown_size(x) -> bool:
 
 def sharded_from_dataset(dataset, num_workers: int) -> ShardedDataset:
     """`dataset` (finite, of unknown size) as a ShardedDataset of ranges of its batches."""
-    original = serialize_dataset(dataset).numpy()
+    original, ordered = make_deterministic(serialize_dataset(dataset).numpy())
+    if ordered:
+        log.info("fit: a dataset of unknown size: its parallel ops made to keep the data's order on every "
+                 "worker (%s)", "; ".join(ordered))
     serialized, changed = fix_shuffle_orders(original, SHUFFLE_SEED)
     _refuse_nondeterministic(serialized)
     orders = 1
@@ -102,30 +111,29 @@ def _refuse_nondeterministic(serialized: bytes) -> None:
                 "dataset of unknown size that repeats forever (repeat() before a filter or similar). "
                 "Expected an integer >= 1, or data that ends: psclient would count its batches forever."
             )
-        reshuffles = "reshuffle_each_iteration" in node.attr and node.attr["reshuffle_each_iteration"].b
-        if node.op.startswith("Shuffle") and (reshuffles or _unseeded(node, nodes)):
-            received = "seed=None" if _unseeded(node, nodes) else "reshuffle_each_iteration=True"
+        if node.op in SEEDED_OPS and (_redraws(node) or _unseeded(node, nodes)):
+            # What fix_shuffle_orders could not fix (it fixes every seed given as a constant).
+            received = "seed=None" if _unseeded(node, nodes) else "a new order every iteration"
             raise NondeterministicDatasetError(
                 f"Invalid value for argument `x`: a dataset of unknown size with a `{node.op}` that gives "
-                f"every copy its own order. Received: a shuffle with {received}. Expected no shuffle "
+                f"every copy its own order. Received: {received}. Expected no shuffle "
                 "(make_csv_dataset(..., shuffle=False)) or shuffle(..., seed=N, "
                 "reshuffle_each_iteration=False): psclient rebuilds the dataset on every worker and takes "
                 "a different range of batches from each copy, which is exact only when every copy has the "
                 "same order. Its shards are handed out in a new order every epoch instead."
             )
-        deterministic = node.attr["deterministic"].s if "deterministic" in node.attr else b"default"
-        if deterministic == b"false" or ("sloppy" in node.attr and node.attr["sloppy"].b):
-            raise NondeterministicDatasetError(
-                f"Invalid value for argument `x`: a dataset of unknown size with a nondeterministic "
-                f"`{node.op}`. Received: deterministic=False (or sloppy=True). Expected a deterministic "
-                "order: psclient takes a different range of batches from each worker's copy."
-            )
+
+
+def _redraws(node) -> bool:
+    attribute = SEEDED_OPS[node.op][1]
+    return attribute is not None and attribute in node.attr and node.attr[attribute].b
 
 
 def _unseeded(node, nodes) -> bool:
-    """Whether a shuffle's seed and seed2 inputs are both the constant 0 (TF's "no seed");
-    computed seeds are not the default."""
-    return [_constant(nodes, name) for name in node.input[2:4]] == [0, 0]
+    """Whether a shuffle's (or random dataset's) seed and seed2 inputs are both the constant 0
+    (TF's "no seed"); computed seeds are not the default."""
+    first = SEEDED_OPS[node.op][0]
+    return [_constant(nodes, name) for name in node.input[first:first + 2]] == [0, 0]
 
 
 def _constant(nodes, name: str) -> int | None:

@@ -108,6 +108,7 @@ def finite_dataset(x, y, sample_weight, batch_size, steps, *, with_targets: bool
     from keras.src.trainers.data_adapters import get_data_adapter
 
     _check_steps("steps", steps)
+    known = None  # the batches Keras's adapter knows when TF's cardinality does not (arrays)
     if is_dataset_fn(x):
         check_dataset_fn(x, "x")
         _refuse_extras("x", y=y, sample_weight=sample_weight)
@@ -120,11 +121,16 @@ def finite_dataset(x, y, sample_weight, batch_size, steps, *, with_targets: bool
             batch_size=batch_size, steps_per_epoch=steps, shuffle=False,
         )
         dataset = adapter.get_tf_dataset()
+        known = adapter.num_batches
     if steps is not None:
         dataset = dataset.take(steps)
+        known = None if known is None else min(known, steps)
     cardinality = int(dataset.cardinality())
     if cardinality == tf.data.INFINITE_CARDINALITY:
         raise ValueError(_steps_required("steps", "an infinite dataset"))
+    if cardinality == tf.data.UNKNOWN_CARDINALITY and known is not None:
+        # Keras's array adapter batches with a flat_map, whose size TF cannot tell; it knows.
+        return dataset, known
     # Unknown size stays unknown: counting would read the data one more time.
     return dataset, None if cardinality == tf.data.UNKNOWN_CARDINALITY else cardinality
 

@@ -43,6 +43,7 @@ def evaluate(
     steps=None, callbacks=None, return_dict=False,
 ):
     import numpy as np
+    from keras.src.backend.common.stateless_scope import StatelessScope
     from keras.src.utils.python_utils import pythonify_logs
 
     model._assert_compile_called("evaluate")
@@ -54,8 +55,13 @@ def evaluate(
     variables = model.metrics_variables
 
     def reset():
-        model.reset_metrics()
-        return tuple(np.asarray(v.numpy()) for v in variables)
+        # Keras's reset_state writes land in a StatelessScope, not on the ps: a round trip to
+        # the ps per metric variable saved. `leave` writes the merged state at the end.
+        with StatelessScope() as scope:
+            model.reset_metrics()
+        values = [scope.get_current_value(v) for v in variables]
+        # A variable that reset_state left alone keeps the value it has on the ps.
+        return tuple(np.asarray((v if value is None else value).numpy()) for v, value in zip(variables, values))
 
     # On the coordinator, not in a closure: through a ps loss (`psclient._keras.ps_reads`).
     initial = guarded(strategy, reset, f"resetting the metrics of {model.name!r}")
@@ -66,12 +72,13 @@ def evaluate(
     initial_tensors = tuple(tf.constant(value) for value in initial)
     logs, done = {}, 0
     ranges = _run_ranges(strategy, function, dataset, num_batches, (initial_tensors,), model, "stop_evaluating")
+    listening = bool(callbacks.callbacks)  # logs cost a Keras call: made only for callbacks
     for (start, count), state in ranges:
         callbacks.on_test_batch_begin(done)
         for i, value in enumerate(state):
             merged[i] = merged[i] + (value - initial[i])
         done += count
-        logs = _results(model, variables, merged)
+        logs = _results(model, variables, merged) if listening else {}
         callbacks.on_test_batch_end(done - 1, logs)
     # Leave the merged state in the metric variables, as Keras's evaluate does.
     def leave():

@@ -367,13 +367,24 @@ def _fit(stock, model, strategy, a: dict):
     from psclient._keras import data as _keras_data
 
     model._assert_compile_called("fit")
+    forwarded = {name: a[name] for name, use in FIT_ARGUMENTS.items() if use == "forwarded"}
+    # Keras validates in batches of `validation_batch_size or batch_size`; its fit gets
+    # batch_size=None from psclient (the data is batched by then), so the default is set here.
+    forwarded["validation_batch_size"] = a["validation_batch_size"] or a["batch_size"]
+    batches = None  # an epoch's batches, when a ShardedDataset's shards are ranges of batches
     if a["steps_per_epoch"] is None and finite.is_finite_of_unknown_size(a["x"]):
-        # Keras reads such data to its end; psclient cuts its batches into shards.
-        a = dict(a, x=finite.sharded_from_dataset(a["x"], strategy.num_workers))
+        # Keras reads such data to its end; psclient cuts its batches into shards. Keras's own
+        # adapter first: it refuses `y` and `sample_weight` and applies `class_weight`, and
+        # `batch_size` means nothing to a dataset (beyond validation's default, above).
+        from keras.src.trainers.data_adapters import get_data_adapter
+
+        dataset = get_data_adapter(a["x"], a["y"], a["sample_weight"], class_weight=a["class_weight"])
+        a = dict(a, x=finite.sharded_from_dataset(dataset.get_tf_dataset(), strategy.num_workers),
+                 y=None, sample_weight=None, class_weight=None, batch_size=None)
+        batches = a["x"].num_records  # counted: its shards are ranges of batches
     if sharded_fit.is_sharded(a["x"]):  # psclient.data: every shard once per epoch, through a ledger
-        forwarded = {name: a[name] for name, use in FIT_ARGUMENTS.items() if use == "forwarded"}
-        return sharded_fit.fit(stock, model, strategy, a, forwarded, lambda function, callbacks, steps: fit_callbacks(
-            model, function, callbacks, a["verbose"], a["epochs"], steps))
+        return sharded_fit.fit(stock, model, strategy, a, forwarded, lambda function, callbacks, steps, index: (
+            fit_callbacks(model, function, callbacks, a["verbose"], a["epochs"], steps, index)), batches)
     x, y, sample_weight = a["x"], a["y"], a["sample_weight"]
     validation_data = a["validation_data"]
     if a["validation_split"] and validation_data is None:
@@ -400,7 +411,6 @@ def _fit(stock, model, strategy, a: dict):
     model.train_function = train_function
     callbacks = fit_callbacks(model, train_function, a["callbacks"], a["verbose"], epochs, epoch_steps)
     try:
-        forwarded = {name: a[name] for name, use in FIT_ARGUMENTS.items() if use == "forwarded"}
         forwarded["callbacks"] = callbacks
         with metrics_through_ps_loss(model, strategy):  # Keras's own metric reads, through a ps loss
             return stock(

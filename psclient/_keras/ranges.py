@@ -29,14 +29,22 @@ from typing import Any
 import tensorflow as tf
 
 from psclient._coordinator.per_worker import serialize_dataset
+from psclient._tf.data import serialize_self_contained
 
-__all__ = ["RANGES_PER_WORKER", "UNKNOWN_SIZE_BATCHES", "MAX_RANGE_BYTES", "cut", "range_sizes", "read_ranges"]
+__all__ = ["MIN_RANGE_BATCHES", "RANGES_PER_WORKER", "UNKNOWN_SIZE_BATCHES", "MAX_RANGE_BYTES", "cut",
+           "range_sizes", "read_ranges", "whole_range"]
 
 #: Ranges per worker for data of known size: more balances load and re-runs
 #: less after a failure; fewer costs fewer closures.
 RANGES_PER_WORKER = 4
 #: Batches per range for data of unknown size.
 UNKNOWN_SIZE_BATCHES = 16
+#: The fewest batches a range of known-size data has (unless the data has
+#: fewer): each range costs the coordinator a fixed time (its dataset made and
+#: serialized, a closure scheduled, its metric states merged; about 25 ms of CPU
+#: here), as much as a small model's step on about 16 batches. Small data so
+#: goes out in one or a few ranges (docs/keras_eval.md, fixed cost).
+MIN_RANGE_BATCHES = 16
 #: A range closes early at this many bytes of data: one range is one message
 #: to a worker, and a serialized graph must stay far below protobuf's 2 GiB.
 MAX_RANGE_BYTES = 32 << 20
@@ -44,10 +52,11 @@ MAX_RANGE_BYTES = 32 << 20
 
 def range_sizes(num_batches: int | None, num_workers: int) -> Iterator[int]:
     """Batches per range: known sizes in `RANGES_PER_WORKER * num_workers` ranges
-    within one batch of each other; unknown sizes in `UNKNOWN_SIZE_BATCHES`."""
+    within one batch of each other, fewer where that would leave a range under
+    `MIN_RANGE_BATCHES`; unknown sizes in `UNKNOWN_SIZE_BATCHES`."""
     if num_batches is None:
         return itertools.repeat(UNKNOWN_SIZE_BATCHES)
-    pieces = max(1, min(num_batches, RANGES_PER_WORKER * num_workers))
+    pieces = max(1, min(num_batches // MIN_RANGE_BATCHES, RANGES_PER_WORKER * num_workers))
     base, extra = divmod(num_batches, pieces)
     return iter([base + (i < extra) for i in range(pieces) if base + (i < extra)])
 
@@ -79,7 +88,15 @@ def cut(
 
 def read_ranges(dataset, num_batches: int | None, num_workers: int) -> Iterator[tuple[int, int, Any]]:
     """(start, count, graph) for each range of `dataset`, read here in order:
-    `graph` is the serialized dataset of the range's `count` batches."""
+    `graph` is the serialized dataset of the range's `count` batches.
+
+    Small data of known size that holds everything it yields (`whole_range`)
+    is one range, `dataset`'s own graph: nothing is read here.
+    """
+    whole = whole_range(dataset, num_batches)
+    if whole is not None:
+        yield 0, num_batches, whole
+        return
     # Prefetched: the next batches are read and parsed while this thread cuts
     # and serializes the last ones.
     batches_read = dataset.prefetch(tf.data.AUTOTUNE)
@@ -87,6 +104,26 @@ def read_ranges(dataset, num_batches: int | None, num_workers: int) -> Iterator[
     for batches in cut(batches_read, range_sizes(num_batches, num_workers), MAX_RANGE_BYTES, _nbytes):
         yield start, len(batches), serialize_dataset(_as_dataset(batches))
         start += len(batches)
+
+
+def whole_range(dataset, num_batches: int | None):
+    """`dataset`'s own graph, to be read by the worker that gets it, if it is one range
+    (`MIN_RANGE_BATCHES` or fewer batches, a known number), holds what it yields (no file
+    reads, no state outside the graph: `serialize_self_contained`) and its graph is under
+    `MAX_RANGE_BYTES`; else None.
+
+    What that saves is evaluate's fixed cost on small data: reading each batch
+    here (an eager op per batch), stacking the batches and making a new
+    dataset of them (docs/keras_eval.md, fixed cost). A worker that dies
+    makes the range run again from the data's start, so each example still
+    counts once; the order is the data's, as Keras reads it in one process.
+    """
+    if num_batches is None or num_batches > MIN_RANGE_BATCHES:
+        return None
+    graph = serialize_self_contained(dataset)
+    if graph is None or graph.shape.num_elements() != 1 or len(graph.numpy()) > MAX_RANGE_BYTES:
+        return None
+    return graph
 
 
 def _nbytes(batch) -> int:

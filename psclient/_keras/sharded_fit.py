@@ -1,8 +1,13 @@
 """`model.fit(sharded_dataset)`: an epoch is every shard of a `psclient.data.ShardedDataset` once.
 
 Keras's own loop runs (callbacks, progress bar, History); one Keras "step" is
-one shard, so `steps_per_epoch` is the number of shards and the progress bar
-counts shards. Each call of the train function hands the ledger's next shard
+one shard, so Keras's `steps_per_epoch` is the number of shards. Callbacks
+(the progress bar too) count batches all the same, Keras's unit: the batches
+of the shards finished so far in the epoch. When the batches of an epoch are
+known beforehand (finite data of unknown size, which psclient counts) the bar
+shows them from the first epoch; otherwise the first epoch's bar has no total
+and the next ones have the first's, as Keras's bar has on data of unknown
+size. Each call of the train function hands the ledger's next shard
 to `strategy.schedule` (whichever worker is free takes it: late binding) and
 returns the metrics of the latest finished shard without waiting; the
 epoch's last call waits for every shard and runs again any the ledger still
@@ -104,6 +109,7 @@ class ShardTrainFunction:
         self._in_flight: collections.OrderedDict = collections.OrderedDict()
         self._latest = None
         self._calls = 0
+        self._batches: dict[int, int] = {}  # slot -> batches of the shard, for the shards finished this epoch
         self._max_in_flight = max(2, 2 * strategy.num_workers * strategy.pipeline_depth)
 
     @property
@@ -113,6 +119,13 @@ class ShardTrainFunction:
     def begin_epoch(self, epoch: int) -> None:
         self._feed.start_epoch(epoch)
         self._calls = 0
+        self._batches = {}
+
+    def batch_index(self, step: int, end: bool) -> int:
+        """The batch index callbacks get at the beginning or `end` of Keras's `step` (a shard call):
+        the batches of the shards finished this epoch, the last of them at the end."""
+        done = sum(self._batches.values())
+        return max(done - 1, 0) if end else done
 
     def __call__(self, iterator):
         self._calls += 1
@@ -163,11 +176,15 @@ class ShardTrainFunction:
         work = self._in_flight.pop(future)
         result = result_or_first_error(self._strategy, future, self.abandon)
         self._feed.mark_done(work, result)
+        self._batches[work.slot] = int(result["position"])  # the shard's batches: it ended there
         self._latest = result["result"]
 
 
-def fit(stock, model, strategy, a: dict, forwarded: dict, make_callbacks):
-    """Keras's fit over `a["x"]`, a ShardedDataset (module doc)."""
+def fit(stock, model, strategy, a: dict, forwarded: dict, make_callbacks, batches: int | None = None):
+    """Keras's fit over `a["x"]`, a ShardedDataset (module doc); `batches`: an epoch's, if known.
+
+    `make_callbacks(train_function, callbacks, steps, batch_index)` makes fit's callback list.
+    """
     import keras
 
     sharded = a["x"]
@@ -189,8 +206,8 @@ def fit(stock, model, strategy, a: dict, forwarded: dict, make_callbacks):
     if isinstance(forwarded.get("callbacks"), keras.callbacks.CallbackList):
         raise ValueError("Invalid value for argument `callbacks`. Received: a CallbackList with a "
                          "psclient.data.ShardedDataset as `x`. Expected a list of callbacks.")
-    forwarded = dict(forwarded, callbacks=make_callbacks(train_function, callbacks + [_Epochs()],
-                                                         train_function.steps))
+    forwarded = dict(forwarded, callbacks=make_callbacks(train_function, callbacks + [_Epochs()], batches,
+                                                         train_function.batch_index))
     _active[model] = feed
     ok = False
     try:

@@ -261,7 +261,8 @@ def result_or_first_error(strategy, future, on_error=None):
             strategy.join()
 
 
-def fit_callbacks(model, train_function: TrainFunction, callbacks, verbose, epochs: int, steps: int):
+def fit_callbacks(model, train_function: TrainFunction, callbacks, verbose, epochs: int, steps: int | None,
+                  batch_index=None):
     """fit's callbacks, made as Keras's fit makes them, that also join when training stops.
 
     A callback that sets `model.stop_training` in a batch hook ends the epoch
@@ -269,12 +270,23 @@ def fit_callbacks(model, train_function: TrainFunction, callbacks, verbose, epoc
     before Keras reads the epoch's logs from the metric variables. Keras's
     own list is kept otherwise (History, progress bar, asynchronous batch
     hooks); a `CallbackList` the user passes is wrapped, not changed.
+    `steps` is the callbacks' `params["steps"]` (None: unknown, as Keras has
+    it for data of unknown size). `batch_index(step, end)`, if given, is the
+    batch index the batch hooks get at the beginning or `end` of Keras's
+    `step`: a fit whose steps are not batches (a shard each) still reports
+    batches, Keras's unit, to the progress bar and every other callback.
     """
     import keras
 
+    def index(step, end):
+        return step if batch_index is None else batch_index(step, end)
+
     class _StopJoins(keras.callbacks.CallbackList):
+        def on_train_batch_begin(self, batch, logs=None):
+            super().on_train_batch_begin(index(batch, False), logs)
+
         def on_train_batch_end(self, batch, logs=None):
-            super().on_train_batch_end(batch, logs)
+            super().on_train_batch_end(index(batch, True), logs)
             if model_ref().stop_training:
                 train_function.finish()
 
