@@ -235,7 +235,8 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
     started = time.perf_counter()
     with _common.stop_on_sigterm():
         _common.log(f"starting a LocalCluster ({args.workers} workers, {args.ps} ps)")
-        with _common.local_cluster(args.workers, args.ps) as (cluster, task_pids):
+        # Generous: task start-up on a machine loaded by other jobs took over 60 s.
+        with _common.local_cluster(args.workers, args.ps, start_timeout=300) as (cluster, task_pids):
             output["config"]["cluster"] = cluster.jobs
             _common.log("cluster up: " + ", ".join(f"{t} pid {pid}" for t, pid in task_pids.items()))
             for repeat in range(args.repeats):
