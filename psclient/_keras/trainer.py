@@ -274,19 +274,21 @@ def _made_for(model, strategy) -> tuple:
     """What a model's step functions depend on beyond its variables, compared by identity.
 
     The strategy is held weakly: a model must not keep alive a strategy
-    nobody else references (its owners shut it down when it goes).
+    nobody else references (its owners shut it down when it goes). The
+    tf.Variables behind the model's state are in it too: a trace captured
+    them, so one replaced (a new object) needs a new trace.
     """
     train_step = model.train_step
     return (weakref.ref(strategy), getattr(train_step, "__func__", train_step), model.optimizer,
             seam.internal(model, "_loss_tracker"), seam.internal(model, "_compile_loss"),
-            seam.internal(model, "_compile_metrics"))
+            seam.internal(model, "_compile_metrics"), *(_tf_variable(v) for v in _state(model)))
 
 
 def _step_functions(model, strategy) -> tuple:
     """The model's (one step, many steps) functions: those of its last fit() if still valid."""
     kept = getattr(model, _STEP_FUNCTIONS_ATTRIBUTE, None)
     made_for = _made_for(model, strategy)
-    if kept is None or kept.made_for[0]() is not strategy or \
+    if kept is None or kept.made_for[0]() is not strategy or len(kept.made_for) != len(made_for) or \
             any(a is not b for a, b in zip(kept.made_for[1:], made_for[1:])):
         kept = _StepFunctions(model, strategy)
         setattr(model, _STEP_FUNCTIONS_ATTRIBUTE, kept)
