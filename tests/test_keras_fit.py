@@ -159,3 +159,39 @@ def test_fit_arguments_supported_and_unknown(strategy):
                         validation_split=0.25, validation_batch_size=32, validation_steps=1, validation_freq=1)
     assert sorted(history.history) == ["accuracy", "loss", "val_accuracy", "val_loss"]
     assert history.epoch == [1]
+
+
+def test_fit_again_reuses_its_traces_until_compile(strategy):
+    # The body of train_step runs only while a step function is traced.
+    class CountingTraces(keras.Sequential):
+        traces = 0
+
+        def train_step(self, data):
+            type(self).traces += 1
+            return super().train_step(data)
+
+    def compile(model):
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=4)
+
+    with strategy.scope():
+        model = CountingTraces([keras.Input((8,)), keras.layers.Dense(2)])
+        compile(model)
+    dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(32).repeat()
+    # 9 steps per epoch: two calls of 4 steps (the loop), then one single step (loop-free).
+    first = model.fit(dataset, epochs=1, steps_per_epoch=9, verbose=0)
+    traced = CountingTraces.traces
+    assert traced > 0
+    kernel = model.layers[0].kernel.numpy()
+    second = model.fit(dataset, epochs=2, steps_per_epoch=9, verbose=0)
+    assert CountingTraces.traces == traced, "a second fit() traced its step functions again"
+    # The kept functions train this model: every step ran and the weights moved.
+    assert int(model.optimizer.iterations.numpy()) == 3 * 9
+    assert not np.allclose(model.layers[0].kernel.numpy(), kernel)
+    assert len(first.history["loss"]) == 1 and len(second.history["loss"]) == 2
+    # compile() makes a new optimizer and loss tracker: the step is traced for them.
+    with strategy.scope():
+        compile(model)
+    model.fit(dataset, epochs=1, steps_per_epoch=9, verbose=0)
+    assert CountingTraces.traces > traced
+    assert int(model.optimizer.iterations.numpy()) == 9

@@ -132,6 +132,8 @@ KERAS_INTERNALS: tuple[Internal, ...] = (
     Internal("keras.src.layers.layer.Layer._flatten_layers", "is every layer built?"),
     Internal(f"{_BASE_TRAINER}._compile_metrics", "are the compiled metrics built?", kind="instance"),
     Internal(f"{_BASE_TRAINER}._compile_loss", "is the compiled loss built?", kind="instance"),
+    Internal(f"{_BASE_TRAINER}._loss_tracker", "made again by every compile(): fit's step functions "
+             "are kept until then", kind="instance"),
     Internal(f"{_BASE_TRAINER}._flatten_metrics_in_order", "evaluate's list result, in Keras's order"),
     Internal(f"{_BASE_TRAINER}.train_function", "fit keeps a train function already set (psclient's)",
              kind="instance"),

@@ -168,33 +168,7 @@ class TrainFunction:
         # Enough to keep every worker's pipeline fed, few enough that logs stay fresh.
         self._max_in_flight = max(4, 2 * strategy.num_workers * strategy.pipeline_depth)
         self._counts: dict[int, object] = {}
-        model_ref = weakref.ref(model)  # the model owns this function, not the reverse
-
-        def train_step(iterator):
-            # Keras's own train_step, the user's override included.
-            return model_ref().train_step(next(iterator))
-
-        def train_steps(iterator, count):
-            # `count` steps in one remote call. A while loop whose body reads
-            # and updates ps variables makes every task that holds them run
-            # the loop too, with the loop condition sent to it each
-            # iteration: worth it for many steps per call, and the reason a
-            # single step gets its own loop-free function (measured ad hoc
-            # with benchmarks/keras_fit.py's model: ~30% more steps/s at
-            # steps_per_execution=1).
-            step = model_ref().train_step
-            logs = step(next(iterator))
-            _, logs = tf.while_loop(
-                lambda i, _: i < count,
-                lambda i, _: (i + 1, step(next(iterator))),
-                (tf.constant(1), logs),
-            )
-            return logs
-
-        train_step.__name__ = f"{model.name}_train_step"
-        train_steps.__name__ = f"{model.name}_train_steps"
-        self._one_step = tf.function(train_step, autograph=False)
-        self._many_steps = tf.function(train_steps, autograph=False)
+        self._one_step, self._many_steps = _step_functions(model, strategy)
 
     def __call__(self, iterator):
         # Keras asks for whole executions; never run past the epoch's end.
@@ -239,6 +213,78 @@ class TrainFunction:
 
     def _settle(self, future) -> None:
         self._latest = result_or_first_error(self._strategy, future, self._in_flight.clear)
+
+
+# Where a model keeps its step functions between fit() calls (not a Keras attribute).
+_STEP_FUNCTIONS_ATTRIBUTE = "_psclient_step_functions"
+
+
+class _StepFunctions:
+    """A model's two train-step `tf.function`s, and what they were made for.
+
+    Kept on the model across fit() calls, as Keras keeps its own train
+    function until the next compile(): a new `tf.function` per fit() traced
+    the step again on the coordinator and made every task instantiate it
+    again, about a second of CPU per fit() (Adam, measured with
+    benchmarks/step_cpu.py), where tf_keras traces once. compile() makes a
+    new loss tracker (and usually a new optimizer and compiled loss), so
+    the functions are made again after it, as Keras's would be.
+    """
+
+    def __init__(self, model, strategy):
+        self.made_for = _made_for(model, strategy)
+        model_ref = weakref.ref(model)  # the model owns these functions, not the reverse
+
+        def train_step(iterator):
+            # Keras's own train_step, the user's override included.
+            return model_ref().train_step(next(iterator))
+
+        def train_steps(iterator, count):
+            # `count` steps in one remote call. A while loop whose body reads
+            # and updates ps variables makes every task that holds them run
+            # the loop too, with the loop condition sent to it each
+            # iteration: worth it for many steps per call, and the reason a
+            # single step gets its own loop-free function (measured ad hoc
+            # with benchmarks/keras_fit.py's model: ~30% more steps/s at
+            # steps_per_execution=1).
+            step = model_ref().train_step
+            logs = step(next(iterator))
+            _, logs = tf.while_loop(
+                lambda i, _: i < count,
+                lambda i, _: (i + 1, step(next(iterator))),
+                (tf.constant(1), logs),
+            )
+            return logs
+
+        train_step.__name__ = f"{model.name}_train_step"
+        train_steps.__name__ = f"{model.name}_train_steps"
+        self.one_step = tf.function(train_step, autograph=False)
+        self.many_steps = tf.function(train_steps, autograph=False)
+
+
+def _made_for(model, strategy) -> tuple:
+    """What a model's step functions depend on beyond its variables, compared by identity.
+
+    The strategy is held weakly: a model must not keep alive a strategy
+    nobody else references (its owners shut it down when it goes). The
+    tf.Variables behind the model's state are in it too: a trace captured
+    them, so one replaced (a new object) needs a new trace.
+    """
+    train_step = model.train_step
+    return (weakref.ref(strategy), getattr(train_step, "__func__", train_step), model.optimizer,
+            seam.internal(model, "_loss_tracker"), seam.internal(model, "_compile_loss"),
+            seam.internal(model, "_compile_metrics"), *(_tf_variable(v) for v in _state(model)))
+
+
+def _step_functions(model, strategy) -> tuple:
+    """The model's (one step, many steps) functions: those of its last fit() if still valid."""
+    kept = getattr(model, _STEP_FUNCTIONS_ATTRIBUTE, None)
+    made_for = _made_for(model, strategy)
+    if kept is None or kept.made_for[0]() is not strategy or len(kept.made_for) != len(made_for) or \
+            any(a is not b for a, b in zip(kept.made_for[1:], made_for[1:])):
+        kept = _StepFunctions(model, strategy)
+        setattr(model, _STEP_FUNCTIONS_ATTRIBUTE, kept)
+    return kept.one_step, kept.many_steps
 
 
 def result_or_first_error(strategy, future, on_error=None):
