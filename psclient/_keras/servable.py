@@ -18,6 +18,7 @@ import keras
 
 from psclient._core import serving_dirs
 from psclient._core.serving_dirs import ServingDirError
+from psclient._engine import registry
 
 __all__ = ["ServingDirError", "ServingExport", "export_servable"]
 
@@ -73,7 +74,8 @@ class ServingExport(keras.callbacks.Callback):
     """Export the model being fit with `export_servable`: every `every_epochs` epochs and/or every
     `every_seconds` seconds (checked at each batch's end and each epoch's end).
 
-    With neither given, once per epoch. `keep`, `run_id` and `take_over` are
+    With neither given, once per epoch. Before each export it waits for the
+    steps in flight (`strategy.join()`), so a version holds no step half applied. `keep`, `run_id` and `take_over` are
     `export_servable`'s; the run id is checked when training begins, so a
     `base_dir` of another run fails `fit` before its first step.
     `exported` lists the directories written, in order.
@@ -99,18 +101,21 @@ class ServingExport(keras.callbacks.Callback):
         serving_dirs.claim(self.base_dir, self.run_id, self.take_over)
         self._last = time.monotonic()
 
-    def _export(self) -> None:
+    def export_now(self) -> None:
+        strategy = registry.current()
+        if strategy is not None:
+            strategy.join()  # a version is a cut between steps: none in flight on the workers
         # No take_over here: a run that took the directory over since fails the export, as it should.
         self.exported.append(export_servable(self.model, self.base_dir, keep=self.keep, run_id=self.run_id))
         self._last = time.monotonic()
 
-    def _due_by_time(self) -> bool:
+    def due_by_time(self) -> bool:
         return self.every_seconds is not None and time.monotonic() - self._last >= self.every_seconds
 
     def on_train_batch_end(self, batch, logs=None):
-        if self._due_by_time():
-            self._export()
+        if self.due_by_time():
+            self.export_now()
 
     def on_epoch_end(self, epoch, logs=None):
-        if (self.every_epochs is not None and (epoch + 1) % self.every_epochs == 0) or self._due_by_time():
-            self._export()
+        if (self.every_epochs is not None and (epoch + 1) % self.every_epochs == 0) or self.due_by_time():
+            self.export_now()
