@@ -25,7 +25,8 @@ tf = pytest.importorskip("tensorflow")
 import psclient  # noqa: E402
 from psclient.layers import DynamicEmbedding  # noqa: E402
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1200)  # about 10 minutes on a loaded 2-core machine: tracing 5 dynamic layers]
+# About 10 minutes on a loaded 2-core machine (most of it tracing the fit of 5 dynamic layers).
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1200)]
 
 CHILD = os.path.join(os.path.dirname(__file__), "_serving_child.py")
 WORDS = np.array([f"w{i}" for i in range(40)])
