@@ -25,6 +25,7 @@ Usage:
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 import re
@@ -175,6 +176,15 @@ def run_seed(seed: int, args) -> dict:
                     stall[0], stall[1] = now - last - 0.05, now - started
                 last = now
 
+        gc_pause = [0.0, None]  # Python's longest garbage collection: a stall of every thread too
+
+        def timed_gc(phase, info):
+            if phase == "start":
+                gc_pause[1] = time.monotonic()
+            elif gc_pause[1] is not None:
+                gc_pause[0] = max(gc_pause[0], time.monotonic() - gc_pause[1])
+
+        gc.callbacks.append(timed_gc)
         sampler = threading.Thread(target=sample, daemon=True)
         faults = None
         try:
@@ -212,6 +222,7 @@ def run_seed(seed: int, args) -> dict:
             low = ok - ps["rolled_back_closures"]
         finally:
             sampling.set()
+            gc.callbacks.remove(timed_gc)
             if faults is not None:
                 for thread in faults.threads:
                     thread.join(args.recovery_timeout + 330)
@@ -236,6 +247,7 @@ def run_seed(seed: int, args) -> dict:
         "recovery_step_failures": logged.step_failures,
         "max_stall_s": round(stall[0], 2),
         "max_stall_ended_at_s": None if stall[1] is None else round(stall[1], 1),
+        "max_gc_pause_s": round(gc_pause[0], 2),
         "batches": len(join_s),
         "max_join_s": round(max(join_s), 2) if join_s else None,
         "steps_counted": steps,
@@ -244,7 +256,8 @@ def run_seed(seed: int, args) -> dict:
     }
     log(f"seed {seed}: {ok}/{len(futures)} resolved, {row['futures_failed']} failed, "
         f"{row['futures_cancelled']} cancelled, {row['futures_unresolved']} unresolved, errors {errors}, "
-        f"join {join_errors}, unfinished recoveries {row['recoveries_unfinished']}, stall {row['max_stall_s']} s, "
+        f"join {join_errors}, unfinished recoveries {row['recoveries_unfinished']}, stall {row['max_stall_s']} s "
+        f"(gc {row['max_gc_pause_s']} s), "
         f"wall {row['wall_s']} s")
     return row
 

@@ -60,6 +60,7 @@ from psclient._core.future import (
     wait,
 )
 from psclient._cluster.exposure import PortExposedError
+from psclient._core.serving_dirs import ServingDirError
 
 #: Public names whose modules import TensorFlow (or Keras) at their top: each
 #: loads on first use (PEP 562), so `import psclient` stays cheap.
@@ -76,9 +77,11 @@ _LAZY = {
     "PerWorkerIterator": "psclient._coordinator.per_worker",
     "SidecarEvaluator": "psclient._sidecar.evaluator",
     "SidecarReport": "psclient._sidecar.evaluator",
+    "ServingExport": "psclient._keras.servable",
     "StalenessLogger": "psclient._keras.callbacks",
     "read_final_marker": "psclient._sidecar.evaluator",
     "write_final_marker": "psclient._sidecar.evaluator",
+    "export_servable": "psclient._keras.servable",
 }
 
 __version__ = "0.1.0"
@@ -147,6 +150,8 @@ __all__ = [
     "PerWorkerIterator",
     "SidecarEvaluator",
     "SidecarReport",
+    "ServingDirError",
+    "ServingExport",
     "StrategyAPIUnsupportedError",
     "StrategyConfig",
     "StrategyClosedError",
@@ -154,6 +159,7 @@ __all__ = [
     "WorkerUnavailableError",
     "WorkerWatcher",
     "as_completed",
+    "export_servable",
     "kubernetes_workers",
     "read_final_marker",
     "wait",

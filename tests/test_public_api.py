@@ -11,7 +11,7 @@ PUBLIC = {
     "ClusterCoordinator", "FIRST_COMPLETED", "FIRST_EXCEPTION", "Future", "LocalCluster",
     "ModelCheckpoint", "ParameterServerStrategy", "StalenessLogger", "PSClientError",
     "PortExposedError", "PSUnavailableError", "PerWorker", "PerWorkerDataset", "PerWorkerIterator",
-    "SidecarEvaluator", "SidecarReport", "StrategyAPIUnsupportedError", "StrategyClosedError", "StrategyConfig",
+    "SidecarEvaluator", "SidecarReport", "ServingDirError", "ServingExport", "export_servable", "StrategyAPIUnsupportedError", "StrategyClosedError", "StrategyConfig",
     "TaskUnreachableError", "WorkerUnavailableError", "WorkerWatcher", "as_completed",
     "kubernetes_workers", "read_final_marker", "wait", "write_final_marker",
 }
@@ -29,6 +29,7 @@ TREE = {
     "CheckpointMismatchError": ("PSClientError", ValueError),
     "CheckpointDirError": ("PSClientError", ValueError),
     "CheckpointWriteError": ("PSClientError", OSError),
+    "ServingDirError": ("PSClientError", ValueError),
     "PortExposedError": ("PSClientError", RuntimeError),
 }
 

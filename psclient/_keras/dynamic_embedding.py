@@ -32,8 +32,10 @@ from psclient._coordinator.dense_shard import run_due_scans
 from psclient._coordinator.fused_admission import apply_parts
 from psclient._coordinator.dynamic_tables import DynamicTable, mix64
 from psclient._coordinator.runtime import ps_device, ps_index_of
+from psclient._coordinator.serving_table import ServingTable
 from psclient._core.dynamic_tables import Policy
-from psclient._keras import dynamic_optimizers
+from psclient._keras import dynamic_optimizers, serving
+from psclient._tf.serving import at_export_end, current_export
 
 __all__ = ["DynamicEmbedding", "epoch_logs", "install"]
 
@@ -50,12 +52,29 @@ class _Kept:
         self.by_graph = weakref.WeakKeyDictionary()
 
 
+class _Snapshot:
+    """The layer's `ServingTable` for one export (by its token), a plain holder Keras does not track."""
+
+    __slots__ = ("table", "token")
+
+    def __init__(self):
+        self.table, self.token = None, None
+
+    def take(self, token, table) -> None:
+        self.table, self.token = table, token
+
+    def drop(self, token) -> None:
+        if self.token is token:
+            self.table, self.token = None, None
+
+
 def install() -> None:
     """Wrap `keras.optimizers.Optimizer.apply` once: dynamic rows are updated with the other weights."""
     global _installed
     with _install_lock:
         if _installed:
             return
+        serving.install()  # model.export and tf.saved_model.save read a snapshot of the rows
         optimizer_class = keras.optimizers.Optimizer
 
         def apply(self, grads, trainable_variables=None):
@@ -175,6 +194,7 @@ class DynamicEmbedding(keras.layers.Layer):
         self.supports_jit = False  # hash-table ops do not compile with XLA
         self._kept = _Kept()
         self.table = None
+        self._serving = _Snapshot()
         install()
 
     # ------------------------------------------------------------ building
@@ -269,9 +289,30 @@ class DynamicEmbedding(keras.layers.Layer):
         if training:
             rows, state = self.table.train_lookup(unique, counts)
             rows = self.watched(rows, state)
+        elif current_export() is not None:
+            rows = self.serving_table().lookup(unique)  # stock TF, tracked by the SavedModel
         else:
             rows = self.table.lookup(unique)
         return tf.gather(rows, index)
+
+    def serving_table(self) -> ServingTable:
+        """The snapshot of the rows the export in progress on this thread serves (taken at its first
+        trace of the layer, dropped when it ends; see psclient._tf.serving and docs/serving.md)."""
+        token = current_export()
+        if token is None:
+            raise RuntimeError(f"DynamicEmbedding {self.name!r}: serving_table() is only made during an export "
+                               "(model.export, tf.saved_model.save or psclient.export_servable).")
+        if self._serving.token is not token:
+            self._serving.take(token, ServingTable.taken_from(self.table))
+            at_export_end(functools.partial(self._serving.drop, token))
+        return self._serving.table
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # The export's snapshot is saved in the SavedModel, never in a checkpoint (training state is there).
+        children = super()._trackable_children(save_type, **kwargs)
+        if save_type == "savedmodel" and self._serving.table is not None and self._serving.token is current_export():
+            children["serving_table"] = self._serving.table
+        return children
 
     def shaped(self, inputs, found):
         """The rows `found` for the keys of `inputs`, in the inputs' shape (combined if multi-hot)."""

@@ -35,6 +35,12 @@ that do not live on a psclient strategy's ps tasks:
    on its ps task (shard by shard when partitioned), never in the coordinator
    (`psclient._keras.initializers`).
 
+6. Exports (`psclient._keras.serving`): Keras's `model.export` is one export
+   scope, in which a `DynamicEmbedding` reads a snapshot of its rows in stock
+   TF variables, and a model's SavedModel leaves out its optimizer and
+   compiled metrics (also installed by the first `DynamicEmbedding`, which
+   works without a strategy).
+
 Nothing else in psclient patches Keras. Before patching, every private Keras
 name psclient uses (`psclient._keras.seam.KERAS_INTERNALS`) is looked up, so a
 Keras that moved one fails here, loudly, naming it.
@@ -56,7 +62,7 @@ import tensorflow as tf
 from psclient._coordinator import finite
 from psclient._keras import adafactor, initializers, moving_stats, sparse_adagrad
 from psclient._keras import eval as _keras_eval
-from psclient._keras import seam, sharded_fit
+from psclient._keras import seam, serving, sharded_fit
 from psclient._keras.ps_reads import metrics_through_ps_loss, restore_cause
 from psclient._keras.trainer import (
     TrainFunction,
@@ -122,6 +128,7 @@ def install() -> None:
         sparse_adagrad.install()
         adafactor.install()
         moving_stats.install()
+        serving.install()
         _install_apply_hook()
         _done = True
 

@@ -51,6 +51,9 @@ _BASE_OPTIMIZER = "keras.src.optimizers.base_optimizer.BaseOptimizer"
 _ADAGRAD = "keras.src.optimizers.adagrad.Adagrad"
 _ADAFACTOR = "keras.src.optimizers.adafactor.Adafactor"
 _BATCH_NORM = "keras.src.layers.normalization.batch_normalization.BatchNormalization"
+#: Patched for exports (psclient._keras.serving).
+EXPORT_WRITE_OUT = "keras.src.export.saved_model_export_archive.SavedModelExportArchive.write_out"
+TF_LAYER_CHILDREN = "keras.src.backend.tensorflow.layer.TFLayer._trackable_children"
 
 
 class Internal(NamedTuple):
@@ -111,6 +114,10 @@ KERAS_INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_BASE_OPTIMIZER}._trainable_variables", "the weights of apply(grads) given no variables",
              kind="instance"),
     Internal(f"{_BASE_OPTIMIZER}._get_variable_index", "a weight's index into its optimizer's slot lists"),
+    Internal(EXPORT_WRITE_OUT, "patched: Keras's export (model.export) is one export scope, in which a "
+             "DynamicEmbedding reads a snapshot of its rows in stock TF variables (psclient._keras.serving)"),
+    Internal(TF_LAYER_CHILDREN, "patched: during an export a model's SavedModel children leave out the "
+             "optimizer and compiled metrics (training state, not served)"),
     # Variables.
     Internal(f"{_VARIABLE}._initialize_with_initializer",
              "patched: the variable described (shape, dtype, initializer) to psclient's creator, which "

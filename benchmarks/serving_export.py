@@ -1,0 +1,147 @@
+"""What each way out of the cluster costs: SavedModel exports, the .keras file, a strategy checkpoint.
+
+One coordinator (this process) on a LocalCluster(num_workers=1, num_ps=2). Model: a partitioned
+Embedding(rows, 32) and a DynamicEmbedding(32, capacity=dynamic_rows) -> Dense(1), Adagrad; a few fit
+steps (so the optimizer's slots exist), then the dynamic table is filled with `dynamic_rows` rows
+through `import_state` (setup, not measured). Then, in turn, each path twice (the first traces):
+
+  export            model.export(path)                 Keras's SavedModel (what export_servable writes)
+  saved_model_save  tf.saved_model.save(model, path)
+  keras_file        model.save("m.keras")             needs psclient to load (DynamicEmbedding)
+  checkpoint        strategy.save_checkpoint()         each ps writes its own part (training state too)
+
+Per path and call: seconds, the bytes written, and the coordinator's resident memory growth at its
+peak during the call (sampled every 10 ms with psutil) over the bytes written.
+
+    nice -n 10 python benchmarks/serving_export.py                         # 1M rows + 200k dynamic rows
+    nice -n 10 python benchmarks/serving_export.py --rows 4000000 --dynamic-rows 1000000
+
+Prints one JSON object (progress on stderr). Noisy machine: compare the paths within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import environment, log, print_json  # noqa: E402
+
+DIM = 32
+
+
+class PeakRSS:
+    """The process's resident memory at its peak while the block runs, sampled by a thread."""
+
+    def __init__(self, interval=0.01):
+        import psutil
+
+        self.process, self.interval, self.peak = psutil.Process(), interval, 0
+        self._stop = threading.Event()
+
+    def _sample(self):
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self.process.memory_info().rss)
+
+    def __enter__(self):
+        self.before = self.peak = self.process.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, name="rss-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.process.memory_info().rss)
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.before
+
+
+def tree_bytes(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1_000_000, help="rows of the partitioned Embedding")
+    parser.add_argument("--dynamic-rows", type=int, default=200_000, help="rows held by the DynamicEmbedding")
+    args = parser.parse_args(argv)
+
+    import keras
+    import tensorflow as tf
+
+    import psclient
+    from psclient.layers import DynamicEmbedding
+
+    work = tempfile.mkdtemp(prefix="psclient-serving-bench-")
+    result = {"config": {**environment(sys.argv), "rows": args.rows, "dynamic_rows": args.dynamic_rows, "dim": DIM},
+              "weights_mb": round((args.rows + args.dynamic_rows) * DIM * 4 / 2**20, 1)}
+    try:
+        with psclient.LocalCluster(num_workers=1, num_ps=2) as cluster:
+            strategy = psclient.ParameterServerStrategy(
+                cluster.cluster, checkpoint_dir=os.path.join(work, "checkpoints"),
+                variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2))
+            with strategy.scope():
+                ids = keras.Input((2,), dtype="int64")
+                dynamic = DynamicEmbedding(DIM, capacity=args.dynamic_rows + 1024, name="dynamic")
+                embedded = keras.layers.Concatenate()([
+                    keras.layers.Flatten()(keras.layers.Embedding(args.rows, DIM)(ids)),
+                    keras.layers.Flatten()(dynamic(ids))])
+                model = keras.Model(ids, keras.layers.Dense(1)(embedded))
+                model.compile(optimizer=keras.optimizers.Adagrad(0.05), loss="mse")
+            rng = np.random.default_rng(0)
+            x = rng.integers(0, min(args.rows, 10_000), (512, 2))
+            model.fit(x, rng.standard_normal((512, 1)).astype("float32"), batch_size=64, epochs=1, verbose=0)
+            log("filling the dynamic table")
+            keys = np.arange(10_000, 10_000 + args.dynamic_rows, dtype="int64")
+            dynamic.import_state([{"keys": keys, "counters": np.stack([np.ones_like(keys), np.zeros_like(keys)], 1),
+                                   "row_keys": keys, "rows": rng.standard_normal((len(keys), DIM)).astype("float32"),
+                                   "slots": {}, "clock": 1, "admissions": len(keys), "evictions": 0}])
+            del keys
+            paths = {
+                "export": lambda out: model.export(out, verbose=False),
+                "saved_model_save": lambda out: tf.saved_model.save(model, out),
+                "keras_file": lambda out: model.save(out + ".keras"),
+                "checkpoint": lambda out: strategy.save_checkpoint(),
+            }
+            for name, write in paths.items():
+                calls = []
+                for call in range(2):
+                    out = os.path.join(work, f"{name}_{call}")
+                    gc.collect()
+                    log(f"{name} #{call + 1}")
+                    start = time.perf_counter()
+                    with PeakRSS() as rss:
+                        written = write(out)
+                    seconds = time.perf_counter() - start
+                    if name == "checkpoint":  # a prefix or a directory: its files
+                        size = tree_bytes(written) if os.path.isdir(written) else sum(
+                            os.path.getsize(os.path.join(os.path.dirname(written), f))
+                            for f in os.listdir(os.path.dirname(written)) if f.startswith(os.path.basename(written)))
+                    else:
+                        size = tree_bytes(out + ".keras" if name == "keras_file" else out)
+                    calls.append({"seconds": round(seconds, 2), "bytes_mb": round(size / 2**20, 1),
+                                  "coordinator_rss_growth_mb": round(rss.growth / 2**20, 1),
+                                  "rss_growth_over_bytes": round(rss.growth / max(size, 1), 3)})
+                result[name] = calls
+            strategy.shutdown()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print_json(result)
+
+
+if __name__ == "__main__":
+    main()

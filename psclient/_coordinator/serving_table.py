@@ -1,0 +1,108 @@
+"""A dynamic table's rows as a SavedModel serves them: stock TensorFlow, no psclient.
+
+`ServingTable.taken_from(table)` snapshots a `DynamicTable` for an export:
+on each ps task (each shard's device), the keys that hold a live row there
+(admitted, not evicted, not expired by `ttl_steps` at this moment), sorted,
+beside their rows, in two plain `tf.Variable`s made *on that ps* from what it
+holds: no row passes through the coordinator, and TF's saver writes each
+variable from the task that holds it.
+
+A lookup splits the keys over the shards as training does (`shard_of`), and
+in each shard finds a key by binary search over its sorted keys
+(`tf.searchsorted`, TF's `LowerBound` op): a key found reads its row, any
+other key (never admitted, evicted, expired, still counting towards
+`min_frequency`, a reserved key) reads the default row, zeros, as the
+layer's inference lookup on the cluster does. Every op is a stock TF op
+(`LowerBound`, `GatherV2`, `DynamicPartition`, `DynamicStitch`, bitwise and
+comparison ops), so TF Serving or any TF process loads the SavedModel
+without psclient.
+
+Why sorted keys and not a `tf.lookup.StaticHashTable`: a static table is
+filled at load time from constants held in the SavedModel's graph
+(`saved_model.pb`, at most 2 GB, built in the coordinator's memory), where
+the sorted keys are a variable, saved and sharded like the rows; a lookup
+costs log2(rows) comparisons (24 for 16 million rows on one ps).
+
+Each shard's variables hold one more entry than its rows: a last key
+(int64's largest) that no search passes and a last row of zeros, the
+default; so an empty shard needs no special case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import tensorflow as tf
+
+from psclient._coordinator.key_hash import shard_of
+
+__all__ = ["ServingTable"]
+
+_LAST_KEY = 2**63 - 1
+
+
+def _live_rows(shard, policy):
+    """(keys, rows) a shard serves now, as tensors on its device (the caller places the ops)."""
+    if shard.dense:
+        row_keys, held = shard.live()
+        last = shard._vector(shard.last, held)  # noqa: SLF001 - the shard's own helper, read-only
+        rows = shard._gather(shard.rows, held)  # noqa: SLF001
+    else:
+        keys, rows = shard.values.export()
+        row_keys, rows = tf.reshape(keys, [-1]), tf.reshape(rows, [-1, shard.dim])
+        last = tf.reshape(shard.counters.lookup(row_keys), [-1, 2])[:, 1]
+    if policy.ttl_steps is not None:
+        # What the layer's inference lookup reads now: a row not seen for ttl_steps reads zeros.
+        alive = shard.clock.read_value() - last <= policy.ttl_steps
+        row_keys, rows = tf.boolean_mask(row_keys, alive), tf.boolean_mask(rows, alive)
+    return row_keys, rows
+
+
+class ServingTable(tf.Module):
+    """Per shard of a dynamic table, its keys sorted beside their rows (see the module's docstring).
+
+    `keys[k]`: int64 [rows_k + 1], `rows[k]`: float32 [rows_k + 1, dim]. A
+    `tf.Module`: a SavedModel (and Keras's export) tracks its variables.
+    """
+
+    def __init__(self, name: str, dim: int, keys: list, rows: list):
+        super().__init__(name=name)
+        self.dim = dim
+        self.keys, self.rows = list(keys), list(rows)
+
+    @classmethod
+    def taken_from(cls, table) -> "ServingTable":
+        """Snapshot `table` (a `DynamicTable`) now, each shard on its own device."""
+        keys, rows = [], []
+        with tf.init_scope(), table._unmanaged():  # noqa: SLF001 - the table's own placement rule
+            for index, shard in enumerate(table.shards):
+                with tf.device(shard.device) if shard.device else contextlib.nullcontext():
+                    shard_keys, shard_rows = _live_rows(shard, table.policy)
+                    order = tf.argsort(shard_keys)
+                    shard_keys = tf.concat([tf.gather(shard_keys, order), [_LAST_KEY]], 0)
+                    shard_rows = tf.concat([tf.gather(shard_rows, order), tf.zeros([1, table.dim])], 0)
+                    keys.append(tf.Variable(shard_keys, trainable=False, name=f"{table.name}_keys_{index}"))
+                    rows.append(tf.Variable(shard_rows, trainable=False, name=f"{table.name}_rows_{index}"))
+        return cls(f"{table.name}_serving", table.dim, keys, rows)
+
+    def size(self) -> int:
+        """Rows held, over all shards."""
+        return sum(int(keys.shape[0]) - 1 for keys in self.keys)
+
+    def lookup(self, keys):
+        """Rows of unique int64 `keys` [n] -> [n, dim]: a key's row, or zeros (see the module's docstring)."""
+        count = len(self.keys)
+        if count == 1:
+            parts, positions = [keys], [tf.range(tf.size(keys))]
+        else:
+            owner = shard_of(keys, count)
+            parts = tf.dynamic_partition(keys, owner, count)
+            positions = tf.dynamic_partition(tf.range(tf.size(keys)), owner, count)
+        found = []
+        for sorted_keys, rows, part in zip(self.keys, self.rows, parts):
+            sorted_keys = sorted_keys.read_value()
+            held = tf.size(sorted_keys, tf.int64) - 1  # the last entry is the default
+            at = tf.searchsorted(sorted_keys, part, side="left", out_type=tf.int64)  # <= held: the last key is max
+            hit = (at < held) & tf.equal(tf.gather(sorted_keys, at), part)
+            found.append(tf.gather(rows, tf.where(hit, at, held)))
+        return tf.reshape(tf.dynamic_stitch(positions, found), [-1, self.dim])

@@ -1,0 +1,88 @@
+"""Exports in progress on this thread: a SavedModel being written by TF's saver or by Keras's export.
+
+A `DynamicEmbedding` traced for an export must read a snapshot of its rows
+made for that export (stock TF variables the SavedModel tracks), not its
+tables on the ps tasks, which no SavedModel can hold. The layer cannot tell
+such a trace from any other inference trace by itself, so an export is
+marked on the thread that runs it:
+
+- `export_scope()`: entered by psclient's `export_servable` and by Keras's
+  `ExportArchive.write_out` (wrapped in `psclient._keras.serving`), which
+  traces the endpoints *before* it calls `tf.saved_model.save`;
+- TF's own `tf.saved_model.save` runs its traces inside
+  `save_context.save_context(options)`; the one patch here enters
+  `export_scope()` there too (`install_save_hook`).
+
+Scopes nest: an export scope inside another (Keras's `write_out` calling
+`tf.saved_model.save`) is the same export, with the outer one's token, so
+one export takes one snapshot. Callbacks registered with `at_export_end` run
+when the outermost scope ends (a layer drops its snapshot then: the rows'
+copy on the ps is freed once the saved functions let go of it).
+
+TF internals used (no public equivalent): `saved_model.save_context`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable, Iterator
+
+from tensorflow.python.saved_model import save_context
+
+__all__ = ["ExportToken", "at_export_end", "current_export", "export_scope", "install_save_hook"]
+
+_state = threading.local()  # .token: the export in progress on this thread; .on_end: its callbacks
+_hook_lock = threading.Lock()
+
+
+class ExportToken:
+    """One export: compared by identity (a snapshot made for it is reused within it, not after)."""
+
+    __slots__ = ("__weakref__",)
+
+
+def current_export() -> ExportToken | None:
+    """The export in progress on this thread, or None."""
+    return getattr(_state, "token", None)
+
+
+@contextlib.contextmanager
+def export_scope() -> Iterator[ExportToken]:
+    """Mark an export on this thread (the outer one's token when nested)."""
+    outer = current_export()
+    if outer is not None:
+        yield outer
+        return
+    _state.token, _state.on_end = token, callbacks = ExportToken(), []
+    try:
+        yield token
+    finally:
+        _state.token, _state.on_end = None, []
+        for callback in callbacks:
+            callback()
+
+
+def at_export_end(callback: Callable[[], None]) -> None:
+    """Call `callback` when the export in progress on this thread ends (at once if none is)."""
+    if current_export() is None:
+        callback()
+    else:
+        _state.on_end.append(callback)
+
+
+def install_save_hook() -> None:
+    """Make `tf.saved_model.save` an export scope: TF's save calls `save_context.save_context(options)`
+    by the module's attribute at every save, so wrapping that attribute covers every caller. Idempotent."""
+    with _hook_lock:
+        stock = save_context.save_context
+        if getattr(stock, "_psclient_export_scope", False):
+            return
+
+        @contextlib.contextmanager
+        def save_context_and_export_scope(options):
+            with stock(options), export_scope():
+                yield
+
+        save_context_and_export_scope._psclient_export_scope = True
+        save_context.save_context = save_context_and_export_scope
