@@ -128,14 +128,19 @@ def test_a_ps_killed_in_the_middle_of_a_save_leaves_the_previous_checkpoint(heal
         wait_for(lambda: glob.glob(str(directory / ".psclient-save-*" / "part-00000-*.index")), 60,
                  "ps:0's part of the second checkpoint")
         cluster.kill("ps", 1)
-        saver.join(60)
-        assert isinstance(outcome.get("error"), CheckpointWriteError), outcome
-        assert "ps:1" in str(outcome["error"])
+        # The save's CheckpointWriteError is a ps loss: save_checkpoint() waits for the recovery
+        # (docs/fault_tolerance.md). Meanwhile the half-written checkpoint is gone and the
+        # previous one stays the newest.
+        wait_for(lambda: not glob.glob(str(directory / ".psclient-*")), 60, "the half-written save removed")
+        assert saver.is_alive() and not outcome, outcome
         assert tf.train.latest_checkpoint(str(directory)) == saved
-        assert not glob.glob(str(directory / "ckpt-2*")) and not glob.glob(str(directory / ".psclient-*"))
+        assert not glob.glob(str(directory / "ckpt-2*"))
 
         cluster.restart("ps", 1)
-        # The next function finds ps:1 lost; recovery restores every variable from the newest checkpoint.
+        # Recovery restores every variable from the newest checkpoint; then the save is made again.
+        saver.join(180)
+        assert "error" not in outcome, outcome
+        assert tf.train.latest_checkpoint(str(directory)) == outcome["path"] != saved
         read = tf.function(lambda: first.read_value() + tf.reduce_sum(second.read_value()))
         assert strategy.schedule(read).result(timeout=120) == 1.0 + 8000.0
         assert strategy.stats()["ps"][1]["recoveries"] == 1
