@@ -21,7 +21,7 @@ from _polling import wait_for
 from test_no_freeze import MAX_STALL_S, Heartbeat
 
 import psclient
-from psclient._coordinator.checkpoint_parts import CheckpointDirError, CheckpointWriteError
+from psclient._coordinator.checkpoint_parts import CheckpointDirError
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
