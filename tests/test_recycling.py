@@ -57,7 +57,7 @@ def test_idle_after_must_be_positive(bad):
 
 def _args(**overrides):
     values = dict(cluster=None, inter_op_threads=None, allow_any_host=False, restrict_to_peers=False,
-                  peers_file=None, peer_hosts=None, parent_fd=None, recycle_when_idle=30.0)
+                  peers_file=None, peer_hosts=None, parent_fd=None, recycle_when_idle=30.0, metrics_port=None)
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -76,6 +76,9 @@ def test_the_restart_command_serves_the_same_task_without_the_ready_fd(tmp_path)
     assert options["--recycle-when-idle"] == "30.0" and options["--peer-hosts"] == "a.j,b.j"
     assert "--allow-any-host" not in argv  # closed, as the first start was
     assert "--allow-any-host" in serve_command.serve_again_argv(_args(allow_any_host=True), "ps", 1)
+    # A task serving metrics serves them again on the same port after its restart in place.
+    again = serve_command.serve_again_argv(_args(metrics_port=9100), "ps", 1)
+    assert again[again.index("--metrics-port") + 1] == "9100"
     # The minimal form: TF_CONFIG (kept in the environment) names the cluster.
     assert serve_command.serve_again_argv(_args(), "worker", 0)[4:] == [
         "--job", "worker", "--index", "0", "--recycle-when-idle", "30.0"]
