@@ -163,17 +163,20 @@ class NoPerWorker:
     def renew_iterators(self, worker: int, seen_generation: int) -> int:
         return 0
 
+    def endless(self, args, kwargs, worker: int) -> bool:
+        return False
+
     def rebuild(self, worker, *, resources_only: bool) -> None:
         pass
 
 
 def fake_engine(edge: FakeEdge, scheduler, *, hang_timeout: float = 2.0, interval: float = 0.1,
-                pipeline_depth: int = 1) -> Engine:
+                pipeline_depth: int = 1, per_worker=None) -> Engine:
     """The real engine on `edge`, built as the strategy builds it (nothing started)."""
     return Engine(
         Roster(edge.cluster), edge=edge, scheduler=scheduler,
         recovery_config=RecoveryConfig(hang_timeout=hang_timeout, probe_timeout=min(10.0, hang_timeout),
                                        interval=interval),
         pipeline_depth=pipeline_depth, connect_timeout=hang_timeout, prepare=edge.prepare,
-        store=EmptyStore(), per_worker=NoPerWorker(),
+        store=EmptyStore(), per_worker=per_worker or NoPerWorker(),
     )

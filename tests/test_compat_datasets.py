@@ -233,6 +233,22 @@ def test_element_spec_build_and_iterator_type_spec(coordinator):
     assert coordinator.fetch(coordinator.schedule(first_x, args=(iterator,))).tolist() == [[0, 1], [2, 3]]
 
 
+def test_iterators_know_on_each_worker_whether_their_dataset_never_ends(coordinator, strategy):
+    # What the dispatcher asks after an "End of sequence": from a dataset that
+    # never ends, that is an iterator broken by a cancelled call (made again);
+    # from one that ends, the data's end.
+    from psclient._coordinator.stores import PerWorkerRegistry
+
+    endless = iter(coordinator.create_per_worker_dataset(lambda: tf.data.Dataset.range(10).repeat().batch(2)))
+    finite = iter(coordinator.create_per_worker_dataset(lambda: tf.data.Dataset.range(10).batch(2)))
+    registry = PerWorkerRegistry()
+    for worker in range(NUM_WORKERS):
+        assert endless.endless(worker) and not finite.endless(worker)
+        assert registry.endless((endless,), {}, worker)
+        assert not registry.endless((endless,), {"more": finite}, worker)
+        assert not registry.endless((1,), {}, worker)  # no iterator: nothing to make again
+
+
 # ----------------------------------------- 5. dataset captured from the coordinator
 def test_dataset_from_the_coordinator_captured_by_dataset_fn_is_a_clear_error(coordinator, strategy):
     made_here = tf.data.Dataset.range(5)

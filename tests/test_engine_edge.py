@@ -147,3 +147,60 @@ def test_a_coordinator_access_that_fails_with_an_error_raised_from_tfs_counts_as
     assert engine.recovery.ps_stats[0].failures == 1
     with pytest.raises(ValueError, match="own"):  # not caused by TF's: raised unchanged
         engine.coordinator_access.run(lambda: (_ for _ in ()).throw(ValueError("own")), "x")
+
+
+class OutOfRangeError(Exception):
+    """Named as TF's: what a dataset iterator raises at its end."""
+
+
+class _Iterators:
+    """Per-worker iterators over datasets that never end (`endless`), or that do."""
+
+    def __init__(self, endless: bool):
+        self._endless = endless
+        self.renewed: list[int] = []
+        self.broken = True
+
+    def generation(self, worker: int) -> int:
+        return len(self.renewed)
+
+    def renew_iterators(self, worker: int, seen_generation: int) -> int:
+        self.renewed.append(worker)
+        self.broken = False
+        return 1
+
+    def endless(self, args, kwargs, worker: int) -> bool:
+        return self._endless
+
+    def rebuild(self, worker, *, resources_only: bool) -> None:
+        pass
+
+
+@pytest.mark.parametrize("endless", [True, False], ids=["endless dataset", "finite dataset"])
+def test_the_end_of_an_endless_dataset_is_a_broken_iterator_made_again(endless):
+    # A repeat() whose next pass was being made when a call was cancelled keeps
+    # saying "End of sequence": for a dataset that never ends, that is a broken
+    # iterator, made again and the closure run again; for one that ends, the
+    # end reaches the future as the function's own error.
+    edge = FakeEdge(Cluster({"worker": ["fake-worker0:1"], "ps": ["fake-ps0:1"]}))
+    iterators = _Iterators(endless)
+    scheduler = Scheduler(1)
+    engine = fake_engine(edge, scheduler, per_worker=iterators)
+    engine.start_dispatch()
+    engine.start_recovery()
+    try:
+        def step(x):
+            if iterators.broken:
+                raise OutOfRangeError("End of sequence\n\t [[{{node IteratorGetNext}}]]")
+            return x + 1
+
+        future = submit(engine, step, 1)
+        if endless:
+            assert future.result(timeout=LIMIT) == 2
+            assert iterators.renewed == [0]
+        else:
+            with pytest.raises(OutOfRangeError):
+                future.result(timeout=LIMIT)
+            assert iterators.renewed == []
+    finally:
+        lifecycle.shutdown_quietly(scheduler, engine.dispatcher, engine.recovery, engine.prober, edge, 10.0)

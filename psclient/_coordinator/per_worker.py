@@ -284,6 +284,19 @@ class PerWorkerIterator(PerWorker):
         """A new iterator over the worker's existing dataset (the old one broke, the worker did not)."""
         super().rebuild(worker)
 
+    def endless(self, worker: int) -> bool:
+        """Whether the worker's dataset never ends (its cardinality is infinite).
+
+        An end of sequence from an endless dataset is a broken iterator: a
+        `repeat()` whose next pass was being made when a call was cancelled
+        (a task lost meanwhile) keeps saying "End of sequence" for good.
+        One op on the worker, asked only after such an error.
+        """
+        dataset = self._dataset.value(worker)
+        with tf.device(_runtime.worker_device(worker)):
+            cardinality = dataset.cardinality()
+        return int(cardinality) == int(tf.data.INFINITE_CARDINALITY)
+
     def __next__(self):
         raise TypeError(
             "A per-worker iterator cannot be advanced on the coordinator; pass it to "

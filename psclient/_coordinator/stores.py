@@ -334,6 +334,12 @@ class PerWorkerRegistry:
             self._generations[worker] = seen_generation + 1
             return len(iterators)
 
+    def endless(self, args: tuple, kwargs: dict, worker: int) -> bool:
+        """Whether `args`/`kwargs` hold per-worker iterators and each reads, on
+        `worker`, a dataset that never ends (see `PerWorkerIterator.endless`)."""
+        iterators = [value for value in tf.nest.flatten((args, kwargs)) if isinstance(value, PerWorkerIterator)]
+        return bool(iterators) and all(iterator.endless(worker) for iterator in iterators)
+
     def rebuild(self, worker: int | None, *, resources_only: bool) -> None:
         """Build the per-worker values of `worker` (or of every worker) again.
 

@@ -130,6 +130,11 @@ def iterator_cancelled(error: BaseException) -> bool:
     return "Iterator" in str(error)
 
 
+def end_of_sequence(error: BaseException) -> bool:
+    """Whether `error` is TF's OutOfRangeError: a dataset iterator reached its end."""
+    return any(cls.__name__ == "OutOfRangeError" for cls in type(error).__mro__)
+
+
 def retry_pause(verdict: Verdict, attempts: int) -> float:
     """Seconds to wait before a retried call runs again: a growing pause for
     TRANSIENT (the channel needs the time) and for OTHER_TASK_LOST after its

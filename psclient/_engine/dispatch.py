@@ -22,7 +22,9 @@ from typing import Any, Callable
 
 from psclient._engine.edge import Edge, PerWorkerValues
 from psclient._core import ps_access
-from psclient._core.failures import Verdict, classify, iterator_cancelled, retry_pause
+from psclient._core.failures import (
+    MAX_TRANSIENT_ATTEMPTS, Verdict, classify, end_of_sequence, iterator_cancelled, retry_pause,
+)
 from psclient._core.recovery_messages import PsNotAnswering, WorkerNotAnswering
 from psclient._core.closure import Closure
 from psclient._core.errors import first_line
@@ -183,10 +185,21 @@ class Dispatcher:
             return
         if renewed:
             log.warning(
-                "worker %d: a dataset iterator was cancelled (its step broke while a task was "
-                "away); %d iterator(s) made again, starting over from their datasets' beginning",
+                "worker %d: a dataset iterator broke (cancelled, or an endless dataset said it ended, "
+                "after its step broke while a task was away); %d iterator(s) made again, starting "
+                "over from their datasets' beginning",
                 worker, renewed,
             )
+
+    def _broken_endless_iterator(self, worker: int, closure: Closure, error: Exception) -> bool:
+        # The end of a dataset that never ends: its iterator broke (a call was
+        # cancelled while its repeat() began a new pass). Made again, for a few tries.
+        if not end_of_sequence(error) or closure.unexplained_failures + 1 >= MAX_TRANSIENT_ATTEMPTS:
+            return False
+        try:
+            return self._iterators.endless(closure.args, closure.kwargs, worker)
+        except self._edge.op_error():
+            return False
 
     def _failed(
         self, worker: int, device: str, closure: Closure, attempt: int, error: Exception,
@@ -227,6 +240,10 @@ class Dispatcher:
             # there); this attempt's own report would then be stale.
             if not self._scheduler.wait_released(worker, closure, attempt, self._release_timeout):
                 self._scheduler.failed(worker, closure, error, retry=True, attempt=attempt)
+        elif verdict is Verdict.FUNCTION_ERROR and self._broken_endless_iterator(worker, closure, error):
+            closure.unexplained_failures += 1
+            self._renew_iterators(worker, iterators_generation)
+            self._scheduler.failed(worker, closure, error, retry=True, attempt=attempt)
         elif verdict is Verdict.FUNCTION_ERROR:
             named = self._edge.name_error(error, closure.name, device)
             self._scheduler.failed(worker, closure, named, retry=False, attempt=attempt)

@@ -95,6 +95,9 @@ class PerWorkerValues(Protocol):
     def renew_iterators(self, worker: int, seen_generation: int) -> int:
         """Make `worker`'s iterators again, unless renewed since `seen_generation`."""
 
+    def endless(self, args: tuple, kwargs: dict, worker: int) -> bool:
+        """Whether a closure's `args`/`kwargs` read only datasets that never end, on `worker`."""
+
     def rebuild(self, worker: int | None, *, resources_only: bool) -> None:
         """Build the per-worker values of `worker` (every worker: None) again."""
 
