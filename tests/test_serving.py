@@ -290,3 +290,29 @@ def test_the_ps_tasks_write_a_partitioned_table_and_the_coordinator_does_not_hol
         data = sorted(size for path, size in files.items() if ".data-" in path)
         assert len(data) >= 3 and data[-2] > 0.45 * table_bytes, (name, files)  # a half per ps, one the rest
         assert growth <= 0.1 * written, (name, growth / 2**20, written / 2**20)
+
+
+def test_during_an_export_a_partitioned_variable_is_written_by_its_ps_tasks_and_reads_back_whole(strategy, tmp_path):
+    """TF's checkpoint of a partitioned variable, written inside an export scope: a data file per ps
+    (each shard a slice of the one key, written there), which TF's reader and a restore read whole."""
+    from psclient._tf.partitioned import is_partitioned
+    from psclient._tf.serving import export_scope
+
+    with strategy.scope():
+        layer = keras.layers.Embedding(10, 3, name="sliced")
+        layer.build((None,))
+    variable = layer.embeddings.value
+    assert is_partitioned(variable) and len(variable.shards) == 2
+    want = np.arange(30, dtype="float32").reshape(10, 3)
+    variable.assign(want)
+    with export_scope():
+        path = tf.train.Checkpoint(v=variable).write(str(tmp_path / "sliced"))
+    tf.train.Checkpoint(v=variable).write(str(tmp_path / "whole"))  # outside an export
+    data_files = {name: sorted(f for f in os.listdir(tmp_path) if f.startswith(name + ".data-"))
+                  for name in ("sliced", "whole")}
+    # A file per ps (its shard) beside the coordinator's (the object graph); written whole: the coordinator's alone.
+    assert len(data_files["sliced"]) == 3 and len(data_files["whole"]) == 1, data_files
+    np.testing.assert_array_equal(tf.train.load_variable(path, "v/.ATTRIBUTES/VARIABLE_VALUE"), want)  # put together
+    variable.assign(np.zeros((10, 3), "float32"))
+    tf.train.Checkpoint(v=variable).read(path).assert_consumed()
+    np.testing.assert_array_equal(variable.read_value().numpy(), want)

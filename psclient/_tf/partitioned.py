@@ -168,11 +168,9 @@ class PartitionedVariable(sharded_variable.ShardedVariable):
         return {"VARIABLE_VALUE": slices}
 
     def _restore_from_tensors(self, restored_tensors):
+        # The whole value, sliced or not on disk: restores happen outside exports (TF's restore of
+        # a trackable's slices hands it one slice only, under the key's one local name).
         value, start, writes = restored_tensors["VARIABLE_VALUE"], 0, []
-        if isinstance(value, dict):  # slices, as `_serialize_to_tensors` asked for them
-            for spec, shard in zip(self.slice_specs(), self._variables):
-                writes.append(shard.assign(value[spec], read_value=False))
-            return tf.group(*writes)
         for shard in self._variables:
             stop = start + int(shard.shape[0])
             writes.append(shard.assign(value[start:stop], read_value=False))
