@@ -11,7 +11,9 @@ through `import_state` (setup, not measured). Then, in turn, each path twice (th
   checkpoint        strategy.save_checkpoint()         each ps writes its own part (training state too)
 
 Per path and call: seconds, the bytes written, and the coordinator's resident memory growth at its
-peak during the call (sampled every 10 ms with psutil) over the bytes written.
+peak during the call (the kernel's exact peak, VmHWM, reset before the call; sampled every 10 ms with
+psutil where there is no /proc/self/clear_refs; memory freed before the call is first handed back to the
+OS with glibc's `malloc_trim`, else a second call reuses it unseen) over the bytes written.
 
     nice -n 10 python benchmarks/serving_export.py                         # 1M rows + 200k dynamic rows
     nice -n 10 python benchmarks/serving_export.py --rows 4000000 --dynamic-rows 1000000
@@ -22,6 +24,7 @@ Prints one JSON object (progress on stderr). Noisy machine: compare the paths wi
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import os
 import shutil
@@ -40,32 +43,57 @@ DIM = 32
 
 
 class PeakRSS:
-    """The process's resident memory at its peak while the block runs, sampled by a thread."""
+    """The process's resident memory at its peak while the block runs: exact on Linux (the kernel's peak,
+    VmHWM, reset to the present through /proc/self/clear_refs), else sampled by a thread every `interval`."""
 
     def __init__(self, interval=0.01):
         import psutil
 
         self.process, self.interval, self.peak = psutil.Process(), interval, 0
+        self.exact = os.path.exists("/proc/self/clear_refs")
         self._stop = threading.Event()
+
+    @staticmethod
+    def _status_bytes(field: str) -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith(field + ":")) * 1024
 
     def _sample(self):
         while not self._stop.wait(self.interval):
             self.peak = max(self.peak, self.process.memory_info().rss)
 
     def __enter__(self):
+        if self.exact:
+            with open("/proc/self/clear_refs", "w") as clear_refs:
+                clear_refs.write("5")  # VmHWM := VmRSS
         self.before = self.peak = self.process.memory_info().rss
-        self._thread = threading.Thread(target=self._sample, name="rss-sampler", daemon=True)
-        self._thread.start()
+        if not self.exact:
+            self._thread = threading.Thread(target=self._sample, name="rss-sampler", daemon=True)
+            self._thread.start()
         return self
 
     def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
+        if self.exact:
+            self.peak = self._status_bytes("VmHWM")
+        else:
+            self._stop.set()
+            self._thread.join()
         self.peak = max(self.peak, self.process.memory_info().rss)
 
     @property
     def growth(self) -> int:
         return self.peak - self.before
+
+
+def release_freed_memory() -> None:
+    """Hand the memory freed so far back to the OS (glibc's `malloc_trim`), so that a call's growth is
+    measured from what the process really holds: memory freed by an earlier call and kept by the
+    allocator would otherwise be reused unseen (a second export then seemed to grow by 0 MB)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: growth may be understated after the first call
+        pass
 
 
 def tree_bytes(path: str) -> int:
@@ -78,6 +106,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows of the partitioned Embedding")
     parser.add_argument("--dynamic-rows", type=int, default=200_000, help="rows held by the DynamicEmbedding")
+    parser.add_argument("--paths", default="export,saved_model_save,keras_file,checkpoint",
+                        help="comma-separated paths to measure, in this order")
     args = parser.parse_args(argv)
 
     import keras
@@ -117,11 +147,12 @@ def main(argv=None) -> None:
                 "keras_file": lambda out: model.save(out + ".keras"),
                 "checkpoint": lambda out: strategy.save_checkpoint(),
             }
-            for name, write in paths.items():
+            for name in args.paths.split(","):
+                write = paths[name]
                 calls = []
                 for call in range(2):
                     out = os.path.join(work, f"{name}_{call}")
-                    gc.collect()
+                    release_freed_memory()
                     log(f"{name} #{call + 1}")
                     start = time.perf_counter()
                     with PeakRSS() as rss:

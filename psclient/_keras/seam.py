@@ -52,7 +52,8 @@ _ADAGRAD = "keras.src.optimizers.adagrad.Adagrad"
 _ADAFACTOR = "keras.src.optimizers.adafactor.Adafactor"
 _BATCH_NORM = "keras.src.layers.normalization.batch_normalization.BatchNormalization"
 #: Patched for exports (psclient._keras.serving).
-EXPORT_WRITE_OUT = "keras.src.export.saved_model_export_archive.SavedModelExportArchive.write_out"
+EXPORT_ARCHIVE_MODULE = "keras.src.export.saved_model_export_archive"
+EXPORT_WRITE_OUT = f"{EXPORT_ARCHIVE_MODULE}.SavedModelExportArchive.write_out"
 TF_LAYER_CHILDREN = "keras.src.backend.tensorflow.layer.TFLayer._trackable_children"
 
 
@@ -118,6 +119,9 @@ KERAS_INTERNALS: tuple[Internal, ...] = (
              "DynamicEmbedding reads a snapshot of its rows in stock TF variables (psclient._keras.serving)"),
     Internal(TF_LAYER_CHILDREN, "patched: during an export a model's SavedModel children leave out the "
              "optimizer and compiled metrics (training state, not served)"),
+    Internal(f"{EXPORT_ARCHIVE_MODULE}._list_variables_used_by_fns", "patched: during `write_out` the "
+             "variables an export's endpoints use are named as the Keras variables that hold them, so that "
+             "each is saved once, not again as a tf.Variable or as shards (psclient._keras.serving)"),
     # Variables.
     Internal(f"{_VARIABLE}._initialize_with_initializer",
              "patched: the variable described (shape, dtype, initializer) to psclient's creator, which "

@@ -13,7 +13,9 @@ variable, which TF's is not; here:
 - `.device` is the first shard's device, so `colocate_vars_with(variable)`
   asks the variable creator for the first shard's ps task.
 - `read_value()` and `__array__` give the full value (what a checkpoint and
-  `model.save` write); a checkpoint holds it whole, as one variable.
+  `model.save` write); a checkpoint holds it whole, as one variable. During
+  an export (`psclient._tf.serving`) a SavedModel holds it under the same
+  one key, written as one slice per shard by the ps that holds the shard.
 - While `focus(layout, index)` is in force on a thread, every partitioned
   variable of that layout (a variable and its optimizer slots) stands for its
   shard `index`: reads, writes and shape (see `psclient._coordinator.sharding`,
@@ -32,6 +34,8 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.distribute import sharded_variable
 from tensorflow.python.framework import composite_tensor_gradient, tensor_conversion_registry
+
+from psclient._tf.serving import current_export
 
 __all__ = ["PartitionedVariable", "focus", "is_partitioned"]
 
@@ -131,15 +135,43 @@ class PartitionedVariable(sharded_variable.ShardedVariable):
         value = self.read_value().numpy()
         return value if dtype is None else value.astype(dtype, copy=False)
 
-    # Saved whole, as one variable (a Keras variable forwards to these):
-    # tf.train.Checkpoint(model=...) files hold full values, which a
-    # model in another process, partitioned or not, reads back.
+    @property
+    def shards(self) -> list:
+        """The shards' variables, also inside TF's save context (where `variables` is one stand-in)."""
+        return list(self._variables)
+
+    def slice_specs(self) -> list[str]:
+        """Per shard, its place in the whole variable as a checkpoint slice ("rows dim... start,length:-...")."""
+        specs, start, full = [], 0, self._shape.as_list()
+        for shard in self._variables:
+            rows = int(shard.shape[0])
+            offset = [start] + [0] * (len(full) - 1)
+            specs.append(tf.Variable.SaveSliceInfo(self.name, full, offset, shard.shape.as_list()).spec)
+            start += rows
+        return specs
+
+    # Saved under one key as a whole variable (a Keras variable forwards to
+    # these): tf.train.Checkpoint(model=...) files hold full values, which a
+    # model in another process, partitioned or not, reads back. In a
+    # SavedModel (an export in progress) the same key is written as one
+    # slice per shard, each read on its ps, so TF's saver writes each slice
+    # from the ps that holds it (one data file per task) and no row passes
+    # through the coordinator; a reader asking for the whole key (any TF
+    # process loading the SavedModel) gets the slices assembled.
     def _serialize_to_tensors(self):
-        return {"VARIABLE_VALUE": self.read_value()}
+        if current_export() is None:
+            return {"VARIABLE_VALUE": self.read_value()}
+        slices = {}
+        for spec, shard in zip(self.slice_specs(), self._variables):
+            with tf.device(shard.device):
+                slices[spec] = shard.read_value()
+        return {"VARIABLE_VALUE": slices}
 
     def _restore_from_tensors(self, restored_tensors):
+        # The whole value, sliced or not on disk: restores happen outside exports (TF's restore of
+        # a trackable's slices hands it one slice only, under the key's one local name).
         value, start, writes = restored_tensors["VARIABLE_VALUE"], 0, []
-        for shard in self.variables:
+        for shard in self._variables:
             stop = start + int(shard.shape[0])
             writes.append(shard.assign(value[start:stop], read_value=False))
             start = stop

@@ -10,8 +10,11 @@ marked on the thread that runs it:
   `ExportArchive.write_out` (wrapped in `psclient._keras.serving`), which
   traces the endpoints *before* it calls `tf.saved_model.save`;
 - TF's own `tf.saved_model.save` runs its traces inside
-  `save_context.save_context(options)`; the one patch here enters
-  `export_scope()` there too (`install_save_hook`).
+  `save_context.save_context(options)` and then writes the variables'
+  checkpoint outside it, both from `save.save_and_return_nodes`; the patches
+  here enter `export_scope()` in both (`install_save_hook`): a partitioned
+  variable is written as one slice per shard, by the ps that holds it, only
+  while an export is in progress (`psclient._tf.partitioned`).
 
 Scopes nest: an export scope inside another (Keras's `write_out` calling
 `tf.saved_model.save`) is the same export, with the outer one's token, so
@@ -19,15 +22,18 @@ one export takes one snapshot. Callbacks registered with `at_export_end` run
 when the outermost scope ends (a layer drops its snapshot then: the rows'
 copy on the ps is freed once the saved functions let go of it).
 
-TF internals used (no public equivalent): `saved_model.save_context`.
+TF internals used (no public equivalent): `saved_model.save_context`,
+`saved_model.save.save_and_return_nodes`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Callable, Iterator
 
+from tensorflow.python.saved_model import save as saved_model_save
 from tensorflow.python.saved_model import save_context
 
 __all__ = ["ExportToken", "at_export_end", "current_export", "export_scope", "install_save_hook"]
@@ -72,8 +78,10 @@ def at_export_end(callback: Callable[[], None]) -> None:
 
 
 def install_save_hook() -> None:
-    """Make `tf.saved_model.save` an export scope: TF's save calls `save_context.save_context(options)`
-    by the module's attribute at every save, so wrapping that attribute covers every caller. Idempotent."""
+    """Make `tf.saved_model.save` an export scope, from its first trace to its checkpoint's last write.
+
+    TF's save calls `save_context.save_context(options)` and `save_and_return_nodes` by their modules'
+    attributes at every save, so wrapping those attributes covers every caller. Idempotent."""
     with _hook_lock:
         stock = save_context.save_context
         if getattr(stock, "_psclient_export_scope", False):
@@ -84,5 +92,13 @@ def install_save_hook() -> None:
             with stock(options), export_scope():
                 yield
 
+        stock_save = saved_model_save.save_and_return_nodes
+
+        @functools.wraps(stock_save)
+        def save_and_return_nodes(*args, **kwargs):
+            with export_scope():
+                return stock_save(*args, **kwargs)
+
         save_context_and_export_scope._psclient_export_scope = True
+        saved_model_save.save_and_return_nodes = save_and_return_nodes
         save_context.save_context = save_context_and_export_scope
