@@ -116,7 +116,8 @@ class ServingExport(keras.callbacks.Callback):
     a delta cannot be taken (the previous cut was lost with its ps). Training
     ends with a last delta; the chain goes on in the next `fit` with this
     callback (each ps keeps the last cut's copy of its rows until `release()`). `deltas` lists a dict per delta written (path,
-    rows changed and removed, bytes, seconds training was paused).
+    rows changed and removed, bytes, seconds training was paused, of which
+    waiting for the steps in flight).
     `psclient.serving.load(base_dir)` serves the newest full version with its
     deltas applied; TF Serving sees the full versions only.
     """
@@ -162,7 +163,7 @@ class ServingExport(keras.callbacks.Callback):
 
             # Nothing ran since the export: this cut is the full version's, the first delta's base.
             self._cut, self._chain = None, (int(os.path.basename(path)), 0)
-            self._cut = DeltaCut(_dynamic_tables(self.model))
+            self._cut = DeltaCut(_dynamic_tables(self.model), _dense(self.model))
         self._last = self._last_delta = time.monotonic()
 
     def delta_now(self) -> None:
@@ -173,9 +174,10 @@ class ServingExport(keras.callbacks.Callback):
             return
         began = time.monotonic()
         self._join()
+        joined = time.monotonic()
         try:
             with serving_deltas.new_delta(self.base_dir, version, seq + 1) as scratch:
-                manifest = self._cut.write(scratch, _dense(self.model))
+                manifest = self._cut.write(scratch)
                 manifest.update(version=version, seq=seq + 1, written_at=time.time())
                 serving_deltas.write_manifest(scratch, manifest)
         except tf.errors.OpError as error:
@@ -190,6 +192,7 @@ class ServingExport(keras.callbacks.Callback):
         path = os.path.join(serving_deltas.chain_dir(self.base_dir, version), str(seq + 1))
         self._chain = (version, seq + 1)
         self.deltas.append({"path": path, "version": version, "seq": seq + 1, "seconds": seconds,
+                            "join_seconds": joined - began,
                             "bytes": _bytes(path), "changed": sum(sum(t["changed"]) for t in manifest["tables"]),
                             "removed": sum(sum(t["removed"]) for t in manifest["tables"])})
         self._last_delta = time.monotonic()
