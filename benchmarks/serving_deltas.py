@@ -7,8 +7,10 @@ version costs), then training runs on keys drawn from the held rows while deltas
 seconds, and `psclient.serving.load(base, poll_seconds=0.2)` follows them in this process. Halfway a
 key no step saw before enters every batch; a thread calls the loader until it serves that key's row.
 
-Prints one JSON object: the full version's pause; per delta the pause (join + cut + diff + write on
-the ps), its bytes, rows changed and removed, and bytes over (changed rows x (row bytes + key));
+Prints one JSON object: the full version's pause; per delta the pause (the steps in flight finish,
+the ps tasks copy the cut), the time the ps tasks then take to diff and write it while training
+goes on, its bytes, rows changed and removed, and, for deltas of at least 100 rows, the bytes of its
+rows' files over (changed rows x (row bytes + key) + removed keys x key bytes);
 the freshness (seconds from the first step that trained the new key to the loader serving it).
 
     nice -n 10 python benchmarks/serving_deltas.py                   # 200k rows, S = 2 s, 20 s of training
@@ -85,7 +87,8 @@ def main(argv=None) -> None:
                 x = rng.integers(0, args.dynamic_rows, (64 * 20_000, 2))
                 if new_key:
                     x[:, 1] = NEW_KEY
-                return tf.data.Dataset.from_tensor_slices((x, np.zeros((len(x), 1), "float32"))).batch(64)
+                y = rng.standard_normal((len(x), 1)).astype("float32")  # rows keep changing
+                return tf.data.Dataset.from_tensor_slices((x, y)).batch(64)
 
             class Until(keras.callbacks.Callback):
                 def __init__(self, seconds, seen=None):
@@ -130,15 +133,26 @@ def main(argv=None) -> None:
                 "count": len(deltas),
                 "pause_seconds_median": round(float(np.median(pauses)), 3),
                 "pause_seconds_max": round(max(pauses), 3),
+                "write_seconds_median": round(float(np.median([d["write_seconds"] for d in deltas])), 3),
                 "changed_rows_median": int(np.median([d["changed"] for d in deltas])),
                 "bytes_median": int(np.median([d["bytes"] for d in deltas])),
-                "bytes_over_touched_max": round(max(d["bytes"] / max(1, d["changed"] * (DIM * 4 + 8) + d["removed"] * 8)
-                                                    for d in deltas if d["changed"]), 3),
+                "table_bytes_over_touched_max": round(max(
+                    table_bytes(d["path"]) / (d["changed"] * (DIM * 4 + 8) + d["removed"] * 8)
+                    for d in deltas if d["changed"] + d["removed"] >= 100), 3) if any(
+                    d["changed"] + d["removed"] >= 100 for d in deltas) else None,
+                "each": [{key: (round(d[key], 3) if isinstance(d[key], float) else d[key])
+                          for key in ("seq", "seconds", "join_seconds", "write_seconds", "changed", "removed", "bytes")}
+                         for d in deltas],
             }
             strategy.shutdown()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_json(result)
+
+
+def table_bytes(path: str) -> int:
+    """A delta's files of dynamic rows (t<i>_s<k>_...): its dense variables and manifest aside."""
+    return sum(entry.stat().st_size for entry in os.scandir(path) if entry.name.startswith("t"))
 
 
 def tree_bytes(path: str) -> int:

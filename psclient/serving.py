@@ -90,12 +90,17 @@ def _prepared(served: _Served, directory: str) -> list:
                                  _read(part + "rows", tf.float32), _read(part + "removed", tf.int64))
             writes += [(keys_var, keys), (rows_var, rows)]
     for j, dense in enumerate(manifest["dense"]):
-        targets = served.variables.get(dense["name"])
+        dtype = tf.as_dtype(dense["dtype"])
+        if "parts" not in dense:
+            pieces = [(dense["name"], _read(os.path.join(directory, f"d{j}"), dtype))]
+        else:  # a partitioned variable: saved both whole and as its shards (Keras's export)
+            parts = [_read(os.path.join(directory, f"d{j}_p{i}"), dtype) for i in range(len(dense["parts"]))]
+            pieces = [(dense["name"], np.concatenate(parts)), *zip(dense["parts"], parts)]
+        targets = [(variable, value) for name, value in pieces for variable in served.variables.get(name, [])]
         if not targets:
             raise ServingDirError(f"The delta {directory!r} holds variable {dense['name']!r}, which full version "
                                   f"{served.version} does not: the delta is not of this model.")
-        value = _read(os.path.join(directory, f"d{j}"), tf.as_dtype(dense["dtype"]))
-        writes += [(variable, value) for variable in targets]
+        writes += targets
     return writes
 
 

@@ -15,7 +15,11 @@ whatever changed the rows (training, admission, eviction, expiry, a restore),
 in both storages, and writes only rows whose values differ. Its cost: each ps
 holds a copy of its live rows between deltas (two while one is written).
 
-Dense variables are written whole in each delta, each from its own device.
+Training pauses only for the copy (`take`, a cut between steps); the diff and
+the writes (`write`) run on the ps tasks from the copies while training goes on.
+
+Dense variables are written whole in each delta, each from its own device (a
+partitioned variable as its shards, each from its ps).
 The layout and the manifest are `psclient._core.serving_deltas`.
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import NamedTuple
 
 import tensorflow as tf
 
@@ -55,41 +60,86 @@ def _diff_and_write(old_keys, old_rows, keys, rows, prefix):
     return tf.stack([tf.size(changed), tf.size(gone)])
 
 
-def _dense_writer(dense: list):
-    """A function writing each of `dense` ((name, tf.Variable) pairs) whole, each from its own device,
-    to `directory`/d<j>: one call for all of them."""
+def _flat(dense: list) -> list:
+    """(file name, tf.Variable) for each variable of `dense` ((name, a tf.Variable or the list of a
+    partitioned variable's shards) pairs): d<j>, or d<j>_p<i> for shard i."""
+    files = []
+    for j, (_, variable) in enumerate(dense):
+        if isinstance(variable, list):
+            files += [(f"d{j}_p{i}", part) for i, part in enumerate(variable)]
+        else:
+            files.append((f"d{j}", variable))
+    return files
 
-    @tf.function(input_signature=[tf.TensorSpec([], tf.string)])
-    def write(directory):
-        for j, (_, variable) in enumerate(dense):
-            with _placed(getattr(variable, "device", None)):
-                tf.io.write_file(directory + f"/d{j}", tf.io.serialize_tensor(variable.read_value()))
-        return tf.constant(0)
 
-    return write
+def _readers(files: list) -> list:
+    """Per device, (device, the files' positions, a function reading those variables there): one call
+    per ps copies its dense variables at a cut, and the copies stay on that ps."""
+    by_device: dict = {}
+    for position, (_, variable) in enumerate(files):
+        by_device.setdefault(variable.device, []).append(position)
+    readers = []
+    for device, positions in by_device.items():
+        read = _reader([files[position][1] for position in positions])
+        with _placed(device):
+            read.get_concrete_function()  # traced now, not in a cut's pause
+        readers.append((device, positions, read))
+    return readers
+
+
+def _reader(variables: list):
+    @tf.function
+    def read():
+        return [tf.identity(variable.read_value()) for variable in variables]
+
+    return read
+
+
+def _described(name: str, variable) -> dict:
+    if isinstance(variable, list):
+        return {"name": name, "dtype": variable[0].dtype.name, "parts": [part.name for part in variable]}
+    return {"name": name, "dtype": variable.dtype.name}
+
+
+class Cut(NamedTuple):
+    """What `DeltaCut.take` copied at a cut, on the ps tasks: each table's `ServingTable`, and the dense
+    variables' values (file name, tensor on its ps)."""
+
+    tables: list
+    dense: list
 
 
 class DeltaCut:
     """The previous cut of `tables` (`DynamicTable`s), kept on their ps tasks (see the module's docstring).
 
-    `dense`: (name, tf.Variable) pairs, written whole in each delta.
+    `dense`: (name, tf.Variable or a partitioned variable's shards) pairs, written whole in each delta.
+    `take()` copies a cut on the ps tasks (what training must pause for); `write(cut, directory)`
+    then diffs and writes it there, while training goes on; cuts are written in the order taken.
     """
 
     def __init__(self, tables: list, dense: list):
         self.tables, self.dense = list(tables), list(dense)
-        self._write_dense = _dense_writer(self.dense) if self.dense else None
-        # Traced now, with the full version this cut belongs to, rather than in the first delta's pause.
+        self._files = _flat(self.dense)
+        # Traced now, with the full version this cut belongs to, rather than in a delta's pause.
+        self._readers = _readers(self._files)
         _diff_and_write.get_concrete_function()
-        if self._write_dense is not None:
-            self._write_dense.get_concrete_function()
         self.previous = [ServingTable.taken_from(table) for table in self.tables]
 
-    def write(self, directory: str) -> dict:
-        """Write what changed since the previous cut into `directory`; return the manifest's contents.
-        The caller makes this a cut (no step in flight)."""
-        taken = [ServingTable.taken_from(table) for table in self.tables]
+    def take(self) -> Cut:
+        """Copy the tables' live rows and the dense variables now, each on its ps. The caller makes this
+        a cut (no step in flight)."""
+        values = [None] * len(self._files)
+        for device, positions, read in self._readers:
+            with _placed(device):
+                for position, value in zip(positions, read()):
+                    values[position] = (self._files[position][0], value)
+        return Cut([ServingTable.taken_from(table) for table in self.tables], values)
+
+    def write(self, cut: Cut, directory: str) -> dict:
+        """Write what changed between the previous cut and `cut` into `directory` (from the ps tasks);
+        `cut` becomes the previous one. Returns the manifest's contents."""
         entries = []
-        for i, (table, old, new) in enumerate(zip(self.tables, self.previous, taken)):
+        for i, (table, old, new) in enumerate(zip(self.tables, self.previous, cut.tables)):
             counts = []
             for k, shard in enumerate(table.shards):
                 with _placed(shard.device):
@@ -99,8 +149,8 @@ class DeltaCut:
             counts = [[int(c) for c in count.numpy()] for count in counts]
             entries.append({"name": table.name, "dim": table.dim, "shards": len(table.shards),
                             "changed": [c[0] for c in counts], "removed": [c[1] for c in counts]})
-        if self._write_dense is not None:
-            self._write_dense(tf.constant(directory))
-        self.previous = taken  # the previous cut's copies on the ps are freed with it
-        return {"tables": entries,
-                "dense": [{"name": name, "dtype": variable.dtype.name} for name, variable in self.dense]}
+        for name, value in cut.dense:
+            with _placed(value.device):
+                tf.io.write_file(os.path.join(directory, name), tf.io.serialize_tensor(value))
+        self.previous = cut.tables  # the previous cut's copies on the ps are freed with it
+        return {"tables": entries, "dense": [_described(name, variable) for name, variable in self.dense]}

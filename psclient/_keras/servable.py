@@ -13,6 +13,7 @@ which `psclient.serving.load` applies. See docs/serving.md.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import time
@@ -89,12 +90,17 @@ def _dynamic_tables(model) -> list:
 
 
 def _dense(model) -> list:
-    """(name in the SavedModel, tf.Variable) of `model`'s variables, dynamic tables aside."""
+    """(name in the SavedModel, tf.Variable or the shards of a partitioned one) of `model`'s variables.
+
+    A partitioned variable is saved in a SavedModel both whole (named by its
+    path) and as its shards: a delta carries its shards, each written by its ps."""
     pairs = []
     for variable in model.variables:
         value = getattr(variable, "value", variable)
         if isinstance(value, tf.Variable):
             pairs.append((value.name, value))
+        else:  # psclient's PartitionedVariable (a ShardedVariable): its shards, in order
+            pairs.append((f"{variable.path}:0", list(value.variables)))
     return pairs
 
 
@@ -116,8 +122,10 @@ class ServingExport(keras.callbacks.Callback):
     a delta cannot be taken (the previous cut was lost with its ps). Training
     ends with a last delta; the chain goes on in the next `fit` with this
     callback (each ps keeps the last cut's copy of its rows until `release()`). `deltas` lists a dict per delta written (path,
-    rows changed and removed, bytes, seconds training was paused, of which
-    waiting for the steps in flight).
+    rows changed and removed, bytes, `seconds` training was paused for the
+    cut, `join_seconds` of it waiting for the steps in flight, and
+    `write_seconds` the ps tasks then took to diff and write it while
+    training went on, on the callback's writer thread, stopped when `fit` ends).
     `psclient.serving.load(base_dir)` serves the newest full version with its
     deltas applied; TF Serving sees the full versions only.
     """
@@ -143,6 +151,8 @@ class ServingExport(keras.callbacks.Callback):
         self._last = self._last_delta = time.monotonic()
         self._cut = None  # the previous version's cut of the dynamic tables (a DeltaCut), in delta mode
         self._chain = (None, 0)  # (full version, last delta written after it)
+        self._writer = None  # the thread that writes deltas (a ThreadPoolExecutor), while fit runs
+        self._pending = None  # the delta it is writing (a Future)
 
     def on_train_begin(self, logs=None):
         serving_dirs.claim(self.base_dir, self.run_id, self.take_over)
@@ -154,6 +164,7 @@ class ServingExport(keras.callbacks.Callback):
             strategy.join()  # a version is a cut between steps: none in flight on the workers
 
     def export_now(self) -> None:
+        self._finish_pending()  # the deltas of the chain before it are all written first
         self._join()
         # No take_over here: a run that took the directory over since fails the export, as it should.
         path = export_servable(self.model, self.base_dir, keep=self.keep, run_id=self.run_id)
@@ -167,7 +178,12 @@ class ServingExport(keras.callbacks.Callback):
         self._last = self._last_delta = time.monotonic()
 
     def delta_now(self) -> None:
-        """Write a delta version now (a full version when one is due instead)."""
+        """Write a delta version now (a full version when one is due instead).
+
+        Training pauses for the cut only (the steps in flight finish, the ps
+        tasks copy what changed); the ps tasks then diff and write it on the
+        callback's writer thread while training goes on."""
+        self._finish_pending()
         version, seq = self._chain
         if self._cut is None or (self.full_every_deltas is not None and seq >= self.full_every_deltas):
             self.export_now()
@@ -176,26 +192,46 @@ class ServingExport(keras.callbacks.Callback):
         self._join()
         joined = time.monotonic()
         try:
-            with serving_deltas.new_delta(self.base_dir, version, seq + 1) as scratch:
-                manifest = self._cut.write(scratch)
-                manifest.update(version=version, seq=seq + 1, written_at=time.time())
-                serving_deltas.write_manifest(scratch, manifest)
+            cut = self._cut.take()
         except tf.errors.OpError as error:
-            # The previous cut lived on a ps that was lost (or a write failed there): a full version instead.
-            logging.getLogger(__name__).warning("psclient ServingExport: delta %d of version %d failed (%s: %s); "
-                                                "writing a full version instead", seq + 1, version,
-                                                type(error).__name__, str(error).splitlines()[0] if str(error) else "")
-            self._cut = None
-            self.export_now()
+            self._full_instead(error, version, seq + 1)
             return
-        seconds = time.monotonic() - began
-        path = os.path.join(serving_deltas.chain_dir(self.base_dir, version), str(seq + 1))
+        paused = {"seconds": time.monotonic() - began, "join_seconds": joined - began}
         self._chain = (version, seq + 1)
-        self.deltas.append({"path": path, "version": version, "seq": seq + 1, "seconds": seconds,
-                            "join_seconds": joined - began,
-                            "bytes": _bytes(path), "changed": sum(sum(t["changed"]) for t in manifest["tables"]),
-                            "removed": sum(sum(t["removed"]) for t in manifest["tables"])})
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="psclient-serving-deltas")
+        self._pending = self._writer.submit(self._write, self._cut, cut, version, seq + 1, paused)
         self._last_delta = time.monotonic()
+
+    def _write(self, delta_cut, cut, version: int, seq: int, paused: dict) -> None:
+        """On the writer thread: one delta, from the ps tasks, into its hidden directory, then renamed."""
+        began = time.monotonic()
+        with serving_deltas.new_delta(self.base_dir, version, seq) as scratch:
+            manifest = delta_cut.write(cut, scratch)
+            manifest.update(version=version, seq=seq, written_at=time.time())
+            serving_deltas.write_manifest(scratch, manifest)
+        path = os.path.join(serving_deltas.chain_dir(self.base_dir, version), str(seq))
+        self.deltas.append({"path": path, "version": version, "seq": seq, **paused,
+                            "write_seconds": time.monotonic() - began, "bytes": _bytes(path),
+                            "changed": sum(sum(t["changed"]) for t in manifest["tables"]),
+                            "removed": sum(sum(t["removed"]) for t in manifest["tables"])})
+
+    def _finish_pending(self) -> None:
+        """Wait for the delta being written; if it failed on a ps, the next version is a full one."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except tf.errors.OpError as error:
+            self._cut = None
+            _log_full_instead(error, *self._chain)
+
+    def _full_instead(self, error, version, seq) -> None:
+        # The previous cut lived on a ps that was lost (or a copy failed there): a full version instead.
+        _log_full_instead(error, version, seq)
+        self._cut = None
+        self.export_now()
 
     @property
     def chain(self) -> tuple:
@@ -222,11 +258,26 @@ class ServingExport(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if self.delta_every_seconds is not None:
             self.delta_now()  # what training ended with is served
+            self._stop_writer()
         # The cut is kept: a next `fit` (online training, fit after fit) goes on with the same chain.
 
+    def _stop_writer(self) -> None:
+        self._finish_pending()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
     def release(self) -> None:
-        """Free the previous cut's copy of the rows on the ps tasks; the next version written is a full one."""
+        """Wait for the delta being written, stop the writer thread, and free the previous cut's copy of
+        the rows on the ps tasks; the next version written is a full one."""
+        self._stop_writer()
         self._cut = None
+
+
+def _log_full_instead(error, version, seq) -> None:
+    logging.getLogger(__name__).warning(
+        "psclient ServingExport: delta %d of version %d failed (%s: %s); the next version is a full one",
+        seq, version, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
 
 
 def _bytes(path: str) -> int:
