@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -146,11 +146,17 @@ class ServedModel:
             raise ServingDirError(f"Invalid value for argument `base_dir`. Received: base_dir={base_dir!r}, which "
                                   "holds no full version. Expected a directory psclient.ServingExport or "
                                   "psclient.export_servable wrote.")
+        saved = self._served.saved
+        if not hasattr(saved, endpoint) and endpoint not in saved.signatures:
+            raise ValueError(f"Invalid value for argument `endpoint`. Received: endpoint={endpoint!r}. Expected a "
+                             f"function or signature of the SavedModel: signatures {sorted(saved.signatures)}.")
         self._stop = threading.Event()
         self._thread = None
         if poll_seconds is not None:
-            self._thread = threading.Thread(target=self._poll, args=(poll_seconds,), daemon=True,
-                                            name=f"psclient-serving-poll:{base_dir}")
+            # The thread holds the model weakly: a model dropped without close() stops it too.
+            self._thread = threading.Thread(target=_poll, args=(weakref.ref(self), self._stop, poll_seconds),
+                                            daemon=True, name=f"psclient-serving-poll:{base_dir}")
+            weakref.finalize(self, self._stop.set)
             self._thread.start()
 
     # ------------------------------------------------------------ serving
@@ -220,14 +226,13 @@ class ServedModel:
         self._stats["deltas_applied"] += 1
         self._stats["applied_at"] = serving_deltas.read_manifest(directory).get("written_at")
 
-    def _poll(self, seconds: float) -> None:
-        while not self._stop.wait(seconds):
-            try:
-                self.refresh()
-            except (OSError, ServingDirError, tf.errors.OpError, KeyError, ValueError) as error:
-                # A version pruned while read, a delta of another model: served as before, tried again.
-                self._stats["last_error"] = f"{type(error).__name__}: {error}"
-                _log.warning("psclient.serving: refreshing %s failed: %s", self.base_dir, error)
+    def _refresh_in_thread(self) -> None:
+        try:
+            self.refresh()
+        except (OSError, ServingDirError, tf.errors.OpError, KeyError, ValueError) as error:
+            # A version pruned while read, a delta of another model: served as before, tried again.
+            self._stats["last_error"] = f"{type(error).__name__}: {error}"
+            _log.warning("psclient.serving: refreshing %s failed: %s", self.base_dir, error)
 
     # ------------------------------------------------------------ closing
     def close(self) -> None:
@@ -242,6 +247,16 @@ class ServedModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _poll(model_ref, stop: threading.Event, seconds: float) -> None:
+    """The polling thread: refresh the model every `seconds` until stopped or the model is gone."""
+    while not stop.wait(seconds):
+        model = model_ref()
+        if model is None:
+            return
+        model._refresh_in_thread()  # noqa: SLF001 - its owner's own method
+        del model
 
 
 def load(base_dir, poll_seconds: float | None = 1.0, endpoint: str = "serve") -> ServedModel:
