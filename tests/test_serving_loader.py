@@ -1,10 +1,14 @@
 """`psclient.serving.load` without a cluster: a local model fit with `ServingExport(delta_every_seconds)`,
 whose deltas remove rows too (a capacity evicts), followed by the loader's own thread; the thread's
-owner stops it; bad arguments named. The cluster's side: tests/test_serving_deltas.py."""
+owner stops it; bad arguments named; importing `psclient.serving` starts nothing. The cluster's side:
+tests/test_serving_deltas.py."""
 
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -74,3 +78,22 @@ def test_bad_arguments_are_named(trained, tmp_path):
         psclient.serving.load(trained[0], poll_seconds=None, endpoint="nope")
     with pytest.raises(psclient.ServingDirError, match="holds no full version"):
         psclient.serving.load(tmp_path, poll_seconds=None)
+
+
+def test_importing_psclient_serving_starts_nothing_and_needs_no_cluster_code():
+    # `import psclient` itself imports its pure-Python cluster descriptions and LocalCluster (unstarted),
+    # and TensorFlow's import imports Keras, which registers psclient's layer (psclient._keras.registration):
+    # neither starts anything.
+    code = ("import sys, threading, multiprocessing; import psclient.serving; "
+            "bad = sorted(m for m in sys.modules if m.startswith(('psclient._coordinator.strategy', "
+            "'psclient._engine.dispatch', 'psclient._engine.recovery', 'psclient._keras.servable', "
+            "'psclient._keras.install'))); "
+            "import tensorflow as tf; "
+            "print(bad, threading.active_count(), len(multiprocessing.active_children()), "
+            "all('/job:' not in d.name or '/job:localhost/' in d.name for d in tf.config.list_logical_devices()))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ,
+                              "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-4:] == ["[]", "1", "0", "True"], out.stdout

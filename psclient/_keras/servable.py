@@ -121,7 +121,8 @@ class ServingExport(keras.callbacks.Callback):
     A full version replaces a delta after `full_every_deltas` deltas, and when
     a delta cannot be taken (the previous cut was lost with its ps). Training
     ends with a last delta; the chain goes on in the next `fit` with this
-    callback (each ps keeps the last cut's copy of its rows until `release()`). `deltas` lists a dict per delta written (path,
+    callback (each ps keeps the last cut's copy of its rows until
+    `release()`). `deltas` lists a dict per delta written (path,
     rows changed and removed, bytes, `seconds` training was paused for the
     cut, `join_seconds` of it waiting for the steps in flight, and
     `write_seconds` the ps tasks then took to diff and write it while
@@ -235,7 +236,8 @@ class ServingExport(keras.callbacks.Callback):
 
     @property
     def chain(self) -> tuple:
-        """(the last full version written, the deltas written after it); (None, 0) before any."""
+        """(the last full version written, the last delta taken after it: 0 for none); (None, 0) before
+        any. A delta taken is written on the writer thread, all of them by the time `fit` returns."""
         return self._chain
 
     def due_by_time(self) -> bool:
