@@ -55,6 +55,30 @@ def test_the_loader_follows_the_deltas_removed_rows_included(trained):
     assert loader.statistics()["deltas_applied"] == callback.chain[1]
 
 
+def test_a_full_version_every_n_deltas_and_the_loader_moves_to_it(tmp_path):
+    base = str(tmp_path / "model")
+    ids = keras.Input((2,), dtype="int64", name="ids")
+    model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(DynamicEmbedding(4, name="rows")(ids))))
+    model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
+    callback = psclient.ServingExport(base, every_seconds=3600, delta_every_seconds=0.001, full_every_deltas=2,
+                                      keep=2)
+    x = np.random.default_rng(1).integers(0, 200, (200, 2))
+    model.fit(x[:20], x[:20, :1].astype("float32"), batch_size=10, verbose=0, callbacks=[callback])
+    loader = psclient.serving.load(base, poll_seconds=None)  # follows from the first fit's version
+    first = loader.version
+    model.fit(x, x[:, :1].astype("float32"), batch_size=10, verbose=0, callbacks=[callback])
+    versions = [int(os.path.basename(path)) for path in callback.exported]
+    assert len(versions) >= 3 and versions == sorted(versions), versions
+    assert all(d["seq"] <= 2 for d in callback.deltas)
+    kept = psclient._core.serving_dirs.versions(base)  # noqa: SLF001
+    assert kept == versions[-2:]
+    chains = [int(name) for name in os.listdir(os.path.join(base, "deltas")) if name.isdigit()]
+    assert chains and set(chains) <= set(kept), (chains, kept)  # the deltas of pruned versions went with them
+    assert loader.refresh()
+    assert loader.version == callback.chain and loader.version[0] > first[0]
+    np.testing.assert_allclose(loader(tf.constant(PROBE)).numpy(), model.predict(PROBE, verbose=0), atol=1e-6, rtol=0)
+
+
 def test_close_joins_the_thread_and_a_dropped_loader_stops_its_own(trained):
     base = trained[0]
     loader = psclient.serving.load(base, poll_seconds=0.05)
