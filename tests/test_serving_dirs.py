@@ -159,3 +159,76 @@ def test_a_local_model_exports_and_a_failed_export_publishes_nothing(tmp_path, m
     with pytest.raises(OSError, match="No space left"):
         psclient.export_servable(model, tmp_path / "model", run_id="local")
     assert sorted(os.listdir(tmp_path / "model")) == [RUN_MARKER, "1"]
+
+
+# ------------------------------------------------------------------ deltas (psclient._core.serving_deltas)
+from psclient._core import serving_deltas  # noqa: E402
+from psclient._core.serving_deltas import Step, next_step  # noqa: E402
+
+
+def write_delta(base, version, seq, fail=False):
+    with serving_deltas.new_delta(str(base), version, seq) as scratch:
+        with open(os.path.join(scratch, "t0_s0_keys"), "w") as f:
+            f.write("rows")
+        if fail:
+            raise OSError("disk full")
+        serving_deltas.write_manifest(scratch, {"version": version, "seq": seq, "tables": [], "dense": []})
+
+
+def test_deltas_sit_beside_the_versions_where_tf_serving_does_not_look(tmp_path):
+    write_version(tmp_path)
+    write_delta(tmp_path, 1, 1)
+    write_delta(tmp_path, 1, 2)
+    assert serving_dirs.versions(str(tmp_path)) == [1]  # what TF Serving scans: integers at the top only
+    assert serving_deltas.deltas(str(tmp_path), 1) == [1, 2]
+    manifest = serving_deltas.read_manifest(serving_deltas.chain_dir(str(tmp_path), 1) + "/2")
+    assert (manifest["version"], manifest["seq"], manifest["format"]) == (1, 2, serving_deltas.FORMAT)
+
+
+def test_a_failed_delta_leaves_nothing_visible_and_a_written_one_is_never_overwritten(tmp_path):
+    write_version(tmp_path)
+    with pytest.raises(OSError, match="disk full"):
+        write_delta(tmp_path, 1, 1, fail=True)
+    assert os.listdir(serving_deltas.chain_dir(str(tmp_path), 1)) == []  # the hidden scratch is gone too
+    write_delta(tmp_path, 1, 1)
+    with pytest.raises(ServingDirError, match="seq=1, which exists"):
+        write_delta(tmp_path, 1, 1)
+
+
+def test_the_deltas_of_a_pruned_version_go_with_it(tmp_path):
+    for version in (1, 2, 3):
+        write_version(tmp_path)
+        write_delta(tmp_path, version, 1)
+    serving_dirs.prune(str(tmp_path), keep=1)
+    assert serving_deltas.prune_chains(str(tmp_path)) == [1, 2]
+    assert visible(os.path.join(tmp_path, serving_deltas.DELTAS)) == ["3"]
+
+
+def test_an_unreadable_manifest_is_named(tmp_path):
+    os.makedirs(tmp_path / "d")
+    with pytest.raises(ServingDirError, match="cannot be read"):
+        serving_deltas.read_manifest(str(tmp_path / "d"))
+    (tmp_path / "d" / serving_deltas.MANIFEST).write_text(json.dumps({"format": 99}))
+    with pytest.raises(ServingDirError, match="unknown format"):
+        serving_deltas.read_manifest(str(tmp_path / "d"))
+
+
+@pytest.mark.parametrize("at, fulls, chain, handled, expected", [
+    (None, [], [], None, Step("wait")),                              # nothing written yet
+    (None, [3, 4], [], None, Step("load", 4)),                       # start from the newest full version
+    ((4, 0), [3, 4], [1, 2], None, Step("apply", 4, 1)),             # then its deltas, in order
+    ((4, 2), [3, 4], [1, 2], None, Step("wait")),
+    ((4, 2), [4, 5], [1, 2, 3], None, Step("load", 5)),              # a newer full version wins
+    ((4, 1), [4], [1, 3, 4], None, Step("load", 4, gap=2)),          # a gap: never delta 3 before 2
+    ((4, 1), [4], [1, 3, 4], (4, 2), Step("wait")),                  # that gap answered: wait for 2
+    ((4, 1), [4], [1, 2, 3, 4], (4, 2), Step("apply", 4, 2)),        # 2 came after all
+])
+def test_what_a_reader_does_next(at, fulls, chain, handled, expected):
+    assert next_step(at, fulls, chain, handled) == expected
+
+
+@pytest.mark.parametrize("argument, value", [("delta_every_seconds", 0), ("delta_every_seconds", "10"),
+                                             ("full_every_deltas", 0), ("full_every_deltas", 2.5)])
+def test_serving_export_names_a_bad_delta_argument(tmp_path, argument, value):
+    with pytest.raises(ValueError, match=f"Invalid value for argument `{argument}`. Received: {argument}="):
+        psclient.ServingExport(tmp_path, **{argument: value})

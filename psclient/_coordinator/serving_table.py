@@ -81,13 +81,17 @@ class ServingTable(tf.Module):
                     order = tf.argsort(shard_keys)
                     shard_keys = tf.concat([tf.gather(shard_keys, order), [_LAST_KEY]], 0)
                     shard_rows = tf.concat([tf.gather(shard_rows, order), tf.zeros([1, table.dim])], 0)
-                    keys.append(tf.Variable(shard_keys, trainable=False, name=f"{table.name}_keys_{index}"))
-                    rows.append(tf.Variable(shard_rows, trainable=False, name=f"{table.name}_rows_{index}"))
+                    # Shapes left open so that `psclient.serving` can write a delta's rows into a loaded SavedModel
+                    # (a static size would be folded into its functions).
+                    keys.append(tf.Variable(shard_keys, trainable=False, name=f"{table.name}_keys_{index}",
+                                            shape=tf.TensorShape([None])))
+                    rows.append(tf.Variable(shard_rows, trainable=False, name=f"{table.name}_rows_{index}",
+                                            shape=tf.TensorShape([None, table.dim])))
         return cls(f"{table.name}_serving", table.dim, keys, rows)
 
     def size(self) -> int:
         """Rows held, over all shards."""
-        return sum(int(keys.shape[0]) - 1 for keys in self.keys)
+        return sum(int(tf.shape(keys)[0]) - 1 for keys in self.keys)
 
     def lookup(self, keys):
         """Rows of unique int64 `keys` [n] -> [n, dim]: a key's row, or zeros (see the module's docstring)."""

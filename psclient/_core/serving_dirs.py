@@ -38,7 +38,7 @@ from psclient._core.errors import PSClientError
 from psclient._core.files import replaced_atomically
 
 __all__ = ["PROCESS_RUN_ID", "RUN_MARKER", "ServingDirError", "check_base_dir", "check_keep", "check_run_id", "check_version", "claim",
-           "new_version", "next_version", "prune", "versions"]
+           "new_version", "next_version", "prune", "sync_dir", "sync_tree", "versions"]
 
 #: The run id of exports that name none: one per process.
 PROCESS_RUN_ID = uuid.uuid4().hex
@@ -152,16 +152,16 @@ def next_version(base_dir: str, version: int | None) -> int:
     return version
 
 
-def _sync_tree(root: str) -> None:
+def sync_tree(root: str) -> None:
     """Flush every file and directory under `root` to disk (the rename then publishes complete data)."""
     for directory, _, files in os.walk(root):
         for name in files:
             with open(os.path.join(directory, name), "rb") as f:
                 os.fsync(f.fileno())
-        _sync_dir(directory)
+        sync_dir(directory)
 
 
-def _sync_dir(path: str) -> None:
+def sync_dir(path: str) -> None:
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
@@ -178,14 +178,14 @@ def new_version(base_dir: str, version: int | None) -> Iterator[tuple[str, int]]
         scratch = tempfile.mkdtemp(prefix=_TEMP_PREFIX, dir=base_dir)
         try:
             yield scratch, version
-            _sync_tree(scratch)
+            sync_tree(scratch)
             final = os.path.join(base_dir, str(version))
             if os.path.lexists(final):  # written meanwhile by something outside this process
                 raise ServingDirError(f"Invalid value for argument `version`: {final!r} appeared during the export.")
             # mkdtemp's 0700 is for the hidden name only: a version gets its base directory's mode.
             os.chmod(scratch, os.stat(base_dir).st_mode & 0o777)
             os.rename(scratch, final)
-            _sync_dir(base_dir)
+            sync_dir(base_dir)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)  # gone after the rename; the partial version after a failure
 

@@ -5,18 +5,23 @@
 TF ops only, DynamicEmbedding layers as a lookup of stock TF, no training
 state) to `<base_dir>/<version>/` safely (`psclient._core.serving_dirs`: a
 hidden temporary directory renamed when complete, one run per `base_dir`,
-the newest `keep` versions kept). `ServingExport` calls it from `fit`.
-See docs/serving.md.
+the newest `keep` versions kept). `ServingExport` calls it from `fit`, and
+with `delta_every_seconds` also writes delta versions between full ones
+(`psclient._coordinator.delta_cut`, layout in `psclient._core.serving_deltas`),
+which `psclient.serving.load` applies. See docs/serving.md.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import os
 import time
 
 import keras
+import tensorflow as tf
 
-from psclient._core import serving_dirs
+from psclient._core import serving_deltas, serving_dirs
 from psclient._core.serving_dirs import ServingDirError
 from psclient._engine import registry
 
@@ -57,6 +62,7 @@ def export_servable(model, base_dir, version=None, keep=5, *, run_id=None, take_
     with serving_dirs.new_version(base_dir, version) as (scratch, version):
         model.export(scratch, format="tf_saved_model", verbose=False)
     serving_dirs.prune(base_dir, keep)
+    serving_deltas.prune_chains(base_dir)  # the deltas of pruned versions go with them
     return os.path.join(base_dir, str(version))
 
 
@@ -70,6 +76,34 @@ def _positive(name: str, value, kind):
     return value
 
 
+def _dynamic_tables(model) -> list:
+    """The `DynamicTable`s of `model`'s `DynamicEmbedding` layers (nested ones too), each once."""
+    from psclient._keras.dynamic_embedding import DynamicEmbedding
+
+    tables, seen = [], set()
+    for layer in model._flatten_layers(include_self=False):  # noqa: SLF001 - Keras's own walk of nested layers
+        table = getattr(layer, "table", None) if isinstance(layer, DynamicEmbedding) else None
+        if table is not None and id(table) not in seen:
+            seen.add(id(table))
+            tables.append(table)
+    return tables
+
+
+def _dense(model) -> list:
+    """(name in the SavedModel, tf.Variable or the shards of a partitioned one) of `model`'s variables.
+
+    A partitioned variable is saved in a SavedModel both whole (named by its
+    path) and as its shards: a delta carries its shards, each written by its ps."""
+    pairs = []
+    for variable in model.variables:
+        value = getattr(variable, "value", variable)
+        if isinstance(value, tf.Variable):
+            pairs.append((value.name, value))
+        else:  # psclient's PartitionedVariable (a ShardedVariable): its shards, in order
+            pairs.append((f"{variable.path}:0", list(value.variables)))
+    return pairs
+
+
 class ServingExport(keras.callbacks.Callback):
     """Export the model being fit with `export_servable`: every `every_epochs` epochs and/or every
     `every_seconds` seconds (checked at each batch's end and each epoch's end).
@@ -79,9 +113,26 @@ class ServingExport(keras.callbacks.Callback):
     `export_servable`'s; the run id is checked when training begins, so a
     `base_dir` of another run fails `fit` before its first step.
     `exported` lists the directories written, in order.
+
+    Deltas: with `delta_every_seconds=S`, every S seconds (checked at each
+    batch's end) it also writes a delta version, `<base_dir>/deltas/<V>/<seq>/`:
+    the rows of the dynamic tables changed since the previous version (full or
+    delta), the keys gone, and the dense variables, written by the ps tasks.
+    A full version replaces a delta after `full_every_deltas` deltas, and when
+    a delta cannot be taken (the previous cut was lost with its ps). Training
+    ends with a last delta; the chain goes on in the next `fit` with this
+    callback (each ps keeps the last cut's copy of its rows until
+    `release()`). `deltas` lists a dict per delta written (path,
+    rows changed and removed, bytes, `seconds` training was paused for the
+    cut, `join_seconds` of it waiting for the steps in flight, and
+    `write_seconds` the ps tasks then took to diff and write it while
+    training went on, on the callback's writer thread, stopped when `fit` ends).
+    `psclient.serving.load(base_dir)` serves the newest full version with its
+    deltas applied; TF Serving sees the full versions only.
     """
 
-    def __init__(self, base_dir, every_seconds=None, every_epochs=None, keep=5, *, run_id=None, take_over=False):
+    def __init__(self, base_dir, every_seconds=None, every_epochs=None, keep=5, *, run_id=None, take_over=False,
+                 delta_every_seconds=None, full_every_deltas=60):
         super().__init__()
         self.base_dir = serving_dirs.check_base_dir(base_dir)
         self.every_seconds = _positive("every_seconds", every_seconds, (int, float))
@@ -94,28 +145,142 @@ class ServingExport(keras.callbacks.Callback):
             raise TypeError(f"Invalid value for argument `take_over`. Received: take_over={take_over!r}. "
                             "Expected True or False.")
         self.take_over = take_over  # used when training begins: the directory is this run's after that
+        self.delta_every_seconds = _positive("delta_every_seconds", delta_every_seconds, (int, float))
+        self.full_every_deltas = _positive("full_every_deltas", full_every_deltas, int)
         self.exported: list[str] = []
-        self._last = time.monotonic()
+        self.deltas: list[dict] = []
+        self._last = self._last_delta = time.monotonic()
+        self._cut = None  # the previous version's cut of the dynamic tables (a DeltaCut), in delta mode
+        self._chain = (None, 0)  # (full version, last delta written after it)
+        self._writer = None  # the thread that writes deltas (a ThreadPoolExecutor), while fit runs
+        self._pending = None  # the delta it is writing (a Future)
 
     def on_train_begin(self, logs=None):
         serving_dirs.claim(self.base_dir, self.run_id, self.take_over)
-        self._last = time.monotonic()
+        self._last = self._last_delta = time.monotonic()
 
-    def export_now(self) -> None:
+    def _join(self) -> None:
         strategy = registry.current()
         if strategy is not None:
             strategy.join()  # a version is a cut between steps: none in flight on the workers
+
+    def export_now(self) -> None:
+        self._finish_pending()  # the deltas of the chain before it are all written first
+        self._join()
         # No take_over here: a run that took the directory over since fails the export, as it should.
-        self.exported.append(export_servable(self.model, self.base_dir, keep=self.keep, run_id=self.run_id))
-        self._last = time.monotonic()
+        path = export_servable(self.model, self.base_dir, keep=self.keep, run_id=self.run_id)
+        self.exported.append(path)
+        if self.delta_every_seconds is not None:
+            from psclient._coordinator.delta_cut import DeltaCut
+
+            # Nothing ran since the export: this cut is the full version's, the first delta's base.
+            self._cut, self._chain = None, (int(os.path.basename(path)), 0)
+            self._cut = DeltaCut(_dynamic_tables(self.model), _dense(self.model))
+        self._last = self._last_delta = time.monotonic()
+
+    def delta_now(self) -> None:
+        """Write a delta version now (a full version when one is due instead).
+
+        Training pauses for the cut only (the steps in flight finish, the ps
+        tasks copy what changed); the ps tasks then diff and write it on the
+        callback's writer thread while training goes on."""
+        self._finish_pending()
+        version, seq = self._chain
+        if self._cut is None or (self.full_every_deltas is not None and seq >= self.full_every_deltas):
+            self.export_now()
+            return
+        began = time.monotonic()
+        self._join()
+        joined = time.monotonic()
+        try:
+            cut = self._cut.take()
+        except tf.errors.OpError as error:
+            self._full_instead(error, version, seq + 1)
+            return
+        paused = {"seconds": time.monotonic() - began, "join_seconds": joined - began}
+        self._chain = (version, seq + 1)
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="psclient-serving-deltas")
+        self._pending = self._writer.submit(self._write, self._cut, cut, version, seq + 1, paused)
+        self._last_delta = time.monotonic()
+
+    def _write(self, delta_cut, cut, version: int, seq: int, paused: dict) -> None:
+        """On the writer thread: one delta, from the ps tasks, into its hidden directory, then renamed."""
+        began = time.monotonic()
+        with serving_deltas.new_delta(self.base_dir, version, seq) as scratch:
+            manifest = delta_cut.write(cut, scratch)
+            manifest.update(version=version, seq=seq, written_at=time.time())
+            serving_deltas.write_manifest(scratch, manifest)
+        path = os.path.join(serving_deltas.chain_dir(self.base_dir, version), str(seq))
+        self.deltas.append({"path": path, "version": version, "seq": seq, **paused,
+                            "write_seconds": time.monotonic() - began, "bytes": _bytes(path),
+                            "changed": sum(sum(t["changed"]) for t in manifest["tables"]),
+                            "removed": sum(sum(t["removed"]) for t in manifest["tables"])})
+
+    def _finish_pending(self) -> None:
+        """Wait for the delta being written; if it failed on a ps, the next version is a full one."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except tf.errors.OpError as error:
+            self._cut = None
+            _log_full_instead(error, *self._chain)
+
+    def _full_instead(self, error, version, seq) -> None:
+        # The previous cut lived on a ps that was lost (or a copy failed there): a full version instead.
+        _log_full_instead(error, version, seq)
+        self._cut = None
+        self.export_now()
+
+    @property
+    def chain(self) -> tuple:
+        """(the last full version written, the last delta taken after it: 0 for none); (None, 0) before
+        any. A delta taken is written on the writer thread, all of them by the time `fit` returns."""
+        return self._chain
 
     def due_by_time(self) -> bool:
         return self.every_seconds is not None and time.monotonic() - self._last >= self.every_seconds
 
+    def delta_due(self) -> bool:
+        return (self.delta_every_seconds is not None
+                and time.monotonic() - self._last_delta >= self.delta_every_seconds)
+
     def on_train_batch_end(self, batch, logs=None):
         if self.due_by_time():
             self.export_now()
+        elif self.delta_due():
+            self.delta_now()
 
     def on_epoch_end(self, epoch, logs=None):
         if (self.every_epochs is not None and (epoch + 1) % self.every_epochs == 0) or self.due_by_time():
             self.export_now()
+
+    def on_train_end(self, logs=None):
+        if self.delta_every_seconds is not None:
+            self.delta_now()  # what training ended with is served
+            self._stop_writer()
+        # The cut is kept: a next `fit` (online training, fit after fit) goes on with the same chain.
+
+    def _stop_writer(self) -> None:
+        self._finish_pending()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
+    def release(self) -> None:
+        """Wait for the delta being written, stop the writer thread, and free the previous cut's copy of
+        the rows on the ps tasks; the next version written is a full one."""
+        self._stop_writer()
+        self._cut = None
+
+
+def _log_full_instead(error, version, seq) -> None:
+    logging.getLogger(__name__).warning(
+        "psclient ServingExport: delta %d of version %d failed (%s: %s); the next version is a full one",
+        seq, version, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+
+
+def _bytes(path: str) -> int:
+    return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
