@@ -1,0 +1,106 @@
+"""`ps_recovery` on a real LocalCluster (2 workers, 2 ps): ps 1 is killed and started again
+after training went on past a checkpoint.
+
+"part": ps 1's variables (and its dynamic-table rows) come back from the checkpoint, ps 0's
+keep every update made since, and training goes on. "all": every variable goes back to the
+checkpoint, as before. The pure decisions are tested in tests/test_part_recovery.py.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import psclient
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
+
+STEPS = 10
+
+
+def trained_past_a_checkpoint(cluster, tmp_path, mode):
+    """A strategy whose ps 0 and ps 1 each hold a counter: STEPS steps, a checkpoint, STEPS more."""
+    strategy = psclient.ParameterServerStrategy(
+        cluster.cluster, checkpoint_dir=tmp_path / "ckpt", hang_timeout=3.0, ps_recovery=mode)
+    with strategy.scope():
+        with tf.device("/job:ps/task:0"):
+            on_ps0 = tf.Variable(0.0, name="on_ps0")
+        with tf.device("/job:ps/task:1"):
+            on_ps1 = tf.Variable(0.0, name="on_ps1")
+            rows_on_ps1 = tf.Variable(tf.zeros([4, 2]), name="rows_on_ps1")
+
+    @tf.function
+    def step():
+        on_ps0.assign_add(1.0)
+        on_ps1.assign_add(1.0)
+        rows_on_ps1.assign_add(tf.ones([4, 2]))
+        return on_ps0.read_value()
+
+    try:
+        assert "/job:ps/replica:0/task:0/" in on_ps0.device and "/job:ps/replica:0/task:1/" in on_ps1.device
+        for _ in range(STEPS):
+            strategy.schedule(step)
+        strategy.join(timeout=120)
+        strategy.save_checkpoint()  # both counters at STEPS
+        for _ in range(STEPS):
+            strategy.schedule(step)
+        strategy.join(timeout=120)
+        assert on_ps0.numpy() == on_ps1.numpy() == 2 * STEPS
+    except BaseException:
+        strategy.shutdown()
+        raise
+    return strategy, step, (on_ps0, on_ps1, rows_on_ps1)
+
+
+def lose_ps1_and_train_once(cluster, strategy, step):
+    """Kill ps 1, start it again, and schedule one step: it meets the restarted ps, which the
+    recovery restores; then the step runs again and completes."""
+    cluster.kill("ps", 1)
+    cluster.restart("ps", 1)
+    assert float(strategy.schedule(step).result(timeout=150)) > 0
+    strategy.join(timeout=60)
+
+
+def test_part_restores_only_the_lost_ps_and_the_other_keeps_its_updates(
+        two_workers_two_ps, restore_shared_clusters, tmp_path):
+    cluster = two_workers_two_ps
+    strategy, step, (on_ps0, on_ps1, rows_on_ps1) = trained_past_a_checkpoint(cluster, tmp_path, "part")
+    try:
+        lose_ps1_and_train_once(cluster, strategy, step)
+        # ps 0 kept the STEPS steps since the checkpoint; ps 1 went back to the checkpoint.
+        # Then the step after the loss completed once on each; each of its attempts that
+        # failed against ps 1 may have updated ps 0 already (nothing undoes that in "part").
+        retried = sum(w["retried"] for w in strategy.stats()["workers"])
+        assert retried >= 1
+        assert 2 * STEPS + 1 <= on_ps0.numpy() <= 2 * STEPS + 1 + retried
+        assert on_ps1.numpy() == STEPS + 1
+        np.testing.assert_array_equal(rows_on_ps1.numpy(), np.full([4, 2], STEPS + 1.0))
+        stats = strategy.stats()["ps"]
+        assert stats[1]["failures"] == 1 and stats[1]["recoveries"] == 1
+        report = stats[1]["rolled_back"]
+        assert report["mode"] == "part" and report["variables"] == 2 and report["rows"] == 0
+        assert report["closures"] == STEPS and report["checkpoint"].endswith("ckpt-2")
+        assert stats[1]["rolled_back_closures"] == STEPS
+        assert stats[0]["rolled_back"] is None and stats[0]["failures"] == 0  # nothing of ps 0 went back
+        # Training goes on, on both.
+        before = on_ps0.numpy()
+        for _ in range(5):
+            strategy.schedule(step)
+        strategy.join(timeout=60)
+        assert on_ps0.numpy() == before + 5 and on_ps1.numpy() == STEPS + 6
+    finally:
+        strategy.shutdown()
+
+
+def test_all_rolls_every_variable_back_to_the_checkpoint(two_workers_two_ps, restore_shared_clusters, tmp_path):
+    cluster = two_workers_two_ps
+    strategy, step, (on_ps0, on_ps1, _) = trained_past_a_checkpoint(cluster, tmp_path, "all")
+    try:
+        lose_ps1_and_train_once(cluster, strategy, step)
+        assert on_ps0.numpy() == on_ps1.numpy() == STEPS + 1
+        stats = strategy.stats()["ps"]
+        assert stats[1]["recoveries"] == 1 and stats[0]["recoveries"] == 0
+        assert stats[1]["rolled_back"]["mode"] == "all" and stats[1]["rolled_back"]["variables"] == 2
+        assert stats[0]["rolled_back"]["mode"] == "all" and stats[0]["rolled_back"]["variables"] == 1
+        assert stats[0]["rolled_back"]["closures"] == stats[1]["rolled_back"]["closures"] == STEPS
+    finally:
+        strategy.shutdown()
