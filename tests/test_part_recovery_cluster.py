@@ -104,3 +104,61 @@ def test_all_rolls_every_variable_back_to_the_checkpoint(two_workers_two_ps, res
         assert stats[0]["rolled_back"]["closures"] == stats[1]["rolled_back"]["closures"] == STEPS
     finally:
         strategy.shutdown()
+
+
+def test_part_keeps_the_data_ledger_and_mends_its_positions_on_the_restored_ps(
+        two_workers_two_ps, restore_shared_clusters, tmp_path):
+    cluster = two_workers_two_ps
+    strategy = psclient.ParameterServerStrategy(
+        cluster.cluster, checkpoint_dir=tmp_path / "ckpt", hang_timeout=3.0, ps_recovery="part")
+    try:
+        data = psclient.data.ShardedDataset(psclient.data.range_shards(num_records=80, shard_size=10),
+                                            lambda shard: tf.data.Dataset.range(shard.start, shard.end).batch(5))
+        with strategy.scope():
+            with tf.device("/job:ps/task:0"):
+                seen_on_ps0 = tf.Variable(0, dtype=tf.int64)
+                # Weight on ps 0, so that placement (least bytes) puts the ledger's positions
+                # and attempts on ps 1, the one that is lost.
+                tf.Variable(tf.zeros([1000]), trainable=False)
+            with tf.device("/job:ps/task:1"):
+                seen_on_ps1 = tf.Variable(0, dtype=tf.int64)
+        feed = psclient.data.ShardFeed(strategy, data)
+        assert "/job:ps/replica:0/task:1/" in feed._positions.device  # (placement, not behaviour)
+
+        def step(batch):
+            seen_on_ps0.assign_add(tf.size(batch, out_type=tf.int64))
+            seen_on_ps1.assign_add(tf.size(batch, out_type=tf.int64))
+
+        run_shard = feed.shard_function(step)
+
+        def run(count):
+            works = [feed.hand_out() for _ in range(count)]
+            futures = [strategy.schedule(run_shard, args=work.args) for work in works]
+            for work, future in zip(works, futures):
+                feed.mark_done(work, future.result(timeout=120))
+
+        feed.start_epoch(0)
+        run(4)
+        strategy.save_checkpoint()  # its ledger: 4 shards done, each at position 2 on ps 1
+        run(2)
+        cluster.kill("ps", 1)
+        cluster.restart("ps", 1)
+        touch = tf.function(lambda: seen_on_ps1.read_value())
+        assert int(strategy.schedule(touch).result(timeout=150)) == 40  # restored: the checkpoint's
+        # The 2 shards done since the checkpoint stay done: their records' updates are on ps 0.
+        stats = feed.stats()
+        assert stats["done"] == 6 and stats["rolled_back_shards"] == 0 and stats["records"] == 60
+        assert int(seen_on_ps0.numpy()) == 60
+        # The positions restored on ps 1 (2 batches for each shard done at the checkpoint) were
+        # replaced by the ledger's (none in flight: all 0).
+        assert feed.positions() == [0] * 8
+        # The rest of the epoch: the 2 shards not done, each once.
+        rest = list(feed.hand_out_all())
+        assert sorted(work.slot for work in rest) == [6, 7]
+        futures = [strategy.schedule(run_shard, args=work.args) for work in rest]
+        for work, future in zip(rest, futures):
+            feed.mark_done(work, future.result(timeout=120))
+        assert feed.complete() and feed.stats()["records"] == 80
+        assert int(seen_on_ps0.numpy()) == 80 and int(seen_on_ps1.numpy()) == 60
+    finally:
+        strategy.shutdown()
