@@ -57,6 +57,13 @@ def test_all_restores_every_ps_and_rolls_the_ledgers_back():
     assert scope.rolls_back_ledgers
 
 
+@pytest.mark.parametrize("lost, num_ps", [((0,), 1), ((0, 1), 2)])
+def test_a_part_that_is_every_ps_is_all(lost, num_ps):
+    # Nothing survives anywhere: the ledgers roll back, the work since is done again.
+    scope = RestoreScope("part", lost, num_ps)
+    assert scope.mode == "all" and scope.only_ps is None and scope.rolls_back_ledgers
+
+
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="'none'"):
         RestoreScope("none", (0,), num_ps=1)

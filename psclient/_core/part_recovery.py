@@ -71,7 +71,11 @@ def resolve_ps_recovery(value: Any, replicas_to_aggregate: int | None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class RestoreScope:
-    """What one recovery restores: `lost` ps came back; `mode` says whose state goes back."""
+    """What one recovery restores: `lost` ps came back; `mode` says whose state goes back.
+
+    A "part" that is every ps (one ps in all, or every ps lost at once) is "all":
+    nothing survives anywhere, so the ledgers roll back and the work since is replayed.
+    """
 
     mode: str
     lost: tuple
@@ -80,6 +84,8 @@ class RestoreScope:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"Invalid ps recovery mode {self.mode!r}. Expected one of {MODES}.")
+        if self.mode == "part" and set(range(self.num_ps)) <= set(self.lost):
+            object.__setattr__(self, "mode", "all")
 
     @property
     def restored_ps(self) -> frozenset:
