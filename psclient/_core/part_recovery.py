@@ -22,8 +22,9 @@ other ps and are lost on the lost ps only. Nothing is replayed for them:
   newest checkpoint (or its last hand-back): its batches trained between that
   and the loss are trained again;
 - `optimizer.iterations`, or any counter, on the lost ps goes back to the
-  checkpoint with the rest of that ps (the slots it keeps count for went
-  back too); it then counts fewer steps than were applied elsewhere.
+  checkpoint with the rest of that ps (as do the slots of that ps's
+  variables); it then counts fewer steps than were applied elsewhere. Its
+  value at the loss died with the ps: nothing could take the larger one.
 
 Asynchronous training has no consistent state between checkpoints anyway
 (each update applies to whatever the other workers left), so a part that is
