@@ -83,3 +83,65 @@ def test_a_ledger_on_a_restored_ps_gets_the_positions_the_coordinator_knows():
     positions, again = ledger_positions({"0": 5, "1": 7, "3": 2}, held={0, 3}, num_shards=5)
     assert positions == [5, 7, 0, 2, 0]
     assert again == [0, 3]
+
+
+# ------------------------------------------------- the recovery thread's step, with fakes
+class FakeStore:
+    def __init__(self):
+        self.renewed = []
+
+    def renew(self, lost):
+        self.renewed.append(set(lost))
+        return len(lost)
+
+    def named(self):
+        return {"v000000": "a variable on ps 0", "v000001": "a variable on ps 1"}
+
+    def tables(self):
+        return {}
+
+
+class FakeCheckpoints:
+    """Restores from one checkpoint taken after 7 completed closures, and says what it restored."""
+
+    def __init__(self):
+        self.calls = []
+
+    def restore(self, variables, *, tables, only_ps):
+        self.calls.append(only_ps)
+        held = {0: 3, 1: 2}
+        restored = {ps: n for ps, n in held.items() if only_ps is None or ps in only_ps}
+        return {"path": "/c/ckpt-3", "completed_closures": 7, "skipped": [], "meta": {"m": 1},
+                "restored": {"variables": restored, "rows": {1: 5} if 1 in restored else {}}}
+
+
+def restore_step(mode):
+    from psclient._core import recovery_messages as rm
+    from psclient._engine.ps_restore import PsRestore
+
+    told = []
+    store, checkpoints = FakeStore(), FakeCheckpoints()
+    restore = PsRestore(store, checkpoints, 2, completed=lambda: 19,
+                        meta_restored=lambda meta, **kwargs: told.append((meta, kwargs)), clock=lambda: 10.0)
+    assert restore.renew_and_restore(rm.RenewAndRestore((1,), mode)) is True
+    restore.recovered(rm.PsRecovered((1,), back_at=9.5), "/c/ckpt-3")
+    return store, checkpoints, told, restore.ps_stats
+
+
+def test_the_part_step_restores_the_lost_ps_only_and_keeps_the_ledgers():
+    store, checkpoints, told, stats = restore_step("part")
+    assert store.renewed == [{1}] and checkpoints.calls == [frozenset({1})]
+    assert told == [({"m": 1}, {"lost": frozenset({1})})]  # the ledgers keep their done shards
+    assert stats[1].recoveries == 1 and stats[1].last_recovery_s == 0.5
+    assert stats[1].rolled_back == {"mode": "part", "checkpoint": "/c/ckpt-3", "variables": 2, "rows": 5,
+                                    "closures": 12}
+    assert stats[1].rolled_back_closures == 12
+    assert stats[0].rolled_back is None and stats[0].recoveries == 0
+
+
+def test_the_all_step_restores_every_ps_and_rolls_the_ledgers_back():
+    store, checkpoints, told, stats = restore_step("all")
+    assert store.renewed == [{1}] and checkpoints.calls == [None]
+    assert told == [({"m": 1}, {})]
+    assert stats[0].rolled_back["variables"] == 3 and stats[1].rolled_back["variables"] == 2
+    assert stats[0].recoveries == 0 and stats[1].recoveries == 1
