@@ -42,3 +42,10 @@ def test_failures_with_an_error_count_and_give_up_refusals_do_not():
     assert ps.retry_next_round and ps.failures == 0
     assert ps.failed(RuntimeError("restore failed")) is None
     assert ps.failed(RuntimeError("restore failed")) == GiveUp("restoring it failed 2 times: restore failed")
+
+
+def test_the_restore_step_carries_the_loss_mode():
+    lost = (1,)
+    assert loss(mode="part").next_step(rm.Reconnect(frozenset({0}), "ps"), lost) == rm.RenewAndRestore(lost, "part")
+    # "all" by default: today's global rollback, for code that builds a PsLoss without a mode.
+    assert loss().next_step(rm.Reconnect(frozenset({0}), "ps"), lost) == rm.RenewAndRestore(lost, "all")

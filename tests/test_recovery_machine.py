@@ -507,3 +507,15 @@ def test_recovery_thread_that_dies_fails_pending_work_and_waiting_callers():
         closure.future.result(timeout=10)
     with pytest.raises(StrategyClosedError):
         recovery.checkpoint("requested")
+
+
+@pytest.mark.parametrize("mode", ["part", "all"])
+def test_a_lost_ps_is_restored_as_the_configured_ps_recovery_says(mode):
+    d = Driver(num_ps=2, checkpointing=True, has_checkpoint=True, ps_recovery=mode)
+    assert d(rm.PsNotAnswering((1,)), at=1.0) == [rm.PsFailed(1), rm.PauseDispatch("ps")]
+    assert d(rm.PsSeen(1, "open"), at=2.0) == [rm.Reconnect(frozenset({0, 1}), "ps")]
+    assert d.done() == [rm.RenewAndRestore((1,), mode)]
+    assert d.done() == [rm.Retrace()]
+    assert d.done() == [rm.RebuildResources()]
+    assert d.done() == [rm.PsRecovered((1,), back_at=2.0), rm.ResumeDispatch("ps")]
+    assert d.m.ps == [UP, UP]

@@ -167,17 +167,21 @@ class Checkpoints:
                       "last_bytes": written}
         return path
 
-    def restore(self, variables: dict[str, Any], *, adopt: bool = False, tables: dict | None = None) -> dict | None:
+    def restore(self, variables: dict[str, Any], *, adopt: bool = False, tables: dict | None = None,
+                only_ps: frozenset | None = None) -> dict | None:
         """Assign every variable its value in the newest complete checkpoint.
 
         `adopt` (the user's restore()): every checkpoint in the directory may
         be read, and from then on this run writes beside them. Otherwise only
         this run's own. `tables` (key -> DynamicTable) are restored with them,
-        into any number of ps tasks (see `table_checkpoint`).
+        into any number of ps tasks (see `table_checkpoint`). `only_ps` (a
+        part-only ps recovery): only what those ps tasks hold (variables,
+        shards, table shards) is read and assigned; the rest keeps its values.
 
-        Returns {"path", "completed_closures", "skipped", "meta"} (`skipped`:
-        newer checkpoints passed over, with what was wrong; `meta`: what
-        `save(meta=...)` stored), or None if there is no
+        Returns {"path", "completed_closures", "skipped", "meta", "restored"}
+        (`skipped`: newer checkpoints passed over, with what was wrong; `meta`:
+        what `save(meta=...)` stored; `restored`: {"variables": {ps: n},
+        "rows": {ps: n}}, what each ps got back), or None if there is no
         checkpoint. Every value is read (each ps reads its own) and checked
         before any is assigned: raises ValueError naming the checkpoint and the
         variables that do not match (missing, other shape or dtype),
@@ -195,7 +199,7 @@ class Checkpoints:
         for number in candidates:
             path = os.path.join(self.directory, f"ckpt-{number}")
             try:
-                values, completed, table_states, meta = self._read(path, variables, tables or {})
+                values, completed, table_states, meta = self._read(path, variables, tables or {}, only_ps)
             except CheckpointUnreadable as error:
                 log.warning("checkpoint %s is not usable: %s", path, error)
                 skipped.append({"path": path, "error": str(error)})
@@ -207,7 +211,11 @@ class Checkpoints:
             if skipped:
                 log.warning("restored %s, the newest complete checkpoint; passed over %s",
                             path, ", ".join(s["path"] for s in skipped))
-            return {"path": path, "completed_closures": completed, "skipped": skipped, "meta": meta}
+            restored = {"variables": {ps: len(pairs) for ps, pairs in values.items()},
+                        "rows": {ps: sum(int(state["row_keys"].shape[0]) for _t, _s, state in entries)
+                                 for ps, entries in table_states.items()}}
+            return {"path": path, "completed_closures": completed, "skipped": skipped, "meta": meta,
+                    "restored": restored}
         raise CheckpointUnreadable(
             f"No checkpoint in {self.directory} could be read, so no variable was restored: "
             + "; ".join(f"{s['path']}: {s['error']}" for s in skipped)
@@ -280,10 +288,10 @@ class Checkpoints:
         except (tf.errors.OpError, ValueError, IndexError):  # unreadable, or not a psclient checkpoint
             return None
 
-    def _read(self, path: str, variables: dict[str, Any],
-              tables: dict[str, Any]) -> tuple[dict, int | None, dict, dict]:
-        """Every variable's value and table shard in `path`, read on its ps and checked
-        (names, shapes, dtypes, data), and the meta `save` stored."""
+    def _read(self, path: str, variables: dict[str, Any], tables: dict[str, Any],
+              only_ps: frozenset | None = None) -> tuple[dict, int | None, dict, dict]:
+        """Every variable's value and table shard in `path` (held by `only_ps`, when given),
+        read on its ps and checked (names, shapes, dtypes, data), and the meta `save` stored."""
         try:
             reader = tf.train.load_checkpoint(path)  # the index only (small), on the coordinator
             shapes = reader.get_variable_to_shape_map()
@@ -305,15 +313,19 @@ class Checkpoints:
             if problems:
                 raise ValueError(f"The checkpoint {path} does not match the dynamic embedding tables: "
                                  f"{'; '.join(problems)}. Nothing was restored.")
-        values = _parts.read_on_ps(path, variables, dtypes, layout, self._describe_ps)
+        values = _parts.read_on_ps(path, variables, dtypes, layout, self._describe_ps, only_ps)
         meta = {k: v for k, v in (layout or {}).items() if k not in ("format", "parts", "tables")}
-        return values, completed, self._read_tables(path, tables, layout), meta
+        return values, completed, self._read_tables(path, tables, layout, only_ps), meta
 
-    def _read_tables(self, path: str, tables: dict[str, Any], layout: dict | None) -> dict:
+    def _read_tables(self, path: str, tables: dict[str, Any], layout: dict | None,
+                     only_ps: frozenset | None = None) -> dict:
         if not tables:
             return {}
+        work = table_checkpoint.read(path, tables, layout["tables"])
+        if only_ps is not None:
+            work = {ps: read for ps, read in work.items() if ps in only_ps}
         try:
-            return _parts.on_each_ps(table_checkpoint.read(path, tables, layout["tables"]))
+            return _parts.on_each_ps(work)
         except tf.errors.OpError as error:
             what = getattr(error, "_psclient_table", "a dynamic table")
             raise CheckpointUnreadable(

@@ -217,12 +217,16 @@ def save_parts(prefix: str, variables: dict[str, Any], scalars: dict[str, Any],
 
 
 def read_on_ps(path: str, variables: dict[str, Any], dtypes: dict[str, Any],
-               layout: dict | None, describe_ps: Callable[[int], str]) -> dict[int, list]:
+               layout: dict | None, describe_ps: Callable[[int], str],
+               only_ps: frozenset | None = None) -> dict[int, list]:
     """Every slot's value read on its own ps (RestoreV2 there): ps -> [(slot, tensor on that ps)].
 
+    `only_ps`: the slots those ps tasks hold, and no other (a part-only ps recovery).
     Raises CheckpointUnreadable naming the ps task that read, the key and the data files.
     """
     by_ps = slots_of(variables)
+    if only_ps is not None:
+        by_ps = {ps: slots for ps, slots in by_ps.items() if ps in only_ps}
 
     def read(ps: int) -> Callable[[], list]:
         slots = by_ps[ps]

@@ -73,6 +73,7 @@ def assemble(cluster: Cluster, config: StrategyConfig, *, checkpoint_dir: str | 
             checkpoint_interval=config.checkpoint_interval, checkpoint_every=config.checkpoint_every,
             hang_timeout=hang_timeout, worker_timeout=config.worker_timeout, ps_timeout=config.ps_timeout,
             probe_timeout=min(10.0, hang_timeout), interval=min(1.0, hang_timeout / 4),
+            ps_recovery=config.recovery_mode,
         ),
         pipeline_depth=config.pipeline_depth, connect_timeout=config.connect_timeout, prepare=prepare,
         store=store, per_worker=per_worker, checkpoints=checkpoints, retrace=QueuedRetrace(tracer, scheduler),

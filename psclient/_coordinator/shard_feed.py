@@ -50,10 +50,13 @@ from typing import Any
 
 import tensorflow as tf
 
+from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.ps_state import on_ps
+from psclient._coordinator.sharding import is_partitioned
 from psclient._coordinator.shards import ShardedDataset
 from psclient._core.future import FIRST_COMPLETED, wait
 from psclient._core.ledger import Ledger, Work
+from psclient._core.part_recovery import ledger_positions
 
 __all__ = ["LEDGERS_KEY", "ShardFeed", "ShardWork", "ledger_meta", "restore_ledgers", "roll_back_ledgers"]
 
@@ -305,6 +308,29 @@ class ShardFeed:
                         "are handed out again", "of an earlier epoch" if over else "of this epoch", len(undone))
         return undone
 
+    def keep_through_part_restore(self, lost: frozenset) -> bool:
+        """Only the ps tasks `lost` were restored from a checkpoint (a part-only recovery,
+        recovery thread, while no closure runs): no shard is handed out again, since the
+        updates of those done since survive on the other ps. If this feed's own variables
+        were on a lost ps, they get the positions the ledger knows (the checkpoint's may be
+        another epoch's) and a fresh fence, and True is returned (`part_recovery`)."""
+        import numpy as np
+
+        tasks = {_runtime.ps_index_of(part.device) for variable in (self._positions, self._attempts)
+                 for part in (variable.variables if is_partitioned(variable) else (variable,))}
+        with self._lock:
+            if self._ledger.epoch is None or not tasks & set(lost):
+                return False
+            n = len(self._sharded.shards)
+            positions, again = ledger_positions(self._ledger.state()["positions"], self._ledger.held(), n)
+        attempts = np.full([n], _FENCE * random.SystemRandom().randrange(1, 1 << 30), np.int64)
+        attempts[again] += 1  # their closures run again: a replay may be counted
+        self._positions.assign(np.array(positions, np.int64))
+        self._attempts.assign(attempts)
+        log.warning("data ledger: its positions were on a restored ps; %d shard(s) in flight resume from the "
+                    "positions known at the checkpoint", len(again))
+        return True
+
     def run_epoch(self, shard_function, epoch: int, *, max_in_flight: int | None = None,
                   on_shard_done: Callable[[ShardWork, dict], None] | None = None) -> dict:
         """Run every shard of `epoch` not done yet; return the ledger's stats.
@@ -440,15 +466,20 @@ def restore_ledgers(strategy, saved: dict) -> int:
     return len(saved)
 
 
-def roll_back_ledgers(strategy_ref, meta: dict | None) -> None:
+def roll_back_ledgers(strategy_ref, meta: dict | None, lost: frozenset | None = None) -> None:
     """A lost ps was restored from a checkpoint with `meta` (recovery thread): every feed of
-    the strategy goes back to that checkpoint's ledger, as its variables did."""
+    the strategy goes back to that checkpoint's ledger, as its variables did. With `lost`,
+    only those ps were restored (`ps_recovery="part"`): the ledgers keep what is done
+    (`ShardFeed.keep_through_part_restore`)."""
     strategy = strategy_ref()
     if strategy is None:
         return
     saved = (meta or {}).get(LEDGERS_KEY, {})
     for feed in list(_FEEDS.get(strategy, ())):
-        feed.roll_back(saved.get(_key_of(strategy, feed)))
+        if lost is not None:
+            feed.keep_through_part_restore(lost)
+        else:
+            feed.roll_back(saved.get(_key_of(strategy, feed)))
 
 
 def data_stats(strategy) -> dict:

@@ -80,8 +80,8 @@ class ParameterServerStrategy(TFStrategyAPI):
         seconds is treated as failed; its closures run elsewhere.
       worker_timeout: with every worker gone this long, pending and new
         work fails with `WorkerUnavailableError` instead of waiting.
-      ps_timeout: how long to wait for a lost ps task to come back (with a
-        `checkpoint_dir`) before failing with `PSUnavailableError`.
+      ps_timeout, ps_recovery: how long to wait for a lost ps to come back (with a `checkpoint_dir`)
+        before `PSUnavailableError`; then "part": it alone goes back to the newest checkpoint, "all": every ps.
       variable_partitioner: how variables are split into shards along axis 0,
         one shard per ps task. "auto" (the default): TF's
         `tf.distribute.experimental.partitioners.MinSizePartitioner(

@@ -12,6 +12,8 @@ tasks' states and carries its answers out. It is guarded as the machine is
 2. Wait for every lost ps to accept connections again, for ps_timeout at most
    from the first report (then give up).
 3. Reconnect -> RenewAndRestore -> Retrace -> RebuildResources: recovered.
+   RenewAndRestore restores the lost ps only (`mode` "part") or every
+   variable ("all"): `psclient._core.part_recovery`.
    A step that fails is tried again next round; a step that fails with an
    error `attempts` times gives up. A step refused by a task that does not
    answer (a ps just back may not take connections yet) is tried again
@@ -55,6 +57,8 @@ class PsLoss:
     failures: int = 0
     #: A step failed this round: the next try waits for the next round.
     retry_next_round: bool = False
+    #: Whose state RenewAndRestore restores: "part" (the lost ps only) or "all" (part_recovery.py).
+    mode: str = "all"
 
     def before_reconnect(self, now: float, running: int, unreachable: bool) -> list | GiveUp | None:
         """What still comes before the reconnect: actions (`[]`: wait on), `GiveUp`, or None: go.
@@ -85,11 +89,10 @@ class PsLoss:
             return GiveUp(f"restoring it failed {self.failures} times: {error}")
         return None
 
-    @staticmethod
-    def next_step(op: Any, lost: tuple) -> Any:
+    def next_step(self, op: Any, lost: tuple) -> Any:
         """The operation after `op` succeeded; None once the last one did (recovered)."""
         if isinstance(op, Reconnect):
-            return RenewAndRestore(lost)
+            return RenewAndRestore(lost, self.mode)
         if isinstance(op, RenewAndRestore):
             return Retrace()
         if isinstance(op, Retrace):

@@ -42,7 +42,8 @@ Shutdown()                                | Finish every waiting ticket; nothing
 
 Flows, tried after each event in this order, one at a time:
 1. ps recovery (`PsLoss`, ps_loss.py): wait for running closures, then for
-   every lost ps to accept connections; Reconnect -> RenewAndRestore ->
+   every lost ps to accept connections; Reconnect -> RenewAndRestore (the
+   lost ps only, or every variable: `ps_recovery`) ->
    Retrace -> RebuildResources -> PsRecovered + ResumeDispatch, or
    FailAll(ps, permanent). Nothing else runs meanwhile.
 2. drop gone workers from TF's view: Reconnect(UP workers).
@@ -124,6 +125,8 @@ class MachineConfig:
     checkpoint_while_hung: bool = False
     #: Failed attempts at recovering a ps that came back before giving up.
     ps_attempts: int = 3
+    #: What RenewAndRestore restores: "part" (the lost ps) or "all" (`part_recovery`).
+    ps_recovery: str = "all"
 
 
 class RecoveryMachine:
@@ -239,7 +242,8 @@ class RecoveryMachine:
                 self.ps[ps] = TaskState.LOST
                 actions.append(PsFailed(ps))
         if actions and self._ps_loss is None:
-            self._ps_loss = PsLoss(now, self.config.hang_timeout, self.config.ps_timeout, self.config.ps_attempts)
+            self._ps_loss = PsLoss(now, self.config.hang_timeout, self.config.ps_timeout, self.config.ps_attempts,
+                                   mode=self.config.ps_recovery)
             # Hold the queue at once: until the recovery, every closure fails against it.
             actions.append(PauseDispatch("ps"))
             if not (self.config.checkpointing and self._checkpoints.has_checkpoint):

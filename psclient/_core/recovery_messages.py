@@ -171,8 +171,10 @@ class PsFailed:
 
 @dataclasses.dataclass(frozen=True)
 class RenewAndRestore:
-    """Operation: new resources for the variables of `lost`, every variable restored."""
+    """Operation: new resources for the variables of `lost`; restored from the newest
+    checkpoint: those of `lost` only (`mode` "part") or every variable ("all")."""
     lost: tuple
+    mode: str = "all"
 
 
 @dataclasses.dataclass(frozen=True)

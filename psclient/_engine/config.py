@@ -15,6 +15,7 @@ import os
 from typing import Any, Callable
 
 from psclient._core.checks import check_port, check_positive
+from psclient._core.part_recovery import resolve_ps_recovery
 from psclient._core.partitioning import check_partitioner
 
 __all__ = ["StrategyConfig", "check_replicas", "with_overrides"]
@@ -46,8 +47,13 @@ class StrategyConfig:
     replicas_to_aggregate: int | None = None
     measure_staleness: bool | None = None
     metrics_port: int | None = None
+    #: What a lost ps that comes back gets from the newest checkpoint: "part" (its own
+    #: state only; the other ps keep theirs), "all" (every variable rolls back), or None:
+    #: "part" in asynchronous training, "all" with `replicas_to_aggregate` (docs/fault_tolerance.md).
+    ps_recovery: str | None = None
 
     def __post_init__(self) -> None:
+        resolve_ps_recovery(self.ps_recovery, self.replicas_to_aggregate)
         check_positive("max_staleness", self.max_staleness, integer=True, optional=True, allow_zero=True)
         check_positive("replicas_to_aggregate", self.replicas_to_aggregate, integer=True, optional=True)
         if self.max_staleness is not None and self.replicas_to_aggregate is not None:
@@ -87,6 +93,11 @@ class StrategyConfig:
         if self.measure_staleness is None:
             return self.max_staleness is not None or self.replicas_to_aggregate is not None
         return self.measure_staleness
+
+    @property
+    def recovery_mode(self) -> str:
+        """`ps_recovery` made concrete: "part" or "all"."""
+        return resolve_ps_recovery(self.ps_recovery, self.replicas_to_aggregate)
 
     @property
     def streaming(self) -> bool:

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from psclient._engine.edge import CheckpointStore, Edge, PerWorkerValues, Roster, VariableStore
 from psclient._engine.probes import FailureProbes, Published
+from psclient._engine.ps_restore import PSStats, PsRestore
 from psclient._engine.reconnect import Reconnector, Refused
 from psclient._core import ps_access, recovery_messages as rm
 from psclient._core.errors import PSUnavailableError, StrategyClosedError, WorkerUnavailableError, first_line
@@ -35,7 +36,7 @@ from psclient._core.health import Prober
 from psclient._core.recovery_machine import MachineConfig, RecoveryMachine
 from psclient._core.scheduler import Scheduler
 
-__all__ = ["Recovery", "RecoveryConfig"]
+__all__ = ["PSStats", "Recovery", "RecoveryConfig"]
 
 log = logging.getLogger("psclient")
 
@@ -55,14 +56,8 @@ class RecoveryConfig:
     #: See `MachineConfig`. Checkpoints involve only the ps tasks and the
     #: coordinator (see checkpoint.py), so a hung worker does not stop them.
     checkpoint_while_hung: bool = True
-
-
-@dataclasses.dataclass
-class PSStats:
-    failures: int = 0
-    recoveries: int = 0
-    last_recovery_s: float | None = None
-    rolled_back_closures: int = 0
+    #: What a lost ps gets back: "part" (its own state) or "all" (`psclient._core.part_recovery`).
+    ps_recovery: str = "all"
 
 
 class Recovery:
@@ -120,17 +115,18 @@ class Recovery:
             checkpointing=self.checkpoints is not None,
             checkpoint_interval=config.checkpoint_interval, checkpoint_every=config.checkpoint_every,
             has_checkpoint=self.checkpoints is not None and self.checkpoints.latest() is not None,
-            checkpoint_while_hung=config.checkpoint_while_hung,
+            checkpoint_while_hung=config.checkpoint_while_hung, ps_recovery=config.ps_recovery,
         ), clock())
         self._published = published
         self.probes = probes
         self._inbox = inbox
         self.broken: BaseException | None = None
-        self.ps_stats = [PSStats() for _ in range(cluster.num_ps)]
+        self._restore = PsRestore(store, checkpoints, cluster.num_ps, scheduler.completed,
+                                  self._meta_restored, clock)
+        self.ps_stats = self._restore.ps_stats
         self.checkpoints_written = 0
         # Variables created when the newest checkpoint was taken (read by schedule()).
         self.saved_created = -1
-        self._completed_then: int | None = None
         self._last_failure: tuple | None = None  # (step, error type, first line), for the log
         self._same_failures = 0
         self._stopping = False
@@ -408,13 +404,7 @@ class Recovery:
             self._per_worker.rebuild(action.worker, resources_only=False)
             return True
         if isinstance(action, rm.RenewAndRestore):
-            renewed = self._store.renew(set(action.lost))
-            restored = self.checkpoints.restore(self._store.named(), tables=self._store.tables())
-            self._completed_then = None if restored is None else restored["completed_closures"]
-            # While nothing is dispatched: what the coordinator keeps of the data goes back too.
-            self._meta_restored(None if restored is None else restored.get("meta"))
-            log.info("ps task(s) %s: %d variables re-created, every variable restored", action.lost, renewed)
-            return True
+            return self._restore.renew_and_restore(action)  # the lost ps only, or every variable
         if isinstance(action, rm.Retrace):
             self._retrace()
             return True
@@ -441,18 +431,7 @@ class Recovery:
         return path, completed
 
     def _ps_recovered(self, action: rm.PsRecovered) -> None:
-        rolled_back = max(0, self._scheduler.completed() - (self._completed_then or 0))
-        recovery = self._clock() - action.back_at
-        for ps in action.lost:
-            stats = self.ps_stats[ps]
-            stats.recoveries += 1
-            stats.last_recovery_s = recovery
-            stats.rolled_back_closures += rolled_back
-        log.warning(
-            "ps task(s) %s recovered from %s: every variable restored; %d completed closures "
-            "rolled back (%.2f s after the task came back)", list(action.lost),
-            self.checkpoints.latest() if self.checkpoints else None, rolled_back, recovery,
-        )
+        self._restore.recovered(action, self.checkpoints.latest() if self.checkpoints else None)
 
     def _fail_all(self, action: rm.FailAll) -> None:
         if action.kind == "workers":
@@ -492,7 +471,7 @@ def _finish(action: rm.Finish) -> None:
         ticket.set_result(action.value)
 
 
-def _ignore_meta(meta: dict | None) -> None:
+def _ignore_meta(meta: dict | None, lost: frozenset | None = None) -> None:
     return None
 
 

@@ -1,0 +1,98 @@
+"""A lost ps that came back gets its state again: the recovery thread's RenewAndRestore step.
+
+What is restored (the lost ps only, or every variable) is decided in
+`psclient._core.part_recovery`; this module carries it out through the
+variable store and the checkpoint directory, tells the data ledgers, and
+keeps what `stats()["ps"][k]` reports of each recovery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+from psclient._core import recovery_messages as rm
+from psclient._core.part_recovery import RestoreScope, rolled_back
+
+__all__ = ["PSStats", "PsRestore"]
+
+log = logging.getLogger("psclient")
+
+
+@dataclasses.dataclass
+class PSStats:
+    failures: int = 0
+    recoveries: int = 0
+    last_recovery_s: float | None = None
+    #: Closures completed since the checkpoint whose updates on this ps were undone, in all.
+    rolled_back_closures: int = 0
+    #: What the last recovery that restored this ps took back (`part_recovery.rolled_back`).
+    rolled_back: dict | None = None
+
+
+class PsRestore:
+    """RenewAndRestore and PsRecovered, for the recovery thread (`psclient._engine.recovery`).
+
+    `completed()`: closures completed so far (the scheduler's);
+    `meta_restored(meta)` / `meta_restored(meta, lost=...)`: the data ledgers
+    roll back to `meta` ("all") or keep theirs ("part", see `part_recovery`).
+    """
+
+    def __init__(self, store: Any, checkpoints: Any, num_ps: int, completed: Callable[[], int],
+                 meta_restored: Callable[..., None], clock: Callable[[], float]):
+        self._store = store
+        self._checkpoints = checkpoints
+        self._num_ps = num_ps
+        self._completed = completed
+        self._meta_restored = meta_restored
+        self._clock = clock
+        self.ps_stats = [PSStats() for _ in range(num_ps)]
+        self._completed_then: int | None = None
+        self._restored: dict | None = None
+        self._scope: RestoreScope | None = None
+
+    def renew_and_restore(self, action: rm.RenewAndRestore) -> bool:
+        """New resources on the lost ps, then their state (or every one's) from the newest checkpoint."""
+        scope = RestoreScope(action.mode, tuple(action.lost), self._num_ps)
+        renewed = self._store.renew(set(action.lost))
+        restored = self._checkpoints.restore(self._store.named(), tables=self._store.tables(),
+                                             only_ps=scope.only_ps)
+        self._scope, self._restored = scope, restored
+        self._completed_then = None if restored is None else restored["completed_closures"]
+        # While nothing is dispatched: what the coordinator keeps of the data follows.
+        meta = None if restored is None else restored.get("meta")
+        if scope.rolls_back_ledgers:
+            self._meta_restored(meta)
+        else:
+            self._meta_restored(meta, lost=frozenset(scope.lost))
+        log.info("ps task(s) %s: %d variables re-created, %s restored", action.lost, renewed,
+                 "every variable" if scope.only_ps is None else "their own variables")
+        return True
+
+    def recovered(self, action: rm.PsRecovered, where: str | None) -> None:
+        """The lost ps answer with their state again: what `stats()` reports of it."""
+        closures = max(0, self._completed() - (self._completed_then or 0))
+        recovery = self._clock() - action.back_at
+        scope = self._scope or RestoreScope("all", tuple(action.lost), self._num_ps)
+        counts = (self._restored or {}).get("restored", {})
+        where = (self._restored or {}).get("path", where)  # the one used (a damaged newest is passed over)
+        report = rolled_back(scope, counts.get("variables", {}), counts.get("rows", {}), closures, where)
+        for ps in action.lost:
+            stats = self.ps_stats[ps]
+            stats.recoveries += 1
+            stats.last_recovery_s = recovery
+            stats.rolled_back_closures += closures
+        for ps, what in report.items():
+            if 0 <= ps < len(self.ps_stats):
+                self.ps_stats[ps].rolled_back = what
+        if scope.mode == "part":
+            log.warning(
+                "ps task(s) %s recovered from %s: their own variables restored, the other ps kept "
+                "theirs; the updates of %d closures completed since were lost on them only "
+                "(%.2f s after the task came back)", list(action.lost), where, closures, recovery)
+        else:
+            log.warning(
+                "ps task(s) %s recovered from %s: every variable restored; %d completed closures "
+                "rolled back (%.2f s after the task came back)", list(action.lost), where, closures, recovery)
+        self._scope = self._restored = None
