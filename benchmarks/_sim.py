@@ -224,11 +224,7 @@ class Harness:
         self.engine = Engine(
             Roster(self.sim.cluster), edge=self.sim, scheduler=self.scheduler,
             recovery_config=RecoveryConfig(hang_timeout=config.hang_timeout,
-                                           # The ps never fails here: a ps probe that times out is
-                                           # only a loaded machine (a hundred threads on 2 cores), and
-                                           # would end the run (no checkpoint). Hangs are found by the
-                                           # heartbeat's own hang_timeout, not by this.
-                                           probe_timeout=min(10.0, max(config.hang_timeout, 5.0)),
+probe_timeout=min(10.0, config.hang_timeout),
                                            interval=min(1.0, config.hang_timeout / 4)),
             pipeline_depth=config.pipeline_depth, connect_timeout=config.hang_timeout, prepare=self.sim.prepare,
             store=EmptyStore(), per_worker=NoPerWorker(),

@@ -94,6 +94,28 @@ class Prober:
         probe = self.start(device)
         return probe.done.wait(timeout) and probe.ok
 
+    def ended_within(self, probe: _Probe, timeout: float, *, cap: float) -> bool:
+        """Whether `probe` ended within `timeout` seconds of running.
+
+        Time queued behind other probes does not count (a burst of heartbeats,
+        probes held by hung tasks, a loaded coordinator): a probe not begun has
+        not asked its task anything. `cap` bounds the whole wait, queue included.
+        """
+        end = time.monotonic() + cap
+        while not probe.done.is_set():
+            now = time.monotonic()
+            if now >= end:
+                break
+            running_since = probe.running_since
+            if running_since is None:  # queued: look again shortly
+                probe.done.wait(min(0.05, end - now))
+                continue
+            left = running_since + timeout - self._clock()
+            if left <= 0:
+                break
+            probe.done.wait(min(left, end - now))
+        return probe.done.is_set()
+
     def overdue(self, device: str, now: float) -> float | None:
         """Seconds the outstanding probe of `device` has waited, or None if none waits."""
         with self._cond:
