@@ -147,10 +147,13 @@ class EmptyStore:
     def named(self) -> dict:
         return {}
 
-    def renew(self, lost) -> int:
+    def renew(self, lost_ps) -> int:
         return 0
 
     def one_per_ps(self) -> dict:
+        return {}
+
+    def tables(self) -> dict:
         return {}
 
 

@@ -34,7 +34,8 @@ class Edge(Protocol):
         """The device name of ps task `index`'s CPU."""
 
     def tcp_state(self, address: str, timeout: float) -> str:
-        """What a TCP connect to "host:port" gets within `timeout`: "open", "closed" or "timeout"."""
+        """What a TCP connect to "host:port" gets within `timeout`: "open", "closed" (refused:
+        the process is gone) or "silent" (no answer at all)."""
 
     def tcp_reachable(self, address: str, timeout: float) -> bool:
         """Whether something accepts TCP connections at `address`."""
@@ -85,6 +86,9 @@ class VariableStore(Protocol):
     def one_per_ps(self) -> dict[int, Any]:
         """A live variable on each ps task that holds any."""
 
+    def tables(self) -> dict[str, Any]:
+        """Live dynamic tables by their checkpoint key (saved and restored beside the variables)."""
+
 
 class PerWorkerValues(Protocol):
     """What the engine uses of the per-worker datasets, iterators and resources (`stores.PerWorkerRegistry`)."""
@@ -111,11 +115,14 @@ class CheckpointStore(Protocol):
     def check_writable(self) -> None:
         """Raise FileExistsError if the directory holds another run's checkpoints."""
 
-    def save(self, variables: dict[str, Any], completed: int | None) -> str:
-        """Write one checkpoint of `variables`; return its path."""
+    def save(self, variables: dict[str, Any], completed: int | None, *, meta: dict | None = None,
+             tables: dict | None = None) -> str:
+        """Write one checkpoint of `variables` (and `tables`, with `meta` beside); return its path."""
 
-    def restore(self, variables: dict[str, Any], *, adopt: bool = False) -> dict | None:
-        """Assign every variable its newest checkpointed value."""
+    def restore(self, variables: dict[str, Any], *, adopt: bool = False, tables: dict | None = None,
+                only_ps: frozenset | None = None) -> dict | None:
+        """Assign every variable (those on the `only_ps` tasks only, if given) its newest
+        checkpointed value; None if there is no checkpoint."""
 
 
 class Roster:
