@@ -32,6 +32,7 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from psclient._coordinator.serving_table import ServingTable
+from psclient._tf.context import coordinator_cpu
 
 __all__ = ["DeltaCut"]
 
@@ -142,15 +143,20 @@ class DeltaCut:
         for i, (table, old, new) in enumerate(zip(self.tables, self.previous, cut.tables)):
             counts = []
             for k, shard in enumerate(table.shards):
+                # Made here, outside the ps's device: a Python value converted under a task's
+                # device is copied there holding the GIL (a hung ps would freeze the coordinator).
+                with tf.device(coordinator_cpu()):
+                    prefix = tf.constant(os.path.join(directory, f"t{i}_s{k}_"))
                 with _placed(shard.device):
                     counts.append(_diff_and_write(old.keys[k].read_value(), old.rows[k].read_value(),
-                                                  new.keys[k].read_value(), new.rows[k].read_value(),
-                                                  tf.constant(os.path.join(directory, f"t{i}_s{k}_"))))
+                                                  new.keys[k].read_value(), new.rows[k].read_value(), prefix))
             counts = [[int(c) for c in count.numpy()] for count in counts]
             entries.append({"name": table.name, "dim": table.dim, "shards": len(table.shards),
                             "changed": [c[0] for c in counts], "removed": [c[1] for c in counts]})
         for name, value in cut.dense:
+            with tf.device(coordinator_cpu()):
+                path = tf.constant(os.path.join(directory, name))  # on the coordinator (see above)
             with _placed(value.device):
-                tf.io.write_file(os.path.join(directory, name), tf.io.serialize_tensor(value))
+                tf.io.write_file(path, tf.io.serialize_tensor(value))
         self.previous = cut.tables  # the previous cut's copies on the ps are freed with it
         return {"tables": entries, "dense": [_described(name, variable) for name, variable in self.dense]}
