@@ -96,7 +96,8 @@ def test_restore_adopts_them_and_the_run_goes_on_numbering_past_them(tmp_path):
     write_run(tmp_path, [1.0, 2.0])
     second, named = Checkpoints(str(tmp_path), keep=5), variables()
     restored = second.restore(named, adopt=True)
-    assert restored == {"path": str(tmp_path / "ckpt-2"), "completed_closures": 20, "skipped": [], "meta": {}}
+    assert restored == {"path": str(tmp_path / "ckpt-2"), "completed_closures": 20, "skipped": [], "meta": {},
+                        "restored": {"variables": {-1: 2}, "rows": {}}}  # per ps task; -1: on none
     assert named["v000001"].numpy().tolist() == [2.0] * 64
     assert second.save(named, completed=21) == str(tmp_path / "ckpt-3")
     assert second.latest() == str(tmp_path / "ckpt-3")
