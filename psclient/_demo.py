@@ -14,13 +14,20 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 _LEARNING_RATE = 3e-3
 _BATCH = 32
+#: After Ctrl-C, how long the demo's clean-up (the strategy's shutdown, then
+#: the cluster's and the evaluator's) may take before it kills what it started
+#: and exits. It takes seconds; the bound holds on a starved machine, where
+#: every wait on the way crawls (issue 36: over 120 s, load 7-11 at nice 19).
+_INTERRUPT_DEADLINE_S = 60.0
 
 
 def _split():
@@ -69,6 +76,64 @@ def _say(text: str) -> None:
 _TF_LOG_LINE = re.compile(r"^[WE]\d{4} \d\d:\d\d:")
 
 
+class _InterruptDeadline:
+    """Bounds what the demo does after the first SIGINT.
+
+    The handler raises KeyboardInterrupt as Python's own does (the `finally`
+    clauses stop the strategy, the cluster and the evaluator), and starts a
+    thread that, if the process is still there `deadline` s later, SIGKILLs
+    every process the demo started and exits with 130. A thread, not a
+    second signal: it runs while the main thread waits in a TF call that
+    releases the GIL (update_server_def does), and leaves no task behind.
+    """
+
+    def __init__(self, deadline: float):
+        self._deadline = deadline
+        self._kills: list = []  # callables that SIGKILL what the demo started
+        self._thread: threading.Thread | None = None
+        self._previous = None
+
+    def own(self, kill) -> None:
+        self._kills.append(kill)
+
+    def __enter__(self) -> _InterruptDeadline:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._interrupted)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _interrupted(self, signum, frame):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._expire, name="psclient-demo-deadline", daemon=True)
+            self._thread.start()
+        raise KeyboardInterrupt
+
+    def _expire(self) -> None:
+        time.sleep(self._deadline)
+        _say(f"the clean-up did not finish within {self._deadline:g} s of the interrupt; "
+             "killing what the demo started")
+        for kill in self._kills:
+            try:
+                kill()
+            except OSError:  # gone already
+                pass
+        sys.stdout.flush()
+        os._exit(130)
+
+
+def _kill_tasks(local) -> None:
+    for job, index, _ in local.cluster.tasks():
+        pid = local.pid(job, index)
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def _start_evaluator(checkpoint_dir: str, log_dir: str, best: str):
     from psclient._cluster.launch import _Child, _Output
     from psclient._cluster.process import child_env, is_tf_banner
@@ -99,49 +164,52 @@ def run(epochs: int = 8, workdir: str | None = None, num_workers: int = 2, num_p
     os.makedirs(checkpoint_dir, exist_ok=True)
     _say(f"working in {workdir}")
     _say(local_security_warning())
-    evaluator = _start_evaluator(checkpoint_dir, log_dir, best)  # Its TF import overlaps ours.
-    _say("started the sidecar evaluator (its own process; it only reads the checkpoints)")
-    try:
-        import keras
-        import numpy as np
-
-        import psclient
-        from psclient._sidecar.evaluator import write_final_marker
-
-        keras.utils.set_random_seed(0)
-        x_train, x_test, y_train, y_test = _split()
-        _say(f"digits: {len(x_train)} training and {len(x_test)} test images (bundled with scikit-learn)")
-        _say(f"starting a local cluster: {num_workers} workers, {num_ps} ps on 127.0.0.1 ...")
-        with psclient.LocalCluster(num_workers=num_workers, num_ps=num_ps) as local:
-            _say(f"cluster ready after {time.monotonic() - start:.1f} s")
-            strategy = psclient.ParameterServerStrategy(local.cluster)
-            try:
-                # Here, not at the top: the evaluator's TF import started above overlaps ours.
-                import tensorflow as tf
-
-                with strategy.scope():  # Weights and optimizer state live on the ps.
-                    model = build_model(keras.optimizers.Adam(_LEARNING_RATE))
-                dataset = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
-                           .shuffle(len(x_train), seed=0).repeat().batch(_BATCH))
-                checkpoint = keras.callbacks.ModelCheckpoint(
-                    os.path.join(checkpoint_dir, "epoch-{epoch:02d}.weights.h5"), save_weights_only=True)
-                _say(f"training with model.fit for {epochs} epochs; a checkpoint per epoch")
-                model.fit(dataset, epochs=epochs, steps_per_epoch=len(x_train) // _BATCH,
-                          callbacks=[checkpoint], verbose=2)
-                final = os.path.join(checkpoint_dir, f"epoch-{epochs:02d}.weights.h5")
-                write_final_marker(checkpoint_dir, final, step=int(model.optimizer.iterations.numpy()))
-                # A plain call on the coordinator: it reads the trained weights from the ps.
-                logits = np.asarray(model(x_test, training=False))
-                accuracy = float((logits.argmax(axis=1) == y_test).mean())
-            finally:
-                strategy.shutdown()
-        _say("training done; waiting for the evaluator to evaluate the final checkpoint ...")
+    with _InterruptDeadline(_INTERRUPT_DEADLINE_S) as deadline:
+        evaluator = _start_evaluator(checkpoint_dir, log_dir, best)  # Its TF import overlaps ours.
+        deadline.own(lambda: evaluator.send(signal.SIGKILL))
+        _say("started the sidecar evaluator (its own process; it only reads the checkpoints)")
         try:
-            evaluator.process.wait(timeout=120)
-        except subprocess.TimeoutExpired:  # Reported, then stopped below.
-            _say("the evaluator did not finish within 120 s; stopping it")
-    finally:
-        evaluator.stop(grace=10)
+            import keras
+            import numpy as np
+
+            import psclient
+            from psclient._sidecar.evaluator import write_final_marker
+
+            keras.utils.set_random_seed(0)
+            x_train, x_test, y_train, y_test = _split()
+            _say(f"digits: {len(x_train)} training and {len(x_test)} test images (bundled with scikit-learn)")
+            _say(f"starting a local cluster: {num_workers} workers, {num_ps} ps on 127.0.0.1 ...")
+            with psclient.LocalCluster(num_workers=num_workers, num_ps=num_ps) as local:
+                deadline.own(lambda: _kill_tasks(local))
+                _say(f"cluster ready after {time.monotonic() - start:.1f} s")
+                strategy = psclient.ParameterServerStrategy(local.cluster)
+                try:
+                    # Here, not at the top: the evaluator's TF import started above overlaps ours.
+                    import tensorflow as tf
+
+                    with strategy.scope():  # Weights and optimizer state live on the ps.
+                        model = build_model(keras.optimizers.Adam(_LEARNING_RATE))
+                    dataset = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
+                               .shuffle(len(x_train), seed=0).repeat().batch(_BATCH))
+                    checkpoint = keras.callbacks.ModelCheckpoint(
+                        os.path.join(checkpoint_dir, "epoch-{epoch:02d}.weights.h5"), save_weights_only=True)
+                    _say(f"training with model.fit for {epochs} epochs; a checkpoint per epoch")
+                    model.fit(dataset, epochs=epochs, steps_per_epoch=len(x_train) // _BATCH,
+                              callbacks=[checkpoint], verbose=2)
+                    final = os.path.join(checkpoint_dir, f"epoch-{epochs:02d}.weights.h5")
+                    write_final_marker(checkpoint_dir, final, step=int(model.optimizer.iterations.numpy()))
+                    # A plain call on the coordinator: it reads the trained weights from the ps.
+                    logits = np.asarray(model(x_test, training=False))
+                    accuracy = float((logits.argmax(axis=1) == y_test).mean())
+                finally:
+                    strategy.shutdown()
+            _say("training done; waiting for the evaluator to evaluate the final checkpoint ...")
+            try:
+                evaluator.process.wait(timeout=120)
+            except subprocess.TimeoutExpired:  # Reported, then stopped below.
+                _say("the evaluator did not finish within 120 s; stopping it")
+        finally:
+            evaluator.stop(grace=10)
     code = evaluator.process.returncode
     _say(f"finished in {time.monotonic() - start:.0f} s")
     print(f"\ntest accuracy: {accuracy:.4f}  ({len(x_test)} held-out digits)")

@@ -294,17 +294,23 @@ def result_or_first_error(strategy, future, on_error=None):
     cancels the closures after it, so a failed or cancelled future is answered
     by `join()`'s error: the root cause, not this future's echo of it.
     `on_error()` runs first (drop what is pending).
+
+    Interrupted (Ctrl-C) while waiting, it joins nothing: the user wants out,
+    not every step still queued (fit's own handler and the strategy's shutdown
+    stop them). Joining there left an interrupted `psclient demo` waiting for
+    every queued step on a loaded machine (py-spy: Scheduler.join under this).
     """
-    settled = False
     try:
-        result = future.result()
-        settled = True
-        return result
-    finally:
-        if not settled:
-            if on_error is not None:
-                on_error()
-            strategy.join()
+        return future.result()
+    except KeyboardInterrupt:
+        if on_error is not None:
+            on_error()
+        raise
+    except BaseException:
+        if on_error is not None:
+            on_error()
+        strategy.join()
+        raise
 
 
 def fit_callbacks(model, train_function: TrainFunction, callbacks, verbose, epochs: int, steps: int | None,
