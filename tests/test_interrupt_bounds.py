@@ -67,8 +67,8 @@ from psclient import _demo
 with _demo._InterruptDeadline(float(sys.argv[1])) as deadline:
     child = subprocess.Popen(["sleep", "300"])
     deadline.own(child.kill)
-    print(child.pid, flush=True)
     try:
+        print(child.pid, flush=True)  # in the try: the SIGINT may come at once
         while True:
             time.sleep(0.05)
     finally:
