@@ -150,23 +150,17 @@ class ServingExport(keras.callbacks.Callback):
         self.exported: list[str] = []
         self.deltas: list[dict] = []
         self._last = self._last_delta = time.monotonic()
-        self._cut = None  # the previous version's cut of the dynamic tables (a DeltaCut), in delta mode
-        self._chain = (None, 0)  # (full version, last delta written after it)
-        self._writer = None  # the thread that writes deltas (a ThreadPoolExecutor), while fit runs
-        self._pending = None  # the delta it is writing (a Future)
+        # The delta chain (previous cut, position, writer thread); used in delta mode only.
+        self._chain_state = _DeltaChain(self.base_dir, self.deltas)
 
     def on_train_begin(self, logs=None):
         serving_dirs.claim(self.base_dir, self.run_id, self.take_over)
         self._last = self._last_delta = time.monotonic()
 
-    def _join(self) -> None:
-        strategy = registry.current()
-        if strategy is not None:
-            strategy.join()  # a version is a cut between steps: none in flight on the workers
-
     def export_now(self) -> None:
-        self._finish_pending()  # the deltas of the chain before it are all written first
-        self._join()
+        chain = self._chain_state
+        chain.finish_pending()  # the deltas of the chain before it are all written first
+        _join_steps()
         # No take_over here: a run that took the directory over since fails the export, as it should.
         path = export_servable(self.model, self.base_dir, keep=self.keep, run_id=self.run_id)
         self.exported.append(path)
@@ -174,8 +168,8 @@ class ServingExport(keras.callbacks.Callback):
             from psclient._coordinator.delta_cut import DeltaCut
 
             # Nothing ran since the export: this cut is the full version's, the first delta's base.
-            self._cut, self._chain = None, (int(os.path.basename(path)), 0)
-            self._cut = DeltaCut(_dynamic_tables(self.model), _dense(self.model))
+            chain.cut, chain.position = None, (int(os.path.basename(path)), 0)
+            chain.cut = DeltaCut(_dynamic_tables(self.model), _dense(self.model))
         self._last = self._last_delta = time.monotonic()
 
     def delta_now(self) -> None:
@@ -184,61 +178,31 @@ class ServingExport(keras.callbacks.Callback):
         Training pauses for the cut only (the steps in flight finish, the ps
         tasks copy what changed); the ps tasks then diff and write it on the
         callback's writer thread while training goes on."""
-        self._finish_pending()
-        version, seq = self._chain
-        if self._cut is None or (self.full_every_deltas is not None and seq >= self.full_every_deltas):
+        chain = self._chain_state
+        chain.finish_pending()
+        version, seq = chain.position
+        if chain.cut is None or (self.full_every_deltas is not None and seq >= self.full_every_deltas):
             self.export_now()
             return
         began = time.monotonic()
-        self._join()
+        _join_steps()
         joined = time.monotonic()
         try:
-            cut = self._cut.take()
+            cut = chain.cut.take()
         except tf.errors.OpError as error:
-            self._full_instead(error, version, seq + 1)
+            # The previous cut lived on a ps that was lost (or a copy failed there): a full version instead.
+            _log_full_instead(error, version, seq + 1)
+            chain.cut = None
+            self.export_now()
             return
-        paused = {"seconds": time.monotonic() - began, "join_seconds": joined - began}
-        self._chain = (version, seq + 1)
-        if self._writer is None:
-            self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="psclient-serving-deltas")
-        self._pending = self._writer.submit(self._write, self._cut, cut, version, seq + 1, paused)
+        chain.submit(cut, {"seconds": time.monotonic() - began, "join_seconds": joined - began})
         self._last_delta = time.monotonic()
-
-    def _write(self, delta_cut, cut, version: int, seq: int, paused: dict) -> None:
-        """On the writer thread: one delta, from the ps tasks, into its hidden directory, then renamed."""
-        began = time.monotonic()
-        with serving_deltas.new_delta(self.base_dir, version, seq) as scratch:
-            manifest = delta_cut.write(cut, scratch)
-            manifest.update(version=version, seq=seq, written_at=time.time())
-            serving_deltas.write_manifest(scratch, manifest)
-        path = os.path.join(serving_deltas.chain_dir(self.base_dir, version), str(seq))
-        self.deltas.append({"path": path, "version": version, "seq": seq, **paused,
-                            "write_seconds": time.monotonic() - began, "bytes": _bytes(path),
-                            "changed": sum(sum(t["changed"]) for t in manifest["tables"]),
-                            "removed": sum(sum(t["removed"]) for t in manifest["tables"])})
-
-    def _finish_pending(self) -> None:
-        """Wait for the delta being written; if it failed on a ps, the next version is a full one."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        try:
-            pending.result()
-        except tf.errors.OpError as error:
-            self._cut = None
-            _log_full_instead(error, *self._chain)
-
-    def _full_instead(self, error, version, seq) -> None:
-        # The previous cut lived on a ps that was lost (or a copy failed there): a full version instead.
-        _log_full_instead(error, version, seq)
-        self._cut = None
-        self.export_now()
 
     @property
     def chain(self) -> tuple:
         """(the last full version written, the last delta taken after it: 0 for none); (None, 0) before
         any. A delta taken is written on the writer thread, all of them by the time `fit` returns."""
-        return self._chain
+        return self._chain_state.position
 
     def due_by_time(self) -> bool:
         return self.every_seconds is not None and time.monotonic() - self._last >= self.every_seconds
@@ -260,20 +224,74 @@ class ServingExport(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if self.delta_every_seconds is not None:
             self.delta_now()  # what training ended with is served
-            self._stop_writer()
+            self._chain_state.stop_writer()
         # The cut is kept: a next `fit` (online training, fit after fit) goes on with the same chain.
-
-    def _stop_writer(self) -> None:
-        self._finish_pending()
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
-            self._writer = None
 
     def release(self) -> None:
         """Wait for the delta being written, stop the writer thread, and free the previous cut's copy of
         the rows on the ps tasks; the next version written is a full one."""
-        self._stop_writer()
-        self._cut = None
+        self._chain_state.stop_writer()
+        self._chain_state.cut = None
+
+
+def _join_steps() -> None:
+    strategy = registry.current()
+    if strategy is not None:
+        strategy.join()  # a version is a cut between steps: none in flight on the workers
+
+
+class _DeltaChain:
+    """A `ServingExport`'s deltas: the previous version's cut (a `DeltaCut`, its copies on the ps),
+    where the chain stands (full version, last delta taken), and the thread that writes them.
+
+    Not a Keras class, so its names can be anything (the Keras seam's check reads private names
+    on Keras-derived classes as Keras's own)."""
+
+    def __init__(self, base_dir: str, records: list):
+        self.base_dir = base_dir
+        self.records = records  # the callback's `deltas`: one dict per delta written
+        self.cut = None
+        self.position = (None, 0)
+        self._writer = None  # a ThreadPoolExecutor of one thread, while fit runs
+        self._pending = None  # the delta it is writing (a Future)
+
+    def submit(self, cut, paused: dict) -> None:
+        """Write `cut` (just taken) as the chain's next delta, on the writer thread."""
+        version, seq = self.position
+        self.position = (version, seq + 1)
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="psclient-serving-deltas")
+        self._pending = self._writer.submit(self._write, self.cut, cut, version, seq + 1, paused)
+
+    def _write(self, delta_cut, cut, version: int, seq: int, paused: dict) -> None:
+        """On the writer thread: one delta, from the ps tasks, into its hidden directory, then renamed."""
+        began = time.monotonic()
+        with serving_deltas.new_delta(self.base_dir, version, seq) as scratch:
+            manifest = delta_cut.write(cut, scratch)
+            manifest.update(version=version, seq=seq, written_at=time.time())
+            serving_deltas.write_manifest(scratch, manifest)
+        path = os.path.join(serving_deltas.chain_dir(self.base_dir, version), str(seq))
+        self.records.append({"path": path, "version": version, "seq": seq, **paused,
+                             "write_seconds": time.monotonic() - began, "bytes": _bytes(path),
+                             "changed": sum(sum(t["changed"]) for t in manifest["tables"]),
+                             "removed": sum(sum(t["removed"]) for t in manifest["tables"])})
+
+    def finish_pending(self) -> None:
+        """Wait for the delta being written; if it failed on a ps, the next version is a full one."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except tf.errors.OpError as error:
+            self.cut = None
+            _log_full_instead(error, *self.position)
+
+    def stop_writer(self) -> None:
+        self.finish_pending()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
 
 
 def _log_full_instead(error, version, seq) -> None:
