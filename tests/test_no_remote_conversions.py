@@ -121,3 +121,37 @@ def test_keras_fit_evaluate_and_checkpoints_with_dynamic_embeddings_convert_noth
         assert not seen.found, "Python values converted under a task's device:\n" + seen.report()
     finally:
         strategy.shutdown()
+
+
+def test_delta_cuts_of_dynamic_tables_convert_nothing_on_any_task(two_workers_two_ps, tmp_path):
+    # A delta's cut runs while training pauses and its writes while it goes on: a conversion
+    # under a ps's device there would freeze the coordinator on a hung ps. After the model is
+    # built (its build still converts: see the test above), nothing does, on ps tasks either.
+    import keras
+
+    from psclient._coordinator.delta_cut import DeltaCut
+    from psclient._keras.servable import _dense, _dynamic_tables
+
+    rng = np.random.default_rng(1)
+    keys = rng.integers(0, 5000, size=(128, 2)).astype("int64")
+    strategy = psclient.ParameterServerStrategy(two_workers_two_ps.cluster)
+    try:
+        with strategy.scope():
+            inputs = keras.Input((2,), dtype="int64")
+            rows = psclient.layers.DynamicEmbedding(4, capacity=2048)(inputs)
+            hashed = psclient.layers.DynamicEmbedding(4)(inputs)  # hash-table storage
+            outputs = keras.layers.Dense(1)(keras.layers.Flatten()(keras.layers.Concatenate()([rows, hashed])))
+            model = keras.Model(inputs, outputs)
+            model.compile(optimizer="adagrad", loss="mse")
+        model.fit(keys, keys[:, :1].astype("float32") % 7, batch_size=32, epochs=1, verbose=0)
+        cut = DeltaCut(_dynamic_tables(model), _dense(model))  # traces its functions
+        with RemoteConversions() as seen:
+            for step in range(2):
+                taken = cut.take()
+                directory = tmp_path / f"delta{step}"
+                directory.mkdir()
+                manifest = cut.write(taken, str(directory))
+        assert not seen.found, "Python values converted under a task's device:\n" + seen.report()
+        assert sum(sum(t["changed"]) for t in manifest["tables"]) == 0  # nothing trained between the cuts
+    finally:
+        strategy.shutdown()

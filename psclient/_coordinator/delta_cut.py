@@ -124,7 +124,8 @@ class DeltaCut:
         # Traced now, with the full version this cut belongs to, rather than in a delta's pause.
         self._readers = _readers(self._files)
         _diff_and_write.get_concrete_function()
-        self.previous = [ServingTable.taken_from(table) for table in self.tables]
+        self._snapshots = [{} for _ in self.tables]  # each table's traced snapshot functions, kept
+        self.previous = self._take_tables()
 
     def take(self) -> Cut:
         """Copy the tables' live rows and the dense variables now, each on its ps. The caller makes this
@@ -134,7 +135,11 @@ class DeltaCut:
             with _placed(device):
                 for position, value in zip(positions, read()):
                     values[position] = (self._files[position][0], value)
-        return Cut([ServingTable.taken_from(table) for table in self.tables], values)
+        return Cut(self._take_tables(), values)
+
+    def _take_tables(self) -> list:
+        return [ServingTable.taken_from(table, functions)
+                for table, functions in zip(self.tables, self._snapshots)]
 
     def write(self, cut: Cut, directory: str) -> dict:
         """Write what changed between the previous cut and `cut` into `directory` (from the ps tasks);

@@ -166,6 +166,8 @@ class DynamicTable:
         self.owner = weakref.ref(strategy) if strategy is not None else (lambda: None)
         self.share = rules.per_ps(policy.capacity, len(devices))
         self.slot_defaults: dict[str, float] = {}
+        #: Times shards were made again after their ps was lost: functions traced over the old ones are stale.
+        self.renewals = 0
         # Placed here, and saved with the rows: the shards' counters are no model variables.
         store = getattr(strategy, "_store", None)
         self._unmanaged = store.unmanaged if store is not None else contextlib.nullcontext
@@ -214,6 +216,7 @@ class DynamicTable:
             if shard.device and ps_index_of(shard.device) in lost_ps:
                 with tf.init_scope(), self._unmanaged():
                     shard.make(self.slot_defaults)
+        self.renewals += 1
 
     # --------------------------------------------------------------- lookup
     def _split(self, keys):

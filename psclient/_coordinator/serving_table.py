@@ -58,6 +58,23 @@ def _live_rows(shard, policy):
     return row_keys, rows
 
 
+def _snapshot_function(shard, policy, dim):
+    """A shard's live keys sorted, with a last entry no key passes, beside their rows: one traced
+    call on the shard's ps. Traced, so that a snapshot costs one round trip rather than an eager op
+    at a time (what a delta's pause waits for), and converts no Python value under the ps's
+    device (such a copy holds the GIL: a hung ps would stop the coordinator)."""
+
+    @tf.function(autograph=False)
+    def snapshot():
+        shard_keys, shard_rows = _live_rows(shard, policy)
+        order = tf.argsort(shard_keys)
+        sorted_keys = tf.concat([tf.gather(shard_keys, order), tf.constant([_LAST_KEY], tf.int64)], 0)
+        sorted_rows = tf.concat([tf.gather(shard_rows, order), tf.zeros([1, dim])], 0)
+        return sorted_keys, sorted_rows
+
+    return snapshot
+
+
 class ServingTable(tf.Module):
     """Per shard of a dynamic table, its keys sorted beside their rows (see the module's docstring).
 
@@ -71,16 +88,21 @@ class ServingTable(tf.Module):
         self.keys, self.rows = list(keys), list(rows)
 
     @classmethod
-    def taken_from(cls, table) -> "ServingTable":
-        """Snapshot `table` (a `DynamicTable`) now, each shard on its own device."""
+    def taken_from(cls, table, functions: dict | None = None) -> "ServingTable":
+        """Snapshot `table` (a `DynamicTable`) now, each shard on its own device.
+
+        `functions`: the snapshot functions of this table's shards, kept by a
+        caller that snapshots it again and again (`DeltaCut`); None: traced now.
+        """
+        functions = {} if functions is None else functions
         keys, rows = [], []
         with tf.init_scope(), table._unmanaged():  # noqa: SLF001 - the table's own placement rule
             for index, shard in enumerate(table.shards):
+                traced = functions.get(index)
+                if traced is None or traced[0] != table.renewals:  # new, or the shard was made again
+                    traced = functions[index] = (table.renewals, _snapshot_function(shard, table.policy, table.dim))
                 with tf.device(shard.device) if shard.device else contextlib.nullcontext():
-                    shard_keys, shard_rows = _live_rows(shard, table.policy)
-                    order = tf.argsort(shard_keys)
-                    shard_keys = tf.concat([tf.gather(shard_keys, order), [_LAST_KEY]], 0)
-                    shard_rows = tf.concat([tf.gather(shard_rows, order), tf.zeros([1, table.dim])], 0)
+                    shard_keys, shard_rows = traced[1]()
                     # Shapes left open so that `psclient.serving` can write a delta's rows into a loaded SavedModel
                     # (a static size would be folded into its functions).
                     keys.append(tf.Variable(shard_keys, trainable=False, name=f"{table.name}_keys_{index}",
