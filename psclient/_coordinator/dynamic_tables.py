@@ -1,10 +1,9 @@
 """Dynamic embedding tables: rows kept by key on the ps tasks.
 
-A `DynamicTable` holds one "shard" on each of its ps tasks (or one local
-shard without a cluster). With a `capacity`, a shard is a `DenseShard`
-(`psclient._coordinator.dense_shard`: rows and slots in preallocated
-variables beside a key -> row index). Without one, the rows need storage
-that grows: the shard holds `tf.lookup.experimental.MutableHashTable`s:
+A `DynamicTable` holds one "shard" on each of its ps tasks (or one local shard without a
+cluster). With a `capacity`, a shard is a `DenseShard` (`psclient._coordinator.dense_shard`:
+rows and slots in preallocated variables beside a key -> row index). Without one, the rows
+need storage that grows: the shard holds `tf.lookup.experimental.MutableHashTable`s:
 
   values   key -> row (float32[dim]), for admitted keys
   slots    one table per optimizer slot, key -> float32[dim]
@@ -12,18 +11,16 @@ that grows: the shard holds `tf.lookup.experimental.MutableHashTable`s:
 
 and three int64 variables: the shard's clock (training lookups that reached
 it), admissions and evictions. Keys go to shard `mix64(key) % shards`.
-Everything here is TensorFlow ops placed with `tf.device` on the shard's ps:
-called from a function that runs on a worker, the lookup, the admission, the
-optimizer's arithmetic and the eviction scan run on the ps and only the
-looked-up rows (and their gradients) cross. A bounded table's training
+Everything here is TensorFlow ops placed with `tf.device` on the shard's ps: called from a
+function that runs on a worker, the lookup, the admission, the optimizer's arithmetic and the
+eviction scan run on the ps and only the looked-up rows (and their gradients) cross. A bounded table's training
 lookup only reads; its admission runs with the optimizer's update, together
 with the other bounded tables of the step (`psclient._coordinator.fused_admission`). Why these storages, and what
 was measured: docs/dynamic_embeddings.md. The rules of admission and
 eviction are `psclient._core.dynamic_tables`.
 
-Updates are read-modify-write (lookup, compute, insert) like every
-asynchronous ps update: two workers updating the same row at once may lose
-one of the two updates, as with Keras variables under psclient.
+Updates are read-modify-write (lookup, compute, insert) like every asynchronous ps update: two
+workers updating the same row at once may lose one of the two updates, as with Keras variables.
 """
 
 from __future__ import annotations
