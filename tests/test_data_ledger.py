@@ -296,7 +296,8 @@ def test_a_killed_worker_replays_only_its_batch_in_flight(strategy, cluster):
     assert twice <= stats["replayed_records"] <= 8  # counted: the retried attempt's first two batches
     assert sum(w["retried"] for w in strategy.stats()["workers"]) >= 1
     # Whole batches only: 8 (an upper bound: the two batches a hung attempt could still train)
-    # when the cut-off attempt had started, 0 when the kill landed between two of worker 1's
-    # attempts (seen in CI under load; its position was then exact).
-    assert stats["replayed_records"] in (0, 8)
+    # when the cut-off attempt had started, 4 when its shard had one batch left then (seen on a
+    # quiet machine), 0 when the kill landed between two of worker 1's attempts (seen in CI
+    # under load; its position was then exact).
+    assert stats["replayed_records"] in (0, 4, 8)
     assert strategy.stats()["replayed_records"] == stats["replayed_records"]

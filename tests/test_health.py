@@ -2,6 +2,7 @@
 decided by the recovery state machine (tests/test_recovery_machine.py)."""
 
 import threading
+import time
 
 from psclient._core.health import Prober
 
@@ -117,30 +118,26 @@ def test_last_failed_tells_an_ended_probe_without_answer_from_one_pending_or_ans
         prober.close(10)
 
 
-def test_a_probe_is_timed_from_when_it_runs_not_while_it_waits_its_turn():
-    # One pool thread held by a hung task: the next probe waits in the queue
-    # for longer than its timeout, then its task answers at once. That is an
-    # answer (a loaded coordinator's queue is no sign of the task); a probe
-    # that runs past its timeout is not; `cap` bounds the whole wait.
-    clock = FakeClock()
-    hung, answered = threading.Event(), threading.Event()
-    prober = Prober(lambda device: hung.wait(30) if device == "hung" else None, clock=clock,
-                    threads=1, stuck_after=1000.0)
-    prober.start("hung")
-    queued = prober.start("ps0")
-    clock.now = 10.0  # the queued probe has "waited" 10 s, five times the timeout below
-    waiter = threading.Thread(target=lambda: answered.set() if prober.ended_within(queued, 2.0, cap=30) else None)
-    waiter.start()
-    assert not answered.wait(0.3) and queued.running_since is None  # still queued: no verdict
-    hung.set()  # the pool thread is free; ps0 answers at once
-    waiter.join(30)
-    assert answered.is_set() and queued.ok
+def test_an_urgent_probe_runs_ahead_of_the_heartbeats_queued_before_it():
+    # One pool thread, busy; three heartbeats queued; then a failed call's probe of the ps.
+    # It runs next, not after them: a burst of heartbeats on a loaded coordinator must not
+    # make a ps that answers at once look silent.
+    busy, order = threading.Event(), []
 
-    stuck = threading.Event()
-    prober2 = Prober(lambda device: stuck.wait(30), clock=clock)
-    running = prober2.start("w0")
-    assert not prober2.ended_within(running, 0.0, cap=30)  # ran its timeout (0 s) without an answer
-    assert not prober2.ended_within(prober2.start("w0"), 100.0, cap=0.1)  # the cap ends the wait
-    stuck.set()
-    for p in (prober, prober2):
-        assert p.close(timeout=10) == []
+    def run_probe(device):
+        if device == "busy":
+            busy.wait(30)
+        order.append(device)
+
+    prober = Prober(run_probe, threads=1, stuck_after=1000.0)
+    held = prober.start("busy")
+    deadline = time.monotonic() + 30
+    while held.running_since is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # bounded: until the pool's one thread has taken it
+    for worker in range(3):
+        prober.start(f"w{worker}")
+    ps = prober.start("ps0", urgent=True)
+    busy.set()
+    assert ps.done.wait(30) and ps.ok
+    assert held.running_since is not None and order[:2] == ["busy", "ps0"], order
+    assert prober.close(timeout=10) == []

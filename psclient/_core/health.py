@@ -71,8 +71,11 @@ class Prober:
         #: Pool threads started so far (flat at idle: tests and benchmarks read it).
         self.threads_started = 0
 
-    def start(self, device: str) -> _Probe:
-        """The outstanding probe of `device`, or a new one if none is outstanding."""
+    def start(self, device: str, *, urgent: bool = False) -> _Probe:
+        """The outstanding probe of `device`, or a new one if none is outstanding.
+
+        `urgent`: a new probe goes to the front of the queue (a failed call waits on it),
+        ahead of the heartbeats."""
         with self._cond:
             probe = self._probes.get(device)
             if probe is not None and not probe.done.is_set():
@@ -82,7 +85,10 @@ class Prober:
             if self._closing:
                 probe.done.set()  # nobody runs it: the task counts as not answering
                 return probe
-            self._requests.append(probe)
+            if urgent:
+                self._requests.appendleft(probe)
+            else:
+                self._requests.append(probe)
             if self._idle:
                 self._cond.notify()
             if len(self._requests) > self._idle:
@@ -93,28 +99,6 @@ class Prober:
         """Whether `device`'s task answers a probe within `timeout` seconds."""
         probe = self.start(device)
         return probe.done.wait(timeout) and probe.ok
-
-    def ended_within(self, probe: _Probe, timeout: float, *, cap: float) -> bool:
-        """Whether `probe` ended within `timeout` seconds of running.
-
-        Time queued behind other probes does not count (a burst of heartbeats,
-        probes held by hung tasks, a loaded coordinator): a probe not begun has
-        not asked its task anything. `cap` bounds the whole wait, queue included.
-        """
-        end = time.monotonic() + cap
-        while not probe.done.is_set():
-            now = time.monotonic()
-            if now >= end:
-                break
-            running_since = probe.running_since
-            if running_since is None:  # queued: look again shortly
-                probe.done.wait(min(0.05, end - now))
-                continue
-            left = running_since + timeout - self._clock()
-            if left <= 0:
-                break
-            probe.done.wait(min(left, end - now))
-        return probe.done.is_set()
 
     def overdue(self, device: str, now: float) -> float | None:
         """Seconds the outstanding probe of `device` has waited, or None if none waits."""

@@ -64,14 +64,13 @@ class FailureProbes:
                 break
             if attempt:
                 time.sleep(spacing)  # spacing between probes, not synchronisation
-            probes = {key: self._prober.start(device) for key, device in pending.items()}
-            # probe_timeout of each probe's own running time; queued behind others (a
-            # loaded coordinator, probes held by hung tasks) for up to as long again.
-            deadline = time.monotonic() + 2 * self._probe_timeout
+            # Ahead of the heartbeats in the prober's queue: a burst of them (a hundred
+            # workers on a loaded coordinator) must not time these out before they run.
+            probes = {key: self._prober.start(device, urgent=True) for key, device in pending.items()}
+            deadline = time.monotonic() + self._probe_timeout
             failed = {}
             for key, probe in probes.items():
-                if not self._prober.ended_within(probe, self._probe_timeout,
-                                                 cap=max(0.0, deadline - time.monotonic())):
+                if not probe.done.wait(max(0.0, deadline - time.monotonic())):
                     silent.append(key)  # timed out: hung, not asked again
                 elif not probe.ok:
                     failed[key] = pending[key]
