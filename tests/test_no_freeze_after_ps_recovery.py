@@ -39,16 +39,10 @@ MAX_STALL_S = 1.0
 
 
 @pytest.fixture
-def heal(three_workers_one_ps):
-    cluster = three_workers_one_ps
-    yield cluster
-    if not cluster.is_running("ps", 0):
-        cluster.restart("ps", 0)
-    for index in range(3):
-        if cluster.is_running("worker", index):
-            cluster.resume("worker", index)
-        else:
-            cluster.restart("worker", index)
+def heal(three_workers_one_ps, restore_shared_clusters):
+    """The shared 3 workers, 1 ps cluster; afterwards every task it stopped or killed runs again
+    (conftest's `restore_shared_clusters`)."""
+    return three_workers_one_ps
 
 
 def taken_out(strategy, worker):

@@ -24,16 +24,10 @@ HANG_TIMEOUT = 2.0
 
 
 @pytest.fixture
-def heal(three_workers_one_ps):
-    cluster = three_workers_one_ps
-    yield cluster
-    for index in range(3):
-        if cluster.is_running("worker", index):
-            cluster.resume("worker", index)
-        else:
-            cluster.restart("worker", index)
-    if not cluster.is_running("ps", 0):
-        cluster.restart("ps", 0)
+def heal(three_workers_one_ps, restore_shared_clusters):
+    """The shared 3 workers, 1 ps cluster; afterwards every task it stopped or killed runs again
+    (conftest's `restore_shared_clusters`)."""
+    return three_workers_one_ps
 
 
 def test_probes_reconnects_resources_checkpoints_and_recovery_convert_nothing_on_tasks(heal, tmp_path):
