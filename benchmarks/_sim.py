@@ -224,7 +224,7 @@ class Harness:
         self.engine = Engine(
             Roster(self.sim.cluster), edge=self.sim, scheduler=self.scheduler,
             recovery_config=RecoveryConfig(hang_timeout=config.hang_timeout,
-probe_timeout=min(10.0, config.hang_timeout),
+                                           probe_timeout=min(10.0, config.hang_timeout),
                                            interval=min(1.0, config.hang_timeout / 4)),
             pipeline_depth=config.pipeline_depth, connect_timeout=config.hang_timeout, prepare=self.sim.prepare,
             store=EmptyStore(), per_worker=NoPerWorker(),
