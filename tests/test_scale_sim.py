@@ -22,14 +22,21 @@ from _polling import wait_for
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import _sim  # noqa: E402
 
+#: Seconds past hang_timeout within which a failure must be taken out. Generous: this checks that
+#: each failure is found and its work rerun, on a machine shared with a full suite; how fast is
+#: what benchmarks/scale.py measures.
+DETECTION_SLACK_S = 3.0
+
 
 @pytest.fixture
 def harness_factory():
     made = []
 
     def make(**overrides):
+        # A hang lasts well past its detection limit (below): under a loaded CI machine detection
+        # once took longer than a 1.4 s hang, which then ended unseen (the test then waits in vain).
         config = _sim.SimConfig(**{"step_s": 0.005, "hang_timeout": 0.6, "restart_after": 0.5,
-                                   "resume_after": 1.4, **overrides})
+                                   "resume_after": DETECTION_SLACK_S + 1.5, **overrides})
         harness = _sim.Harness(config)
         made.append(harness)
         harness.start()
@@ -60,13 +67,16 @@ def _run_through_failures(harness, closures: int, failures: list[tuple[str, int,
 def _check_detected(harness, hang_timeout: float) -> list[dict]:
     # Every closure can finish before an idle dead worker's heartbeat finds it (seen once under a
     # loaded full suite): wait (bounded) until each failure was taken out; when it was is checked below.
-    wait_for(lambda: all(f["detected_s"] is not None for f in harness.failure_report()), 30,
-             "every injected failure taken out")
+    deadline = time.monotonic() + 30
+    while not all(f["detected_s"] is not None for f in harness.failure_report()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"not every injected failure taken out within 30 s: {harness.failure_report()}")
+        time.sleep(0.05)
     report = harness.failure_report()
     for failure in report:
         # A dead worker fails its call, or its heartbeat: found by probing it.
         # A hung one: its heartbeat probe goes unanswered for hang_timeout.
-        limit = hang_timeout + 1.0
+        limit = hang_timeout + DETECTION_SLACK_S
         assert failure["detected_s"] is not None, f"never taken out: {failure}"
         assert failure["detected_s"] <= limit, f"taken out after {failure['detected_s']} s > {limit}: {failure}"
         if failure["kind"] == "hang":
