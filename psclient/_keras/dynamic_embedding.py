@@ -8,7 +8,8 @@ joins Keras's training through two seams:
   gradient always 0). Asking the tape for the gradient of the model's
   trainable weights thus reaches the layer's gradient function, which keeps
   the rows' gradient (one row per distinct key of the batch) for the step.
-- `keras.optimizers.Optimizer.apply` is wrapped once (`install`): when the
+- The optimizer's `apply` (psclient's one wrapper, `psclient._keras.optimizer_apply`,
+  installed by `install`): when the
   variables it is given include a layer's anchor, the kept gradient is applied
   to the rows on their ps (`psclient._keras.dynamic_optimizers`) before the
   optimizer's own update of the other weights. The gradient is kept per
@@ -21,27 +22,20 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import threading
 import weakref
 
 import keras
 
 import tensorflow as tf
 
-from psclient._coordinator.dense_shard import run_due_scans
-from psclient._coordinator.fused_admission import apply_parts
 from psclient._coordinator.dynamic_tables import DynamicTable, mix64
 from psclient._coordinator.runtime import ps_device, ps_index_of
 from psclient._coordinator.serving_table import ServingTable
 from psclient._core.dynamic_tables import Policy
-from psclient._keras import dynamic_optimizers, serving
+from psclient._keras import dynamic_optimizers, optimizer_apply, serving
 from psclient._tf.serving import at_export_end, current_export
 
 __all__ = ["DynamicEmbedding", "epoch_logs", "install"]
-
-_installed = False
-_install_lock = threading.Lock()
-
 
 class _Kept:
     """Row gradients kept until the optimizer applies them: graph traced -> [(lookup state, gradient)]."""
@@ -69,35 +63,10 @@ class _Snapshot:
 
 
 def install() -> None:
-    """Wrap `keras.optimizers.Optimizer.apply` once: dynamic rows are updated with the other weights."""
-    global _installed
-    with _install_lock:
-        if _installed:
-            return
-        serving.install()  # model.export and tf.saved_model.save read a snapshot of the rows
-        optimizer_class = keras.optimizers.Optimizer
-
-        def apply(self, grads, trainable_variables=None):
-            if trainable_variables is not None:
-                trainable_variables = list(trainable_variables)
-                parts, rule = [], None
-                for variable in trainable_variables:
-                    ref = getattr(variable, "_psclient_dynamic_layer", None)
-                    layer = ref() if ref is not None else None
-                    if layer is not None:
-                        layer_parts, layer_rule = layer.apply_kept_gradients(self)
-                        parts += layer_parts
-                        rule = rule or layer_rule
-                if parts:  # one admission and update per ps for the alike tables of the step
-                    apply_parts(parts, rule)
-                run_due_scans()  # one check per ps for all the tables just updated
-            # The next class's apply, looked up now: psclient's own wrapper of
-            # BaseOptimizer.apply may be installed after this one.
-            return super(optimizer_class, self).apply(grads, trainable_variables)
-
-        functools.update_wrapper(apply, optimizer_class.apply)
-        optimizer_class.apply = apply
-        _installed = True
+    """Exports read a snapshot of the rows; the optimizer's apply updates them
+    (`psclient._keras.optimizer_apply`). Works without a strategy; idempotent."""
+    serving.install()  # model.export and tf.saved_model.save read a snapshot of the rows
+    optimizer_apply.install()
 
 
 def epoch_logs(model) -> dict[str, float]:

@@ -40,6 +40,9 @@ that do not live on a psclient strategy's ps tasks:
    TF variables, and a model's SavedModel leaves out its optimizer and
    compiled metrics (also installed by the first `DynamicEmbedding`, which
    works without a strategy).
+7. The optimizer's `apply` (`psclient._keras.optimizer_apply`): one wrapper
+   updates the rows of `DynamicEmbedding` layers, then applies the other
+   weights under the strategy's rule for model versions.
 
 Nothing else in psclient patches Keras. Before patching, every private Keras
 name psclient uses (`psclient._keras.seam.KERAS_INTERNALS`) is looked up, so a
@@ -62,7 +65,7 @@ import tensorflow as tf
 from psclient._coordinator import finite
 from psclient._keras import adafactor, initializers, moving_stats, sparse_adagrad
 from psclient._keras import eval as _keras_eval
-from psclient._keras import seam, serving, sharded_fit
+from psclient._keras import optimizer_apply, seam, serving, sharded_fit
 from psclient._keras.ps_reads import metrics_through_ps_loss, restore_cause
 from psclient._keras.trainer import (
     TrainFunction,
@@ -129,40 +132,8 @@ def install() -> None:
         adafactor.install()
         moving_stats.install()
         serving.install()
-        _install_apply_hook()
+        optimizer_apply.install()
         _done = True
-
-
-def _install_apply_hook() -> None:
-    """`optimizer.apply(grads, variables)` (`apply_gradients` calls it) inside a step traced for
-    `schedule()` runs under the strategy's rule for model versions: a ticket, `max_staleness`,
-    or `replicas_to_aggregate` (`psclient._coordinator.sync`). Keras's own apply otherwise."""
-    import keras
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-
-    from psclient._coordinator import sync
-
-    stock = BaseOptimizer.apply
-
-    def apply(self, grads, trainable_variables=None):
-        step = sync.current_step()
-        grads = list(grads)
-        if step is None or step.busy or not grads:
-            if step is None:
-                sync.note_untracked_apply()
-            return stock(self, grads, trainable_variables)
-        if trainable_variables is None:
-            variables = list(seam.internal(self, "_trainable_variables"))
-        else:
-            variables = list(trainable_variables)
-        if not self.built:  # as Keras's apply does, before any of it runs under a condition
-            with keras.name_scope(self.name, caller=self):
-                self.build(variables)
-        tf_variables = [seam.internal(v, "_value") if isinstance(v, keras.Variable) else v for v in variables]
-        return step.apply(grads, tf_variables, lambda mean: stock(self, mean, variables))
-
-    functools.update_wrapper(apply, stock)
-    BaseOptimizer.apply = apply
 
 
 def _install_atomic_increments() -> None:
