@@ -29,7 +29,7 @@ def test_an_unreachable_ps_is_waited_for_until_ps_timeout():
 
 def test_the_steps_follow_in_order_and_end_recovered():
     ps, lost = loss(), (1,)
-    assert ps.next_step(rm.Reconnect(frozenset({0}), "ps"), lost) == rm.RenewAndRestore(lost)
+    assert ps.next_step(rm.ReconnectPs(frozenset({0})), lost) == rm.RenewAndRestore(lost)
     assert ps.next_step(rm.RenewAndRestore(lost), lost) == rm.Retrace()
     assert ps.next_step(rm.Retrace(), lost) == rm.RebuildResources()
     assert ps.next_step(rm.RebuildResources(), lost) is None
@@ -46,6 +46,6 @@ def test_failures_with_an_error_count_and_give_up_refusals_do_not():
 
 def test_the_restore_step_carries_the_loss_mode():
     lost = (1,)
-    assert loss(mode="part").next_step(rm.Reconnect(frozenset({0}), "ps"), lost) == rm.RenewAndRestore(lost, "part")
+    assert loss(mode="part").next_step(rm.ReconnectPs(frozenset({0})), lost) == rm.RenewAndRestore(lost, "part")
     # "all" by default: today's global rollback, for code that builds a PsLoss without a mode.
-    assert loss().next_step(rm.Reconnect(frozenset({0}), "ps"), lost) == rm.RenewAndRestore(lost, "all")
+    assert loss().next_step(rm.ReconnectPs(frozenset({0})), lost) == rm.RenewAndRestore(lost, "all")

@@ -24,7 +24,7 @@ def finishes(actions):
 def test_a_new_worker_joins_through_the_rejoin_flow_and_its_ticket_gets_its_index():
     d = Driver()
     actions = d(rm.WorkerAdded(2, "t"), at=5.0)
-    assert actions == [rm.Reconnect(frozenset({0, 1, 2}), "rejoin", returning=2)]
+    assert actions == [rm.RejoinWorker(frozenset({0, 1, 2}), 2)]
     assert d.m.workers == [UP, UP, REJOINING]
     assert d.done() == [rm.CheckAnswers(2)]
     assert d.done() == [rm.RebuildWorker(2)]
@@ -41,7 +41,7 @@ def test_a_joining_worker_whose_step_fails_is_tried_again_once_it_answers():
     assert d.done(ok=False, error=RuntimeError("connect failed")) == []  # no Finish: not joined yet
     assert d.m.workers[2] is SUSPECT and d.m.op is None
     actions = d(rm.WorkerSeen(2, "open", False), at=2.0)  # the next round sees it answer
-    assert actions == [rm.Reconnect(frozenset({0, 1, 2}), "rejoin", returning=2)]
+    assert actions == [rm.RejoinWorker(frozenset({0, 1, 2}), 2)]
     seen = d.finish_ops(actions)
     assert rm.Finish("t", value=2) in seen
     assert d.m.workers[2] is UP
@@ -60,7 +60,7 @@ def test_a_worker_added_at_a_slot_that_is_neither_next_nor_retired_is_refused(wo
 def test_a_retired_worker_leaves_the_view_then_its_ticket_is_finished():
     d = Driver(num_workers=3)
     actions = d(rm.WorkerRetired(1, "t"))
-    assert actions == [rm.Reconnect(frozenset({0, 2}), "drop", leaving=frozenset({1}))]
+    assert actions == [rm.DropWorkers(frozenset({0, 2}), leaving=frozenset({1}))]
     assert d.m.leaving() == [1]
     assert d.done() == [rm.Finish("t", value=1)]
     assert d.m.workers == [UP, RETIRED, UP]
@@ -82,7 +82,7 @@ def test_a_leaving_worker_that_does_not_answer_stays_in_the_view_until_it_does()
     assert d.tick() == []
     # It answers again: dropped now (not brought back: it is leaving).
     actions = d(rm.WorkerSeen(1, "open", False))
-    assert actions == [rm.Reconnect(frozenset({0, 2}), "drop", leaving=frozenset({1}))]
+    assert actions == [rm.DropWorkers(frozenset({0, 2}), leaving=frozenset({1}))]
     assert d.done() == [rm.Finish("t", value=1)]
     assert d.m.workers[1] is RETIRED
 
@@ -92,7 +92,7 @@ def test_a_leaving_worker_that_dies_is_dropped_as_gone():
     d(rm.WorkerRetired(1, "t"))
     d.done(ok=False, value={1: "silent"})
     assert d(rm.WorkerSeen(1, "closed", False)) == [
-        rm.Reconnect(frozenset({0, 2}), "drop", leaving=frozenset({1}))]
+        rm.DropWorkers(frozenset({0, 2}), leaving=frozenset({1}))]
     assert d.done() == [rm.Finish("t", value=1)]
 
 
@@ -114,7 +114,7 @@ def test_retiring_a_joining_worker_fails_its_join_ticket():
     [failed] = finishes(actions)  # and not the other ticket: its Reconnect may add it to the view
     assert failed.ticket == "join" and "removed before it joined" in str(failed.error)
     actions = d.done()  # the rejoin Reconnect succeeded: the flow ends, the drop starts
-    assert actions == [rm.Reconnect(frozenset({0, 1}), "drop", leaving=frozenset({2}))]
+    assert actions == [rm.DropWorkers(frozenset({0, 1}), leaving=frozenset({2}))]
     assert d.done() == [rm.Finish("leave", value=2)]
     assert d.m.workers[2] is RETIRED and d.m.view == frozenset({0, 1})
 
@@ -151,7 +151,7 @@ def test_every_reconnect_names_the_leaving_workers_it_drops():
     d(rm.PsNotAnswering((0,)))
     d(rm.WorkerRetired(1, "t"))  # a ps recovery goes first; its Reconnect drops worker 1 too
     actions = d(rm.PsSeen(0, "open"))
-    assert actions == [rm.Reconnect(frozenset({0, 2}), "ps", leaving=frozenset({1}))]
+    assert actions == [rm.ReconnectPs(frozenset({0, 2}), leaving=frozenset({1}))]
     assert d.done() == [rm.Finish("t", value=1), rm.RenewAndRestore((0,))]
 
 

@@ -87,7 +87,7 @@ def test_refused_connect_means_lost_and_a_lost_worker_is_dropped_from_the_view()
     assert d.m.blocking() == [1]  # not yet known: may hang, no reconnect
     actions = d(rm.WorkerSeen(1, "closed", probe_pending=False))
     assert d.m.workers[1] is LOST
-    assert actions == [rm.Reconnect(frozenset({0}), "drop")]
+    assert actions == [rm.DropWorkers(frozenset({0}))]
     assert d.done() == []
     assert d.m.view == frozenset({0})
 
@@ -114,7 +114,7 @@ def test_a_worker_that_answers_again_rejoins_reconnect_check_rebuild_bring_up():
     d(rm.WorkerSeen(1, "closed", False))
     d.done()  # dropped from the view
     actions = d(rm.WorkerSeen(1, "open", False), at=10.0)
-    assert actions == [rm.Reconnect(frozenset({0, 1}), "rejoin", returning=1)]
+    assert actions == [rm.RejoinWorker(frozenset({0, 1}), 1)]
     assert d.m.workers[1] is REJOINING
     d.now = 10.5
     assert d.done() == [rm.CheckAnswers(1)]
@@ -145,22 +145,22 @@ def test_a_rebuild_that_fails_is_tried_again_next_round():
     assert d.done(ok=False, error=RuntimeError("x")) == []
     assert d.m.workers[1] is SUSPECT
     actions = d(rm.WorkerSeen(1, "open", False))
-    assert kinds(actions) == ["Reconnect"]
+    assert kinds(actions) == ["RejoinWorker"]
 
 
 def test_workers_that_do_not_answer_before_a_reconnect_are_taken_out_and_it_is_retried():
     d = Driver(num_workers=3)
     d(rm.WorkerNotAnswering(2))
     d(rm.WorkerSeen(2, "open", False))
-    assert d.m.op == rm.Reconnect(frozenset({0, 1, 2}), "rejoin", returning=2)
+    assert d.m.op == rm.RejoinWorker(frozenset({0, 1, 2}), 2)
     actions = d.done(ok=False, value={1: "closed"})
     assert actions[0] == rm.TakeOut(1, None, "not answering before a reconnect")
     assert d.m.workers[1] is LOST and d.m.workers[2] is SUSPECT
     # 2 is in the view and not judged yet: nothing may reconnect until it is.
     assert d(rm.WorkerSeen(1, "closed", False)) == []
     # Next round it answers: the gone one is dropped first, then 2 rejoins.
-    assert d(rm.WorkerSeen(2, "open", False)) == [rm.Reconnect(frozenset({0}), "drop")]
-    assert d.done() == [rm.Reconnect(frozenset({0, 2}), "rejoin", returning=2)]
+    assert d(rm.WorkerSeen(2, "open", False)) == [rm.DropWorkers(frozenset({0}))]
+    assert d.done() == [rm.RejoinWorker(frozenset({0, 2}), 2)]
 
 
 def test_race_rejoin_requested_while_another_worker_hangs_waits_until_it_dies():
@@ -173,7 +173,7 @@ def test_race_rejoin_requested_while_another_worker_hangs_waits_until_it_dies():
     assert d.m.workers[1] is SUSPECT
     # Worker 0 dies: no longer hangs; worker 1 rejoins with a view without it.
     actions = d(rm.WorkerSeen(0, "closed", False))
-    assert actions == [rm.Reconnect(frozenset({1}), "rejoin", returning=1)]
+    assert actions == [rm.RejoinWorker(frozenset({1}), 1)]
 
 
 def test_race_a_hung_worker_that_answers_again_rejoins():
@@ -181,7 +181,7 @@ def test_race_a_hung_worker_that_answers_again_rejoins():
     d(rm.ProbeOverdue(0, 3.0))
     d(rm.WorkerSeen(0, "open", probe_pending=True))
     actions = d(rm.WorkerSeen(0, "open", probe_pending=False))  # SIGCONT
-    assert actions == [rm.Reconnect(frozenset({0, 1}), "rejoin", returning=0)]
+    assert actions == [rm.RejoinWorker(frozenset({0, 1}), 0)]
 
 
 # ---------------------------------------------------------------- all gone
@@ -231,7 +231,7 @@ def test_lost_ps_is_recovered_once_back_and_idle():
     assert d.m.ps == [LOST]
     actions = d(rm.PsSeen(0, "open"), at=5.0)
     assert d.m.ps == [RECOVERING]
-    assert actions == [rm.Reconnect(frozenset({0, 1}), "ps")]
+    assert actions == [rm.ReconnectPs(frozenset({0, 1}))]
     assert d.done() == [rm.RenewAndRestore((0,))]
     assert d.done() == [rm.Retrace()]
     assert d.done() == [rm.RebuildResources()]
@@ -259,7 +259,7 @@ def test_ps_recovery_that_keeps_failing_gives_up_after_ps_attempts():
     d.done()
     assert d.done(ok=False, error=ValueError("mismatch")) == []
     assert d.m.ps == [RECOVERING]
-    assert d.tick() == [rm.Reconnect(frozenset({0, 1}), "ps")]  # tried again next round
+    assert d.tick() == [rm.ReconnectPs(frozenset({0, 1}))]  # tried again next round
     d.done()
     actions = d.done(ok=False, error=ValueError("mismatch"))
     assert kinds(actions) == ["FailAll", "ResumeDispatch"] and "mismatch" in actions[0].why
@@ -272,7 +272,7 @@ def test_ps_recovery_reconnect_refused_by_a_worker_takes_it_out_and_tries_again_
     actions = d.done(ok=False, value={1: "closed"})
     assert actions == [rm.TakeOut(1, None, "not answering before a reconnect")]
     assert d(rm.WorkerSeen(1, "closed", False)) == []  # not before the next round
-    assert d.tick() == [rm.Reconnect(frozenset({0}), "ps")]
+    assert d.tick() == [rm.ReconnectPs(frozenset({0}))]
 
 
 def test_ps_back_but_not_taking_connections_yet_is_tried_each_round_until_ps_timeout():
@@ -284,7 +284,7 @@ def test_ps_back_but_not_taking_connections_yet_is_tried_each_round_until_ps_tim
     for at in (1.5, 2.0, 2.5):  # more often than ps_attempts: not counted as failures
         assert d.done(ok=False, value={}) == []
         assert d.m.ps == [RECOVERING]
-        assert d.tick(at=at) == [rm.Reconnect(frozenset({0, 1}), "ps")]
+        assert d.tick(at=at) == [rm.ReconnectPs(frozenset({0, 1}))]
     assert d.done() == [rm.RenewAndRestore((0,))]  # it took the connection
     d.finish_ops([])
     assert d.m.ps == [UP]
@@ -293,7 +293,7 @@ def test_ps_back_but_not_taking_connections_yet_is_tried_each_round_until_ps_tim
     d(rm.PsNotAnswering((0,)), at=0.0)
     d(rm.PsSeen(0, "open"), at=1.0)
     assert d.done(ok=False, value={}) == []
-    assert d.tick(at=9.0) == [rm.Reconnect(frozenset({0, 1}), "ps")]
+    assert d.tick(at=9.0) == [rm.ReconnectPs(frozenset({0, 1}))]
     d.now = 10.5
     assert d.done(ok=False, value={}) == []
     actions = d.tick(at=11.0)
@@ -309,19 +309,19 @@ def test_ps_recovery_waits_while_a_worker_hangs_in_the_view():
     d(rm.PsNotAnswering((0,)))
     assert d(rm.PsSeen(0, "open")) == []
     actions = d(rm.WorkerSeen(1, "closed", False))
-    assert actions == [rm.Reconnect(frozenset({0}), "ps")]
+    assert actions == [rm.ReconnectPs(frozenset({0}))]
 
 
 def test_race_ps_lost_while_a_worker_rejoins_the_ps_goes_first():
     d = Driver(checkpointing=True, has_checkpoint=True)
     d(rm.WorkerNotAnswering(1))
     d(rm.WorkerSeen(1, "open", False))
-    assert isinstance(d.m.op, rm.Reconnect) and d.m.op.purpose == "rejoin"
+    assert isinstance(d.m.op, rm.RejoinWorker)
     assert d(rm.PsNotAnswering((0,))) == [rm.PsFailed(0), rm.PauseDispatch("ps")]
     assert d.done() == []  # the rejoin stops; no CheckAnswers
     assert d.m.workers[1] is SUSPECT
     actions = d(rm.PsSeen(0, "open"))
-    assert actions == [rm.Reconnect(frozenset({0}), "ps")]
+    assert actions == [rm.ReconnectPs(frozenset({0}))]
     seen = kinds(d.finish_ops(actions))
     # The ps first, then the worker (it still answers) rejoins.
     assert seen.index("PsRecovered") < seen.index("BringUp")
@@ -404,13 +404,13 @@ def test_a_drop_refused_by_no_worker_is_tried_again_after_a_pause_not_at_once():
     # A reconnect that a ps not reachable refuses fails the same way if tried at once.
     d = Driver(num_workers=3)
     d(rm.WorkerNotAnswering(1), at=1.0)
-    assert d(rm.WorkerSeen(1, "closed", False)) == [rm.Reconnect(frozenset({0, 2}), "drop")]
+    assert d(rm.WorkerSeen(1, "closed", False)) == [rm.DropWorkers(frozenset({0, 2}))]
     assert d.done(ok=False, value={}) == []
     assert d.tick(at=1.1) == []
-    assert d.tick(at=1.5) == [rm.Reconnect(frozenset({0, 2}), "drop")]
+    assert d.tick(at=1.5) == [rm.DropWorkers(frozenset({0, 2}))]
     assert d.done(ok=False, error=RuntimeError("unavailable")) == []
     assert d.tick(at=2.4) == []
-    assert d.tick(at=2.5) == [rm.Reconnect(frozenset({0, 2}), "drop")]
+    assert d.tick(at=2.5) == [rm.DropWorkers(frozenset({0, 2}))]
     d.done()
     assert d.m.view == frozenset({0, 2}) and d.m.backoff.failures("drop") == 0
 
@@ -430,7 +430,7 @@ def test_race_worker_dies_while_a_checkpoint_waits_for_idle():
     assert actions == [rm.TakeOut(1, 0.3, "not answering"), rm.ResumeDispatch("checkpoint")]
     assert d.tick(running=1) == []  # no checkpoint while it may hang in the view
     actions = d(rm.WorkerSeen(1, "closed", False))
-    assert actions == [rm.Reconnect(frozenset({0}), "drop")]
+    assert actions == [rm.DropWorkers(frozenset({0}))]
     assert d.done() == [rm.PauseDispatch("checkpoint")]
     assert d.tick(running=0) == [rm.Checkpoint("requested")]
     assert d.done(value=("ckpt-1", 3))[-1] == rm.Finish("t", value="ckpt-1")
@@ -452,7 +452,7 @@ def test_no_rejoin_starts_while_a_checkpoint_waits():
     assert d(rm.WorkerSeen(1, "open", False)) == []
     assert d.tick(running=0) == [rm.Checkpoint("requested")]
     actions = d.done(value=("ckpt-1", 0))
-    assert kinds(actions) == ["ResumeDispatch", "Finish", "Reconnect"]
+    assert kinds(actions) == ["ResumeDispatch", "Finish", "RejoinWorker"]
 
 
 # ---------------------------------------------------------------- shutdown
@@ -513,9 +513,18 @@ def test_recovery_thread_that_dies_fails_pending_work_and_waiting_callers():
 def test_a_lost_ps_is_restored_as_the_configured_ps_recovery_says(mode):
     d = Driver(num_ps=2, checkpointing=True, has_checkpoint=True, ps_recovery=mode)
     assert d(rm.PsNotAnswering((1,)), at=1.0) == [rm.PsFailed(1), rm.PauseDispatch("ps")]
-    assert d(rm.PsSeen(1, "open"), at=2.0) == [rm.Reconnect(frozenset({0, 1}), "ps")]
+    assert d(rm.PsSeen(1, "open"), at=2.0) == [rm.ReconnectPs(frozenset({0, 1}))]
     assert d.done() == [rm.RenewAndRestore((1,), mode)]
     assert d.done() == [rm.Retrace()]
     assert d.done() == [rm.RebuildResources()]
     assert d.done() == [rm.PsRecovered((1,), back_at=2.0), rm.ResumeDispatch("ps")]
     assert d.m.ps == [UP, UP]
+
+
+def test_an_event_or_operation_of_an_unknown_type_is_an_error_not_ignored():
+    d = Driver()
+    with pytest.raises(TypeError, match="unknown recovery event"):
+        d(object())
+    d.m.op = object()
+    with pytest.raises(TypeError, match="unknown recovery operation"):
+        d(rm.Done(d.m.op, ok=True))

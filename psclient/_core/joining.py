@@ -6,7 +6,7 @@ finishes); the machine (`RecoveryMachine`, recovery_machine.py) owns the
 task states and gives them to each call explicitly.
 
 Joining (`WorkerAdded`): the worker is a rejoin candidate from the start, so
-the rejoin flow carries it in: Reconnect(UP workers + it) -> CheckAnswers ->
+the rejoin flow carries it in: RejoinWorker(UP workers + it) -> CheckAnswers ->
 RebuildWorker (its per-worker datasets and resources) -> BringUp(joined),
 and its ticket is finished with its index. A failed step leaves it out of
 rotation, tried again as any returning worker is (once it answers).

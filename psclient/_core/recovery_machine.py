@@ -4,52 +4,23 @@
 It does no I/O, starts no thread and never waits: the clock value comes in
 with each event, and what must happen comes out as a list of actions, which
 one thread (`psclient._engine.recovery`) carries out in order. Actions
-marked *operation* below report their outcome back as a `Done` event; the
+documented as an *operation* report their outcome back as a `Done` event; the
 machine starts at most one operation at a time. Dispatcher threads only
 report what they saw (`WorkerNotAnswering`, `PsNotAnswering`).
 
-States of a task (`TaskState`):
-
-    worker:  UP -> SUSPECT (a call failed, its probe did not answer: taken out)
-             UP -> HUNG (heartbeat probe overdue for hang_timeout: taken out)
-             SUSPECT/HUNG -> LOST (TCP connect refused: the process is gone)
-             SUSPECT/LOST -> HUNG (TCP accepted or silent, its probe still waits)
-             any out -> REJOINING (answers again; reconnect, check, rebuild)
-             REJOINING -> UP (rebuilt) or SUSPECT (a step failed; tried again)
-    ps:      UP -> LOST (does not answer) -> RECOVERING (accepts connections again)
-             RECOVERING -> UP (variables renewed, restored, functions retraced)
-
-Events in                                 | actions out
-------------------------------------------|------------------------------------------
-Tick(running, completed) every round      | FailAll(workers) when none UP for worker_timeout;
-                                          | starts what is due (below)
-ProbeOverdue(worker, waited) of an UP one | >= hang_timeout: TakeOut, HUNG
-WorkerNotAnswering(worker) (dispatcher,   | TakeOut, SUSPECT
-  or a failed heartbeat, port refused)    |
-WorkerSeen(worker, tcp, probe_pending)    | a worker that is out: LOST / HUNG / answers
-                                          | again (a rejoin candidate)
-PsNotAnswering(ps) (dispatcher)           | PsFailed, PauseDispatch; without a checkpoint
-                                          | FailAll(ps, permanent)
-PsSeen(ps, tcp)                           | "open": RECOVERING
-CheckpointRequested(ticket, reason)       | queued; Finish(ticket, ...) when done
-Restored()                                | a checkpoint exists from now on
-Done(op, ok, value, error)                | the next step of the flow that started op
-WorkerAdded(worker, ticket)               | a rejoin candidate; Finish(ticket) once up
-WorkerRetired(worker, ticket)             | out of every Reconnect; RETIRED and
-                                          | Finish(ticket) once out of TF's view
-                                          | (both: joining.py)
-Shutdown()                                | Finish every waiting ticket; nothing after
+The states of a task (`TaskState`) and which event leads to which actions:
+`recovery_messages`.
 
 Flows, tried after each event in this order, one at a time:
 1. ps recovery (`PsLoss`, ps_loss.py): wait for running closures, then for
-   every lost ps to accept connections; Reconnect -> RenewAndRestore (the
+   every lost ps to accept connections; ReconnectPs -> RenewAndRestore (the
    lost ps only, or every variable: `ps_recovery`) ->
    Retrace -> RebuildResources -> PsRecovered + ResumeDispatch, or
    FailAll(ps, permanent). Nothing else runs meanwhile.
-2. drop gone workers from TF's view: Reconnect(UP workers).
+2. drop gone workers from TF's view: DropWorkers(UP workers).
 3. checkpoint (requested, or due by interval/count): PauseDispatch, wait for
    running closures (hang_timeout, then skipped), Checkpoint, ResumeDispatch.
-4. rejoin: Reconnect(UP workers + it) -> CheckAnswers -> RebuildWorker -> BringUp.
+4. rejoin: RejoinWorker(UP workers + it) -> CheckAnswers -> RebuildWorker -> BringUp.
 
 A failed drop or checkpoint is tried again after a pause that doubles with
 each failure in a row (`Backoff`, retry.py), not at once: a step failing the
@@ -67,6 +38,7 @@ one made before the task came back is stale and ignored.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from psclient._core.checkpoint_schedule import CheckpointSchedule
@@ -77,6 +49,7 @@ from psclient._core.recovery_messages import (
     Checkpoint,
     CheckpointRequested,
     Done,
+    DropWorkers,
     FailAll,
     Finish,
     PauseDispatch,
@@ -88,6 +61,8 @@ from psclient._core.recovery_messages import (
     RebuildResources,
     RebuildWorker,
     Reconnect,
+    ReconnectPs,
+    RejoinWorker,
     RenewAndRestore,
     Restored,
     ResumeDispatch,
@@ -189,14 +164,18 @@ class RecoveryMachine:
             if isinstance(event, CheckpointRequested):
                 return [Finish(event.ticket, error="closed")]
             return []
-        handler = getattr(self, "_on_" + type(event).__name__)
-        actions = handler(event, now)
+        actions = self._on(event, now)
         if not self.closed:
             actions += self._advance(now)
         return actions
 
     # ------------------------------------------------------------- events
-    def _on_Tick(self, event: Tick, now: float) -> list:
+    @functools.singledispatchmethod
+    def _on(self, event: Any, now: float) -> list:
+        raise TypeError(f"unknown recovery event {event!r}")
+
+    @_on.register
+    def _on_tick(self, event: Tick, now: float) -> list:
         self._running, self._completed = event.running, event.completed
         self._rounds += 1
         if self._ps_loss is not None:
@@ -209,17 +188,20 @@ class RecoveryMachine:
             return [FailAll("workers", waited=now - since, first=first)]
         return []
 
-    def _on_ProbeOverdue(self, event: ProbeOverdue, now: float) -> list:
+    @_on.register
+    def _on_probe_overdue(self, event: ProbeOverdue, now: float) -> list:
         if self.workers[event.worker] is TaskState.UP and event.waited >= self.config.hang_timeout:
             return self._take_out(event.worker, TaskState.HUNG, event.waited, now, "hung")
         return []
 
-    def _on_WorkerNotAnswering(self, event: WorkerNotAnswering, now: float) -> list:
+    @_on.register
+    def _on_worker_not_answering(self, event: WorkerNotAnswering, now: float) -> list:
         if self.workers[event.worker] is TaskState.UP and event.epoch == self.epochs[event.worker]:
             return self._take_out(event.worker, TaskState.SUSPECT, event.detected_after, now, "not answering")
         return []
 
-    def _on_WorkerSeen(self, event: WorkerSeen, now: float) -> list:
+    @_on.register
+    def _on_worker_seen(self, event: WorkerSeen, now: float) -> list:
         worker = event.worker
         if self.workers[worker] in (TaskState.UP, TaskState.REJOINING, TaskState.RETIRED):
             return []
@@ -233,7 +215,8 @@ class RecoveryMachine:
             self._back_since.setdefault(worker, now)
         return []
 
-    def _on_PsNotAnswering(self, event: PsNotAnswering, now: float) -> list:
+    @_on.register
+    def _on_ps_not_answering(self, event: PsNotAnswering, now: float) -> list:
         if event.epoch != self.ps_epoch or self.broken:
             return []
         actions = []
@@ -252,32 +235,38 @@ class RecoveryMachine:
                 actions += self._give_up_ps(why)
         return actions
 
-    def _on_PsSeen(self, event: PsSeen, now: float) -> list:
+    @_on.register
+    def _on_ps_seen(self, event: PsSeen, now: float) -> list:
         if self.ps[event.ps] is TaskState.LOST and event.tcp == "open":
             self.ps[event.ps] = TaskState.RECOVERING
         return []
 
-    def _on_CheckpointRequested(self, event: CheckpointRequested, now: float) -> list:
+    @_on.register
+    def _on_checkpoint_requested(self, event: CheckpointRequested, now: float) -> list:
         if not self.config.checkpointing:
             return [Finish(event.ticket, value=None)]
         self._checkpoints.request(event.ticket, event.reason)
         return []
 
-    def _on_Restored(self, event: Restored, now: float) -> list:
+    @_on.register
+    def _on_restored(self, event: Restored, now: float) -> list:
         self._checkpoints.has_checkpoint = True
         return []
 
-    def _on_Shutdown(self, event: Shutdown, now: float) -> list:
+    @_on.register
+    def _on_shutdown(self, event: Shutdown, now: float) -> list:
         self.closed = True
         return self._checkpoints.closed() + self._joins.shutdown()
 
-    def _on_WorkerAdded(self, event: WorkerAdded, now: float) -> list:
+    @_on.register
+    def _on_worker_added(self, event: WorkerAdded, now: float) -> list:
         refused = self._joins.add(event.worker, event.ticket, self.workers, self.epochs)
         if not refused:
             self._back_since[event.worker] = now  # a rejoin candidate: the rejoin flow brings it in
         return refused
 
-    def _on_WorkerRetired(self, event: WorkerRetired, now: float) -> list:
+    @_on.register
+    def _on_worker_retired(self, event: WorkerRetired, now: float) -> list:
         worker = event.worker
         if worker >= len(self.workers) or self.workers[worker] is TaskState.RETIRED:
             return [Finish(event.ticket, value=worker)]
@@ -299,37 +288,44 @@ class RecoveryMachine:
             self._back_since.pop(worker, None)
         return actions
 
-    def _on_Done(self, event: Done, now: float) -> list:
+    @_on.register
+    def _on_done(self, event: Done, now: float) -> list:
         op, self.op = event.op, None
-        actions = []
-        if isinstance(op, Reconnect) and event.ok:
+        actions = self._reconnected(op, event, now) if isinstance(op, Reconnect) else []
+        return actions + self._after(op, event, now)
+
+    def _reconnected(self, op: Reconnect, event: Done, now: float) -> list:
+        if event.ok:
             self.view = frozenset(op.workers)
-        if isinstance(op, Reconnect):
-            actions += self._retire_out_of_view()
-        if isinstance(op, Reconnect) and op.purpose == "drop":
-            if event.ok:
-                self.backoff.succeeded("drop")
-            elif not event.value:
-                # Failed, or refused by no worker (a ps not reachable): the same
-                # again at once would fail the same way. (Workers named as not
-                # answering are taken out: the next try is another one.)
-                # At most 2 s apart: a restarted ps is waited for, not minutes.
-                self.backoff.failed("drop", now, cap=2.0)
-        if isinstance(op, Reconnect) and not event.ok:
+        actions = self._retire_out_of_view()
+        if not event.ok:
             # Named workers that did not answer: out of rotation, decided next round.
             for worker, tcp in (event.value or {}).items():
                 if self.workers[worker] is TaskState.UP:
                     state = TaskState.LOST if tcp == "closed" else TaskState.SUSPECT
                     actions += self._take_out(worker, state, None, now, "not answering before a reconnect")
-        if op.__class__ in (Reconnect, CheckAnswers, RebuildWorker) and (
-                op.__class__ is not Reconnect or op.purpose == "rejoin"):
-            return actions + self._rejoin_step(op, event, now)
-        if isinstance(op, Reconnect) and op.purpose == "ps" or isinstance(
-                op, (RenewAndRestore, Retrace, RebuildResources)):
-            return actions + self._ps_step(op, event, now)
-        if isinstance(op, Checkpoint):
-            return actions + self._checkpoint_done(event, now)
         return actions
+
+    # The next step of the flow that started the operation (one handler per operation type).
+    @functools.singledispatchmethod
+    def _after(self, op: Any, event: Done, now: float) -> list:
+        raise TypeError(f"unknown recovery operation {op!r}")
+
+    @_after.register
+    def _after_drop(self, op: DropWorkers, event: Done, now: float) -> list:
+        if event.ok:
+            self.backoff.succeeded("drop")
+        elif not event.value:
+            # Failed, or refused by no worker (a ps not reachable): the same
+            # again at once would fail the same way. (Workers named as not
+            # answering are taken out: the next try is another one.)
+            # At most 2 s apart: a restarted ps is waited for, not minutes.
+            self.backoff.failed("drop", now, cap=2.0)
+        return []
+
+    @_after.register(Checkpoint)
+    def _after_checkpoint(self, op: Checkpoint, event: Done, now: float) -> list:
+        return self._checkpoint_done(event, now)
 
     # -------------------------------------------------------------- flows
     def _advance(self, now: float) -> list:
@@ -351,8 +347,8 @@ class RecoveryMachine:
         """Workers that take work (a leaving one is no longer among them)."""
         return frozenset(w for w, s in enumerate(self.workers) if s is TaskState.UP and not self._joins.is_leaving(w))
 
-    def _reconnect(self, workers: frozenset, purpose: str, returning: int | None = None) -> list:
-        return self._start(Reconnect(workers, purpose, returning, self._joins.leaving_in_view(self.view, workers)))
+    def _reconnect(self, kind: type, workers: frozenset, *returning: int) -> list:
+        return self._start(kind(workers, *returning, leaving=self._joins.leaving_in_view(self.view, workers)))
 
     def _idle_since_pause(self) -> bool:
         """No closure runs, by a round counted after the newest pause."""
@@ -370,7 +366,7 @@ class RecoveryMachine:
         # checkpoint, a new trace) while a gone worker is in its view.
         if self.blocking():
             return []  # no Reconnect while a worker in the view may hang
-        return self._reconnect(target, "drop")
+        return self._reconnect(DropWorkers, target)
 
     def _advance_rejoin(self, now: float) -> list:
         if self.broken:
@@ -380,11 +376,14 @@ class RecoveryMachine:
             if self.blocking():
                 return []
             self.workers[worker] = TaskState.REJOINING
-            return self._reconnect(self._up() | {worker}, "rejoin", returning=worker)
+            return self._reconnect(RejoinWorker, self._up() | {worker}, worker)
         return []
 
+    @_after.register(RejoinWorker)
+    @_after.register(CheckAnswers)
+    @_after.register(RebuildWorker)
     def _rejoin_step(self, op: Any, event: Done, now: float) -> list:
-        worker = op.returning if isinstance(op, Reconnect) else op.worker
+        worker = op.returning if isinstance(op, RejoinWorker) else op.worker
         if self.workers[worker] is not TaskState.REJOINING:
             return []
         if self._joins.is_leaving(worker):  # removed meanwhile: the flow ends, the drop flow takes it out
@@ -398,7 +397,7 @@ class RecoveryMachine:
             self.workers[worker] = TaskState.SUSPECT  # decided again next round
             self._back_since.pop(worker, None)
             return []
-        if isinstance(op, Reconnect):
+        if isinstance(op, RejoinWorker):
             return self._start(CheckAnswers(worker))
         if isinstance(op, CheckAnswers):
             return self._start(RebuildWorker(worker))
@@ -420,8 +419,12 @@ class RecoveryMachine:
             return waiting
         if self.blocking():
             return []  # a hung worker in the view: wait until it answers or dies
-        return self._reconnect(self._up(), "ps")
+        return self._reconnect(ReconnectPs, self._up())
 
+    @_after.register(ReconnectPs)
+    @_after.register(RenewAndRestore)
+    @_after.register(Retrace)
+    @_after.register(RebuildResources)
     def _ps_step(self, op: Any, event: Done, now: float) -> list:
         lost = tuple(self.lost_ps())
         if self.closed or not lost:

@@ -2,7 +2,41 @@
 
 `TaskState` is what a task is in; events are what the machine is told (by
 the recovery thread's rounds, by dispatcher threads, by callers); actions are
-what it asks the recovery thread to do. All are plain immutable values.
+what it asks the recovery thread to do. All are plain immutable values. The
+machine handles each event type and each operation's `Done` with a handler of
+its own (dispatched by type).
+
+States of a task (`TaskState`):
+
+    worker:  UP -> SUSPECT (a call failed, its probe did not answer: taken out)
+             UP -> HUNG (heartbeat probe overdue for hang_timeout: taken out)
+             SUSPECT/HUNG -> LOST (TCP connect refused: the process is gone)
+             SUSPECT/LOST -> HUNG (TCP accepted or silent, its probe still waits)
+             any out -> REJOINING (answers again; reconnect, check, rebuild)
+             REJOINING -> UP (rebuilt) or SUSPECT (a step failed; tried again)
+    ps:      UP -> LOST (does not answer) -> RECOVERING (accepts connections again)
+             RECOVERING -> UP (variables renewed, restored, functions retraced)
+
+Events in                                 | actions out
+------------------------------------------|------------------------------------------
+Tick(running, completed) every round      | FailAll(workers) when none UP for worker_timeout;
+                                          | starts what is due (the machine's flows)
+ProbeOverdue(worker, waited) of an UP one | >= hang_timeout: TakeOut, HUNG
+WorkerNotAnswering(worker) (dispatcher,   | TakeOut, SUSPECT
+  or a failed heartbeat, port refused)    |
+WorkerSeen(worker, tcp, probe_pending)    | a worker that is out: LOST / HUNG / answers
+                                          | again (a rejoin candidate)
+PsNotAnswering(ps) (dispatcher)           | PsFailed, PauseDispatch; without a checkpoint
+                                          | FailAll(ps, permanent)
+PsSeen(ps, tcp)                           | "open": RECOVERING
+CheckpointRequested(ticket, reason)       | queued; Finish(ticket, ...) when done
+Restored()                                | a checkpoint exists from now on
+Done(op, ok, value, error)                | the next step of the flow that started op
+WorkerAdded(worker, ticket)               | a rejoin candidate; Finish(ticket) once up
+WorkerRetired(worker, ticket)             | out of every Reconnect; RETIRED and
+                                          | Finish(ticket) once out of TF's view
+                                          | (both: joining.py)
+Shutdown()                                | Finish every waiting ticket; nothing after
 """
 
 from __future__ import annotations
@@ -118,15 +152,31 @@ class TakeOut:
 
 @dataclasses.dataclass(frozen=True)
 class Reconnect:
-    """Operation: point TF's view at the ps tasks and `workers`. `returning` cannot be
-    probed before; every other worker named must answer first, else Done(ok=False,
-    value={worker: tcp state}) names those that did not. So must each worker of
-    `leaving` (retired, dropped from the view by this Reconnect) whose port does not refuse:
-    TF's `update_server_def` waits for good on a dropped task that hangs."""
+    """Operation: point TF's view at the ps tasks and `workers` (one of the three kinds
+    below). `returning` cannot be probed before; every other worker named must answer
+    first, else Done(ok=False, value={worker: tcp state}) names those that did not. So
+    must each worker of `leaving` (retired, dropped from the view by this Reconnect) whose
+    port does not refuse: TF's `update_server_def` waits for good on a dropped task that hangs."""
     workers: frozenset
-    purpose: str
-    returning: int | None = None
-    leaving: frozenset = frozenset()
+    leaving: frozenset = dataclasses.field(default=frozenset(), kw_only=True)
+    #: The worker coming back (`RejoinWorker` only).
+    returning = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DropWorkers(Reconnect):
+    """Reconnect to the workers that take work: gone ones leave TF's view."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RejoinWorker(Reconnect):
+    """Reconnect to the workers that take work and `returning`, which answers again."""
+    returning: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReconnectPs(Reconnect):
+    """Reconnect once every lost ps accepts connections again (a ps recovery's first step)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ import time
 
 from psclient._core.errors import first_line
 from psclient._core.health import Prober
-from psclient._core.recovery_messages import Reconnect
+from psclient._core.recovery_messages import DropWorkers, Reconnect
 from psclient._engine.edge import Edge, Roster
 
 __all__ = ["Reconnector", "Refused"]
@@ -78,6 +78,6 @@ class Reconnector:
                 if (state := self._edge.tcp_state(self._roster.cluster.address("worker", worker), 1.0)) == "closed"
             })
         gone = sorted(set(range(self._roster.cluster.num_workers)) - set(action.workers) - retired)
-        if action.purpose == "drop" and gone:  # (a removed worker is no longer expected back)
+        if isinstance(action, DropWorkers) and gone:  # (a removed worker is no longer expected back)
             log.info("worker(s) %s left out of the cluster until they answer again", gone)
         return True

@@ -314,7 +314,7 @@ class Recovery:
         op = done.op
         if self._machine.lost_ps() or self._machine.broken:
             return []  # its recovery is under way (or given up)
-        if isinstance(op, rm.Reconnect) and (not done.ok or op.purpose == "ps"):
+        if isinstance(op, rm.Reconnect) and (not done.ok or isinstance(op, rm.ReconnectPs)):
             return []  # nothing changed; or the ps recovery itself renews every handle
         if done.ok and not isinstance(op, rm.Reconnect):
             return []
