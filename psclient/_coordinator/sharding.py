@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from psclient._core.partitioning import AUTO_MIN_SHARD_BYTES, check_partitioner
+from psclient._core.partitioning import AUTO_MIN_SHARD_BYTES
 from psclient._tf.partitioned import PartitionedVariable, focus, is_partitioned
 
 __all__ = ["create_partitioned", "cut", "is_partitioned", "partitioner_argument", "per_shard", "split_update"]
@@ -139,13 +139,13 @@ def per_shard(grad, variable) -> list:
 
 
 def partitioner_argument(variable_partitioner: Any, num_ps: int) -> Callable | None:
-    """`ParameterServerStrategy(variable_partitioner=...)` checked, "auto" made concrete.
+    """`ParameterServerStrategy(variable_partitioner=...)` with "auto" made concrete (the value
+    itself is checked once, by `StrategyConfig`).
 
     "auto" is the default: TF's MinSizePartitioner, 128 KiB per shard at
     least, one shard per ps at most (None with a single ps task: nothing to
     split over).
     """
-    check_partitioner(variable_partitioner)
     if variable_partitioner != "auto":
         return variable_partitioner
     if num_ps == 1:
