@@ -35,6 +35,8 @@ names backed by them load on first use (`__getattr__` below), so
 `import psclient` is cheap.
 """
 
+import types as _types
+
 from psclient._cluster.local import LocalCluster
 from psclient._cluster.spec import Cluster
 from psclient._engine import registry as _registry
@@ -64,7 +66,7 @@ from psclient._core.serving_dirs import ServingDirError
 
 #: Public names whose modules import TensorFlow (or Keras) at their top: each
 #: loads on first use (PEP 562), so `import psclient` stays cheap.
-_LAZY = {
+_LAZY = _types.MappingProxyType({
     "BackupAndRestore": "psclient._keras.callbacks",
     "CheckpointDirError": "psclient._coordinator.checkpoint_parts",
     "CheckpointMismatchError": "psclient._sidecar.formats",
@@ -82,7 +84,7 @@ _LAZY = {
     "read_final_marker": "psclient._sidecar.evaluator",
     "write_final_marker": "psclient._sidecar.evaluator",
     "export_servable": "psclient._keras.servable",
-}
+})
 
 __version__ = "0.1.0"
 

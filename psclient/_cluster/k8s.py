@@ -29,6 +29,7 @@ import dataclasses
 import json
 import posixpath
 import re
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,12 +45,12 @@ POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 TASK_ROLES = ("chief", "ps", "worker")  # the pods that serve the task port
 ROLES = ("chief", "ps", "worker", "evaluator")
 DEFAULT_PORT = 2222
-DEFAULT_RESOURCES = {  # role: (cpu, memory) requests; memory is also the limit
+DEFAULT_RESOURCES = types.MappingProxyType({  # role: (cpu, memory) requests; memory is also the limit
     "worker": ("2", "4Gi"),
     "ps": ("1", "4Gi"),
     "chief": ("1", "2Gi"),
     "evaluator": ("1", "2Gi"),
-}
+})
 
 # A Service name is a DNS-1035 label (a letter first). 45 characters at most:
 # a StatefulSet's pods carry the label `controller-revision-hash: <set>-<hash

@@ -17,6 +17,7 @@ by another strategy) is unpacked into its values as TF does.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -28,7 +29,7 @@ from psclient._core.errors import StrategyAPIUnsupportedError
 __all__ = ["TFStrategyAPI", "UNSUPPORTED", "refuse_input_options"]
 
 #: TF strategy methods psclient refuses, each with what to use instead.
-UNSUPPORTED = {
+UNSUPPORTED = types.MappingProxyType({
     "extended": "strategy.placement() for where variables live, strategy.cluster for the tasks, "
     "strategy.schedule() to run on a worker (variable updates already run on their ps)",
     "colocate_vars_with": "tf.device('/job:ps/task:K') inside strategy.scope() (an optimizer's "
@@ -40,7 +41,7 @@ UNSUPPORTED = {
     "group": "tf.group(*strategy.experimental_local_results(value))",
     "configure": "the task servers' own configuration (psclient serve, LocalCluster)",
     "update_config_proto": "the task servers' own configuration (psclient serve, LocalCluster)",
-}
+})
 
 
 def refuse_input_options(options: Any) -> None:

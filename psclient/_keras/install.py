@@ -59,6 +59,7 @@ import functools
 import inspect
 import sys
 import threading
+import types
 
 import tensorflow as tf
 
@@ -289,14 +290,14 @@ def _bind(stock, model, args, kwargs) -> dict:
 #: into the per-worker data and the epoch's steps) or forwarded to Keras's own
 #: fit unchanged. Keras 3.10-3.15's fit takes exactly these; an argument a later
 #: Keras adds is refused (`fit_arguments`) rather than silently dropped.
-FIT_ARGUMENTS = {
+FIT_ARGUMENTS = types.MappingProxyType({
     "x": "consumed", "y": "consumed", "sample_weight": "consumed", "batch_size": "consumed",
     "shuffle": "consumed", "class_weight": "consumed", "steps_per_epoch": "consumed",
     "validation_split": "consumed", "validation_data": "consumed",
     "epochs": "forwarded", "verbose": "forwarded", "callbacks": "forwarded",
     "initial_epoch": "forwarded", "validation_steps": "forwarded",
     "validation_batch_size": "forwarded", "validation_freq": "forwarded",
-}
+})
 
 
 def fit_arguments(signature: inspect.Signature, model, args: tuple, kwargs: dict) -> dict:

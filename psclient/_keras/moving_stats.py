@@ -61,6 +61,7 @@ build), which collects the assigned values itself.
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any, Callable, NamedTuple
 
 import tensorflow as tf
@@ -71,9 +72,9 @@ __all__ = ["DERIVED", "Derived", "STATEFUL_LAYERS", "install"]
 
 #: The attributes of `BatchNormalization` that hold moving statistics (the
 #: last three exist with `renorm=True` only).
-STATEFUL_LAYERS = {
+STATEFUL_LAYERS = types.MappingProxyType({
     "BatchNormalization": ("moving_mean", "moving_variance", "moving_stddev", "renorm_mean", "renorm_stddev"),
-}
+})
 
 
 class Derived(NamedTuple):
@@ -88,7 +89,7 @@ class Derived(NamedTuple):
 
 
 #: Per layer class (a key of `STATEFUL_LAYERS`): attribute -> how it is derived.
-DERIVED = {
+DERIVED = types.MappingProxyType({
     "BatchNormalization": {
         # Keras's `_update_renorm_statistics`: relu(new_moving_stddev**2 - epsilon).
         "moving_variance": Derived(
@@ -97,7 +98,7 @@ DERIVED = {
             value=lambda layer, stddev: tf.nn.relu(stddev * stddev - layer.epsilon),
         ),
     },
-}
+})
 
 
 def install() -> None:

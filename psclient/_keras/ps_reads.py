@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from typing import Callable, TypeVar
 
 from psclient._coordinator.ps_state import on_ps
@@ -26,7 +27,8 @@ __all__ = ["guarded", "metrics_through_ps_loss", "restore_cause"]
 T = TypeVar("T")
 
 #: The model methods guarded during fit and evaluate, with what they do (for errors).
-_METHODS = {"reset_metrics": "resetting the metrics", "get_metrics_result": "reading the metrics"}
+_METHODS = types.MappingProxyType(
+    {"reset_metrics": "resetting the metrics", "get_metrics_result": "reading the metrics"})
 
 
 def guarded(strategy, access: Callable[[], T], what: str) -> T:

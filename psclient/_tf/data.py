@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import types
 import uuid
 
 import tensorflow as tf
@@ -20,14 +21,14 @@ log = logging.getLogger("psclient")
 #: inputs, its attribute that draws anew each iteration (None: it has none) and the position of its
 #: seed-generator resource input (a handle serialized as a constant; None: it has none).
 #: `sample_from_datasets` chooses with a RandomDataset.
-SEEDED_OPS = {
+SEEDED_OPS = types.MappingProxyType({
     "ShuffleDataset": (2, "reshuffle_each_iteration", None),
     "ShuffleDatasetV3": (2, "reshuffle_each_iteration", 4),
     "ShuffleAndRepeatDataset": (2, "reshuffle_each_iteration", None),
     "ShuffleAndRepeatDatasetV2": (2, "reshuffle_each_iteration", 5),
     "RandomDataset": (0, None, None),
     "RandomDatasetV2": (0, "rerandomize_each_iteration", 2),
-}
+})
 
 
 def serialize_dataset(dataset):
