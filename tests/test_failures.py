@@ -2,7 +2,7 @@
 
 import tensorflow as tf
 
-from psclient._core.failures import Verdict, classify
+from psclient._core.failures import AfterFailure, Verdict, after_failure, classify
 
 
 def test_connection_error_type_with_dead_worker_is_worker_lost():
@@ -138,3 +138,36 @@ def test_retry_pauses_grow_and_are_bounded():
     assert pauses == sorted(pauses) and pauses[0] > 0 and max(pauses) == 2.0
     assert [retry_pause(Verdict.TRANSIENT, n) for n in (1, 2, 3, 9)] == [0.5, 1.0, 2.0, 2.0]
     assert retry_pause(Verdict.WORKER_LOST, 5) == retry_pause(Verdict.PS_LOST, 5) == 0.0
+
+
+# ------------------------------------------------------------- after_failure
+
+
+def _after(verdict, unexplained=0, other_lost=0, broken=False):
+    return after_failure(verdict, unexplained_failures=unexplained, other_lost_failures=other_lost,
+                         broken_iterator=broken)
+
+
+def test_a_function_error_goes_to_the_future_unless_an_endless_iterator_broke():
+    assert _after(Verdict.FUNCTION_ERROR) == AfterFailure(retry=False)
+    assert _after(Verdict.FUNCTION_ERROR, broken=True) == AfterFailure(True, unexplained=1, renew_iterators=True)
+
+
+def test_transient_failures_back_off_more_each_time_up_to_two_seconds():
+    pauses = [_after(Verdict.TRANSIENT, unexplained=n).pause for n in range(5)]
+    assert pauses == [0.5, 1.0, 2.0, 2.0, 2.0]
+    assert all(_after(Verdict.TRANSIENT, unexplained=n).unexplained == 1 for n in range(5))
+
+
+def test_a_cancelled_iterator_is_made_again_and_retried_at_once():
+    assert _after(Verdict.TRANSIENT, unexplained=2, broken=True) == AfterFailure(
+        True, unexplained=1, renew_iterators=True)
+
+
+def test_another_task_lost_retries_at_once_first_then_backs_off():
+    assert [_after(Verdict.OTHER_TASK_LOST, other_lost=n).pause for n in range(4)] == [0.0, 0.1, 0.2, 0.4]
+    assert _after(Verdict.OTHER_TASK_LOST).other_lost == 1 and _after(Verdict.OTHER_TASK_LOST).unexplained == 0
+
+
+def test_a_lost_ps_requeues_without_pause_or_count():
+    assert _after(Verdict.PS_LOST, unexplained=3, other_lost=3) == AfterFailure(True)

@@ -27,12 +27,13 @@ only decides what happens to the failed *call*.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import Callable
 
 __all__ = [
     "Verdict", "classify", "retry_pause", "iterator_cancelled", "CONNECTION_ERROR_NAMES",
-    "MAX_TRANSIENT_ATTEMPTS",
+    "MAX_TRANSIENT_ATTEMPTS", "AfterFailure", "after_failure",
 ]
 
 #: TF error class names that a lost or broken connection can produce.
@@ -145,3 +146,39 @@ def retry_pause(verdict: Verdict, attempts: int) -> float:
     if verdict is Verdict.OTHER_TASK_LOST and attempts > 1:
         return min(2.0, 0.1 * 2 ** (attempts - 2))
     return 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class AfterFailure:
+    """What a dispatcher thread does with a closure whose call failed (`after_failure`)."""
+
+    #: Queued again; else the (named) error goes to its future.
+    retry: bool
+    #: Added to the closure's unexplained / other-task-lost failure counts.
+    unexplained: int = 0
+    other_lost: int = 0
+    #: Seconds this worker's thread waits before queueing it again (the channel needs the time).
+    pause: float = 0.0
+    #: Make this worker's dataset iterators again first.
+    renew_iterators: bool = False
+
+
+def after_failure(verdict: Verdict, *, unexplained_failures: int, other_lost_failures: int,
+                  broken_iterator: bool) -> AfterFailure:
+    """The decision for a failed call whose worker still answers (WORKER_LOST is the recovery's).
+
+    `broken_iterator`: for FUNCTION_ERROR, the end of a dataset that never ends
+    (its iterator broke when a call was cancelled while its repeat() began a
+    pass); for TRANSIENT, a cancelled iterator. Either fails the same way again
+    on the same iterators, so they are made again and the call retried at once.
+    The counts are the closure's before this failure.
+    """
+    if verdict is Verdict.FUNCTION_ERROR:
+        return AfterFailure(True, unexplained=1, renew_iterators=True) if broken_iterator else AfterFailure(False)
+    if verdict is Verdict.OTHER_TASK_LOST:
+        return AfterFailure(True, other_lost=1, pause=retry_pause(verdict, other_lost_failures + 1))
+    if verdict is Verdict.TRANSIENT:
+        if broken_iterator:
+            return AfterFailure(True, unexplained=1, renew_iterators=True)
+        return AfterFailure(True, unexplained=1, pause=retry_pause(verdict, unexplained_failures + 1))
+    return AfterFailure(True)  # PS_LOST: queued while the recovery holds the queue

@@ -9,8 +9,9 @@ and reports success or failure back to the scheduler.
 A failed call is classified (`psclient._core.failures.classify`, with bounded
 probes); what the verdict means for a task is only *reported* to the recovery
 thread (`report(WorkerNotAnswering(...))`, `report(PsNotAnswering(...))`),
-whose state machine decides. The dispatcher decides only about its own call:
-run it again (after a pause for a transient error) or give its error to the future.
+whose state machine decides. What becomes of the call itself (run again, after
+which pause, with its iterators made again, or its error to the future) is
+decided by a pure function (`failures.after_failure`) that this thread carries out.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Callable
 from psclient._engine.edge import Edge, PerWorkerValues
 from psclient._core import ps_access
 from psclient._core.failures import (
-    MAX_TRANSIENT_ATTEMPTS, Verdict, classify, end_of_sequence, iterator_cancelled, retry_pause,
+    MAX_TRANSIENT_ATTEMPTS, Verdict, after_failure, classify, end_of_sequence, iterator_cancelled,
 )
 from psclient._core.recovery_messages import PsNotAnswering, WorkerNotAnswering
 from psclient._core.closure import Closure
@@ -240,31 +241,26 @@ class Dispatcher:
             # there); this attempt's own report would then be stale.
             if not self._scheduler.wait_released(worker, closure, attempt, self._release_timeout):
                 self._scheduler.failed(worker, closure, error, retry=True, attempt=attempt)
-        elif verdict is Verdict.FUNCTION_ERROR and self._broken_endless_iterator(worker, closure, error):
-            closure.unexplained_failures += 1
-            self._renew_iterators(worker, iterators_generation)
-            self._scheduler.failed(worker, closure, error, retry=True, attempt=attempt)
-        elif verdict is Verdict.FUNCTION_ERROR:
+            return
+        if verdict is Verdict.PS_LOST:
+            self._report(PsNotAnswering(lost_ps, ps_epoch))
+        broken = (self._broken_endless_iterator(worker, closure, error) if verdict is Verdict.FUNCTION_ERROR
+                  else verdict is Verdict.TRANSIENT and iterator_cancelled(error))
+        then = after_failure(verdict, unexplained_failures=closure.unexplained_failures,
+                             other_lost_failures=closure.other_lost_failures, broken_iterator=broken)
+        if not then.retry:
             named = self._edge.name_error(error, closure.name, device)
             self._scheduler.failed(worker, closure, named, retry=False, attempt=attempt)
-        else:
-            if verdict is Verdict.PS_LOST:
-                self._report(PsNotAnswering(lost_ps, ps_epoch))
-            pause = 0.0
-            if verdict is Verdict.OTHER_TASK_LOST:
-                closure.other_lost_failures += 1
-                pause = retry_pause(verdict, closure.other_lost_failures)
-            if verdict is Verdict.TRANSIENT:
-                closure.unexplained_failures += 1
-                pause = retry_pause(verdict, closure.unexplained_failures)
-                if iterator_cancelled(error):
-                    # Retrying on the same cancelled iterator fails the same way.
-                    self._renew_iterators(worker, iterators_generation)
-                    pause = 0.0
+            return
+        closure.unexplained_failures += then.unexplained
+        closure.other_lost_failures += then.other_lost
+        if then.renew_iterators:
+            self._renew_iterators(worker, iterators_generation)
+        if verdict is not Verdict.FUNCTION_ERROR:  # (a broken endless iterator: logged by its renewal)
             log.warning(
-                "%r on worker %d failed with %s (%s: %s); re-queueing it%s", closure, worker,
-                type(error).__name__, verdict.value, first_line(error)[:300], f" in {pause:.1f} s" if pause else "",
+                "%r on worker %d failed with %s (%s: %s); re-queueing it%s", closure, worker, type(error).__name__,
+                verdict.value, first_line(error)[:300], f" in {then.pause:.1f} s" if then.pause else "",
             )
-            if pause:
-                time.sleep(pause)  # back off in this worker's thread: the channel needs the time
-            self._scheduler.failed(worker, closure, error, retry=True, attempt=attempt)
+        if then.pause:
+            time.sleep(then.pause)  # back off in this worker's thread: the channel needs the time
+        self._scheduler.failed(worker, closure, error, retry=True, attempt=attempt)
