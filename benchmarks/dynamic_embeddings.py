@@ -60,7 +60,7 @@ from _common import cpu_seconds, environment, log, print_json, task_usage  # noq
 
 FEATURES = 26
 PATHS = ("dynamic_shared", "hashing", "dynamic", "dynamic_shared_hash")
-STORAGE_ENV = "PSCLIENT_DYNAMIC_TABLE_STORAGE"  # psclient._coordinator.dynamic_tables.STORAGE_ENV
+STORAGE_ENV = "PSCLIENT_DYNAMIC_TABLE_STORAGE"  # psclient._coordinator.tables.dynamic_tables.STORAGE_ENV
 
 
 def stream(seed: int, n_batches: int, batch: int, window: int, drift: float = 1.0) -> np.ndarray:

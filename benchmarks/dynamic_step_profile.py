@@ -59,8 +59,8 @@ def main(argv=None) -> int:
     import keras
     import tensorflow as tf
 
-    from psclient._coordinator.dense_shard import least_recent
-    from psclient._coordinator.dynamic_tables import STORAGE_ENV, DynamicTable, _export
+    from psclient._coordinator.tables.dense_shard import least_recent
+    from psclient._coordinator.tables.dynamic_tables import STORAGE_ENV, DynamicTable, _export
     from psclient._core.dynamic_tables import Policy
     from psclient.layers import DynamicEmbedding
 

@@ -63,7 +63,7 @@ def _memory_one(layout: str, dim: int, rows: int, cycles: int) -> dict:
     batch = 10_000
     before = proc.memory_info().rss
     if layout == "index_open":
-        from psclient._coordinator.key_index import KeyIndex
+        from psclient._coordinator.tables.key_index import KeyIndex
 
         open_index = KeyIndex(rows, "memory")
         values = tf.Variable(tf.zeros([rows, dim]))

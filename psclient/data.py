@@ -12,8 +12,8 @@ the workers. For custom loops,
 and how it holds across failures and restarts: docs/data_ledger.md.
 """
 
-from psclient._coordinator.shard_feed import ShardFeed, ShardWork
-from psclient._coordinator.shards import Shard, ShardedDataset, file_shards, range_shards
+from psclient._coordinator.data.shard_feed import ShardFeed, ShardWork
+from psclient._coordinator.data.shards import Shard, ShardedDataset, file_shards, range_shards
 from psclient._core.ledger import LedgerMismatchError
 
 __all__ = [

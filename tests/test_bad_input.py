@@ -98,7 +98,7 @@ def test_restore_and_save_checkpoint_need_a_checkpoint_dir(strategy):
 
 
 def test_restore_into_other_variables_names_them(local_cluster, strategy, tmp_path):
-    from psclient._coordinator.checkpoint import Checkpoints
+    from psclient._coordinator.checkpoints.checkpoint import Checkpoints
 
     with strategy.scope():
         a = tf.Variable(tf.zeros([3]))

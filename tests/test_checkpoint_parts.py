@@ -21,7 +21,7 @@ from _polling import wait_for
 from test_no_freeze import MAX_STALL_S, Heartbeat
 
 import psclient
-from psclient._coordinator.checkpoint_parts import CheckpointDirError
+from psclient._coordinator.checkpoints.checkpoint_parts import CheckpointDirError
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -260,7 +260,7 @@ def test_a_checkpoint_dir_a_ps_cannot_write_or_does_not_share_fails_at_start(clu
 def test_the_sidecar_refuses_a_strategy_checkpoint_naming_what_to_write(tmp_path):
     import keras
 
-    from psclient._coordinator.checkpoint import Checkpoints
+    from psclient._coordinator.checkpoints.checkpoint import Checkpoints
 
     # A strategy checkpoint (variables keyed by creation order), written in this process.
     Checkpoints(str(tmp_path), keep=1).save({"v000000": tf.Variable(tf.zeros([4, 2]))}, completed=1)
@@ -274,7 +274,7 @@ def test_the_sidecar_refuses_a_strategy_checkpoint_naming_what_to_write(tmp_path
 
 
 def test_a_checkpoint_of_an_earlier_version_still_restores(tmp_path):
-    from psclient._coordinator.checkpoint import Checkpoints
+    from psclient._coordinator.checkpoints.checkpoint import Checkpoints
 
     # Earlier psclient versions wrote one data file from the coordinator, through TF's CheckpointManager.
     old = {"v000000": tf.Variable(tf.fill([6, 2], 3.0)), "psclient_completed": tf.Variable(5, dtype=tf.int64)}

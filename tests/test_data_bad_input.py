@@ -105,7 +105,7 @@ def test_public_names():
 
 
 def test_a_dataset_of_unknown_size_is_cut_into_ranges_of_batches(tmp_path):
-    from psclient._coordinator.finite import NondeterministicDatasetError, _refuse_nondeterministic, sharded_from_dataset
+    from psclient._coordinator.data.finite import NondeterministicDatasetError, _refuse_nondeterministic, sharded_from_dataset
     from psclient._tf.data import make_deterministic, serialize_dataset
 
     filtered = tf.data.Dataset.range(50).filter(lambda i: i % 2 == 0).batch(3)

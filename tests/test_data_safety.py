@@ -22,7 +22,7 @@ import pytest
 
 import psclient
 from psclient._engine import registry
-from psclient._coordinator.checkpoint import Checkpoints, CheckpointUnreadable
+from psclient._coordinator.checkpoints.checkpoint import Checkpoints, CheckpointUnreadable
 from psclient._core.files import replaced_atomically
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,6 +1,6 @@
 """DynamicEmbedding without a cluster: optimizers against references computed here, admission,
 eviction, bad input, multi-hot and export (psclient/_keras/dynamic_embedding.py,
-psclient/_coordinator/dynamic_tables.py). The cluster path: test_dynamic_embedding_cluster.py."""
+psclient/_coordinator/tables/dynamic_tables.py). The cluster path: test_dynamic_embedding_cluster.py."""
 
 from __future__ import annotations
 
@@ -256,7 +256,7 @@ def test_an_unreadable_shard_is_reported_and_left_out_of_the_epoch_logs(monkeypa
 
 
 def test_reserved_index_keys_read_the_default_row_and_are_never_admitted():
-    from psclient._coordinator.key_index import RESERVED_KEYS
+    from psclient._coordinator.tables.key_index import RESERVED_KEYS
 
     layer = DynamicEmbedding(DIM, capacity=8, embeddings_initializer="ones")
     reserved = len(RESERVED_KEYS)

@@ -13,7 +13,7 @@ keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
 from psclient import CheckpointUnreadable  # noqa: E402
-from psclient._coordinator.checkpoint import Checkpoints  # noqa: E402
+from psclient._coordinator.checkpoints.checkpoint import Checkpoints  # noqa: E402
 from psclient.layers import DynamicEmbedding  # noqa: E402
 
 

@@ -18,7 +18,7 @@ keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
 import psclient  # noqa: E402
-from psclient._coordinator.dynamic_tables import shard_of  # noqa: E402
+from psclient._coordinator.tables.dynamic_tables import shard_of  # noqa: E402
 from psclient._coordinator.runtime import ps_index_of  # noqa: E402
 from _dynamic_coordinator import CAPACITY, UNKNOWN, data, make_model, probe  # noqa: E402
 

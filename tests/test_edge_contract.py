@@ -97,7 +97,7 @@ def _implementations():
     from _fake_edge import EmptyStore, FakeEdge, NoPerWorker
     from _sim import SimCluster
 
-    from psclient._coordinator.checkpoint import Checkpoints
+    from psclient._coordinator.checkpoints.checkpoint import Checkpoints
     from psclient._coordinator.engine_edge import TFEdge
     from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
 

@@ -89,7 +89,7 @@ def test_cancelled_iterator_is_recognised_by_type_and_op_name():
 def test_renewing_cancelled_iterators_happens_once_per_breakage():
     # Several calls that failed on the same cancelled iterators renew them once;
     # the dataset (fine on a worker that did not fail) is kept.
-    from psclient._coordinator.per_worker import PerWorkerDataset
+    from psclient._coordinator.data.per_worker import PerWorkerDataset
     from psclient._coordinator.stores import PerWorkerRegistry
 
     registry = PerWorkerRegistry()

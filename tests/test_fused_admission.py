@@ -1,5 +1,5 @@
 """Several bounded DynamicEmbedding tables admitted and updated together in one step
-(psclient/_coordinator/fused_admission.py): each table keeps its own capacity, LRU order and rows,
+(psclient/_coordinator/tables/fused_admission.py): each table keeps its own capacity, LRU order and rows,
 as a reference computed here says; the batched LRU selection picks what the per-shard one picks."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
-from psclient._coordinator.dense_shard import least_recent  # noqa: E402
-from psclient._coordinator.fused_admission import _least_recent_rows  # noqa: E402
+from psclient._coordinator.tables.dense_shard import least_recent  # noqa: E402
+from psclient._coordinator.tables.fused_admission import _least_recent_rows  # noqa: E402
 from psclient._core.dynamic_tables import headroom  # noqa: E402
 from psclient.layers import DynamicEmbedding  # noqa: E402
 

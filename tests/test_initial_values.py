@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from psclient._coordinator import initial_values
+from psclient._coordinator.variables import initial_values
 
 keras = pytest.importorskip("keras")
 from psclient._keras.initializers import shard_function  # noqa: E402

@@ -7,7 +7,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from psclient._coordinator.per_worker import deserialize_dataset  # noqa: E402
+from psclient._coordinator.data.per_worker import deserialize_dataset  # noqa: E402
 from psclient._keras import ranges  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """fit on finite data of unknown size against Keras in one process: nondeterministic maps, the progress bar.
 
-psclient cuts such data into shards of its batches (psclient._coordinator.finite), which needs every
+psclient cuts such data into shards of its batches (psclient._coordinator.data.finite), which needs every
 worker's copy to yield the batches in one order: parallel ops with `deterministic=False` are made to
 keep order in the graph the workers get. The model's learning rate is 0, so each epoch's loss is the
 mean over exactly the data's batches, on the cluster as locally.

@@ -123,7 +123,7 @@ def test_delta_cuts_of_dynamic_tables_convert_nothing_on_any_task(two_workers_tw
     # built (its build still converts: see the test above), nothing does, on ps tasks either.
     import keras
 
-    from psclient._coordinator.delta_cut import DeltaCut
+    from psclient._coordinator.serving.delta_cut import DeltaCut
     from psclient._keras.servable import _dense, _dynamic_tables
 
     rng = np.random.default_rng(1)

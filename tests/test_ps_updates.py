@@ -1,6 +1,6 @@
 """The data path: optimizer updates run on the ps of their variable, lookups move rows.
 
-psclient/_coordinator/updates.py places every Keras optimizer update on the ps
+psclient/_coordinator/training/updates.py places every Keras optimizer update on the ps
 task of its variable; psclient/_keras/install.py gathers embedding rows on the
 ps and places the EMA's averages. docs/data_path.md states what travels.
 
@@ -375,7 +375,7 @@ def test_lookup_on_the_ps_keeps_keras_negative_index_semantics(strategy):
 
 
 def test_variables_off_the_ps_keep_tfs_own_update(strategy):
-    from psclient._coordinator.updates import ps_device_of
+    from psclient._coordinator.training.updates import ps_device_of
 
     with strategy.scope():  # installs the placement
         on_ps = keras.Variable(np.ones(3, "float32"))

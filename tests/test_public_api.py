@@ -54,10 +54,10 @@ def test_the_exception_tree():
 
 def test_every_exception_psclient_defines_is_one_family():
     # Also the ones reached through submodules: data, layers, the Keras seam, partitioning, sync.
-    from psclient._coordinator.datasets import NotADatasetError
-    from psclient._coordinator.finite import NondeterministicDatasetError
+    from psclient._coordinator.data.datasets import NotADatasetError
+    from psclient._coordinator.data.finite import NondeterministicDatasetError
     from psclient._core.partitioning import PartitionError
-    from psclient._coordinator.sync import UnsupportedStep
+    from psclient._coordinator.training.sync import UnsupportedStep
     from psclient._keras.seam import KerasSeamError
     from psclient._sidecar.formats import CheckpointUnreadableError
 

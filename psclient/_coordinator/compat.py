@@ -16,12 +16,12 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from psclient._coordinator.datasets import (
+from psclient._coordinator.data.datasets import (
     TracedDatasetFunction,
     trace_or_fall_back,
     tracing_per_worker_dataset_fn,
 )
-from psclient._coordinator.per_worker import PerWorker, PerWorkerDataset, refuse_variables
+from psclient._coordinator.data.per_worker import PerWorker, PerWorkerDataset, refuse_variables
 from psclient._coordinator.strategy import ParameterServerStrategy
 from psclient._core.future import Future
 
@@ -85,7 +85,7 @@ class ClusterCoordinator:
         does), a function of the `InputContext`, or the result of
         `strategy.distribute_datasets_from_function`. A function is traced
         once, as TF does, and the traced function builds the dataset on each
-        worker (see `psclient._coordinator.datasets`).
+        worker (see `psclient._coordinator.data.datasets`).
         """
         if isinstance(dataset_fn, PerWorkerDataset):
             return dataset_fn

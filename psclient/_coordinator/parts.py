@@ -21,10 +21,10 @@ import functools
 import weakref
 
 from psclient._cluster.spec import Cluster
-from psclient._coordinator.checkpoint import Checkpoints
-from psclient._coordinator.per_worker import resolve_per_worker
+from psclient._coordinator.checkpoints.checkpoint import Checkpoints
+from psclient._coordinator.data.per_worker import resolve_per_worker
 from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
-from psclient._coordinator.sync import Steps
+from psclient._coordinator.training.sync import Steps
 from psclient._coordinator.engine_edge import TFEdge
 from psclient._coordinator.tracing import Tracer
 from psclient._core.closure import Closure

@@ -17,10 +17,10 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
-from psclient._coordinator.checkpoint import variable_key
-from psclient._coordinator.per_worker import PerWorker, PerWorkerDataset, PerWorkerIterator
-from psclient._coordinator import initial_values
-from psclient._coordinator.sharding import create_partitioned, cut, is_partitioned
+from psclient._coordinator.checkpoints.checkpoint import variable_key
+from psclient._coordinator.data.per_worker import PerWorker, PerWorkerDataset, PerWorkerIterator
+from psclient._coordinator.variables import initial_values
+from psclient._coordinator.variables.sharding import create_partitioned, cut, is_partitioned
 from psclient._core.failures import is_connection_error_type
 from psclient._core.partitioning import can_split, row_ranges, shard_count, shard_tasks
 from psclient._core.placement import Placer
@@ -252,7 +252,7 @@ class VariableStore:
         return count
 
     def add_table(self, table: Any) -> None:
-        """Track a dynamic embedding table (`psclient._coordinator.dynamic_tables.DynamicTable`)."""
+        """Track a dynamic embedding table (`psclient._coordinator.tables.dynamic_tables.DynamicTable`)."""
         with self._lock:
             self._tables.append(weakref.ref(table))
 

@@ -14,27 +14,27 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from psclient._cluster.spec import Cluster
-from psclient._coordinator import dynamic_tables
+from psclient._coordinator.tables import dynamic_tables
 from psclient._engine import lifecycle, registry
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.parts import assemble
-from psclient._coordinator.checkpoint import check_directory
-from psclient._coordinator.datasets import (
+from psclient._coordinator.checkpoints.checkpoint import check_directory
+from psclient._coordinator.data.datasets import (
     check_distributable,
     check_not_in_function,
     dataset_in_trace,
     inside_per_worker_dataset_fn,
     per_worker_datasets,
 )
-from psclient._coordinator.per_worker import (
+from psclient._coordinator.data.per_worker import (
     PerWorker,
     PerWorkerDataset,
     per_worker_resource,
 )
-from psclient._coordinator.shard_feed import LEDGERS_KEY, data_stats, ledger_meta, restore_ledgers, roll_back_ledgers
-from psclient._coordinator.sharding import partitioner_argument
+from psclient._coordinator.data.shard_feed import LEDGERS_KEY, data_stats, ledger_meta, restore_ledgers, roll_back_ledgers
+from psclient._coordinator.variables.sharding import partitioner_argument
 from psclient._coordinator.tf_api import TFStrategyAPI, refuse_input_options
-from psclient._coordinator.updates import place_updates_on_ps
+from psclient._coordinator.training.updates import place_updates_on_ps
 from psclient._core.checks import check_positive
 from psclient._engine.config import StrategyConfig, with_overrides
 from psclient._core.metrics import MetricsServer, families
@@ -333,7 +333,7 @@ class ParameterServerStrategy(TFStrategyAPI):
         `InputContext` has `num_input_pipelines` = number of workers and
         `input_pipeline_id` = the worker's index (a scalar int64 tensor), so
         `shard()` really shards. A `tf.data.Dataset` is cloned to every
-        worker. See `psclient._coordinator.datasets` and docs/tf_compatibility.md,
+        worker. See `psclient._coordinator.data.datasets` and docs/tf_compatibility.md,
         "Datasets and per-worker values" (variables refused, workers out of rotation).
         `options` (TF's `tf.distribute.InputOptions`) must be None.
         """
@@ -360,7 +360,7 @@ class ParameterServerStrategy(TFStrategyAPI):
         For per-worker state such as lookup tables or counters: each worker's
         value is created on that worker's device (one out of rotation: when it
         rejoins). An op error there fails the closures given it, with TF's
-        `ClosureInputError` (see `psclient._coordinator.per_worker`).
+        `ClosureInputError` (see `psclient._coordinator.data.per_worker`).
         """
         self._check_open("create_per_worker_resource")
         per_worker = per_worker_resource(fn, self.cluster.num_workers, is_up=self._scheduler.worker_is_up)

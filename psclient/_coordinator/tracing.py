@@ -35,7 +35,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
-from psclient._coordinator.per_worker import PerWorker, has_per_worker, resolve_per_worker
+from psclient._coordinator.data.per_worker import PerWorker, has_per_worker, resolve_per_worker
 from psclient._core.future import Future
 from psclient._core.closure import Closure
 
@@ -78,7 +78,7 @@ def warn_unless_scheduling(method: str) -> None:
 class Tracer:
     def __init__(self, create_variable: Callable, steps: Any = None):
         self._create_variable = create_variable
-        # `psclient._coordinator.sync.Steps`: a function that applies gradients is
+        # `psclient._coordinator.training.sync.Steps`: a function that applies gradients is
         # traced instrumented (its model versions reported), others plainly.
         self._steps = steps
         # Plain callables wrapped in a tf.function once, so their traces are reused.
@@ -304,7 +304,7 @@ class Tracer:
         return call
 
     def _concrete(self, function, name: str, args: tuple, kwargs: dict):
-        from psclient._coordinator.sync import UnsupportedStep
+        from psclient._coordinator.training.sync import UnsupportedStep
 
         # Traced as TF's coordinator does: inside the strategy's variable
         # creator and in a cross-replica context (strategy.run in the

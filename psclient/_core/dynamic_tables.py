@@ -5,7 +5,7 @@ admitted key and, for every key it has seen and not yet forgotten, a
 counter: how often it was seen and the step it was last seen at. The clock
 of a ps task counts the training lookups that reached it (one per training
 step of the layer). These are the rules, shared by the TensorFlow
-implementation on the ps (`psclient._coordinator.dynamic_tables`) and the
+implementation on the ps (`psclient._coordinator.tables.dynamic_tables`) and the
 tests, which check that implementation against `choose_evictions`.
 
 - Admission: a key gets a row of its own at its `min_frequency`-th sighting

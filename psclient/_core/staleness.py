@@ -3,7 +3,7 @@
 An update's staleness is the number of updates that took their place in the
 model's order (their version "ticket") between the moment its step read the
 model version and its own ticket: 0 when nothing came between, 3 when three
-other updates did. `psclient._coordinator.sync` measures it on the ps; this
+other updates did. `psclient._coordinator.training.sync` measures it on the ps; this
 module only keeps the numbers.
 
 Every event is O(1): a count, a sum, a maximum and a sparse histogram whose

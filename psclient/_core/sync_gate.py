@@ -2,7 +2,7 @@
 
 In synchronous mode a step's gradient is added to the ps's accumulators for
 the model version (step) it was computed on, and the k-th gradient of a step
-applies their mean (`psclient._coordinator.sync`). A worker that has just
+applies their mean (`psclient._coordinator.training.sync`). A worker that has just
 added its gradient to step s must not compute another one for s: the k
 gradients of a step should come from k different workers, not from the
 fastest one k times. So before a worker's next synchronous call, the

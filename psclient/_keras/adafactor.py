@@ -70,7 +70,7 @@ def _value(variable):
 
 def _plan(optimizer, gradient, variable):
     """(value, r, c, v) for a split update, or None for Keras's own."""
-    from psclient._coordinator.sharding import is_partitioned
+    from psclient._coordinator.variables.sharding import is_partitioned
 
     value = _value(variable)
     if not is_partitioned(value) or value.focused is not None:
@@ -100,7 +100,7 @@ def _rows_per_shard(value) -> tuple:
 
 
 def _same_rows(other, value) -> bool:
-    from psclient._coordinator.sharding import is_partitioned
+    from psclient._coordinator.variables.sharding import is_partitioned
 
     return is_partitioned(other) and _rows_per_shard(other) == _rows_per_shard(value)
 
@@ -108,7 +108,7 @@ def _same_rows(other, value) -> bool:
 def _update_shards(optimizer, gradient, variable, learning_rate, value, r, c, v):
     from keras import ops
 
-    from psclient._coordinator.sharding import is_partitioned, per_shard
+    from psclient._coordinator.variables.sharding import is_partitioned, per_shard
 
     dtype = variable.dtype
     lr = ops.cast(learning_rate, dtype)
@@ -195,7 +195,7 @@ def _update_columns(optimizer, c, beta_2_t, column_means):
     """c <- beta * c + (1 - beta) * column means, where c lives (per shard if partitioned); new c."""
     from keras import ops
 
-    from psclient._coordinator.sharding import is_partitioned, per_shard
+    from psclient._coordinator.variables.sharding import is_partitioned, per_shard
 
     c_value = _value(c)
     if not is_partitioned(c_value):

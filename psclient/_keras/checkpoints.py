@@ -1,7 +1,7 @@
 """Keras callbacks that checkpoint a model on the ps tasks without gathering it.
 
 `ModelCheckpoint` writes the strategy's sharded checkpoints from `fit`: each
-ps task writes its own variables (`psclient._coordinator.checkpoint`), so a
+ps task writes its own variables (`psclient._coordinator.checkpoints.checkpoint`), so a
 model larger than the coordinator's memory can be checkpointed. `keras`'s own
 `ModelCheckpoint`, `model.save`, `model.save_weights` and `get_weights` read
 every value into the coordinator instead.
@@ -13,7 +13,7 @@ does the sidecar evaluator (psclient._sidecar.formats), which restores the
 model's weights by position. The optimizer's iteration count is saved as `step`.
 The rows of the model's DynamicEmbedding layers are saved by each ps beside
 (`model_table/0000`, the first such layer of the model; see
-`psclient._coordinator.table_checkpoint`).
+`psclient._coordinator.checkpoints.table_checkpoint`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import keras
 
-from psclient._coordinator.checkpoint import Checkpoints
+from psclient._coordinator.checkpoints.checkpoint import Checkpoints
 from psclient._coordinator.ps_state import on_ps
 from psclient._keras.trainer import _tf_variable, cluster_strategy
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from psclient._coordinator.per_worker import call_dataset_fn, check_dataset_fn
+from psclient._coordinator.data.per_worker import call_dataset_fn, check_dataset_fn
 
 __all__ = [
     "finite_dataset",

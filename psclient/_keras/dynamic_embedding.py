@@ -15,7 +15,7 @@ joins Keras's training through two seams:
   optimizer's own update of the other weights. The gradient is kept per
   graph being traced, so the training step that computed it applies it.
 
-Storage, admission and eviction: `psclient._coordinator.dynamic_tables`.
+Storage, admission and eviction: `psclient._coordinator.tables.dynamic_tables`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import keras
 
 import tensorflow as tf
 
-from psclient._coordinator.dynamic_tables import DynamicTable, mix64
+from psclient._coordinator.tables.dynamic_tables import DynamicTable, mix64
 from psclient._coordinator.runtime import ps_device, ps_index_of
-from psclient._coordinator.serving_table import ServingTable
+from psclient._coordinator.serving.serving_table import ServingTable
 from psclient._core.dynamic_tables import Policy
 from psclient._keras import dynamic_optimizers, optimizer_apply, serving
 from psclient._tf.serving import at_export_end, current_export

@@ -25,7 +25,7 @@ import weakref
 
 import tensorflow as tf
 
-from psclient._coordinator.per_worker import deserialize_dataset
+from psclient._coordinator.data.per_worker import deserialize_dataset
 from psclient._keras import data as _keras_data
 from psclient._keras import seam
 from psclient._keras.ps_reads import guarded

@@ -4,7 +4,7 @@ Keras's TF backend creates a variable as `tf.Variable(lambda: initializer(shape,
 dtype))`: the shape and dtype are known before the value is made, but hidden
 in the lambda. `install()` wraps Keras's `Variable._initialize_with_initializer`
 so that, while Keras creates the `tf.Variable`, the strategy's variable
-creator finds a description of it (`psclient._coordinator.initial_values`):
+creator finds a description of it (`psclient._coordinator.variables.initial_values`):
 shape, dtype, and for an elementwise initializer how to make one shard. The
 creator then runs the initializer under the variable's ps device (or each
 shard's), so the value is never made in the coordinator. Keras's own code runs
@@ -31,7 +31,7 @@ import functools
 import math
 from typing import Any, Callable
 
-from psclient._coordinator import initial_values
+from psclient._coordinator.variables import initial_values
 from psclient._keras import seam
 
 __all__ = ["install", "shard_function"]

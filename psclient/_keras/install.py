@@ -16,7 +16,7 @@ that do not live on a psclient strategy's ps tasks:
    during fit, the model's `reset_metrics` and `get_metrics_result` are
    guarded against a lost ps (`psclient._keras.ps_reads`).
 3. The data path (docs/data_path.md). Optimizer updates already run on
-   the ps of their variable (`psclient._coordinator.updates`); two Keras paths
+   the ps of their variable (`psclient._coordinator.training.updates`); two Keras paths
    do not go through it and are placed here: embedding lookups (`ops.take` on
    axis 0 of a ps variable gathers the rows on the ps, so only the looked-up
    rows travel, not the table) and the EMA's moving averages (`use_ema`),
@@ -63,7 +63,7 @@ import types
 
 import tensorflow as tf
 
-from psclient._coordinator import finite
+from psclient._coordinator.data import finite
 from psclient._keras import adafactor, initializers, moving_stats, sparse_adagrad
 from psclient._keras import eval as _keras_eval
 from psclient._keras import optimizer_apply, seam, serving, sharded_fit
@@ -165,7 +165,7 @@ def _install_ps_gather() -> None:
     ResourceGather, which runs where the variable lives, so only the rows
     travel; its gradient is the same `tf.IndexedSlices`. Keras's negative-index
     semantics ("fill": -1 is the last row) are kept. A partitioned table
-    (`psclient._coordinator.sharding`) is looked up shard by shard, each
+    (`psclient._coordinator.variables.sharding`) is looked up shard by shard, each
     shard's rows gathered on its ps. Anything else (another
     axis, sparse or ragged or non-integer indices, a variable in this process,
     a value that an autocast or stateless scope replaces) is Keras's own take.
@@ -173,8 +173,8 @@ def _install_ps_gather() -> None:
     import keras
     from keras.src.backend.tensorflow import numpy as tf_numpy
 
-    from psclient._coordinator.sharding import is_partitioned
-    from psclient._coordinator.updates import ps_device_of
+    from psclient._coordinator.variables.sharding import is_partitioned
+    from psclient._coordinator.training.updates import ps_device_of
 
     stock = tf_numpy.take
 
@@ -209,14 +209,14 @@ def _install_partitioned_shape() -> None:
     """A Keras variable's `shape` follows its partitioned value's focus on one shard.
 
     While psclient traces an optimizer's update of a partitioned variable one
-    shard at a time (`psclient._coordinator.sharding.split_update`), the
+    shard at a time (`psclient._coordinator.variables.sharding.split_update`), the
     variable and its slots stand for that shard; Keras's `assign` compares a
     value's shape with the variable's, so the variable reports the shard's.
     Any other variable, and any other time, Keras's own shape.
     """
     from keras.src.backend.tensorflow.core import Variable
 
-    from psclient._coordinator.sharding import is_partitioned
+    from psclient._coordinator.variables.sharding import is_partitioned
 
     stock = Variable.shape
 
@@ -243,7 +243,7 @@ def _install_moving_average_on_ps() -> None:
     from keras import ops
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
-    from psclient._coordinator.updates import ps_device_of
+    from psclient._coordinator.training.updates import ps_device_of
 
     stock = TFOptimizer._update_model_variables_moving_average
 

@@ -113,7 +113,7 @@ def _composing_call(stock, names: tuple[str, ...], derived: dict[str, Derived]):
     import keras
     from keras.src.backend.common.stateless_scope import in_stateless_scope
 
-    from psclient._coordinator.updates import ps_device_of
+    from psclient._coordinator.training.updates import ps_device_of
 
     def call(self, inputs, *args, **kwargs):
         training = kwargs.get("training", args[0] if args else None)

@@ -8,7 +8,7 @@ variables the optimizer was given:
    ps for the alike tables of the step, then one scan check per ps).
 2. Inside a step traced for `schedule()`, the other weights are applied under
    the strategy's rule for model versions: a ticket, `max_staleness`, or
-   `replicas_to_aggregate` (`psclient._coordinator.sync`). Keras's own apply
+   `replicas_to_aggregate` (`psclient._coordinator.training.sync`). Keras's own apply
    otherwise.
 
 Installed by the strategy's Keras support (`psclient._keras.install`) or by the
@@ -23,9 +23,9 @@ from __future__ import annotations
 import functools
 import threading
 
-from psclient._coordinator import sync
-from psclient._coordinator.dense_shard import run_due_scans
-from psclient._coordinator.fused_admission import apply_parts
+from psclient._coordinator.training import sync
+from psclient._coordinator.tables.dense_shard import run_due_scans
+from psclient._coordinator.tables.fused_admission import apply_parts
 from psclient._keras import seam
 
 __all__ = ["install"]

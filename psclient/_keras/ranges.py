@@ -28,7 +28,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from psclient._coordinator.per_worker import serialize_dataset
+from psclient._coordinator.data.per_worker import serialize_dataset
 from psclient._tf.data import serialize_self_contained
 
 __all__ = ["MIN_RANGE_BATCHES", "RANGES_PER_WORKER", "UNKNOWN_SIZE_BATCHES", "MAX_RANGE_BYTES", "cut",

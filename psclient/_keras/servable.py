@@ -7,7 +7,7 @@ state) to `<base_dir>/<version>/` safely (`psclient._core.serving_dirs`: a
 hidden temporary directory renamed when complete, one run per `base_dir`,
 the newest `keep` versions kept). `ServingExport` calls it from `fit`, and
 with `delta_every_seconds` also writes delta versions between full ones
-(`psclient._coordinator.delta_cut`, layout in `psclient._core.serving_deltas`),
+(`psclient._coordinator.serving.delta_cut`, layout in `psclient._core.serving_deltas`),
 which `psclient.serving.load` applies. See docs/serving.md.
 """
 
@@ -165,7 +165,7 @@ class ServingExport(keras.callbacks.Callback):
         path = export_servable(self.model, self.base_dir, keep=self.keep, run_id=self.run_id)
         self.exported.append(path)
         if self.delta_every_seconds is not None:
-            from psclient._coordinator.delta_cut import DeltaCut
+            from psclient._coordinator.serving.delta_cut import DeltaCut
 
             # Nothing ran since the export: this cut is the full version's, the first delta's base.
             chain.cut, chain.position = None, (int(os.path.basename(path)), 0)

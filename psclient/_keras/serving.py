@@ -4,7 +4,7 @@
 `write_out`, which traces the serving endpoints and then calls
 `tf.saved_model.save`. Wrapped here so that the whole of `write_out` is one
 export: a `DynamicEmbedding` traced by it reads a snapshot of its rows in
-stock TF variables (`psclient._coordinator.serving_table`), and the same
+stock TF variables (`psclient._coordinator.serving.serving_table`), and the same
 snapshot is the one saved. `tf.saved_model.save` alone is an export scope
 through `psclient._tf.serving.install_save_hook`.
 

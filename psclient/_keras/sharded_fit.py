@@ -13,7 +13,7 @@ returns the metrics of the latest finished shard without waiting; the
 epoch's last call waits for every shard and runs again any the ledger still
 misses, so Keras reads the epoch's metrics once every shard is done. The
 ledger itself, and what happens when a worker dies mid-shard, is
-`psclient._coordinator.shard_feed`. `psclient.BackupAndRestore` saves the
+`psclient._coordinator.data.shard_feed`. `psclient.BackupAndRestore` saves the
 ledger beside its backup and restores it (`active_feed`).
 """
 
@@ -24,8 +24,8 @@ import weakref
 
 import tensorflow as tf
 
-from psclient._coordinator.shard_feed import ShardFeed
-from psclient._coordinator.shards import ShardedDataset
+from psclient._coordinator.data.shard_feed import ShardFeed
+from psclient._coordinator.data.shards import ShardedDataset
 from psclient._keras.ps_reads import metrics_through_ps_loss, restore_cause
 from psclient._keras.trainer import prepare_model, result_or_first_error
 

@@ -92,7 +92,7 @@ def _ps_rows_variable(variable):
     """
     import keras
     from psclient._coordinator.runtime import ps_index_of
-    from psclient._coordinator.sharding import is_partitioned
+    from psclient._coordinator.variables.sharding import is_partitioned
 
     value = seam.internal(variable, "_value") if isinstance(variable, keras.Variable) else variable
     if is_partitioned(value):

@@ -409,7 +409,7 @@ def _restore_psclient(ref: CheckpointRef, reader, layout: dict, model: Any) -> N
                      if key not in tables)
     if missing or bad or extra:
         raise _mismatch_error(ref.name, missing + bad, extra)
-    from psclient._coordinator.table_checkpoint import read_local
+    from psclient._coordinator.checkpoints.table_checkpoint import read_local
 
     with _reading(ref):
         values = [reader.get_tensor(k) for k in keys]  # every value read before any is assigned
@@ -425,7 +425,7 @@ def _dynamic_tables(model: Any) -> dict[str, Any]:
 
     The same walk as `psclient._keras.checkpoints.model_tables` (by position), without importing Keras.
     """
-    from psclient._coordinator.dynamic_tables import DynamicTable
+    from psclient._coordinator.tables.dynamic_tables import DynamicTable
 
     found, todo = [], [model]
     while todo:

@@ -18,7 +18,7 @@ variable, which TF's is not; here:
   one key, written as one slice per shard by the ps that holds the shard.
 - While `focus(layout, index)` is in force on a thread, every partitioned
   variable of that layout (a variable and its optimizer slots) stands for its
-  shard `index`: reads, writes and shape (see `psclient._coordinator.sharding`,
+  shard `index`: reads, writes and shape (see `psclient._coordinator.variables.sharding`,
   which splits an optimizer's update this way).
 
 TF internals used (no public equivalent): `sharded_variable.ShardedVariable`,

@@ -33,9 +33,9 @@ import logging
 
 import tensorflow as tf
 
-from psclient._coordinator.per_worker import deserialize_dataset, serialize_dataset
+from psclient._coordinator.data.per_worker import deserialize_dataset, serialize_dataset
 from psclient._tf.data import SEEDED_OPS, fix_shuffle_orders, make_deterministic
-from psclient._coordinator.shards import ShardedDataset, range_shards
+from psclient._coordinator.data.shards import ShardedDataset, range_shards
 from psclient._core.errors import PSClientError
 
 __all__ = ["NondeterministicDatasetError", "is_finite_of_unknown_size", "sharded_from_dataset"]

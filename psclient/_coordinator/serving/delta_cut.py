@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from psclient._coordinator.serving_table import ServingTable
+from psclient._coordinator.serving.serving_table import ServingTable
 from psclient._tf.context import coordinator_cpu
 
 __all__ = ["DeltaCut"]

@@ -31,9 +31,9 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from psclient._coordinator.dense_shard import _NEWEST, in_turn, scan_when_due, vector
-from psclient._coordinator.key_hash import initial_rows
-from psclient._coordinator.key_index import SUBSTITUTE_KEY, find
+from psclient._coordinator.tables.dense_shard import _NEWEST, in_turn, scan_when_due, vector
+from psclient._coordinator.tables.key_hash import initial_rows
+from psclient._coordinator.tables.key_index import SUBSTITUTE_KEY, find
 from psclient._core import dynamic_tables as rules
 
 __all__ = ["Part", "apply_parts"]

@@ -50,9 +50,9 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from psclient._coordinator import checkpoint_parts as _parts
-from psclient._coordinator import table_checkpoint
-from psclient._coordinator.checkpoint_parts import CheckpointUnreadable
+from psclient._coordinator.checkpoints import checkpoint_parts as _parts
+from psclient._coordinator.checkpoints import table_checkpoint
+from psclient._coordinator.checkpoints.checkpoint_parts import CheckpointUnreadable
 from psclient._core.errors import first_line
 from psclient._core.files import replaced_atomically
 from psclient._tf import checkpoints as _checkpoints

@@ -1,7 +1,7 @@
 """Dynamic embedding tables: rows kept by key on the ps tasks.
 
 A `DynamicTable` holds one "shard" on each of its ps tasks (or one local shard without a
-cluster). With a `capacity`, a shard is a `DenseShard` (`psclient._coordinator.dense_shard`:
+cluster). With a `capacity`, a shard is a `DenseShard` (`psclient._coordinator.tables.dense_shard`:
 rows and slots in preallocated variables beside a key -> row index). Without one, the rows
 need storage that grows: the shard holds `tf.lookup.experimental.MutableHashTable`s:
 
@@ -15,7 +15,7 @@ Everything here is TensorFlow ops placed with `tf.device` on the shard's ps: cal
 function that runs on a worker, the lookup, the admission, the optimizer's arithmetic and the
 eviction scan run on the ps and only the looked-up rows (and their gradients) cross. A bounded table's training
 lookup only reads; its admission runs with the optimizer's update, together
-with the other bounded tables of the step (`psclient._coordinator.fused_admission`). Why these storages, and what
+with the other bounded tables of the step (`psclient._coordinator.tables.fused_admission`). Why these storages, and what
 was measured: docs/dynamic_embeddings.md. The rules of admission and
 eviction are `psclient._core.dynamic_tables`.
 
@@ -34,9 +34,9 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from psclient._coordinator.dense_shard import DenseShard, least_recent
-from psclient._coordinator.key_hash import initial_rows, mix64, shard_of
-from psclient._coordinator.key_index import SUBSTITUTE_KEY, KeyIndex
+from psclient._coordinator.tables.dense_shard import DenseShard, least_recent
+from psclient._coordinator.tables.key_hash import initial_rows, mix64, shard_of
+from psclient._coordinator.tables.key_index import SUBSTITUTE_KEY, KeyIndex
 from psclient._coordinator.runtime import coordinator_cpu
 from psclient._core import dynamic_tables as rules
 from psclient._coordinator.ps_state import on_ps
@@ -285,7 +285,7 @@ class DynamicTable:
     def parts(self, state, gradient) -> list:
         """`fused_admission.Part`s of a `train_lookup` with a capacity: each shard's keys, their
         sightings and gradient rows (only a shard's rows travel to its ps)."""
-        from psclient._coordinator.fused_admission import Part
+        from psclient._coordinator.tables.fused_admission import Part
 
         positions, states = state
         return [Part(self.serial, self.name, shard, keys, seen, tf.gather(gradient, position), self.init)

@@ -117,7 +117,7 @@ def check(tables: dict[str, Any], saved: dict) -> list[str]:
 
 def read(path: str, tables: dict[str, Any], saved: dict) -> dict[int, Callable[[], list]]:
     """ps -> a function reading, on that ps, the state its shards will hold: [(table, shard, state)]."""
-    from psclient._coordinator.dynamic_tables import shard_of  # not at the top: dynamic_tables imports this module
+    from psclient._coordinator.tables.dynamic_tables import shard_of  # not at the top: dynamic_tables imports this module
 
     work: dict[int, list] = {}
     for key, table in tables.items():

@@ -34,7 +34,7 @@ import contextlib
 
 import tensorflow as tf
 
-from psclient._coordinator.key_hash import shard_of
+from psclient._coordinator.tables.key_hash import shard_of
 
 __all__ = ["ServingTable"]
 

@@ -54,7 +54,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
-from psclient._coordinator.accumulators import Accumulators, internal_variable
+from psclient._coordinator.training.accumulators import Accumulators, internal_variable
 from psclient._core.errors import PSClientError
 from psclient._core.staleness import ACCUMULATED, APPLIED, DROPPED, StalenessStats
 from psclient._core.sync_gate import SyncGate

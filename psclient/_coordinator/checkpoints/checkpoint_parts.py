@@ -46,8 +46,8 @@ import tensorflow as tf
 from tensorflow.core.protobuf import trackable_object_graph_pb2 as pb
 
 from psclient._coordinator import runtime as _runtime
-from psclient._coordinator import table_checkpoint
-from psclient._coordinator.sharding import is_partitioned
+from psclient._coordinator.checkpoints import table_checkpoint
+from psclient._coordinator.variables.sharding import is_partitioned
 from psclient._tf import checkpoints as _checkpoints
 from psclient._tf import executors as _executors
 from psclient._core.errors import CheckpointUnreadable, PSClientError, first_line

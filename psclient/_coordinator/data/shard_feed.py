@@ -52,8 +52,8 @@ import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.ps_state import on_ps
-from psclient._coordinator.sharding import is_partitioned
-from psclient._coordinator.shards import ShardedDataset
+from psclient._coordinator.variables.sharding import is_partitioned
+from psclient._coordinator.data.shards import ShardedDataset
 from psclient._core.future import FIRST_COMPLETED, wait
 from psclient._core.ledger import Ledger, Work
 from psclient._core.part_recovery import ledger_positions

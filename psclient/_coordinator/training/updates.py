@@ -30,7 +30,8 @@ from typing import Any
 import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
-from psclient._coordinator import sharding, sync
+from psclient._coordinator.training import sync
+from psclient._coordinator.variables import sharding
 from psclient._tf import updates as _updates
 
 __all__ = ["place_updates_on_ps", "ps_device_of"]

@@ -4,7 +4,7 @@
 bypasses the strategy's variable creator (so it is neither placed by the
 store nor checkpointed with the user's variables) and is made under
 `init_scope` (it is made while a step is traced and must outlive the trace).
-After a ps task is rebuilt, `psclient._coordinator.sync.Steps.renew` drops
+After a ps task is rebuilt, `psclient._coordinator.training.sync.Steps.renew` drops
 them and the next trace makes them again.
 
 `Accumulators` holds, for the variables one optimizer applies to, a sum of
@@ -27,7 +27,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
-from psclient._coordinator.sharding import is_partitioned, per_shard
+from psclient._coordinator.variables.sharding import is_partitioned, per_shard
 from psclient._tf import variables as _variables
 
 __all__ = ["Accumulators", "internal_variable"]

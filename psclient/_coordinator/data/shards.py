@@ -7,7 +7,7 @@ of one shard's batches. It is traced once, inside the function each closure
 runs, with the shard's bounds as tensors (`shard.start`, `shard.end`: int64
 scalars; `shard.file`: a string scalar for file shards, None otherwise), so a
 new shard costs no new trace. How shards are handed to workers and tracked is
-`psclient._coordinator.shard_feed`.
+`psclient._coordinator.data.shard_feed`.
 """
 
 from __future__ import annotations

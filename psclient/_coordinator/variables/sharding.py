@@ -62,7 +62,7 @@ def split_update(colocate_with: Any, fn: Callable, args: tuple, run: Callable[[t
     """Run an optimizer's update of a partitioned variable shard by shard, each on its ps.
 
     Keras applies each variable's update as `extended.update(var, fn)`, which
-    psclient routes here (`psclient._coordinator.updates`). For a Keras
+    psclient routes here (`psclient._coordinator.training.updates`). For a Keras
     variable whose value is a `PartitionedVariable` and an optimizer in
     `_ELEMENTWISE_OPTIMIZERS`, `fn` is traced once per shard (`run(args)`),
     under that shard's ps device, with the gradient's rows of that shard

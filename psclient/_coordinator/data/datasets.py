@@ -33,7 +33,7 @@ from typing import Any
 import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
-from psclient._coordinator.per_worker import (
+from psclient._coordinator.data.per_worker import (
     PerWorkerDataset,
     call_dataset_fn,
     check_dataset_fn,

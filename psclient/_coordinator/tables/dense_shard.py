@@ -7,7 +7,7 @@ num_ps)` rows in
   row_key  int64[share]  the key a row holds
   last     int64[share]  the step a row's key was last seen (-1: a free row)
   free     int32[share]  a stack of the free rows, its first `free_count` entries valid
-  index    key -> row, an open-addressing table (`psclient._coordinator.key_index`)
+  index    key -> row, an open-addressing table (`psclient._coordinator.tables.key_index`)
   pending  MutableHashTable key -> (sightings, last seen) of keys still
            counting towards admission (empty with min_frequency=1)
 
@@ -22,7 +22,7 @@ a step that evicts nothing costs in proportion to its keys, not to the share.
 
 A training step's forward pass only reads (`peek`); the admission runs with
 the optimizer's update, for all alike tables of the step at once
-(`psclient._coordinator.fused_admission`), under a `tf.CriticalSection` on
+(`psclient._coordinator.tables.fused_admission`), under a `tf.CriticalSection` on
 the ps that its shards share: two workers' steps admitting keys on one ps
 at once must not take the same free row. The eviction a full shard needs
 runs inside it, before the new rows are placed, with the same victims as
@@ -37,7 +37,7 @@ import weakref
 
 import tensorflow as tf
 
-from psclient._coordinator.key_index import KeyIndex, find
+from psclient._coordinator.tables.key_index import KeyIndex, find
 from psclient._core import dynamic_tables as rules
 
 __all__ = ["DenseShard", "least_recent", "live_rows", "run_due_scans", "scan_when_due", "vector"]
@@ -244,7 +244,7 @@ class DenseShard:
 
         (one tensor: each tensor a step sends from a ps to a worker costs more than the ops on
         it). Few ops on the ps, as a step runs one per table and ps. The admission runs with the
-        update (`psclient._coordinator.fused_admission`). Without the lock: during another step's
+        update (`psclient._coordinator.tables.fused_admission`). Without the lock: during another step's
         rebuild of the key index a held key can read as new (its forward pass then sees its first
         row; the update still reaches its row), and a row another step just freed and gave to a
         new key can be read once, like any read racing an asynchronous update.
