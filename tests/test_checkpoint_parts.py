@@ -18,7 +18,7 @@ import psutil
 import pytest
 import tensorflow as tf
 from _polling import wait_for
-from test_no_freeze import MAX_STALL_S, Heartbeat
+from _heartbeat import MAX_STALL_S, Heartbeat
 
 import psclient
 from psclient._coordinator.checkpoints.checkpoint_parts import CheckpointDirError

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import tensorflow as tf
+from _heartbeat import MAX_STALL_S, Heartbeat
 from _polling import wait_for
 
 import psclient
@@ -21,36 +22,8 @@ import psclient
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 HANG_TIMEOUT = 3.0
-#: The longest the coordinator's threads may stall (issue: never more than 1 s).
-MAX_STALL_S = 1.0
 #: How long a worker stays SIGSTOPped at most when the coordinator cannot resume it.
 WATCHDOG_S = 20
-
-
-class Heartbeat:
-    """Ticks every 20 ms on its own thread; `longest` is the longest gap seen."""
-
-    def __init__(self):
-        self.longest = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="test-heartbeat", daemon=True)
-
-    def _run(self):
-        last = time.monotonic()
-        # Event.wait releases the GIL; a gap longer than the period means the
-        # process did not let this thread run.
-        while not self._stop.wait(0.02):
-            now = time.monotonic()
-            self.longest = max(self.longest, now - last)
-            last = now
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(5)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import time
 import pytest
 import tensorflow as tf
 from _polling import wait_for
-from test_no_freeze import Heartbeat
+from _heartbeat import Heartbeat
 
 import psclient
 
