@@ -9,7 +9,6 @@ too, so its longest gap is the coordinator's longest stall.
 """
 
 import subprocess
-import threading
 import time
 
 import pytest
