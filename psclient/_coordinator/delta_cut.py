@@ -40,7 +40,6 @@ right delta any more, and the chain goes on with a full version
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from typing import Callable, NamedTuple
 
@@ -65,9 +64,18 @@ def _placed(device):
     return tf.device(device) if device else contextlib.nullcontext()
 
 
-@tf.function(input_signature=[tf.TensorSpec([None], tf.int64), tf.TensorSpec([None, None], tf.float32),
-                              tf.TensorSpec([None], tf.int64), tf.TensorSpec([None, None], tf.float32),
-                              tf.TensorSpec([], tf.string)])
+def _table_differ():
+    """The traced function that diffs one shard of a dynamic table on its ps.
+
+    Made (and traced) for each `DeltaCut`, not once per process: a function is registered on the
+    remote tasks the coordinator is connected to when it is traced, so one traced before this
+    cluster was connected (a local model's deltas earlier in the process) is unknown to its ps
+    tasks ("... is neither a type of a primitive operation nor a name of a function registered")."""
+    return tf.function(_diff_and_write, input_signature=[
+        tf.TensorSpec([None], tf.int64), tf.TensorSpec([None, None], tf.float32),
+        tf.TensorSpec([None], tf.int64), tf.TensorSpec([None, None], tf.float32), tf.TensorSpec([], tf.string)])
+
+
 def _diff_and_write(old_keys, old_rows, keys, rows, prefix):
     """Write (keys new or changed, their rows, keys gone) between two snapshots of one shard (sorted keys,
     each with a last entry no key passes: `ServingTable`'s layout) to `prefix` + keys/rows/removed;
@@ -85,9 +93,9 @@ def _diff_and_write(old_keys, old_rows, keys, rows, prefix):
     return tf.stack([tf.size(changed), tf.size(gone)])
 
 
-@functools.lru_cache(maxsize=None)
 def _row_differ(dtype: tf.DType):
-    """The traced function that diffs one shard of a row-diffed variable of `dtype` on its ps (one per dtype)."""
+    """The function that diffs one shard of a row-diffed variable of `dtype` on its ps (made and traced
+    for each `DeltaCut`, as `_table_differ`'s is)."""
 
     @tf.function(input_signature=[tf.TensorSpec([None, None], dtype), tf.TensorSpec([None, None], dtype),
                                   tf.TensorSpec([], tf.string)])
@@ -209,10 +217,13 @@ class DeltaCut:
         self._renewals = [table.renewals for table in self.tables]
         # Traced now, with the full version this cut belongs to, rather than in a delta's pause.
         self._readers = _readers(self._files)
-        _diff_and_write.get_concrete_function()
+        self._diff_table = _table_differ()
+        self._diff_table.get_concrete_function()
+        self._diff_rows = {}  # by dtype
         for file in self._files:
-            if file.rows:
-                _row_differ(file.variable.dtype).get_concrete_function()
+            if file.rows and file.variable.dtype not in self._diff_rows:
+                self._diff_rows[file.variable.dtype] = _row_differ(file.variable.dtype)
+                self._diff_rows[file.variable.dtype].get_concrete_function()
         self._snapshots = [{} for _ in self.tables]  # each table's traced snapshot functions, kept
         self.previous = self._take_tables()
         # The row-diffed variables' previous values, on their ps.
@@ -260,7 +271,7 @@ class DeltaCut:
                 # device is copied there holding the GIL (a hung ps would freeze the coordinator).
                 prefix = _path(directory, f"t{i}_s{k}_")
                 with _placed(shard.device):
-                    counts.append(_diff_and_write(old.keys[k].read_value(), old.rows[k].read_value(),
+                    counts.append(self._diff_table(old.keys[k].read_value(), old.rows[k].read_value(),
                                                   new.keys[k].read_value(), new.rows[k].read_value(), prefix))
                 after_part(shard.device)
             counts = [[int(c) for c in count.numpy()] for count in counts]
@@ -272,7 +283,7 @@ class DeltaCut:
             path = _path(directory, name)
             with _placed(value.device):
                 if file.rows:
-                    row_counts[name] = _row_differ(value.dtype)(self._kept[position], value, path)
+                    row_counts[name] = self._diff_rows[value.dtype](self._kept[position], value, path)
                 else:
                     tf.io.write_file(path, tf.io.serialize_tensor(value))
             after_part(value.device)
