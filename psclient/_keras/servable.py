@@ -118,13 +118,16 @@ class ServingExport(keras.callbacks.Callback):
     Deltas: with `delta_every_seconds=S`, every S seconds (checked at each
     batch's end) it also writes a delta version, `<base_dir>/deltas/<V>/<seq>/`:
     the rows of the dynamic tables changed since the previous version (full or
-    delta), the keys gone, and the dense variables, written by the ps tasks.
-    A full version replaces a delta after `full_every_deltas` deltas, and when
-    a delta cannot be taken (the previous cut was lost with its ps). Training
+    delta), the keys gone, the rows changed of the embedding-like variables
+    (rank 2, `ROW_DIFF_MIN_ROWS` rows or more), and the other dense variables
+    whole, written by the ps tasks. A full version replaces a delta after
+    `full_every_deltas` deltas, and when a delta cannot be taken or written (a
+    ps lost since the previous cut took that cut's copies with it; the failed
+    delta is never published). Training
     ends with a last delta; the chain goes on in the next `fit` with this
     callback (each ps keeps the last cut's copy of its rows until
     `release()`). `deltas` lists a dict per delta written (path,
-    rows changed and removed, bytes, `seconds` training was paused for the
+    rows changed and removed, `dense_rows_changed`, bytes, `seconds` training was paused for the
     cut, `join_seconds` of it waiting for the steps in flight, and
     `write_seconds` the ps tasks then took to diff and write it while
     training went on, on the callback's writer thread, stopped when `fit` ends).
