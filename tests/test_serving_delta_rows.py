@@ -136,3 +136,23 @@ def test_a_format_1_delta_is_still_applied_and_an_unknown_form_is_refused(tmp_pa
         json.dump({**manifest, "dense": [{**manifest["dense"][0], "form": "bits"}, *manifest["dense"][1:]]}, f)
     with pytest.raises(psclient.ServingDirError, match="in form 'bits'; expected 'whole' or 'rows'"):
         psclient.serving.load(base, poll_seconds=None)
+
+
+def test_a_variable_whose_rows_all_changed_is_written_whole_and_applied(tmp_path):
+    # A dense layer's kernel of ROW_DIFF_MIN_ROWS rows: diffed per row, but every row changes at each
+    # step, so the rows and their indices would be bigger than the kernel: written whole instead.
+    base = str(tmp_path / "model")
+    inputs = keras.Input((ROW_DIFF_MIN_ROWS,), name="x")
+    model = keras.Model(inputs, keras.layers.Dense(2, name="wide")(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    callback = psclient.ServingExport(base, every_seconds=3600, delta_every_seconds=3600)
+    x = np.random.default_rng(2).standard_normal((16, ROW_DIFF_MIN_ROWS)).astype("float32")
+    model.fit(x, np.ones((16, 2), "float32"), batch_size=16, verbose=0, callbacks=[callback])
+    model.fit(x, np.zeros((16, 2), "float32"), batch_size=16, verbose=0, callbacks=[callback])
+    (delta,) = callback.deltas
+    kernel = serving_deltas.read_manifest(delta["path"])["dense"][0]
+    assert (kernel["form"], kernel["written"], kernel["changed"]) == ("rows", ["whole"], [ROW_DIFF_MIN_ROWS])
+    assert sorted(name for name in os.listdir(delta["path"]) if name.startswith("d0")) == ["d0"]
+    with psclient.serving.load(base, poll_seconds=None) as loader:
+        assert loader.version == (1, 1)
+        np.testing.assert_allclose(loader(tf.constant(x)).numpy(), model.predict(x, verbose=0), atol=1e-6, rtol=0)
