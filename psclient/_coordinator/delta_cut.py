@@ -1,4 +1,4 @@
-"""Delta versions written by the ps tasks: what changed in the dynamic tables since the previous cut.
+"""Delta versions written by the ps tasks: what changed in the dynamic tables and embedding-like variables.
 
 A `DeltaCut` keeps, for each dynamic table, the snapshot of the previous cut
 (`ServingTable.taken_from`: per ps task, the live keys sorted beside their
@@ -28,8 +28,9 @@ shard (most rows changed: a dense layer's kernel), it writes the shard whole
 instead. Smaller dense variables are written whole, each from its own device
 (a partitioned one as its shards, each from its ps). The kept copy costs each
 ps the bytes of its row-diffed shards (two copies while a delta is taken and
-written): a read of an embedding's variable copies it (TF's copy-on-read mode
-for variables read sparsely).
+written): the read at a cut copies a variable read sparsely, as an embedding
+is (TF's copy-on-read mode), and any other is copied by the next update that
+finds the read still held (copy-on-write), so a kept read is a copy either way.
 
 A ps lost since the base cut (its variables' handles renewed, its tables made
 again: `lost()`) took the kept copies with it: this `DeltaCut` can write no
