@@ -4,8 +4,8 @@ One coordinator (this process) on a LocalCluster(num_workers=2, num_ps=2). Model
 DynamicEmbedding(32) holding `dynamic_rows` rows (filled through `import_state`, setup) -> Dense(1),
 Adagrad; with `--embedding-rows N` also a `keras.layers.Embedding(N, 32)` partitioned over the two
 ps tasks (`FixedShardsPartitioner(2)`), read at each key modulo N, whose deltas hold its changed rows.
-`ServingExport(base, delta_every_seconds=S)` writes a full version (timed: the pause a full version costs), then training runs on keys drawn from the held rows while deltas are written every S
-seconds, and `psclient.serving.load(base, poll_seconds=0.2)` follows them in this process. Halfway a
+`ServingExport(base, delta_every_seconds=S)` writes a full version (timed: the pause a full version
+costs), then training runs on keys drawn from the held rows while deltas are written every S seconds, and `psclient.serving.load(base, poll_seconds=0.2)` follows them in this process. Halfway a
 key no step saw before enters every batch; a thread calls the loader until it serves that key's row.
 
 Prints one JSON object: the full version's pause; per delta the pause (the steps in flight finish,
