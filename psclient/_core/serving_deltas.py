@@ -14,9 +14,10 @@ The deltas taken after it are
 
 each file one `tf.io.serialize_tensor`. Manifest format 2 (this one) adds the
 dense entries' "form"; a format 1 delta (dense variables all whole) reads as
-"form" "whole", and a format this module does not know is refused. A delta holds what changed since the
-cut before it (delta seq - 1, or the full version V for seq 1), so a reader
-applies them in order and never skips one. `deltas` is not an integer: TF
+"form" "whole", and a format this module does not know is refused.
+
+A delta holds what changed since the cut before it (delta seq - 1, or the
+full version V for seq 1), so a reader applies them in order and never skips one. `deltas` is not an integer: TF
 Serving, which loads integer-named directories of `base_dir` only, never
 sees a delta. A delta is written under a hidden name in its chain's
 directory and renamed to its number when every file is on disk (as a full

@@ -127,8 +127,8 @@ class ServingExport(keras.callbacks.Callback):
     ends with a last delta; the chain goes on in the next `fit` with this
     callback (each ps keeps the last cut's copy of its rows until
     `release()`). `deltas` lists a dict per delta written (path,
-    rows changed and removed, `dense_rows_changed`, bytes, `seconds` training was paused for the
-    cut, `join_seconds` of it waiting for the steps in flight, and
+    rows changed and removed, `dense_rows_changed` of the embedding-like
+    variables, bytes, `seconds` training was paused for the cut, `join_seconds` of it waiting for the steps in flight, and
     `write_seconds` the ps tasks then took to diff and write it while
     training went on, on the callback's writer thread, stopped when `fit` ends).
     `psclient.serving.load(base_dir)` serves the newest full version with its
@@ -188,8 +188,7 @@ class ServingExport(keras.callbacks.Callback):
         if chain.cut is not None and chain.cut.lost():
             # A ps lost since the full version took the cut's copies with it (training went on from
             # a restored checkpoint): no delta can say what changed since, the chain starts again.
-            _log_full_instead(RuntimeError("a ps task was lost and recovered since the full version"), version,
-                              seq + 1)
+            _log_full_instead(CutLost("a ps task was lost and recovered since the full version"), version, seq + 1)
             chain.cut = None
         if chain.cut is None or (self.full_every_deltas is not None and seq >= self.full_every_deltas):
             self.export_now()
