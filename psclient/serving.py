@@ -76,7 +76,8 @@ def _merged(keys: np.ndarray, rows: np.ndarray, changed: np.ndarray, changed_row
 
 
 def _prepared(served: _Served, directory: str) -> list:
-    """(variable, new value) pairs that apply the delta in `directory` to `served` (nothing assigned yet)."""
+    """(variable, new value, row indices or None) that apply the delta in `directory` to `served` (nothing
+    assigned yet): None assigns the value whole, indices write those rows."""
     manifest = serving_deltas.read_manifest(directory)
     if (manifest.get("version"), manifest.get("seq")) != (served.version, served.applied + 1):
         raise ServingDirError(f"The delta {directory!r} is delta {manifest.get('seq')} of version "
@@ -88,20 +89,59 @@ def _prepared(served: _Served, directory: str) -> list:
             part = os.path.join(directory, f"t{i}_s{k}_")
             keys, rows = _merged(keys_var.numpy(), rows_var.numpy(), _read(part + "keys", tf.int64),
                                  _read(part + "rows", tf.float32), _read(part + "removed", tf.int64))
-            writes += [(keys_var, keys), (rows_var, rows)]
+            writes += [(keys_var, keys, None), (rows_var, rows, None)]
     for j, dense in enumerate(manifest["dense"]):
-        dtype = tf.as_dtype(dense["dtype"])
-        if "parts" not in dense:
-            pieces = [(dense["name"], _read(os.path.join(directory, f"d{j}"), dtype))]
-        else:  # a partitioned variable: saved both whole and as its shards (Keras's export)
-            parts = [_read(os.path.join(directory, f"d{j}_p{i}"), dtype) for i in range(len(dense["parts"]))]
-            pieces = [(dense["name"], np.concatenate(parts)), *zip(dense["parts"], parts)]
-        targets = [(variable, value) for name, value in pieces for variable in served.variables.get(name, [])]
-        if not targets:
-            raise ServingDirError(f"The delta {directory!r} holds variable {dense['name']!r}, which full version "
-                                  f"{served.version} does not: the delta is not of this model.")
-        writes += targets
+        writes += _dense_writes(served, directory, f"d{j}", dense)
     return writes
+
+
+def _dense_writes(served: _Served, directory: str, file: str, dense: dict) -> list:
+    """(variable, value, row indices or None: all) that write dense variable `dense` (its manifest entry,
+    its files named `file`...) into `served`: a partitioned one is in a SavedModel whole (model.export),
+    as its shards (Keras's own export writes those too), or both."""
+    dtype = tf.as_dtype(dense["dtype"])
+    parts = [file] if "parts" not in dense else [f"{file}_p{i}" for i in range(len(dense["parts"]))]
+    shard_names = dense.get("parts", [])
+    if dense["form"] == "whole":
+        values = [_read(os.path.join(directory, part), dtype) for part in parts]
+        whole = np.concatenate(values) if shard_names else values[0]
+        pieces = [(dense["name"], whole, None, _rows_of(whole)),
+                  *((name, value, None, _rows_of(value)) for name, value in zip(shard_names, values))]
+    elif dense["form"] == "rows":
+        indices, rows = [], []
+        for part, written, count in zip(parts, dense["written"], dense["shard_rows"]):
+            path = os.path.join(directory, part)
+            if written == "rows":
+                indices.append(_read(path + "_idx", tf.int64))
+                rows.append(_read(path + "_rows", dtype))
+            else:  # most of the shard's rows changed: written whole
+                indices.append(np.arange(count, dtype=np.int64))
+                rows.append(_read(path, dtype))
+        offsets = np.cumsum([0, *dense["shard_rows"][:-1]])  # a shard's first row in the whole variable
+        pieces = [(dense["name"], np.concatenate(rows),
+                   np.concatenate([offset + index for offset, index in zip(offsets, indices)]),
+                   sum(dense["shard_rows"])),
+                  *zip(shard_names, rows, indices, dense["shard_rows"])]
+    else:
+        raise ServingDirError(f"The delta {directory!r} writes variable {dense['name']!r} in form {dense['form']!r}; "
+                              "expected 'whole' or 'rows' (a newer psclient wrote it?).")
+    targets = []
+    for name, value, index, count in pieces:
+        for variable in served.variables.get(name, []):
+            # Checked before anything is written: a delta is applied whole or not at all.
+            if count is not None and variable.shape.rank and variable.shape[0] not in (None, count):
+                raise ServingDirError(f"The delta {directory!r} writes {count} rows of variable {name!r}, which "
+                                      f"holds {variable.shape[0]} in full version {served.version}: the delta "
+                                      "is not of this model.")
+            targets.append((variable, value, index))
+    if not targets:
+        raise ServingDirError(f"The delta {directory!r} holds variable {dense['name']!r}, which full version "
+                              f"{served.version} does not: the delta is not of this model.")
+    return targets
+
+
+def _rows_of(value: np.ndarray) -> int | None:
+    return value.shape[0] if value.ndim else None
 
 
 class _ReadWriteLock:
@@ -218,8 +258,11 @@ class ServedModel:
         writes = _prepared(served, directory)  # read and merged while calls go on
         self._lock.write()
         try:
-            for variable, value in writes:
-                variable.assign(value)
+            for variable, value, rows in writes:
+                if rows is None:
+                    variable.assign(value)
+                else:  # row updates of an embedding-like variable (global row indices)
+                    variable.scatter_update(tf.IndexedSlices(value, rows))
             served.applied += 1
         finally:
             self._lock.write_done()

@@ -134,7 +134,8 @@ def test_delta_cuts_of_dynamic_tables_convert_nothing_on_any_task(two_workers_tw
             inputs = keras.Input((2,), dtype="int64")
             rows = psclient.layers.DynamicEmbedding(4, capacity=2048)(inputs)
             hashed = psclient.layers.DynamicEmbedding(4)(inputs)  # hash-table storage
-            outputs = keras.layers.Dense(1)(keras.layers.Flatten()(keras.layers.Concatenate()([rows, hashed])))
+            table = keras.layers.Embedding(5000, 4)(inputs)  # diffed per row on its ps
+            outputs = keras.layers.Dense(1)(keras.layers.Flatten()(keras.layers.Concatenate()([rows, hashed, table])))
             model = keras.Model(inputs, outputs)
             model.compile(optimizer="adagrad", loss="mse")
         model.fit(keys, keys[:, :1].astype("float32") % 7, batch_size=32, epochs=1, verbose=0)
@@ -147,5 +148,7 @@ def test_delta_cuts_of_dynamic_tables_convert_nothing_on_any_task(two_workers_tw
                 manifest = cut.write(taken, str(directory))
         assert not seen.found, "Python values converted under a task's device:\n" + seen.report()
         assert sum(sum(t["changed"]) for t in manifest["tables"]) == 0  # nothing trained between the cuts
+        (diffed,) = [entry for entry in manifest["dense"] if entry["form"] == "rows"]
+        assert sum(diffed["changed"]) == 0
     finally:
         strategy.shutdown()

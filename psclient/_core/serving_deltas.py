@@ -7,11 +7,17 @@ The deltas taken after it are
         delta.json                        the manifest: what is in the delta (written last)
         t<i>_s<k>_keys, _rows, _removed   per dynamic table i, per shard k: rows changed since
                                           the previous cut and their keys, keys gone since it
-        d<j>                              dense variable j, whole
+        d<j>  (d<j>_p<i>: shard i)        dense variable j, whole (manifest: "form" "whole")
+        d<j>_idx, d<j>_rows               or its rows changed: their int64 indices in the
+          (d<j>_p<i>_idx, _rows)          shard, the rows ("form" "rows"; a shard whose rows
+                                          are no smaller written whole, "written" per shard)
 
-each file one `tf.io.serialize_tensor`. A delta holds what changed since the
-cut before it (delta seq - 1, or the full version V for seq 1), so a reader
-applies them in order and never skips one. `deltas` is not an integer: TF
+each file one `tf.io.serialize_tensor`. Manifest format 2 (this one) adds the
+dense entries' "form"; a format 1 delta (dense variables all whole) reads as
+"form" "whole", and a format this module does not know is refused.
+
+A delta holds what changed since the cut before it (delta seq - 1, or the
+full version V for seq 1), so a reader applies them in order and never skips one. `deltas` is not an integer: TF
 Serving, which loads integer-named directories of `base_dir` only, never
 sees a delta. A delta is written under a hidden name in its chain's
 directory and renamed to its number when every file is on disk (as a full
@@ -43,7 +49,9 @@ __all__ = ["DELTAS", "MANIFEST", "Step", "chain_dir", "deltas", "new_delta", "ne
 
 DELTAS = "deltas"
 MANIFEST = "delta.json"
-FORMAT = 1
+FORMAT = 2
+#: The formats `read_manifest` accepts: 1 (before row diffs of dense variables), 2.
+READABLE_FORMATS = (1, 2)
 _TEMP_PREFIX = ".psclient-delta-"
 
 
@@ -91,10 +99,12 @@ def read_manifest(directory: str) -> dict:
             manifest = json.load(f)
     except (OSError, ValueError) as error:
         raise ServingDirError(f"The delta {directory!r} cannot be read: {path!r} ({error}).") from error
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in READABLE_FORMATS:
         raise ServingDirError(f"The delta {directory!r} is in an unknown format: {path!r} holds "
                               f"format {manifest.get('format') if isinstance(manifest, dict) else manifest!r}, "
-                              f"expected {FORMAT}.")
+                              f"expected one of {list(READABLE_FORMATS)} (a newer psclient wrote it?).")
+    for entry in manifest.get("dense", []):
+        entry.setdefault("form", "whole")  # format 1: every dense variable whole
     return manifest
 
 

@@ -21,6 +21,7 @@ import time
 import keras
 import tensorflow as tf
 
+from psclient._coordinator.delta_cut import CutLost
 from psclient._core import serving_deltas, serving_dirs
 from psclient._core.serving_dirs import ServingDirError
 from psclient._engine import registry
@@ -117,14 +118,17 @@ class ServingExport(keras.callbacks.Callback):
     Deltas: with `delta_every_seconds=S`, every S seconds (checked at each
     batch's end) it also writes a delta version, `<base_dir>/deltas/<V>/<seq>/`:
     the rows of the dynamic tables changed since the previous version (full or
-    delta), the keys gone, and the dense variables, written by the ps tasks.
-    A full version replaces a delta after `full_every_deltas` deltas, and when
-    a delta cannot be taken (the previous cut was lost with its ps). Training
+    delta), the keys gone, the rows changed of the embedding-like variables
+    (rank 2, `ROW_DIFF_MIN_ROWS` rows or more), and the other dense variables
+    whole, written by the ps tasks. A full version replaces a delta after
+    `full_every_deltas` deltas, and when a delta cannot be taken or written (a
+    ps lost since the previous cut took that cut's copies with it; the failed
+    delta is never published). Training
     ends with a last delta; the chain goes on in the next `fit` with this
     callback (each ps keeps the last cut's copy of its rows until
     `release()`). `deltas` lists a dict per delta written (path,
-    rows changed and removed, bytes, `seconds` training was paused for the
-    cut, `join_seconds` of it waiting for the steps in flight, and
+    rows changed and removed, `dense_rows_changed` of the embedding-like
+    variables, bytes, `seconds` training was paused for the cut, `join_seconds` of it waiting for the steps in flight, and
     `write_seconds` the ps tasks then took to diff and write it while
     training went on, on the callback's writer thread, stopped when `fit` ends).
     `psclient.serving.load(base_dir)` serves the newest full version with its
@@ -181,6 +185,11 @@ class ServingExport(keras.callbacks.Callback):
         chain = self._chain_state
         chain.finish_pending()
         version, seq = chain.position
+        if chain.cut is not None and chain.cut.lost():
+            # A ps lost since the full version took the cut's copies with it (training went on from
+            # a restored checkpoint): no delta can say what changed since, the chain starts again.
+            _log_full_instead(CutLost("a ps task was lost and recovered since the full version"), version, seq + 1)
+            chain.cut = None
         if chain.cut is None or (self.full_every_deltas is not None and seq >= self.full_every_deltas):
             self.export_now()
             return
@@ -189,7 +198,7 @@ class ServingExport(keras.callbacks.Callback):
         joined = time.monotonic()
         try:
             cut = chain.cut.take()
-        except tf.errors.OpError as error:
+        except (tf.errors.OpError, CutLost) as error:
             # The previous cut lived on a ps that was lost (or a copy failed there): a full version instead.
             _log_full_instead(error, version, seq + 1)
             chain.cut = None
@@ -254,6 +263,8 @@ class _DeltaChain:
         self.position = (None, 0)
         self._writer = None  # a ThreadPoolExecutor of one thread, while fit runs
         self._pending = None  # the delta it is writing (a Future)
+        #: Called with a ps device after each part of a delta that ps wrote (`DeltaCut.write`): a test's seam.
+        self.after_part = None
 
     def submit(self, cut, paused: dict) -> None:
         """Write `cut` (just taken) as the chain's next delta, on the writer thread."""
@@ -267,14 +278,16 @@ class _DeltaChain:
         """On the writer thread: one delta, from the ps tasks, into its hidden directory, then renamed."""
         began = time.monotonic()
         with serving_deltas.new_delta(self.base_dir, version, seq) as scratch:
-            manifest = delta_cut.write(cut, scratch)
+            manifest = delta_cut.write(cut, scratch, self.after_part)
             manifest.update(version=version, seq=seq, written_at=time.time())
             serving_deltas.write_manifest(scratch, manifest)
         path = os.path.join(serving_deltas.chain_dir(self.base_dir, version), str(seq))
         self.records.append({"path": path, "version": version, "seq": seq, **paused,
                              "write_seconds": time.monotonic() - began, "bytes": _bytes(path),
                              "changed": sum(sum(t["changed"]) for t in manifest["tables"]),
-                             "removed": sum(sum(t["removed"]) for t in manifest["tables"])})
+                             "removed": sum(sum(t["removed"]) for t in manifest["tables"]),
+                             "dense_rows_changed": sum(sum(d["changed"]) for d in manifest["dense"]
+                                                       if d["form"] == "rows")})
 
     def finish_pending(self) -> None:
         """Wait for the delta being written; if it failed on a ps, the next version is a full one."""
@@ -283,7 +296,7 @@ class _DeltaChain:
             return
         try:
             pending.result()
-        except tf.errors.OpError as error:
+        except (tf.errors.OpError, CutLost) as error:
             self.cut = None
             _log_full_instead(error, *self.position)
 
