@@ -22,7 +22,7 @@ tf = pytest.importorskip("tensorflow")
 
 import psclient  # noqa: E402
 import psclient.serving  # noqa: E402
-from psclient._coordinator.delta_cut import ROW_DIFF_MIN_ROWS  # noqa: E402
+from psclient._coordinator.serving.delta_cut import ROW_DIFF_MIN_ROWS  # noqa: E402
 from psclient._core import serving_deltas  # noqa: E402
 
 ROWS, DIM = 20_000, 16  # two shards of 10,000 rows

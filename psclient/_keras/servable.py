@@ -21,7 +21,7 @@ import time
 import keras
 import tensorflow as tf
 
-from psclient._coordinator.delta_cut import CutLost
+from psclient._coordinator.serving.delta_cut import CutLost
 from psclient._core import serving_deltas, serving_dirs
 from psclient._core.serving_dirs import ServingDirError
 from psclient._engine import registry
