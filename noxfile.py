@@ -13,7 +13,7 @@ nox.options.sessions = ["oldest"]
 nox.options.reuse_existing_virtualenvs = False
 
 OLDEST = "constraints/oldest.txt"
-TESTS = ["tests/test_keras_seam.py", "tests/test_keras_fit.py", "tests/test_partitioned.py", "tests/test_keras_moving_stats.py"]
+TESTS = ["tests/keras/test_keras_seam.py", "tests/keras/test_keras_fit.py", "tests/strategy/test_partitioned.py", "tests/keras/test_keras_moving_stats.py"]
 
 
 @nox.session

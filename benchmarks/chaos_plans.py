@@ -37,7 +37,7 @@ import time
 from _common import log
 
 PLAN_WORKERS, PLAN_PS = 3, 1
-#: The longest a coordinator thread may stall (the limit of tests/test_no_freeze.py).
+#: The longest a coordinator thread may stall (the limit of tests/faults/test_no_freeze.py).
 MAX_STALL_S = 1.0
 
 
@@ -295,7 +295,7 @@ def summarise(rows: list[dict]) -> dict:
         "back_after_s_median": sorted(back)[len(back) // 2] if back else None,
         "back_after_s_max": max(back) if back else None,
         "max_stall_s": max((r["max_stall_s"] for r in rows), default=None),
-        # A coordinator thread that sleeps 50 ms must never wait 1 s more (tests/test_no_freeze.py's limit).
+        # A coordinator thread that sleeps 50 ms must never wait 1 s more (tests/faults/test_no_freeze.py's limit).
         "max_stall_limit_s": MAX_STALL_S,
         "seeds_stalled": [r["seed"] for r in rows if r["max_stall_s"] >= MAX_STALL_S],
         "max_join_s": max((r["max_join_s"] or 0 for r in rows), default=None),

@@ -5,7 +5,7 @@ own gRPC runtime: ps tasks hold the variables, workers run the steps.
 
 This module is the whole public API. Behind it, private subpackages, each with
 one job, in layers (a layer imports only the layers below it; the rules are
-contracts in pyproject.toml, checked by tests/test_layout.py):
+contracts in pyproject.toml, checked by tests/ops/test_layout.py):
 
   _cli, _demo     the `psclient` command and its demo
   _keras          Keras 3 fit/evaluate/predict on the cluster: the one seam

@@ -1,4 +1,4 @@
-"""A coordinator process for tests/test_data_ledger_restart.py: one epoch of a
+"""A coordinator process for tests/data/test_data_ledger_restart.py: one epoch of a
 ShardedDataset through a ShardFeed, with strategy checkpoints, counting on the
 ps how often each record id was trained.
 

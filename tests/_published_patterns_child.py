@@ -1,4 +1,4 @@
-"""A Keras script as published examples write it, run by tests/test_published_patterns.py in a fresh process.
+"""A Keras script as published examples write it, run by tests/keras/test_published_patterns.py in a fresh process.
 
 Data and preprocessing come first (a CSV read by a relative path, a tf.data pipeline,
 a `StringLookup` applied in the pipeline, a `Normalization` adapted outside any scope),

@@ -5,7 +5,7 @@ import-linter sees an external package as one module (`tensorflow`), so a
 the line of each direct import of the package instead (grimp keeps it) and
 fails on one that names a forbidden submodule, outside the allowed modules.
 Registered in pyproject.toml ([tool.importlinter] contract_types); `lint-imports`
-finds it with this directory on the path (tests/test_layout.py sets it).
+finds it with this directory on the path (tests/ops/test_layout.py sets it).
 """
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ def context_threads(pid: int | str = "self") -> int:
     """How many TF eager-context inter-op threads process `pid` runs (from /proc).
 
     TF names each context's inter-op pool "Compute"; its threads are
-    "tf_Compute" (tests/test_serve_recycle.py checks that a coordinator leaves some).
+    "tf_Compute" (tests/ops/test_serve_recycle.py checks that a coordinator leaves some).
     """
     count = 0
     for tid in os.listdir(f"/proc/{pid}/task"):

@@ -98,7 +98,7 @@ def probe(device: str) -> None:
             # copied to the task by the conversion, which holds the GIL, and a
             # hung (SIGSTOPped) task then froze every thread of the coordinator
             # until it answered. The op's own copy of its inputs waits without
-            # the GIL. tests/test_no_remote_conversions.py checks every such place.
+            # the GIL. tests/strategy/test_no_remote_conversions.py checks every such place.
             with tf.device(coordinator_cpu()):
                 one = tf.constant(1, dtype=tf.int32)
             with tf.device(f"{device}/device:CPU:0"):

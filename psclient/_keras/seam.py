@@ -9,7 +9,7 @@ it imports every listed module and finds every listed class attribute, and a
 missing one is a `KerasSeamError` naming it and the Keras version, rather than
 a patch silently not applied. Attributes that exist only on instances
 (`model._compile_metrics`) are read through `internal()`, which fails the
-same way. tests/test_keras_seam.py checks the list against the installed
+same way. tests/keras/test_keras_seam.py checks the list against the installed
 Keras and scans psclient's source for a private Keras name that is not listed.
 """
 
@@ -36,7 +36,7 @@ __all__ = [
 
 #: The Keras versions psclient is tested with; pyproject.toml requires the same
 #: range. Tested here with Keras 3.15.1, and with 3.10.0 (`pip install
-#: --no-deps --target`): tests/test_keras_seam.py, test_keras_fit.py and
+#: --no-deps --target`): tests/keras/test_keras_seam.py, test_keras_fit.py and
 #: test_keras_callbacks.py pass. 3.10 is the lowest: 3.8 and 3.9 have every
 #: name of `KERAS_INTERNALS` but not `keras.config.max_steps_per_epoch`, which
 #: fit reads. The upper bound is the next minor release, untested yet.

@@ -1,0 +1,147 @@
+"""`ps_recovery`: which ps's state a recovery restores, what it reports, what the data
+ledger keeps. Pure logic (`psclient._core.part_recovery`) and the config's checks; the
+cluster test is tests/checkpoints/test_part_recovery_cluster.py."""
+
+from __future__ import annotations
+
+import pytest
+
+import psclient
+from psclient._core.part_recovery import RestoreScope, ledger_positions, resolve_ps_recovery, rolled_back
+from psclient._engine.config import StrategyConfig, with_overrides
+
+
+def test_part_is_the_default_in_asynchronous_training_and_all_in_synchronous():
+    assert resolve_ps_recovery(None, None) == "part"
+    assert resolve_ps_recovery(None, 2) == "all"
+    assert resolve_ps_recovery("all", None) == "all"
+    assert resolve_ps_recovery("all", 2) == "all"
+    assert resolve_ps_recovery("part", None) == "part"
+    assert StrategyConfig().recovery_mode == "part"
+    assert StrategyConfig(replicas_to_aggregate=2).recovery_mode == "all"
+    assert StrategyConfig(ps_recovery="all").recovery_mode == "all"
+
+
+@pytest.mark.parametrize("value", ["some", "PART", 1, True, ["part"]])
+def test_a_bad_ps_recovery_names_the_argument_the_value_and_the_choices(value):
+    with pytest.raises(ValueError) as raised:
+        StrategyConfig(ps_recovery=value)
+    message = str(raised.value)
+    assert "`ps_recovery`" in message and f"ps_recovery={value!r}" in message
+    assert '"part"' in message and '"all"' in message
+
+
+def test_part_with_replicas_to_aggregate_is_refused_naming_both():
+    with pytest.raises(ValueError, match=r"ps_recovery='part' with replicas_to_aggregate=2\. Expected \"all\""):
+        StrategyConfig(ps_recovery="part", replicas_to_aggregate=2)
+
+
+def test_ps_recovery_is_a_keyword_override_of_the_strategy():
+    assert with_overrides(None, {"ps_recovery": "all"}).ps_recovery == "all"
+    with pytest.raises(ValueError, match="ps_recovery='both'"):
+        with_overrides(StrategyConfig(), {"ps_recovery": "both"})
+    # The strategy checks its keywords before it connects to anything.
+    with pytest.raises(ValueError, match="ps_recovery='both'"):
+        psclient.ParameterServerStrategy({"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}, ps_recovery="both")
+
+
+def test_part_restores_the_lost_ps_only_and_keeps_the_ledgers():
+    scope = RestoreScope("part", (1,), num_ps=3)
+    assert scope.restored_ps == frozenset({1}) and scope.only_ps == frozenset({1})
+    assert not scope.rolls_back_ledgers
+
+
+def test_all_restores_every_ps_and_rolls_the_ledgers_back():
+    scope = RestoreScope("all", (1,), num_ps=3)
+    assert scope.restored_ps == frozenset({0, 1, 2}) and scope.only_ps is None
+    assert scope.rolls_back_ledgers
+
+
+@pytest.mark.parametrize("lost, num_ps", [((0,), 1), ((0, 1), 2)])
+def test_a_part_that_is_every_ps_is_all(lost, num_ps):
+    # Nothing survives anywhere: the ledgers roll back, the work since is done again.
+    scope = RestoreScope("part", lost, num_ps)
+    assert scope.mode == "all" and scope.only_ps is None and scope.rolls_back_ledgers
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="'none'"):
+        RestoreScope("none", (0,), num_ps=1)
+
+
+def test_the_report_names_what_each_restored_ps_got_back():
+    part = rolled_back(RestoreScope("part", (1,), 2), {1: 4}, {1: 17}, closures=30, checkpoint="/c/ckpt-2")
+    assert part == {1: {"mode": "part", "checkpoint": "/c/ckpt-2", "variables": 4, "rows": 17, "closures": 30}}
+    every = rolled_back(RestoreScope("all", (1,), 2), {0: 3, 1: 4}, {}, closures=30, checkpoint=None)
+    assert every == {0: {"mode": "all", "checkpoint": None, "variables": 3, "rows": 0, "closures": 30},
+                     1: {"mode": "all", "checkpoint": None, "variables": 4, "rows": 0, "closures": 30}}
+
+
+def test_a_ledger_on_a_restored_ps_gets_the_positions_the_coordinator_knows():
+    # Shards 0 and 3 in flight (known at 5 and 2 batches), shard 1 given back at batch 7;
+    # the others not started, or done (their positions no longer matter).
+    positions, again = ledger_positions({"0": 5, "1": 7, "3": 2}, held={0, 3}, num_shards=5)
+    assert positions == [5, 7, 0, 2, 0]
+    assert again == [0, 3]
+
+
+# ------------------------------------------------- the recovery thread's step, with fakes
+class FakeStore:
+    def __init__(self):
+        self.renewed = []
+
+    def renew(self, lost):
+        self.renewed.append(set(lost))
+        return len(lost)
+
+    def named(self):
+        return {"v000000": "a variable on ps 0", "v000001": "a variable on ps 1"}
+
+    def tables(self):
+        return {}
+
+
+class FakeCheckpoints:
+    """Restores from one checkpoint taken after 7 completed closures, and says what it restored."""
+
+    def __init__(self):
+        self.calls = []
+
+    def restore(self, variables, *, tables, only_ps):
+        self.calls.append(only_ps)
+        held = {0: 3, 1: 2}
+        restored = {ps: n for ps, n in held.items() if only_ps is None or ps in only_ps}
+        return {"path": "/c/ckpt-3", "completed_closures": 7, "skipped": [], "meta": {"m": 1},
+                "restored": {"variables": restored, "rows": {1: 5} if 1 in restored else {}}}
+
+
+def restore_step(mode):
+    from psclient._core import recovery_messages as rm
+    from psclient._engine.ps_restore import PsRestore
+
+    told = []
+    store, checkpoints = FakeStore(), FakeCheckpoints()
+    restore = PsRestore(store, checkpoints, 2, completed=lambda: 19,
+                        meta_restored=lambda meta, **kwargs: told.append((meta, kwargs)), clock=lambda: 10.0)
+    assert restore.renew_and_restore(rm.RenewAndRestore((1,), mode)) is True
+    restore.recovered(rm.PsRecovered((1,), back_at=9.5), "/c/ckpt-3")
+    return store, checkpoints, told, restore.ps_stats
+
+
+def test_the_part_step_restores_the_lost_ps_only_and_keeps_the_ledgers():
+    store, checkpoints, told, stats = restore_step("part")
+    assert store.renewed == [{1}] and checkpoints.calls == [frozenset({1})]
+    assert told == [({"m": 1}, {"lost": frozenset({1})})]  # the ledgers keep their done shards
+    assert stats[1].recoveries == 1 and stats[1].last_recovery_s == 0.5
+    assert stats[1].rolled_back == {"mode": "part", "checkpoint": "/c/ckpt-3", "variables": 2, "rows": 5,
+                                    "closures": 12}
+    assert stats[1].rolled_back_closures == 12
+    assert stats[0].rolled_back is None and stats[0].recoveries == 0
+
+
+def test_the_all_step_restores_every_ps_and_rolls_the_ledgers_back():
+    store, checkpoints, told, stats = restore_step("all")
+    assert store.renewed == [{1}] and checkpoints.calls == [None]
+    assert told == [({"m": 1}, {})]
+    assert stats[0].rolled_back["variables"] == 3 and stats[1].rolled_back["variables"] == 2
+    assert stats[0].recoveries == 0 and stats[1].recoveries == 1
