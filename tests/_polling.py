@@ -5,10 +5,11 @@ import time
 import pytest
 
 
-def wait_for(predicate, timeout, what):
-    """Poll a cheap predicate (strategy stats) until true; fail after `timeout`."""
+def wait_for(predicate, timeout, what, *, interval=0.05):
+    """Poll a cheap predicate (strategy stats, a thread's state) every `interval` seconds until
+    true; fail after `timeout`. The one polling helper of the tests."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(interval)

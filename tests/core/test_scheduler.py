@@ -2,9 +2,9 @@
 
 import concurrent.futures
 import threading
-import time
 
 import pytest
+from _polling import wait_for
 
 from psclient._core.attempts import RunningAttempts
 from psclient._core.errors import StrategyClosedError
@@ -316,13 +316,6 @@ def test_requeue_running_abandons_every_running_attempt_but_keeps_workers_up():
 
 
 # ------------------------------------------------------- wakeups ----------
-def _wait_until(predicate, what, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
 def _takers(s, workers):
     taken = []
 
@@ -340,10 +333,10 @@ def _takers(s, workers):
 def test_a_submit_wakes_one_waiting_dispatcher_and_a_completion_wakes_none():
     s = Scheduler(num_workers=50)
     threads, taken = _takers(s, range(50))
-    _wait_until(lambda: s.waiting_threads() == (50, 0), "50 waiting dispatchers")
+    wait_for(lambda: s.waiting_threads() == (50, 0), 10, "50 waiting dispatchers", interval=0.005)
     c = make()
     s.submit(c)
-    _wait_until(lambda: taken, "a dispatcher to take the closure")
+    wait_for(lambda: taken, 10, "a dispatcher to take the closure", interval=0.005)
     assert s.wakeups == 1
     worker, closure = taken[0]
     s.succeeded(worker, closure, "v")
@@ -360,13 +353,13 @@ def test_a_down_workers_dispatcher_is_never_woken_until_it_is_back():
     s = Scheduler(num_workers=2)
     s.worker_lost(0)
     threads, taken = _takers(s, [0])
-    _wait_until(lambda: s.waiting_threads() == (0, 1), "worker 0's dispatcher parked")
+    wait_for(lambda: s.waiting_threads() == (0, 1), 10, "worker 0's dispatcher parked", interval=0.005)
     s.submit(make("a"))
     assert s.wakeups == 0 and not taken  # nobody who can take it is waiting
     assert s.take(1, timeout=0).name == "a"
     s.submit(make("b"))
     s.worker_up(0)
-    _wait_until(lambda: taken, "worker 0's dispatcher to take 'b'")
+    wait_for(lambda: taken, 10, "worker 0's dispatcher to take 'b'", interval=0.005)
     assert taken[0][0] == 0 and taken[0][1].name == "b"
     assert s.wakeups == 1
     for t in threads:
@@ -387,7 +380,7 @@ def test_wakeups_per_closure_stay_flat_with_many_idle_dispatchers():
     threads = [threading.Thread(target=dispatcher, args=(w,)) for w in range(200)]
     for t in threads:
         t.start()
-    _wait_until(lambda: s.waiting_threads()[0] == 200, "200 waiting dispatchers")
+    wait_for(lambda: s.waiting_threads()[0] == 200, 10, "200 waiting dispatchers", interval=0.005)
     for _ in range(500):
         s.submit(make())
     assert s.join(timeout=60)

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import pytest
+from _polling import wait_for
 
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
@@ -112,7 +113,7 @@ def run(strategy, tmp_path_factory):
     first = {"deltas": list(callback.deltas), "exported": list(callback.exported)}
     loader = psclient.serving.load(base, poll_seconds=0.2)
     try:
-        wait_for(lambda: loader.version == callback.chain, "the loader applies the first fit's last delta")
+        wait_for(lambda: loader.version == callback.chain, 60, "the loader applies the first fit's last delta")
         first["diff"] = predictions_match(loader, model)
         watch = _Watch(loader)
         watch.thread.start()
@@ -130,18 +131,12 @@ def run(strategy, tmp_path_factory):
         before = len(callback.deltas)
         model.fit(data(FRESH, batch=len(FRESH)), epochs=1, verbose=0, callbacks=[callback])
         fresh["deltas"] = callback.deltas[before:]
-        wait_for(lambda: loader.version == callback.chain, "the loader applies the last delta")
+        wait_for(lambda: loader.version == callback.chain, 60, "the loader applies the last delta")
         fresh["diff"] = predictions_match(loader, model)
         yield {"base": base, "model": model, "callback": callback, "first": first, "fresh": fresh, "loader": loader}
     finally:
         loader.close()
 
-
-def wait_for(condition, what, limit=60.0):
-    deadline = time.monotonic() + limit
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {limit} s for {what}"
-        time.sleep(0.05)
 
 
 def test_the_first_fit_wrote_a_full_version_then_deltas_in_order(run):

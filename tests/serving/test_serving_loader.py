@@ -10,10 +10,10 @@ import gc
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
+from _polling import wait_for
 
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
@@ -25,12 +25,6 @@ from psclient.layers import DynamicEmbedding  # noqa: E402
 CAPACITY = 40  # fewer rows than the 200 keys trained: every delta evicts some
 PROBE = np.arange(0, 210, dtype="int64").reshape(-1, 2)  # every key trained, evicted or not, and unseen ones
 
-
-def wait_for(condition, what, limit=60.0):
-    deadline = time.monotonic() + limit
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {limit} s for {what}"
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +44,7 @@ def test_the_loader_follows_the_deltas_removed_rows_included(trained):
     base, model, callback = trained
     assert len(callback.deltas) >= 3 and sum(d["removed"] for d in callback.deltas) > 0, callback.deltas
     with psclient.serving.load(base, poll_seconds=0.05) as loader:
-        wait_for(lambda: loader.version == callback.chain, "the loader's thread applies every delta")
+        wait_for(lambda: loader.version == callback.chain, 60, "the loader's thread applies every delta")
         served = loader(tf.constant(PROBE)).numpy()
     np.testing.assert_allclose(served, model.predict(PROBE, verbose=0), atol=1e-6, rtol=0)
     assert loader.statistics()["deltas_applied"] == callback.chain[1]
