@@ -39,18 +39,20 @@ recovery (and the steps it took to get back within 1% of the loss before
 the kill), the training loss per pass over the pool, the fraction of the
 progress since the checkpoint that the recovery lost, the checkpoint's
 stall and bytes, and each ps's RSS before and at its peak during the save
-and the recovery. Then part/all ratios. Delta checkpoints do not exist in
-psclient: reported as not implemented, not measured.
+and the recovery. With --repeats N the modes run N times, interleaved
+(part, all, part, all, ...); `summary` gives each figure's median per mode
+and `part/all` the ratios of those medians; `runs` holds every run.
+Delta checkpoints do not exist in psclient: reported as not implemented,
+not measured.
 
     nice -n 15 python benchmarks/ps_recovery.py                    # 538 MB table, both modes
     nice -n 15 python benchmarks/ps_recovery.py --quick            # 12.8 MB table, fewer steps
-    nice -n 15 python benchmarks/ps_recovery.py --output benchmarks/results/ps_recovery-DATE.json
+    nice -n 15 python benchmarks/ps_recovery.py --repeats 2 --output benchmarks/results/ps_recovery-DATE.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -372,41 +374,63 @@ def run_mode(local, strategy, memory: PsMemory, args: argparse.Namespace) -> dic
 
 
 # --------------------------------------------------------------- parent
-RATIO_KEYS = (
-    ("recovery", "kill_to_first_closure_s"),
-    ("recovery", "serving_to_first_closure_s"),
-    ("recovery", "psclient_last_recovery_s"),
-    ("recovery", "variables_restored"),
-    ("loss", "progress_since_checkpoint_lost"),
-)
+def _surviving_growth(per_ps: dict) -> float:
+    """RSS growth (MB) from a window's start to its peak, summed over the ps that were not lost."""
+    return round(sum(v["rss_mb_peak"] - v["rss_mb_before"] for name, v in per_ps.items()
+                     if name != f"ps:{LOST_PS}" and v["rss_mb_before"] is not None
+                     and v["rss_mb_peak"] is not None), 1)
 
 
-def ratios(results: dict) -> dict:
-    part, every = results.get("part", {}), results.get("all", {})
-    if "error" in part or "error" in every or not part or not every:
-        return {}
-    out = {}
-    for section, key in RATIO_KEYS:
-        a, b = part[section][key], every[section][key]
-        out[f"{section}.{key}"] = None if a is None or not b else round(a / b, 3)
+#: What the summary gives for each mode (median over the repeats): name -> figure of one run.
+FIGURES = {
+    "kill_to_serving_s": lambda r: r["recovery"]["kill_to_serving_s"],
+    "serving_to_first_closure_s": lambda r: r["recovery"]["serving_to_first_closure_s"],
+    "kill_to_first_closure_s": lambda r: r["recovery"]["kill_to_first_closure_s"],
+    "psclient_last_recovery_s": lambda r: r["recovery"]["psclient_last_recovery_s"],
+    "closures_rolled_back": lambda r: r["recovery"]["closures_rolled_back"],
+    "variables_restored": lambda r: r["recovery"]["variables_restored"],
+    "progress_since_checkpoint_lost": lambda r: r["loss"]["progress_since_checkpoint_lost"],
+    "loss_before_kill": lambda r: r["loss"]["before_kill"],
+    "loss_after_recovery": lambda r: r["loss"]["after_recovery"],
+    "steps_after_recovery_to_within_1pct_of_loss_before_kill":
+        lambda r: r["loss"]["steps_after_recovery_to_within_1pct_of_loss_before_kill"],
+    "save_checkpoint_s": lambda r: r["checkpoint"]["full"]["save_checkpoint_s"],
+    "first_checkpoint_s": lambda r: r["checkpoint"]["full"]["first_checkpoint_s"],
+    "checkpoint_mb": lambda r: r["checkpoint"]["full"]["bytes_mb"],
+    "ps_peak_rss_mb_during_save (largest ps)":
+        lambda r: max(v["rss_mb_peak"] for v in r["checkpoint"]["full"]["ps_memory_during_save"].values()),
+    "surviving_ps_rss_growth_mb_during_save (summed)":
+        lambda r: _surviving_growth(r["checkpoint"]["full"]["ps_memory_during_save"]),
+    "surviving_ps_rss_growth_mb_during_recovery (summed)":
+        lambda r: _surviving_growth(r["recovery"]["ps_memory_kill_to_first_closure"]),
+    f"restarted_ps{LOST_PS}_peak_rss_mb":
+        lambda r: r["recovery"]["ps_memory_kill_to_first_closure"][f"ps:{LOST_PS}"]["rss_mb_peak"],
+}
+#: The figures whose part/all ratio is reported.
+RATIOS = ("kill_to_first_closure_s", "serving_to_first_closure_s", "psclient_last_recovery_s",
+          "variables_restored", "progress_since_checkpoint_lost",
+          "steps_after_recovery_to_within_1pct_of_loss_before_kill")
 
-    def growth(result: dict, window: str) -> float:
-        """RSS growth (MB) during `window`, summed over the ps that were not lost."""
-        per_ps = (result["recovery"]["ps_memory_kill_to_first_closure"] if window == "recovery"
-                  else result["checkpoint"]["full"]["ps_memory_during_save"])
-        return sum(v["rss_mb_peak"] - v["rss_mb_before"] for name, v in per_ps.items()
-                   if name != f"ps:{LOST_PS}" and v["rss_mb_before"] is not None and v["rss_mb_peak"] is not None)
 
-    for window in ("save", "recovery"):
-        out[f"surviving_ps_rss_growth_mb_during_{window}"] = {
-            "part": round(growth(part, window), 1), "all": round(growth(every, window), 1)}
-    restarted = [r["recovery"]["ps_memory_kill_to_first_closure"][f"ps:{LOST_PS}"]["rss_mb_peak"]
-                 for r in (part, every)]
-    out[f"restarted_ps{LOST_PS}_peak_rss_mb"] = {"part": restarted[0], "all": restarted[1]}
-    return out
+def summarize(runs: dict) -> tuple[dict, dict]:
+    """(mode -> figure -> median over its runs that ended, part/all ratios of those medians)."""
+    summary = {}
+    for mode, results in runs.items():
+        ok = [r for r in results if "error" not in r]
+        summary[mode] = {"runs": len(ok), "failed_runs": len(results) - len(ok)}
+        for name, figure in FIGURES.items():
+            values = [v for v in (figure(r) for r in ok) if v is not None]
+            summary[mode][name] = None if not values else round(_common.median(values), 3)
+    ratios = {}
+    part, every = summary.get("part", {}), summary.get("all", {})
+    for name in RATIOS:
+        a, b = part.get(name), every.get(name)
+        ratios[name] = None if a is None or not b else round(a / b, 3)
+    return summary, ratios
 
 
 def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
+    modes = args.modes.split(",")
     config = {
         **_common.environment(argv),
         "model": f"Embedding({args.rows}, {DIM}) -> GlobalAveragePooling1D -> Dense(1, frozen); "
@@ -417,33 +441,44 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
         "data": f"{POOL} fixed examples of {IDS_PER_EXAMPLE} ids (uniform over the rows), random labels; "
                 f"batch {BATCH}, step i trains batch i mod {POOL // BATCH}; seed {SEED}",
         "steps_before_checkpoint": args.steps_before, "steps_between_checkpoint_and_kill": args.steps_between,
-        "steps_after_kill": args.steps_after, "quick": args.quick, "scratch": args.scratch,
+        "steps_after_recovery": args.steps_after, "evaluation_every_steps": EVAL_EVERY,
+        "quick": args.quick, "repeats": args.repeats, "order": [m for _ in range(args.repeats) for m in modes],
+        "scratch": args.scratch,
         "strategy": "ParameterServerStrategy(checkpoint_dir=..., ps_recovery=mode), other options default",
-        "kill": f"SIGKILL ps {LOST_PS} after a join (no closure running), then an evaluation and "
-                f"{args.steps_after} steps scheduled, then LocalCluster.restart (same address)",
+        "kill": f"SIGKILL ps {LOST_PS} after a join (no closure running), an evaluation scheduled at once, "
+                "then LocalCluster.restart (same address)",
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
     }
-    results: dict = {}
+    runs: dict = {mode: [] for mode in modes}
     env = _common.quiet_tf_env()
     started = time.perf_counter()
     with _common.stop_on_sigterm():
-        for mode in args.modes.split(","):
-            child = [os.path.abspath(__file__), "--_child", mode, "--rows", str(args.rows),
-                     "--steps-before", str(args.steps_before), "--steps-between", str(args.steps_between),
-                     "--steps-after", str(args.steps_after), "--scratch", args.scratch,
-                     "--closure-timeout", str(args.closure_timeout)]
-            _common.log(f"{mode}: starting (a LocalCluster of {NUM_WORKERS} workers, {NUM_PS} ps)")
-            try:
-                results[mode] = _common.run_child(child, timeout=args.child_timeout, env=env)
-            except _common.ChildError as error:
-                _common.log(f"{mode} FAILED: {error}")
-                results[mode] = {"error": str(error)}
+        for repeat in range(args.repeats):
+            for mode in modes:  # interleaved: a change in the machine's load falls on both
+                child = [os.path.abspath(__file__), "--_child", mode, "--rows", str(args.rows),
+                         "--steps-before", str(args.steps_before), "--steps-between", str(args.steps_between),
+                         "--steps-after", str(args.steps_after), "--scratch", args.scratch,
+                         "--closure-timeout", str(args.closure_timeout)]
+                tag = f"{mode} (run {repeat + 1}/{args.repeats})"
+                _common.log(f"{tag}: starting (a LocalCluster of {NUM_WORKERS} workers, {NUM_PS} ps)")
+                try:
+                    result = _common.run_child(child, timeout=args.child_timeout, env=env)
+                except _common.ChildError as error:
+                    _common.log(f"{tag} FAILED: {error}")
+                    result = {"error": str(error)}
+                else:
+                    recovery = result["recovery"]
+                    _common.log(f"{tag}: kill -> serving {recovery['kill_to_serving_s']:.2f} s -> first closure "
+                                f"{recovery['serving_to_first_closure_s']:.2f} s later; progress lost "
+                                f"{result['loss']['progress_since_checkpoint_lost']}")
+                runs[mode].append(result)
     config["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     config["wall_s"] = round(time.perf_counter() - started, 1)
-    output = {"benchmark": "ps_recovery", "config": config, "modes": results, "part/all": ratios(results),
-              "delta_checkpoints": DELTA_CHECKPOINTS}
+    summary, ratios = summarize(runs)
+    output = {"benchmark": "ps_recovery", "config": config, "summary": summary, "part/all": ratios,
+              "delta_checkpoints": DELTA_CHECKPOINTS, "runs": runs}
     _common.print_json(output, also_to=args.output)
-    return 1 if any("error" in r for r in results.values()) else 0
+    return 1 if any("error" in r for results in runs.values() for r in results) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -456,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps-between", type=int, help="steps between the checkpoint and the kill")
     parser.add_argument("--steps-after", type=int, help="steps scheduled after the kill")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: part, all")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each mode, interleaved (medians reported)")
     parser.add_argument("--scratch", default=tempfile.gettempdir(), help="where the checkpoints are written")
     parser.add_argument("--closure-timeout", type=float, default=600.0, help="seconds a join or result may take")
     parser.add_argument("--child-timeout", type=float, default=1500.0, help="seconds per mode before it is killed")
@@ -474,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
         except BaseException:
             traceback.print_exc()
             _common.child_exit(None, status=1)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be an integer >= 1. Received: {args.repeats}.")
     modes = args.modes.split(",")
     if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
         parser.error(f"--modes must be a comma-separated subset of {','.join(MODES)}. Received: {args.modes!r}.")
