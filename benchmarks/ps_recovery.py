@@ -1,0 +1,529 @@
+"""What one lost ps costs: `ps_recovery="part"` against `"all"`, side by side in one run.
+
+Each mode runs in its own coordinator subprocess, which owns a fresh
+`psclient.LocalCluster` (2 workers, 4 ps) and a
+`ParameterServerStrategy(checkpoint_dir=..., ps_recovery=mode)`; both train
+the same model on the same data with the same seed:
+
+  model  Embedding(rows, 32) -> GlobalAveragePooling1D -> Dense(1) (frozen),
+         logistic loss, SGD. The table (4,200,000 x 32 float32 = 538 MB by
+         default) is split by psclient's default partitioner into one shard
+         per ps; the frozen Dense kernel keeps the high learning rate stable
+         (each row's gradient is divided by batch x ids per example).
+  data   a fixed pool of examples (ids uniform over the rows, so every ps
+         holds a quarter of what is learned; random labels, memorised); step
+         i trains batch i mod (pool / batch), passed as arguments, so both
+         modes see the same batches in the same order.
+
+Per mode, with `schedule` + `join` (the kill falls between closures, so the
+closures rolled back are exactly those since the checkpoint):
+
+  1. --steps-before steps, join; evaluate the whole pool (loss "at checkpoint");
+  2. strategy.save_checkpoint(), timed (nothing runs meanwhile: its duration
+     is the pause dispatch sees), while every ps's VmRSS is sampled;
+  3. --steps-between steps, by 8: after each 8 a join and an evaluation of
+     the pool (the last is the loss "before kill");
+  4. SIGKILL ps 1; schedule an evaluation at once (dispatch meets the dead
+     ps); restart ps 1 at its address (as the tests do: LocalCluster.restart,
+     which returns once it serves). That evaluation is the first closure to
+     complete after the recovery: its completion ends "kill to training
+     again", and its loss is that of the recovered state. Every ps's VmRSS
+     is sampled from the kill until then (the restarted ps 1's VmHWM is its
+     peak since it started). Then --steps-after steps, by 8 as in 3.
+
+Reports per mode: closures rolled back and each ps's
+`stats()["ps"][k]["rolled_back"]`, seconds from the kill to the task serving
+again and to the first closure completing, psclient's own
+`last_recovery_s`, the evaluation losses before the kill and after
+recovery (and the steps it took to get back within 1% of the loss before
+the kill), the training loss per pass over the pool, the fraction of the
+progress since the checkpoint that the recovery lost, the checkpoint's
+stall and bytes, and each ps's RSS before and at its peak during the save
+and the recovery. With --repeats N the modes run N times, interleaved
+(part, all, part, all, ...); `summary` gives each figure's median per mode
+and `part/all` the ratios of those medians; `runs` holds every run.
+Delta checkpoints do not exist in psclient: reported as not implemented,
+not measured.
+
+    nice -n 15 python benchmarks/ps_recovery.py                    # 538 MB table, both modes
+    nice -n 15 python benchmarks/ps_recovery.py --quick            # 12.8 MB table, fewer steps
+    nice -n 15 python benchmarks/ps_recovery.py --repeats 2 --output benchmarks/results/ps_recovery-DATE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+MODES = ("part", "all")
+NUM_WORKERS, NUM_PS = 2, 4
+LOST_PS = 1
+DIM, IDS_PER_EXAMPLE = 32, 4
+POOL, BATCH = 4096, 256
+LEARNING_RATE = 500.0
+SEED = 0
+#: Training-loss curve: the mean of each window of this many steps (one pass over the pool).
+WINDOW = POOL // BATCH
+#: Between the checkpoint and the kill, and after it: an evaluation of the pool every this many steps.
+EVAL_EVERY = 8
+#: Seconds a restarted ps may take to serve (TensorFlow's import on a loaded machine).
+RESTART_TIMEOUT_S = 300.0
+DEFAULTS = {"rows": 4_200_000, "steps_before": 32, "steps_between": 48, "steps_after": 64}
+QUICK = {"rows": 100_000, "steps_before": 16, "steps_between": 16, "steps_after": 32}
+DELTA_CHECKPOINTS = {
+    "implemented": False,
+    "note": "psclient writes full checkpoints only (every ps writes its whole part each time); "
+            "delta checkpoints do not exist yet, so nothing was measured for them. (The serving "
+            "deltas of psclient.serving are exports for serving, not checkpoints a recovery reads.)",
+}
+
+
+# --------------------------------------------------------------- memory
+def _status_kb(pid: int, field: str) -> int | None:
+    """A `VmRSS`/`VmHWM` line of /proc/<pid>/status, in kB (None: the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None
+
+
+def _mb(kb: int | None) -> float | None:
+    return None if kb is None else round(kb / 1024, 1)
+
+
+class PsMemory:
+    """Samples every ps task's VmRSS every 20 ms while a window is open; owned and joined by its user.
+
+    `pids()` is asked at each sample, so a restarted ps is followed to its new process.
+    """
+
+    def __init__(self, pids):
+        self._pids = pids
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._before: dict[str, int | None] = {}
+        self._peak: dict[str, int] = {}
+        self._open = False
+        self._thread = threading.Thread(target=self._run, name="ps-memory", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> dict[str, int]:
+        out = {}
+        for name, pid in self._pids().items():
+            kb = None if pid is None else _status_kb(pid, "VmRSS")
+            if kb is not None:
+                out[name] = kb
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            with self._lock:
+                if not self._open:
+                    continue
+                for name, kb in self._sample().items():
+                    self._peak[name] = max(self._peak.get(name, 0), kb)
+
+    def open(self) -> None:
+        with self._lock:
+            sample = self._sample()
+            self._before = {name: sample.get(name) for name in self._pids()}
+            self._peak = dict(sample)
+            self._open = True
+
+    def close(self) -> dict:
+        """Per ps: RSS (MB) when the window opened, its peak during it, and VmHWM now."""
+        with self._lock:
+            self._open = False
+            for name, kb in self._sample().items():  # the last moment counts too
+                self._peak[name] = max(self._peak.get(name, 0), kb)
+            pids = self._pids()
+            return {name: {"rss_mb_before": _mb(self._before.get(name)), "rss_mb_peak": _mb(self._peak.get(name)),
+                           "vm_hwm_mb": _mb(None if pids[name] is None else _status_kb(pids[name], "VmHWM"))}
+                    for name in pids}
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+# ----------------------------------------------------------- the model
+def make_data(rows: int):
+    import numpy as np
+
+    rng = np.random.default_rng(SEED)
+    ids = rng.integers(0, rows, size=(POOL, IDS_PER_EXAMPLE)).astype("int32")
+    labels = rng.integers(0, 2, size=(POOL, 1)).astype("float32")
+    return ids, labels
+
+
+def build(strategy, rows: int):
+    """(train step, evaluation, optimizer) in `strategy`'s scope."""
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(SEED)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((IDS_PER_EXAMPLE,), dtype="int32"),
+            keras.layers.Embedding(rows, DIM, name="table"),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1, trainable=False, name="frozen_readout"),
+        ])
+        optimizer = keras.optimizers.SGD(LEARNING_RATE)
+        optimizer.build(model.trainable_variables)
+    loss_fn = keras.losses.BinaryCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(ids, labels):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(ids, training=True))
+        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        return loss
+
+    @tf.function
+    def evaluate(ids, labels):
+        return loss_fn(labels, model(ids, training=False))
+
+    return step, evaluate, optimizer
+
+
+# ------------------------------------------------------------ one mode
+def child_main(args: argparse.Namespace) -> None:
+    _common.exit_with_parent()
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.getLogger("psclient").setLevel(logging.INFO)
+    import psclient
+
+    mode = args._child
+    directory = tempfile.mkdtemp(prefix=f"ps-recovery-{mode}-", dir=args.scratch)
+    try:
+        with psclient.LocalCluster(num_workers=NUM_WORKERS, num_ps=NUM_PS, start_timeout=RESTART_TIMEOUT_S) as local:
+            strategy = psclient.ParameterServerStrategy(local.cluster, checkpoint_dir=directory, ps_recovery=mode)
+            memory = PsMemory(lambda: {f"ps:{k}": local.pid("ps", k) for k in range(NUM_PS)})
+            try:
+                result = run_mode(local, strategy, memory, args)
+            finally:
+                memory.stop()
+                strategy.shutdown()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)  # before child_exit: it ends the process at once
+    _common.child_exit(result)
+
+
+def run_mode(local, strategy, memory: PsMemory, args: argparse.Namespace) -> dict:
+    import numpy as np
+
+    mode = args._child
+    started = time.monotonic()
+    ids, labels = make_data(args.rows)
+    step, evaluate, optimizer = build(strategy, args.rows)
+    batches = POOL // BATCH
+
+    def batch(i):
+        j = i % batches
+        return ids[j * BATCH:(j + 1) * BATCH], labels[j * BATCH:(j + 1) * BATCH]
+
+    def train(first: int, count: int) -> list:
+        return [strategy.schedule(step, args=batch(i)) for i in range(first, first + count)]
+
+    def train_and_evaluate(first: int, count: int) -> tuple[list, list]:
+        """`count` steps; after every EVAL_EVERY of them a join, then the loss of the pool."""
+        steps, evaluations = [], []
+        for done in range(0, count, EVAL_EVERY):
+            steps += train(first + done, min(EVAL_EVERY, count - done))
+            strategy.join(timeout=args.closure_timeout)
+            evaluations.append((len(steps), full_loss()))
+        return steps, evaluations
+
+    def full_loss() -> float:
+        return float(strategy.schedule(evaluate, args=(ids, labels)).result(timeout=args.closure_timeout))
+
+    placement = strategy.placement()
+    per_ps = {f"ps:{k}": {"mb": 0.0, "variables": 0} for k in range(NUM_PS)}
+    for v in placement["variables"]:
+        per_ps[f"ps:{v['ps_index']}"]["mb"] += v["nbytes"] / 2**20
+        per_ps[f"ps:{v['ps_index']}"]["variables"] += 1
+    initial_loss = full_loss()  # the first closure: psclient checkpoints the new variables before it
+    first_checkpoint_s = strategy.stats()["checkpoint"]["last_seconds"]
+    setup_s = time.monotonic() - started
+    _common.log(f"{mode}: set up in {setup_s:.1f} s (first checkpoint {first_checkpoint_s:.2f} s), "
+                f"loss {initial_loss:.4f}")
+
+    # 1-2. Train, then the checkpoint the recovery will read.
+    before = train(0, args.steps_before)
+    strategy.join(timeout=args.closure_timeout)
+    loss_at_checkpoint = full_loss()
+    memory.open()
+    t0 = time.monotonic()
+    checkpoint = strategy.save_checkpoint()
+    save_s = time.monotonic() - t0
+    completed_at_checkpoint = strategy.stats()["completed"]
+    save_memory = memory.close()
+    checkpoint_bytes = strategy.stats()["checkpoint"]["last_bytes"]
+    _common.log(f"{mode}: save_checkpoint() {save_s:.2f} s, {checkpoint_bytes / 2**20:.0f} MB")
+
+    # 3. Past the checkpoint.
+    between, evaluations_between = train_and_evaluate(args.steps_before, args.steps_between)
+    loss_before_kill = evaluations_between[-1][1]
+    closures_since_checkpoint = strategy.stats()["completed"] - completed_at_checkpoint
+    iterations_before_kill = int(optimizer.iterations.numpy())
+
+    # 4. Lose ps 1 between closures; an evaluation waits for it.
+    killed = time.monotonic()
+    local.kill("ps", LOST_PS)
+    memory.open()  # after the kill: ps 1's figures are its new process's alone
+    first_done: list[float] = []
+    probe = strategy.schedule(evaluate, args=(ids, labels))
+    probe.add_done_callback(lambda _: first_done.append(time.monotonic()))
+    local.restart("ps", LOST_PS, timeout=RESTART_TIMEOUT_S)
+    serving = time.monotonic()
+    loss_after_recovery = float(probe.result(timeout=args.closure_timeout))
+    returned = time.monotonic()
+    restore_memory = memory.close()
+    after, evaluations_after = train_and_evaluate(args.steps_before + args.steps_between, args.steps_after)
+    loss_end = evaluations_after[-1][1]
+    stats = strategy.stats()
+    ps_stats = stats["ps"]
+    # The callback, when it ran before result() returned (a done future wakes its waiters first).
+    first = min(first_done[0], returned) if first_done else returned
+    first_closure_s = first - killed
+    _common.log(f"{mode}: kill -> serving {serving - killed:.2f} s, -> first closure {first_closure_s:.2f} s; "
+                f"loss at checkpoint {loss_at_checkpoint:.4f}, before kill {loss_before_kill:.4f}, "
+                f"after recovery {loss_after_recovery:.4f}")
+
+    def curve(futures: list, first: int) -> list:
+        losses = [float(f.result()) for f in futures]
+        return [{"steps": f"{first + i}-{first + min(i + WINDOW, len(losses)) - 1}",
+                 "mean_loss": round(float(np.mean(losses[i:i + WINDOW])), 4)}
+                for i in range(0, len(losses), WINDOW)]
+
+    def evaluation_curve(evaluations: list, first: int) -> list:
+        return [{"after_step": first + n - 1, "loss": round(loss, 4)} for n, loss in evaluations]
+
+    progress = loss_at_checkpoint - loss_before_kill
+    regained = next((n for n, loss in evaluations_after if loss <= 1.01 * loss_before_kill), None)
+    rolled_back = []
+    for k, ps in enumerate(ps_stats):
+        report = None if ps["rolled_back"] is None else dict(
+            ps["rolled_back"], checkpoint=os.path.basename(ps["rolled_back"]["checkpoint"] or ""))
+        rolled_back.append({"ps": k, "rolled_back": report, "rolled_back_closures": ps["rolled_back_closures"],
+                            "failures": ps["failures"], "recoveries": ps["recoveries"]})
+    return {
+        "mode": mode,
+        "placement_mb": {name: {"mb": round(v["mb"], 1), "variables": v["variables"]} for name, v in per_ps.items()},
+        "setup_s": round(setup_s, 2),
+        "checkpoint": {
+            "full": {
+                "first_checkpoint_s": round(first_checkpoint_s, 3),
+                "save_checkpoint_s": round(save_s, 3),
+                "pause": "save_checkpoint() with no closure running: its duration is the time dispatch is held",
+                "bytes_mb": round(checkpoint_bytes / 2**20, 1),
+                "path": os.path.basename(checkpoint),
+                "ps_memory_during_save": save_memory,
+            },
+            "delta": DELTA_CHECKPOINTS,
+        },
+        "recovery": {
+            "lost_ps": LOST_PS,
+            "kill_to_serving_s": round(serving - killed, 3),
+            "serving_to_first_closure_s": round(first - serving, 3),
+            "kill_to_first_closure_s": round(first_closure_s, 3),
+            "psclient_last_recovery_s": ps_stats[LOST_PS]["last_recovery_s"],
+            "closures_rolled_back": ps_stats[LOST_PS]["rolled_back_closures"],
+            "closures_completed_between_checkpoint_and_kill": closures_since_checkpoint,
+            "of_which_training_steps": args.steps_between,
+            "variables_restored": sum((r["rolled_back"] or {}).get("variables", 0) for r in rolled_back),
+            "per_ps": rolled_back,
+            "ps_memory_kill_to_first_closure": restore_memory,
+            "retried_closures": sum(w["retried"] for w in stats["workers"]),
+        },
+        "loss": {
+            "initial": round(initial_loss, 4),
+            "at_checkpoint": round(loss_at_checkpoint, 4),
+            "before_kill": round(loss_before_kill, 4),
+            "after_recovery": round(loss_after_recovery, 4),
+            "end": round(loss_end, 4),
+            "progress_since_checkpoint_lost": round((loss_after_recovery - loss_before_kill) / progress, 3)
+            if progress > 0 else None,
+            "steps_after_recovery_to_within_1pct_of_loss_before_kill": regained,
+            "evaluations_between_checkpoint_and_kill": evaluation_curve(evaluations_between, args.steps_before),
+            "evaluations_after_recovery": evaluation_curve(evaluations_after, args.steps_before + args.steps_between),
+            "training_loss_per_pass": {
+                "before_checkpoint": curve(before, 0),
+                "between_checkpoint_and_kill": curve(between, args.steps_before),
+                "after_recovery": curve(after, args.steps_before + args.steps_between),
+            },
+        },
+        "optimizer_iterations": {"before_kill": iterations_before_kill, "end": int(optimizer.iterations.numpy()),
+                                 "on_ps": next((v["ps_index"] for v in placement["variables"]
+                                                if "iteration" in v.get("name", "")), None)},
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+
+
+# --------------------------------------------------------------- parent
+def _surviving_growth(per_ps: dict) -> float:
+    """RSS growth (MB) from a window's start to its peak, summed over the ps that were not lost."""
+    return round(sum(v["rss_mb_peak"] - v["rss_mb_before"] for name, v in per_ps.items()
+                     if name != f"ps:{LOST_PS}" and v["rss_mb_before"] is not None
+                     and v["rss_mb_peak"] is not None), 1)
+
+
+#: What the summary gives for each mode (median over the repeats): name -> figure of one run.
+FIGURES = {
+    "kill_to_serving_s": lambda r: r["recovery"]["kill_to_serving_s"],
+    "serving_to_first_closure_s": lambda r: r["recovery"]["serving_to_first_closure_s"],
+    "kill_to_first_closure_s": lambda r: r["recovery"]["kill_to_first_closure_s"],
+    "psclient_last_recovery_s": lambda r: r["recovery"]["psclient_last_recovery_s"],
+    "closures_rolled_back": lambda r: r["recovery"]["closures_rolled_back"],
+    "variables_restored": lambda r: r["recovery"]["variables_restored"],
+    "progress_since_checkpoint_lost": lambda r: r["loss"]["progress_since_checkpoint_lost"],
+    "loss_before_kill": lambda r: r["loss"]["before_kill"],
+    "loss_after_recovery": lambda r: r["loss"]["after_recovery"],
+    "steps_after_recovery_to_within_1pct_of_loss_before_kill":
+        lambda r: r["loss"]["steps_after_recovery_to_within_1pct_of_loss_before_kill"],
+    "save_checkpoint_s": lambda r: r["checkpoint"]["full"]["save_checkpoint_s"],
+    "first_checkpoint_s": lambda r: r["checkpoint"]["full"]["first_checkpoint_s"],
+    "checkpoint_mb": lambda r: r["checkpoint"]["full"]["bytes_mb"],
+    "ps_peak_rss_mb_during_save (largest ps)":
+        lambda r: max(v["rss_mb_peak"] for v in r["checkpoint"]["full"]["ps_memory_during_save"].values()),
+    "surviving_ps_rss_growth_mb_during_save (summed)":
+        lambda r: _surviving_growth(r["checkpoint"]["full"]["ps_memory_during_save"]),
+    "surviving_ps_rss_growth_mb_during_recovery (summed)":
+        lambda r: _surviving_growth(r["recovery"]["ps_memory_kill_to_first_closure"]),
+    f"restarted_ps{LOST_PS}_peak_rss_mb":
+        lambda r: r["recovery"]["ps_memory_kill_to_first_closure"][f"ps:{LOST_PS}"]["rss_mb_peak"],
+}
+#: The figures whose part/all ratio is reported.
+RATIOS = ("kill_to_first_closure_s", "serving_to_first_closure_s", "psclient_last_recovery_s",
+          "variables_restored", "progress_since_checkpoint_lost",
+          "steps_after_recovery_to_within_1pct_of_loss_before_kill")
+
+
+def summarize(runs: dict) -> tuple[dict, dict]:
+    """(mode -> figure -> median over its runs that ended, part/all ratios of those medians)."""
+    summary = {}
+    for mode, results in runs.items():
+        ok = [r for r in results if "error" not in r]
+        summary[mode] = {"runs": len(ok), "failed_runs": len(results) - len(ok)}
+        for name, figure in FIGURES.items():
+            values = [v for v in (figure(r) for r in ok) if v is not None]
+            summary[mode][name] = None if not values else round(_common.median(values), 3)
+    ratios = {}
+    part, every = summary.get("part", {}), summary.get("all", {})
+    for name in RATIOS:
+        a, b = part.get(name), every.get(name)
+        ratios[name] = None if a is None or not b else round(a / b, 3)
+    return summary, ratios
+
+
+def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
+    modes = args.modes.split(",")
+    config = {
+        **_common.environment(argv),
+        "model": f"Embedding({args.rows}, {DIM}) -> GlobalAveragePooling1D -> Dense(1, frozen); "
+                 f"SGD({LEARNING_RATE:g}), logistic loss",
+        "table_mb": round(args.rows * DIM * 4 / 2**20, 1),
+        "num_workers": NUM_WORKERS, "num_ps": NUM_PS, "lost_ps": LOST_PS,
+        "partitioner": "psclient default (\"auto\": one shard per ps)",
+        "data": f"{POOL} fixed examples of {IDS_PER_EXAMPLE} ids (uniform over the rows), random labels; "
+                f"batch {BATCH}, step i trains batch i mod {POOL // BATCH}; seed {SEED}",
+        "steps_before_checkpoint": args.steps_before, "steps_between_checkpoint_and_kill": args.steps_between,
+        "steps_after_recovery": args.steps_after, "evaluation_every_steps": EVAL_EVERY,
+        "quick": args.quick, "repeats": args.repeats, "order": [m for _ in range(args.repeats) for m in modes],
+        "scratch": args.scratch,
+        "strategy": "ParameterServerStrategy(checkpoint_dir=..., ps_recovery=mode), other options default",
+        "kill": f"SIGKILL ps {LOST_PS} after a join (no closure running), an evaluation scheduled at once, "
+                "then LocalCluster.restart (same address)",
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
+    runs: dict = {mode: [] for mode in modes}
+    env = _common.quiet_tf_env()
+    started = time.perf_counter()
+    with _common.stop_on_sigterm():
+        for repeat in range(args.repeats):
+            for mode in modes:  # interleaved: a change in the machine's load falls on both
+                child = [os.path.abspath(__file__), "--_child", mode, "--rows", str(args.rows),
+                         "--steps-before", str(args.steps_before), "--steps-between", str(args.steps_between),
+                         "--steps-after", str(args.steps_after), "--scratch", args.scratch,
+                         "--closure-timeout", str(args.closure_timeout)]
+                tag = f"{mode} (run {repeat + 1}/{args.repeats})"
+                _common.log(f"{tag}: starting (a LocalCluster of {NUM_WORKERS} workers, {NUM_PS} ps)")
+                try:
+                    result = _common.run_child(child, timeout=args.child_timeout, env=env)
+                except _common.ChildError as error:
+                    _common.log(f"{tag} FAILED: {error}")
+                    result = {"error": str(error)}
+                else:
+                    recovery = result["recovery"]
+                    _common.log(f"{tag}: kill -> serving {recovery['kill_to_serving_s']:.2f} s -> first closure "
+                                f"{recovery['serving_to_first_closure_s']:.2f} s later; progress lost "
+                                f"{result['loss']['progress_since_checkpoint_lost']}")
+                runs[mode].append(result)
+    config["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    config["wall_s"] = round(time.perf_counter() - started, 1)
+    summary, ratios = summarize(runs)
+    output = {"benchmark": "ps_recovery", "config": config, "summary": summary, "part/all": ratios,
+              "delta_checkpoints": DELTA_CHECKPOINTS, "runs": runs}
+    _common.print_json(output, also_to=args.output)
+    return 1 if any("error" in r for results in runs.values() for r in results) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"small size: {QUICK['rows']} rows and fewer steps (flags given still apply)")
+    parser.add_argument("--rows", type=int, help=f"table rows (default {DEFAULTS['rows']}: 538 MB)")
+    parser.add_argument("--steps-before", type=int, help="steps before the checkpoint")
+    parser.add_argument("--steps-between", type=int, help="steps between the checkpoint and the kill")
+    parser.add_argument("--steps-after", type=int, help="steps scheduled after the kill")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: part, all")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each mode, interleaved (medians reported)")
+    parser.add_argument("--scratch", default=tempfile.gettempdir(), help="where the checkpoints are written")
+    parser.add_argument("--closure-timeout", type=float, default=600.0, help="seconds a join or result may take")
+    parser.add_argument("--child-timeout", type=float, default=1500.0, help="seconds per mode before it is killed")
+    parser.add_argument("--output", help="also write the JSON to this file")
+    parser.add_argument("--_child", choices=MODES, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else DEFAULTS
+    for name, default in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be an integer >= 1. Received: {getattr(args, name)}.")
+    if args._child:
+        try:
+            child_main(args)  # Exits the process.
+        except BaseException:
+            traceback.print_exc()
+            _common.child_exit(None, status=1)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be an integer >= 1. Received: {args.repeats}.")
+    modes = args.modes.split(",")
+    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
+        parser.error(f"--modes must be a comma-separated subset of {','.join(MODES)}. Received: {args.modes!r}.")
+    try:
+        return parent_main(args, ["benchmarks/ps_recovery.py", *argv])
+    except KeyboardInterrupt:
+        _common.log("interrupted: every subprocess and its cluster were stopped")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
