@@ -10,8 +10,9 @@ through `import_state` (setup, not measured). Then, in turn, each path twice (th
   keras_file        model.save("m.keras")             needs psclient to load (DynamicEmbedding)
   checkpoint        strategy.save_checkpoint()         each ps writes its own part (training state too)
 
-Per path and call: seconds, the bytes written, and the coordinator's resident memory growth at its
-peak during the call (the kernel's exact peak, VmHWM, reset before the call; sampled every 10 ms with
+Per path and call: seconds, the bytes written, each ps task's peak resident memory and its growth
+during the call (VmHWM of the task process, reset before the call), and the coordinator's resident
+memory growth at its peak during the call (the kernel's exact peak, VmHWM, reset before the call; sampled every 10 ms with
 psutil where there is no /proc/self/clear_refs; memory freed before the call is first handed back to the
 OS with glibc's `malloc_trim`, else a second call reuses it unseen) over the bytes written.
 
@@ -85,6 +86,40 @@ class PeakRSS:
         return self.peak - self.before
 
 
+class TaskPeaks:
+    """Each task process's resident memory at its peak while the block runs (the kernel's VmHWM of
+    `/proc/<pid>`, reset through its clear_refs; Linux only, else None)."""
+
+    def __init__(self, pids: list[int]):
+        self.pids = pids
+        self.exact = all(os.path.exists(f"/proc/{pid}/clear_refs") for pid in pids)
+
+    @staticmethod
+    def _status_mb(pid: int, field: str) -> float:
+        with open(f"/proc/{pid}/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith(field + ":")) / 1024
+
+    def __enter__(self):
+        if self.exact:
+            for pid in self.pids:
+                try:
+                    with open(f"/proc/{pid}/clear_refs", "w") as clear_refs:
+                        clear_refs.write("5")
+                except PermissionError:  # not ours to reset (not root): no exact peak
+                    self.exact = False
+        self.before = [self._status_mb(pid, "VmRSS") for pid in self.pids] if self.exact else None
+        return self
+
+    def __exit__(self, *exc):
+        self.peak = [self._status_mb(pid, "VmHWM") for pid in self.pids] if self.exact else None
+
+    def report(self) -> dict:
+        if not self.exact:
+            return {"ps_peak_mb": None, "ps_rss_growth_mb": None}
+        return {"ps_peak_mb": [round(p, 1) for p in self.peak],
+                "ps_rss_growth_mb": [round(p - b, 1) for p, b in zip(self.peak, self.before)]}
+
+
 def release_freed_memory() -> None:
     """Hand the memory freed so far back to the OS (glibc's `malloc_trim`), so that a call's growth is
     measured from what the process really holds: memory freed by an earlier call and kept by the
@@ -141,6 +176,7 @@ def main(argv=None) -> None:
                                    "row_keys": keys, "rows": rng.standard_normal((len(keys), DIM)).astype("float32"),
                                    "slots": {}, "clock": 1, "admissions": len(keys), "evictions": 0}])
             del keys
+            ps_pids = [cluster.pid("ps", i) for i in range(2)]
             paths = {
                 "export": lambda out: model.export(out, verbose=False),
                 "saved_model_save": lambda out: tf.saved_model.save(model, out),
@@ -155,7 +191,7 @@ def main(argv=None) -> None:
                     release_freed_memory()
                     log(f"{name} #{call + 1}")
                     start = time.perf_counter()
-                    with PeakRSS() as rss:
+                    with PeakRSS() as rss, TaskPeaks(ps_pids) as ps_peaks:
                         written = write(out)
                     seconds = time.perf_counter() - start
                     if name == "checkpoint":  # a prefix or a directory: its files
@@ -166,7 +202,8 @@ def main(argv=None) -> None:
                         size = tree_bytes(out + ".keras" if name == "keras_file" else out)
                     calls.append({"seconds": round(seconds, 2), "bytes_mb": round(size / 2**20, 1),
                                   "coordinator_rss_growth_mb": round(rss.growth / 2**20, 1),
-                                  "rss_growth_over_bytes": round(rss.growth / max(size, 1), 3)})
+                                  "rss_growth_over_bytes": round(rss.growth / max(size, 1), 3),
+                                  **ps_peaks.report()})
                 result[name] = calls
             strategy.shutdown()
     finally:
