@@ -14,6 +14,14 @@ one. A ps that dies during a save leaves its part in a scratch directory
 that is removed, so the previous checkpoint stays the newest. The newest
 `keep` are kept.
 
+A save is two steps: `snapshot` in a cut (dispatch paused, nothing
+running: each ps holds the values of that moment, `checkpoint_snapshot`),
+then `write`. The strategy writes on this store's own thread
+(`write_in_background`, `checkpoint_writer`), one write at a time, while
+training goes on; `close()` joins it, and a restore waits for it. Every call
+on a ps waits at most `hang_timeout`: a hung ps fails the save
+(CheckpointWriteError) or the restore (PSUnavailableError), naming it.
+
 Each variable created in `strategy.scope()` is saved under a key made from its
 creation index (`v000012`), so the same training script, run again, finds its
 variables again in the same order; its name and shape are checked on restore.
@@ -194,7 +202,7 @@ class Checkpoints:
             if self.before_write is not None:
                 self.before_write(path)
             _snapshot.write_snapshot(path, pending.snapshot, pending.scalars, self._describe_ps, pending.meta,
-                                  timeout=self._hang_timeout, abandoned=lambda: self._closing)
+                                     timeout=self._hang_timeout, abandoned=lambda: self._closing)
             self._commit(number)
         seconds = time.monotonic() - started
         written = sum(tf.io.gfile.stat(f).length for f in tf.io.gfile.glob(path + ".*"))  # index and data files
@@ -206,10 +214,6 @@ class Checkpoints:
         """`write(pending)` on the writer thread, training going on; `on_done(pending, path, error)`
         hears the outcome there (`checkpoint_writer.BackgroundWriter`)."""
         self._writer.submit(pending, on_done)
-
-    def wait_written(self, timeout: float | None = None) -> bool:
-        """Until no background write is in flight (False after `timeout` seconds)."""
-        return self._writer.wait_idle(timeout)
 
     def close(self, timeout: float | None = None) -> bool:
         """Join the background write in flight (False if it still runs after `timeout`)."""
