@@ -2,7 +2,7 @@
 
 A checkpoint is taken in a cut (the `Checkpoint` operation: a snapshot), dispatch resumes at
 once, and its write ends later (`CheckpointWritten`). The integration (a real LocalCluster) is in
-tests/test_checkpoint_nonstop.py.
+tests/checkpoints/test_checkpoint_nonstop.py.
 """
 
 from psclient._core import recovery_messages as rm
