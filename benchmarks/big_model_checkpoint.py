@@ -17,13 +17,27 @@ saver then), the median of the next saves, the median of restores, and the
 coordinator's resident memory before and at its peak during them. Prints one
 JSON object; the ratios psclient/tf_pss are side by side per size.
 
+psclient also checkpoints while `model.fit` trains in another thread
+(`while_training`): per save, how long dispatch was paused (`stall_s`,
+stats()["checkpoints"]["last_stall_seconds"]), of which waiting for the
+closures running then to end (`drain_s`: they go on training) and the rest,
+when nothing runs (`idle_s`: the cut and the snapshot, `snapshot_s`); how
+long the background write took (`write_s`),
+how many closures completed during the save_checkpoint() call, and each
+ps's resident memory before the saves and at its peak during them, beside
+the bytes of the variables it holds (`ps_peak_over_variables`: peak RSS
+over variable bytes; `ps_growth_over_variables`: the growth during the
+saves over variable bytes).
+
     nice -n 10 python benchmarks/big_model_checkpoint.py               # 128 MB, 512 MB, 2 GB
     nice -n 10 python benchmarks/big_model_checkpoint.py --sizes-mb 128 --saves 2
+    nice -n 10 python benchmarks/big_model_checkpoint.py --sizes-mb 244,977 --paths psclient   # stall vs write
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -44,6 +58,8 @@ BATCH = 64
 #: Parameter bytes per row: the table's float32 row and its Adagrad accumulator's.
 ROW_BYTES = DIM * 4 * 2
 TARGET = "psclient save no slower than tf_pss at the largest size (ratio <= 1.0)"
+STALL_TARGET = "psclient stops training <= 0.2 s per checkpoint at every size (median idle_s)"
+PS_MEMORY_TARGET = "ps peak RSS during a save <= 2x its variables (growth during the saves <= 1x)"
 
 
 def build_model(keras_module, rows: int):
@@ -74,19 +90,24 @@ def partitioner():
 
 
 class PeakRss:
-    """This process's peak resident memory while the block runs (sampled every 5 ms)."""
+    """A process's peak resident memory while the block runs (sampled every 5 ms); this one by default."""
 
-    def __init__(self):
+    def __init__(self, pid: int | None = None):
         import psutil
 
-        self._process = psutil.Process()
+        self._process = psutil.Process(pid)
         self.before = self.peak = self._process.memory_info().rss
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
+        import psutil
+
         while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self._process.memory_info().rss)
+            try:
+                self.peak = max(self.peak, self._process.memory_info().rss)
+            except psutil.Error:  # the process ended: its peak so far stands
+                return
 
     def __enter__(self):
         self._thread.start()
@@ -120,20 +141,79 @@ def setup(path: str, cluster, rows: int, directory: str, saves: int):
 
         def restore():
             checkpoint.restore(saved[-1]).assert_existing_objects_matched()
-        return save, restore, strategy
+        return save, restore, strategy, model
 
     import keras
 
     import psclient
 
     # Every checkpoint kept, as tf.train.Checkpoint.save keeps them: neither path deletes files while timed
-    # (+1: the strategy checkpoints new variables before the first fit step).
+    # (+1: the strategy checkpoints new variables before the first fit step; then the saves while training).
     strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=directory, variable_partitioner=partitioner(),
-                                                checkpoints_to_keep=saves + 1)
+                                                checkpoints_to_keep=2 * saves + 1)
     with strategy.scope():
         model = build_model(keras, rows)
     model.fit(lambda ctx: make_dataset(rows), epochs=1, steps_per_epoch=2, verbose=0)
-    return strategy.save_checkpoint, strategy.restore, strategy
+    return strategy.save_checkpoint, strategy.restore, strategy, model
+
+
+def while_training(strategy, model, rows: int, saves: int, ps_pids: list[int]) -> dict:
+    """psclient's saves while `model.fit` trains in another thread (see the module docstring)."""
+    import keras
+
+    stop = threading.Event()
+
+    class StopWhenAsked(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if stop.is_set():
+                self.model.stop_training = True
+
+    failure = []
+
+    def train():
+        try:
+            model.fit(lambda ctx: make_dataset(rows), epochs=1, steps_per_epoch=10**7, verbose=0,
+                      callbacks=[StopWhenAsked()])
+        except Exception as error:  # noqa: BLE001 - reported in the results
+            failure.append(f"{type(error).__name__}: {error}")
+
+    def completed() -> int:
+        return strategy.stats(read_ps=False)["completed"]
+
+    trainer = threading.Thread(target=train, name="bench-fit")
+    start = completed()
+    trainer.start()
+    deadline = time.monotonic() + 300
+    while completed() < start + 20 and not failure and time.monotonic() < deadline:
+        time.sleep(0.05)  # a benchmark's warm-up: training runs before the first save
+    samples = []
+    with contextlib.ExitStack() as stack:
+        memory = [stack.enter_context(PeakRss(pid)) for pid in ps_pids]
+        for _ in range(saves):
+            before, t0 = completed(), time.perf_counter()
+            strategy.save_checkpoint()
+            call_s = time.perf_counter() - t0
+            stats = strategy.stats(read_ps=False)["checkpoints"]
+            samples.append({"stall_s": round(stats["last_stall_seconds"], 4),
+                            "drain_s": round(stats["last_drain_seconds"], 4),
+                            "idle_s": round(stats["last_stall_seconds"] - stats["last_drain_seconds"], 4),
+                            "snapshot_s": round(stats["last_snapshot_seconds"], 4),
+                            "write_s": round(stats["last_write_seconds"], 3), "save_call_s": round(call_s, 3),
+                            "closures_completed_during_save": completed() - before})
+    stop.set()
+    trainer.join(300)
+    variables = rows * ROW_BYTES / NUM_PS  # per ps: its shard of the table and of the accumulator
+    return {
+        "saves": samples,
+        "median_stall_s": _common.median([s["stall_s"] for s in samples]),
+        "median_idle_s": _common.median([s["idle_s"] for s in samples]),
+        "median_write_s": _common.median([s["write_s"] for s in samples]),
+        "ps": [{"variables_mb": round(variables / 2**20, 1), "rss_mb_before": round(m.before / 2**20, 1),
+                "rss_mb_peak": round(m.peak / 2**20, 1),
+                "ps_peak_over_variables": round(m.peak / variables, 2),
+                "ps_growth_over_variables": round((m.peak - m.before) / variables, 2)} for m in memory],
+        "training_error": failure[0] if failure else None,
+    }
 
 
 def child_main(args: argparse.Namespace) -> None:
@@ -144,15 +224,19 @@ def child_main(args: argparse.Namespace) -> None:
     directory = tempfile.mkdtemp(prefix=f"big-model-ckpt-{args._child}-", dir=args.scratch)
     try:
         t0 = time.perf_counter()
-        save, restore, strategy = setup(args._child, cluster, args.rows, directory, args.saves)
+        save, restore, strategy, model = setup(args._child, cluster, args.rows, directory, args.saves)
         setup_s = time.perf_counter() - t0
+        ps_pids = list(json.loads(args.ps_pids))
+        # First, while the ps tasks' memory is that of training alone (TF keeps what it freed).
+        during = while_training(strategy, model, args.rows, args.saves, ps_pids) if args._child == "psclient" else None
         saves, restores = [], []
         with PeakRss() as save_memory:
             for _ in range(args.saves):
                 t0 = time.perf_counter()
-                newest = save()
+                newest = save()  # psclient: returns once written (nothing trains meanwhile here)
                 saves.append(time.perf_counter() - t0)
-        with PeakRss() as restore_memory:
+        with PeakRss() as restore_memory, contextlib.ExitStack() as stack:
+            ps_memory = [stack.enter_context(PeakRss(pid)) for pid in ps_pids]
             for _ in range(args.restores):
                 t0 = time.perf_counter()
                 restore()
@@ -171,8 +255,13 @@ def child_main(args: argparse.Namespace) -> None:
             "coordinator_rss_mb_growth_during_restores":
                 round((restore_memory.peak - restore_memory.before) / 2**20, 1),
             "newest_checkpoint_mb": round(on_disk / 2**20, 1),
-            "ps_rss_mb": _common.task_usage(list(json.loads(args.ps_pids)))["rss_mib"],
+            "ps_rss_mb": _common.task_usage(ps_pids)["rss_mib"],
+            "ps_during_restores": [{"rss_mb_before": round(m.before / 2**20, 1), "rss_mb_peak": round(m.peak / 2**20, 1),
+                                    "growth_over_variables": round((m.peak - m.before) / (args.rows * ROW_BYTES / NUM_PS),
+                                                                   2)} for m in ps_memory],
         }
+        if during is not None:
+            result["while_training"] = during
         del strategy
     finally:
         shutil.rmtree(directory, ignore_errors=True)  # before child_exit: it ends the process at once
@@ -211,7 +300,7 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
         for size in sizes:
             rows = size * 2**20 // ROW_BYTES
             runs[str(size)] = {}
-            for path in PATHS:
+            for path in args.paths.split(","):
                 # A fresh cluster per run: the ps memory of one path does not carry into the other's.
                 with _common.local_cluster(NUM_WORKERS, NUM_PS, start_timeout=300) as (cluster, task_pids):
                     ps_pids = [pid for name, pid in task_pids.items() if name.startswith("ps:")]
@@ -229,12 +318,25 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
                         _common.log(f"{tag} save {result['median_save_s']:.2f} s (first {result['first_save_s']:.2f} s)"
                                     f", restore {result['median_restore_s']:.2f} s, coordinator +"
                                     f"{result['coordinator_rss_mb_growth_during_saves']:.0f} MB during saves")
+                        if "while_training" in result:
+                            during = result["while_training"]
+                            _common.log(f"{tag} while training: stall {during['median_stall_s']:.3f} s, "
+                                        f"write {during['median_write_s']:.2f} s")
                     runs[str(size)][path] = result
     output["config"]["wall_s"] = round(time.perf_counter() - started, 1)
     output["results"] = summarize(runs)
     largest = output["results"].get(str(max(sizes)), {})
     ratio = largest.get("psclient/tf_pss median_save_s")
     output["targets"] = {TARGET: None if ratio is None else ratio <= 1.0}
+    nonstop = [per.get("psclient", {}).get("while_training") for per in output["results"].values()]
+    nonstop = [n for n in nonstop if n]
+    output["stall_vs_write"] = {
+        size: {key: per["psclient"]["while_training"][key] for key in ("median_stall_s", "median_idle_s",
+                                                                       "median_write_s")}
+        for size, per in output["results"].items() if per.get("psclient", {}).get("while_training")}
+    output["targets"][STALL_TARGET] = all(n["median_idle_s"] <= 0.2 for n in nonstop) if nonstop else None
+    output["targets"][PS_MEMORY_TARGET] = all(p["ps_growth_over_variables"] <= 1.0 for n in nonstop
+                                              for p in n["ps"]) if nonstop else None
     _common.print_json(output)
     if args.save_results:
         os.makedirs(os.path.join(_HERE, "results"), exist_ok=True)
@@ -252,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes-mb", default="128,512,2048", help="parameter sizes in MiB, comma-separated")
     parser.add_argument("--saves", type=int, default=3, help="saves per run (the first is reported apart)")
     parser.add_argument("--restores", type=int, default=2, help="restores per run")
+    parser.add_argument("--paths", default=",".join(PATHS), help="which paths to run, comma-separated")
     parser.add_argument("--scratch", default=tempfile.gettempdir(), help="where the checkpoints are written")
     parser.add_argument("--child-timeout", type=float, default=900.0, help="seconds per run before it is killed")
     parser.add_argument("--save-results", action="store_true", help="also write benchmarks/results/...json")
@@ -266,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         except BaseException:
             traceback.print_exc()
             _common.child_exit(None, status=1)
+    if not args.paths or not set(args.paths.split(",")) <= set(PATHS):
+        parser.error(f"--paths must name some of {', '.join(PATHS)}. Received: {args.paths!r}.")
     if not all(s.strip().isdigit() and int(s) > 0 for s in args.sizes_mb.split(",")):
         parser.error(f"--sizes-mb must be comma-separated integers >= 1. Received: {args.sizes_mb!r}.")
     for name in ("saves", "restores"):

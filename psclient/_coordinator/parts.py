@@ -65,7 +65,7 @@ def assemble(cluster: Cluster, config: StrategyConfig, *, checkpoint_dir: str | 
     per_worker = PerWorkerRegistry()
     checkpoints = Checkpoints(
         checkpoint_dir, keep=config.checkpoints_to_keep, overwrite=config.overwrite_checkpoints,
-        describe_ps=functools.partial(roster.address, "ps"),
+        describe_ps=functools.partial(roster.address, "ps"), hang_timeout=hang_timeout,
     ) if checkpoint_dir is not None else None
     engine = Engine(
         roster, edge=edge, scheduler=scheduler,

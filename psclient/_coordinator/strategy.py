@@ -392,7 +392,7 @@ class ParameterServerStrategy(TFStrategyAPI):
                        for index, ps in enumerate(self._recovery.ps_stats)]
         stats["checkpoints_written"] = self._recovery.checkpoints_written
         if self._recovery.checkpoints is not None:
-            stats["checkpoint"] = dict(self._recovery.checkpoints.times)
+            stats.update(self._recovery.checkpoints.stats())  # "checkpoint" (times), "checkpoints" (its cost)
         stats["pipeline_depth"] = self._pipeline_depth
         stats["dispatcher_threads_alive"] = self._dispatcher.alive_threads
         stats["staleness"] = self._steps.summary()
@@ -406,9 +406,9 @@ class ParameterServerStrategy(TFStrategyAPI):
     def save_checkpoint(self) -> str:
         """Checkpoint every variable created in scope() now; return its path.
 
-        Waits for running functions to finish first (and holds the queue
-        meanwhile), so the checkpoint holds exactly the completed ones.
-        Requires `checkpoint_dir`.
+        Holds the queue only until running functions finished and each ps took
+        a snapshot, so the checkpoint holds exactly the completed ones; returns
+        once it is written, training going on meanwhile. Requires `checkpoint_dir`.
         """
         self._check_open("save_checkpoint")
         self._require_checkpoint_dir("save_checkpoint")

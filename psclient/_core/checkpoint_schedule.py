@@ -5,6 +5,12 @@
 written, and whether any checkpoint exists (to restore a lost ps from). The
 machine (`RecoveryMachine`, recovery_machine.py) asks `due` each round and
 reports each outcome; it decides whether the cluster is in a state to save.
+
+A checkpoint is taken in a cut (`started`), then written while training goes
+on (`written`): one write at a time, so nothing is due while one is in
+flight; the callers waiting on it get its path or its error. An error of a
+write nobody waited for (a periodic one) goes to the next caller, unless a
+later write succeeded first: it is never lost.
 """
 
 from __future__ import annotations
@@ -28,9 +34,22 @@ class CheckpointSchedule:
         self._saved_at = now
         self._saved_completed = 0
         self._requests: list[tuple[Any, str]] = []
+        # The requests the write in flight answers; None: no write in flight.
+        self._writing: list[tuple[Any, str]] | None = None
+        # The error of the last write, which nobody waited for (None after a write succeeded).
+        self._unobserved: BaseException | None = None
 
-    def request(self, ticket: Any, reason: str) -> None:
+    @property
+    def writing(self) -> bool:
+        return self._writing is not None
+
+    def request(self, ticket: Any, reason: str) -> list:
+        """Queue a request; or, after a write nobody waited for failed, answer it with that error."""
+        if self._unobserved is not None:
+            error, self._unobserved = self._unobserved, None
+            return [Finish(ticket, error=error)]
         self._requests.append((ticket, reason))
+        return []
 
     def due(self, now: float, completed: int, *, periodic: bool) -> str | None:
         """Why a checkpoint is due now (a request's reason, or "interval"), or None.
@@ -39,6 +58,8 @@ class CheckpointSchedule:
         broken), and after a first one was saved: nothing to save before the
         first requested one.
         """
+        if self._writing is not None:
+            return None  # one write at a time: the next is taken once it ended
         if self._requests:
             return self._requests[0][1]
         if not periodic or not self._saved_once:
@@ -49,25 +70,51 @@ class CheckpointSchedule:
             return "interval"
         return None
 
+    def started(self) -> list:
+        """The checkpoint was taken (a snapshot); its write goes on: its requests wait for it."""
+        self._writing, self._requests = self._requests, []
+        return []
+
+    def written(self, now: float, path: str | None, completed: int | None, error: BaseException | None) -> list:
+        """The write in flight ended: the requests it answers get `path` or `error`. An error
+        none of them waited for goes to the requests queued meanwhile, else to the next one."""
+        requests, self._writing = self._writing or [], None
+        if error is None:
+            self._unobserved = None
+            self._saved_at, self._saved_completed = now, completed
+            self._saved_once = self.has_checkpoint = True
+            return self._finish(requests, value=path)
+        self._saved_at = now
+        if not requests:
+            requests, self._requests = self._requests, []
+            if not requests:
+                self._unobserved = error
+        return self._finish(requests, error=error)
+
     def saved(self, now: float, path: str, completed: int) -> list:
         """A checkpoint was written: its requests are finished with its path."""
         self._saved_at = now
         self._saved_once = self.has_checkpoint = True
         self._saved_completed = completed
-        return self._finish(value=path)
+        return self._finish(self._take(), value=path)
 
     def failed(self, now: float, error: BaseException) -> list:
         """The checkpoint failed: its requests get the error."""
         self._saved_at = now
-        return self._finish(error=error)
+        return self._finish(self._take(), error=error)
 
     def skipped(self) -> list:
         """Running closures did not stop in time: the requests get None (nothing saved)."""
-        return self._finish(value=None)
+        return self._finish(self._take(), value=None)
 
     def closed(self) -> list:
-        return self._finish(error="closed")
+        requests, self._writing = (self._writing or []) + self._take(), None
+        return self._finish(requests, error="closed")
 
-    def _finish(self, **outcome: Any) -> list:
+    def _take(self) -> list:
         requests, self._requests = self._requests, []
+        return requests
+
+    @staticmethod
+    def _finish(requests: list, **outcome: Any) -> list:
         return [Finish(ticket, **outcome) for ticket, _ in requests]

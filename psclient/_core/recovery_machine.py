@@ -18,8 +18,8 @@ Flows, tried after each event in this order, one at a time:
    Retrace -> RebuildResources -> PsRecovered + ResumeDispatch, or
    FailAll(ps, permanent). Nothing else runs meanwhile.
 2. drop gone workers from TF's view: DropWorkers(UP workers).
-3. checkpoint (requested, or due by interval/count): PauseDispatch, wait for
-   running closures (hang_timeout, then skipped), Checkpoint, ResumeDispatch.
+3. checkpoint (requested, or due by interval/count; one write at a time): PauseDispatch, wait
+   for running closures (hang_timeout, then skipped), Checkpoint (a snapshot), ResumeDispatch.
 4. rejoin: RejoinWorker(UP workers + it) -> CheckAnswers -> RebuildWorker -> BringUp.
 
 A failed drop or checkpoint is tried again after a pause that doubles with
@@ -48,6 +48,7 @@ from psclient._core.recovery_messages import (
     CheckAnswers,
     Checkpoint,
     CheckpointRequested,
+    CheckpointWritten,
     Done,
     DropWorkers,
     FailAll,
@@ -245,8 +246,12 @@ class RecoveryMachine:
     def _on_checkpoint_requested(self, event: CheckpointRequested, now: float) -> list:
         if not self.config.checkpointing:
             return [Finish(event.ticket, value=None)]
-        self._checkpoints.request(event.ticket, event.reason)
-        return []
+        return self._checkpoints.request(event.ticket, event.reason)
+
+    @_on.register
+    def _on_checkpoint_written(self, event: CheckpointWritten, now: float) -> list:
+        self.backoff.succeeded("checkpoint") if event.error is None else self.backoff.failed("checkpoint", now)
+        return self._checkpoints.written(now, event.path, event.completed, event.error)
 
     @_on.register
     def _on_restored(self, event: Restored, now: float) -> list:
@@ -325,7 +330,10 @@ class RecoveryMachine:
 
     @_after.register(Checkpoint)
     def _after_checkpoint(self, op: Checkpoint, event: Done, now: float) -> list:
-        return self._checkpoint_done(event, now)
+        if event.ok:  # taken: its requests wait for its write (CheckpointWritten)
+            return [ResumeDispatch("checkpoint"), *self._checkpoints.started()]
+        self.backoff.failed("checkpoint", now)
+        return [ResumeDispatch("checkpoint"), *self._checkpoints.failed(now, event.error)]
 
     # -------------------------------------------------------------- flows
     def _advance(self, now: float) -> list:
@@ -479,16 +487,6 @@ class RecoveryMachine:
             self._ckpt_waiting_since = None
             return [ResumeDispatch("checkpoint"), *self._checkpoints.skipped()]
         return []
-
-    def _checkpoint_done(self, event: Done, now: float) -> list:
-        if event.ok:
-            path, completed = event.value
-            finish = self._checkpoints.saved(now, path, completed)
-            self.backoff.succeeded("checkpoint")
-        else:
-            finish = self._checkpoints.failed(now, event.error)
-            self.backoff.failed("checkpoint", now)
-        return [ResumeDispatch("checkpoint"), *finish]
 
     def _take_out(self, worker: int, state: TaskState, detected_after, now: float, why: str) -> list:
         self.workers[worker] = state

@@ -29,7 +29,8 @@ WorkerSeen(worker, tcp, probe_pending)    | a worker that is out: LOST / HUNG / 
 PsNotAnswering(ps) (dispatcher)           | PsFailed, PauseDispatch; without a checkpoint
                                           | FailAll(ps, permanent)
 PsSeen(ps, tcp)                           | "open": RECOVERING
-CheckpointRequested(ticket, reason)       | queued; Finish(ticket, ...) when done
+CheckpointRequested(ticket, reason)       | queued; Finish(ticket, ...) when written
+CheckpointWritten(path, completed, error) | the background write ended: Finish its requests
 Restored()                                | a checkpoint exists from now on
 Done(op, ok, value, error)                | the next step of the flow that started op
 WorkerAdded(worker, ticket)               | a rejoin candidate; Finish(ticket) once up
@@ -105,6 +106,14 @@ class PsSeen:
 class CheckpointRequested:
     ticket: Any
     reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointWritten:
+    """The background write of the checkpoint a `Checkpoint` took ended: `path`, or `error`."""
+    path: str | None
+    completed: int | None
+    error: BaseException | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +254,8 @@ class PsRecovered:
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """Operation: save every variable (dispatch is paused and idle). Done.value: path."""
+    """Operation: take a checkpoint's snapshot (dispatch is paused and idle) and start its
+    background write, which ends with `CheckpointWritten`. Done.value: completed closures."""
     reason: str
 
 

@@ -17,7 +17,7 @@ checkpoints (`CheckpointStore`).
 from __future__ import annotations
 
 import threading
-from typing import Any, ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Protocol
 
 from psclient._cluster.spec import Cluster
 
@@ -115,9 +115,15 @@ class CheckpointStore(Protocol):
     def check_writable(self) -> None:
         """Raise FileExistsError if the directory holds another run's checkpoints."""
 
-    def save(self, variables: dict[str, Any], completed: int | None, *, meta: dict | None = None,
-             tables: dict | None = None) -> str:
-        """Write one checkpoint of `variables` (and `tables`, with `meta` beside); return its path."""
+    def snapshot(self, variables: dict[str, Any], completed: int | None, *, meta: dict | None = None,
+                 tables: dict | None = None) -> Any:
+        """Take a checkpoint of `variables` (and `tables`, with `meta` beside) in a cut: each ps holds its snapshot."""
+
+    def write_in_background(self, pending: Any, on_done: Callable) -> None:
+        """Write a snapshot on the store's writer thread; `on_done(pending, path, error)` hears the outcome."""
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Join the write in flight."""
 
     def restore(self, variables: dict[str, Any], *, adopt: bool = False, tables: dict | None = None,
                 only_ps: frozenset | None = None) -> dict | None:

@@ -125,6 +125,7 @@ class Recovery:
                                   self._meta_restored, clock)
         self.ps_stats = self._restore.ps_stats
         self.checkpoints_written = 0
+        self._paused_at = clock()
         # Variables created when the newest checkpoint was taken (read by schedule()).
         self.saved_created = -1
         self._last_failure: tuple | None = None  # (step, error type, first line), for the log
@@ -175,6 +176,8 @@ class Recovery:
     def stop(self, timeout: float | None) -> bool:
         """Stop the thread; False if it is still inside a call after `timeout`."""
         self._stopping = True
+        if self.checkpoints is not None:
+            self.checkpoints.close(timeout)  # the write in flight ends first: its callers get its path
         self.report(rm.Shutdown())
         if self._thread.ident is not None:
             self._thread.join(timeout)
@@ -221,12 +224,15 @@ class Recovery:
                 event = None
             if event is not None:
                 self._handle(event)
+                # Sooner if the event asked for it (a checkpoint's pause waits for the next round's Tick).
+                next_round = min(next_round, self._clock() + self._machine.poll_interval())
                 continue
             next_round = self._clock() + self._machine.poll_interval()
             for observed in self._observe():
                 self._handle(observed)
                 if self._machine.closed:
                     return
+            next_round = min(next_round, self._clock() + self._machine.poll_interval())
 
     def _died(self) -> None:
         error = RuntimeError(
@@ -373,11 +379,14 @@ class Recovery:
             log.info("worker %d %s (%.2f s after it %s)", action.worker, joined, action.recovered_after, since)
         elif isinstance(action, rm.PauseDispatch):
             scheduler.pause()
+            self._paused_at = self._clock()
             if action.reason == "checkpoint" and scheduler.running() == 0:
                 # Nothing runs: the checkpoint need not wait up to a round for the next Tick.
                 self.report(rm.Tick(running=0, completed=scheduler.completed()))
         elif isinstance(action, rm.ResumeDispatch):
             scheduler.resume()
+            if action.reason == "checkpoint" and self.checkpoints is not None:  # how long training stopped
+                self.checkpoints.times["last_stall_seconds"] = self._clock() - self._paused_at
         elif isinstance(action, rm.RequeueRunning):
             scheduler.requeue_running()
         elif isinstance(action, rm.PsFailed):
@@ -416,19 +425,25 @@ class Recovery:
         raise TypeError(f"unknown recovery operation {action!r}")
 
     # ------------------------------------------------------------- steps
-    def _checkpoint(self, reason: str) -> tuple:
-        created = self._store.count()
-        variables = self._store.named()
-        completed = self._scheduler.completed()
+    def _checkpoint(self, reason: str) -> int:
+        """Take a checkpoint in the cut (a snapshot on each ps); its write goes on in the background."""
+        created, variables, completed = self._store.count(), self._store.named(), self._scheduler.completed()
+        self.checkpoints.times["last_drain_seconds"] = self._clock() - self._paused_at  # running ones ended
         # Taken between closures: the ledgers' positions on the ps match the variables saved.
         # The dynamic tables too: each ps writes its shards beside its variables.
-        meta = self._checkpoint_meta(variables)
-        path = self.checkpoints.save(variables, completed, meta=meta,
-                                     tables=self._store.tables())  # failures: _carry_out logs
-        self.saved_created = created
-        self.checkpoints_written += 1
-        log.info("checkpoint %s written (%s, %d closures completed)", path, reason, completed)
-        return path, completed
+        pending = self.checkpoints.snapshot(variables, completed, meta=self._checkpoint_meta(variables),
+                                            tables=self._store.tables())  # failures: _carry_out logs
+
+        def written(pending, path: str | None, error: BaseException | None) -> None:  # on the writer thread
+            if error is None:
+                self.saved_created = created
+                self.checkpoints_written += 1
+                log.info("checkpoint %s written (%s, %d closures completed)", path, reason, completed)
+            else:
+                log.warning("checkpoint (%s) could not be written: %s", reason, first_line(error))
+            self.report(rm.CheckpointWritten(path, completed, error))
+        self.checkpoints.write_in_background(pending, written)
+        return completed
 
     def _ps_recovered(self, action: rm.PsRecovered) -> None:
         self._restore.recovered(action, self.checkpoints.latest() if self.checkpoints else None)

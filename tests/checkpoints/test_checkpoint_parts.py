@@ -102,7 +102,7 @@ def test_a_ps_killed_in_the_middle_of_a_save_leaves_the_previous_checkpoint(heal
     cluster = heal
     directory = tmp_path / "ckpt"
     strategy = psclient.ParameterServerStrategy(
-        on_ps(cluster, 2), checkpoint_dir=str(directory), hang_timeout=5, ps_timeout=120)
+        on_ps(cluster, 2), checkpoint_dir=str(directory), hang_timeout=15, ps_timeout=120)
     try:
         with strategy.scope():
             with tf.device("/job:ps/task:0"):
@@ -113,7 +113,15 @@ def test_a_ps_killed_in_the_middle_of_a_save_leaves_the_previous_checkpoint(heal
         first.assign(2.0)
         second.assign(tf.fill([1000, 8], 2.0))
 
-        cluster.stop("ps", 1)  # its part cannot be written until it is killed below
+        # The snapshot is taken in the cut, then each ps writes its part: ps:1 is stopped
+        # once the write starts, so its part cannot be written until it is killed below.
+        stopped = []
+
+        def stop_ps1(path):
+            if not stopped:
+                stopped.append(path)
+                cluster.stop("ps", 1)
+        strategy._recovery.checkpoints.before_write = stop_ps1  # noqa: SLF001 - the test's hook
         outcome = {}
 
         def save():

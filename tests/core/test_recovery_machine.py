@@ -42,11 +42,16 @@ class Driver:
         assert op is not None, "no operation under way"
         return self(rm.Done(op, ok, value, error))
 
+    def saved(self, path, completed, error=None):
+        """The checkpoint op is done (its snapshot taken), then its background write ends."""
+        actions = self.done(value=completed)
+        return actions + self(rm.CheckpointWritten(path if error is None else None, completed, error))
+
     def finish_ops(self, first_actions):
         """Complete every operation successfully; return all actions seen."""
         seen = list(first_actions)
         while self.m.op is not None:
-            value = ("ckpt-1", 0) if isinstance(self.m.op, rm.Checkpoint) else None
+            value = 0 if isinstance(self.m.op, rm.Checkpoint) else None
             seen += self.done(True, value)
         return seen
 
@@ -340,8 +345,9 @@ def test_requested_checkpoint_pauses_waits_for_idle_saves_and_answers():
     assert d(rm.CheckpointRequested("t", "new variables")) == [rm.PauseDispatch("checkpoint")]
     assert d.tick(running=1) == []
     assert d.tick(running=0, completed=7) == [rm.Checkpoint("new variables")]
-    actions = d.done(value=("ckpt-1", 7))
-    assert actions == [rm.ResumeDispatch("checkpoint"), rm.Finish("t", value="ckpt-1")]
+    # Taken: dispatch resumes at once; the caller waits for the background write.
+    assert d.done(value=7) == [rm.ResumeDispatch("checkpoint")]
+    assert d(rm.CheckpointWritten("ckpt-1", 7)) == [rm.Finish("t", value="ckpt-1")]
 
 
 def test_checkpoints_come_by_count_and_by_interval_after_the_first():
@@ -349,11 +355,11 @@ def test_checkpoints_come_by_count_and_by_interval_after_the_first():
     assert d.tick(completed=500) == []  # none before the first (taken before scheduling)
     d(rm.CheckpointRequested("t", "new variables"))
     d.tick()
-    d.done(value=("ckpt-1", 10))
+    d.saved("ckpt-1", 10)
     assert d.tick(completed=59) == []
     assert d.tick(completed=60) == [rm.PauseDispatch("checkpoint")]
     assert d.tick(running=0, completed=60) == [rm.Checkpoint("interval")]
-    d.done(value=("ckpt-2", 60))
+    d.saved("ckpt-2", 60)
     assert d.tick(completed=61, at=99.0) == []
     assert d.tick(completed=61, at=100.0) == [rm.PauseDispatch("checkpoint")]
 
@@ -378,7 +384,7 @@ def test_a_checkpoint_that_keeps_failing_is_tried_with_a_growing_pause_never_in_
     d = Driver(checkpointing=True, checkpoint_every=10, interval=1.0)
     d(rm.CheckpointRequested("t", "new variables"))
     d.tick()
-    d.done(value=("ckpt-1", 0))
+    d.saved("ckpt-1", 0)
     tries = []
     while d.now < 120.0:  # the recovery thread's fastest rounds, for two minutes
         d.tick(completed=100, at=d.now + 0.02)
@@ -392,7 +398,7 @@ def test_a_checkpoint_that_keeps_failing_is_tried_with_a_growing_pause_never_in_
     # A success starts over: the next failure waits the shortest pause again.
     d.tick(completed=100, at=d.now + 31.0)
     d.tick(completed=100, at=d.now + 0.02)
-    d.done(value=("ckpt-2", 100))
+    d.saved("ckpt-2", 100)
     assert d.m.backoff.failures("checkpoint") == 0
     d.tick(completed=200, at=d.now + 0.02)
     d.tick(completed=200, at=d.now + 0.02)
@@ -433,7 +439,7 @@ def test_race_worker_dies_while_a_checkpoint_waits_for_idle():
     assert actions == [rm.DropWorkers(frozenset({0}))]
     assert d.done() == [rm.PauseDispatch("checkpoint")]
     assert d.tick(running=0) == [rm.Checkpoint("requested")]
-    assert d.done(value=("ckpt-1", 3))[-1] == rm.Finish("t", value="ckpt-1")
+    assert d.saved("ckpt-1", 3)[-1] == rm.Finish("t", value="ckpt-1")
 
 
 def test_checkpoint_while_hung_allowed_when_configured():
@@ -451,8 +457,9 @@ def test_no_rejoin_starts_while_a_checkpoint_waits():
     d(rm.CheckpointRequested("t", "requested"))
     assert d(rm.WorkerSeen(1, "open", False)) == []
     assert d.tick(running=0) == [rm.Checkpoint("requested")]
-    actions = d.done(value=("ckpt-1", 0))
-    assert kinds(actions) == ["ResumeDispatch", "Finish", "RejoinWorker"]
+    actions = d.done(value=0)  # taken: its write goes on while the rejoin starts
+    assert kinds(actions) == ["ResumeDispatch", "RejoinWorker"]
+    assert d(rm.CheckpointWritten("ckpt-1", 0)) == [rm.Finish("t", value="ckpt-1")]
 
 
 # ---------------------------------------------------------------- shutdown

@@ -14,6 +14,14 @@ one. A ps that dies during a save leaves its part in a scratch directory
 that is removed, so the previous checkpoint stays the newest. The newest
 `keep` are kept.
 
+A save is two steps: `snapshot` in a cut (dispatch paused, nothing
+running: each ps holds the values of that moment, `checkpoint_snapshot`),
+then `write`. The strategy writes on this store's own thread
+(`write_in_background`, `checkpoint_writer`), one write at a time, while
+training goes on; `close()` joins it, and a restore waits for it. Every call
+on a ps waits at most `hang_timeout`: a hung ps fails the save
+(CheckpointWriteError) or the restore (PSUnavailableError), naming it.
+
 Each variable created in `strategy.scope()` is saved under a key made from its
 creation index (`v000012`), so the same training script, run again, finds its
 variables again in the same order; its name and shape are checked on restore.
@@ -42,18 +50,22 @@ complete one.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable
 
 import tensorflow as tf
 
 from psclient._coordinator.checkpoints import checkpoint_parts as _parts
+from psclient._coordinator.checkpoints import checkpoint_snapshot as _snapshot
 from psclient._coordinator.checkpoints import table_checkpoint
 from psclient._coordinator.checkpoints.checkpoint_parts import CheckpointUnreadable
-from psclient._core.errors import first_line
+from psclient._coordinator.checkpoints.checkpoint_writer import BackgroundWriter, PendingSave
+from psclient._core.errors import PSUnavailableError, first_line
 from psclient._core.files import replaced_atomically
 from psclient._tf import checkpoints as _checkpoints
 
@@ -96,8 +108,17 @@ class Checkpoints:
     """
 
     def __init__(self, directory: str, *, keep: int, overwrite: bool = False,
-                 describe_ps: Callable[[int], str] = lambda ps: f"ps:{ps}", matched_by: str = _BY_CREATION):
+                 describe_ps: Callable[[int], str] = lambda ps: f"ps:{ps}", matched_by: str = _BY_CREATION,
+                 hang_timeout: float | None = None):
         self.directory = check_directory(directory)
+        # How long a save or restore waits on a ps (None: for good); see checkpoint_parts.on_each_ps.
+        self._hang_timeout = hang_timeout
+        self._writer = BackgroundWriter(self.write)
+        self._commit_lock = threading.Lock()
+        self._closing = False
+        #: Tests' hook into the write, the snapshot taken and dispatch resumed: called with
+        #: the checkpoint's path on the thread that writes it, before any ps writes.
+        self.before_write: Callable[[str], None] | None = None
         #: For stats() and metrics: seconds spent saving, and the newest checkpoint's seconds and bytes.
         self.times: dict = {"seconds_total": 0.0, "last_seconds": None, "last_bytes": None}
         self._matched_by = matched_by
@@ -149,23 +170,72 @@ class Checkpoints:
         `meta` (JSON-able) joins the checkpoint's layout (`psclient_layout`).
         `tables` (key -> DynamicTable): each ps saves its shards (`table_checkpoint`).
         Raises CheckpointWriteError naming the ps task that could not write its part.
+        `snapshot` then `write`, at once, on this thread.
         """
+        return self.write(self.snapshot(variables, completed, scalars, meta, tables))
+
+    def snapshot(self, variables: dict[str, Any], completed: int | None, scalars: dict | None = None,
+                 meta: dict | None = None, tables: dict | None = None) -> PendingSave:
+        """Take a checkpoint in a cut (nothing running): each ps holds a snapshot of its
+        variables and table shards, written later by `write` / `write_in_background`."""
         import numpy as np
 
         self.check_writable()  # another run's files: neither written beside nor pruned
-        number = self._next_number()
-        path = os.path.join(self.directory, f"ckpt-{number}")
         extra = {name: np.int64(value) for name, value in (scalars or {}).items()}
         if completed is not None:
             extra[_COMPLETED_KEY] = np.int64(completed)
-        started = time.monotonic()
-        _parts.save_parts(path, variables, extra, self._describe_ps, meta, tables)
-        self._commit(number)
+        snapshot = _snapshot.take_snapshot(variables, self._describe_ps, tables, timeout=self._hang_timeout)
+        self.times["last_snapshot_seconds"] = snapshot.seconds
+        return PendingSave(snapshot, completed, extra, meta)
+
+    def write(self, pending: PendingSave) -> str:
+        """Write the snapshot `pending` as the next `ckpt-N`, commit it (the state file last); its path.
+
+        Raises CheckpointWriteError naming a ps that could not write its part, or
+        did not within hang_timeout (the previous checkpoint stays the newest).
+        """
+        self.check_writable()
+        with self._commit_lock:  # one write names and commits at a time (a Keras callback may save too)
+            number = self._next_number()
+            pending.path = path = os.path.join(self.directory, f"ckpt-{number}")
+            started = time.monotonic()
+            if self.before_write is not None:
+                self.before_write(path)
+            _snapshot.write_snapshot(path, pending.snapshot, pending.scalars, self._describe_ps, pending.meta,
+                                     timeout=self._hang_timeout, abandoned=lambda: self._closing)
+            self._commit(number)
         seconds = time.monotonic() - started
         written = sum(tf.io.gfile.stat(f).length for f in tf.io.gfile.glob(path + ".*"))  # index and data files
-        self.times = {"seconds_total": self.times["seconds_total"] + seconds, "last_seconds": seconds,
-                      "last_bytes": written}
+        self.times.update(seconds_total=self.times["seconds_total"] + seconds, last_seconds=seconds,
+                          last_bytes=written)
         return path
+
+    def write_in_background(self, pending: PendingSave, on_done: Callable) -> None:
+        """`write(pending)` on the writer thread, training going on; `on_done(pending, path, error)`
+        hears the outcome there (`checkpoint_writer.BackgroundWriter`)."""
+        self._writer.submit(pending, on_done)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Join the background write in flight (False if it still runs after `timeout`)."""
+        done = self._writer.close(timeout)
+        if not done:
+            self._closing = True  # it merges nothing once its parts are written
+        return done
+
+    def stats(self) -> dict:
+        """For stats(): "checkpoint", the saves' times and bytes; "checkpoints", what the last
+        one cost: how long dispatch was paused (`last_stall_seconds`), of which waiting
+        for the closures running then to end (`last_drain_seconds`: they went on training)
+        and the snapshot (`last_snapshot_seconds`); its background write's seconds; errors."""
+        writer = self._writer
+        saves = {key: self.times[key] for key in ("seconds_total", "last_seconds", "last_bytes")}
+        return {"checkpoint": saves, "checkpoints": {
+            "last_stall_seconds": self.times.get("last_stall_seconds"),
+            "last_drain_seconds": self.times.get("last_drain_seconds"),
+            "last_snapshot_seconds": self.times.get("last_snapshot_seconds"),
+            "last_write_seconds": writer.last_write_seconds, "writing": writer.writing,
+            "background_writes": writer.writes, "write_errors": writer.write_errors,
+            "last_write_error": writer.last_error}}
 
     def restore(self, variables: dict[str, Any], *, adopt: bool = False, tables: dict | None = None,
                 only_ps: frozenset | None = None) -> dict | None:
@@ -188,6 +258,19 @@ class Checkpoints:
         CheckpointUnreadable naming each checkpoint tried, the ps task, the
         variables, the file and the error when none is complete.
         """
+        self._writer.wait_idle()  # a write in flight ends first (bounded: hang_timeout per ps call)
+        try:
+            return self._restore(variables, adopt, tables, only_ps)
+        except _parts.PsTimeout as error:
+            ps = error._psclient_ps
+            raise PSUnavailableError(
+                f"restore: ps:{ps} ({self._describe_ps(ps)}) did not answer within hang_timeout="
+                f"{self._hang_timeout:g} s (hung?); nothing more was read or assigned there. Variables "
+                "already assigned on other ps keep their restored values: restore again once it answers.",
+                task=f"ps:{ps}", address=self._describe_ps(ps)) from error
+
+    def _restore(self, variables: dict[str, Any], adopt: bool, tables: dict | None,
+                 only_ps: frozenset | None) -> dict | None:
         floor = 0 if adopt else (None if self.foreign is not None else self._first_own)
         candidates = [] if floor is None else sorted(
             (n for n in self._numbers() | self._state_numbers() if n >= floor), reverse=True)
@@ -204,8 +287,8 @@ class Checkpoints:
                 log.warning("checkpoint %s is not usable: %s", path, error)
                 skipped.append({"path": path, "error": str(error)})
                 continue
-            _parts.assign_on_ps(values)
-            table_checkpoint.assign(table_states, _parts.on_each_ps)
+            _parts.assign_on_ps(values, timeout=self._hang_timeout)
+            table_checkpoint.assign(table_states, functools.partial(_parts.on_each_ps, timeout=self._hang_timeout))
             if adopt:
                 self.foreign, self._first_own = None, 0
             if skipped:
@@ -313,7 +396,8 @@ class Checkpoints:
             if problems:
                 raise ValueError(f"The checkpoint {path} does not match the dynamic embedding tables: "
                                  f"{'; '.join(problems)}. Nothing was restored.")
-        values = _parts.read_on_ps(path, variables, dtypes, layout, self._describe_ps, only_ps)
+        values = _parts.read_on_ps(path, variables, dtypes, layout, self._describe_ps, only_ps,
+                                   timeout=self._hang_timeout)
         meta = {k: v for k, v in (layout or {}).items() if k not in ("format", "parts", "tables")}
         return values, completed, self._read_tables(path, tables, layout, only_ps), meta
 
@@ -325,7 +409,7 @@ class Checkpoints:
         if only_ps is not None:
             work = {ps: read for ps, read in work.items() if ps in only_ps}
         try:
-            return _parts.on_each_ps(work)
+            return _parts.on_each_ps(work, timeout=self._hang_timeout)
         except tf.errors.OpError as error:
             what = getattr(error, "_psclient_table", "a dynamic table")
             raise CheckpointUnreadable(

@@ -25,6 +25,13 @@ the values never pass through the coordinator.
 A ps also writes its shards of the dynamic embedding tables in its part, in
 the same SaveV2 call (`table_checkpoint`).
 
+A save is taken in two steps, a snapshot in a cut and a write while training
+goes on (`checkpoint_snapshot`); this module holds what both share and the
+restore. Every call on the ps tasks goes through `on_each_ps`, which waits at
+most `hang_timeout` for a ps (`PsTimeout` names it): a TF call cannot be
+cancelled, so the thread given up on goes on until its ps answers or dies,
+and nothing it wrote is ever merged.
+
 Parts are written in a scratch directory (`.psclient-save-*`, a dot-name no
 reader lists) and moved to their final names by the merge, after every part
 is complete: a part cut short by a ps that died is never under a checkpoint's
@@ -37,28 +44,27 @@ The ops behind `tf.train.Checkpoint` (`SaveV2`, `RestoreV2`,
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import secrets
+import threading
 from typing import Any, Callable
 
 import tensorflow as tf
 from tensorflow.core.protobuf import trackable_object_graph_pb2 as pb
 
 from psclient._coordinator import runtime as _runtime
-from psclient._coordinator.checkpoints import table_checkpoint
 from psclient._coordinator.variables.sharding import is_partitioned
 from psclient._tf import checkpoints as _checkpoints
 from psclient._tf import executors as _executors
 from psclient._core.errors import CheckpointUnreadable, PSClientError, first_line
 
-__all__ = ["CheckpointDirError", "CheckpointUnreadable", "CheckpointWriteError", "LAYOUT_KEY", "Slot",
-           "assign_on_ps", "probe_writable", "read_on_ps", "save_parts", "slots_of"]
+__all__ = ["CheckpointDirError", "CheckpointUnreadable", "CheckpointWriteError", "LAYOUT_KEY", "PsTimeout", "Slot",
+           "assign_on_ps", "late_threads", "on_each_ps", "probe_writable", "read_on_ps", "slots_of"]
 
 #: The checkpoint's own description: which task wrote which data file with which keys.
 LAYOUT_KEY = "psclient_layout"
-_VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
-_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 
 
 class CheckpointWriteError(PSClientError, OSError):
@@ -82,7 +88,7 @@ def slots_of(variables: dict[str, Any]) -> dict[int, list[Slot]]:
     """ps task -> what it holds of `variables` (key -> tf.Variable or partitioned variable)."""
     by_ps: dict[int, list[Slot]] = {}
     for key, variable in variables.items():
-        name = key + _VALUE
+        name = key + VALUE_SUFFIX
         full = variable.shape.as_list()
         if not is_partitioned(variable):
             by_ps.setdefault(_ps_of(variable), []).append(Slot(name, variable, _ps_of(variable), "", full))
@@ -106,13 +112,13 @@ def _ps_of(variable: Any) -> int:
     return LOCAL if ps is None else ps
 
 
-def _device(ps: int):
+def device_of(ps: int):
     import contextlib
 
     return contextlib.nullcontext() if ps == LOCAL else tf.device(_runtime.ps_device(ps))
 
 
-def _task(ps: int | None, describe_ps: Callable[[int], str]) -> str:
+def describe_task(ps: int | None, describe_ps: Callable[[int], str]) -> str:
     if ps is None:
         return "a ps task"
     return "the coordinator" if ps == LOCAL else f"ps:{ps} ({describe_ps(ps)})"
@@ -123,102 +129,74 @@ def part_prefix(scratch: str, index: int, count: int) -> str:
     return f"{scratch}/part-{index:05d}-of-{count:05d}"
 
 
-def on_each_ps(work: dict[int, Callable[[], Any]]) -> dict[int, Any]:
+class PsTimeout(Exception):
+    """A ps did not answer within the time given (`on_each_ps`); `_psclient_ps` names it."""
+
+
+#: The name of on_each_ps's threads: one still alive after its call returned waits on a ps given up on.
+THREAD_PREFIX = "psclient-ckpt-ps"
+
+
+def late_threads() -> list[threading.Thread]:
+    """on_each_ps's threads alive now. Between calls: those still waiting on a ps a call gave
+    up on (`timeout`): an eager TF call cannot be cancelled; each ends when its ps answers or dies."""
+    return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+
+
+def on_each_ps(work: dict[int, Callable[[], Any]], timeout: float | None = None,
+               on_late: Callable[[Any], None] | None = None) -> dict[int, Any]:
     """Run `work[ps]()` for every ps at once, each on a thread of its own with its own TF executor.
 
     Waits for all; raises the first error (by ps index) after every one ended.
+    `timeout`: waits that long at most; then raises PsTimeout naming the first
+    ps still running. That thread goes on until its ps answers (a TF call
+    cannot be cancelled); `on_late(future)` is told of each such call, whose
+    future ends when it does.
     """
-    def run(ps: int):
+    def run(ps: int, future: concurrent.futures.Future):
+        if not future.set_running_or_notify_cancel():
+            return
         executor = _executors.new_call_executor(streaming=False)
-        with _executors.executor_scope(executor):
-            try:
-                return work[ps]()
-            except tf.errors.OpError:
-                executor.clear_error()  # else it raises again when it is deleted
-                raise
+        try:
+            with _executors.executor_scope(executor):
+                try:
+                    future.set_result(work[ps]())
+                except tf.errors.OpError as error:
+                    executor.clear_error()  # else it raises again when it is deleted
+                    future.set_exception(error)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller through its future
+            if not future.done():
+                future.set_exception(error)
 
     if not work:
         return {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(work), thread_name_prefix="psclient-ckpt") as pool:
-        futures = {ps: pool.submit(run, ps) for ps in sorted(work)}
-        concurrent.futures.wait(futures.values())
+    futures: dict[int, concurrent.futures.Future] = {}
+    threads = {}
+    for ps in sorted(work):
+        futures[ps] = concurrent.futures.Future()
+        # Daemon: a thread left waiting on a hung ps must not keep the process from exiting.
+        threads[ps] = threading.Thread(target=run, args=(ps, futures[ps]), name=f"{THREAD_PREFIX}{ps}", daemon=True)
+        threads[ps].start()
+    _done, pending = concurrent.futures.wait(futures.values(), timeout=timeout)
+    if pending:
+        late = sorted(ps for ps, future in futures.items() if future in pending)
+        for ps in late:
+            if on_late is not None:
+                on_late(futures[ps])
+        error = PsTimeout(f"no answer within {timeout:g} s (the ps may hang)")
+        error._psclient_ps = late[0]
+        raise error
+    for thread in threads.values():
+        thread.join()
     for ps, future in futures.items():
         if future.exception() is not None:
             raise future.exception()
     return {ps: future.result() for ps, future in futures.items()}
 
 
-def save_parts(prefix: str, variables: dict[str, Any], scalars: dict[str, Any],
-               describe_ps: Callable[[int], str], meta: dict | None = None, tables: dict | None = None) -> None:
-    """Write `variables` as checkpoint `prefix`, each ps its own part; `scalars` (key -> numpy
-    scalar) in the coordinator's part, with the layout (`meta` added to it). Returns when
-    `prefix.index` names every part.
-
-    Raises CheckpointWriteError naming the ps task and its file if one could not write;
-    nothing is then under `prefix` (the scratch directory is removed). `tables`
-    (key -> DynamicTable): each ps writes its shards in its own part (`table_checkpoint`).
-    """
-    by_ps = slots_of(variables)
-    table_work = table_checkpoint.save_work(tables or {})
-    table_names = table_checkpoint.names_by_ps(tables or {})
-    tasks = sorted(set(by_ps) | set(table_work))
-    count = len(tasks) + 1
-    directory = os.path.dirname(prefix)
-    scratch = os.path.join(directory, f".psclient-save-{os.path.basename(prefix)}-{secrets.token_hex(8)}")
-    final_names = {ps: f"{os.path.basename(prefix)}.data-{i:05d}-of-{count:05d}" for i, ps in enumerate(tasks)}
-    layout = {"format": 2, **(meta or {}), "parts": [
-        {"task": f"ps:{ps}" if ps != LOCAL else "coordinator", "file": final_names[ps],
-         "keys": sorted({s.key for s in by_ps.get(ps, [])} | set(table_names.get(ps, [])))} for ps in tasks]}
-    if tables:
-        layout["tables"] = table_checkpoint.layout_of(tables)
-
-    def write(ps: int) -> Callable[[], None]:
-        slots = by_ps.get(ps, [])
-
-        def run():
-            with _device(ps):
-                try:
-                    values = [s.variable.read_value() for s in slots]  # read there: the resource is on this ps
-                    names, specs = [s.key for s in slots], [s.spec for s in slots]
-                    if ps in table_work:  # exported on this ps, written with its variables
-                        more, tensors = table_work[ps]()
-                        names, specs, values = names + more, specs + [""] * len(more), values + tensors
-                    _checkpoints.save(part_prefix(scratch, tasks.index(ps), count), names, specs, values)
-                except tf.errors.OpError as error:
-                    error._psclient_ps = ps
-                    raise
-        return run
-
-    tf.io.gfile.makedirs(scratch)
-    try:
-        try:
-            on_each_ps({ps: write(ps) for ps in tasks})
-        except tf.errors.OpError as error:
-            ps = getattr(error, "_psclient_ps", None)
-            where = _task(ps, describe_ps)
-            raise CheckpointWriteError(
-                f"{where} could not write its part of checkpoint {prefix} "
-                f"(in {scratch}, to become {final_names.get(ps, 'its data file')}): {first_line(error)}. "
-                "The checkpoint was not written; the previous one stays the newest. Every ps task "
-                "must be able to write to checkpoint_dir (a directory shared by every ps and the "
-                "coordinator)."
-            ) from error
-        names = [key + _VALUE for key in scalars] + [LAYOUT_KEY, _GRAPH_KEY]
-        with tf.device(_runtime.coordinator_cpu()):
-            values = [tf.constant(v) for v in scalars.values()]
-            values += [tf.constant(json.dumps(layout)), tf.constant(_object_graph(list(variables), list(scalars)))]
-            own = part_prefix(scratch, len(tasks), count)
-            _checkpoints.save(own, names, [""] * len(names), values)
-            # Renames each part's data file to `prefix.data-i-of-count`, then writes the merged index.
-            _checkpoints.merge([part_prefix(scratch, i, count) for i in range(count)], prefix)
-    finally:
-        if tf.io.gfile.exists(scratch):
-            tf.io.gfile.rmtree(scratch)  # a failed save's parts: never read
-
-
 def read_on_ps(path: str, variables: dict[str, Any], dtypes: dict[str, Any],
                layout: dict | None, describe_ps: Callable[[int], str],
-               only_ps: frozenset | None = None) -> dict[int, list]:
+               only_ps: frozenset | None = None, timeout: float | None = None) -> dict[int, list]:
     """Every slot's value read on its own ps (RestoreV2 there): ps -> [(slot, tensor on that ps)].
 
     `only_ps`: the slots those ps tasks hold, and no other (a part-only ps recovery).
@@ -236,7 +214,7 @@ def read_on_ps(path: str, variables: dict[str, Any], dtypes: dict[str, Any],
                                          [dtypes[s.key] for s in some])
 
         def run():
-            with _device(ps):
+            with device_of(ps):
                 try:
                     tensors = restore(slots)
                 except tf.errors.OpError as error:
@@ -246,7 +224,7 @@ def read_on_ps(path: str, variables: dict[str, Any], dtypes: dict[str, Any],
         return run
 
     try:
-        return on_each_ps({ps: read(ps) for ps in by_ps})
+        return on_each_ps({ps: read(ps) for ps in by_ps}, timeout=timeout)
     except tf.errors.OpError as error:
         ps = getattr(error, "_psclient_ps", None)
         slot = getattr(error, "_psclient_slot", None)
@@ -255,7 +233,7 @@ def read_on_ps(path: str, variables: dict[str, Any], dtypes: dict[str, Any],
                 else ", ".join(sorted({s.key.split("/")[0] for s in slots})))
         files = _files_of(path, layout, {s.key for s in slots})
         raise CheckpointUnreadable(
-            f"the value of {what} cannot be read by {_task(ps, describe_ps)} from {' or '.join(files)} "
+            f"the value of {what} cannot be read by {describe_task(ps, describe_ps)} from {' or '.join(files)} "
             f"(corrupt or truncated data file?): {first_line(error)}") from error
 
 
@@ -269,15 +247,16 @@ def _failing(slots: list, restore: Callable, errors) -> Any:
     return None
 
 
-def assign_on_ps(values: dict[int, list]) -> None:
-    """Assign each value read by `read_on_ps` to its variable, on its ps (all ps at once)."""
+def assign_on_ps(values: dict[int, list], timeout: float | None = None) -> None:
+    """Assign each value read by `read_on_ps` to its variable, on its ps (all ps at once).
+    Raises PsTimeout naming a ps still assigning after `timeout` seconds."""
     def assign(pairs: list) -> Callable[[], None]:
         def run():
             for slot, tensor in pairs:
                 slot.variable.assign(tensor, read_value=False)  # both on this ps
         return run
 
-    on_each_ps({ps: assign(pairs) for ps, pairs in values.items()})
+    on_each_ps({ps: assign(pairs) for ps, pairs in values.items()}, timeout=timeout)
 
 
 def _files_of(path: str, layout: dict | None, keys: set[str]) -> list[str]:
@@ -334,7 +313,7 @@ def probe_writable(directory: str, num_ps: int, describe_ps: Callable[[int], str
             pass  # a directory nobody can write: nothing was left there
 
 
-def _object_graph(keys: list[str], scalars: list[str]) -> bytes:
+def object_graph(keys: list[str], scalars: list[str]) -> bytes:
     """A `tf.train.Checkpoint(key=variable, ...)` object graph, so TF's own readers find each key."""
     graph = pb.TrackableObjectGraph()
     root = graph.nodes.add()
@@ -344,5 +323,5 @@ def _object_graph(keys: list[str], scalars: list[str]) -> bytes:
         node = graph.nodes.add()
         attribute = node.attributes.add()
         attribute.name, attribute.full_name = "VARIABLE_VALUE", name
-        attribute.checkpoint_key = name + _VALUE
+        attribute.checkpoint_key = name + VALUE_SUFFIX
     return graph.SerializeToString()
