@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -30,8 +31,9 @@ from psclient._engine.edge import CheckpointStore, Edge, PerWorkerValues, Roster
 from psclient._engine.probes import FailureProbes, Published
 from psclient._engine.ps_restore import PSStats, PsRestore
 from psclient._engine.reconnect import Reconnector, Refused
+from psclient._engine.recovery_endings import finish, unavailable_error
 from psclient._core import ps_access, recovery_messages as rm
-from psclient._core.errors import PSUnavailableError, StrategyClosedError, WorkerUnavailableError, first_line
+from psclient._core.errors import first_line
 from psclient._core.health import Prober
 from psclient._core.recovery_machine import MachineConfig, RecoveryMachine
 from psclient._core.scheduler import Scheduler
@@ -157,7 +159,7 @@ class Recovery:
         while not ticket.done():
             if self._stopping and not self._thread.is_alive():
                 # Posted after the thread's last look at its inbox: nobody will answer.
-                _finish(rm.Finish(ticket, error="closed"))
+                finish(rm.Finish(ticket, error="closed"))
                 break
             concurrent.futures.wait([ticket], timeout=1.0)
         return ticket.result()
@@ -243,7 +245,7 @@ class Recovery:
         self.broken = error
         for action in self._machine.handle(rm.Shutdown(), self._clock()):
             if isinstance(action, rm.Finish):
-                _finish(rm.Finish(action.ticket, error=error))
+                finish(rm.Finish(action.ticket, error=error))
         self._scheduler.fail_all(error)
 
     def _answer_leftover_requests(self) -> None:
@@ -253,7 +255,7 @@ class Recovery:
             except queue.Empty:
                 return
             if isinstance(event, rm.CheckpointRequested):
-                _finish(rm.Finish(event.ticket, error="closed"))
+                finish(rm.Finish(event.ticket, error="closed"))
 
     def _observe(self) -> list:
         now = self._clock()
@@ -364,65 +366,97 @@ class Recovery:
             log.warning("recovery step %s failed%s: %s: %s", *key[:1], again, *key[1:],
                         exc_info=log.isEnabledFor(logging.DEBUG))
 
+    # Each action and operation has a handler of its own, registered by type.
+    @functools.singledispatchmethod
     def _apply(self, action: Any) -> None:
-        scheduler = self._scheduler
-        if isinstance(action, rm.TakeOut):
-            log.warning("worker %d %s: taking it out and running its closures elsewhere",
-                        action.worker, action.why)
-            scheduler.worker_lost(action.worker, detected_after=action.detected_after)
-            # Its closures are queued again: calls still running there (a hung
-            # worker's) would hold their threads until it answers.
-            self._cancel_calls(action.worker)
-        elif isinstance(action, rm.BringUp):
-            scheduler.worker_up(action.worker, recovered_after=action.recovered_after)
-            joined, since = ("joined", "was added") if action.joined else ("rejoined", "answered again")
-            log.info("worker %d %s (%.2f s after it %s)", action.worker, joined, action.recovered_after, since)
-        elif isinstance(action, rm.PauseDispatch):
-            scheduler.pause()
-            self._paused_at = self._clock()
-            if action.reason == "checkpoint" and scheduler.running() == 0:
-                # Nothing runs: the checkpoint need not wait up to a round for the next Tick.
-                self.report(rm.Tick(running=0, completed=scheduler.completed()))
-        elif isinstance(action, rm.ResumeDispatch):
-            scheduler.resume()
-            if action.reason == "checkpoint" and self.checkpoints is not None:  # how long training stopped
-                self.checkpoints.times["last_stall_seconds"] = self._clock() - self._paused_at
-        elif isinstance(action, rm.RequeueRunning):
-            scheduler.requeue_running()
-        elif isinstance(action, rm.PsFailed):
-            self.ps_stats[action.ps].failures += 1
-            log.warning("ps task %d (%s) does not answer", action.ps, self._roster.cluster.address("ps", action.ps))
-        elif isinstance(action, rm.PsRecovered):
-            self._ps_recovered(action)
-        elif isinstance(action, rm.FailAll):
-            self._fail_all(action)
-        elif isinstance(action, rm.Finish):
-            _finish(action)
-        else:
-            raise TypeError(f"unknown recovery action {action!r}")
+        raise TypeError(f"unknown recovery action {action!r}")
 
+    @_apply.register
+    def _take_out(self, action: rm.TakeOut) -> None:
+        log.warning("worker %d %s: taking it out and running its closures elsewhere", action.worker, action.why)
+        self._scheduler.worker_lost(action.worker, detected_after=action.detected_after)
+        # Its closures are queued again: calls still running there (a hung
+        # worker's) would hold their threads until it answers.
+        self._cancel_calls(action.worker)
+
+    @_apply.register
+    def _bring_up(self, action: rm.BringUp) -> None:
+        self._scheduler.worker_up(action.worker, recovered_after=action.recovered_after)
+        joined, since = ("joined", "was added") if action.joined else ("rejoined", "answered again")
+        log.info("worker %d %s (%.2f s after it %s)", action.worker, joined, action.recovered_after, since)
+
+    @_apply.register
+    def _pause(self, action: rm.PauseDispatch) -> None:
+        self._scheduler.pause()
+        self._paused_at = self._clock()
+        if action.reason == "checkpoint" and self._scheduler.running() == 0:
+            # Nothing runs: the checkpoint need not wait up to a round for the next Tick.
+            self.report(rm.Tick(running=0, completed=self._scheduler.completed()))
+
+    @_apply.register
+    def _resume(self, action: rm.ResumeDispatch) -> None:
+        self._scheduler.resume()
+        if action.reason == "checkpoint" and self.checkpoints is not None:  # how long training stopped
+            self.checkpoints.times["last_stall_seconds"] = self._clock() - self._paused_at
+
+    @_apply.register
+    def _requeue_running(self, action: rm.RequeueRunning) -> None:
+        self._scheduler.requeue_running()
+
+    @_apply.register
+    def _ps_failed(self, action: rm.PsFailed) -> None:
+        self.ps_stats[action.ps].failures += 1
+        log.warning("ps task %d (%s) does not answer", action.ps, self._roster.cluster.address("ps", action.ps))
+
+    @_apply.register
+    def _ps_recovered(self, action: rm.PsRecovered) -> None:
+        self._restore.recovered(action, self.checkpoints.latest() if self.checkpoints else None)
+
+    @_apply.register
+    def _fail_all(self, action: rm.FailAll) -> None:
+        error = unavailable_error(action, self._roster.cluster, self.config.worker_timeout)
+        if action.permanent:
+            self.broken = error
+        self._scheduler.fail_all(error)
+
+    @_apply.register
+    def _answer(self, action: rm.Finish) -> None:
+        finish(action)
+
+    @functools.singledispatchmethod
     def _operate(self, action: Any) -> Any:
-        if isinstance(action, rm.Reconnect):
-            return self._reconnector.reconnect(action, self._scheduler.retired())
-        if isinstance(action, rm.CheckAnswers):
-            if not self.probes.answers(self._edge.worker_device(action.worker)):
-                log.info("worker %d accepts connections but does not answer yet; retrying", action.worker)
-                return False
-            return True
-        if isinstance(action, rm.RebuildWorker):
-            self._per_worker.rebuild(action.worker, resources_only=False)
-            return True
-        if isinstance(action, rm.RenewAndRestore):
-            return self._restore.renew_and_restore(action)  # the lost ps only, or every variable
-        if isinstance(action, rm.Retrace):
-            self._retrace()
-            return True
-        if isinstance(action, rm.RebuildResources):
-            self._per_worker.rebuild(None, resources_only=True)
-            return True
-        if isinstance(action, rm.Checkpoint):
-            return self._checkpoint(action.reason)
         raise TypeError(f"unknown recovery operation {action!r}")
+
+    @_operate.register
+    def _reconnect(self, action: rm.Reconnect) -> Any:
+        return self._reconnector.reconnect(action, self._scheduler.retired())
+
+    @_operate.register
+    def _check_answers(self, action: rm.CheckAnswers) -> bool:
+        if not self.probes.answers(self._edge.worker_device(action.worker)):
+            log.info("worker %d accepts connections but does not answer yet; retrying", action.worker)
+            return False
+        return True
+
+    @_operate.register(rm.RebuildWorker)
+    @_operate.register(rm.RebuildResources)
+    def _rebuild(self, action: Any) -> bool:
+        worker = action.worker if isinstance(action, rm.RebuildWorker) else None
+        self._per_worker.rebuild(worker, resources_only=worker is None)
+        return True
+
+    @_operate.register
+    def _renew_and_restore(self, action: rm.RenewAndRestore) -> Any:
+        return self._restore.renew_and_restore(action)  # the lost ps only, or every variable
+
+    @_operate.register
+    def _retrace_functions(self, action: rm.Retrace) -> bool:
+        self._retrace()
+        return True
+
+    @_operate.register
+    def _take_checkpoint(self, action: rm.Checkpoint) -> int:
+        return self._checkpoint(action.reason)
 
     # ------------------------------------------------------------- steps
     def _checkpoint(self, reason: str) -> int:
@@ -444,46 +478,6 @@ class Recovery:
             self.report(rm.CheckpointWritten(path, completed, error))
         self.checkpoints.write_in_background(pending, written)
         return completed
-
-    def _ps_recovered(self, action: rm.PsRecovered) -> None:
-        self._restore.recovered(action, self.checkpoints.latest() if self.checkpoints else None)
-
-    def _fail_all(self, action: rm.FailAll) -> None:
-        if action.kind == "workers":
-            error: BaseException = WorkerUnavailableError(
-                f"No worker has been available for {action.waited:.0f} s (worker_timeout="
-                f"{self.config.worker_timeout:g} s): every worker of the cluster is gone "
-                f"({', '.join(self._roster.cluster.workers)}). Pending scheduled functions "
-                "failed; restart the workers, then schedule again.",
-                task="worker", address=None,
-            )
-            if action.first:
-                log.error("every worker has been unavailable for %.0f s (worker_timeout=%g s): "
-                          "failing pending work", action.waited, self.config.worker_timeout)
-        else:
-            lost = action.lost
-            names = ", ".join(f"ps:{ps} at {self._roster.cluster.address('ps', ps)}" for ps in lost)
-            error = PSUnavailableError(
-                f"Parameter server task {names} was lost and its variables cannot be recovered: "
-                f"{action.why}. Pass checkpoint_dir= to ParameterServerStrategy to survive ps restarts.",
-                task=f"ps:{lost[0]}", address=self._roster.cluster.address("ps", lost[0]),
-            )
-            log.error("%s", error)
-        if action.permanent:
-            self.broken = error
-        self._scheduler.fail_all(error)
-
-
-def _finish(action: rm.Finish) -> None:
-    ticket = action.ticket
-    if ticket.done():
-        return
-    if action.error == "closed":
-        ticket.set_exception(StrategyClosedError("the strategy was shut down before the checkpoint"))
-    elif action.error is not None:
-        ticket.set_exception(action.error)
-    else:
-        ticket.set_result(action.value)
 
 
 def _ignore_meta(meta: dict | None, lost: frozenset | None = None) -> None:
