@@ -38,7 +38,7 @@ from psclient._core.closure import Closure
 from psclient._core.future import Future
 from psclient._core.scheduler import Scheduler
 from psclient._engine.assembly import Engine
-from psclient._engine.edge import Roster
+from psclient._engine.edge import Roster, StrategyParts
 from psclient._engine.recovery import RecoveryConfig
 
 # The fake edge's common part, and the empty variable store and per-worker values, are the tests'.
@@ -226,8 +226,8 @@ class Harness:
             recovery_config=RecoveryConfig(hang_timeout=config.hang_timeout,
                                            probe_timeout=min(10.0, config.hang_timeout),
                                            interval=min(1.0, config.hang_timeout / 4)),
-            pipeline_depth=config.pipeline_depth, connect_timeout=config.hang_timeout, prepare=self.sim.prepare,
-            store=EmptyStore(), per_worker=NoPerWorker(),
+            pipeline_depth=config.pipeline_depth, connect_timeout=config.hang_timeout,
+            parts=StrategyParts(self.sim.prepare, EmptyStore(), NoPerWorker()),
         )
         self.prober, self.recovery, self.dispatcher = self.engine.prober, self.engine.recovery, self.engine.dispatcher
         #: Closures submitted; per closure number, times its future resolved

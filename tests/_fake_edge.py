@@ -18,7 +18,7 @@ from typing import Any
 from psclient._cluster.spec import Cluster
 from psclient._core.closure import Closure
 from psclient._engine.assembly import Engine
-from psclient._engine.edge import Roster
+from psclient._engine.edge import Roster, StrategyParts
 from psclient._engine.recovery import RecoveryConfig
 
 
@@ -180,6 +180,6 @@ def fake_engine(edge: FakeEdge, scheduler, *, hang_timeout: float = 2.0, interva
         Roster(edge.cluster), edge=edge, scheduler=scheduler,
         recovery_config=RecoveryConfig(hang_timeout=hang_timeout, probe_timeout=min(10.0, hang_timeout),
                                        interval=interval),
-        pipeline_depth=pipeline_depth, connect_timeout=hang_timeout, prepare=edge.prepare,
-        store=EmptyStore(), per_worker=per_worker or NoPerWorker(),
+        pipeline_depth=pipeline_depth, connect_timeout=hang_timeout,
+        parts=StrategyParts(edge.prepare, EmptyStore(), per_worker or NoPerWorker()),
     )

@@ -31,7 +31,7 @@ from psclient._core.closure import Closure
 from psclient._core.scheduler import Scheduler
 from psclient._engine.assembly import Engine
 from psclient._engine.config import StrategyConfig
-from psclient._engine.edge import Roster
+from psclient._engine.edge import Roster, StrategyParts
 from psclient._engine.recovery import RecoveryConfig
 
 __all__ = ["Parts", "assemble"]
@@ -75,9 +75,9 @@ def assemble(cluster: Cluster, config: StrategyConfig, *, checkpoint_dir: str | 
             probe_timeout=min(10.0, hang_timeout), interval=min(1.0, hang_timeout / 4),
             ps_recovery=config.recovery_mode,
         ),
-        pipeline_depth=config.pipeline_depth, connect_timeout=config.connect_timeout, prepare=prepare,
-        store=store, per_worker=per_worker, checkpoints=checkpoints, retrace=QueuedRetrace(tracer, scheduler),
-        checkpoint_meta=checkpoint_meta, meta_restored=meta_restored,
+        pipeline_depth=config.pipeline_depth, connect_timeout=config.connect_timeout,
+        parts=StrategyParts(prepare, store, per_worker, checkpoints, retrace=QueuedRetrace(tracer, scheduler),
+                            checkpoint_meta=checkpoint_meta, meta_restored=meta_restored),
     )
     store.guard = engine.coordinator_access.run  # variables made on the coordinator, through a ps loss
     return Parts(edge, scheduler, steps, store, tracer, per_worker, checkpoints, engine)

@@ -25,10 +25,10 @@ from psclient._core.health import Prober
 from psclient._core.scheduler import Scheduler
 from psclient._engine.coordinator_access import CoordinatorAccess
 from psclient._engine.dispatch import Dispatcher
-from psclient._engine.edge import CheckpointStore, Edge, PerWorkerValues, Roster, VariableStore
+from psclient._engine.edge import Edge, Roster, StrategyParts
 from psclient._engine.elastic import Elastic
 from psclient._engine.probes import FailureProbes, Published
-from psclient._engine.recovery import Recovery, RecoveryConfig
+from psclient._engine.recovery import Recovery, RecoveryConfig, Wiring
 
 __all__ = ["Engine"]
 
@@ -45,17 +45,9 @@ class Engine:
         recovery_config: RecoveryConfig,
         pipeline_depth: int,
         connect_timeout: float,
-        prepare: Callable[[Closure, int], tuple],
-        store: VariableStore,
-        per_worker: PerWorkerValues,
-        checkpoints: CheckpointStore | None = None,
-        retrace: Callable[[], None] | None = None,
-        checkpoint_meta: Callable[[dict], dict | None] | None = None,
-        meta_restored: Callable[[dict | None], None] | None = None,
+        parts: StrategyParts,
         clock: Callable[[], float] = time.monotonic,
     ):
-        # `prepare(closure, worker)` -> (function, args, kwargs) for that worker;
-        # `store`, `per_worker`, `checkpoints`, `retrace`: see `Recovery`.
         num_workers = roster.cluster.num_workers
         hang_timeout = recovery_config.hang_timeout
         self.edge = edge
@@ -65,17 +57,15 @@ class Engine:
         #: What the recovery thread last decided (the view, the ps tasks lost), for readers on other threads.
         self.published = published = Published(num_workers)
         self.probes = FailureProbes(roster, self.prober, scheduler, published, recovery_config.probe_timeout,
-                                    edge, held=store.one_per_ps)
+                                    edge, held=parts.store.one_per_ps)
         inbox: queue.Queue = queue.Queue()  # what the dispatcher and callers report to the recovery thread
         self.dispatcher = Dispatcher(
-            scheduler, num_workers=num_workers, pipeline_depth=pipeline_depth, prepare=prepare,
-            probes=self.probes, report=inbox.put, release_timeout=hang_timeout, iterators=per_worker, edge=edge,
+            scheduler, num_workers=num_workers, pipeline_depth=pipeline_depth, prepare=parts.prepare,
+            probes=self.probes, report=inbox.put, release_timeout=hang_timeout, iterators=parts.per_worker, edge=edge,
         )
         self.recovery = Recovery(
-            recovery_config, roster=roster, scheduler=scheduler, prober=self.prober, probes=self.probes,
-            published=published, inbox=inbox, store=store, per_worker=per_worker, checkpoints=checkpoints,
-            retrace=retrace or _no_retrace, cancel_calls=self.dispatcher.cancel_calls, edge=edge, clock=clock,
-            checkpoint_meta=checkpoint_meta, meta_restored=meta_restored,
+            recovery_config, roster=roster, scheduler=scheduler, edge=edge, parts=parts,
+            wiring=Wiring(self.prober, self.probes, published, inbox, self.dispatcher.cancel_calls), clock=clock,
         )
         self.coordinator_access = CoordinatorAccess(self.recovery, edge, roster)
         self.elastic = Elastic(roster, scheduler=scheduler, dispatcher=self.dispatcher, recovery=self.recovery,
@@ -88,7 +78,3 @@ class Engine:
     def start_recovery(self) -> None:
         """The recovery thread: heartbeat probes, failures, rejoins, checkpoints."""
         self.recovery.start()
-
-
-def _no_retrace() -> None:
-    """Nothing is traced (a fake edge's closures): nothing to trace again."""

@@ -16,6 +16,7 @@ checkpoints (`CheckpointStore`).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any, Callable, ContextManager, Protocol
 
@@ -129,6 +130,26 @@ class CheckpointStore(Protocol):
                 only_ps: frozenset | None = None) -> dict | None:
         """Assign every variable (those on the `only_ps` tasks only, if given) its newest
         checkpointed value; None if there is no checkpoint."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyParts:
+    """What a strategy hands its engine besides the `Edge` (the protocols above say what is used of each).
+
+    `prepare(closure, worker)` -> (function, args, kwargs) for that worker; `store`: the variables;
+    `per_worker`: rebuilt on a worker that comes back; `checkpoints`: the checkpoint directory, or
+    None; `retrace()`: trace what is queued again (after variables got new resources);
+    `checkpoint_meta(variables)`: what joins each checkpoint's layout (the data ledgers);
+    `meta_restored(meta)`: told the meta of the checkpoint a lost ps was restored from.
+    """
+
+    prepare: Callable[[Any, int], tuple]
+    store: "VariableStore"
+    per_worker: "PerWorkerValues"
+    checkpoints: "CheckpointStore | None" = None
+    retrace: Callable[[], None] | None = None
+    checkpoint_meta: Callable[[dict], "dict | None"] | None = None
+    meta_restored: Callable[["dict | None"], None] | None = None
 
 
 class Roster:

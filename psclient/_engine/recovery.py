@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from psclient._engine.edge import CheckpointStore, Edge, PerWorkerValues, Roster, VariableStore
+from psclient._engine.edge import Edge, Roster, StrategyParts
 from psclient._engine.probes import FailureProbes, Published
 from psclient._engine.ps_restore import PSStats, PsRestore
 from psclient._engine.reconnect import Reconnector, Refused
@@ -62,6 +62,19 @@ class RecoveryConfig:
     ps_recovery: str = "all"
 
 
+@dataclasses.dataclass(frozen=True)
+class Wiring:
+    """The engine's pieces the recovery thread works with: the prober and the failure probes, what it
+    publishes for them (view, epochs), its inbox (where `report` and the dispatcher post), and the
+    dispatcher's `cancel_calls(worker)` for a worker taken out."""
+
+    prober: Prober
+    probes: FailureProbes
+    published: Published
+    inbox: queue.Queue
+    cancel_calls: Callable[[int], int]
+
+
 class Recovery:
     """The recovery thread and the state it keeps for `stats()`, checkpoints and restore."""
 
@@ -71,30 +84,14 @@ class Recovery:
         *,
         roster: Roster,
         scheduler: Scheduler,
-        prober: Prober,
-        probes: FailureProbes,
-        published: Published,
-        inbox: queue.Queue,
-        store: VariableStore,
-        per_worker: PerWorkerValues,
-        checkpoints: CheckpointStore | None,
-        retrace: Callable[[], None],
-        cancel_calls: Callable[[int], int],
         edge: Edge,
+        parts: StrategyParts,
+        wiring: Wiring,
         clock: Callable[[], float] = time.monotonic,
-        checkpoint_meta: Callable[[dict], dict | None] | None = None,
-        meta_restored: Callable[[dict | None], None] | None = None,
     ):
-        # `checkpoint_meta(variables)`: what joins each checkpoint's layout (the data ledgers);
-        # `meta_restored(meta)`: told the meta of the checkpoint a lost ps was restored from
-        # (the data ledgers roll back with the variables);
-        # `store`: the variables; `per_worker`: rebuilt on a worker that comes back;
-        # `checkpoints`: the checkpoint directory, or None (edge.py names what is used of each);
-        # `retrace()`: trace what is queued again (after variables got new resources);
-        # `cancel_calls(worker)`: the dispatcher's, for a worker taken out;
-        # `inbox`: where `report` posts (the dispatcher posts there too);
-        # `published`: what this thread publishes for `probes` (view, epochs);
-        # `edge`: what is asked of TensorFlow (`psclient._engine.edge.Edge`).
+        # `parts`: what the strategy hands its engine (edge.StrategyParts); `wiring`: the
+        # engine's other pieces this thread works with; `edge`: what is asked of TensorFlow.
+        store, checkpoints, prober = parts.store, parts.checkpoints, wiring.prober
         self._edge = edge
         self.config = config
         self._roster = roster
@@ -102,11 +99,11 @@ class Recovery:
         self._prober = prober
         self._reconnector = Reconnector(edge, roster, prober, probe_timeout=config.probe_timeout)
         self._store = store
-        self._per_worker = per_worker
-        self._retrace = retrace
-        self._cancel_calls = cancel_calls
-        self._checkpoint_meta = checkpoint_meta or _no_meta
-        self._meta_restored = meta_restored or _ignore_meta
+        self._per_worker = parts.per_worker
+        self._retrace = parts.retrace or _no_retrace
+        self._cancel_calls = wiring.cancel_calls
+        self._checkpoint_meta = parts.checkpoint_meta or _no_meta
+        self._meta_restored = parts.meta_restored or _ignore_meta
         self._clock = clock
         self.checkpoints = checkpoints
         cluster = roster.cluster
@@ -119,9 +116,9 @@ class Recovery:
             has_checkpoint=self.checkpoints is not None and self.checkpoints.latest() is not None,
             checkpoint_while_hung=config.checkpoint_while_hung, ps_recovery=config.ps_recovery,
         ), clock())
-        self._published = published
-        self.probes = probes
-        self._inbox = inbox
+        self._published = wiring.published
+        self.probes = wiring.probes
+        self._inbox = wiring.inbox
         self.broken: BaseException | None = None
         self._restore = PsRestore(store, checkpoints, cluster.num_ps, scheduler.completed,
                                   self._meta_restored, clock)
@@ -486,3 +483,7 @@ def _ignore_meta(meta: dict | None, lost: frozenset | None = None) -> None:
 
 def _no_meta(variables: dict) -> None:
     return None
+
+
+def _no_retrace() -> None:
+    """Nothing is traced (a fake edge's closures): nothing to trace again."""
