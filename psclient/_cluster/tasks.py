@@ -13,6 +13,7 @@ import time
 
 from psclient._cluster.spec import Cluster
 from psclient._core.errors import TaskUnreachableError
+from psclient._core.tcp_state import TcpState
 
 __all__ = ["ps_device", "ps_index_of", "tcp_reachable", "tcp_state", "wait_reachable", "worker_device"]
 
@@ -35,27 +36,27 @@ def ps_index_of(device: str | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def tcp_state(address: str, timeout: float) -> str:
+def tcp_state(address: str, timeout: float) -> TcpState:
     """What a TCP connect to `address` ("host:port") gets within `timeout`.
 
-    "open": something accepts connections. "closed": a definite no (refused,
-    unreachable): the process is gone. "silent": no answer at all, as from a
+    OPEN: something accepts connections. CLOSED: a definite no (refused,
+    unreachable): the process is gone. SILENT: no answer at all, as from a
     host cut off by the network; like a hung task, it may answer again.
     """
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout):
-            return "open"
+            return TcpState.OPEN
     except TimeoutError:  # socket.timeout: the connect got no answer in time
-        return "silent"
+        return TcpState.SILENT
     except OSError:
-        return "closed"
+        return TcpState.CLOSED
 
 
 def tcp_reachable(address: str, timeout: float) -> bool:
     """Whether something accepts TCP connections at `address` ("host:port")."""
-    return tcp_state(address, timeout) == "open"
+    return tcp_state(address, timeout) is TcpState.OPEN
 
 
 def wait_reachable(cluster: Cluster, timeout: float) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from psclient._core.errors import StrategyClosedError
 from psclient._core.recovery_messages import Finish
 
 __all__ = ["CheckpointSchedule"]
@@ -109,7 +110,7 @@ class CheckpointSchedule:
 
     def closed(self) -> list:
         requests, self._writing = (self._writing or []) + self._take(), None
-        return self._finish(requests, error="closed")
+        return self._finish(requests, error=shut_down_error())
 
     def _take(self) -> list:
         requests, self._requests = self._requests, []
@@ -118,3 +119,8 @@ class CheckpointSchedule:
     @staticmethod
     def _finish(requests: list, **outcome: Any) -> list:
         return [Finish(ticket, **outcome) for ticket, _ in requests]
+
+
+def shut_down_error() -> StrategyClosedError:
+    """What a checkpoint request gets when the strategy shuts down before it is written."""
+    return StrategyClosedError("the strategy was shut down before the checkpoint")

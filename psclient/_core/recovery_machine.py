@@ -41,7 +41,7 @@ import dataclasses
 import functools
 from typing import Any
 
-from psclient._core.checkpoint_schedule import CheckpointSchedule
+from psclient._core.checkpoint_schedule import CheckpointSchedule, shut_down_error
 from psclient._core.joining import Joins
 from psclient._core.ps_loss import GiveUp, PsLoss
 from psclient._core.recovery_messages import (
@@ -78,6 +78,7 @@ from psclient._core.recovery_messages import (
     WorkerSeen,
 )
 from psclient._core.retry import Backoff
+from psclient._core.tcp_state import TcpState
 
 __all__ = ["MachineConfig", "RecoveryMachine"]
 
@@ -163,7 +164,7 @@ class RecoveryMachine:
         """Apply one event; return the actions to carry out, in order."""
         if self.closed:
             if isinstance(event, CheckpointRequested):
-                return [Finish(event.ticket, error="closed")]
+                return [Finish(event.ticket, error=shut_down_error())]
             return []
         actions = self._on(event, now)
         if not self.closed:
@@ -206,10 +207,10 @@ class RecoveryMachine:
         worker = event.worker
         if self.workers[worker] in (TaskState.UP, TaskState.REJOINING, TaskState.RETIRED):
             return []
-        if event.tcp == "closed":
+        if event.tcp == TcpState.CLOSED:
             self.workers[worker] = TaskState.LOST
             self._back_since.pop(worker, None)
-        elif event.probe_pending or event.tcp == "silent":
+        elif event.probe_pending or event.tcp == TcpState.SILENT:
             self.workers[worker] = TaskState.HUNG
             self._back_since.pop(worker, None)
         else:
@@ -238,7 +239,7 @@ class RecoveryMachine:
 
     @_on.register
     def _on_ps_seen(self, event: PsSeen, now: float) -> list:
-        if self.ps[event.ps] is TaskState.LOST and event.tcp == "open":
+        if self.ps[event.ps] is TaskState.LOST and event.tcp == TcpState.OPEN:
             self.ps[event.ps] = TaskState.RECOVERING
         return []
 
@@ -307,7 +308,7 @@ class RecoveryMachine:
             # Named workers that did not answer: out of rotation, decided next round.
             for worker, tcp in (event.value or {}).items():
                 if self.workers[worker] is TaskState.UP:
-                    state = TaskState.LOST if tcp == "closed" else TaskState.SUSPECT
+                    state = TaskState.LOST if tcp == TcpState.CLOSED else TaskState.SUSPECT
                     actions += self._take_out(worker, state, None, now, "not answering before a reconnect")
         return actions
 

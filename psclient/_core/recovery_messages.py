@@ -28,7 +28,7 @@ WorkerSeen(worker, tcp, probe_pending)    | a worker that is out: LOST / HUNG / 
                                           | again (a rejoin candidate)
 PsNotAnswering(ps) (dispatcher)           | PsFailed, PauseDispatch; without a checkpoint
                                           | FailAll(ps, permanent)
-PsSeen(ps, tcp)                           | "open": RECOVERING
+PsSeen(ps, tcp)                           | OPEN: RECOVERING
 CheckpointRequested(ticket, reason)       | queued; Finish(ticket, ...) when written
 CheckpointWritten(path, completed, error) | the background write ended: Finish its requests
 Restored()                                | a checkpoint exists from now on
@@ -45,6 +45,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 from typing import Any
+
+from psclient._core.tcp_state import TcpState
+
 
 class TaskState(enum.Enum):
     #: Takes work (worker) / serves its variables (ps).
@@ -86,7 +89,7 @@ class WorkerNotAnswering:
 @dataclasses.dataclass(frozen=True)
 class WorkerSeen:
     worker: int
-    tcp: str  # "open", "closed" (refused: gone) or "silent" (no answer at all)
+    tcp: TcpState  # OPEN, CLOSED (refused: gone) or SILENT (no answer at all)
     probe_pending: bool
 
 

@@ -21,6 +21,7 @@ import threading
 from typing import Any, Callable, ContextManager, Protocol
 
 from psclient._cluster.spec import Cluster
+from psclient._core.tcp_state import TcpState
 
 __all__ = ["CheckpointStore", "Edge", "PerWorkerValues", "Roster", "VariableStore"]
 
@@ -34,9 +35,9 @@ class Edge(Protocol):
     def ps_device(self, index: int) -> str:
         """The device name of ps task `index`'s CPU."""
 
-    def tcp_state(self, address: str, timeout: float) -> str:
-        """What a TCP connect to "host:port" gets within `timeout`: "open", "closed" (refused:
-        the process is gone) or "silent" (no answer at all)."""
+    def tcp_state(self, address: str, timeout: float) -> TcpState:
+        """What a TCP connect to "host:port" gets within `timeout`: `TcpState.OPEN`, CLOSED
+        (refused: the process is gone) or SILENT (no answer at all)."""
 
     def tcp_reachable(self, address: str, timeout: float) -> bool:
         """Whether something accepts TCP connections at `address`."""

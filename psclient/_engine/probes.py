@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from psclient._core.tcp_state import TcpState
 from psclient._engine.edge import Edge, Roster
 from psclient._core.health import Prober
 from psclient._core.scheduler import Scheduler
@@ -126,7 +127,7 @@ class FailureProbes:
         if self.answers(self._edge.worker_device(worker)):
             return True
         return any(
-            w != worker and self._edge.tcp_state(self._roster.cluster.address("worker", w), 1.0) == "closed"
+            w != worker and self._edge.tcp_state(self._roster.cluster.address("worker", w), 1.0) == TcpState.CLOSED
             for w in self._published.view
         )
 

@@ -17,6 +17,7 @@ import time
 from psclient._core.errors import first_line
 from psclient._core.health import Prober
 from psclient._core.recovery_messages import DropWorkers, Reconnect
+from psclient._core.tcp_state import TcpState
 from psclient._engine.edge import Edge, Roster
 
 __all__ = ["Reconnector", "Refused"]
@@ -47,7 +48,7 @@ class Reconnector:
         `update_server_def` waits for good on a task that does not. So must
         each leaving one it drops (retired), unless its port refuses (gone)."""
         leaving = [w for w in action.leaving
-                   if self._edge.tcp_state(self._roster.cluster.address("worker", w), 1.0) != "closed"]
+                   if self._edge.tcp_state(self._roster.cluster.address("worker", w), 1.0) != TcpState.CLOSED]
         probes = {
             worker: self._prober.start(self._edge.worker_device(worker))
             for worker in [*action.workers, *leaving] if worker != action.returning
@@ -59,7 +60,7 @@ class Reconnector:
             # can come from the stale view this reconnect replaces.
             answered = probe.done.wait(max(0.0, deadline - time.monotonic()))
             state = self._edge.tcp_state(self._roster.cluster.address("worker", worker), 1.0)
-            if not (answered and (probe.ok or state == "open")):
+            if not (answered and (probe.ok or state == TcpState.OPEN)):
                 refused[worker] = state
         if refused:
             return Refused(refused)
@@ -75,7 +76,7 @@ class Reconnector:
             log.info("reconnect: a task was not reachable yet (%s); trying again", first_line(error))
             return Refused({
                 worker: state for worker in action.workers
-                if (state := self._edge.tcp_state(self._roster.cluster.address("worker", worker), 1.0)) == "closed"
+                if (state := self._edge.tcp_state(self._roster.cluster.address("worker", worker), 1.0)) == TcpState.CLOSED
             })
         gone = sorted(set(range(self._roster.cluster.num_workers)) - set(action.workers) - retired)
         if isinstance(action, DropWorkers) and gone:  # (a removed worker is no longer expected back)

@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from psclient._core.tcp_state import TcpState
 from psclient._engine.edge import Edge, Roster, StrategyParts
 from psclient._engine.probes import FailureProbes, Published
 from psclient._engine.ps_restore import PSStats, PsRestore
@@ -34,6 +35,7 @@ from psclient._engine.reconnect import Reconnector, Refused
 from psclient._engine.recovery_endings import finish, unavailable_error
 from psclient._core import ps_access, recovery_messages as rm
 from psclient._core.errors import first_line
+from psclient._core.checkpoint_schedule import shut_down_error
 from psclient._core.health import Prober
 from psclient._core.recovery_machine import MachineConfig, RecoveryMachine
 from psclient._core.scheduler import Scheduler
@@ -156,7 +158,7 @@ class Recovery:
         while not ticket.done():
             if self._stopping and not self._thread.is_alive():
                 # Posted after the thread's last look at its inbox: nobody will answer.
-                finish(rm.Finish(ticket, error="closed"))
+                finish(rm.Finish(ticket, error=shut_down_error()))
                 break
             concurrent.futures.wait([ticket], timeout=1.0)
         return ticket.result()
@@ -195,7 +197,7 @@ class Recovery:
         """Workers in TF's view that may hang (TCP not refused): no reconnect while any."""
         return [
             w for w in self._machine.blocking()
-            if self._edge.tcp_state(self._roster.cluster.address("worker", w), 1.0) != "closed"
+            if self._edge.tcp_state(self._roster.cluster.address("worker", w), 1.0) != TcpState.CLOSED
         ]
 
     # ------------------------------------------------------------ the thread
@@ -252,7 +254,7 @@ class Recovery:
             except queue.Empty:
                 return
             if isinstance(event, rm.CheckpointRequested):
-                finish(rm.Finish(event.ticket, error="closed"))
+                finish(rm.Finish(event.ticket, error=shut_down_error()))
 
     def _observe(self) -> list:
         now = self._clock()
@@ -267,7 +269,7 @@ class Recovery:
                 waited = self._prober.overdue(device, now)
                 if waited is None:
                     if self._prober.last_failed(device) and self._edge.tcp_state(
-                            self._roster.cluster.address("worker", worker), 1.0) == "closed":
+                            self._roster.cluster.address("worker", worker), 1.0) == TcpState.CLOSED:
                         # Its heartbeat failed and its port refuses: the process is
                         # gone. Without this, a worker that dies with no closure
                         # running stays "up" until a closure is sent to it.

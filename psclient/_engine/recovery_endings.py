@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from psclient._core import recovery_messages as rm
-from psclient._core.errors import PSUnavailableError, StrategyClosedError, WorkerUnavailableError
+from psclient._core.errors import PSUnavailableError, WorkerUnavailableError
 
 __all__ = ["finish", "unavailable_error"]
 
@@ -43,9 +43,7 @@ def finish(action: rm.Finish) -> None:
     ticket = action.ticket
     if ticket.done():
         return
-    if action.error == "closed":
-        ticket.set_exception(StrategyClosedError("the strategy was shut down before the checkpoint"))
-    elif action.error is not None:
+    if action.error is not None:
         ticket.set_exception(action.error)
     else:
         ticket.set_result(action.value)

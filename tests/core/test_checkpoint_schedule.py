@@ -1,6 +1,7 @@
 """When the recovery machine checkpoints (`psclient._core.checkpoint_schedule`): pure, a fake clock."""
 
 from psclient._core.checkpoint_schedule import CheckpointSchedule
+from psclient._core.errors import StrategyClosedError
 from psclient._core.recovery_messages import Finish
 
 
@@ -32,5 +33,6 @@ def test_failed_skipped_and_closed_finish_every_waiting_request():
     schedule.request("c", "requested")
     assert schedule.skipped() == [Finish("c", value=None)]
     schedule.request("d", "requested")
-    assert schedule.closed() == [Finish("d", error="closed")]
+    [closed] = schedule.closed()
+    assert closed.ticket == "d" and isinstance(closed.error, StrategyClosedError)
     assert schedule.closed() == []
