@@ -16,6 +16,7 @@ Keras and scans psclient's source for a private Keras name that is not listed.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import re
 import warnings
@@ -51,9 +52,24 @@ _BASE_OPTIMIZER = "keras.src.optimizers.base_optimizer.BaseOptimizer"
 _ADAGRAD = "keras.src.optimizers.adagrad.Adagrad"
 _ADAFACTOR = "keras.src.optimizers.adafactor.Adafactor"
 _BATCH_NORM = "keras.src.layers.normalization.batch_normalization.BatchNormalization"
+
+
+def _export_archive() -> tuple[str, str]:
+    """Keras's SavedModel export archive: (module, class). Keras 3.14 moved it into a module of its
+    own (`saved_model_export_archive.SavedModelExportArchive`); 3.10-3.13 keep it in `saved_model`
+    (`ExportArchive`), with the same `write_out` and `_list_variables_used_by_fns`."""
+    try:
+        moved = importlib.util.find_spec("keras.src.export.saved_model_export_archive") is not None
+    except ModuleNotFoundError:  # no Keras at all: the names are never resolved
+        moved = True
+    if moved:
+        return "keras.src.export.saved_model_export_archive", "SavedModelExportArchive"
+    return "keras.src.export.saved_model", "ExportArchive"
+
+
 #: Patched for exports (psclient._keras.serving).
-EXPORT_ARCHIVE_MODULE = "keras.src.export.saved_model_export_archive"
-EXPORT_WRITE_OUT = f"{EXPORT_ARCHIVE_MODULE}.SavedModelExportArchive.write_out"
+EXPORT_ARCHIVE_MODULE, _EXPORT_ARCHIVE_CLASS = _export_archive()
+EXPORT_WRITE_OUT = f"{EXPORT_ARCHIVE_MODULE}.{_EXPORT_ARCHIVE_CLASS}.write_out"
 TF_LAYER_CHILDREN = "keras.src.backend.tensorflow.layer.TFLayer._trackable_children"
 
 
