@@ -37,8 +37,9 @@ __all__ = [
 
 #: The Keras versions psclient is tested with; pyproject.toml requires the same
 #: range. Tested here with Keras 3.15.1, and with 3.10.0 (`pip install
-#: --no-deps --target`): tests/keras/test_keras_seam.py, test_keras_fit.py and
-#: test_keras_callbacks.py pass. 3.10 is the lowest: 3.8 and 3.9 have every
+#: --no-deps --target`): tests/keras/test_keras_seam.py, test_keras_fit.py,
+#: test_keras_callbacks.py and tests/serving/test_serving.py pass (`nox -s oldest`
+#: runs the seam's and fit's with TF 2.16.1). 3.10 is the lowest: 3.8 and 3.9 have every
 #: name of `KERAS_INTERNALS` but not `keras.config.max_steps_per_epoch`, which
 #: fit reads. The upper bound is the next minor release, untested yet.
 KERAS_VERSIONS = ((3, 10), (3, 16))  # >=3.10, <3.16
