@@ -156,6 +156,9 @@ class ServingExport(keras.callbacks.Callback):
         self._last = self._last_delta = time.monotonic()
         # The delta chain (previous cut, position, writer thread); used in delta mode only.
         self._chain_state = _DeltaChain(self.base_dir, self.deltas)
+        #: One dict per delta whose write failed ({"version", "seq", "error"}); none was made visible,
+        #: and the next version written after it was a full one.
+        self.failed_deltas: list[dict] = self._chain_state.failures
 
     def on_train_begin(self, logs=None):
         serving_dirs.claim(self.base_dir, self.run_id, self.take_over)
@@ -210,7 +213,8 @@ class ServingExport(keras.callbacks.Callback):
     @property
     def chain(self) -> tuple:
         """(the last full version written, the last delta taken after it: 0 for none); (None, 0) before
-        any. A delta taken is written on the writer thread, all of them by the time `fit` returns."""
+        any. A delta taken is written on the writer thread, all of them by the time `fit` returns; one
+        whose write failed is taken back (`failed_deltas`), and the next version is a full one."""
         return self._chain_state.position
 
     def due_by_time(self) -> bool:
@@ -259,6 +263,7 @@ class _DeltaChain:
     def __init__(self, base_dir: str, records: list):
         self.base_dir = base_dir
         self.records = records  # the callback's `deltas`: one dict per delta written
+        self.failures: list[dict] = []  # the callback's `failed_deltas`: one dict per delta given up
         self.cut = None
         self.position = (None, 0)
         self._writer = None  # a ThreadPoolExecutor of one thread, while fit runs
@@ -298,7 +303,11 @@ class _DeltaChain:
             pending.result()
         except (tf.errors.OpError, CutLost) as error:
             self.cut = None
-            _log_full_instead(error, *self.position)
+            version, seq = self.position
+            _log_full_instead(error, version, seq)
+            # The chain stands at the last delta written: the failed one was never visible.
+            self.position = (version, seq - 1)
+            self.failures.append({"version": version, "seq": seq, "error": f"{type(error).__name__}: {error}"})
 
     def stop_writer(self) -> None:
         self.finish_pending()

@@ -101,6 +101,9 @@ def test_a_ps_killed_while_a_delta_is_written_publishes_nothing_and_the_chain_re
         # Never visible, nothing hidden left behind; the deltas before it stay.
         assert _visible(chain_1) == [1] and _hidden(chain_1) == []
         assert [d["seq"] for d in callback.deltas] == [1]
+        # The chain stands at the last delta written; the failed one is recorded, not counted.
+        assert callback.chain == (1, 1), callback.chain
+        assert [(f["version"], f["seq"]) for f in callback.failed_deltas] == [(1, 2)], callback.failed_deltas
         assert any("delta 2 of version 1 failed" in r.getMessage() for r in caplog.records), caplog.text
         loader = psclient.serving.load(base, poll_seconds=None)
         assert loader.version == (1, 1)
