@@ -41,6 +41,7 @@ from psclient._cluster.local import LocalCluster
 from psclient._cluster.spec import Cluster
 from psclient._engine import registry as _registry
 from psclient._engine.config import StrategyConfig
+from psclient._sidecar.evaluator_config import EvaluatorConfig
 from psclient._engine.watch import WorkerWatcher
 from psclient._cluster.k8s_watch import kubernetes_workers
 from psclient._core.errors import (
@@ -139,6 +140,7 @@ __all__ = [
     "ClusterCoordinator",
     "FIRST_COMPLETED",
     "FIRST_EXCEPTION",
+    "EvaluatorConfig",
     "Future",
     "LocalCluster",
     "ModelCheckpoint",

@@ -155,28 +155,22 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="psclient evaluate: %(message)s", stream=sys.stderr)
-    from psclient._sidecar.evaluator import (  # Imports TensorFlow when it evaluates.
-        SidecarEvaluator,
-        check_options,
-    )
+    from psclient._sidecar.evaluator import SidecarEvaluator  # Imports TensorFlow when it evaluates.
+    from psclient._sidecar.evaluator_config import EvaluatorConfig, check_watch
     from psclient._sidecar.formats import CheckpointMismatchError
 
     try:  # Before --model and --data are built (a TensorFlow import, perhaps a dataset's download).
         check_port("metrics_port", args.metrics_port)
-        check_options(args.checkpoint_dir, steps=args.steps, max_evaluations=args.max_evaluations,
-                      idle_timeout=args.idle_timeout or None, settle_time=args.settle_time,
-                      poll_interval=args.poll_interval, export_best=args.export_best,
-                      best_metric=args.best_metric, best_mode=args.best_mode)
+        check_watch(args.checkpoint_dir, args.steps, args.max_evaluations)
+        config = EvaluatorConfig(
+            log_dir=args.log_dir, idle_timeout=args.idle_timeout or None, settle_time=args.settle_time,
+            poll_interval=args.poll_interval, model_key=args.model_key, export_best=args.export_best,
+            best_metric=args.best_metric, best_mode=args.best_mode)
     except ValueError as e:
         parser.error(as_option(str(e)))
     try:
-        evaluator = SidecarEvaluator(
-            build_model(), build_data(), args.checkpoint_dir, steps=args.steps,
-            max_evaluations=args.max_evaluations, log_dir=args.log_dir,
-            idle_timeout=args.idle_timeout or None, settle_time=args.settle_time,
-            poll_interval=args.poll_interval, model_key=args.model_key, export_best=args.export_best,
-            best_metric=args.best_metric, best_mode=args.best_mode,
-        )
+        evaluator = SidecarEvaluator(build_model(), build_data(), args.checkpoint_dir, steps=args.steps,
+                                     max_evaluations=args.max_evaluations, config=config)
     except ValueError as e:  # Messages name the argument; say it as the option.
         parser.error(as_option(str(e)))
     _stop_on_signals(evaluator.stop)

@@ -6,12 +6,13 @@ the message names the argument, shows what was received and says what was expect
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import re
 from typing import Any, Callable
 
-__all__ = ["as_option", "check_port", "check_positive", "signature_refusing_one_argument"]
+__all__ = ["as_option", "check_port", "check_positive", "signature_refusing_one_argument", "with_overrides"]
 
 
 def check_positive(
@@ -88,3 +89,27 @@ def check_port(name: str, port: object) -> None:
             f"Invalid value for argument `{name}`. Received: {name}={port!r}. Expected None (no "
             "metrics), 0 (any free port) or a TCP port number from 1 to 65535."
         )
+
+
+def with_overrides(config: Any, config_class: type, overrides: dict[str, Any], owner: str) -> Any:
+    """`config` (an instance of the frozen dataclass `config_class`, or None for its defaults) with the
+    keyword arguments in `overrides` replacing its fields: how `owner(..., config, **overrides)` is read.
+
+    Raises:
+        TypeError: `config` is not a `config_class`, or a keyword is not one of its fields.
+    """
+    if config is not None and not isinstance(config, config_class):
+        raise TypeError(
+            f"Invalid value for argument `config`. Received: config={config!r} of type "
+            f"{type(config).__name__}. Expected a psclient.{config_class.__name__} or None."
+        )
+    fields = {field.name for field in dataclasses.fields(config_class)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise TypeError(
+            f"{owner}() got an unexpected keyword argument {unknown[0]!r}. "
+            f"Expected one of: {', '.join(sorted(fields))}."
+        )
+    if config is None:
+        return config_class(**overrides)
+    return dataclasses.replace(config, **overrides) if overrides else config

@@ -15,6 +15,7 @@ import os
 from typing import Any, Callable
 
 from psclient._core.checks import check_port, check_positive
+from psclient._core.checks import with_overrides as replaced
 from psclient._core.part_recovery import resolve_ps_recovery
 from psclient._core.partitioning import check_partitioner
 
@@ -143,29 +144,13 @@ class StrategyConfig:
             )
 
 
-_FIELDS = frozenset(field.name for field in dataclasses.fields(StrategyConfig))
-
-
 def with_overrides(config: StrategyConfig | None, overrides: dict[str, Any]) -> StrategyConfig:
     """`config` (the defaults when None) with the keyword arguments in `overrides` replacing its fields.
 
     Raises:
         TypeError: `config` is not a StrategyConfig, or a keyword is not one of its fields.
     """
-    if config is not None and not isinstance(config, StrategyConfig):
-        raise TypeError(
-            f"Invalid value for argument `config`. Received: config={config!r} of type "
-            f"{type(config).__name__}. Expected a psclient.StrategyConfig or None."
-        )
-    unknown = sorted(set(overrides) - _FIELDS)
-    if unknown:
-        raise TypeError(
-            f"ParameterServerStrategy() got an unexpected keyword argument {unknown[0]!r}. "
-            f"Expected one of: {', '.join(sorted(_FIELDS))}."
-        )
-    if config is None:
-        return StrategyConfig(**overrides)
-    return dataclasses.replace(config, **overrides) if overrides else config
+    return replaced(config, StrategyConfig, overrides, "ParameterServerStrategy")
 
 
 def check_replicas(replicas_to_aggregate: Any, num_workers: int) -> None:

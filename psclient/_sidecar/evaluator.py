@@ -37,7 +37,8 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
-from psclient._core.checks import check_positive
+from psclient._core.checks import with_overrides
+from psclient._sidecar.evaluator_config import EvaluatorConfig, check_watch
 from psclient._core.files import replaced_atomically
 from psclient._sidecar import formats
 from psclient._sidecar.formats import CheckpointRef, CheckpointUnreadableError
@@ -193,38 +194,6 @@ class SidecarReport:
     best: dict | None = None  # The exported best evaluation, if export_best was set.
 
 
-def check_options(checkpoint_dir, *, steps=None, max_evaluations=None, idle_timeout=600.0, settle_time=2.0,
-                  poll_interval=1.0, export_best=None, best_metric="loss", best_mode="auto") -> dict:
-    """`SidecarEvaluator`'s options checked (ValueError naming the argument), before any model is built.
-
-    Returns them as the evaluator keeps them (absolute paths, `best_mode` resolved).
-    """
-    directory = os.path.abspath(os.fspath(checkpoint_dir))
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise ValueError(f"Invalid value for argument `checkpoint_dir`. Received: checkpoint_dir={checkpoint_dir!r}, "
-                         "which is a file, not a directory. Expected the directory training writes checkpoints to.")
-    best = None
-    if export_best is not None:
-        best = os.path.abspath(os.fspath(export_best))
-        if not best.endswith(".keras"):
-            raise ValueError(f"Invalid value for argument `export_best`. Received: {export_best!r}. "
-                             "Expected a path ending in '.keras'.")
-    if best_mode not in ("auto", "max", "min"):
-        raise ValueError(f"Invalid value for argument `best_mode`. Received: {best_mode!r}. "
-                         "Expected 'auto', 'max' or 'min'.")
-    if best_mode == "auto":
-        best_mode = "max" if any(k in best_metric for k in ("acc", "auc", "precision", "recall", "f1")) else "min"
-    return {
-        "checkpoint_dir": directory,
-        "steps": check_positive("steps", steps, integer=True, optional=True),
-        "max_evaluations": check_positive("max_evaluations", max_evaluations, integer=True, optional=True),
-        "idle_timeout": check_positive("idle_timeout", idle_timeout, optional=True, finite=True, unit="seconds"),
-        "settle_time": check_positive("settle_time", settle_time, allow_zero=True, finite=True, unit="seconds"),
-        "poll_interval": check_positive("poll_interval", poll_interval, finite=True, unit="seconds"),
-        "export_best": best, "best_metric": best_metric, "best_mode": best_mode,
-    }
-
-
 class SidecarEvaluator:
     """Evaluates each new checkpoint that training writes, in a process of its own.
 
@@ -253,6 +222,9 @@ class SidecarEvaluator:
         steps: batches per evaluation (None: the whole of `data`).
         max_evaluations: stop after this many evaluations (None: no limit).
         callbacks: Keras callbacks passed to `model.evaluate`.
+        config: a `psclient.EvaluatorConfig` holding the options below (None:
+            the defaults). Each of its fields may also be passed as a keyword,
+            which replaces the config's value.
         log_dir: where summaries and evaluations.jsonl go (default
             `<checkpoint_dir>/eval`).
         idle_timeout: stop after this many seconds without a new checkpoint
@@ -267,31 +239,23 @@ class SidecarEvaluator:
     """
 
     def __init__(self, model: Any, data: Any, checkpoint_dir: str | os.PathLike, steps: int | None = None,
-                 max_evaluations: int | None = None, callbacks: list | None = None, *,
-                 log_dir: str | os.PathLike | None = None, idle_timeout: float | None = 600.0,
-                 settle_time: float = 2.0, poll_interval: float = 1.0, model_key: str = "model",
-                 export_best: str | os.PathLike | None = None, best_metric: str = "loss", best_mode: str = "auto",
-                 clock: Callable[[], float] = time.monotonic):
+                 max_evaluations: int | None = None, callbacks: list | None = None,
+                 config: EvaluatorConfig | None = None, **options: Any):
+        # TF's six arguments, then psclient's options: one EvaluatorConfig, each of its fields also a keyword.
+        config = with_overrides(config, EvaluatorConfig, options, "SidecarEvaluator")
         if not getattr(model, "built", False) or not hasattr(model, "evaluate"):
             raise ValueError(f"Invalid value for argument `model`. Received: {model!r}. Expected a built "
                              "Keras model (give it a keras.Input or call build()) so checkpoints can be restored.")
         if not getattr(model, "compiled", False):
             raise ValueError(f"Invalid value for argument `model`. Received: an uncompiled {type(model).__name__}. "
                              "Expected a compiled model: compile(loss=..., metrics=[...]) names what is reported.")
-        self.model, self.data = model, data
-        options = check_options(checkpoint_dir, steps=steps, max_evaluations=max_evaluations,
-                                idle_timeout=idle_timeout, settle_time=settle_time, poll_interval=poll_interval,
-                                export_best=export_best, best_metric=best_metric, best_mode=best_mode)
-        self.checkpoint_dir, self.steps = options["checkpoint_dir"], options["steps"]
-        self.max_evaluations, self.idle_timeout = options["max_evaluations"], options["idle_timeout"]
-        self.settle_time, self.poll_interval = options["settle_time"], options["poll_interval"]
-        self.export_best = options["export_best"]
-        self.best_metric, self.best_mode = options["best_metric"], options["best_mode"]
+        self.model, self.data, self.config = model, data, config
+        self.checkpoint_dir = check_watch(checkpoint_dir, steps, max_evaluations)
+        self.steps, self.max_evaluations = steps, max_evaluations
         self.callbacks = list(callbacks or [])
-        self.model_key = model_key
-        self.log_dir = os.path.abspath(os.fspath(log_dir)) if log_dir is not None \
-            else os.path.join(self.checkpoint_dir, "eval")
-        self._clock = clock
+        self.log_dir = config.log_dir_for(self.checkpoint_dir)
+        self.export_best = config.export_best_path
+        self._clock = config.clock
         self._stop = threading.Event()
         #: What `start()` has done so far (None before it runs).
         self.report: SidecarReport | None = None
@@ -308,7 +272,7 @@ class SidecarEvaluator:
             CheckpointMismatchError: the model does not match a checkpoint.
             ValueError: `best_metric` is not one of the evaluated metrics.
         """
-        planner = Planner(settle_time=self.settle_time, idle_timeout=self.idle_timeout,
+        planner = Planner(settle_time=self.config.settle_time, idle_timeout=self.config.idle_timeout,
                           max_evaluations=self.max_evaluations, now=self._clock())
         # Filled in as it goes: `report` is what Prometheus's scrapes read meanwhile (--metrics-port).
         report = self.report = SidecarReport([], [], [], stop_reason="stop() was called")
@@ -328,7 +292,7 @@ class SidecarEvaluator:
                     if decision.reason != waiting_for:  # Say it once, not every poll.
                         waiting_for = decision.reason
                         _log.info("waiting: %s in %s", decision.reason, self.checkpoint_dir)
-                    self._stop.wait(self.poll_interval)
+                    self._stop.wait(self.config.poll_interval)
                     continue
                 waiting_for = None
                 is_final = marker is not None and os.path.normpath(marker["checkpoint"]) == \
@@ -341,7 +305,7 @@ class SidecarEvaluator:
                         _log.warning("skipped %s: unreadable (corrupt or deleted): %s", decision.checkpoint.name, e)
                     else:
                         _log.info("%s is not complete yet; retrying (%s)", decision.checkpoint.name, e)
-                        self._stop.wait(self.poll_interval)
+                        self._stop.wait(self.config.poll_interval)
                     continue
                 planner.evaluated(decision, self._clock())
                 if decision.skipped:
@@ -362,7 +326,7 @@ class SidecarEvaluator:
         if ref.kind == formats.KERAS and self._keras_expected is None:
             with tempfile.TemporaryDirectory(prefix="psclient-sidecar-") as scratch:
                 self._keras_expected = formats.keras_expected_variables(self.model, scratch)
-        formats.restore(ref, self.model, self.model_key, self._keras_expected)
+        formats.restore(ref, self.model, self.config.model_key, self._keras_expected)
         step = formats.step_of(ref)
         if step is None and marker is not None and isinstance(marker.get("step"), int):
             step = marker["step"]
@@ -392,17 +356,17 @@ class SidecarEvaluator:
 
     def _maybe_export(self, record: dict, best: dict | None) -> dict | None:
         metrics = record["metrics"]
-        if self.best_metric not in metrics:
-            raise ValueError(f"Invalid value for argument `best_metric`. Received: {self.best_metric!r}. "
+        if self.config.best_metric not in metrics:
+            raise ValueError(f"Invalid value for argument `best_metric`. Received: {self.config.best_metric!r}. "
                              f"Expected one of the evaluated metrics: {sorted(metrics)}.")
-        value = metrics[self.best_metric]
+        value = metrics[self.config.best_metric]
         if best is not None:
-            previous = best["metrics"][self.best_metric]
-            if not (value > previous if self.best_mode == "max" else value < previous):
+            previous = best["metrics"][self.config.best_metric]
+            if not (value > previous if self.config.higher_is_better else value < previous):
                 return best
         os.makedirs(os.path.dirname(self.export_best), exist_ok=True)
         # Saved in a private temporary directory beside it (a dot-name: out of scans), then renamed.
         with replaced_atomically(self.export_best) as temp:
             self.model.save(temp)
-        _log.info("exported %s (%s=%.4f) to %s", record["checkpoint"], self.best_metric, value, self.export_best)
+        _log.info("exported %s (%s=%.4f) to %s", record["checkpoint"], self.config.best_metric, value, self.export_best)
         return record

@@ -12,6 +12,7 @@ pytestmark = pytest.mark.timeout(180)
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
+import psclient  # noqa: E402
 from psclient._sidecar.evaluator import SidecarEvaluator, write_final_marker  # noqa: E402
 from psclient._sidecar.formats import CheckpointMismatchError  # noqa: E402
 
@@ -175,7 +176,10 @@ def test_model_that_does_not_match_names_the_variables(tmp_path, kind, change, m
     else:
         build().save_weights(tmp_path / "m.weights.h5")
         write_final_marker(tmp_path, "m.weights.h5")
-    evaluator = SidecarEvaluator(build(**change), data(), tmp_path, poll_interval=0.05, idle_timeout=30)
+    # The options as one EvaluatorConfig (the other tests pass them as keywords).
+    evaluator = SidecarEvaluator(build(**change), data(), tmp_path,
+                                 config=psclient.EvaluatorConfig(poll_interval=0.05, idle_timeout=30))
+    assert evaluator.config.poll_interval == 0.05
     with pytest.raises(CheckpointMismatchError, match="does not match the checkpoint") as info:
         evaluator.start()
     error = info.value

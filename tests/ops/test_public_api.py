@@ -11,7 +11,7 @@ PUBLIC = {
     "ClusterCoordinator", "FIRST_COMPLETED", "FIRST_EXCEPTION", "Future", "LocalCluster",
     "ModelCheckpoint", "ParameterServerStrategy", "StalenessLogger", "PSClientError",
     "PortExposedError", "PSUnavailableError", "PerWorker", "PerWorkerDataset", "PerWorkerIterator",
-    "SidecarEvaluator", "SidecarReport", "ServingDirError", "ServingExport", "export_servable", "StrategyAPIUnsupportedError", "StrategyClosedError", "StrategyConfig",
+    "SidecarEvaluator", "SidecarReport", "EvaluatorConfig", "ServingDirError", "ServingExport", "export_servable", "StrategyAPIUnsupportedError", "StrategyClosedError", "StrategyConfig",
     "TaskUnreachableError", "WorkerUnavailableError", "WorkerWatcher", "as_completed",
     "kubernetes_workers", "read_final_marker", "wait", "write_final_marker",
 }
