@@ -10,7 +10,8 @@ path after the other on the same cluster and the same stream (each path a fresh 
   dynamic         26 DynamicEmbedding(dim, capacity=rows), one per feature (26 lookups per ps task)
   hashing         26 Hashing(num_bins=rows) + Embedding(rows, dim), one per feature
   dynamic_shared_hash  dynamic_shared in the storage bounded tables had before the dense one (hash
-                  tables per ps: key -> row, key -> slot, key -> counters), for a before/after
+                  tables per ps: key -> row, key -> slot, key -> counters), for a before/after;
+                  `ParameterServerStrategy(dynamic_table_storage="hash")`, a strategy of its own
 
 Equal memory: 26*rows rows of `dim` floats (and one Adagrad slot each) in every path.
 
@@ -60,7 +61,6 @@ from _common import cpu_seconds, environment, log, print_json, task_usage  # noq
 
 FEATURES = 26
 PATHS = ("dynamic_shared", "hashing", "dynamic", "dynamic_shared_hash")
-STORAGE_ENV = "PSCLIENT_DYNAMIC_TABLE_STORAGE"  # psclient._coordinator.tables.dynamic_tables.STORAGE_ENV
 
 
 def stream(seed: int, n_batches: int, batch: int, window: int, drift: float = 1.0) -> np.ndarray:
@@ -146,18 +146,19 @@ def main(argv=None) -> int:
         pids = {f"{job}:{i}": local.pid(job, i) for job, i, _ in local.cluster.tasks()}
         ps_pids = [pid for name, pid in pids.items() if name.startswith("ps")]
         worker_pids = [pid for name, pid in pids.items() if name.startswith("worker")]
-        strategy = psclient.ParameterServerStrategy(local.cluster)
+        strategy = None
         try:
             for kind in paths:
+                # The hash storage is the strategy's setting: a strategy of its own for that path.
+                storage = "hash" if kind == "dynamic_shared_hash" else "dense"
+                if strategy is None or strategy.config.dynamic_table_storage != storage:
+                    if strategy is not None:
+                        strategy.shutdown()
+                    strategy = psclient.ParameterServerStrategy(local.cluster, dynamic_table_storage=storage)
                 gc.collect()
                 rss_before = task_usage(ps_pids)["rss_mib"]
-                if kind == "dynamic_shared_hash":
-                    os.environ[STORAGE_ENV] = "hash"
-                try:
-                    with strategy.scope():
-                        model = build(keras, kind, args.rows, args.dim)
-                finally:
-                    os.environ.pop(STORAGE_ENV, None)
+                with strategy.scope():
+                    model = build(keras, kind, args.rows, args.dim)
                 marks, rss = {}, []
 
                 def mark():
@@ -204,7 +205,8 @@ def main(argv=None) -> int:
                 log(f"{kind}: {run['steps_per_s']} steps/s")
                 del model, timer
         finally:
-            strategy.shutdown()
+            if strategy is not None:
+                strategy.shutdown()
     for kind in ("dynamic_shared", "dynamic", "dynamic_shared_hash"):
         if kind in result and "hashing" in result:
             result[f"{kind}_vs_hashing_steps_per_s"] = round(

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     import tensorflow as tf
 
     from psclient._coordinator.tables.dense_shard import least_recent
-    from psclient._coordinator.tables.dynamic_tables import STORAGE_ENV, DynamicTable, _export
+    from psclient._coordinator.tables.dynamic_tables import DynamicTable, _export
     from psclient._core.dynamic_tables import Policy
     from psclient.layers import DynamicEmbedding
 
@@ -74,13 +74,10 @@ def main(argv=None) -> int:
     out["cpu_ms_per_step"]["unique"] = cpu_ms(unique, timed)
 
     def layer_step(capacity, update: bool, name: str):
-        if name.endswith("_hash"):
-            os.environ[STORAGE_ENV] = "hash"
-        try:
-            layer = DynamicEmbedding(args.dim, capacity=capacity, name=name)
-            layer.build()
-        finally:
-            os.environ.pop(STORAGE_ENV, None)
+        layer = DynamicEmbedding(args.dim, capacity=capacity, name=name)
+        layer.build()
+        if name.endswith("_hash"):  # a layer without a strategy: its table made again in the hash storage
+            layer.table = DynamicTable(name, args.dim, [None], layer._init, layer._policy, storage="hash")
         layer(batches[0], training=False)
         optimizer = keras.optimizers.Adagrad(0.05)
 
@@ -114,11 +111,8 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     keys = tf.constant(rng.integers(0, 2**62, n))
     last = tf.constant(rng.integers(0, 200, n))
-    os.environ[STORAGE_ENV] = "hash"
-    try:
-        table = DynamicTable("scan", args.dim, [None], ("uniform", -0.05, 0.05, 0), Policy(1, args.capacity, None))
-    finally:
-        os.environ.pop(STORAGE_ENV, None)
+    table = DynamicTable("scan", args.dim, [None], ("uniform", -0.05, 0.05, 0), Policy(1, args.capacity, None),
+                         storage="hash")
     table.ensure_slots({"accumulator": 0.1})
     shard = table.shards[0]
 

@@ -7,7 +7,7 @@ dispatcher threads, probes, the recovery thread, elastic workers) around it:
 
     edge, roster, scheduler
     steps (scheduler) -> variable store (steps' renew) -> tracer (store, steps)
-    per-worker registry, checkpoints (roster, for messages)
+    per-worker registry, data ledgers (store), checkpoints (roster, for messages)
     engine (all of the above; retrace: the tracer by weak reference)
 
 Nothing is connected or started here: the strategy does that once every
@@ -23,6 +23,7 @@ import weakref
 from psclient._cluster.spec import Cluster
 from psclient._coordinator.checkpoints.checkpoint import Checkpoints
 from psclient._coordinator.data.per_worker import resolve_per_worker
+from psclient._coordinator.data.shard_feed import Ledgers
 from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
 from psclient._coordinator.training.sync import Steps
 from psclient._coordinator.engine_edge import TFEdge
@@ -47,13 +48,14 @@ class Parts:
     per_worker: PerWorkerRegistry
     checkpoints: Checkpoints | None
     engine: Engine
+    ledgers: Ledgers
 
 
-def assemble(cluster: Cluster, config: StrategyConfig, *, checkpoint_dir: str | None,
-             partitioner, checkpoint_meta=None, meta_restored=None) -> Parts:
-    """Every part of a strategy on `cluster` (`checkpoint_dir` and `partitioner`: the config's, made concrete;
-    `checkpoint_meta(variables)`: what joins each checkpoint's layout, the data ledgers;
-    `meta_restored(meta)`: told that meta when a lost ps is restored from a checkpoint)."""
+def assemble(cluster: Cluster, config: StrategyConfig, *, checkpoint_dir: str | None, partitioner) -> Parts:
+    """Every part of a strategy on `cluster` (`checkpoint_dir` and `partitioner`: the config's, made concrete).
+
+    Each checkpoint carries the data ledgers (`Ledgers.meta` joins its layout), and a lost ps
+    restored from one gives them back (`Ledgers.roll_back`)."""
     hang_timeout = config.hang_timeout
     edge = TFEdge(streaming_enqueue=config.streaming)
     roster = Roster(cluster)
@@ -63,6 +65,7 @@ def assemble(cluster: Cluster, config: StrategyConfig, *, checkpoint_dir: str | 
     store = VariableStore(cluster.num_ps, partitioner, on_renew=(steps.renew,))
     tracer = Tracer(store.create, steps if config.measured else None)
     per_worker = PerWorkerRegistry()
+    ledgers = Ledgers(store)
     checkpoints = Checkpoints(
         checkpoint_dir, keep=config.checkpoints_to_keep, overwrite=config.overwrite_checkpoints,
         describe_ps=functools.partial(roster.address, "ps"), hang_timeout=hang_timeout,
@@ -77,10 +80,10 @@ def assemble(cluster: Cluster, config: StrategyConfig, *, checkpoint_dir: str | 
         ),
         pipeline_depth=config.pipeline_depth, connect_timeout=config.connect_timeout,
         parts=StrategyParts(prepare, store, per_worker, checkpoints, retrace=QueuedRetrace(tracer, scheduler),
-                            checkpoint_meta=checkpoint_meta, meta_restored=meta_restored),
+                            checkpoint_meta=ledgers.meta, meta_restored=ledgers.roll_back),
     )
     store.guard = engine.coordinator_access.run  # variables made on the coordinator, through a ps loss
-    return Parts(edge, scheduler, steps, store, tracer, per_worker, checkpoints, engine)
+    return Parts(edge, scheduler, steps, store, tracer, per_worker, checkpoints, engine, ledgers)
 
 
 class QueuedRetrace:

@@ -33,7 +33,7 @@ def on_ps(strategy, access: Callable[[], T], what: str) -> T:
     """
     if strategy is None or not tf.executing_eagerly():
         return access()  # in a graph nothing runs here: the closure that runs it has its own handling
-    return strategy._coordinator_access.run(lambda: settled(access()), what)
+    return strategy.parts.engine.coordinator_access.run(lambda: settled(access()), what)
 
 
 def settled(result):
@@ -52,7 +52,7 @@ def check_every_ps(strategy, what: str) -> None:
     closure or reads anything, whichever of its reads would have met it first.
     """
     def check() -> None:
-        for variable in strategy._store.one_per_ps().values():
+        for variable in strategy.parts.store.one_per_ps().values():
             check_handle(variable)
 
     on_ps(strategy, check, what)

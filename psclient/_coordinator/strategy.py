@@ -17,7 +17,6 @@ from psclient._cluster.spec import Cluster
 from psclient._coordinator.tables import dynamic_tables
 from psclient._engine import lifecycle, registry
 from psclient._coordinator import runtime as _runtime
-from psclient._coordinator.parts import assemble
 from psclient._coordinator.checkpoints.checkpoint import check_directory
 from psclient._coordinator.data.datasets import (
     check_distributable,
@@ -31,7 +30,8 @@ from psclient._coordinator.data.per_worker import (
     PerWorkerDataset,
     per_worker_resource,
 )
-from psclient._coordinator.data.shard_feed import LEDGERS_KEY, data_stats, ledger_meta, restore_ledgers, roll_back_ledgers
+from psclient._coordinator.data.shard_feed import LEDGERS_KEY
+from psclient._coordinator.parts import Parts, assemble
 from psclient._coordinator.variables.sharding import partitioner_argument
 from psclient._coordinator.tf_api import TFStrategyAPI, refuse_input_options
 from psclient._coordinator.training.updates import place_updates_on_ps
@@ -121,12 +121,8 @@ class ParameterServerStrategy(TFStrategyAPI):
         self._pipeline_depth = pipeline_depth
         self._hang_timeout = hang_timeout
         self._variable_partitioner = variable_partitioner
-        # The parts, each given what it needs as it is made (parts.py).
-        # Every checkpoint carries the data ledgers of this strategy's feeds (by weak
-        # reference: the recovery thread must not keep the strategy alive).
-        parts = assemble(cluster, config, checkpoint_dir=checkpoint_dir, partitioner=variable_partitioner,
-                         checkpoint_meta=functools.partial(ledger_meta, weakref.ref(self)),
-                         meta_restored=functools.partial(roll_back_ledgers, weakref.ref(self)))
+        # The parts, each given what it needs as it is made (parts.py); `parts` for psclient's own modules.
+        self._parts = parts = assemble(cluster, config, checkpoint_dir=checkpoint_dir, partitioner=variable_partitioner)
         edge, scheduler, engine, checkpoints = parts.edge, parts.scheduler, parts.engine, parts.checkpoints
         self._scheduler, self._steps, self._store = scheduler, parts.steps, parts.store
         self._tracer, self._per_worker = parts.tracer, parts.per_worker
@@ -164,6 +160,10 @@ class ParameterServerStrategy(TFStrategyAPI):
     def closed(self) -> bool:
         """Whether `shutdown()` was called."""
         return self._closed
+
+    @property
+    def parts(self) -> Parts:
+        return self._parts  # the assembled parts: how psclient's own modules reach them; not an API
 
     @property
     def config(self) -> StrategyConfig:
@@ -396,7 +396,7 @@ class ParameterServerStrategy(TFStrategyAPI):
         stats["pipeline_depth"] = self._pipeline_depth
         stats["dispatcher_threads_alive"] = self._dispatcher.alive_threads
         stats["staleness"] = self._steps.summary()
-        stats["data"] = data_stats(self)  # sharded datasets' ledgers (psclient.data)
+        stats["data"] = self._parts.ledgers.stats()  # sharded datasets' ledgers (psclient.data)
         stats["replayed_records"] = stats["data"]["replayed_records"]
         stats["dynamic_embeddings"] = dynamic_tables.stats_on_ps(self) if (
             not lost if read_ps is None else read_ps) else {}
@@ -442,7 +442,7 @@ class ParameterServerStrategy(TFStrategyAPI):
         restored = self._coordinator_access.run(self._recovery.restore, "restore()")
         if restored is not None:
             # The data ledgers saved with it go to their feeds (now or when they are created).
-            restored["data_ledgers"] = restore_ledgers(self, restored.pop("meta", {}).get(LEDGERS_KEY, {}))
+            restored["data_ledgers"] = self._parts.ledgers.restore(restored.pop("meta", {}).get(LEDGERS_KEY, {}))
         return restored
 
     @property

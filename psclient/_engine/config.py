@@ -52,6 +52,9 @@ class StrategyConfig:
     #: state only; the other ps keep theirs), "all" (every variable rolls back), or None:
     #: "part" in asynchronous training, "all" with `replicas_to_aggregate` (docs/fault_tolerance.md).
     ps_recovery: str | None = None
+    #: Where a DynamicEmbedding with a `capacity` keeps its rows: "dense" (one preallocated
+    #: matrix per ps, the default) or "hash" (hash tables, the storage before; for comparisons).
+    dynamic_table_storage: str = "dense"
 
     def __post_init__(self) -> None:
         resolve_ps_recovery(self.ps_recovery, self.replicas_to_aggregate)
@@ -80,6 +83,10 @@ class StrategyConfig:
         check_positive("pipeline_depth", self.pipeline_depth, integer=True)
         check_positive("connect_timeout", self.connect_timeout, unit="seconds")
         check_port("metrics_port", self.metrics_port)
+        if self.dynamic_table_storage not in ("dense", "hash"):
+            raise ValueError(
+                "Invalid value for argument `dynamic_table_storage`. Received: dynamic_table_storage="
+                f"{self.dynamic_table_storage!r}. Expected 'dense' (the default) or 'hash'.")
 
     # ------------------------------------------------------------ derived
     @property

@@ -173,14 +173,16 @@ class DynamicEmbedding(keras.layers.Layer):
         self._anchor = anchor
         # Built in a strategy's scope, the anchor went to a ps task: the table
         # goes to every ps task; else it is local (no cluster).
-        devices = [None]
+        devices, strategy = [None], None
         if ps_index_of(getattr(anchor.value, "device", None)) is not None:
             from psclient._engine import registry
 
+            # The strategy whose scope the layer is built in (as a Keras layer learns of its
+            # distribution strategy), handed to the table: nothing below looks it up again.
             strategy = registry.current()
             if strategy is not None:
                 devices = [ps_device(i) for i in range(strategy.num_ps)]
-        self.table = DynamicTable(self.name, self.output_dim, devices, self._init, self._policy)
+        self.table = DynamicTable(self.name, self.output_dim, devices, self._init, self._policy, strategy)
         self.built = True
 
     def compute_output_shape(self, input_shape):

@@ -45,6 +45,7 @@ def test_it_is_frozen_and_replace_checks_again():
         ({"max_staleness": -1}, ValueError, "max_staleness"),
         ({"max_staleness": 1, "replicas_to_aggregate": 1}, ValueError, "max_staleness"),
         ({"max_staleness": 1, "measure_staleness": False}, ValueError, "measure_staleness"),
+        ({"dynamic_table_storage": "dict"}, ValueError, "dynamic_table_storage"),
     ],
 )
 def test_a_bad_value_names_the_argument_in_the_config_and_in_the_strategy(kwargs, error, argument):

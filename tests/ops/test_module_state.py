@@ -38,10 +38,8 @@ ALLOWED = {
     "psclient._coordinator.training.sync._applied_untracked": WEAK,
     "psclient._coordinator.training.sync._applies": WEAK,
     "psclient._coordinator.compat._coordinators": PER_STRATEGY,
-    "psclient._coordinator.data.shard_feed._FEEDS": PER_STRATEGY,
-    "psclient._coordinator.data.shard_feed._RESTORED": PER_STRATEGY,
-    "psclient._coordinator.tables.dynamic_tables._tables": PER_STRATEGY,
-    "psclient._coordinator.tables.dynamic_tables._local_locks": PER_STRATEGY,
+    "psclient._coordinator.tables.dynamic_tables._local_locks": PROCESS + "the lock of tables made without any "
+                                                                "strategy, one per local device name",
     "psclient._keras.sharded_fit._feeds": PER_STRATEGY,
     "psclient._keras.sharded_fit._active": PER_STRATEGY,
 }

@@ -46,6 +46,7 @@ def test_fit_evaluate_predict_stats_and_export(strategy, tmp_path):
     with strategy.scope():
         model, layer = make_model("fit_ids")
     assert sorted(ps_index_of(shard.device) for shard in layer.table.shards) == [0, 1]
+    assert all(shard.dense for shard in layer.table.shards)  # StrategyConfig.dynamic_table_storage="dense"
     x, y = data(0)
     logs = str(tmp_path / "tensorboard")
     history = model.fit(x, y, epochs=3, batch_size=64, verbose=0, callbacks=[keras.callbacks.TensorBoard(logs)])

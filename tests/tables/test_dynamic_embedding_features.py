@@ -115,3 +115,21 @@ def test_on_a_cluster_fit_learns_and_the_export_serves_without_it(two_workers_tw
         strategy.shutdown()
     loaded = keras.models.load_model(path)
     np.testing.assert_allclose(loaded.predict(x, verbose=0), predicted, rtol=1e-5, atol=1e-6)
+
+
+def test_the_strategys_storage_setting_reaches_its_tables(two_workers_two_ps):
+    # StrategyConfig.dynamic_table_storage, handed down by the layer to its table (no environment switch).
+    strategy = ParameterServerStrategy(two_workers_two_ps.cluster, dynamic_table_storage="hash")
+    try:
+        with strategy.scope():
+            model = dict_model("hashed_features", capacity=400)
+        layer = model.get_layer("hashed_features")
+        assert [shard.dense for shard in layer.table.shards] == [False, False]  # hash tables, not the matrix
+        assert layer.table.owner() is strategy
+        x, y = clicks(2)
+        history = model.fit(x, y, batch_size=64, epochs=2, verbose=0)
+        assert history.history["loss"][-1] < history.history["loss"][0]
+        per_ps = strategy.stats()["dynamic_embeddings"]["hashed_features"]
+        assert [entry["ps"] for entry in per_ps] == [0, 1] and all(entry["rows"] > 0 for entry in per_ps)
+    finally:
+        strategy.shutdown()

@@ -34,7 +34,7 @@ epoch to `make_dataset` (`shard.epoch`).
 The ledger (`psclient._core.ledger`) records which shards finished; its
 `state()` (with the positions read from the ps) is what a checkpoint saves.
 A lost ps restored from a checkpoint takes the ledger back with the
-variables (`roll_back_ledgers`, from the recovery thread): the shards done
+variables (`Ledgers.roll_back`, from the recovery thread): the shards done
 since are handed out again, and a result that arrives after the roll-back is
 checked against the restored position on the ps (`mark_done`).
 """
@@ -58,7 +58,7 @@ from psclient._core.future import FIRST_COMPLETED, wait
 from psclient._core.ledger import Ledger, Work
 from psclient._core.part_recovery import ledger_positions
 
-__all__ = ["LEDGERS_KEY", "ShardFeed", "ShardWork", "ledger_meta", "restore_ledgers", "roll_back_ledgers"]
+__all__ = ["LEDGERS_KEY", "Ledgers", "ShardFeed", "ShardWork"]
 
 #: Where a strategy checkpoint keeps the data ledgers (in its layout, by positions variable).
 LEDGERS_KEY = "data_ledgers"
@@ -122,13 +122,7 @@ class ShardFeed:
         self._epoch_tensors: dict[int, Any] = {}  # the epoch each closure passes to make_dataset
         self._restored = False
         self._generation = 0  # roll-backs so far (a lost ps restored from a checkpoint)
-        _FEEDS.setdefault(strategy, weakref.WeakSet()).add(self)
-        # Created after strategy.restore() (fit creates its feed): take the ledger saved for it.
-        pending = _RESTORED.get(strategy)
-        if pending:
-            key = _key_of(strategy, self)
-            if key in pending:
-                self.load(pending.pop(key))
+        strategy.parts.ledgers.add(self)  # checkpoints save its ledger; a restore gives it back
 
     @property
     def sharded(self) -> ShardedDataset:
@@ -425,64 +419,75 @@ def _records_in(batch):
     return tf.shape(first, out_type=tf.int64)[0]
 
 
-#: The feeds of each strategy, for `strategy.stats()` (neither keeps the other alive).
-_FEEDS: "weakref.WeakKeyDictionary[Any, weakref.WeakSet[ShardFeed]]" = weakref.WeakKeyDictionary()
+class Ledgers:
+    """One strategy's data ledgers: its feeds (weakly: a feed the program dropped is not kept),
+    what each checkpoint saves of them, and what a restore or a ps recovery gives back.
 
+    Built with the strategy's parts (`psclient._coordinator.parts`), over its variable store,
+    which names each feed's ledger by its positions variable's checkpoint key.
+    """
 
-#: Ledgers restored by strategy.restore() whose feed is not created yet, by positions variable key.
-_RESTORED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+    def __init__(self, store):
+        self._store = store
+        self._lock = threading.Lock()
+        self._feeds: "weakref.WeakSet[ShardFeed]" = weakref.WeakSet()
+        # Ledgers restored by strategy.restore() whose feed is not created yet, by positions variable key.
+        self._restored: dict = {}
 
+    def add(self, feed: ShardFeed) -> None:
+        """A new feed; created after strategy.restore() (fit creates its feed), it takes the ledger saved for it."""
+        with self._lock:
+            self._feeds.add(feed)
+            saved = self._restored.pop(self.key_of(feed), None) if self._restored else None
+        if saved is not None:
+            feed.load(saved)
 
-def _key_of(strategy, feed: ShardFeed, variables: dict | None = None) -> str | None:
-    """The checkpoint key of `feed`'s positions variable (its creation index), which names its ledger."""
-    variables = strategy._store.named() if variables is None else variables
-    return next((key for key, v in variables.items() if v is feed._positions), None)
+    def key_of(self, feed: ShardFeed, variables: dict | None = None) -> str | None:
+        """The checkpoint key of `feed`'s positions variable (its creation index), which names its ledger."""
+        variables = self._store.named() if variables is None else variables
+        return next((key for key, v in variables.items() if v is feed._positions), None)  # noqa: SLF001 - this module's
 
+    def _each(self) -> list:
+        with self._lock:
+            return list(self._feeds)
 
-def ledger_meta(strategy_ref, variables: dict) -> dict | None:
-    """What a strategy checkpoint of `variables` saves of the data ledgers (recovery thread,
-    between closures): each feed's state by its positions variable's key, plus restored
-    ledgers whose feed does not exist yet. None without any."""
-    strategy = strategy_ref()
-    if strategy is None:
-        return None
-    ledgers = dict(_RESTORED.get(strategy, {}))
-    for feed in list(_FEEDS.get(strategy, ())):
-        key = _key_of(strategy, feed, variables)
-        if key is not None:
-            ledgers[key] = feed.state()
-    return {LEDGERS_KEY: ledgers} if ledgers else None
+    def meta(self, variables: dict) -> dict | None:
+        """What a strategy checkpoint of `variables` saves of the data ledgers (recovery thread,
+        between closures): each feed's state by its positions variable's key, plus restored
+        ledgers whose feed does not exist yet. None without any."""
+        with self._lock:
+            ledgers = dict(self._restored)
+        for feed in self._each():
+            key = self.key_of(feed, variables)
+            if key is not None:
+                ledgers[key] = feed.state()
+        return {LEDGERS_KEY: ledgers} if ledgers else None
 
+    def restore(self, saved: dict) -> int:
+        """Hand the ledgers of a restored strategy checkpoint to their feeds: those that exist now
+        load theirs at once (`LedgerMismatchError` for other shards); the others when created."""
+        pending = dict(saved)
+        for feed in self._each():
+            key = self.key_of(feed)
+            if key in pending:
+                feed.load(pending.pop(key))
+        with self._lock:
+            self._restored = pending
+        return len(saved)
 
-def restore_ledgers(strategy, saved: dict) -> int:
-    """Hand the ledgers of a restored strategy checkpoint to their feeds: those that exist now
-    load theirs at once (`LedgerMismatchError` for other shards); the others when created."""
-    pending = dict(saved)
-    for feed in list(_FEEDS.get(strategy, ())):
-        key = _key_of(strategy, feed)
-        if key in pending:
-            feed.load(pending.pop(key))
-    _RESTORED[strategy] = pending
-    return len(saved)
+    def roll_back(self, meta: dict | None, lost: frozenset | None = None) -> None:
+        """A lost ps was restored from a checkpoint with `meta` (recovery thread): every feed
+        goes back to that checkpoint's ledger, as its variables did. With `lost`, only those
+        ps were restored (`ps_recovery="part"`): the ledgers keep what is done
+        (`ShardFeed.keep_through_part_restore`)."""
+        saved = (meta or {}).get(LEDGERS_KEY, {})
+        for feed in self._each():
+            if lost is not None:
+                feed.keep_through_part_restore(lost)
+            else:
+                feed.roll_back(saved.get(self.key_of(feed)))
 
-
-def roll_back_ledgers(strategy_ref, meta: dict | None, lost: frozenset | None = None) -> None:
-    """A lost ps was restored from a checkpoint with `meta` (recovery thread): every feed of
-    the strategy goes back to that checkpoint's ledger, as its variables did. With `lost`,
-    only those ps were restored (`ps_recovery="part"`): the ledgers keep what is done
-    (`ShardFeed.keep_through_part_restore`)."""
-    strategy = strategy_ref()
-    if strategy is None:
-        return
-    saved = (meta or {}).get(LEDGERS_KEY, {})
-    for feed in list(_FEEDS.get(strategy, ())):
-        if lost is not None:
-            feed.keep_through_part_restore(lost)
-        else:
-            feed.roll_back(saved.get(_key_of(strategy, feed)))
-
-
-def data_stats(strategy) -> dict:
-    """`strategy.stats()["data"]`: every feed's ledger stats, and their replayed records together."""
-    feeds = [feed.stats() for feed in list(_FEEDS.get(strategy, ()))]
-    return {"feeds": feeds, "replayed_records": sum(f["replayed_records"] for f in feeds)}
+    def stats(self) -> dict:
+        """`strategy.stats()["data"]`: every feed's ledger stats, and their replayed records together."""
+        feeds = [feed.stats() for feed in self._each()]
+        return {"feeds": feeds, "replayed_records": sum(f["replayed_records"] for f in feeds)}

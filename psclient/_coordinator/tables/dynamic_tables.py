@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import threading
 import weakref
 from typing import Any, Callable
@@ -41,29 +40,20 @@ from psclient._coordinator.runtime import coordinator_cpu
 from psclient._core import dynamic_tables as rules
 from psclient._coordinator.ps_state import on_ps
 from psclient._core.errors import PSUnavailableError, first_line
-from psclient._engine import registry
 
-__all__ = ["DynamicTable", "initial_rows", "live_tables", "mix64", "shard_of", "stats_on_ps"]
+__all__ = ["DynamicTable", "initial_rows", "mix64", "shard_of", "stats_on_ps"]
 
 _lock = threading.Lock()
-_tables: "weakref.WeakSet[DynamicTable]" = weakref.WeakSet()
-_serials = itertools.count()
-
-
-def live_tables() -> list["DynamicTable"]:
-    """Every table alive in this process, oldest first (what `strategy.stats()` reports)."""
-    with _lock:
-        return sorted(_tables, key=lambda table: table.serial)
+_serials = itertools.count()  # creation order: the joint admission takes the tables' locks in it
 
 
 def stats_on_ps(strategy) -> dict[str, list[dict]]:
     """`stats()` of every live table of `strategy` (rows on its ps tasks), by name (the newest of a name).
 
-    Only that strategy's: a table made under an earlier strategy (a model still
-    referenced after its shutdown) lives on tasks this one may not reach.
+    Only that strategy's (its variable store tracks them): a table made under an earlier
+    strategy (a model still referenced after its shutdown) lives on tasks this one may not reach.
     """
-    return {table.name: table.stats()
-            for table in live_tables() if table.shards[0].device and table.owner() is strategy}
+    return {table.name: table.stats() for table in strategy.parts.store.tables().values() if table.shards[0].device}
 
 
 def _shard_stats_or_unavailable(table: "DynamicTable", index: int) -> dict:
@@ -128,9 +118,6 @@ class _Shard:
         return tf.device(self.device) if self.device else contextlib.nullcontext()
 
 
-#: Set to "hash" to keep a bounded table in hash tables too (the storage before the dense one:
-#: benchmarks compare the two).
-STORAGE_ENV = "PSCLIENT_DYNAMIC_TABLE_STORAGE"
 
 
 _local_locks: dict = {}
@@ -153,23 +140,30 @@ def _placer(device):
 class DynamicTable:
     """Rows by key over `devices` (ps device strings; [None]: one local shard).
 
-    `init`: see `initial_rows`. `policy`: `psclient._core.dynamic_tables.Policy`.
+    `init`: see `initial_rows`. `policy`: `psclient._core.dynamic_tables.Policy`. `strategy`: the
+    one whose ps tasks `devices` are (None for a local table). `storage`: "dense" or "hash" for a
+    table with a capacity (None: the strategy's `dynamic_table_storage`, "dense" without one).
     """
 
-    def __init__(self, name: str, dim: int, devices: list, init: tuple, policy: rules.Policy):
+    def __init__(self, name: str, dim: int, devices: list, init: tuple, policy: rules.Policy, strategy=None,
+                 storage: str | None = None):
         self.name, self.dim, self.init, self.policy = name, dim, init, policy
-        # The strategy whose ps tasks hold the rows (None without one), weakly: stats() asks by it.
-        strategy = registry.current() if devices[0] else None
+        # The strategy whose ps tasks hold the rows (None without one: `devices` is [None]), weakly:
+        # a model may outlive it.
+        strategy = strategy if devices[0] else None
         self.owner = weakref.ref(strategy) if strategy is not None else (lambda: None)
         self.share = rules.per_ps(policy.capacity, len(devices))
         self.slot_defaults: dict[str, float] = {}
         #: Times shards were made again after their ps was lost: functions traced over the old ones are stale.
         self.renewals = 0
         # Placed here, and saved with the rows: the shards' counters are no model variables.
-        store = getattr(strategy, "_store", None)
+        store = strategy.parts.store if strategy is not None else None
+        # StrategyConfig.dynamic_table_storage (checked there): "hash" keeps a bounded table in hash tables too.
+        if storage is None:
+            storage = strategy.config.dynamic_table_storage if strategy is not None else "dense"
         self._unmanaged = store.unmanaged if store is not None else contextlib.nullcontext
         with tf.init_scope(), self._unmanaged():
-            if self.share is not None and os.environ.get(STORAGE_ENV, "dense") != "hash":
+            if self.share is not None and storage == "dense":
                 lock_for = store.table_lock if store is not None else _local_lock
                 self.shards = [DenseShard(d, dim, f"{name}_ps{i}", self.share, policy, _placer(d), _table, lock_for)
                                for i, d in enumerate(devices)]
@@ -179,7 +173,6 @@ class DynamicTable:
             store.add_table(self)  # its checkpoints and ps recovery carry the rows
         with _lock:
             self.serial = next(_serials)
-            _tables.add(self)
 
     # ---------------------------------------------------------------- slots
     def ensure_slots(self, defaults: dict[str, float]) -> None:
