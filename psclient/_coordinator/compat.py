@@ -10,7 +10,6 @@ import and the strategy constructor. Everything is delegated to the strategy;
 from __future__ import annotations
 
 import inspect
-import threading
 import weakref
 from typing import Any, Callable
 
@@ -27,23 +26,19 @@ from psclient._core.future import Future
 
 __all__ = ["ClusterCoordinator"]
 
-_lock = threading.Lock()
-#: Each strategy's coordinator while one is referenced, by the strategy's id (the
-#: coordinator holds its strategy, so that id is not reused meanwhile). The strategy
-#: itself knows nothing of its coordinator.
-_coordinators: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
 class ClusterCoordinator:
     """Drop-in for `tf.distribute.coordinator.ClusterCoordinator`."""
 
     def __new__(cls, strategy: ParameterServerStrategy):
-        # As TF's: one coordinator per strategy; a second call returns the first.
-        with _lock:
-            existing = _coordinators.get(id(strategy))
-            if existing is not None and existing._strategy is strategy:
-                return existing
-            return super().__new__(cls)
+        # As TF's: one coordinator per strategy; a second call returns the first (the strategy's
+        # parts hold it weakly).
+        if isinstance(strategy, ParameterServerStrategy):
+            facades = strategy.parts.facades
+            with facades.lock:
+                existing = facades.coordinator()
+                if existing is not None:
+                    return existing
+        return super().__new__(cls)
 
     def __init__(self, strategy: ParameterServerStrategy):
         if getattr(self, "_strategy", None) is not None:
@@ -55,8 +50,9 @@ class ClusterCoordinator:
                 "(TF's own strategy works only with TF's own coordinator)."
             )
         self._strategy = strategy
-        with _lock:
-            _coordinators[id(strategy)] = self
+        facades = strategy.parts.facades
+        with facades.lock:
+            facades.coordinator = weakref.ref(self)
 
     @property
     def strategy(self) -> ParameterServerStrategy:

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import weakref
 
 from psclient._cluster.spec import Cluster
 from psclient._coordinator.checkpoints.checkpoint import Checkpoints
 from psclient._coordinator.data.per_worker import resolve_per_worker
-from psclient._coordinator.data.shard_feed import Ledgers
+from psclient._coordinator.data.ledgers import Ledgers
 from psclient._coordinator.stores import PerWorkerRegistry, VariableStore
 from psclient._coordinator.training.sync import Steps
 from psclient._coordinator.engine_edge import TFEdge
@@ -35,7 +36,16 @@ from psclient._engine.config import StrategyConfig
 from psclient._engine.edge import Roster, StrategyParts
 from psclient._engine.recovery import RecoveryConfig
 
-__all__ = ["Parts", "assemble"]
+__all__ = ["Facades", "Parts", "assemble"]
+
+
+class Facades:
+    """The TF API objects made for one strategy: its `ClusterCoordinator` (one per strategy, as TF's),
+    held weakly (the coordinator holds the strategy)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.coordinator: weakref.ref = lambda: None  # type: ignore[assignment] - a dead reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +59,7 @@ class Parts:
     checkpoints: Checkpoints | None
     engine: Engine
     ledgers: Ledgers
+    facades: Facades = dataclasses.field(default_factory=Facades)
 
 
 def assemble(cluster: Cluster, config: StrategyConfig, *, checkpoint_dir: str | None, partitioner) -> Parts:

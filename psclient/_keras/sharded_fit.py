@@ -31,12 +31,6 @@ from psclient._keras.trainer import prepare_model, result_or_first_error
 
 __all__ = ["active_feed", "as_finite", "fit", "is_sharded"]
 
-#: The feed of each (model, sharded dataset): its ps variables are made once.
-_feeds: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-#: The feed the running fit of each model uses (for BackupAndRestore).
-_active: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def is_sharded(x) -> bool:
     return isinstance(x, ShardedDataset)
 
@@ -47,16 +41,14 @@ def as_finite(x):
 
 
 def active_feed(model) -> ShardFeed | None:
-    """The feed of `model`'s running `fit` on a ShardedDataset, or None."""
-    return _active.get(model)
+    """The feed of `model`'s running `fit` on a ShardedDataset (its train function's), or None."""
+    train_function = getattr(model, "train_function", None)
+    return train_function.feed if isinstance(train_function, ShardTrainFunction) else None
 
 
 def _feed(model, strategy, sharded: ShardedDataset) -> ShardFeed:
-    per_model = _feeds.setdefault(model, {})
-    feed = per_model.get(id(sharded))
-    if feed is None or feed.sharded is not sharded:
-        feed = per_model[id(sharded)] = ShardFeed(strategy, sharded)
-    return feed
+    """The feed of (model, sharded dataset), one per strategy: its ps variables are made once."""
+    return strategy.parts.ledgers.feed_for(model, sharded, lambda: ShardFeed(strategy, sharded))
 
 
 def _steps_per_execution(model) -> int:
@@ -91,7 +83,7 @@ class ShardTrainFunction:
 
     def __init__(self, model, strategy, feed: ShardFeed):
         self._strategy = strategy
-        self._feed = feed
+        self._feed = self.feed = feed  # `feed`: for BackupAndRestore (`active_feed`)
         self._model_ref = model_ref = weakref.ref(model)
 
         def step(batch):
@@ -208,7 +200,6 @@ def fit(stock, model, strategy, a: dict, forwarded: dict, make_callbacks, batche
                          "psclient.data.ShardedDataset as `x`. Expected a list of callbacks.")
     forwarded = dict(forwarded, callbacks=make_callbacks(train_function, callbacks + [_Epochs()], batches,
                                                          train_function.batch_index))
-    _active[model] = feed
     ok = False
     try:
         # An endless stand-in for the data: each step's shard comes from the ledger.
@@ -222,7 +213,6 @@ def fit(stock, model, strategy, a: dict, forwarded: dict, make_callbacks, batche
         restore_cause(error)
         raise
     finally:
-        _active.pop(model, None)
         if not ok:
             train_function.abandon()
         model.train_function = previous

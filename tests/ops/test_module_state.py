@@ -22,7 +22,6 @@ _LITERALS = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetCom
 
 PROCESS = "process-wide: "
 WEAK = "weakly keyed by an object psclient does not own (a TF graph or trace, a Keras model): dies with it"
-PER_STRATEGY = "per strategy, keyed weakly by it; to be passed in by the assembly (issue 38 item 2, not done)"
 
 #: "module.name" -> why it is module-level.
 ALLOWED = {
@@ -37,11 +36,8 @@ ALLOWED = {
     "psclient._coordinator.tables.dense_shard._updated": WEAK,
     "psclient._coordinator.training.sync._applied_untracked": WEAK,
     "psclient._coordinator.training.sync._applies": WEAK,
-    "psclient._coordinator.compat._coordinators": PER_STRATEGY,
     "psclient._coordinator.tables.dynamic_tables._local_locks": PROCESS + "the lock of tables made without any "
                                                                 "strategy, one per local device name",
-    "psclient._keras.sharded_fit._feeds": PER_STRATEGY,
-    "psclient._keras.sharded_fit._active": PER_STRATEGY,
 }
 
 

@@ -34,7 +34,7 @@ epoch to `make_dataset` (`shard.epoch`).
 The ledger (`psclient._core.ledger`) records which shards finished; its
 `state()` (with the positions read from the ps) is what a checkpoint saves.
 A lost ps restored from a checkpoint takes the ledger back with the
-variables (`Ledgers.roll_back`, from the recovery thread): the shards done
+variables (`ledgers.Ledgers.roll_back`, from the recovery thread): the shards done
 since are handed out again, and a result that arrives after the roll-back is
 checked against the restored position on the ps (`mark_done`).
 """
@@ -44,7 +44,6 @@ from __future__ import annotations
 import logging
 import random
 import threading
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,7 +57,7 @@ from psclient._core.future import FIRST_COMPLETED, wait
 from psclient._core.ledger import Ledger, Work
 from psclient._core.part_recovery import ledger_positions
 
-__all__ = ["LEDGERS_KEY", "Ledgers", "ShardFeed", "ShardWork"]
+__all__ = ["LEDGERS_KEY", "ShardFeed", "ShardWork"]
 
 #: Where a strategy checkpoint keeps the data ledgers (in its layout, by positions variable).
 LEDGERS_KEY = "data_ledgers"
@@ -127,6 +126,11 @@ class ShardFeed:
     @property
     def sharded(self) -> ShardedDataset:
         return self._sharded
+
+    @property
+    def positions_variable(self) -> tf.Variable:
+        """Its positions on the ps (module doc): its checkpoint key names its ledger in checkpoints."""
+        return self._positions
 
     @property
     def ledger(self) -> Ledger:
@@ -417,77 +421,3 @@ def _records_in(batch):
     if first.shape.rank == 0:
         return tf.constant(1, tf.int64)
     return tf.shape(first, out_type=tf.int64)[0]
-
-
-class Ledgers:
-    """One strategy's data ledgers: its feeds (weakly: a feed the program dropped is not kept),
-    what each checkpoint saves of them, and what a restore or a ps recovery gives back.
-
-    Built with the strategy's parts (`psclient._coordinator.parts`), over its variable store,
-    which names each feed's ledger by its positions variable's checkpoint key.
-    """
-
-    def __init__(self, store):
-        self._store = store
-        self._lock = threading.Lock()
-        self._feeds: "weakref.WeakSet[ShardFeed]" = weakref.WeakSet()
-        # Ledgers restored by strategy.restore() whose feed is not created yet, by positions variable key.
-        self._restored: dict = {}
-
-    def add(self, feed: ShardFeed) -> None:
-        """A new feed; created after strategy.restore() (fit creates its feed), it takes the ledger saved for it."""
-        with self._lock:
-            self._feeds.add(feed)
-            saved = self._restored.pop(self.key_of(feed), None) if self._restored else None
-        if saved is not None:
-            feed.load(saved)
-
-    def key_of(self, feed: ShardFeed, variables: dict | None = None) -> str | None:
-        """The checkpoint key of `feed`'s positions variable (its creation index), which names its ledger."""
-        variables = self._store.named() if variables is None else variables
-        return next((key for key, v in variables.items() if v is feed._positions), None)  # noqa: SLF001 - this module's
-
-    def _each(self) -> list:
-        with self._lock:
-            return list(self._feeds)
-
-    def meta(self, variables: dict) -> dict | None:
-        """What a strategy checkpoint of `variables` saves of the data ledgers (recovery thread,
-        between closures): each feed's state by its positions variable's key, plus restored
-        ledgers whose feed does not exist yet. None without any."""
-        with self._lock:
-            ledgers = dict(self._restored)
-        for feed in self._each():
-            key = self.key_of(feed, variables)
-            if key is not None:
-                ledgers[key] = feed.state()
-        return {LEDGERS_KEY: ledgers} if ledgers else None
-
-    def restore(self, saved: dict) -> int:
-        """Hand the ledgers of a restored strategy checkpoint to their feeds: those that exist now
-        load theirs at once (`LedgerMismatchError` for other shards); the others when created."""
-        pending = dict(saved)
-        for feed in self._each():
-            key = self.key_of(feed)
-            if key in pending:
-                feed.load(pending.pop(key))
-        with self._lock:
-            self._restored = pending
-        return len(saved)
-
-    def roll_back(self, meta: dict | None, lost: frozenset | None = None) -> None:
-        """A lost ps was restored from a checkpoint with `meta` (recovery thread): every feed
-        goes back to that checkpoint's ledger, as its variables did. With `lost`, only those
-        ps were restored (`ps_recovery="part"`): the ledgers keep what is done
-        (`ShardFeed.keep_through_part_restore`)."""
-        saved = (meta or {}).get(LEDGERS_KEY, {})
-        for feed in self._each():
-            if lost is not None:
-                feed.keep_through_part_restore(lost)
-            else:
-                feed.roll_back(saved.get(self.key_of(feed)))
-
-    def stats(self) -> dict:
-        """`strategy.stats()["data"]`: every feed's ledger stats, and their replayed records together."""
-        feeds = [feed.stats() for feed in self._each()]
-        return {"feeds": feeds, "replayed_records": sum(f["replayed_records"] for f in feeds)}
