@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 __all__ = [
     "ChildError",
@@ -45,6 +45,7 @@ __all__ = [
     "print_json",
     "quiet_tf_env",
     "run_child",
+    "run_parent",
     "stop_on_sigterm",
     "task_usage",
 ]
@@ -257,6 +258,23 @@ def stop_on_sigterm() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def run_parent(parent_main: Callable[[Any, list[str]], int], args: Any, script: str,
+               argv: Sequence[str]) -> int:
+    """Runs a benchmark's parent: `parent_main(args, command)`, `command` being
+    `["benchmarks/<script's file name>", *argv]` (what `environment` records).
+
+    Ctrl-C (KeyboardInterrupt) ends it with 130, the shell's status for SIGINT,
+    and a line on stderr instead of a traceback: by the time the interrupt gets
+    here, the parent's `with` and `finally` blocks have stopped its clusters,
+    and `run_child` has killed and reaped the child it was waiting for.
+    """
+    try:
+        return parent_main(args, [f"benchmarks/{os.path.basename(script)}", *argv])
+    except KeyboardInterrupt:
+        log("interrupted: the clusters and subprocesses it started were stopped")
+        return 130
 
 
 # ----------------------------------------------------------------- stalls
