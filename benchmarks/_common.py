@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 __all__ = [
     "ChildError",
@@ -37,6 +37,7 @@ __all__ = [
     "environment",
     "LoopbackBytes",
     "exit_with_parent",
+    "Heartbeat",
     "local_cluster",
     "log",
     "machine_busy_seconds",
@@ -44,6 +45,7 @@ __all__ = [
     "print_json",
     "quiet_tf_env",
     "run_child",
+    "run_parent",
     "stop_on_sigterm",
     "task_usage",
 ]
@@ -256,6 +258,57 @@ def stop_on_sigterm() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def run_parent(parent_main: Callable[[Any, list[str]], int], args: Any, script: str,
+               argv: Sequence[str]) -> int:
+    """Runs a benchmark's parent: `parent_main(args, command)`, `command` being
+    `["benchmarks/<script's file name>", *argv]` (what `environment` records).
+
+    Ctrl-C (KeyboardInterrupt) ends it with 130, the shell's status for SIGINT,
+    and a line on stderr instead of a traceback: by the time the interrupt gets
+    here, the parent's `with` and `finally` blocks have stopped its clusters,
+    and `run_child` has killed and reaped the child it was waiting for.
+    """
+    try:
+        return parent_main(args, [f"benchmarks/{os.path.basename(script)}", *argv])
+    except KeyboardInterrupt:
+        log("interrupted: the clusters and subprocesses it started were stopped")
+        return 130
+
+
+# ----------------------------------------------------------------- stalls
+class Heartbeat:
+    """A thread that ticks every 20 ms; `longest` is the longest gap between ticks:
+    the longest time this process let none of its Python threads run.
+
+    TF calls that block inside C++ with the GIL held stop every Python thread of
+    the process, this one's too. Used as `with Heartbeat() as beat: ...`; the
+    thread is stopped and joined on leaving the block. (tests/_heartbeat.py uses
+    this one too.)
+    """
+
+    def __init__(self):
+        self.longest = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def _run(self):
+        last = time.monotonic()
+        # Event.wait releases the GIL; a gap longer than the period means the
+        # process did not let this thread run.
+        while not self._stop.wait(0.02):
+            now = time.monotonic()
+            self.longest = max(self.longest, now - last)
+            last = now
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(5)
 
 
 # ------------------------------------------------------------ bytes moved

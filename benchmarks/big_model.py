@@ -396,11 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--phases takes {', '.join(PHASES)}, in order. Received: {args.phases!r}.")
     if args.sizes_mib and not all(s.strip().isdigit() and int(s) > 0 for s in args.sizes_mib.split(",")):
         parser.error(f"--sizes-mib must be comma-separated integers >= 1. Received: {args.sizes_mib!r}.")
-    try:
-        return parent_main(args, ["benchmarks/big_model.py", *argv])
-    except KeyboardInterrupt:
-        _common.log("interrupted: the cluster and every subprocess were stopped")
-        return 130
+    return _common.run_parent(parent_main, args, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -376,11 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("saves", "restores"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be an integer >= 1. Received: {getattr(args, name)}.")
-    try:
-        return parent_main(args, ["benchmarks/big_model_checkpoint.py", *argv])
-    except KeyboardInterrupt:
-        _common.log("interrupted: the cluster and every subprocess were stopped")
-        return 130
+    return _common.run_parent(parent_main, args, __file__, argv)
 
 
 if __name__ == "__main__":

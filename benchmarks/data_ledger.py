@@ -220,7 +220,7 @@ def main(argv=None) -> int:
         args.cluster_json = json.loads(args.cluster_json)
         child_main(args)
         return 0
-    return parent_main(args, ["benchmarks/data_ledger.py", *argv])
+    return _common.run_parent(parent_main, args, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -415,11 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--seconds must be a number > 0. Received: {args.seconds}.")
     if args.rows and not all(r.strip().isdigit() and int(r) > 0 for r in args.rows.split(",")):
         parser.error(f"--rows must be comma-separated integers >= 1. Received: {args.rows!r}.")
-    try:
-        return parent_main(args, ["benchmarks/embeddings.py", *argv])
-    except KeyboardInterrupt:
-        _common.log("interrupted: the cluster and every subprocess were stopped")
-        return 130
+    return _common.run_parent(parent_main, args, __file__, argv)
 
 
 if __name__ == "__main__":

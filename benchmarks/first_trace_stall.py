@@ -40,33 +40,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import environment, log, print_json, quiet_tf_env  # noqa: E402
+from _common import Heartbeat, environment, log, print_json, quiet_tf_env  # noqa: E402
 
 MODES = ("psclient", "streaming-trace", "streaming-trace-threads")
-
-
-class Heartbeat:
-    """Ticks every 20 ms; `longest` is the longest gap between ticks."""
-
-    def __init__(self):
-        self.longest = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
-
-    def _run(self):
-        last = time.monotonic()
-        while not self._stop.wait(0.02):
-            now = time.monotonic()
-            self.longest = max(self.longest, now - last)
-            last = now
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(5)
 
 
 def _resume_later(pid: int, seconds: float) -> subprocess.Popen:

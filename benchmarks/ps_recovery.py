@@ -518,11 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
         parser.error(f"--modes must be a comma-separated subset of {','.join(MODES)}. Received: {args.modes!r}.")
-    try:
-        return parent_main(args, ["benchmarks/ps_recovery.py", *argv])
-    except KeyboardInterrupt:
-        _common.log("interrupted: every subprocess and its cluster were stopped")
-        return 130
+    return _common.run_parent(parent_main, args, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -289,7 +289,23 @@ def _default_keep_alive() -> int:
     return 600  # TensorFlow's (tensorflow/python/eager/context.py); psclient sets none
 
 
+def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
+    output = {"config": {**_common.environment(argv), **{k: v for k, v in vars(args).items()
+                                                         if k not in ("child", "cluster", "task_pids")},
+                         "keep_alive_s": args.keep_alive if args.keep_alive is not None
+                         else _default_keep_alive()}}
+    with _common.stop_on_sigterm():
+        modes = ("shutdown", "kill") if args.mode == "both" else (args.mode,)
+        for mode in modes:
+            output[mode] = run_mode(mode, args)
+        if args.pause_check:
+            output["pause_check"] = pause_check(args)
+    _common.print_json(output)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--coordinators", type=int, default=50)
     parser.add_argument("--mode", choices=("shutdown", "kill", "both", "pause"), default="both")
@@ -322,22 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"Invalid value for argument `--{name}`. Received: {getattr(args, name)}. "
                          "Expected an integer >= 1.")
-    output = {"config": {**_common.environment(sys.argv), **{k: v for k, v in vars(args).items()
-                                                             if k not in ("child", "cluster", "task_pids")},
-                         "keep_alive_s": args.keep_alive if args.keep_alive is not None
-                         else _default_keep_alive()}}
-    with _common.stop_on_sigterm():
-        try:
-            modes = ("shutdown", "kill") if args.mode == "both" else (args.mode,)
-            for mode in modes:
-                output[mode] = run_mode(mode, args)
-            if args.pause_check:
-                output["pause_check"] = pause_check(args)
-        except KeyboardInterrupt:
-            _common.log("interrupted: the cluster and every subprocess were stopped")
-            return 130
-    _common.print_json(output)
-    return 0
+    return _common.run_parent(parent_main, args, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -311,11 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                         ("--workers", args.workers), ("--ps", args.ps)):
         if value < 1:
             parser.error(f"{flag} must be >= 1. Received: {value}.")
-    try:
-        return parent_main(args, ["benchmarks/step_cpu.py", *argv])
-    except KeyboardInterrupt:
-        _common.log("interrupted: the cluster and every subprocess were stopped")
-        return 130
+    return _common.run_parent(parent_main, args, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -303,11 +303,7 @@ def main(argv=None) -> int:
         except BaseException:
             traceback.print_exc()
             _common.child_exit(None, status=1)
-    try:
-        return parent_main(args, ["benchmarks/sync_vs_async.py", *argv])
-    except KeyboardInterrupt:
-        _common.log("interrupted: the cluster and every subprocess were stopped")
-        return 130
+    return _common.run_parent(parent_main, args, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,11 @@ from __future__ import annotations
 import importlib.util
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _paths import ROOT_STR
 
 
 def example_path(name: str) -> str:
-    return os.path.join(ROOT, "examples", name)
+    return os.path.join(ROOT_STR, "examples", name)
 
 
 def load_example(name: str):

@@ -1,6 +1,5 @@
 """Coordinator restart: a training script killed mid-run resumes from its checkpoint."""
 
-from _paths import ROOT
 import json
 import os
 import signal
@@ -8,6 +7,7 @@ import sys
 
 import pytest
 from _child_runs import run_and_read_events
+from _paths import ROOT
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 

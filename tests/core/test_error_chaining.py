@@ -9,11 +9,11 @@ Static: no cluster, no TensorFlow.
 
 from __future__ import annotations
 
-from _paths import ROOT
 import ast
 import pathlib
 
-ROOT = ROOT
+from _paths import ROOT
+
 PACKAGE = ROOT / "psclient"
 
 

@@ -1,10 +1,7 @@
 """The data ledger across a coordinator SIGKILLed mid-epoch (strategy checkpoints) and a hung
 worker (SIGSTOP): records counted on the ps, each at least once, twice only when in flight."""
 
-from _paths import TESTS
-import os
 import signal
-import sys
 import threading
 import time
 
@@ -14,11 +11,10 @@ import tensorflow as tf
 
 import psclient
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+from _ledger_restart_child import BATCH, N, SHARD
+from _ledger_runs import run_coordinator, write_cluster_file
 
-sys.path.insert(0, str(TESTS))
-from _ledger_restart_child import BATCH, N, SHARD  # noqa: E402
-from _ledger_runs import run_coordinator, write_cluster_file  # noqa: E402
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
 
 @pytest.fixture()

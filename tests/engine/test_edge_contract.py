@@ -11,10 +11,8 @@ Two checks, no cluster:
 
 from __future__ import annotations
 
-from _paths import ROOT
 import ast
 import inspect
-import pathlib
 import sys
 import typing
 
@@ -22,7 +20,8 @@ import pytest
 
 from psclient._engine import edge as edge_module
 
-ROOT = ROOT
+from _paths import ROOT
+
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 # How each protocol's object is named inside psclient/_engine (attribute or parameter names).

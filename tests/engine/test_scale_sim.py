@@ -10,14 +10,13 @@ scheduler's join and on bounded polls of counters, with generous limits.
 
 from __future__ import annotations
 
-from _paths import ROOT
-import pathlib
 import sys
 import threading
 import time
 
 import pytest
 
+from _paths import ROOT
 from _polling import wait_for
 
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -10,7 +10,6 @@ Bounds are tolerant: this machine is shared and loaded, so every rate is
 compared with one measured beside it, never with a constant.
 """
 
-from _paths import ROOT
 import json
 import math
 import os
@@ -26,7 +25,7 @@ from psclient._cluster.local import LocalCluster
 from psclient._cluster.throttle import Throttler, check_fraction, check_period
 from psclient._cluster.throttle_helper import duty_cycle, phase
 
-ROOT = str(ROOT)
+from _paths import ROOT_STR
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -280,7 +279,7 @@ sys.stdin.read()  # Until killed.
 
 @pytest.mark.cluster
 def test_nothing_outlives_a_sigkilled_owner():
-    owner = subprocess.Popen([sys.executable, "-c", _OWNER.format(root=ROOT)], stdin=subprocess.PIPE,
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER.format(root=ROOT_STR)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, start_new_session=True)
     pids = []
     try:

@@ -5,7 +5,6 @@ at least 195 over the last 100 episodes (a uniformly random policy scores
 about 22), within the example's update budget.
 """
 
-from _paths import ROOT
 import json
 import os
 import subprocess
@@ -13,15 +12,16 @@ import sys
 
 import pytest
 
-_ROOT = str(ROOT)
-_EXAMPLE = os.path.join(_ROOT, "examples", "actor_learner.py")
+from _paths import ROOT_STR
+
+_EXAMPLE = os.path.join(ROOT_STR, "examples", "actor_learner.py")
 
 pytestmark = [pytest.mark.cluster]
 
 
 @pytest.mark.timeout(300)
 def test_actor_learner_reaches_the_stated_return(tmp_path):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=_ROOT)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT_STR)
     result = subprocess.run(
         [sys.executable, _EXAMPLE, "--workers", "2", "--envs", "16", "--max-updates", "400", "--seed", "0",
          "--json", str(tmp_path / "summary.json")],

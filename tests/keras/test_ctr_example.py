@@ -9,7 +9,6 @@ than 3 standard errors of an AUC on this test set, and not beat the true
 model by more than 3 standard errors (that would mean a leak, not learning).
 """
 
-from _paths import ROOT
 import json
 import os
 import subprocess
@@ -19,9 +18,9 @@ import numpy as np
 import pytest
 
 from _examples import load_example
+from _paths import ROOT_STR
 
-_ROOT = str(ROOT)
-_EXAMPLE = os.path.join(_ROOT, "examples", "ctr_embeddings.py")
+_EXAMPLE = os.path.join(ROOT_STR, "examples", "ctr_embeddings.py")
 
 #: The share of the (true model - dense only) AUC gap a small run must close.
 #: Why a quarter: ids seen only a few times in training cannot be learned, so
@@ -56,7 +55,7 @@ def test_auc_is_the_mann_whitney_statistic():
 
 @pytest.mark.timeout(400)
 def test_ctr_example_beats_the_dense_only_baseline(tmp_path):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=_ROOT)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT_STR)
     result = subprocess.run(
         [sys.executable, _EXAMPLE, *SMALL, "--verbose", "0", "--json", str(tmp_path / "summary.json")],
         capture_output=True, text=True, timeout=380, env=env,

@@ -3,7 +3,6 @@ LocalCluster(2 workers, 2 ps), which must print both models' AUCs and the dynami
 
 from __future__ import annotations
 
-from _paths import ROOT
 import json
 import os
 import subprocess
@@ -13,9 +12,9 @@ import numpy as np
 import pytest
 
 from _examples import load_example
+from _paths import ROOT_STR
 
-_ROOT = str(ROOT)
-_EXAMPLE = os.path.join(_ROOT, "examples", "ctr_dynamic.py")
+_EXAMPLE = os.path.join(ROOT_STR, "examples", "ctr_dynamic.py")
 
 
 def _example():
@@ -60,8 +59,8 @@ def test_tiny_run_prints_aucs_and_table_stats(tmp_path):
     out = tmp_path / "summary.json"
     argv = [sys.executable, _EXAMPLE, "--segments", "1", "--examples-per-segment", "1500", "--test-examples", "600",
             "--window", "100", "--rows", str(rows), "--batch-size", "128", "--json", str(out)]
-    env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=280, env=env, cwd=_ROOT)
+    env = dict(os.environ, PYTHONPATH=ROOT_STR + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=280, env=env, cwd=ROOT_STR)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert any(line.startswith("part 0: AUC dynamic") for line in lines)

@@ -8,7 +8,6 @@ kills what it started and exits with 130. tests/ops/test_exposure.py runs the
 whole demo and interrupts it.
 """
 
-from _paths import ROOT
 import os
 import signal
 import subprocess
@@ -19,7 +18,7 @@ import pytest
 
 from psclient._keras.trainer import result_or_first_error
 
-ROOT = str(ROOT)
+from _paths import ROOT_STR
 
 
 class _Strategy:
@@ -79,8 +78,8 @@ with _demo._InterruptDeadline(float(sys.argv[1])) as deadline:
 
 
 def test_the_demos_clean_up_after_an_interrupt_is_bounded():
-    process = subprocess.Popen([sys.executable, "-c", _STUCK_CLEAN_UP, "1.0"], cwd=ROOT, text=True,
-                               stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT))
+    process = subprocess.Popen([sys.executable, "-c", _STUCK_CLEAN_UP, "1.0"], cwd=ROOT_STR, text=True,
+                               stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT_STR))
     try:
         sleeper = int(process.stdout.readline())
         process.send_signal(signal.SIGINT)

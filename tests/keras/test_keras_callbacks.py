@@ -1,6 +1,5 @@
 """Keras callbacks in a model.fit on the cluster, and resuming a killed coordinator."""
 
-from _paths import ROOT
 import csv
 import json
 import os
@@ -10,6 +9,8 @@ import sys
 
 import numpy as np
 import pytest
+
+from _paths import ROOT
 
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")

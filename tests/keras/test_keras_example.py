@@ -1,6 +1,5 @@
 """examples/keras_fit.py trains to its target accuracy, offline."""
 
-from _paths import ROOT
 import os
 import re
 import subprocess
@@ -8,12 +7,13 @@ import sys
 
 import pytest
 
-_ROOT = str(ROOT)
-_EXAMPLE = os.path.join(_ROOT, "examples", "keras_fit.py")
+from _paths import ROOT_STR
+
+_EXAMPLE = os.path.join(ROOT_STR, "examples", "keras_fit.py")
 
 
 def _run(args, tmp_path):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=_ROOT)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT_STR)
     return subprocess.run(
         [sys.executable, _EXAMPLE, "--verbose", "0", "--out", str(tmp_path), *args],
         capture_output=True, text=True, timeout=400, env=env,
@@ -42,7 +42,7 @@ def test_keras_fit_example_mnist_path_with_mock_data(tmp_path):
         f"    sys.argv = [{_EXAMPLE!r}] + sys.argv[1:]\n"
         f"    runpy.run_path({_EXAMPLE!r}, run_name='__main__')\n"
     )
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=_ROOT)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT_STR)
     result = subprocess.run(
         [sys.executable, str(wrapper), "--data", "mnist", "--epochs", "1", "--target", "0",
          "--verbose", "0", "--out", str(tmp_path / "out")],

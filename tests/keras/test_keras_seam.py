@@ -4,12 +4,13 @@ exists in the installed Keras, and a missing one is a loud error. No cluster.
 
 from __future__ import annotations
 
-from _paths import ROOT
 import ast
 import inspect
 import pathlib
 
 import pytest
+
+from _paths import ROOT
 
 keras = pytest.importorskip("keras")
 

@@ -8,7 +8,6 @@ local Keras first, then the same model on the cluster, in the same process, comp
 Its CSVs are read by relative paths from a working directory that is not the cluster tasks'.
 """
 
-from _paths import ROOT
 import json
 import os
 import subprocess
@@ -17,8 +16,9 @@ import sys
 import numpy as np
 import pytest
 
-_ROOT = str(ROOT)
-_CHILD = os.path.join(_ROOT, "tests", "_published_patterns_child.py")
+from _paths import ROOT_STR
+
+_CHILD = os.path.join(ROOT_STR, "tests", "_published_patterns_child.py")
 #: Asynchronous updates from two workers: a final accuracy this close to local Keras's.
 ACCURACY_TOLERANCE = 0.1
 
@@ -43,7 +43,7 @@ def published_run(local_cluster, tmp_path_factory):
         _write_csv(data / name, rows, seed)
     # No "chief": this process may hold that port already (TF never releases it).
     jobs = {job: list(addresses) for job, addresses in local_cluster.cluster.jobs.items() if job != "chief"}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT_STR, os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, _CHILD, json.dumps(jobs)], cwd=data, env=env,
                          capture_output=True, text=True, timeout=900)
     lines = [line for line in run.stdout.splitlines() if line.startswith("{")]

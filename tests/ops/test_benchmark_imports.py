@@ -6,14 +6,13 @@ someone next runs them. The imports are read from the source (also those
 inside functions), so nothing here starts a cluster.
 """
 
-from _paths import ROOT
 import ast
 import importlib
-import pathlib
 
 import pytest
 
-ROOT = ROOT
+from _paths import ROOT
+
 SCRIPTS = sorted([*ROOT.glob("benchmarks/*.py"), *ROOT.glob("examples/*.py")])
 
 

@@ -1,6 +1,5 @@
 """The `psclient` command line: help with examples, argument errors, and `psclient evaluate` as a job."""
 
-from _paths import ROOT
 import importlib.util
 import json
 import os
@@ -9,14 +8,15 @@ import sys
 
 import pytest
 
-ROOT = str(ROOT)
-EXAMPLE = os.path.join(ROOT, "examples", "launch_train.py")
+from _paths import ROOT_STR
+
+EXAMPLE = os.path.join(ROOT_STR, "examples", "launch_train.py")
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def psclient(*args, timeout=120, cwd=ROOT):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+def psclient(*args, timeout=120, cwd=ROOT_STR):
+    env = dict(os.environ, PYTHONPATH=ROOT_STR)
     env.pop("TF_CONFIG", None)
     return subprocess.run([sys.executable, "-m", "psclient", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd, env=env)

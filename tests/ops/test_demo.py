@@ -1,6 +1,5 @@
 """`psclient demo` end to end: a real cluster, model.fit, the sidecar evaluator in its own process."""
 
-from _paths import ROOT
 import json
 import os
 import re
@@ -10,18 +9,18 @@ import time
 
 import pytest
 
-ROOT = str(ROOT)
+from _paths import ROOT_STR
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
 def test_demo_trains_evaluates_and_prints_where_everything_is(tmp_path, capsys):
     pytest.importorskip("sklearn")
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=ROOT_STR)
     env.pop("TF_CONFIG", None)
     start = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "psclient", "demo", "--workdir", str(tmp_path), "--epochs", "4"],
-                            capture_output=True, text=True, timeout=280, cwd=ROOT, env=env)
+                            capture_output=True, text=True, timeout=280, cwd=ROOT_STR, env=env)
     elapsed = time.monotonic() - start
     with capsys.disabled():
         print(f"\npsclient demo --epochs 4 took {elapsed:.1f} s")

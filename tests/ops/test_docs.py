@@ -8,7 +8,6 @@ its links are checked here, and its ```python blocks are run, each in a fresh
 interpreter, unless the line before the block is `<!-- not run -->`.
 """
 
-from _paths import ROOT
 import os
 import re
 import shutil
@@ -19,9 +18,10 @@ import pytest
 import yaml
 from markdown.extensions.toc import slugify
 
-_ROOT = str(ROOT)
-_DOCS = os.path.join(_ROOT, "docs")
-_README = os.path.join(_ROOT, "README.md")
+from _paths import ROOT_STR
+
+_DOCS = os.path.join(ROOT_STR, "docs")
+_README = os.path.join(ROOT_STR, "README.md")
 _NOT_RUN = "<!-- not run -->"
 # Fenced blocks: the info string (language) and the body.
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
@@ -39,7 +39,7 @@ def _build(config_file, site_dir):
 
 
 def test_site_builds_strictly(tmp_path):
-    result = _build(os.path.join(_ROOT, "mkdocs.yml"), tmp_path / "site")
+    result = _build(os.path.join(ROOT_STR, "mkdocs.yml"), tmp_path / "site")
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "index.html").is_file()
     assert (tmp_path / "site" / "fault_tolerance" / "index.html").is_file()
@@ -49,7 +49,7 @@ def test_a_broken_link_fails_the_strict_build(tmp_path):
     # Guards mkdocs.yml's validation settings: without them a broken anchor is only INFO.
     copy = tmp_path / "repo"
     shutil.copytree(_DOCS, copy / "docs")
-    shutil.copy(os.path.join(_ROOT, "mkdocs.yml"), copy / "mkdocs.yml")
+    shutil.copy(os.path.join(ROOT_STR, "mkdocs.yml"), copy / "mkdocs.yml")
     with open(copy / "docs" / "api.md", "a") as f:
         f.write("\nSee [nowhere](fault_tolerance.md#no-such-section).\n")
     result = _build(str(copy / "mkdocs.yml"), tmp_path / "site")
@@ -67,7 +67,7 @@ def _nav_pages(nav):
 
 
 def test_every_page_is_in_the_nav_and_every_nav_entry_exists():
-    with open(os.path.join(_ROOT, "mkdocs.yml")) as f:
+    with open(os.path.join(ROOT_STR, "mkdocs.yml")) as f:
         nav = set(_nav_pages(yaml.safe_load(f)["nav"]))
     pages = {name for name in os.listdir(_DOCS) if name.endswith(".md")}
     assert pages - nav == set(), "pages missing from mkdocs.yml's nav"
@@ -86,7 +86,7 @@ def test_readme_links_point_at_files_and_headings_that_exist():
     assert links, "the README links to its docs pages"
     for link in links:
         path, _, anchor = link.partition("#")
-        target = os.path.join(_ROOT, path)
+        target = os.path.join(ROOT_STR, path)
         assert os.path.exists(target), f"README links to {path}, which does not exist"
         if anchor:
             assert anchor in _headings(target), f"README links to #{anchor}, not a heading of {path}"
@@ -97,7 +97,7 @@ def test_no_work_item_numbers_in_the_docs():
     for path in paths:
         with open(path) as f:
             found = _WORK_ITEM.findall(f.read())
-        assert not found, f"{os.path.relpath(path, _ROOT)} names work items: {found}"
+        assert not found, f"{os.path.relpath(path, ROOT_STR)} names work items: {found}"
 
 
 def readme_python_blocks():
@@ -125,7 +125,7 @@ def test_the_readme_marks_blocks_that_are_not_run():
 @pytest.mark.parametrize("index", range(len(readme_python_blocks())))
 def test_readme_python_block_runs(index, tmp_path):
     code = readme_python_blocks()[index]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=_ROOT)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT_STR)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=240, cwd=tmp_path, env=env)
     assert result.returncode == 0, f"README python block {index} failed:\n{result.stderr[-4000:]}"

@@ -12,7 +12,6 @@ Needs root and `ip`; the namespace and the veth are removed afterwards.
 Traffic goes only to loopback and to the namespace made here.
 """
 
-from _paths import ROOT
 import json
 import os
 import queue
@@ -27,7 +26,7 @@ import time
 import psutil
 import pytest
 
-ROOT = str(ROOT)
+from _paths import ROOT_STR
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -180,7 +179,7 @@ def run_child():
 
     def start(argv, **kwargs):
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, start_new_session=True, cwd=ROOT, **kwargs)
+                                   text=True, start_new_session=True, cwd=ROOT_STR, **kwargs)
         lines = _Lines(process)
         started.append((process, lines))
         return process, lines

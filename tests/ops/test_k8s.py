@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-from _paths import ROOT
 import argparse
 import os
 import re
@@ -39,19 +38,20 @@ from psclient._cluster.k8s import (
 )
 from psclient._cluster.spec import cluster_from_config, read_tf_config, task_from_config
 
+from _paths import ROOT_STR
+
 yaml = pytest.importorskip("yaml", reason="PyYAML (the k8s/test extra) is not installed")
 
-ROOT = str(ROOT)
 OLDEST_SUPPORTED = "1.28"
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def psclient(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=ROOT_STR)
     env.pop("TF_CONFIG", None)
     return subprocess.run([sys.executable, "-m", "psclient", *args], capture_output=True, text=True, check=False,
-                          timeout=60, cwd=ROOT, env=env)
+                          timeout=60, cwd=ROOT_STR, env=env)
 
 
 JOBS = {
@@ -351,10 +351,10 @@ def test_psclient_serve_accepts_a_worker_pods_environment():
     the pod's DNS name does not resolve here), not an argument error (exit 2)."""
     docs = manifests(JOBS["plain"])
     pod = next(p for p in _pods(docs) if p[0] == "mnist-worker-2")
-    env = dict(os.environ, PYTHONPATH=ROOT, **_environment(pod[4]["containers"][0], pod[3]))
+    env = dict(os.environ, PYTHONPATH=ROOT_STR, **_environment(pod[4]["containers"][0], pod[3]))
     command = pod[4]["containers"][0]["command"]  # the pod's own: psclient serve --peer-hosts ...
     result = subprocess.run([sys.executable, "-m", "psclient", *command[1:]], capture_output=True, text=True,
-                            check=False, timeout=60, cwd=ROOT, env=env)
+                            check=False, timeout=60, cwd=ROOT_STR, env=env)
     assert result.returncode == 1, result.stderr
     assert "cannot start worker:2 at mnist-worker-2.mnist:2222" in result.stderr
 
@@ -366,9 +366,9 @@ def test_a_worker_pod_scaled_beyond_the_cluster_is_refused():
     docs = manifests(JOBS["plain"])
     pod = next(p for p in _pods(docs) if p[0] == "mnist-worker-0")
     labels = dict(pod[3], **{POD_INDEX_LABEL: "3"})  # what a 4th replica would carry
-    env = dict(os.environ, PYTHONPATH=ROOT, **_environment(pod[4]["containers"][0], labels))
+    env = dict(os.environ, PYTHONPATH=ROOT_STR, **_environment(pod[4]["containers"][0], labels))
     result = subprocess.run([sys.executable, "-m", "psclient", "serve"], capture_output=True, text=True, check=False,
-                            timeout=60, cwd=ROOT, env=env)
+                            timeout=60, cwd=ROOT_STR, env=env)
     assert result.returncode == 2, result.stderr
     assert "Received: 3. Expected an integer in 0..2: the cluster has 3 worker task(s)" in result.stderr
 
@@ -483,9 +483,9 @@ def test_a_worker_pod_scaled_up_to_max_workers_finds_itself_and_the_chief_starts
     # the DNS name does not resolve here); a 5th, past --max-workers, is an argument error.
     for index, status, message in ((3, 1, "cannot start worker:3 at mnist-worker-3.mnist:2222"),
                                    (4, 2, "Received: 4. Expected an integer in 0..3")):
-        env = dict(os.environ, PYTHONPATH=ROOT, **_scaled_pod_env(ELASTIC, index))
+        env = dict(os.environ, PYTHONPATH=ROOT_STR, **_scaled_pod_env(ELASTIC, index))
         result = subprocess.run([sys.executable, "-m", "psclient", "serve"], capture_output=True, text=True,
-                                check=False, timeout=60, cwd=ROOT, env=env)
+                                check=False, timeout=60, cwd=ROOT_STR, env=env)
         assert result.returncode == status, result.stderr
         assert message in result.stderr
 

@@ -1,6 +1,5 @@
 """`psclient launch` with real processes: a LocalCluster, a script, an evaluator, signals."""
 
-from _paths import ROOT
 import importlib.util
 import json
 import os
@@ -15,8 +14,9 @@ import time
 import psutil
 import pytest
 
-ROOT = str(ROOT)
-EXAMPLE = os.path.join(ROOT, "examples", "launch_train.py")
+from _paths import ROOT_STR
+
+EXAMPLE = os.path.join(ROOT_STR, "examples", "launch_train.py")
 PY = sys.executable
 LINE_TIMEOUT = 120  # Cluster start-up plus TensorFlow imports, on a busy 2-core machine.
 
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
 def child_env():
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=ROOT_STR)
     env.pop("TF_CONFIG", None)
     return env
 
@@ -35,7 +35,7 @@ class Launch:
     def __init__(self, *args):
         self.process = subprocess.Popen(
             [PY, "-m", "psclient", "launch", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, cwd=ROOT, env=child_env(), start_new_session=True,
+            text=True, cwd=ROOT_STR, env=child_env(), start_new_session=True,
         )
         self.lines = []
         self._queue = queue.Queue()

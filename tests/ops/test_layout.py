@@ -8,18 +8,17 @@ limit on modules.
 
 from __future__ import annotations
 
-from _paths import ROOT
 import ast
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from _paths import ROOT
+
 grimp = pytest.importorskip("grimp", reason="import-linter (test extra) is not installed")
 
-ROOT = ROOT
 PACKAGE = ROOT / "psclient"
 MAX_MODULE_LINES = 500
 

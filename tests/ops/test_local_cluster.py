@@ -3,7 +3,6 @@
 Tests on the shared `local_cluster` leave every task running when they finish.
 """
 
-from _paths import ROOT
 import itertools
 import json
 import os
@@ -20,7 +19,7 @@ import psclient._cluster.task_process
 from psclient._cluster.local import LocalCluster
 from psclient._core.errors import TaskUnreachableError
 
-ROOT = str(ROOT)
+from _paths import ROOT_STR
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
@@ -202,7 +201,7 @@ def test_add_worker_starts_a_task_at_a_new_port_owned_like_the_others():
 def test_tasks_exit_when_the_coordinator_is_sigkilled(tmp_path):
     script = f"""
 import json, sys
-sys.path.insert(0, {ROOT!r})
+sys.path.insert(0, {ROOT_STR!r})
 from psclient._cluster.local import LocalCluster
 cluster = LocalCluster(num_workers=2, num_ps=1, log_dir={str(tmp_path)!r})
 print(json.dumps([cluster.pid(job, i) for job, i, _ in cluster.cluster.tasks()]), flush=True)

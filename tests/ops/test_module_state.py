@@ -9,10 +9,10 @@ read-only tables (`types.MappingProxyType`, tuples, frozensets).
 
 from __future__ import annotations
 
-from _paths import ROOT
 import ast
-import pathlib
 import sys
+
+from _paths import ROOT
 
 PACKAGE = ROOT / "psclient"
 

@@ -6,7 +6,6 @@ os.fork child that stays alive, a multiprocessing fork pool), stops one task
 generous bound. Whatever is left is killed in teardown.
 """
 
-from _paths import ROOT
 import json
 import os
 import signal
@@ -17,7 +16,7 @@ import time
 import psutil
 import pytest
 
-ROOT = str(ROOT)
+from _paths import ROOT_STR
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -70,7 +69,7 @@ def _kill(pid):
 def coordinator(tmp_path):
     """The coordinator subprocess, in its own session; teardown kills it, its
     children (its process group) and any task still alive."""
-    script = _COORDINATOR.format(root=ROOT, log_dir=str(tmp_path))
+    script = _COORDINATOR.format(root=ROOT_STR, log_dir=str(tmp_path))
     process = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True, start_new_session=True)
     leftovers = []

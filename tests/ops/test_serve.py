@@ -1,6 +1,5 @@
 """`python -m psclient serve`: one real task process per test, ended by signals."""
 
-from _paths import ROOT
 import json
 import os
 import queue
@@ -13,7 +12,8 @@ import threading
 import portpicker
 import pytest
 
-ROOT = str(ROOT)
+from _paths import ROOT_STR
+
 # TensorFlow's import takes seconds; on a busy machine (load 20 on 2 cores) it
 # took over 60 s: a limit, not the time it takes.
 START_TIMEOUT = 180
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(2 * START_TIMEOUT)
 
 
 def child_env(tf_config=None):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=ROOT_STR)
     env.pop("TF_CONFIG", None)
     if tf_config is not None:
         env["TF_CONFIG"] = json.dumps(tf_config)
@@ -33,7 +33,7 @@ def psclient(*args, env=None, timeout=60):
     """Runs a `psclient` command that is expected to exit by itself."""
     return subprocess.run(
         [sys.executable, "-m", "psclient", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env or child_env(),
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT_STR, env=env or child_env(),
     )
 
 
@@ -44,7 +44,7 @@ class Serve:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "psclient", "serve", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            cwd=ROOT, env=env or child_env(), pass_fds=pass_fds,
+            cwd=ROOT_STR, env=env or child_env(), pass_fds=pass_fds,
         )
         self.lines = []
         self._queue = queue.Queue()
@@ -266,7 +266,7 @@ def test_without_socket_filters_serve_refuses_unless_allow_any_host(tmp_path):
             "sys.exit(main(sys.argv[1:]))\n")
     path = write_json(tmp_path, cluster_jobs())
     result = subprocess.run([sys.executable, "-c", code, "serve", "--job", "ps", "--index", "0", "--cluster", path],
-                            capture_output=True, text=True, timeout=START_TIMEOUT, cwd=ROOT, env=child_env())
+                            capture_output=True, text=True, timeout=START_TIMEOUT, cwd=ROOT_STR, env=child_env())
     assert result.returncode == 1, result.stderr
     assert "cannot start ps:0 closed to other hosts: socket filters need Linux" in result.stderr
     assert "Pass --allow-any-host to run it with its port open to every host" in result.stderr
@@ -286,6 +286,6 @@ def test_a_task_imports_tensorflow_without_keras_and_keras_still_imports():
         "print(keras.optimizers.SGD.__name__)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=START_TIMEOUT,
-                            cwd=ROOT, env=child_env())
+                            cwd=ROOT_STR, env=child_env())
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["[]", "SGD"]

@@ -17,7 +17,6 @@ probes every port:
 Every wait has a deadline; a probe tries each port once (1.5 s timeout).
 """
 
-from _paths import ROOT
 import json
 import os
 import sys
@@ -25,8 +24,8 @@ import sys
 import pytest
 
 import _netns_hosts
+from _paths import ROOT_STR
 
-ROOT = str(ROOT)
 PORT = 2222  # every task on its own host, at the port the docs use
 # TensorFlow's import and start take seconds; on a loaded machine (load 10 on 2
 # cores) over a minute: limits, not the time things take.
@@ -82,9 +81,9 @@ def network():
 
 @pytest.fixture
 def children():
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=ROOT_STR)
     env.pop("TF_CONFIG", None)
-    started = _netns_hosts.Children(env, ROOT)
+    started = _netns_hosts.Children(env, ROOT_STR)
     yield started
     started.close()
 

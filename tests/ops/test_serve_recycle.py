@@ -8,7 +8,6 @@ show them released by the in-place restart, the pid and port kept, and a
 connected coordinator never restarted under, however idle it is.
 """
 
-from _paths import ROOT
 import os
 import signal
 import subprocess
@@ -21,9 +20,9 @@ import psclient
 from psclient._cluster import exposure
 from psclient._cluster.server import context_threads
 
+from _paths import ROOT_STR
 from _polling import wait_for
 
-ROOT = str(ROOT)
 IDLE = 2.0
 RESTART_TIMEOUT = 120  # idle time, then TensorFlow's import in the restarted task, on a busy machine
 
@@ -102,7 +101,7 @@ def run_coordinator(cluster, mode, tmp_path):
     script = tmp_path / "coordinator.py"
     script.write_text(COORDINATOR)
     tf_config = cluster.cluster.to_tf_config("chief", 0)
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=tf_config)
+    env = dict(os.environ, PYTHONPATH=ROOT_STR, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=tf_config)
     result = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True,
                             timeout=240, env=env)
     assert "steps ok" in result.stdout, result.stderr[-3000:]

@@ -1,9 +1,7 @@
 """The dependency range in pyproject.toml is the one psclient is tested with."""
 
-from _paths import ROOT
 import re
 import warnings
-from pathlib import Path
 
 import pytest
 import tensorflow as tf
@@ -11,7 +9,7 @@ import tensorflow as tf
 from psclient._coordinator import connection
 from psclient._keras import seam
 
-ROOT = ROOT
+from _paths import ROOT
 
 
 def _oldest_pins() -> dict[str, str]:

@@ -11,7 +11,6 @@ string-keyed one, the dict layer, `BatchNormalization` and preprocessing layers 
 
 from __future__ import annotations
 
-from _paths import TESTS
 import json
 import os
 import subprocess
@@ -19,6 +18,8 @@ import sys
 
 import numpy as np
 import pytest
+
+from _paths import TESTS
 
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")

@@ -5,7 +5,6 @@ tests/serving/test_serving_deltas.py."""
 
 from __future__ import annotations
 
-from _paths import ROOT
 import gc
 import os
 import subprocess
@@ -13,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+from _paths import ROOT
 from _polling import wait_for
 
 keras = pytest.importorskip("keras")

@@ -5,7 +5,6 @@ rows, a SIGKILLed coordinator resumes, and an export predicts without a cluster 
 
 from __future__ import annotations
 
-from _paths import ROOT, TESTS
 import json
 import os
 import signal
@@ -14,6 +13,8 @@ import sys
 
 import numpy as np
 import pytest
+
+from _paths import ROOT_STR, TESTS_STR
 
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
@@ -24,8 +25,7 @@ from psclient._coordinator.runtime import ps_index_of  # noqa: E402
 from _dynamic_coordinator import CAPACITY, UNKNOWN, data, make_model, probe  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
-HELPER = os.path.join(str(TESTS), "_dynamic_coordinator.py")
-ROOT = str(ROOT)
+HELPER = os.path.join(TESTS_STR, "_dynamic_coordinator.py")
 
 
 @pytest.fixture()
@@ -212,7 +212,7 @@ def test_keras_callbacks_and_the_sidecar_carry_the_rows(local, tmp_path):
 
 
 def _child(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT_STR, os.environ.get("PYTHONPATH", "")]))
     return subprocess.Popen([sys.executable, HELPER, *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=os.path.dirname(HELPER))
 

@@ -5,13 +5,12 @@ process once, so each check runs in a child process that connects to a cluster o
 server alone (no task processes needed) the way psclient's first connection does.
 """
 
-from _paths import ROOT
 import json
 import os
 import subprocess
 import sys
 
-_ROOT = str(ROOT)
+from _paths import ROOT_STR
 
 _SCRIPT = r'''
 import json, portpicker, tensorflow as tf
@@ -49,7 +48,7 @@ print(json.dumps({
 
 
 def test_tables_made_before_the_connection_keep_their_contents(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT_STR, os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True,
                          timeout=300, cwd=tmp_path)
     lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
