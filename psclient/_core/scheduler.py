@@ -69,11 +69,10 @@ class Scheduler:
     what runs where, and which reports are stale: `RunningAttempts`, attempts.py.
     """
 
-    def __init__(self, num_workers: int, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, num_workers: int, *, clock: Callable[[], float] = time.monotonic, lock=None):
         self._clock = clock
-        self._lock = threading.Lock()
-        #: join(): told when nothing is unfinished any more.
-        self._finished = threading.Condition(self._lock)
+        self._lock = threading.Lock() if lock is None else lock  # a test's may hold a thread back
+        self._finished = threading.Condition(self._lock)  # join(): nothing is unfinished any more
         #: wait_idle() / wait_released(): told when running attempts end all at
         #: once (requeued, failed, closed) or the last running one ends.
         self._released = threading.Condition(self._lock)

@@ -4,6 +4,7 @@ import threading
 
 import pytest
 from _polling import wait_for
+from _sequencer import HeldBackLock
 
 from psclient._core.future import Future
 from psclient._core.closure import Closure
@@ -116,20 +117,25 @@ def test_retire_ends_the_threads_waiting_for_that_worker_only():
 
 
 def test_a_wakeup_given_to_a_worker_retired_before_it_took_goes_to_another_worker():
-    s = Scheduler(num_workers=2)
+    lock = HeldBackLock()
+    s = Scheduler(num_workers=2, lock=lock)
     waiting_0, box_0 = take_in_thread(s, 0)
-    # Wait until the thread is listed as waiting, so the submit below wakes it.
-    wait_for(lambda: s.waiting_threads() == (1, 0), 10, "the thread to wait in take()")
-    with s._lock:  # hold the lock: the woken thread cannot take before the retirement
-        c = make()
-        s._queue.append(c)
-        s._unfinished += 1
-        s._wake_locked()
-        s._membership.retire(0)  # what retire_worker does first, before that thread looks
-        s._workers[0].up = False
+    # Worker 0's thread waits first, so the submit below wakes it (the longest idle is woken first).
+    wait_for(lambda: s.waiting_threads() == (1, 0), 10, "worker 0's thread to wait in take()")
+    waiting_1, box_1 = take_in_thread(s, 1, timeout=60)
+    wait_for(lambda: s.waiting_threads() == (2, 0), 10, "worker 1's thread to wait in take()")
+    lock.hold_back(waiting_0)
+    c = make()
+    s.submit(c)  # wakes worker 0's thread, which then waits for the lock at the gate
+    assert lock.arrived.wait(10), "the woken thread never asked for the lock back"
+    s.retire_worker(0, drain=True)  # retired between its wakeup and its look at the queue
+    lock.let_go()
     waiting_0.join(10)
     assert box_0 == [None]
-    assert s.take(1, timeout=0) is c  # not lost in the queue
+    # The wakeup went on to worker 1's thread, which took the closure (it would sleep out its 60 s
+    # and take nothing had the wakeup been dropped with the retired worker).
+    waiting_1.join(10)
+    assert not waiting_1.is_alive() and box_1 == [c]
 
 
 def test_a_late_worker_up_does_not_bring_a_retired_worker_back():
