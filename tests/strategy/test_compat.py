@@ -88,6 +88,19 @@ def test_per_worker_resources_and_fetch_of_structures(strategy):
     assert coordinator.fetch(futures) == {"a": 1, "b": 2, "z": -1}
 
 
+def test_one_coordinator_per_strategy_as_tfs_held_by_the_strategy_weakly(strategy):
+    import gc
+    import weakref
+
+    first = psclient.ClusterCoordinator(strategy)
+    assert psclient.ClusterCoordinator(strategy) is first  # a second call returns the first
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is None  # the strategy does not keep its coordinator alive
+    assert psclient.ClusterCoordinator(strategy).strategy is strategy  # and a new one can be made
+
+
 def test_coordinator_rejects_tf_strategy():
     with pytest.raises(TypeError, match="strategy"):
         psclient.ClusterCoordinator(object())
