@@ -1,0 +1,223 @@
+"""Incremental checkpoints (`delta_checkpoint_every`) on a real LocalCluster (2 workers, 2 ps).
+
+A partitioned `keras.layers.Embedding` (4096 rows: row-diffed) and a Dense layer train in
+phases of STEPS steps, each phase touching its own rows; the strategy writes a full
+checkpoint before the first step, then a delta after each phase. The state at each
+checkpoint is read once training is idle and the checkpoint written (nothing runs then).
+"""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from _polling import wait_for
+
+import psclient
+
+keras = pytest.importorskip("keras")
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
+
+STEPS = 4
+ROWS, DIM = 4096, 32
+TOUCHED = 256  # distinct rows each phase's steps touch (ids of 64 per step)
+partitioners = tf.distribute.experimental.partitioners
+
+
+def build(optimizer_name, seed=1):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((64,), dtype="int32")
+    x = keras.layers.Embedding(ROWS, DIM)(inputs)
+    x = keras.layers.GlobalAveragePooling1D()(x)  # a [DIM, 3] kernel: small, written whole
+    model = keras.Model(inputs, keras.layers.Dense(3)(x))
+    optimizer = {"adagrad": lambda: keras.optimizers.Adagrad(0.1),
+                 "adam": lambda: keras.optimizers.Adam(0.01)}[optimizer_name]()
+    optimizer.build(model.trainable_variables)
+    return model, optimizer
+
+
+def phase_ids(phase, step):
+    """Phase p touches rows [p * TOUCHED, (p + 1) * TOUCHED): 64 per step, STEPS steps."""
+    start = phase * TOUCHED + step * (TOUCHED // STEPS)
+    return np.arange(start, start + TOUCHED // STEPS, dtype="int32").reshape(1, 64)
+
+
+def step_function(model, optimizer, ids):
+    x = tf.constant(ids)
+    y = tf.constant([1], tf.int64)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+    return step
+
+
+def state(model, optimizer):
+    return [np.array(w.numpy()) for w in model.weights] + [np.array(v.numpy()) for v in optimizer.variables]
+
+
+def assert_same(got, want):
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(a, b, err_msg=f"variable {i}")
+
+
+def deltas_written(strategy):
+    return strategy.stats()["checkpoints"]["deltas_written"]
+
+
+def run_phase(strategy, model, optimizer, phase, steps=STEPS):
+    for s in range(steps):
+        strategy.schedule(step_function(model, optimizer, phase_ids(phase, s)))
+    strategy.join(timeout=180)
+
+
+def train_with_deltas(cluster, directory, optimizer_name, **kwargs):
+    """A full checkpoint, two deltas, then STEPS - 1 steps no delta holds. Returns the strategy
+    (open), the model, optimizer and the states at the full checkpoint and each delta."""
+    strategy = psclient.ParameterServerStrategy(
+        cluster.cluster, checkpoint_dir=directory, delta_checkpoint_every=STEPS, hang_timeout=10.0,
+        variable_partitioner=partitioners.FixedShardsPartitioner(2), **kwargs)
+    try:
+        with strategy.scope():
+            model, optimizer = build(optimizer_name)
+        states = [state(model, optimizer)]  # the full checkpoint, taken before the first step
+        for phase in (0, 1):
+            run_phase(strategy, model, optimizer, phase)
+            wait_for(lambda: deltas_written(strategy) >= phase + 1, 120, f"delta {phase + 1}")
+            states.append(state(model, optimizer))
+        run_phase(strategy, model, optimizer, 2, steps=STEPS - 1)  # after the newest delta
+        assert deltas_written(strategy) == 2
+    except BaseException:
+        strategy.shutdown()
+        raise
+    return strategy, model, optimizer, states
+
+
+def restored_in_a_new_run(cluster, directory, optimizer_name):
+    """A second coordinator's run: the same model, other initial values, `restore()`."""
+    strategy = psclient.ParameterServerStrategy(
+        cluster.cluster, checkpoint_dir=directory, hang_timeout=10.0,
+        variable_partitioner=partitioners.FixedShardsPartitioner(2))
+    try:
+        with strategy.scope():
+            model, optimizer = build(optimizer_name, seed=7)
+        result = strategy.restore()
+        return result, state(model, optimizer)
+    finally:
+        strategy.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(two_workers_two_ps):
+    return two_workers_two_ps
+
+
+@pytest.mark.parametrize("optimizer_name", ["adagrad", "adam"])
+def test_restore_is_the_full_checkpoint_and_its_deltas_in_order(cluster, tmp_path, optimizer_name):
+    directory = tmp_path / "ckpt"
+    strategy, model, optimizer, states = train_with_deltas(cluster, directory, optimizer_name)
+    try:
+        stats = strategy.stats()["checkpoints"]
+        assert stats["deltas_since_full"] == 2
+        assert stats["last_delta_stall_seconds"] is not None and stats["last_delta_bytes"] > 0
+        # Newer than the newest delta: what a restore must not bring back.
+        assert not np.array_equal(state(model, optimizer)[0], states[-1][0])
+    finally:
+        strategy.shutdown()
+    names = sorted(os.listdir(directory))
+    assert "ckpt-1.delta-1.index" in names and "ckpt-1.delta-2.index" in names
+    assert tf.train.latest_checkpoint(str(directory)).endswith("ckpt-1")  # deltas are not checkpoints to TF
+    assert not [n for n in names if ".tmp-" in n or n.startswith(".psclient-save")]
+
+    result, got = restored_in_a_new_run(cluster, directory, optimizer_name)
+    assert result["path"].endswith("ckpt-1")
+    assert [os.path.basename(p) for p in result["deltas"]] == ["ckpt-1.delta-1", "ckpt-1.delta-2"]
+    assert result["completed_closures"] == 2 * STEPS
+    assert_same(got, states[2])  # every row of the embedding and of each slot, the dense layer, iterations
+
+
+def test_delta_holds_the_touched_rows_only_and_falls_back_from_a_bad_delta(cluster, tmp_path):
+    directory = tmp_path / "ckpt"
+    strategy, model, optimizer, states = train_with_deltas(cluster, directory, "adagrad")
+    try:
+        stats = strategy.stats()["checkpoints"]
+        # Adagrad changes the rows it gets gradients for: the embedding's and its accumulator's.
+        assert stats["last_delta_rows"] == 2 * TOUCHED
+        row_bytes = DIM * 4  # float32 rows, the same for the accumulator (slot)
+        bound = 1.2 * (TOUCHED * (row_bytes + row_bytes) + 2 * TOUCHED * 8)  # + an int64 index per row
+        print(f"delta bytes {stats['last_delta_bytes']}, bound {bound:.0f}, full rows {2 * ROWS * row_bytes}")
+        assert stats["last_delta_bytes"] <= bound
+    finally:
+        strategy.shutdown()
+
+    # A damaged newest delta: the state of the one before it.
+    for name in os.listdir(directory):
+        if name.startswith("ckpt-1.delta-2.data-"):
+            with open(directory / name, "r+b") as f:
+                f.truncate(16)
+    result, got = restored_in_a_new_run(cluster, directory, "adagrad")
+    assert [os.path.basename(p) for p in result["deltas"]] == ["ckpt-1.delta-1"]
+    assert any("ckpt-1.delta-2" in s["path"] for s in result["skipped"])
+    assert_same(got, states[1])
+
+    # A missing first delta: the later ones cannot apply; the full checkpoint alone.
+    os.remove(directory / "ckpt-1.delta-1.index")
+    result, got = restored_in_a_new_run(cluster, directory, "adagrad")
+    assert result["deltas"] == []
+    assert any("ckpt-1.delta-1 is missing" in s["error"] for s in result["skipped"])
+    assert_same(got, states[0])
+
+
+def shards_on(model, optimizer, ps):
+    """The values of every shard (and whole variable) held by ps task `ps`."""
+    out = []
+    for variable in [*model.weights, *optimizer.variables]:
+        value = variable.value if isinstance(variable, keras.Variable) else variable
+        for shard in getattr(value, "variables", [value]):
+            if f"/job:ps/replica:0/task:{ps}/" in shard.device:
+                out.append(np.array(shard.numpy()))
+    return out
+
+
+def test_part_recovery_of_one_ps_replays_its_deltas(cluster, restore_shared_clusters, tmp_path):
+    strategy, model, optimizer, states = train_with_deltas(cluster, tmp_path / "ckpt", "adagrad",
+                                                           ps_recovery="part")
+    try:
+        # What each ps holds now (trained since the newest delta).
+        on_ps0_now = shards_on(model, optimizer, 0)
+        on_ps1_now = shards_on(model, optimizer, 1)
+        cluster.kill("ps", 1)
+        cluster.restart("ps", 1)
+        on_ps1 = [shard for variable in model.weights for shard in getattr(variable.value, "variables", [])
+                  if "/job:ps/replica:0/task:1/" in shard.device]
+        assert on_ps1  # (placement: a shard of the embedding is there)
+        touch = tf.function(lambda: tf.add_n([tf.reduce_sum(shard.read_value()) for shard in on_ps1]))
+        strategy.schedule(touch).result(timeout=150)
+        strategy.join(timeout=60)
+        rolled = strategy.stats()["ps"][1]["rolled_back"]
+        assert rolled["mode"] == "part"
+        assert rolled["closures"] == STEPS - 1  # the steps after the newest delta, not after the full one
+        assert_same(shards_on(model, optimizer, 0), on_ps0_now)  # ps 0 kept every update
+        restored = shards_on(model, optimizer, 1)
+        assert any(not np.array_equal(a, b) for a, b in zip(restored, on_ps1_now))
+        # ps 1's shards are those of the newest delta: compare with that state, row by row.
+        want = {}
+        flat = [*model.weights, *optimizer.variables]
+        for variable, value in zip(flat, states[2]):
+            v = variable.value if isinstance(variable, keras.Variable) else variable
+            start = 0
+            for shard in getattr(v, "variables", [v]):
+                rows = int(shard.shape[0]) if shard.shape.rank else 0
+                if "/job:ps/replica:0/task:1/" in shard.device:
+                    want.setdefault("list", []).append(value[start:start + rows] if shard.shape.rank else value)
+                start += rows
+        assert_same(restored, want["list"])
+        # The copy ps 1 kept for the next delta was lost with it: the next checkpoint is full.
+        assert strategy.stats()["checkpoints"]["deltas_since_full"] == 0
+    finally:
+        strategy.shutdown()
