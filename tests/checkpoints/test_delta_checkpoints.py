@@ -70,6 +70,10 @@ def deltas_written(strategy):
     return strategy.stats()["checkpoints"]["deltas_written"]
 
 
+def writes(strategy):
+    return strategy.stats()["checkpoints"]["background_writes"]
+
+
 def run_phase(strategy, model, optimizer, phase, steps=STEPS):
     for s in range(steps):
         strategy.schedule(step_function(model, optimizer, phase_ids(phase, s)))
@@ -219,5 +223,93 @@ def test_part_recovery_of_one_ps_replays_its_deltas(cluster, restore_shared_clus
         assert_same(restored, want["list"])
         # The copy ps 1 kept for the next delta was lost with it: the next checkpoint is full.
         assert strategy.stats()["checkpoints"]["deltas_since_full"] == 0
+    finally:
+        strategy.shutdown()
+
+
+# ------------------------------------------------------------------ dynamic embedding tables
+def build_dynamic(capacity, seed=1):
+    from psclient.layers import DynamicEmbedding
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((64,), dtype="int64")
+    layer = DynamicEmbedding(8, min_frequency=2, capacity=capacity, name="ids")
+    x = keras.layers.GlobalAveragePooling1D()(layer(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1)(x))
+    optimizer = keras.optimizers.Adagrad(0.1)
+    optimizer.build(model.trainable_variables)
+    return model, optimizer, layer
+
+
+def dynamic_step(model, optimizer, keys):
+    x = tf.constant(keys)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(x, training=True)))
+        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        return loss
+    return step
+
+
+def dynamic_keys(phase, step):
+    """Windows of 64 keys, each sliding by 32: a key seen in two steps is admitted (min_frequency=2),
+    one seen once is only counted. Phase 1 comes back to half of phase 0's keys."""
+    start = (0 if phase == 1 and step < 2 else phase * 1000) + step * 32
+    return np.arange(start, start + 64, dtype="int64").reshape(1, 64)
+
+
+def table_state(layer):
+    """Every shard's tracked keys with their counters, and rows with their slots, by key (order-free)."""
+    out = []
+    for index in range(len(layer.table.shards)):
+        shard = layer.table.export_shard(index)
+        counters = {int(k): tuple(c) for k, c in zip(shard["keys"], shard["counters"].reshape(-1, 2))}
+        rows = {int(k): (tuple(r), *(tuple(shard["slots"][s][i]) for s in sorted(shard["slots"])))
+                for i, (k, r) in enumerate(zip(shard["row_keys"], shard["rows"]))}
+        out.append((counters, rows, int(shard["clock"]), int(shard["admissions"]), int(shard["evictions"])))
+    return out
+
+
+@pytest.mark.parametrize("capacity", [None, 4096], ids=["hash", "bounded"])
+def test_dynamic_table_rows_slots_and_counters_come_back_from_full_and_deltas(cluster, tmp_path, capacity):
+    directory = tmp_path / "ckpt"
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, checkpoint_dir=directory,
+                                                delta_checkpoint_every=STEPS, hang_timeout=10.0)
+    try:
+        with strategy.scope():
+            model, optimizer, layer = build_dynamic(capacity)
+        states = []
+        for phase in (0, 1):
+            for s in range(STEPS):
+                strategy.schedule(dynamic_step(model, optimizer, dynamic_keys(phase, s)))
+            strategy.join(timeout=180)
+            # The table's slots are made by the first step: the first checkpoint after it is full
+            # (its base had none), the next a delta.
+            wait_for(lambda: writes(strategy) >= phase + 2, 120, f"checkpoint {phase + 2}")
+            assert strategy.stats()["checkpoints"]["write_errors"] == 0
+            states.append((table_state(layer), state(model, optimizer)))
+        assert deltas_written(strategy) == 1
+        counters = states[-1][0]
+        assert sum(len(c) for c, *_ in counters) > sum(len(r) for _, r, *_ in counters) > 0  # some only counted
+        for s in range(STEPS - 1):  # after the newest delta
+            strategy.schedule(dynamic_step(model, optimizer, dynamic_keys(2, s)))
+        strategy.join(timeout=180)
+        assert table_state(layer) != states[-1][0]
+        # The delta held the changed rows only: fewer than the table holds (phase 1 left some alone).
+        held = sum(len(r) for _, r, *_ in states[-1][0])
+        assert 0 < strategy.stats()["checkpoints"]["last_delta_rows"] < held
+    finally:
+        strategy.shutdown()
+
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, checkpoint_dir=directory, hang_timeout=10.0)
+    try:
+        with strategy.scope():
+            model, optimizer, layer = build_dynamic(capacity, seed=7)
+        result = strategy.restore()
+        assert result["path"].endswith("ckpt-2") and len(result["deltas"]) == 1
+        assert table_state(layer) == states[-1][0]
+        assert_same(state(model, optimizer), states[-1][1])
     finally:
         strategy.shutdown()

@@ -305,8 +305,7 @@ class Checkpoints:
             applied = []
             if self._deltas is not None or _deltas.any_delta(path):  # newest full + its deltas in order
                 values, completed, table_states, meta, applied, bad = self._deltas_for_read().restore_onto(
-                    path, variables, tables or {}, only_ps, (values, completed, table_states, meta),
-                    self._read_tables)
+                    path, variables, tables or {}, only_ps, (values, completed, table_states, meta))
                 skipped += bad
             _parts.assign_on_ps(values, timeout=self._hang_timeout)
             table_checkpoint.assign(table_states, functools.partial(_parts.on_each_ps, timeout=self._hang_timeout))

@@ -43,6 +43,7 @@ restore also ends the chain: the next checkpoint is then full.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -54,6 +55,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
+from psclient._coordinator.checkpoints import table_deltas
 from psclient._coordinator.checkpoints.checkpoint_parts import (
     LAYOUT_KEY,
     VALUE_SUFFIX,
@@ -90,6 +92,8 @@ class _Base:
     deltas: int
     kept: dict
     handles: dict
+    #: ps -> {table shard prefix: {field: its export's tensor}} (`table_deltas`).
+    tables: dict
 
 
 def _const(value, dtype):
@@ -171,7 +175,8 @@ class Deltas:
         rows = pending.rows or {}
         kept = {ps: {(n, s): v for n, s, v in zip(*part) if (n, s) in rows}
                 for ps, part in pending.snapshot.parts.items()}
-        self._base = _Base(number, 0, kept, {k: handle for k, (_, _, handle) in rows.items()})
+        tables = {ps: table_deltas.kept(part[0], part[2]) for ps, part in pending.snapshot.parts.items()}
+        self._base = _Base(number, 0, kept, {k: handle for k, (_, _, handle) in rows.items()}, tables)
 
     def can_diff(self, pending: Any) -> bool:
         """Whether `pending` can be written as a delta: a base of this run, with every row-diffed shard
@@ -180,7 +185,12 @@ class Deltas:
         if base is None or not pending.delta:
             return False
         kept = {k for part in base.kept.values() for k in part}
-        return all(k in kept and base.handles.get(k) is handle for k, (_, _, handle) in pending.rows.items())
+        # Every table shard kept, with the same fields (a slot the optimizer made since: full).
+        tables = all(set(fields) == set(base.tables.get(ps, {}).get(prefix, ()))
+                     for ps, part in pending.snapshot.parts.items()
+                     for prefix, fields in table_deltas.split(part[0]).items())
+        return tables and all(k in kept and base.handles.get(k) is handle
+                              for k, (_, _, handle) in pending.rows.items())
 
     # ------------------------------------------------------------------ write
     def write(self, pending: Any, scalars: dict, meta: dict | None, abandoned: Callable[[], bool]) -> str:
@@ -218,6 +228,7 @@ class Deltas:
         base.deltas = number
         for ps, out in diffed.items():
             base.kept.setdefault(ps, {}).update(out[3])
+            base.tables[ps] = out[5]
         self.times.update(last_delta_bytes=written, last_delta_seconds=time.monotonic() - started,
                           last_delta_rows=sum(out[4] for out in diffed.values()),
                           deltas_written=self.times["deltas_written"] + 1)
@@ -226,11 +237,25 @@ class Deltas:
     def _differ(self, ps: int, pending: Any, base: _Base) -> Callable[[], tuple]:
         names, specs, values = pending.snapshot.parts[ps]
         kept, rows = base.kept.get(ps, {}), pending.rows
+        tables = table_deltas.split(names)
+        in_tables = {position for fields in tables.values() for position in fields.values()}
 
         def run():
             out_names, out_specs, out_values, new_kept, changed = [], [], [], {}, 0
             with device_of(ps):
-                for name, spec, value in zip(names, specs, values):
+                for prefix, fields in tables.items():
+                    try:
+                        more, tensors, count = table_deltas.diff(prefix, fields, base.tables[ps][prefix], values)
+                    except tf.errors.OpError as error:
+                        error._psclient_ps = ps
+                        raise
+                    out_names += more
+                    out_specs += [""] * len(more)
+                    out_values += tensors
+                    changed += count
+                for position, (name, spec, value) in enumerate(zip(names, specs, values)):
+                    if position in in_tables:
+                        continue
                     if (name, spec) not in rows:
                         out_names.append(name), out_specs.append(spec), out_values.append(value)
                         continue
@@ -245,7 +270,7 @@ class Deltas:
                     out_specs += ["", ""]
                     out_values += [indices, changed_rows]
                     new_kept[(name, spec)] = value
-            return out_names, out_specs, out_values, new_kept, changed
+            return out_names, out_specs, out_values, new_kept, changed, table_deltas.kept(names, values)
         return run
 
     @staticmethod
@@ -267,7 +292,7 @@ class Deltas:
         return sorted(int(m.group(1)) for m in found if m)
 
     def restore_onto(self, path: str, variables: dict[str, Any], tables: dict, only_ps: frozenset | None,
-                     read: tuple, read_tables: Callable) -> tuple:
+                     read: tuple) -> tuple:
         """The state of `path` (`read` = (values, completed, table_states, meta) as `Checkpoints._read`
         gives) carried forward through its complete deltas in order, each read and checked on the ps
         tasks; stops at the first missing or damaged one (logged). Returns (values, completed,
@@ -284,7 +309,7 @@ class Deltas:
                 break
             try:
                 values, completed, table_states, meta = self._read(
-                    path, delta, variables, tables, only_ps, values, read_tables)
+                    path, delta, variables, tables, only_ps, values, table_states)
             except CheckpointUnreadable as error:
                 log.warning("checkpoint delta %s is not usable (%s); restored up to the one before", delta, error)
                 skipped.append({"path": delta, "error": str(error)})
@@ -293,7 +318,7 @@ class Deltas:
         return values, completed, table_states, meta, applied, skipped
 
     def _read(self, path: str, delta: str, variables: dict[str, Any], tables: dict, only_ps: frozenset | None,
-              values: dict, read_tables: Callable) -> tuple:
+              values: dict, table_states: dict) -> tuple:
         try:
             reader = tf.train.load_checkpoint(delta)
             shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
@@ -343,7 +368,17 @@ class Deltas:
             raise CheckpointUnreadable(
                 f"the changed rows of {getattr(error, '_psclient_what', 'a variable')} cannot be read or "
                 f"applied (corrupt or truncated data file?): {first_line(error)}") from error
-        table_states = read_tables(delta, tables, layout, only_ps) if tables else {}
+        if tables:
+            problems = [key for key in tables if key not in layout.get("tables", {})]
+            if problems:
+                raise CheckpointUnreadable(f"the dynamic tables {', '.join(problems)} are not in it")
+            try:
+                table_states = table_deltas.apply(delta, table_states, tables, layout["tables"],
+                                                  functools.partial(on_each_ps, timeout=self._timeout))
+            except tf.errors.OpError as error:
+                raise CheckpointUnreadable(
+                    f"the changes to {getattr(error, '_psclient_table', 'a dynamic table')} cannot be read or "
+                    f"applied (corrupt or truncated data file?): {first_line(error)}") from error
         meta = {k: v for k, v in layout.items() if k not in ("format", "parts", "tables", "delta")}
         return values, completed, table_states, meta
 
