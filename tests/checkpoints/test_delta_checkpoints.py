@@ -83,9 +83,9 @@ def run_phase(strategy, model, optimizer, phase, steps=STEPS):
 def train_with_deltas(cluster, directory, optimizer_name, **kwargs):
     """A full checkpoint, two deltas, then STEPS - 1 steps no delta holds. Returns the strategy
     (open), the model, optimizer and the states at the full checkpoint and each delta."""
+    kwargs.setdefault("variable_partitioner", partitioners.FixedShardsPartitioner(2))
     strategy = psclient.ParameterServerStrategy(
-        cluster.cluster, checkpoint_dir=directory, delta_checkpoint_every=STEPS, hang_timeout=10.0,
-        variable_partitioner=partitioners.FixedShardsPartitioner(2), **kwargs)
+        cluster.cluster, checkpoint_dir=directory, delta_checkpoint_every=STEPS, hang_timeout=10.0, **kwargs)
     try:
         with strategy.scope():
             model, optimizer = build(optimizer_name)
@@ -177,54 +177,24 @@ def test_delta_holds_the_touched_rows_only_and_falls_back_from_a_bad_delta(clust
     assert_same(got, states[0])
 
 
-def shards_on(model, optimizer, ps):
-    """The values of every shard (and whole variable) held by ps task `ps`."""
+def shards_on(model, optimizer, ps, values=None):
+    """The values of every shard (and whole variable) held by ps task `ps`: read from the cluster, or cut
+    from `values` (a `state()` taken earlier) by each shard's rows."""
     out = []
-    for variable in [*model.weights, *optimizer.variables]:
+    variables = [*model.weights, *optimizer.variables]
+    for i, variable in enumerate(variables):
         value = variable.value if isinstance(variable, keras.Variable) else variable
+        start = 0
         for shard in getattr(value, "variables", [value]):
+            rows = int(shard.shape[0]) if shard.shape.rank else None
             if f"/job:ps/replica:0/task:{ps}/" in shard.device:
-                out.append(np.array(shard.numpy()))
+                if values is None:
+                    out.append(np.array(shard.numpy()))
+                else:
+                    out.append(values[i] if rows is None or not hasattr(value, "variables")
+                               else values[i][start:start + rows])
+            start += rows or 0
     return out
-
-
-def test_part_recovery_of_one_ps_replays_its_deltas(cluster, restore_shared_clusters, tmp_path):
-    strategy, model, optimizer, states = train_with_deltas(cluster, tmp_path / "ckpt", "adagrad",
-                                                           ps_recovery="part")
-    try:
-        # What each ps holds now (trained since the newest delta).
-        on_ps0_now = shards_on(model, optimizer, 0)
-        on_ps1_now = shards_on(model, optimizer, 1)
-        cluster.kill("ps", 1)
-        cluster.restart("ps", 1)
-        on_ps1 = [shard for variable in model.weights for shard in getattr(variable.value, "variables", [])
-                  if "/job:ps/replica:0/task:1/" in shard.device]
-        assert on_ps1  # (placement: a shard of the embedding is there)
-        touch = tf.function(lambda: tf.add_n([tf.reduce_sum(shard.read_value()) for shard in on_ps1]))
-        strategy.schedule(touch).result(timeout=150)
-        strategy.join(timeout=60)
-        rolled = strategy.stats()["ps"][1]["rolled_back"]
-        assert rolled["mode"] == "part"
-        assert rolled["closures"] == STEPS - 1  # the steps after the newest delta, not after the full one
-        assert_same(shards_on(model, optimizer, 0), on_ps0_now)  # ps 0 kept every update
-        restored = shards_on(model, optimizer, 1)
-        assert any(not np.array_equal(a, b) for a, b in zip(restored, on_ps1_now))
-        # ps 1's shards are those of the newest delta: compare with that state, row by row.
-        want = {}
-        flat = [*model.weights, *optimizer.variables]
-        for variable, value in zip(flat, states[2]):
-            v = variable.value if isinstance(variable, keras.Variable) else variable
-            start = 0
-            for shard in getattr(v, "variables", [v]):
-                rows = int(shard.shape[0]) if shard.shape.rank else 0
-                if "/job:ps/replica:0/task:1/" in shard.device:
-                    want.setdefault("list", []).append(value[start:start + rows] if shard.shape.rank else value)
-                start += rows
-        assert_same(restored, want["list"])
-        # The copy ps 1 kept for the next delta was lost with it: the next checkpoint is full.
-        assert strategy.stats()["checkpoints"]["deltas_since_full"] == 0
-    finally:
-        strategy.shutdown()
 
 
 # ------------------------------------------------------------------ dynamic embedding tables
@@ -311,5 +281,52 @@ def test_dynamic_table_rows_slots_and_counters_come_back_from_full_and_deltas(cl
         assert result["path"].endswith("ckpt-2") and len(result["deltas"]) == 1
         assert table_state(layer) == states[-1][0]
         assert_same(state(model, optimizer), states[-1][1])
+    finally:
+        strategy.shutdown()
+
+
+# ------------------------------------------------------------------ one lost ps out of four
+@pytest.fixture(scope="module")
+def four_ps():
+    """1 worker, 4 ps: one lost ps out of four."""
+    from psclient._cluster.local import LocalCluster
+
+    with LocalCluster(num_workers=1, num_ps=4, start_timeout=300) as cluster:
+        yield cluster
+
+
+def test_one_lost_ps_of_four_rolls_back_to_the_newest_delta_only(four_ps, tmp_path):
+    cluster, lost = four_ps, 2
+    strategy, model, optimizer, states = train_with_deltas(
+        cluster, tmp_path / "ckpt", "adagrad", ps_recovery="part",
+        variable_partitioner=partitioners.FixedShardsPartitioner(4))
+    try:
+        now = {ps: shards_on(model, optimizer, ps) for ps in range(4)}  # trained since the newest delta
+        on_lost = [shard for variable in model.weights for shard in getattr(variable.value, "variables", [])
+                   if f"/job:ps/replica:0/task:{lost}/" in shard.device]
+        assert on_lost  # (placement: a shard of the embedding is there)
+        try:
+            cluster.kill("ps", lost)
+        finally:
+            cluster.restart("ps", lost)
+        touch = tf.function(lambda: tf.add_n([tf.reduce_sum(shard.read_value()) for shard in on_lost]))
+        strategy.schedule(touch).result(timeout=150)
+        strategy.join(timeout=60)
+        rolled = strategy.stats()["ps"][lost]["rolled_back"]
+        assert rolled["mode"] == "part"
+        assert rolled["closures"] == STEPS - 1  # the steps after the newest delta, not after the full one
+        for ps in range(4):
+            if ps != lost:
+                assert_same(shards_on(model, optimizer, ps), now[ps])  # kept every update
+        restored = shards_on(model, optimizer, lost)
+        assert any(not np.array_equal(a, b) for a, b in zip(restored, now[lost]))
+        assert_same(restored, shards_on(model, optimizer, lost, values=states[2]))  # every row and slot
+        # The copy the lost ps kept for the next delta went with it: the next checkpoint is full.
+        assert strategy.stats()["checkpoints"]["deltas_since_full"] == 0
+        written = writes(strategy)
+        run_phase(strategy, model, optimizer, 3)
+        wait_for(lambda: writes(strategy) > written, 120, "the checkpoint after the recovery")
+        assert strategy.stats()["checkpoints"]["deltas_since_full"] == 0
+        assert tf.train.latest_checkpoint(str(tmp_path / "ckpt")).endswith("ckpt-2")
     finally:
         strategy.shutdown()
