@@ -298,7 +298,7 @@ def four_ps():
 def test_one_lost_ps_of_four_rolls_back_to_the_newest_delta_only(four_ps, tmp_path):
     cluster, lost = four_ps, 2
     strategy, model, optimizer, states = train_with_deltas(
-        cluster, tmp_path / "ckpt", "adagrad", ps_recovery="part",
+        cluster, tmp_path / "ckpt", "adagrad", ps_recovery="part", checkpoints_to_keep=1,
         variable_partitioner=partitioners.FixedShardsPartitioner(4))
     try:
         now = {ps: shards_on(model, optimizer, ps) for ps in range(4)}  # trained since the newest delta
@@ -328,5 +328,7 @@ def test_one_lost_ps_of_four_rolls_back_to_the_newest_delta_only(four_ps, tmp_pa
         wait_for(lambda: writes(strategy) > written, 120, "the checkpoint after the recovery")
         assert strategy.stats()["checkpoints"]["deltas_since_full"] == 0
         assert tf.train.latest_checkpoint(str(tmp_path / "ckpt")).endswith("ckpt-2")
+        # checkpoints_to_keep=1: ckpt-1 was pruned, its deltas with it.
+        assert not [name for name in os.listdir(tmp_path / "ckpt") if name.startswith("ckpt-1.")]
     finally:
         strategy.shutdown()

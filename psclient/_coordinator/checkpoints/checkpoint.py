@@ -46,6 +46,10 @@ this run's are written). A restore reads and checks every value (names,
 shapes, dtypes, checksums), each ps its own, before assigning any, and
 falls back from a missing or damaged newest checkpoint to the newest
 complete one.
+
+With `deltas`, checkpoints between full ones may be deltas `ckpt-N.delta-M`
+(`checkpoint_deltas`): only what changed since the previous checkpoint. A
+restore then applies the full checkpoint's complete deltas in order.
 """
 
 from __future__ import annotations
@@ -266,7 +270,8 @@ class Checkpoints:
         Returns {"path", "completed_closures", "skipped", "meta", "restored"}
         (`skipped`: newer checkpoints passed over, with what was wrong; `meta`:
         what `save(meta=...)` stored; `restored`: {"variables": {ps: n},
-        "rows": {ps: n}}, what each ps got back), or None if there is no
+        "rows": {ps: n}}, what each ps got back; `deltas`: the deltas of
+        `path` applied after it, in order), or None if there is no
         checkpoint. Every value is read (each ps reads its own) and checked
         before any is assigned: raises ValueError naming the checkpoint and the
         variables that do not match (missing, other shape or dtype),

@@ -210,7 +210,7 @@ class Deltas:
                 f"rows for checkpoint delta {final}: {first_line(error)}. The delta was not written; the "
                 "previous checkpoint stays the newest.") from error
         parts = {ps: out[:3] for ps, out in diffed.items()}
-        snapshot = Snapshot([k for k in pending.snapshot.keys], parts,
+        snapshot = Snapshot(list(pending.snapshot.keys), parts,
                             {ps: sorted(set(names)) for ps, (names, _s, _v) in parts.items()},
                             pending.snapshot.tables, pending.snapshot.seconds)
         shards = {}

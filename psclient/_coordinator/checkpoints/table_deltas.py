@@ -51,6 +51,8 @@ def _changed(old_keys, old_values: list, keys, values: list):
     """Positions (int64) in `keys` of the entries new or different from the old ones, and the old keys
     gone; on the ps in force."""
     removed = tf.raw_ops.ListDiff(x=old_keys, y=keys, out_idx=tf.int64).out
+    if int(tf.size(keys)) == 0:  # every key left (nothing to align: a reshape to [0, -1] is refused)
+        return tf.zeros([0], tf.int64), removed
     if int(tf.size(old_keys)) == 0:
         return tf.range(tf.size(keys, tf.int64)), removed
     order = tf.argsort(old_keys)
