@@ -270,8 +270,8 @@ class Checkpoints:
         Returns {"path", "completed_closures", "skipped", "meta", "restored"}
         (`skipped`: newer checkpoints passed over, with what was wrong; `meta`:
         what `save(meta=...)` stored; `restored`: {"variables": {ps: n},
-        "rows": {ps: n}}, what each ps got back; `deltas`: the deltas of
-        `path` applied after it, in order), or None if there is no
+        "rows": {ps: n}}, what each ps got back; `deltas`, with deltas on or
+        any in the directory: those of `path` applied after it, in order), or None if there is no
         checkpoint. Every value is read (each ps reads its own) and checked
         before any is assigned: raises ValueError naming the checkpoint and the
         variables that do not match (missing, other shape or dtype),
@@ -307,7 +307,7 @@ class Checkpoints:
                 log.warning("checkpoint %s is not usable: %s", path, error)
                 skipped.append({"path": path, "error": str(error)})
                 continue
-            applied = []
+            applied = None
             if self._deltas is not None or _deltas.any_delta(path):  # newest full + its deltas in order
                 values, completed, table_states, meta, applied, bad = self._deltas_for_read().restore_onto(
                     path, variables, tables or {}, only_ps, (values, completed, table_states, meta))
@@ -325,7 +325,7 @@ class Checkpoints:
             if self._deltas is not None:
                 self._deltas.forget()  # the variables changed: the next checkpoint is full
             return {"path": path, "completed_closures": completed, "skipped": skipped, "meta": meta,
-                    "restored": restored, "deltas": applied}
+                    "restored": restored, **({"deltas": applied} if applied is not None else {})}
         raise CheckpointUnreadable(
             f"No checkpoint in {self.directory} could be read, so no variable was restored: "
             + "; ".join(f"{s['path']}: {s['error']}" for s in skipped)
