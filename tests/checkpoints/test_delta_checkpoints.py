@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
+from _conversions import RemoteConversions
 from _polling import wait_for
 
 import psclient
@@ -124,6 +125,19 @@ def cluster(two_workers_two_ps):
 @pytest.mark.parametrize("optimizer_name", ["adagrad", "adam"])
 def test_restore_is_the_full_checkpoint_and_its_deltas_in_order(cluster, tmp_path, optimizer_name):
     directory = tmp_path / "ckpt"
+    with RemoteConversions() as seen:
+        restore_through_deltas(cluster, directory, optimizer_name)
+    assert_none_of_mine(seen)
+
+
+def assert_none_of_mine(seen):
+    """No Python value converted under a task's device by the deltas' diffs and replays (a hung ps would
+    then stop every coordinator thread: tests/strategy/test_no_remote_conversions.py)."""
+    mine = [found for found in seen.found if "_deltas.py" in found[2]]
+    assert not mine, "\n\n".join(f"{device}: {value}\n{stack}" for device, value, stack in mine)
+
+
+def restore_through_deltas(cluster, directory, optimizer_name):
     strategy, model, optimizer, states = train_with_deltas(cluster, directory, optimizer_name)
     try:
         stats = strategy.stats()["checkpoints"]
@@ -244,7 +258,12 @@ def table_state(layer):
 
 @pytest.mark.parametrize("capacity", [None, 4096], ids=["hash", "bounded"])
 def test_dynamic_table_rows_slots_and_counters_come_back_from_full_and_deltas(cluster, tmp_path, capacity):
-    directory = tmp_path / "ckpt"
+    with RemoteConversions() as seen:
+        tables_through_deltas(cluster, tmp_path / "ckpt", capacity)
+    assert_none_of_mine(seen)
+
+
+def tables_through_deltas(cluster, directory, capacity):
     strategy = psclient.ParameterServerStrategy(cluster.cluster, checkpoint_dir=directory,
                                                 delta_checkpoint_every=STEPS, hang_timeout=10.0)
     try:

@@ -54,8 +54,8 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.checkpoints import table_deltas
+from psclient._coordinator.checkpoints.table_deltas import constant as _constant
 from psclient._coordinator.checkpoints.checkpoint_parts import (
     LAYOUT_KEY,
     VALUE_SUFFIX,
@@ -96,13 +96,6 @@ class _Base:
     tables: dict
 
 
-def _const(value, dtype):
-    """A constant on the coordinator's CPU: made under a ps's device it would be copied there holding
-    the GIL (`psclient._tf.checkpoints._here`)."""
-    with tf.device(_runtime.coordinator_cpu()):
-        return tf.constant(value, dtype)
-
-
 def _first_row(spec: str) -> tuple[int, int | None]:
     """(first row, rows) of a slice spec "R C start,len:-" ((0, None) for a whole variable)."""
     if not spec:
@@ -124,9 +117,9 @@ def row_slots(variables: dict[str, Any]) -> dict[tuple[str, str], tuple[int, int
 
 def _changed(old, new):
     """On the ps in force: the indices (int64) of the rows of `new` that differ from `old`, and those rows."""
-    differs = tf.reduce_any(tf.not_equal(old, new), axis=_const(1, tf.int32))
-    indices = tf.reshape(tf.where(differs), _const([-1], tf.int32))
-    return indices, tf.gather(new, indices, axis=_const(0, tf.int32))
+    differs = tf.reduce_any(tf.not_equal(old, new), axis=_constant(1, tf.int32))
+    indices = tf.reshape(tf.where(differs), _constant([-1], tf.int32))
+    return indices, tf.gather(new, indices, axis=_constant(0, tf.int32))
 
 
 def any_delta(path: str) -> bool:
@@ -261,7 +254,7 @@ class Deltas:
                         continue
                     try:
                         indices, changed_rows = _changed(kept[(name, spec)], value)
-                        changed += int(tf.size(indices))
+                        changed += int(indices.shape[0])  # its shape: tf.size would convert here
                     except tf.errors.OpError as error:
                         error._psclient_ps = ps
                         raise
@@ -393,11 +386,11 @@ def _scatter(delta: str, slot: Any, tensor, shards: list) -> Any:
         at = f"{slot.key}/delta/{first}"
         indices, changed = _checkpoints.restore(delta, [at + "/idx", at + "/rows"], ["", ""],
                                                 [tf.int64, slot.variable.dtype])
-        indices = indices + _const(first - start, tf.int64)
-        mine = tf.reshape(tf.where(tf.logical_and(indices >= _const(0, tf.int64), indices < _const(length, tf.int64))),
-                          _const([-1], tf.int32))
-        axis = _const(0, tf.int32)
+        indices = indices + _constant(first - start, tf.int64)
+        mine = tf.reshape(tf.where(tf.logical_and(indices >= _constant(0, tf.int64), indices < _constant(length, tf.int64))),
+                          _constant([-1], tf.int32))
+        axis = _constant(0, tf.int32)
         tensor = tf.tensor_scatter_nd_update(
-            tensor, tf.reshape(tf.gather(indices, mine, axis=axis), _const([-1, 1], tf.int32)),
+            tensor, tf.reshape(tf.gather(indices, mine, axis=axis), _constant([-1, 1], tf.int32)),
             tf.gather(changed, mine, axis=axis))
     return tensor

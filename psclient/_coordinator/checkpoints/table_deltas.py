@@ -29,9 +29,10 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from psclient._coordinator.runtime import coordinator_cpu
 from psclient._tf import checkpoints as _checkpoints
 
-__all__ = ["apply", "diff", "split"]
+__all__ = ["apply", "constant", "diff", "kept", "split"]
 
 _FIELD = re.compile(r"^(.+/ps\d+)/(keys|counters|row_keys|rows|clock|admissions|evictions|slot/.+)$")
 _SCALARS = ("clock", "admissions", "evictions")
@@ -47,23 +48,39 @@ def split(names: list[str]) -> dict[str, dict[str, int]]:
     return out
 
 
+def constant(value, dtype):
+    """A constant on the coordinator's CPU. Made under a ps's device, TF would copy it there from inside
+    the conversion, holding the GIL (`psclient._tf.checkpoints._here`): the ops that use it copy it."""
+    with tf.device(coordinator_cpu()):
+        return tf.constant(value, dtype)
+
+
+def _flat(tensor):
+    return tf.reshape(tensor, constant([-1], tf.int32))
+
+
 def _changed(old_keys, old_values: list, keys, values: list):
-    """Positions (int64) in `keys` of the entries new or different from the old ones, and the old keys
-    gone; on the ps in force."""
+    """Positions (int64) in `keys` of the entries new or different from the old ones (`values`: rank 2,
+    a row per key), and the old keys gone; on the ps in force, converting no Python value there."""
     removed = tf.raw_ops.ListDiff(x=old_keys, y=keys, out_idx=tf.int64).out
-    if int(tf.size(keys)) == 0:  # every key left (nothing to align: a reshape to [0, -1] is refused)
-        return tf.zeros([0], tf.int64), removed
-    if int(tf.size(old_keys)) == 0:
-        return tf.range(tf.size(keys, tf.int64)), removed
-    order = tf.argsort(old_keys)
-    sorted_keys = tf.gather(old_keys, order)
-    at = tf.minimum(tf.searchsorted(sorted_keys, keys, out_type=tf.int64), tf.size(old_keys, tf.int64) - 1)
-    same = tf.equal(tf.gather(sorted_keys, at), keys)
+    # Sizes from the tensors' shapes (known here): `tf.size` of an eager tensor is a constant made
+    # from its shape under the device in force, a conversion there.
+    count, old_count = int(keys.shape[0]), int(old_keys.shape[0])
+    if count == 0:
+        return constant([], tf.int64), removed
+    if old_count == 0:
+        return tf.range(constant(0, tf.int64), constant(count, tf.int64), constant(1, tf.int64)), removed
+    zero, first, row = constant(0, tf.int32), constant([0], tf.int32), constant([1, -1], tf.int32)
+    descending, order = tf.raw_ops.TopKV2(input=old_keys, k=constant(old_count, tf.int32), sorted=True)
+    sorted_keys, order = tf.reverse(descending, first), tf.reverse(order, first)
+    at = _flat(tf.raw_ops.LowerBound(sorted_inputs=tf.reshape(sorted_keys, row), values=tf.reshape(keys, row),
+                                     out_type=tf.int64))
+    at = tf.minimum(at, constant(old_count - 1, tf.int64))
+    same = tf.equal(tf.gather(sorted_keys, at, axis=zero), keys)
     for old, new in zip(old_values, values):
-        was = tf.gather(tf.gather(old, order), at)
-        same = tf.logical_and(same, tf.reduce_all(tf.equal(tf.reshape(was, [tf.size(keys), -1]),
-                                                           tf.reshape(new, [tf.size(keys), -1])), axis=1))
-    return tf.reshape(tf.where(tf.logical_not(same)), [-1]), removed
+        was = tf.gather(tf.gather(old, order, axis=zero), at, axis=zero)
+        same = tf.logical_and(same, tf.reduce_all(tf.equal(was, new), axis=constant(1, tf.int32)))
+    return _flat(tf.where(tf.logical_not(same))), removed
 
 
 def diff(prefix: str, fields: dict[str, int], old: dict[str, Any], values: list) -> tuple[list, list, int]:
@@ -74,12 +91,14 @@ def diff(prefix: str, fields: dict[str, int], old: dict[str, Any], values: list)
     names, tensors = [f"{prefix}/{field}" for field in _SCALARS], [new[field] for field in _SCALARS]
     at, removed = _changed(old["keys"], [old["counters"]], new["keys"], [new["counters"]])
     names += [f"{prefix}/delta/keys", f"{prefix}/delta/counters", f"{prefix}/delta/removed"]
-    tensors += [tf.gather(new["keys"], at), tf.gather(new["counters"], at), removed]
+    zero = constant(0, tf.int32)
+    tensors += [tf.gather(new["keys"], at, axis=zero), tf.gather(new["counters"], at, axis=zero), removed]
     row_fields = ["rows", *slots]
     at, removed = _changed(old["row_keys"], [old[f] for f in row_fields], new["row_keys"], [new[f] for f in row_fields])
     names += [f"{prefix}/delta/row_keys", f"{prefix}/delta/row_removed"] + [f"{prefix}/delta/{f}" for f in row_fields]
-    tensors += [tf.gather(new["row_keys"], at), removed] + [tf.gather(new[f], at) for f in row_fields]
-    return names, tensors, int(tf.size(at))
+    tensors += [tf.gather(new["row_keys"], at, axis=zero), removed] + [tf.gather(new[f], at, axis=zero)
+                                                                        for f in row_fields]
+    return names, tensors, int(at.shape[0])
 
 
 def kept(names: list[str], values: list) -> dict[str, dict[str, Any]]:
@@ -90,9 +109,10 @@ def kept(names: list[str], values: list) -> dict[str, dict[str, Any]]:
 
 def _merge(keys, values: list, changed_keys, changed: list, removed):
     """`keys`/`values` without the changed or removed keys, then the changed ones."""
-    keep = tf.raw_ops.ListDiff(x=keys, y=tf.concat([changed_keys, removed], 0), out_idx=tf.int64).idx
-    return (tf.concat([tf.gather(keys, keep), changed_keys], 0),
-            [tf.concat([tf.gather(v, keep), c], 0) for v, c in zip(values, changed)])
+    zero = constant(0, tf.int32)
+    keep = tf.raw_ops.ListDiff(x=keys, y=tf.concat([changed_keys, removed], zero), out_idx=tf.int64).idx
+    return (tf.concat([tf.gather(keys, keep, axis=zero), changed_keys], zero),
+            [tf.concat([tf.gather(v, keep, axis=zero), c], zero) for v, c in zip(values, changed)])
 
 
 def apply(delta: str, states: dict[int, list], tables: dict[str, Any], saved: dict,
@@ -118,18 +138,18 @@ def apply(delta: str, states: dict[int, list], tables: dict[str, Any], saved: di
         entry, n, index = saved[key], len(table.shards), table.shards.index(shard)
         count, slots = int(entry["shards"]), sorted(entry["slots"])
         parts = [read(key, part, slots) for part in ([index] if count == n else range(count))]
-        got = {f: tf.concat([p[f] for p in parts], 0) for f in parts[0] if f not in _SCALARS}
+        got = {f: tf.concat([p[f] for p in parts], constant(0, tf.int32)) for f in parts[0] if f not in _SCALARS}
         if count != n:  # re-split: the changes to the keys this ps owns now
             mine = {by: shard_of(got[by], n) == index for by in ("keys", "removed", "row_keys", "row_removed")}
             owner = {"counters": "keys", "rows": "row_keys", **{f"slot/{s}": "row_keys" for s in slots}}
             got = {f: tf.boolean_mask(v, mine[owner.get(f, f)]) for f, v in got.items()}
         out = dict(state)
         out["keys"], (out["counters"],) = _merge(state["keys"], [state["counters"]], got["keys"],
-                                                 [tf.reshape(got["counters"], [-1, 2])], got["removed"])
-        rows = [tf.reshape(got["rows"], [-1, table.dim])] + [tf.reshape(got[f"slot/{s}"], [-1, table.dim])
-                                                             for s in slots]
+                                                 [got["counters"]], got["removed"])
+        rows = [got["rows"]] + [got[f"slot/{s}"] for s in slots]
         before = [state["slots"][s] if s in state["slots"] else  # a slot made since: its initial value
-                  tf.fill(tf.shape(state["rows"]), tf.constant(float(entry["slots"][s]))) for s in slots]
+                  tf.fill(constant(state["rows"].shape, tf.int32), constant(float(entry["slots"][s]), tf.float32))
+                  for s in slots]
         out["row_keys"], merged = _merge(state["row_keys"], [state["rows"]] + before,
                                          got["row_keys"], rows, got["row_removed"])
         out["rows"], out["slots"] = merged[0], dict(zip(slots, merged[1:]))
@@ -138,7 +158,7 @@ def apply(delta: str, states: dict[int, list], tables: dict[str, Any], saved: di
             out.update({f: parts[0][f] for f in _SCALARS})
         else:
             out["clock"] = tf.reduce_max(tf.stack([p["clock"] for p in parts]))
-            zero = tf.constant(0, tf.int64)
+            zero = constant(0, tf.int64)
             out["admissions"] = tf.add_n([p["admissions"] for p in parts]) if index == 0 else zero
             out["evictions"] = tf.add_n([p["evictions"] for p in parts]) if index == 0 else zero
         return out
