@@ -191,6 +191,47 @@ def test_delta_holds_the_touched_rows_only_and_falls_back_from_a_bad_delta(clust
     assert_same(got, states[0])
 
 
+def test_a_ps_stopped_during_a_delta_fails_it_and_the_next_delta_diffs_from_the_last_written(
+        cluster, restore_shared_clusters, tmp_path):
+    from psclient._coordinator.checkpoints.checkpoint_parts import late_threads
+
+    directory = tmp_path / "ckpt"
+    strategy = psclient.ParameterServerStrategy(
+        cluster.cluster, checkpoint_dir=directory, delta_checkpoint_every=STEPS, hang_timeout=3.0,
+        variable_partitioner=partitioners.FixedShardsPartitioner(2))
+    checkpoints = strategy._recovery.checkpoints  # noqa: SLF001 - the tests' seam into the write
+
+    def stop_ps1_once(path):
+        checkpoints.before_write = None
+        assert path.endswith("ckpt-1.delta-2")
+        cluster.stop("ps", 1)
+
+    try:
+        with strategy.scope():
+            model, optimizer = build("adagrad")
+        run_phase(strategy, model, optimizer, 0)
+        wait_for(lambda: deltas_written(strategy) == 1, 120, "delta 1")
+        checkpoints.before_write = stop_ps1_once
+        run_phase(strategy, model, optimizer, 1)
+        wait_for(lambda: strategy.stats()["checkpoints"]["write_errors"] >= 1, 60, "the delta to fail")
+        error = strategy.stats()["checkpoints"]["last_write_error"]
+        assert "ps:1" in error and "ckpt-1.delta-2" in error, error
+        assert not (directory / "ckpt-1.delta-2.index").exists()
+        cluster.resume("ps", 1)
+        wait_for(lambda: not late_threads(), 60, "the calls left waiting on ps:1 to return")
+        # Tried again once ps:1 answers: diffed against delta 1's cut (the failed one changed no base),
+        # so it holds phase 1's rows.
+        wait_for(lambda: deltas_written(strategy) == 2, 120, "delta 2, tried again")
+        assert strategy.stats()["checkpoints"]["last_delta_rows"] == 2 * TOUCHED
+        want = state(model, optimizer)
+    finally:
+        cluster.resume("ps", 1)
+        strategy.shutdown()
+    result, got = restored_in_a_new_run(cluster, directory, "adagrad")
+    assert [os.path.basename(p) for p in result["deltas"]] == ["ckpt-1.delta-1", "ckpt-1.delta-2"]
+    assert_same(got, want)
+
+
 def shards_on(model, optimizer, ps, values=None):
     """The values of every shard (and whole variable) held by ps task `ps`: read from the cluster, or cut
     from `values` (a `state()` taken earlier) by each shard's rows."""

@@ -210,6 +210,8 @@ class Checkpoints:
         self.check_writable()
         with self._commit_lock:  # one write names and commits at a time (a Keras callback may save too)
             if self._deltas is not None and self._deltas.can_diff(pending):
+                if self.before_write is not None:
+                    self.before_write(self._deltas.next_path())
                 pending.path = self._deltas.write(pending, pending.scalars, pending.meta, lambda: self._closing)
                 return pending.path
             number = self._next_number()

@@ -186,13 +186,16 @@ class Deltas:
                               for k, (_, _, handle) in pending.rows.items())
 
     # ------------------------------------------------------------------ write
+    def next_path(self) -> str:
+        """The path the next delta will have (there is a base)."""
+        return os.path.join(self.directory, f"ckpt-{self._base.number}.delta-{self._base.deltas + 1}")
+
     def write(self, pending: Any, scalars: dict, meta: dict | None, abandoned: Callable[[], bool]) -> str:
         """Write `pending` as the next delta of the base; its path. Raises CheckpointWriteError as a
         full write does (then nothing is under the delta's name, and the base stays as it was)."""
         base = self._base
         started = time.monotonic()
-        number = base.deltas + 1
-        final = os.path.join(self.directory, f"ckpt-{base.number}.delta-{number}")
+        number, final = base.deltas + 1, self.next_path()
         temp = f"{final}.tmp-{secrets.token_hex(4)}"
         try:
             diffed = on_each_ps({ps: self._differ(ps, pending, base) for ps in pending.snapshot.parts},
