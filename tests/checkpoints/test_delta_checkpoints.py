@@ -280,7 +280,8 @@ def dynamic_step(model, optimizer, keys):
 
 def dynamic_keys(phase, step):
     """Windows of 64 keys, each sliding by 32: a key seen in two steps is admitted (min_frequency=2),
-    one seen once is only counted. Phase 1 comes back to half of phase 0's keys."""
+    one seen once is only counted. Phase 1 comes back to half of phase 0's keys. With capacity=64,
+    admissions evict: deltas then carry removed keys."""
     start = (0 if phase == 1 and step < 2 else phase * 1000) + step * 32
     return np.arange(start, start + 64, dtype="int64").reshape(1, 64)
 
@@ -297,52 +298,73 @@ def table_state(layer):
     return out
 
 
-@pytest.mark.parametrize("capacity", [None, 4096], ids=["hash", "bounded"])
+@pytest.mark.parametrize("capacity", [None, 64], ids=["hash", "bounded"])
 def test_dynamic_table_rows_slots_and_counters_come_back_from_full_and_deltas(cluster, tmp_path, capacity):
     with RemoteConversions() as seen:
-        tables_through_deltas(cluster, tmp_path / "ckpt", capacity)
+        evictions = tables_through_deltas(cluster, tmp_path / "ckpt", capacity)
     assert_none_of_mine(seen)
+    assert evictions > 0 if capacity else evictions == 0
 
 
-def tables_through_deltas(cluster, directory, capacity):
+def merged(shards):
+    """A table's state over all its shards (for a restore into another number of ps tasks)."""
+    counters, rows = {}, {}
+    for c, r, *_ in shards:
+        counters.update(c)
+        rows.update(r)
+    return (counters, rows, max(s[2] for s in shards), sum(s[3] for s in shards), sum(s[4] for s in shards))
+
+
+def tables_through_deltas(cluster, directory, capacity, restore_on=None):
+    """Full checkpoints, then 2 deltas of a DynamicEmbedding model, STEPS - 1 steps more; a new run (on
+    `restore_on`, default the same cluster) restores every row, slot and counter of the newest delta."""
     strategy = psclient.ParameterServerStrategy(cluster.cluster, checkpoint_dir=directory,
                                                 delta_checkpoint_every=STEPS, hang_timeout=10.0)
     try:
         with strategy.scope():
             model, optimizer, layer = build_dynamic(capacity)
         states = []
-        for phase in (0, 1):
+        for phase in (0, 1, 2):
             for s in range(STEPS):
                 strategy.schedule(dynamic_step(model, optimizer, dynamic_keys(phase, s)))
             strategy.join(timeout=180)
             # The table's slots are made by the first step: the first checkpoint after it is full
-            # (its base had none), the next a delta.
+            # (its base had none), the next ones deltas.
             wait_for(lambda: writes(strategy) >= phase + 2, 120, f"checkpoint {phase + 2}")
             assert strategy.stats()["checkpoints"]["write_errors"] == 0
             states.append((table_state(layer), state(model, optimizer)))
-        assert deltas_written(strategy) == 1
+        assert deltas_written(strategy) == 2
         counters = states[-1][0]
         assert sum(len(c) for c, *_ in counters) > sum(len(r) for _, r, *_ in counters) > 0  # some only counted
         for s in range(STEPS - 1):  # after the newest delta
-            strategy.schedule(dynamic_step(model, optimizer, dynamic_keys(2, s)))
+            strategy.schedule(dynamic_step(model, optimizer, dynamic_keys(3, s)))
         strategy.join(timeout=180)
         assert table_state(layer) != states[-1][0]
-        # The delta held the changed rows only: fewer than the table holds (phase 1 left some alone).
+        # The delta held the changed rows only: without a capacity, fewer than the table holds (phase 2
+        # left phase 1's rows alone); with capacity=64, phase 2's admissions replaced every row.
         held = sum(len(r) for _, r, *_ in states[-1][0])
-        assert 0 < strategy.stats()["checkpoints"]["last_delta_rows"] < held
+        assert 0 < strategy.stats()["checkpoints"]["last_delta_rows"] <= held
+        assert strategy.stats()["checkpoints"]["last_delta_rows"] < held or capacity is not None
+        evictions = sum(s[4] for s in states[-1][0])
     finally:
         strategy.shutdown()
 
-    strategy = psclient.ParameterServerStrategy(cluster.cluster, checkpoint_dir=directory, hang_timeout=10.0)
+    strategy = psclient.ParameterServerStrategy((restore_on or cluster).cluster, checkpoint_dir=directory,
+                                                hang_timeout=10.0)
     try:
         with strategy.scope():
             model, optimizer, layer = build_dynamic(capacity, seed=7)
         result = strategy.restore()
-        assert result["path"].endswith("ckpt-2") and len(result["deltas"]) == 1
-        assert table_state(layer) == states[-1][0]
+        assert result["path"].endswith("ckpt-2") and len(result["deltas"]) == 2
+        got, want = table_state(layer), states[-1][0]
+        if len(got) == len(want):
+            assert got == want
+        else:
+            assert merged(got) == merged(want)
         assert_same(state(model, optimizer), states[-1][1])
     finally:
         strategy.shutdown()
+    return evictions
 
 
 # ------------------------------------------------------------------ one lost ps out of four
@@ -392,3 +414,21 @@ def test_one_lost_ps_of_four_rolls_back_to_the_newest_delta_only(four_ps, tmp_pa
         assert not [name for name in os.listdir(tmp_path / "ckpt") if name.startswith("ckpt-1.")]
     finally:
         strategy.shutdown()
+
+
+def test_deltas_restore_into_another_number_of_ps(cluster, four_ps, tmp_path):
+    """Written on 2 ps, restored on 4: the deltas' rows land in other shards (global row indices), the
+    table deltas' keys on the ps that owns them now."""
+    strategy, _model, _optimizer, states = train_with_deltas(cluster, tmp_path / "embedding", "adagrad")
+    strategy.shutdown()
+    strategy = psclient.ParameterServerStrategy(four_ps.cluster, checkpoint_dir=tmp_path / "embedding",
+                                                variable_partitioner=partitioners.FixedShardsPartitioner(4))
+    try:
+        with strategy.scope():
+            model, optimizer = build("adagrad", seed=7)
+        assert len(model.weights[0].value.variables) == 4
+        assert len(strategy.restore()["deltas"]) == 2
+        assert_same(state(model, optimizer), states[2])
+    finally:
+        strategy.shutdown()
+    tables_through_deltas(cluster, tmp_path / "tables", None, restore_on=four_ps)
