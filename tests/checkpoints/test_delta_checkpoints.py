@@ -29,7 +29,10 @@ def build(optimizer_name, seed=1):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((64,), dtype="int32")
     x = keras.layers.Embedding(ROWS, DIM)(inputs)
-    x = keras.layers.GlobalAveragePooling1D()(x)  # a [DIM, 3] kernel: small, written whole
+    if optimizer_name == "adam":  # a [64 * DIM, 3] kernel: row-diffed, every row changes: its shards whole
+        x = keras.layers.Flatten()(x)
+    else:  # a [DIM, 3] kernel: small, written whole
+        x = keras.layers.GlobalAveragePooling1D()(x)
     model = keras.Model(inputs, keras.layers.Dense(3)(x))
     optimizer = {"adagrad": lambda: keras.optimizers.Adagrad(0.1),
                  "adam": lambda: keras.optimizers.Adam(0.01)}[optimizer_name]()
@@ -152,6 +155,10 @@ def restore_through_deltas(cluster, directory, optimizer_name):
     assert tf.train.latest_checkpoint(str(directory)).endswith("ckpt-1")  # deltas are not checkpoints to TF
     assert not [n for n in names if ".tmp-" in n or n.startswith(".psclient-save")]
 
+    shapes = tf.train.load_checkpoint(str(directory / "ckpt-1.delta-2")).get_variable_to_shape_map()
+    whole = [k for k in shapes if k.endswith("/idx") and shapes[k] == [0] and shapes[k[:-3] + "rows"] == [1024, 3]]
+    # Adam: the kernel's shards and its moments' changed in every row: written whole (an empty index).
+    assert len(whole) == (6 if optimizer_name == "adam" else 0)
     result, got = restored_in_a_new_run(cluster, directory, optimizer_name)
     assert result["path"].endswith("ckpt-1")
     assert [os.path.basename(p) for p in result["deltas"]] == ["ckpt-1.delta-1", "ckpt-1.delta-2"]

@@ -11,11 +11,13 @@ written in the background by the ps tasks:
   which are variables of the same shape) is written per shard as the rows
   that differ from the previous checkpoint's cut and their indices in the
   shard: `<key>/.ATTRIBUTES/VARIABLE_VALUE/delta/<first row>/idx` (int64)
-  and `.../rows`. The diff runs on the shard's ps, against that cut's values
-  kept there (`_Base`): no row passes through the coordinator;
+  and `.../rows`; when that would be no smaller than the shard (most rows
+  changed: a big dense kernel, Adam's moments), the shard whole under `rows`
+  and an empty `idx`. The diff runs on the shard's ps, against that cut's
+  values kept there (`_Base`): no row passes through the coordinator;
 - every other variable is written whole, under the key a full checkpoint uses;
-- the dynamic embedding tables' shards are written whole, as in a full
-  checkpoint (not diffed yet);
+- the dynamic embedding tables' shards: their changed keys, counters, rows
+  and slots, and the keys gone (`table_deltas`), diffed on their ps too;
 - the scalars (completed closures, ...) and the layout with the strategy's
   meta (data ledgers), as in a full checkpoint; the layout's `delta` entry
   names the base and the row-diffed shards.
@@ -29,13 +31,16 @@ with their base.
 Restore: the newest complete full checkpoint, then its deltas in order
 (`restore_onto`): a whole variable takes the delta's value, a row-diffed one
 gets the delta's rows scattered into it (on its ps; indices are turned into
-rows of the full variable, so a restore into other shards works), the tables
-and scalars come from the delta. It stops at the first missing or damaged
-delta (logged) and restores the state of the one before. Every delta is read
-and checked before anything is assigned, as for a full checkpoint.
+rows of the full variable, so a restore into other shards works), a table
+shard drops the keys changed or gone and takes the changed ones
+(`table_deltas.apply`), the scalars come from the delta. It stops at the
+first missing or damaged delta (logged) and restores the state of the one
+before. Every delta is read and checked before anything is assigned, as for
+a full checkpoint.
 
 Memory: each ps keeps, between checkpoints, one copy of its row-diffed shards
-(the previous cut's read; two while a delta is taken and written). A ps lost
+and of its table shards' export (the previous cut's; two while a delta is
+taken and written). A ps lost
 since the base took its copy with it (its variables' handles are new); any
 restore also ends the chain: the next checkpoint is then full.
 """
@@ -257,7 +262,11 @@ class Deltas:
                         continue
                     try:
                         indices, changed_rows = _changed(kept[(name, spec)], value)
-                        changed += int(indices.shape[0])  # its shape: tf.size would convert here
+                        count = int(indices.shape[0])  # its shape: tf.size would convert here
+                        changed += count
+                        item = value.dtype.size
+                        if count and count * (value.shape[1] * item + 8) >= value.shape.num_elements() * item:
+                            indices, changed_rows = _constant([], tf.int64), value  # no smaller: whole
                     except tf.errors.OpError as error:
                         error._psclient_ps = ps
                         raise
@@ -389,6 +398,9 @@ def _scatter(delta: str, slot: Any, tensor, shards: list) -> Any:
         at = f"{slot.key}/delta/{first}"
         indices, changed = _checkpoints.restore(delta, [at + "/idx", at + "/rows"], ["", ""],
                                                 [tf.int64, slot.variable.dtype])
+        if int(indices.shape[0]) == 0 and int(changed.shape[0]) > 0:  # the shard whole
+            indices = tf.range(_constant(0, tf.int64), _constant(int(changed.shape[0]), tf.int64),
+                               _constant(1, tf.int64))
         indices = indices + _constant(first - start, tf.int64)
         mine = tf.reshape(tf.where(tf.logical_and(indices >= _constant(0, tf.int64), indices < _constant(length, tf.int64))),
                           _constant([-1], tf.int32))
