@@ -13,7 +13,7 @@ and its optimizer slots. A delta (`checkpoint_deltas`) holds, per shard, under
 and the shard's clock, admissions and evictions whole (`<table key>/ps<i>/clock`, ...).
 The diff runs on the shard's ps, against the previous checkpoint's export kept
 there (one copy of the shard's tracked keys and rows per ps: the memory a delta
-costs for a table): keys sorted, `tf.searchsorted` of the new keys in the old,
+costs for a table): old keys sorted (TopK), the new ones found among them (LowerBound),
 values compared element by element, as the serving deltas do (`serving.delta_cut`).
 
 Restore applies a delta to the state read so far (`apply`): each ps drops the
