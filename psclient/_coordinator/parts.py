@@ -80,11 +80,14 @@ def assemble(cluster: Cluster, config: StrategyConfig, *, checkpoint_dir: str | 
     checkpoints = Checkpoints(
         checkpoint_dir, keep=config.checkpoints_to_keep, overwrite=config.overwrite_checkpoints,
         describe_ps=functools.partial(roster.address, "ps"), hang_timeout=hang_timeout,
+        deltas=config.delta_checkpoint_interval is not None or config.delta_checkpoint_every is not None,
     ) if checkpoint_dir is not None else None
     engine = Engine(
         roster, edge=edge, scheduler=scheduler,
         recovery_config=RecoveryConfig(
             checkpoint_interval=config.checkpoint_interval, checkpoint_every=config.checkpoint_every,
+            delta_checkpoint_interval=config.delta_checkpoint_interval,
+            delta_checkpoint_every=config.delta_checkpoint_every,
             hang_timeout=hang_timeout, worker_timeout=config.worker_timeout, ps_timeout=config.ps_timeout,
             probe_timeout=min(10.0, hang_timeout), interval=min(1.0, hang_timeout / 4),
             ps_recovery=config.recovery_mode,

@@ -67,12 +67,12 @@ class ParameterServerStrategy(TFStrategyAPI):
         it a lost ps raises `PSUnavailableError`) and to resume with
         `restore()` after the coordinator restarts. A checkpoint is taken
         before the first scheduled function after variables are created,
-        then every `checkpoint_interval` seconds and/or every
-        `checkpoint_every` completed functions, keeping the newest
-        `checkpoints_to_keep`. Checkpoints already in the directory are
-        another run's: the first save (the first `schedule()`) raises
-        FileExistsError unless `restore()` resumed from them or
-        `overwrite_checkpoints=True`.
+        then every `checkpoint_interval` seconds and/or every `checkpoint_every`
+        completed functions, keeping the newest `checkpoints_to_keep`; between
+        them, with `delta_checkpoint_interval`/`_every`, deltas of the changed
+        rows only (docs/fault_tolerance.md). Checkpoints already in the directory
+        are another run's: the first save (the first `schedule()`) raises
+        FileExistsError unless `restore()` resumed from them or `overwrite_checkpoints=True`.
       overwrite_checkpoints: start over in a `checkpoint_dir` that holds
         another run's checkpoints: they are never restored, and are deleted
         as this run's are written (keeping `checkpoints_to_keep` in all).

@@ -11,6 +11,13 @@ on (`written`): one write at a time, so nothing is due while one is in
 flight; the callers waiting on it get its path or its error. An error of a
 write nobody waited for (a periodic one) goes to the next caller, unless a
 later write succeeded first: it is never lost.
+
+Deltas (`delta_interval`, `delta_every`: incremental checkpoints, see
+`psclient._coordinator.checkpoints.checkpoint_deltas`) fall due between full
+ones: the full rule counts from the last full checkpoint, the delta rule from
+the last checkpoint of either kind, and a full one due wins. `due` names a
+delta "delta"; a written path with `.delta-` in its name is one (the store
+writes a full checkpoint instead when it has no base to diff against).
 """
 
 from __future__ import annotations
@@ -20,15 +27,21 @@ from typing import Any
 from psclient._core.errors import StrategyClosedError
 from psclient._core.recovery_messages import Finish
 
-__all__ = ["CheckpointSchedule"]
+__all__ = ["CheckpointSchedule", "is_delta"]
 
 
 class CheckpointSchedule:
     """Requests, the interval/count rule and the last save; see the module docstring."""
 
-    def __init__(self, *, interval: float | None, every: int | None, has_checkpoint: bool, now: float):
+    def __init__(self, *, interval: float | None, every: int | None, has_checkpoint: bool, now: float,
+                 delta_interval: float | None = None, delta_every: int | None = None):
         self._interval = interval
         self._every = every
+        self._delta_interval = delta_interval
+        self._delta_every = delta_every
+        # When, and after how many completed closures, the last checkpoint of either kind was written.
+        self._any_at = now
+        self._any_completed = 0
         #: A checkpoint exists (written by this run, or restored from).
         self.has_checkpoint = has_checkpoint
         self._saved_once = False
@@ -39,6 +52,13 @@ class CheckpointSchedule:
         self._writing: list[tuple[Any, str]] | None = None
         # The error of the last write, which nobody waited for (None after a write succeeded).
         self._unobserved: BaseException | None = None
+
+    @classmethod
+    def of(cls, config: Any, now: float) -> "CheckpointSchedule":
+        """The schedule of a `MachineConfig`'s checkpoint fields."""
+        return cls(interval=config.checkpoint_interval, every=config.checkpoint_every,
+                   has_checkpoint=config.has_checkpoint, now=now,
+                   delta_interval=config.delta_checkpoint_interval, delta_every=config.delta_checkpoint_every)
 
     @property
     def writing(self) -> bool:
@@ -69,6 +89,10 @@ class CheckpointSchedule:
             return "interval"
         if self._every is not None and completed - self._saved_completed >= self._every:
             return "interval"
+        if self._delta_interval is not None and now - self._any_at >= self._delta_interval:
+            return "delta"
+        if self._delta_every is not None and completed - self._any_completed >= self._delta_every:
+            return "delta"
         return None
 
     def started(self) -> list:
@@ -82,10 +106,12 @@ class CheckpointSchedule:
         requests, self._writing = self._writing or [], None
         if error is None:
             self._unobserved = None
-            self._saved_at, self._saved_completed = now, completed
+            if not is_delta(path):
+                self._saved_at, self._saved_completed = now, completed
+            self._any_at, self._any_completed = now, completed
             self._saved_once = self.has_checkpoint = True
             return self._finish(requests, value=path)
-        self._saved_at = now
+        self._saved_at = self._any_at = now
         if not requests:
             requests, self._requests = self._requests, []
             if not requests:
@@ -94,14 +120,14 @@ class CheckpointSchedule:
 
     def saved(self, now: float, path: str, completed: int) -> list:
         """A checkpoint was written: its requests are finished with its path."""
-        self._saved_at = now
+        self._saved_at = self._any_at = now
         self._saved_once = self.has_checkpoint = True
-        self._saved_completed = completed
+        self._saved_completed = self._any_completed = completed
         return self._finish(self._take(), value=path)
 
     def failed(self, now: float, error: BaseException) -> list:
         """The checkpoint failed: its requests get the error."""
-        self._saved_at = now
+        self._saved_at = self._any_at = now
         return self._finish(self._take(), error=error)
 
     def skipped(self) -> list:
@@ -119,6 +145,11 @@ class CheckpointSchedule:
     @staticmethod
     def _finish(requests: list, **outcome: Any) -> list:
         return [Finish(ticket, **outcome) for ticket, _ in requests]
+
+
+def is_delta(path: str | None) -> bool:
+    """Whether `path` names a delta checkpoint (`ckpt-N.delta-M`), not a full one."""
+    return path is not None and ".delta-" in path.replace("\\", "/").rsplit("/", 1)[-1]
 
 
 def shut_down_error() -> StrategyClosedError:

@@ -96,6 +96,8 @@ class MachineConfig:
     checkpointing: bool = False
     checkpoint_interval: float | None = None
     checkpoint_every: int | None = None
+    delta_checkpoint_interval: float | None = None
+    delta_checkpoint_every: int | None = None
     #: checkpoint_dir already holds a checkpoint.
     has_checkpoint: bool = False
     #: Allow checkpoints while a worker in TF's view hangs.
@@ -132,8 +134,7 @@ class RecoveryMachine:
         self._rounds = 0
         self._paused_at_round = 0
         # checkpoints
-        self._checkpoints = CheckpointSchedule(interval=config.checkpoint_interval, every=config.checkpoint_every,
-                                               has_checkpoint=config.has_checkpoint, now=now)
+        self._checkpoints = CheckpointSchedule.of(config, now)
         self._ckpt_waiting_since: float | None = None
         self._ckpt_reason = ""
         # A failed checkpoint or drop is tried again after a growing pause, not at once.

@@ -38,6 +38,10 @@ class StrategyConfig:
     checkpoint_dir: str | os.PathLike | None = None
     checkpoint_interval: float | None = None
     checkpoint_every: int | None = None
+    #: Incremental checkpoints between full ones (`checkpoint_deltas`): every this many seconds
+    #: and/or completed closures, each ps writes only the rows changed since the previous checkpoint.
+    delta_checkpoint_interval: float | None = None
+    delta_checkpoint_every: int | None = None
     checkpoints_to_keep: int = 3
     overwrite_checkpoints: bool = False
     hang_timeout: float = 30.0
@@ -72,12 +76,14 @@ class StrategyConfig:
         for name, integer in (
             ("checkpoint_interval", False),
             ("checkpoint_every", True),
+            ("delta_checkpoint_interval", False),
+            ("delta_checkpoint_every", True),
             ("checkpoints_to_keep", True),
             ("hang_timeout", False),
             ("worker_timeout", False),
             ("ps_timeout", False),
         ):
-            check_positive(name, getattr(self, name), integer=integer, optional=name.startswith("checkpoint_"),
+            check_positive(name, getattr(self, name), integer=integer, optional="checkpoint_" in name,
                            unit="" if integer else "seconds")
         self._check_checkpoint_dir()
         check_positive("pipeline_depth", self.pipeline_depth, integer=True)
@@ -141,6 +147,13 @@ class StrategyConfig:
                 "Invalid value for argument `checkpoint_dir`. Received: checkpoint_dir=None "
                 f"with checkpoint_interval={self.checkpoint_interval!r}, checkpoint_every="
                 f"{self.checkpoint_every!r}. Expected a directory to write the checkpoints to."
+            )
+        if directory is None and (self.delta_checkpoint_interval or self.delta_checkpoint_every):
+            raise ValueError(
+                "Invalid value for argument `checkpoint_dir`. Received: checkpoint_dir=None "
+                f"with delta_checkpoint_interval={self.delta_checkpoint_interval!r}, delta_checkpoint_every="
+                f"{self.delta_checkpoint_every!r}. Expected a directory to write the full checkpoints "
+                "and their deltas to (a delta holds only what changed since the previous checkpoint)."
             )
         overwrite = self.overwrite_checkpoints
         if not isinstance(overwrite, bool) or (overwrite and directory is None):

@@ -118,8 +118,9 @@ class CheckpointStore(Protocol):
         """Raise FileExistsError if the directory holds another run's checkpoints."""
 
     def snapshot(self, variables: dict[str, Any], completed: int | None, *, meta: dict | None = None,
-                 tables: dict | None = None) -> Any:
-        """Take a checkpoint of `variables` (and `tables`, with `meta` beside) in a cut: each ps holds its snapshot."""
+                 tables: dict | None = None, delta: bool = False) -> Any:
+        """Take a checkpoint of `variables` (and `tables`, with `meta` beside) in a cut: each ps holds its
+        snapshot. `delta`: written as what changed since the previous checkpoint, when it can be."""
 
     def write_in_background(self, pending: Any, on_done: Callable) -> None:
         """Write a snapshot on the store's writer thread; `on_done(pending, path, error)` hears the outcome."""

@@ -50,6 +50,8 @@ class RecoveryConfig:
     #: When to checkpoint (with `checkpoints` given to `Recovery`).
     checkpoint_interval: float | None = None
     checkpoint_every: int | None = None
+    delta_checkpoint_interval: float | None = None
+    delta_checkpoint_every: int | None = None
     hang_timeout: float = 30.0
     worker_timeout: float = 300.0
     ps_timeout: float = 300.0
@@ -115,6 +117,8 @@ class Recovery:
             ps_timeout=config.ps_timeout, interval=config.interval,
             checkpointing=self.checkpoints is not None,
             checkpoint_interval=config.checkpoint_interval, checkpoint_every=config.checkpoint_every,
+            delta_checkpoint_interval=config.delta_checkpoint_interval,
+            delta_checkpoint_every=config.delta_checkpoint_every,
             has_checkpoint=self.checkpoints is not None and self.checkpoints.latest() is not None,
             checkpoint_while_hung=config.checkpoint_while_hung, ps_recovery=config.ps_recovery,
         ), clock())
@@ -464,8 +468,9 @@ class Recovery:
         self.checkpoints.times["last_drain_seconds"] = self._clock() - self._paused_at  # running ones ended
         # Taken between closures: the ledgers' positions on the ps match the variables saved.
         # The dynamic tables too: each ps writes its shards beside its variables.
+        delta = {"delta": True} if reason == "delta" else {}  # between full ones (checkpoint_deltas)
         pending = self.checkpoints.snapshot(variables, completed, meta=self._checkpoint_meta(variables),
-                                            tables=self._store.tables())  # failures: _carry_out logs
+                                            tables=self._store.tables(), **delta)  # failures: _carry_out logs
 
         def written(pending, path: str | None, error: BaseException | None) -> None:  # on the writer thread
             if error is None:

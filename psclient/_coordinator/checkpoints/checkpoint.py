@@ -46,6 +46,10 @@ this run's are written). A restore reads and checks every value (names,
 shapes, dtypes, checksums), each ps its own, before assigning any, and
 falls back from a missing or damaged newest checkpoint to the newest
 complete one.
+
+With `deltas`, checkpoints between full ones may be deltas `ckpt-N.delta-M`
+(`checkpoint_deltas`): only what changed since the previous checkpoint. A
+restore then applies the full checkpoint's complete deltas in order.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from psclient._coordinator.checkpoints import checkpoint_deltas as _deltas
 from psclient._coordinator.checkpoints import checkpoint_parts as _parts
 from psclient._coordinator.checkpoints import checkpoint_snapshot as _snapshot
 from psclient._coordinator.checkpoints import table_checkpoint
@@ -109,8 +114,11 @@ class Checkpoints:
 
     def __init__(self, directory: str, *, keep: int, overwrite: bool = False,
                  describe_ps: Callable[[int], str] = lambda ps: f"ps:{ps}", matched_by: str = _BY_CREATION,
-                 hang_timeout: float | None = None):
+                 hang_timeout: float | None = None, deltas: bool = False):
         self.directory = check_directory(directory)
+        # `deltas`: checkpoints between full ones may be deltas (`checkpoint_deltas`); each full one then
+        # keeps its row-diffed shards' values on their ps as the next delta's base.
+        self._deltas = _deltas.Deltas(self.directory, describe_ps, hang_timeout) if deltas else None
         # How long a save or restore waits on a ps (None: for good); see checkpoint_parts.on_each_ps.
         self._hang_timeout = hang_timeout
         self._writer = BackgroundWriter(self.write)
@@ -175,9 +183,10 @@ class Checkpoints:
         return self.write(self.snapshot(variables, completed, scalars, meta, tables))
 
     def snapshot(self, variables: dict[str, Any], completed: int | None, scalars: dict | None = None,
-                 meta: dict | None = None, tables: dict | None = None) -> PendingSave:
+                 meta: dict | None = None, tables: dict | None = None, delta: bool = False) -> PendingSave:
         """Take a checkpoint in a cut (nothing running): each ps holds a snapshot of its
-        variables and table shards, written later by `write` / `write_in_background`."""
+        variables and table shards, written later by `write` / `write_in_background`.
+        `delta`: written as a delta of the newest full checkpoint when there is a base for one."""
         import numpy as np
 
         self.check_writable()  # another run's files: neither written beside nor pruned
@@ -186,7 +195,11 @@ class Checkpoints:
             extra[_COMPLETED_KEY] = np.int64(completed)
         snapshot = _snapshot.take_snapshot(variables, self._describe_ps, tables, timeout=self._hang_timeout)
         self.times["last_snapshot_seconds"] = snapshot.seconds
-        return PendingSave(snapshot, completed, extra, meta)
+        pending = PendingSave(snapshot, completed, extra, meta)
+        if self._deltas is not None:
+            pending.delta, pending.rows = delta, _deltas.row_slots(variables)
+            self._deltas.snapshot_taken(self.times, delta)
+        return pending
 
     def write(self, pending: PendingSave) -> str:
         """Write the snapshot `pending` as the next `ckpt-N`, commit it (the state file last); its path.
@@ -196,6 +209,11 @@ class Checkpoints:
         """
         self.check_writable()
         with self._commit_lock:  # one write names and commits at a time (a Keras callback may save too)
+            if self._deltas is not None and self._deltas.can_diff(pending):
+                if self.before_write is not None:
+                    self.before_write(self._deltas.next_path())
+                pending.path = self._deltas.write(pending, pending.scalars, pending.meta, lambda: self._closing)
+                return pending.path
             number = self._next_number()
             pending.path = path = os.path.join(self.directory, f"ckpt-{number}")
             started = time.monotonic()
@@ -204,6 +222,8 @@ class Checkpoints:
             _snapshot.write_snapshot(path, pending.snapshot, pending.scalars, self._describe_ps, pending.meta,
                                      timeout=self._hang_timeout, abandoned=lambda: self._closing)
             self._commit(number)
+            if self._deltas is not None:
+                self._deltas.rebase(number, pending)
         seconds = time.monotonic() - started
         written = sum(tf.io.gfile.stat(f).length for f in tf.io.gfile.glob(path + ".*"))  # index and data files
         self.times.update(seconds_total=self.times["seconds_total"] + seconds, last_seconds=seconds,
@@ -235,7 +255,8 @@ class Checkpoints:
             "last_snapshot_seconds": self.times.get("last_snapshot_seconds"),
             "last_write_seconds": writer.last_write_seconds, "writing": writer.writing,
             "background_writes": writer.writes, "write_errors": writer.write_errors,
-            "last_write_error": writer.last_error}}
+            "last_write_error": writer.last_error,
+            **(self._deltas.stats(self.times) if self._deltas is not None else {})}}
 
     def restore(self, variables: dict[str, Any], *, adopt: bool = False, tables: dict | None = None,
                 only_ps: frozenset | None = None) -> dict | None:
@@ -251,7 +272,8 @@ class Checkpoints:
         Returns {"path", "completed_closures", "skipped", "meta", "restored"}
         (`skipped`: newer checkpoints passed over, with what was wrong; `meta`:
         what `save(meta=...)` stored; `restored`: {"variables": {ps: n},
-        "rows": {ps: n}}, what each ps got back), or None if there is no
+        "rows": {ps: n}}, what each ps got back; `deltas`, with deltas on or
+        any in the directory: those of `path` applied after it, in order), or None if there is no
         checkpoint. Every value is read (each ps reads its own) and checked
         before any is assigned: raises ValueError naming the checkpoint and the
         variables that do not match (missing, other shape or dtype),
@@ -287,6 +309,11 @@ class Checkpoints:
                 log.warning("checkpoint %s is not usable: %s", path, error)
                 skipped.append({"path": path, "error": str(error)})
                 continue
+            applied = None
+            if self._deltas is not None or _deltas.any_delta(path):  # newest full + its deltas in order
+                values, completed, table_states, meta, applied, bad = self._deltas_for_read().restore_onto(
+                    path, variables, tables or {}, only_ps, (values, completed, table_states, meta))
+                skipped += bad
             _parts.assign_on_ps(values, timeout=self._hang_timeout)
             table_checkpoint.assign(table_states, functools.partial(_parts.on_each_ps, timeout=self._hang_timeout))
             if adopt:
@@ -297,8 +324,10 @@ class Checkpoints:
             restored = {"variables": {ps: len(pairs) for ps, pairs in values.items()},
                         "rows": {ps: sum(int(state["row_keys"].shape[0]) for _t, _s, state in entries)
                                  for ps, entries in table_states.items()}}
+            if self._deltas is not None:
+                self._deltas.forget()  # the variables changed: the next checkpoint is full
             return {"path": path, "completed_closures": completed, "skipped": skipped, "meta": meta,
-                    "restored": restored}
+                    "restored": restored, **({"deltas": applied} if applied is not None else {})}
         raise CheckpointUnreadable(
             f"No checkpoint in {self.directory} could be read, so no variable was restored: "
             + "; ".join(f"{s['path']}: {s['error']}" for s in skipped)
@@ -327,8 +356,9 @@ class Checkpoints:
 
     def _delete(self, number: int) -> None:
         prefix = os.path.join(self.directory, f"ckpt-{number}")
-        # The index first: without it the checkpoint is no longer a candidate.
-        for name in [prefix + ".index", *tf.io.gfile.glob(prefix + ".data-*")]:
+        # The index first: without it the checkpoint is no longer a candidate. Its deltas go with it.
+        for name in [prefix + ".index", *tf.io.gfile.glob(prefix + ".data-*"),
+                     *tf.io.gfile.glob(prefix + ".delta-*")]:
             try:
                 tf.io.gfile.remove(name)
             except tf.errors.NotFoundError:
@@ -415,6 +445,9 @@ class Checkpoints:
             raise CheckpointUnreadable(
                 f"the shards of {what} cannot be read from {path} (corrupt or truncated data file?): "
                 f"{first_line(error)}") from error
+
+    def _deltas_for_read(self) -> "_deltas.Deltas":
+        return self._deltas or _deltas.Deltas(self.directory, self._describe_ps, self._hang_timeout)
 
     def _next_number(self) -> int:
         """One past the highest `ckpt-N` in the directory or its state file: no save overwrites another."""

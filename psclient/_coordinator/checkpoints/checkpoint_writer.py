@@ -38,6 +38,9 @@ class PendingSave:
     completed: int | None
     scalars: dict
     meta: dict | None
+    #: Asked to be written as a delta (`checkpoint_deltas`), and the row-diffed shards then.
+    delta: bool = False
+    rows: dict | None = None
     #: Filled in when written (or failed).
     path: str | None = None
 
