@@ -34,6 +34,7 @@ import contextlib
 
 import tensorflow as tf
 
+from psclient._coordinator.tables.dense_shard import vector
 from psclient._coordinator.tables.key_hash import shard_of
 
 __all__ = ["ServingTable"]
@@ -45,8 +46,8 @@ def _live_rows(shard, policy):
     """(keys, rows) a shard serves now, as tensors on its device (the caller places the ops)."""
     if shard.dense:
         row_keys, held = shard.live()
-        last = shard._vector(shard.last, held)  # noqa: SLF001 - the shard's own helper, read-only
-        rows = shard._gather(shard.rows, held)  # noqa: SLF001
+        last = vector(shard.last, held)
+        rows = shard.gather_rows(shard.rows, held)
     else:
         keys, rows = shard.values.export()
         row_keys, rows = tf.reshape(keys, [-1]), tf.reshape(rows, [-1, shard.dim])
@@ -96,7 +97,7 @@ class ServingTable(tf.Module):
         """
         functions = {} if functions is None else functions
         keys, rows = [], []
-        with tf.init_scope(), table._unmanaged():  # noqa: SLF001 - the table's own placement rule
+        with tf.init_scope(), table.unmanaged():  # the table's own placement rule: no model variables
             for index, shard in enumerate(table.shards):
                 traced = functions.get(index)
                 if traced is None or traced[0] != table.renewals:  # new, or the shard was made again

@@ -174,7 +174,8 @@ class DenseShard:
 
     _vector = staticmethod(vector)
 
-    def _gather(self, variable, at):
+    def gather_rows(self, variable, at):
+        """`variable`'s rows at `at` (a row matrix or a slot of this shard), `dim` wide."""
         return tf.reshape(tf.gather(variable, at), [-1, self.dim])
 
     def make(self, slot_defaults: dict[str, float]) -> None:
@@ -230,7 +231,7 @@ class DenseShard:
         alive = at >= 0
         if self.policy.ttl_steps is not None:
             alive &= self.clock.read_value() - self._vector(self.last, safe) <= self.policy.ttl_steps
-        found = self._gather(self.rows, safe)
+        found = self.gather_rows(self.rows, safe)
         return tf.where(alive[:, None], found, tf.zeros_like(found))
 
     def peek(self, asked, seen_now):
@@ -251,7 +252,7 @@ class DenseShard:
         """
         policy = self.policy
         at = self.index.find(asked)
-        found = self._gather(self.rows, tf.maximum(at, 0))
+        found = self.gather_rows(self.rows, tf.maximum(at, 0))
         code = at
         if policy.ttl_steps is not None or policy.min_frequency > 1:
             alive = at >= 0
@@ -377,8 +378,8 @@ class DenseShard:
         counters = tf.concat([tf.stack([tf.fill(tf.shape(last), tf.constant(self.policy.min_frequency, tf.int64)),
                                         last], 1),
                               tf.reshape(waiting, [-1, 2])], 0)
-        slots = {name: self._gather(var, held) for name, var in self.slots.items()}
-        return keys, counters, row_keys, self._gather(self.rows, held), slots
+        slots = {name: self.gather_rows(var, held) for name, var in self.slots.items()}
+        return keys, counters, row_keys, self.gather_rows(self.rows, held), slots
 
     def replace(self, keys, counters, row_keys, rows, slots, clock, admissions, evictions) -> None:
         """Hold these (a restore or an import; eagerly). Restored into fewer ps tasks, a shard can get

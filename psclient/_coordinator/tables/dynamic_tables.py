@@ -161,8 +161,9 @@ class DynamicTable:
         # StrategyConfig.dynamic_table_storage (checked there): "hash" keeps a bounded table in hash tables too.
         if storage is None:
             storage = strategy.config.dynamic_table_storage if strategy is not None else "dense"
-        self._unmanaged = store.unmanaged if store is not None else contextlib.nullcontext
-        with tf.init_scope(), self._unmanaged():
+        #: A context in which variables made are the table's, not model variables (the store's rule).
+        self.unmanaged = store.unmanaged if store is not None else contextlib.nullcontext
+        with tf.init_scope(), self.unmanaged():
             if self.share is not None and storage == "dense":
                 lock_for = store.table_lock if store is not None else _local_lock
                 self.shards = [DenseShard(d, dim, f"{name}_ps{i}", self.share, policy, _placer(d), _table, lock_for)
@@ -183,7 +184,7 @@ class DynamicTable:
         on_ps(self.owner(), lambda: self._ensure_slots(defaults), f"adding slots to dynamic table {self.name!r}")
 
     def _ensure_slots(self, defaults: dict[str, float]) -> None:
-        with tf.init_scope(), self._unmanaged():
+        with tf.init_scope(), self.unmanaged():
             for shard in self.shards:
                 if shard.dense:
                     shard.add_slots(defaults)
@@ -204,7 +205,7 @@ class DynamicTable:
 
         for shard in self.shards:
             if shard.device and ps_index_of(shard.device) in lost_ps:
-                with tf.init_scope(), self._unmanaged():
+                with tf.init_scope(), self.unmanaged():
                     shard.make(self.slot_defaults)
         self.renewals += 1
 
