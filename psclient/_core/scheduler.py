@@ -415,6 +415,7 @@ class Scheduler:
                 "queue_depth": len(self._queue),
                 "paused": bool(self._paused),
                 "stale_reports": self._running.stale,
+                "waiting_dispatchers": sum(self._waiters.counts()),  # idle, so in no call (a late one too)
                 "workers": [w.summary(in_flight=self._running.on(i)) for i, w in enumerate(self._workers)],
             }
 

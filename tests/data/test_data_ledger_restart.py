@@ -13,6 +13,7 @@ import psclient
 
 from _ledger_restart_child import BATCH, N, SHARD
 from _ledger_runs import run_coordinator, write_cluster_file
+from _polling import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
@@ -155,14 +156,10 @@ def test_a_hung_worker_gives_its_shard_back_and_trains_at_most_two_batches_of_it
         while not (strategy.stats()["workers"][1]["up"] and strategy.stats()["workers"][1]["rejoins"] >= 1):
             assert time.monotonic() < deadline, "worker 1 did not rejoin within 300 s of SIGCONT"
             time.sleep(0.5)  # polling the strategy's view of worker 1
-        # It answers again, so its woken closure runs: wait until the counts stop moving.
-        seen, settled = counts.numpy(), time.monotonic() + 30
-        while time.monotonic() < settled:
-            time.sleep(2.0)  # polling the ps: a woken closure trains at most two more batches
-            now = counts.numpy()
-            if np.array_equal(seen, now):
-                break
-            seen = now
+        # It answers again, so its woken closure runs: the epoch is over, so once every dispatcher
+        # thread waits for work, none is in a call, the abandoned one included.
+        wait_for(lambda: (lambda s: s["waiting_dispatchers"] == s["dispatcher_threads_alive"])(
+            strategy.stats(read_ps=False)), 120, "the woken closure of worker 1 to end")
         trained = counts.numpy()
         twice = int((trained == 2).sum())
         assert trained.max() <= 2 and twice <= 2 * BATCH, trained
