@@ -295,8 +295,7 @@ class Checkpoints:
                 log.warning("restored %s, the newest complete checkpoint; passed over %s",
                             path, ", ".join(s["path"] for s in skipped))
             restored = {"variables": {ps: len(pairs) for ps, pairs in values.items()},
-                        "rows": {ps: sum(int(state["row_keys"].shape[0]) for _t, _s, state in entries)
-                                 for ps, entries in table_states.items()}}
+                        "rows": {ps: table_checkpoint.rows_of(entries) for ps, entries in table_states.items()}}
             return {"path": path, "completed_closures": completed, "skipped": skipped, "meta": meta,
                     "restored": restored}
         raise CheckpointUnreadable(
