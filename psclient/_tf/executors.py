@@ -4,7 +4,10 @@ TF runs a thread's eager ops and function calls through that thread's
 executor: TF's default one is shared by every thread of the process. Each
 dispatcher thread calls through one of its own (`new_call_executor`), and
 traces register their functions on every task through a streaming one
-(`streamed_registrations`), so that a hung task holds neither.
+(`streamed_registrations`), so that a hung task holds neither. A thread
+that traces as it goes (an export) streams its registrations only
+(`streamed_function_registrations`, which wraps TF's `Context.add_c_function`,
+`add_function_def` and `remove_function`: TF internals).
 """
 
 from __future__ import annotations
