@@ -25,6 +25,7 @@ from psclient._coordinator.serving.delta_cut import CutLost
 from psclient._core import serving_deltas, serving_dirs
 from psclient._core.serving_dirs import ServingDirError
 from psclient._engine import registry
+from psclient._keras import bounded_export
 
 __all__ = ["ServingDirError", "ServingExport", "export_servable"]
 
@@ -45,6 +46,9 @@ def export_servable(model, base_dir, version=None, keep=5, *, run_id=None, take_
 
     The version appears complete or not at all: it is written under a hidden
     name in `base_dir` and renamed to its number when every file is on disk.
+    On a cluster, a ps that does not answer within the strategy's
+    `hang_timeout` makes it raise `psclient.PSUnavailableError` naming the ps,
+    and that version is never published (`psclient._keras.bounded_export`).
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"Invalid value for argument `model`. Received: model of type {type(model).__name__}. "
@@ -60,8 +64,20 @@ def export_servable(model, base_dir, version=None, keep=5, *, run_id=None, take_
         raise TypeError(f"Invalid value for argument `take_over`. Received: take_over={take_over!r}. "
                         "Expected True or False.")
     serving_dirs.claim(base_dir, run_id, take_over)
-    with serving_dirs.new_version(base_dir, version) as (scratch, version):
-        model.export(scratch, format="tf_saved_model", verbose=False)
+
+    def write(publication=None) -> int:
+        with serving_dirs.new_version(base_dir, version) as (scratch, written):
+            model.export(scratch, format="tf_saved_model", verbose=False)
+            if publication is not None and not publication.may_publish():
+                raise bounded_export.Abandoned(scratch)  # its caller gave up: removed, never renamed
+        return written
+
+    strategy = registry.current()
+    if strategy is None or strategy.closed:
+        version = write()
+    else:  # a hung ps must not hold the caller (`bounded_export`)
+        version = bounded_export.export_bounded(write, strategy.num_ps, strategy.config.hang_timeout,
+                                                lambda ps: strategy.cluster.ps[ps])
     serving_dirs.prune(base_dir, keep)
     serving_deltas.prune_chains(base_dir)  # the deltas of pruned versions go with them
     return os.path.join(base_dir, str(version))

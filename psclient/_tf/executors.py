@@ -4,7 +4,10 @@ TF runs a thread's eager ops and function calls through that thread's
 executor: TF's default one is shared by every thread of the process. Each
 dispatcher thread calls through one of its own (`new_call_executor`), and
 traces register their functions on every task through a streaming one
-(`streamed_registrations`), so that a hung task holds neither.
+(`streamed_registrations`), so that a hung task holds neither. A thread
+that traces as it goes (an export) streams its registrations only
+(`streamed_function_registrations`, which wraps TF's `Context.add_c_function`,
+`add_function_def` and `remove_function`: TF internals).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ __all__ = [
     "function_not_registered_yet",
     "new_call_executor",
     "set_streaming_env",
+    "streamed_function_registrations",
     "streamed_registrations",
     "until_registered",
 ]
@@ -119,6 +123,50 @@ def streamed_registrations():
             _streamed_traces -= 1
             if not _streamed_traces:
                 os.environ[_STREAMING_ENV] = str(_calls_stream)
+
+
+#: .on: whether this thread streams its function registrations (`streamed_function_registrations`).
+_registering = threading.local()
+_hook_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def streamed_function_registrations():
+    """Inside, on this thread, each new function's registration on every task is streamed
+    (`streamed_registrations`), and nothing else: the thread's eager ops go as before.
+
+    For a long piece of work that traces as it goes (an export): a registration
+    waiting on a hung task would hold the GIL, while an eager op sent down a
+    stream to a task that died waited for it instead of failing.
+    """
+    _install_registration_hook()
+    outer = getattr(_registering, "on", False)
+    _registering.on = True
+    try:
+        yield
+    finally:
+        _registering.on = outer
+
+
+def _install_registration_hook() -> None:
+    """Wrap TF's `Context.add_c_function`, `add_function_def` (where a trace registers its function
+    on every task) and `remove_function` (where a function dropped is removed from every task, as
+    blocking) once: streamed on a thread inside `streamed_function_registrations`."""
+    with _hook_lock:
+        for name in ("add_c_function", "add_function_def", "remove_function"):
+            stock = getattr(context.Context, name)
+            if getattr(stock, "_psclient_streamed", False):
+                continue
+
+            def wrapped(self, function, _stock=stock):
+                if getattr(_registering, "on", False):
+                    with streamed_registrations():
+                        return _stock(self, function)
+                return _stock(self, function)
+
+            wrapped._psclient_streamed = True
+            wrapped.__doc__, wrapped.__name__ = stock.__doc__, stock.__name__
+            setattr(context.Context, name, wrapped)
 
 
 @contextlib.contextmanager

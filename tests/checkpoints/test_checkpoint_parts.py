@@ -21,7 +21,7 @@ from _polling import wait_for
 from _heartbeat import MAX_STALL_S, Heartbeat
 
 import psclient
-from psclient._coordinator.checkpoints.checkpoint_parts import CheckpointDirError
+from psclient._coordinator.checkpoints.checkpoint_parts import READ_BATCH_BYTES, CheckpointDirError, Slot, batches
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -239,6 +239,48 @@ def test_a_damaged_part_names_the_task_and_the_file(cluster, tmp_path):
         assert first.numpy()[0] == 1.0 and second.numpy()[0] == 1.0
     finally:
         strategy.shutdown()
+
+
+def test_a_damaged_value_read_last_leaves_every_variable_untouched(cluster, tmp_path):
+    # Restore reads twice (a check, then an assign, a batch at a time): ps:1 checks two
+    # values (each a batch of its own) before the damaged third, and ps:0 all of its own,
+    # yet nothing is assigned anywhere.
+    directory = tmp_path / "ckpt"
+    rows = READ_BATCH_BYTES // 4 + 1  # float32: one more row than a batch holds, so read alone
+    strategy = psclient.ParameterServerStrategy(on_ps(cluster, 2), checkpoint_dir=str(directory),
+                                                variable_partitioner=None)
+    try:
+        with strategy.scope():
+            with tf.device("/job:ps/task:0"):
+                first = tf.Variable(tf.fill([rows], 1.0))
+            with tf.device("/job:ps/task:1"):
+                others = [tf.Variable(tf.fill([rows], 1.0)) for _ in range(3)]
+        only = strategy.save_checkpoint()
+        for variable in (first, *others):
+            variable.assign(tf.fill([rows], 2.0))
+        damaged = only + ".data-00001-of-00003"  # ps:1's part (ps order)
+        size = os.path.getsize(damaged)
+        with open(damaged, "r+b") as f:
+            f.seek(size - 4096)  # inside the value written last
+            f.write(b"\xff" * 64)
+        with pytest.raises(psclient.CheckpointUnreadable, match=r"ps:1") as caught:
+            strategy.restore()
+        assert damaged in str(caught.value) and "v000003" in str(caught.value), str(caught.value)
+        for variable in (first, *others):
+            values = variable.numpy()
+            assert values.min() == values.max() == 2.0, variable.name
+    finally:
+        strategy.shutdown()
+
+
+def test_restore_batches_hold_at_most_the_limit_or_one_larger_slot():
+    def slot(elements):
+        return Slot(f"v{elements}", tf.Variable(tf.zeros([elements])), 0, "", [elements])
+
+    small, big = slot(100), slot(3000)  # 400 and 12000 bytes
+    grouped = batches([small, small, big, small, small, small], limit=1000)
+    assert [[s.key for s in batch] for batch in grouped] == [
+        ["v100", "v100"], ["v3000"], ["v100", "v100"], ["v100"]]
 
 
 def test_a_checkpoint_dir_a_ps_cannot_write_or_does_not_share_fails_at_start(cluster, tmp_path):

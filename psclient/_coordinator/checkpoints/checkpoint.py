@@ -311,8 +311,13 @@ class Checkpoints:
                 continue
             applied = None
             if self._deltas is not None or _deltas.any_delta(path):  # newest full + its deltas in order
+                # Deltas patch the full checkpoint's values: those are held on their ps for it (a ps
+                # peaks near twice its variables then; a plain restore reads twice and holds a batch).
+                held = (_parts.hold_values(values, timeout=self._hang_timeout),
+                        table_checkpoint.hold_states(table_states, functools.partial(
+                            _parts.on_each_ps, timeout=self._hang_timeout)))
                 values, completed, table_states, meta, applied, bad = self._deltas_for_read().restore_onto(
-                    path, variables, tables or {}, only_ps, (values, completed, table_states, meta))
+                    path, variables, tables or {}, only_ps, (held[0], completed, held[1], meta))
                 skipped += bad
             _parts.assign_on_ps(values, timeout=self._hang_timeout)
             table_checkpoint.assign(table_states, functools.partial(_parts.on_each_ps, timeout=self._hang_timeout))
@@ -322,8 +327,7 @@ class Checkpoints:
                 log.warning("restored %s, the newest complete checkpoint; passed over %s",
                             path, ", ".join(s["path"] for s in skipped))
             restored = {"variables": {ps: len(pairs) for ps, pairs in values.items()},
-                        "rows": {ps: sum(int(state["row_keys"].shape[0]) for _t, _s, state in entries)
-                                 for ps, entries in table_states.items()}}
+                        "rows": {ps: table_checkpoint.rows_of(entries) for ps, entries in table_states.items()}}
             if self._deltas is not None:
                 self._deltas.forget()  # the variables changed: the next checkpoint is full
             return {"path": path, "completed_closures": completed, "skipped": skipped, "meta": meta,

@@ -69,6 +69,7 @@ from psclient._coordinator.checkpoints.checkpoint_parts import (
     PsTimeout,
     describe_task,
     device_of,
+    hold_values,
     on_each_ps,
     read_on_ps,
     slots_of,
@@ -349,7 +350,8 @@ class Deltas:
                 whole[key] = variable
         if problems:
             raise CheckpointUnreadable("; ".join(problems[:5]))
-        read = read_on_ps(delta, whole, dtypes, layout, self._describe_ps, only_ps, timeout=self._timeout)
+        read = hold_values(read_on_ps(delta, whole, dtypes, layout, self._describe_ps, only_ps, timeout=self._timeout),
+                           timeout=self._timeout)
         replaced = {(slot.key, slot.spec): tensor for pairs in read.values() for slot, tensor in pairs}
 
         def patch(ps: int, pairs: list) -> Callable[[], list]:

@@ -20,7 +20,13 @@ full shape (TF's `shape_and_slices`), by the ps that holds that shard. A
 restore reads on each ps the slices its variables need (`RestoreV2` there,
 which assembles a slice from whichever parts hold its rows) and assigns them
 there: a checkpoint restores into another number of ps tasks or shards, and
-the values never pass through the coordinator.
+the values never pass through the coordinator. It reads every value twice,
+a batch of at most `READ_BATCH_BYTES` (or one larger slot) at a time: first
+every ps checks that all of its values read (RestoreV2 verifies checksums)
+and keeps none (`read_on_ps`), then each reads and assigns them again
+(`assign_on_ps`). A damaged checkpoint thus leaves every variable untouched,
+and a ps holds at most one batch beyond its variables, never a second copy
+of them.
 
 A ps also writes its shards of the dynamic embedding tables in its part, in
 the same SaveV2 call (`table_checkpoint`).
@@ -58,8 +64,9 @@ from psclient._tf import checkpoints as _checkpoints
 from psclient._tf import executors as _executors
 from psclient._core.errors import CheckpointUnreadable, PSClientError, first_line
 
-__all__ = ["CheckpointDirError", "CheckpointUnreadable", "CheckpointWriteError", "LAYOUT_KEY", "PsTimeout", "Slot",
-           "assign_on_ps", "late_threads", "on_each_ps", "probe_writable", "read_on_ps", "slots_of"]
+__all__ = ["CheckedPart", "CheckpointDirError", "CheckpointUnreadable", "CheckpointWriteError", "LAYOUT_KEY",
+           "PsTimeout", "READ_BATCH_BYTES", "Slot", "assign_on_ps", "batches", "hold_values", "late_threads", "on_each_ps",
+           "probe_writable", "read_on_ps", "slots_of"]
 
 #: The checkpoint's own description: which task wrote which data file with which keys.
 LAYOUT_KEY = "psclient_layout"
@@ -194,47 +201,103 @@ def on_each_ps(work: dict[int, Callable[[], Any]], timeout: float | None = None,
     return {ps: future.result() for ps, future in futures.items()}
 
 
+#: The most bytes a restore reads at once on a ps (a batch of small slots; a larger slot is read alone):
+#: while a restore runs, a ps holds its variables and at most this much more, or one slot.
+READ_BATCH_BYTES = 8 << 20
+
+
+def slot_bytes(slot: Slot) -> int:
+    return int(slot.variable.shape.num_elements()) * slot.variable.dtype.size
+
+
+def batches(slots: list[Slot], limit: int = READ_BATCH_BYTES) -> list[list[Slot]]:
+    """`slots` in order, grouped so that a group holds at most `limit` bytes, or one larger slot alone."""
+    out: list[list[Slot]] = []
+    size = 0
+    for slot in slots:
+        n = slot_bytes(slot)
+        if out and size + n <= limit:
+            out[-1].append(slot)
+            size += n
+        else:
+            out.append([slot])
+            size = n
+    return out
+
+
+class CheckedPart:
+    """What one ps read and checked of a checkpoint, to read again and assign (`assign_on_ps`).
+
+    Holds no value: `len()` is how many slots (variables or shards) the ps restores.
+    """
+
+    __slots__ = ("path", "ps", "slots", "dtypes", "layout", "describe_ps")
+
+    def __init__(self, path: str, ps: int, slots: list[Slot], dtypes: dict[str, Any], layout: dict | None,
+                 describe_ps: Callable[[int], str]):
+        self.path, self.ps, self.slots, self.dtypes = path, ps, slots, dtypes
+        self.layout, self.describe_ps = layout, describe_ps
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def restore(self, some: list[Slot]) -> list:
+        """`some` read from the checkpoint (RestoreV2 on the device in force)."""
+        return _checkpoints.restore(self.path, [s.key for s in some], [s.spec for s in some],
+                                    [self.dtypes[s.key] for s in some])
+
+
 def read_on_ps(path: str, variables: dict[str, Any], dtypes: dict[str, Any],
                layout: dict | None, describe_ps: Callable[[int], str],
-               only_ps: frozenset | None = None, timeout: float | None = None) -> dict[int, list]:
-    """Every slot's value read on its own ps (RestoreV2 there): ps -> [(slot, tensor on that ps)].
+               only_ps: frozenset | None = None, timeout: float | None = None) -> dict[int, CheckedPart]:
+    """Check that every slot's value can be read on its own ps: ps -> CheckedPart.
 
-    `only_ps`: the slots those ps tasks hold, and no other (a part-only ps recovery).
-    Raises CheckpointUnreadable naming the ps task that read, the key and the data files.
+    Each ps reads its slots (RestoreV2 there, which verifies each value's
+    checksum as it reads it) a batch at a time (`batches`) and drops each
+    batch at once: a ps holds at most one batch beyond its variables, and
+    nothing is kept. `assign_on_ps` reads them again to assign them: a
+    restore reads every value twice, so that a damaged checkpoint leaves
+    every variable untouched without any ps holding a second copy of its
+    variables. `only_ps`: the slots those ps tasks hold, and no other (a
+    part-only ps recovery). Raises CheckpointUnreadable naming the ps task
+    that read, the key and the data files.
     """
     by_ps = slots_of(variables)
     if only_ps is not None:
         by_ps = {ps: slots for ps, slots in by_ps.items() if ps in only_ps}
 
-    def read(ps: int) -> Callable[[], list]:
-        slots = by_ps[ps]
-
-        def restore(some):
-            return _checkpoints.restore(path, [s.key for s in some], [s.spec for s in some],
-                                         [dtypes[s.key] for s in some])
+    def check(ps: int) -> Callable[[], CheckedPart]:
+        part = CheckedPart(path, ps, by_ps[ps], dtypes, layout, describe_ps)
 
         def run():
             with device_of(ps):
-                try:
-                    tensors = restore(slots)
-                except tf.errors.OpError as error:
-                    error._psclient_ps, error._psclient_slot = ps, _failing(slots, restore, tf.errors.OpError)
-                    raise
-            return list(zip(slots, tensors))
+                for batch in batches(part.slots):
+                    try:
+                        part.restore(batch)  # dropped at once: only whether it reads counts here
+                    except tf.errors.OpError as error:
+                        error._psclient_ps, error._psclient_slot = ps, _failing(batch, part.restore,
+                                                                                tf.errors.OpError)
+                        raise
+            return part
         return run
 
     try:
-        return on_each_ps({ps: read(ps) for ps in by_ps}, timeout=timeout)
+        return on_each_ps({ps: check(ps) for ps in by_ps}, timeout=timeout)
     except tf.errors.OpError as error:
-        ps = getattr(error, "_psclient_ps", None)
-        slot = getattr(error, "_psclient_slot", None)
-        slots = [slot] if slot is not None else by_ps.get(ps, [])
-        what = (f"{slot.key.split('/')[0]} ({slot.variable.name})" if slot is not None
-                else ", ".join(sorted({s.key.split("/")[0] for s in slots})))
-        files = _files_of(path, layout, {s.key for s in slots})
-        raise CheckpointUnreadable(
-            f"the value of {what} cannot be read by {describe_task(ps, describe_ps)} from {' or '.join(files)} "
-            f"(corrupt or truncated data file?): {first_line(error)}") from error
+        raise _unreadable(error, path, layout, by_ps, describe_ps, "") from error
+
+
+def _unreadable(error: tf.errors.OpError, path: str, layout: dict | None, by_ps: dict[int, list[Slot]],
+                describe_ps: Callable[[int], str], consequence: str) -> CheckpointUnreadable:
+    ps = getattr(error, "_psclient_ps", None)
+    slot = getattr(error, "_psclient_slot", None)
+    slots = [slot] if slot is not None else by_ps.get(ps, [])
+    what = (f"{slot.key.split('/')[0]} ({slot.variable.name})" if slot is not None
+            else ", ".join(sorted({s.key.split("/")[0] for s in slots})))
+    files = _files_of(path, layout, {s.key for s in slots})
+    return CheckpointUnreadable(
+        f"the value of {what} cannot be read by {describe_task(ps, describe_ps)} from {' or '.join(files)} "
+        f"(corrupt or truncated data file?): {first_line(error)}{consequence}")
 
 
 def _failing(slots: list, restore: Callable, errors) -> Any:
@@ -247,16 +310,72 @@ def _failing(slots: list, restore: Callable, errors) -> Any:
     return None
 
 
-def assign_on_ps(values: dict[int, list], timeout: float | None = None) -> None:
-    """Assign each value read by `read_on_ps` to its variable, on its ps (all ps at once).
-    Raises PsTimeout naming a ps still assigning after `timeout` seconds."""
-    def assign(pairs: list) -> Callable[[], None]:
+#: What a read that passed the check and then fails means: the file changed between the two reads.
+_REREAD_ERRORS = (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError,
+                  tf.errors.InvalidArgumentError)
+
+
+def hold_values(checked: dict[int, CheckedPart], timeout: float | None = None) -> dict[int, list]:
+    """Every value `read_on_ps` checked, read again and held on its ps: ps -> [(slot, tensor there)].
+
+    For a restore that changes values before it assigns them (a full checkpoint's deltas): a ps
+    then holds a second copy of what it restores. `assign_on_ps` takes either form."""
+    def hold(part: CheckedPart) -> Callable[[], list]:
         def run():
-            for slot, tensor in pairs:
-                slot.variable.assign(tensor, read_value=False)  # both on this ps
+            with device_of(part.ps):
+                try:
+                    return list(zip(part.slots, part.restore(part.slots)))
+                except _REREAD_ERRORS as error:
+                    error._psclient_ps = part.ps
+                    raise
         return run
 
-    on_each_ps({ps: assign(pairs) for ps, pairs in values.items()}, timeout=timeout)
+    try:
+        return on_each_ps({ps: hold(part) for ps, part in checked.items()}, timeout=timeout)
+    except _REREAD_ERRORS as error:
+        part = checked.get(getattr(error, "_psclient_ps", None))
+        if part is None:
+            raise
+        raise _unreadable(error, part.path, part.layout, {part.ps: part.slots}, part.describe_ps,
+                          " (read without error a moment before: the file changed since). Nothing was "
+                          "assigned.") from error
+
+
+def assign_on_ps(values: dict[int, CheckedPart | list], timeout: float | None = None) -> None:
+    """Read again each value `read_on_ps` checked and assign it to its variable, on its ps, a
+    batch at a time (all ps at once): a ps holds at most one batch beyond its variables.
+
+    Raises PsTimeout naming a ps still assigning after `timeout` seconds, and
+    CheckpointUnreadable if a value that was read in the check cannot be read
+    now (its file changed since): variables assigned before keep their new values.
+    """
+    def assign(part: CheckedPart | list) -> Callable[[], None]:
+        def run():
+            if isinstance(part, list):  # values held (`hold_values`), perhaps changed since
+                for slot, tensor in part:
+                    slot.variable.assign(tensor, read_value=False)  # both on this ps
+                return
+            with device_of(part.ps):
+                for batch in batches(part.slots):
+                    try:
+                        tensors = part.restore(batch)
+                    except _REREAD_ERRORS as error:
+                        error._psclient_ps = part.ps
+                        raise
+                    for slot, tensor in zip(batch, tensors):
+                        slot.variable.assign(tensor, read_value=False)  # both on this ps
+                    del tensors  # before the next batch is read
+        return run
+
+    try:
+        on_each_ps({ps: assign(part) for ps, part in values.items()}, timeout=timeout)
+    except _REREAD_ERRORS as error:
+        part = values.get(getattr(error, "_psclient_ps", None))
+        if not isinstance(part, CheckedPart):
+            raise
+        raise _unreadable(error, part.path, part.layout, {part.ps: part.slots}, part.describe_ps,
+                          " (read without error a moment before: the file changed since). Some variables "
+                          "were assigned their values from it already: restore again.") from error
 
 
 def _files_of(path: str, layout: dict | None, keys: set[str]) -> list[str]:

@@ -18,16 +18,19 @@ layer's position among the model's DynamicEmbedding layers):
 The checkpoint's layout (`psclient_layout`) lists each table under `tables`:
 name, dim, shards, slot initial values.
 
-Restore: each ps reads (RestoreV2 there) what it will hold, and only when
-every ps has read everything (variables too) does any ps replace its
-shard's contents: a checkpoint that cannot be read leaves the tables as
-they were. Restored into another number of ps tasks, each ps reads every
+Restore: each ps reads (RestoreV2 there) what each of its shards will hold,
+one shard at a time, and drops it (`read`: a check); only when every ps has
+read everything (variables too) does any ps read each shard's state again
+and replace the shard's contents with it, one shard at a time (`assign`): a
+checkpoint that cannot be read leaves the tables as they were, and a ps
+holds at most one shard's state beyond its tables. Restored into another number of ps tasks, each ps reads every
 saved shard and keeps the keys it owns (`shard_of(key, num_ps)`); the clock
 becomes the largest saved one, admissions and evictions are summed on ps 0.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import tensorflow as tf
@@ -39,7 +42,7 @@ from psclient._tf import checkpoints as _checkpoints
 #: imports this module, so not imported from there).
 LOCAL = -1
 
-__all__ = ["assign", "check", "layout_of", "names_by_ps", "read", "read_local", "save_work"]
+__all__ = ["assign", "check", "hold_states", "layout_of", "names_by_ps", "read", "read_local", "rows_of", "save_work"]
 
 _FIELDS = ("keys", "counters", "row_keys", "rows", "clock", "admissions", "evictions")
 
@@ -116,7 +119,8 @@ def check(tables: dict[str, Any], saved: dict) -> list[str]:
 
 
 def read(path: str, tables: dict[str, Any], saved: dict) -> dict[int, Callable[[], list]]:
-    """ps -> a function reading, on that ps, the state its shards will hold: [(table, shard, state)]."""
+    """ps -> a function checking, on that ps, that the state each of its shards will hold reads
+    (each read, then dropped): [(table, shard, checked)], which `assign` reads again."""
     from psclient._coordinator.tables.dynamic_tables import shard_of  # not at the top: dynamic_tables imports this module
 
     work: dict[int, list] = {}
@@ -157,45 +161,90 @@ def read(path: str, tables: dict[str, Any], saved: dict) -> dict[int, Callable[[
         def run():
             out = []
             for key, index, table, shard in entries:
+                read_state = functools.partial(state_of, key, index, table)
                 with shard.placed():
                     try:
-                        out.append((table, shard, state_of(key, index, table)))
+                        rows = int(read_state()["row_keys"].shape[0])  # the state itself dropped at once
                     except tf.errors.OpError as error:
                         error._psclient_table = f"{key} ({table.name!r})"
                         raise
+                out.append((table, shard, {"read": read_state, "rows": rows, "slot_defaults": saved[key]["slots"],
+                                           "table": f"{key} ({table.name!r})"}))
             return out
         return run
 
     return {ps: on(entries) for ps, entries in work.items()}
 
 
+def rows_of(entries: list) -> int:
+    """How many rows the shards `read` checked (or `hold_states` held) get back."""
+    return sum(int(state["row_keys"].shape[0]) if "row_keys" in state else state["rows"]
+               for _table, _shard, state in entries)
+
+
+def hold_states(states: dict[int, list], on_each_ps: Callable) -> dict[int, list]:
+    """Each shard's state that `read` checked, read again and held on its ps: ps -> [(table, shard,
+    state)], for a restore that changes them before it assigns them (a checkpoint's deltas: a ps then
+    holds a second copy of its shards). `assign` takes either form."""
+    def on(entries):
+        def run():
+            out = []
+            for table, shard, checked in entries:
+                with shard.placed():
+                    try:
+                        state = checked["read"]()
+                    except tf.errors.OpError as error:
+                        error._psclient_table = checked["table"]
+                        raise
+                out.append((table, shard, state))
+            return out
+        return run
+
+    return on_each_ps({ps: on(entries) for ps, entries in states.items()})
+
+
 def assign(states: dict[int, list], on_each_ps: Callable) -> None:
-    """Replace every shard's contents with what `read` gave, each on its ps (all ps at once)."""
+    """Read again each shard's state that `read` checked and replace the shard's contents with it,
+    one shard at a time on each ps (all ps at once)."""
     for entries in states.values():
-        for table, _shard, state in entries:
-            table.ensure_slots(state["slot_defaults"])  # a fresh process: the optimizer made none yet
+        for table, _shard, checked in entries:
+            table.ensure_slots(checked["slot_defaults"])  # a fresh process: the optimizer made none yet
 
     def on(entries):
         def run():
-            for _table, shard, state in entries:
+            for _table, shard, checked in entries:
                 with shard.placed():
-                    if shard.dense:
-                        shard.replace(state["keys"], state["counters"], state["row_keys"], state["rows"],
-                                      state["slots"], state["clock"], state["admissions"], state["evictions"])
+                    if "read" not in checked:  # a state held (`hold_states`), perhaps changed since
+                        _replace(shard, checked)
                         continue
-                    for table in (shard.values, shard.counters, *shard.slots.values()):
-                        keys, _ = table.export()
-                        table.remove(tf.reshape(keys, [-1]))
-                    shard.counters.insert(state["keys"], state["counters"])
-                    shard.values.insert(state["row_keys"], state["rows"])
-                    for slot, value in state["slots"].items():
-                        shard.slots[slot].insert(state["row_keys"], value)
-                    shard.clock.assign(state["clock"], read_value=False)
-                    shard.admissions.assign(state["admissions"], read_value=False)
-                    shard.evictions.assign(state["evictions"], read_value=False)
+                    try:
+                        state = checked["read"]()
+                    except tf.errors.OpError as error:
+                        error._psclient_table = checked["table"]
+                        raise
+                    _replace(shard, state)
+                    del state  # before the next shard's is read
         return run
 
     on_each_ps({ps: on(entries) for ps, entries in states.items()})
+
+
+def _replace(shard, state: dict) -> None:
+    """`shard`'s contents replaced with `state` (under the shard's device)."""
+    if shard.dense:
+        shard.replace(state["keys"], state["counters"], state["row_keys"], state["rows"],
+                      state["slots"], state["clock"], state["admissions"], state["evictions"])
+        return
+    for table in (shard.values, shard.counters, *shard.slots.values()):
+        keys, _ = table.export()
+        table.remove(tf.reshape(keys, [-1]))
+    shard.counters.insert(state["keys"], state["counters"])
+    shard.values.insert(state["row_keys"], state["rows"])
+    for slot, value in state["slots"].items():
+        shard.slots[slot].insert(state["row_keys"], value)
+    shard.clock.assign(state["clock"], read_value=False)
+    shard.admissions.assign(state["admissions"], read_value=False)
+    shard.evictions.assign(state["evictions"], read_value=False)
 
 
 def read_local(reader, key: str, entry: dict) -> list[dict]:

@@ -1,0 +1,132 @@
+"""`export_servable` on a cluster: a hung ps makes it give up after `hang_timeout`, naming the ps.
+
+Keras's export traces the serving endpoints, then TF's saver has each ps
+write its part of the SavedModel's variables: TF calls that cannot be
+cancelled nor given a deadline, which a SIGSTOPped ps would hold forever.
+So the export runs on a thread of its own (`THREAD_NAME`), its traces
+registering their functions through the streaming executor
+(`streamed_function_registrations`: a registration waiting on a hung ps
+would hold the GIL, and the caller with it; its eager ops go as before, so
+that a ps that died fails them), and the calling thread
+
+- first has every ps answer a tiny op within `hang_timeout`, through the
+  checkpoints' bounded per-ps helper (`checkpoint_parts.on_each_ps`): an
+  export never begins with a ps already hung, and nothing is written then;
+- then, until the export ends, has every ps answer again every
+  `PROBE_EVERY_S` seconds (each probe bounded the same way).
+
+A ps that does not answer in time: the export is abandoned and
+`PSUnavailableError` names the ps. Its thread goes on until that ps answers
+or dies, and its version is never published: the hidden directory it writes
+in is removed instead of renamed (`Publication`), once the thread ends. A ps
+that answers a probe with an error (gone, not hung) is left to fail the
+export's own calls: it ends with their error, as it would without probes. The next export waits for an abandoned one to end (one
+export at a time per process).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import tensorflow as tf
+
+from psclient._coordinator import runtime as _runtime
+from psclient._coordinator.checkpoints.checkpoint_parts import PsTimeout, on_each_ps
+from psclient._core.errors import PSUnavailableError, first_line
+from psclient._tf.executors import streamed_function_registrations
+
+__all__ = ["Abandoned", "Publication", "THREAD_NAME", "export_bounded"]
+
+#: How often every ps is probed while an export runs (seconds; each probe waits `hang_timeout` at most).
+PROBE_EVERY_S = 1.0
+#: The name of an export's thread: one alive after `export_bounded` raised waits on a hung ps.
+THREAD_NAME = "psclient-export"
+
+
+class Abandoned(Exception):
+    """Raised inside an export's version block when its caller gave up on it: the version is not published."""
+
+
+class Publication:
+    """Whether an export's version may still be published, decided once under a lock: by the export
+    (`may_publish`, before the rename) or by its caller giving up (`abandon`), whichever comes first."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._state = "writing"
+
+    def may_publish(self) -> bool:
+        with self._lock:
+            if self._state == "abandoned":
+                return False
+            self._state = "publishing"
+            return True
+
+    def abandon(self) -> bool:
+        """False: too late, the version is being published (a local rename: wait for it)."""
+        with self._lock:
+            if self._state == "publishing":
+                return False
+            self._state = "abandoned"
+            return True
+
+
+def export_bounded(write: Callable[[Publication], Any], num_ps: int, hang_timeout: float,
+                   describe_ps: Callable[[int], str]) -> Any:
+    """`write(publication)` on the export thread, every ps probed meanwhile; its result.
+
+    `write` must raise `Abandoned` instead of publishing when
+    `publication.may_publish()` is False. Raises PSUnavailableError naming a
+    ps that did not answer within `hang_timeout`; `write`'s own error else.
+    """
+    probes = {ps: _probe_of(ps) for ps in range(num_ps)}
+    _probe_all(probes, hang_timeout, describe_ps, "nothing was written")
+    publication = Publication()
+    done = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def run():
+        try:
+            with streamed_function_registrations():
+                outcome["result"] = write(publication)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller (or dropped if it gave up)
+            outcome["error"] = error
+        finally:
+            done.set()
+
+    # Daemon: an export given up on waits on a hung ps, and must not keep the process from exiting.
+    thread = threading.Thread(target=run, name=THREAD_NAME, daemon=True)
+    thread.start()
+    while not done.wait(PROBE_EVERY_S):
+        try:
+            _probe_all(probes, hang_timeout, describe_ps, "the version being written is not published")
+        except PSUnavailableError:
+            if publication.abandon():
+                raise
+            break  # it is being renamed: a local step, waited for below
+        except tf.errors.OpError:
+            # A ps answered with an error (gone, not hung): the export's own calls there fail too, and
+            # it ends with its own error (a version it cannot finish is never published).
+            continue
+    done.wait()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def _probe_of(ps: int) -> Callable[[], None]:
+    task = f"/job:ps/replica:0/task:{ps}"  # probe() names the task's CPU itself
+    return lambda: _runtime.probe(task)
+
+
+def _probe_all(probes: dict, hang_timeout: float, describe_ps: Callable[[int], str], consequence: str) -> None:
+    try:
+        on_each_ps(probes, timeout=hang_timeout)
+    except PsTimeout as error:
+        ps = error._psclient_ps
+        raise PSUnavailableError(
+            f"export_servable: ps:{ps} ({describe_ps(ps)}) did not answer within hang_timeout="
+            f"{hang_timeout:g} s (hung?); the export was given up and {consequence}. Export again once "
+            f"it answers: {first_line(error)}", task=f"ps:{ps}", address=describe_ps(ps)) from error

@@ -1,0 +1,134 @@
+"""A hung ps (SIGSTOPped) during `export_servable`: bounded, on a real cluster (issue 36 item 5).
+
+The export gives up after hang_timeout with PSUnavailableError naming the ps,
+publishes no version (its hidden directory is removed once the ps answers),
+and after SIGCONT the next export is whole and no thread is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+from _polling import wait_for
+
+keras = pytest.importorskip("keras")
+tf = pytest.importorskip("tensorflow")
+
+import psclient  # noqa: E402
+from psclient._coordinator.checkpoints.checkpoint_parts import late_threads  # noqa: E402
+from psclient._keras.bounded_export import THREAD_NAME  # noqa: E402
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+HANG_TIMEOUT = 3.0
+#: Beyond hang_timeout: the probe interval, a loaded machine's scheduling, the error's way back.
+SLACK_S = 20.0
+LIMIT = 120.0
+
+
+@pytest.fixture
+def cluster(one_worker_two_ps, restore_shared_clusters):
+    """The shared 1 worker + 2 ps; every task runs again after the test (SIGCONT)."""
+    return one_worker_two_ps
+
+
+def _versions(base_dir):
+    return sorted(name for name in os.listdir(base_dir) if name.isdigit())
+
+
+def _hidden(base_dir):
+    return sorted(name for name in os.listdir(base_dir) if name.startswith(".psclient-version"))
+
+
+def _export_threads():
+    return [t for t in threading.enumerate() if t.name == THREAD_NAME]
+
+
+def _strategy_and_model(cluster, tmp_path):
+    strategy = psclient.ParameterServerStrategy(
+        cluster, hang_timeout=HANG_TIMEOUT,
+        variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2))
+    with strategy.scope():
+        inputs = keras.Input((2,), dtype="int64")
+        table = keras.layers.Embedding(4000, 4, name="table")(inputs)  # a shard on each ps
+        model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(table)))
+        model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
+    x = np.random.default_rng(0).integers(0, 4000, (64, 2))
+    model.fit(x, (x[:, :1] % 3).astype("float32"), batch_size=32, epochs=1, verbose=0)
+    return strategy, model, x
+
+
+def _back_to_normal(cluster, strategy, model, x, base_dir):
+    cluster.resume("ps", 1)
+    wait_for(lambda: not _export_threads() and not late_threads(), LIMIT,
+             "the export and the probes left waiting on ps:1 to end")
+    assert _versions(base_dir) == [] and _hidden(base_dir) == [], os.listdir(base_dir)
+    want = model.predict(x[:8], verbose=0)
+    path = psclient.export_servable(model, base_dir)
+    assert _versions(base_dir) == ["1"] and _hidden(base_dir) == []
+    served = tf.saved_model.load(path)
+    np.testing.assert_allclose(served.serve(tf.constant(x[:8])).numpy(), want, atol=1e-6)
+
+
+def _fails_naming_ps1(error, seconds):
+    assert isinstance(error, psclient.PSUnavailableError), repr(error)
+    assert "ps:1" in str(error) and f"hang_timeout={HANG_TIMEOUT:g}" in str(error), str(error)
+    assert error.task == "ps:1"
+    assert seconds < HANG_TIMEOUT + SLACK_S, f"gave up after {seconds:.1f} s"
+
+
+def test_an_export_with_a_ps_already_stopped_fails_within_hang_timeout_and_writes_nothing(cluster, tmp_path):
+    base_dir = str(tmp_path / "serving")
+    os.makedirs(base_dir)
+    strategy, model, x = _strategy_and_model(cluster, tmp_path)
+    try:
+        cluster.stop("ps", 1)
+        started = time.monotonic()
+        with pytest.raises(psclient.PSUnavailableError) as caught:
+            psclient.export_servable(model, base_dir)
+        _fails_naming_ps1(caught.value, time.monotonic() - started)
+        assert "nothing was written" in str(caught.value)
+        assert _versions(base_dir) == [] and _hidden(base_dir) == []
+        _back_to_normal(cluster, strategy, model, x, base_dir)
+    finally:
+        cluster.resume("ps", 1)
+        strategy.shutdown()
+
+
+def test_a_ps_stopped_during_an_export_fails_it_within_hang_timeout_and_publishes_nothing(cluster, tmp_path):
+    base_dir = str(tmp_path / "serving")
+    os.makedirs(base_dir)
+    strategy, model, x = _strategy_and_model(cluster, tmp_path)
+    try:
+        outcome = {}
+
+        def export():
+            started = time.monotonic()
+            try:
+                outcome["path"] = psclient.export_servable(model, base_dir)
+            except Exception as error:  # noqa: BLE001 - checked below
+                outcome["error"] = error
+            outcome["seconds"] = time.monotonic() - started
+
+        caller = threading.Thread(target=export, name="export-under-test")
+        caller.start()
+        try:
+            # Stopped as soon as the export's hidden directory exists (its traces and writes still to come).
+            wait_for(lambda: _hidden(base_dir) or not caller.is_alive(), LIMIT, "the export to begin")
+            stopped = time.monotonic()
+            cluster.stop("ps", 1)
+        finally:
+            caller.join(LIMIT)
+        assert not caller.is_alive(), "export_servable did not return with ps:1 stopped"
+        assert "error" in outcome, f"the export published {outcome.get('path')} although ps:1 was stopped"
+        _fails_naming_ps1(outcome["error"], time.monotonic() - stopped)
+        assert "not published" in str(outcome["error"]), str(outcome["error"])  # given up on mid-export
+        assert _versions(base_dir) == []  # a reader sees no version: the hidden one is removed once ps:1 answers
+        _back_to_normal(cluster, strategy, model, x, base_dir)
+    finally:
+        cluster.resume("ps", 1)
+        strategy.shutdown()
