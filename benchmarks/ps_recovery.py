@@ -37,12 +37,13 @@ closures rolled back are exactly those since the checkpoint):
 
 Every ps's VmRSS is also sampled through 1 (with deltas: the first deltas,
 and the copy of each shard each ps keeps as the diff's base) and through 3
-(the deltas on the saved checkpoint). Before the save and before the kill
-the benchmark waits until QUIET_S (2.5 s) pass with no checkpoint written or
-in flight: psclient checks what is due once a round (1 s), so every delta
-due was taken and written, and under "part_delta" the kill falls after the
-newest delta: ps 1 rolls back the closures since it, fewer than 8 (the
-same wait in every mode). Every checkpoint written in the background (each delta's stall, write
+(the deltas on the saved checkpoint). Before the save, and before the last
+8 steps ahead of the kill, the benchmark waits until QUIET_S (2.5 s) pass
+with no checkpoint written or in flight: psclient checks what is due once a
+round (1 s), so every delta due was taken and written. The last 8 steps and
+their evaluation follow, then the kill (after any write in flight): under
+"part_delta" ps 1 rolls back those 9 closures, or fewer if a round cut a
+delta among them (the same waits in every mode). Every checkpoint written in the background (each delta's stall, write
 seconds, bytes and rows; the full ones') is read from `stats()["checkpoints"]`
 as it ends, with the phase it fell in.
 
@@ -227,6 +228,14 @@ class CheckpointLog:
         while not self._stop.wait(0.02):
             self._poll()
 
+    def wait_written(self, timeout: float) -> None:
+        """Until no checkpoint write is in flight (the kill must not fall inside a delta's write)."""
+        deadline = time.monotonic() + timeout
+        while self._poll().get("writing"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a checkpoint write was still in flight after {timeout} s")
+            self._stop.wait(0.02)
+
     def wait_quiet(self, timeout: float) -> None:
         """Until QUIET_S passed with no checkpoint written or in flight: every checkpoint due was taken.
 
@@ -341,10 +350,13 @@ def run_mode(local, strategy, memory: PsMemory, checkpoints: CheckpointLog, args
     def train(first: int, count: int) -> list:
         return [strategy.schedule(step, args=batch(i)) for i in range(first, first + count)]
 
-    def train_and_evaluate(first: int, count: int) -> tuple[list, list]:
-        """`count` steps; after every EVAL_EVERY of them a join, then the loss of the pool."""
+    def train_and_evaluate(first: int, count: int, before_last=None) -> tuple[list, list]:
+        """`count` steps; after every EVAL_EVERY of them a join, then the loss of the pool.
+        `before_last()` is called before the last EVAL_EVERY steps."""
         steps, evaluations = [], []
         for done in range(0, count, EVAL_EVERY):
+            if before_last is not None and done + EVAL_EVERY >= count:
+                before_last()
             steps += train(first + done, min(EVAL_EVERY, count - done))
             strategy.join(timeout=args.closure_timeout)
             evaluations.append((len(steps), full_loss()))
@@ -387,9 +399,13 @@ def run_mode(local, strategy, memory: PsMemory, checkpoints: CheckpointLog, args
     # 3. Past the checkpoint.
     checkpoints.phase = "between the checkpoint and the kill"
     memory.open()
-    between, evaluations_between = train_and_evaluate(args.steps_before, args.steps_between)
+    # Every delta due is written before the last 8 steps and their evaluation, which the kill
+    # follows at once (after any write in flight): under "part_delta" ps 1 loses those 9 closures,
+    # or fewer if a round of psclient's recovery thread cut a delta among them.
+    between, evaluations_between = train_and_evaluate(
+        args.steps_before, args.steps_between, before_last=lambda: checkpoints.wait_quiet(args.closure_timeout))
     loss_before_kill = evaluations_between[-1][1]
-    checkpoints.wait_quiet(args.closure_timeout)  # the kill falls after the newest delta's write
+    checkpoints.wait_written(args.closure_timeout)
     between_memory = memory.close()
     closures_since_checkpoint = strategy.stats()["completed"] - completed_at_checkpoint
     deltas_before_kill = strategy.stats(read_ps=False)["checkpoints"].get("deltas_since_full")
