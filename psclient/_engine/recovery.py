@@ -391,7 +391,8 @@ class Recovery:
     @_apply.register
     def _pause(self, action: rm.PauseDispatch) -> None:
         self._scheduler.pause()
-        self._paused_at = self._clock()
+        if action.reason == "checkpoint":  # a ps loss's pause is not a checkpoint's stall
+            self._paused_at = self._clock()
         if action.reason == "checkpoint" and self._scheduler.running() == 0:
             # Nothing runs: the checkpoint need not wait up to a round for the next Tick.
             self.report(rm.Tick(running=0, completed=self._scheduler.completed()))
@@ -399,7 +400,9 @@ class Recovery:
     @_apply.register
     def _resume(self, action: rm.ResumeDispatch) -> None:
         self._scheduler.resume()
-        if action.reason == "checkpoint" and self.checkpoints is not None:  # how long training stopped
+        if action.reason != "checkpoint":  # a checkpoint still pausing stalls training from here on only
+            self._paused_at = self._clock()
+        elif self.checkpoints is not None:  # how long training stopped for the checkpoint
             self.checkpoints.times["last_stall_seconds"] = self._clock() - self._paused_at
 
     @_apply.register
