@@ -71,6 +71,10 @@ class SimConfig:
     #: Round trip of a probe to an up worker (s).
     probe_s: float = 0.0005
     hang_timeout: float = 2.0
+    #: How long a failure probe (does this worker, or the ps, answer?) waits; None: as a strategy's,
+    #: min(10, hang_timeout). A starved probe thread counts as a silent task, so a test that loads
+    #: the process with 100 dispatcher threads gives it more than a 0.6 s hang_timeout.
+    probe_timeout: float | None = None
     #: A dead worker comes back after this long; a hung one resumes after this long.
     restart_after: float = 1.5
     resume_after: float = 4.0
@@ -224,7 +228,8 @@ class Harness:
         self.engine = Engine(
             Roster(self.sim.cluster), edge=self.sim, scheduler=self.scheduler,
             recovery_config=RecoveryConfig(hang_timeout=config.hang_timeout,
-                                           probe_timeout=min(10.0, config.hang_timeout),
+                                           probe_timeout=(min(10.0, config.hang_timeout)
+                                                          if config.probe_timeout is None else config.probe_timeout),
                                            interval=min(1.0, config.hang_timeout / 4)),
             pipeline_depth=config.pipeline_depth, connect_timeout=config.hang_timeout,
             parts=StrategyParts(self.sim.prepare, EmptyStore(), NoPerWorker()),

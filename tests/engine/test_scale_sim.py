@@ -35,8 +35,11 @@ def harness_factory():
     def make(**overrides):
         # A hang lasts well past its detection limit (below): under a loaded CI machine detection
         # once took longer than a 1.4 s hang, which then ended unseen (the test then waits in vain).
+        # The ps never fails here: a probe of it that times out is a starved probe thread (seen once in
+        # a full suite: a false ps loss failed every closure), so probes wait as long as the slack.
         config = _sim.SimConfig(**{"step_s": 0.005, "hang_timeout": 0.6, "restart_after": 0.5,
-                                   "resume_after": DETECTION_SLACK_S + 1.5, **overrides})
+                                   "resume_after": DETECTION_SLACK_S + 1.5, "probe_timeout": DETECTION_SLACK_S,
+                                   **overrides})
         harness = _sim.Harness(config)
         made.append(harness)
         harness.start()
