@@ -196,12 +196,16 @@ def train_function_ops() -> dict:
     import collections
     import gc
 
+    import tensorflow as tf
+
     found = {}
     for function in gc.get_objects():
-        concretes = getattr(function, "_list_all_concrete_functions", None)
-        if type(function).__name__ != "Function" or concretes is None:
+        # isinstance first: a getattr on some objects gc holds (lazy modules) imports them.
+        # Traced ones only: listing an untraced function with an input signature traces it.
+        if not isinstance(function, tf.types.experimental.PolymorphicFunction) or \
+                not function.experimental_get_tracing_count():
             continue
-        for concrete in concretes():
+        for concrete in function._list_all_concrete_functions():
             graph = concrete.graph
             if "train" not in graph.name:
                 continue
