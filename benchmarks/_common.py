@@ -448,3 +448,46 @@ def _ss_records(text: str) -> list[str]:
 def _role(name: str) -> str:
     job = name.split(":", 1)[0]
     return "workers" if job == "worker" else job
+
+
+class ProcessCPU:
+    """CPU seconds (user + system) of named processes, read together with the machine's busy seconds.
+
+    `pids` maps a name ("coordinator", "ps:0", "worker:1", ...) to a pid. `read()` takes a snapshot;
+    `per_step(before, after, steps)` turns two into milliseconds of CPU per step by process, by role
+    (the name before its ":"), and in all, beside the share of the CPUs' capacity over the wall time
+    between the reads that these processes used and that every other process used ("other": other
+    jobs on a shared machine), and the 1-minute load average at each read. benchmarks/step_cpu.py
+    reads the same counters.
+    """
+
+    def __init__(self, pids: dict[str, int]):
+        import psutil
+
+        self._processes = {name: psutil.Process(pid) for name, pid in pids.items()}
+
+    def read(self) -> dict:
+        return {
+            "wall": time.perf_counter(),
+            "busy": machine_busy_seconds(),
+            "load": os.getloadavg()[0],
+            "cpu": {name: sum(p.cpu_times()[:2]) for name, p in self._processes.items()},
+        }
+
+    @staticmethod
+    def per_step(before: dict, after: dict, steps: int) -> dict:
+        used = {name: after["cpu"][name] - before["cpu"][name] for name in before["cpu"]}
+        roles: dict[str, float] = {}
+        for name, seconds in used.items():
+            roles[name.split(":")[0]] = roles.get(name.split(":")[0], 0.0) + seconds
+        wall = after["wall"] - before["wall"]
+        capacity = wall * (os.cpu_count() or 1)
+        other = (after["busy"] - before["busy"]) - sum(used.values())
+        ms = lambda seconds: round(1000 * seconds / steps, 2)  # noqa: E731
+        return {
+            "cpu_ms_per_step": {"by_process": {n: ms(s) for n, s in used.items()},
+                                "by_role": {r: ms(s) for r, s in roles.items()}, "all": ms(sum(used.values()))},
+            "measured_cpu_share": round(sum(used.values()) / capacity, 3),
+            "other_processes_cpu_share": round(max(0.0, other) / capacity, 3),
+            "load_average_1min": {"before": round(before["load"], 2), "after": round(after["load"], 2)},
+        }

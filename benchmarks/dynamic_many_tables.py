@@ -10,16 +10,21 @@ in one coordinator process. For each N, two fresh models on the same cluster and
   dynamic_dict  ONE DynamicEmbedding(dim, capacity=N*rows) called on a dict of the N features (their
             keys salted apart by the feature's name; the features share the capacity)
 
-Printed per path and N: steps/s; CPU per step of the coordinator, the ps tasks and the workers (from
-/proc); and `ps_ops_in_step`: the operations placed on ps tasks in the traced training step (a
-custom step of the same model: forward, gradient, `optimizer.apply`; the ops of the conditionals'
-branches included, as they are in the step's graph whether a branch runs or not). Then per path, what
-one more table costs: `ms_per_step_per_table` and `ps_ops_per_table` (the difference between the
-largest and the smallest N, over the tables between them), and the ratio of dynamic to hashing steps/s
-per N.
+Printed per path and N: steps/s; CPU per step of the coordinator, the ps tasks and the workers, and
+of every process apart (`cpu_ms_per_step`: `by_process`, `by_role`, `all`; psutil, as
+benchmarks/step_cpu.py reads it, `_common.ProcessCPU`), with the share of the CPUs other processes
+used meanwhile and the load average (a shared machine); and `ps_ops_in_step` / `other_ops_in_step`:
+the operations placed on ps tasks in the traced training step, and the rest (a custom step of the
+same model: forward, gradient, `optimizer.apply`; the ops of the conditionals' branches included, as
+they are in the step's graph whether a branch runs or not). With `--repeats`, every figure is the
+median of the interleaved runs, each run kept under `runs`. Then per path, what one more table costs:
+`ms_per_step_per_table` and `ps_ops_per_table` (the difference between the largest and the smallest
+N, over the tables between them), and the ratios of dynamic to hashing steps/s and CPU per step (all
+processes) per N.
 
     python benchmarks/dynamic_many_tables.py                  # N = 1, 4, 26: about 6 minutes on a loaded 2-core machine
     python benchmarks/dynamic_many_tables.py --tables 1,8 --steps 60
+    python benchmarks/dynamic_many_tables.py --tables 1 --paths hashing,dynamic --steps 200 --repeats 3
     python benchmarks/dynamic_many_tables.py --tables 26 --min-frequency 2 --ttl-steps 400   # the policies with a scan
 
 Prints one JSON object (progress on stderr). Noisy machine: compare the ratios within one run.
@@ -37,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import cpu_seconds, environment, log, print_json  # noqa: E402
+from _common import ProcessCPU, environment, log, median, print_json  # noqa: E402
 from dynamic_embeddings import FEATURES, stream  # noqa: E402
 
 PATHS = ("dynamic", "hashing", "dynamic_dict")
@@ -63,8 +68,10 @@ def build(keras, kind: str, tables: int, rows: int, dim: int, **policy):
     return model
 
 
-def ps_ops_in_step(tf, keras, model, batch: int, tables: int) -> int:
-    """Operations placed on a ps task in a traced training step of `model` (branch functions included)."""
+def ops_in_step(tf, keras, model, batch: int, tables: int) -> dict:
+    """Operations in a traced training step of `model` (branch functions included): those placed on
+    a ps task (`ps_ops_in_step`) and the rest (`other_ops_in_step`: the worker's, or placed there by
+    TF's placer at run time)."""
     optimizer = model.optimizer
 
     @tf.function
@@ -77,7 +84,45 @@ def ps_ops_in_step(tf, keras, model, batch: int, tables: int) -> int:
     graph = step.get_concrete_function(tf.TensorSpec((batch, tables), tf.int64),
                                        tf.TensorSpec((batch,), tf.float32)).graph.as_graph_def()
     nodes = [*graph.node, *(node for function in graph.library.function for node in function.node_def)]
-    return sum("/job:ps/" in node.device for node in nodes)
+    on_ps = sum("/job:ps/" in node.device for node in nodes)
+    return {"ps_ops_in_step": on_ps, "other_ops_in_step": len(nodes) - on_ps}
+
+
+def one_run(keras, tf, strategy, meter, kind: str, n: int, x, y, args, policy: dict, count_ops: bool) -> dict:
+    """One fit of a fresh model of `kind` with `n` tables: its figures, CPU per step of every process."""
+    gc.collect()
+    with strategy.scope():
+        model = build(keras, kind, n, args.rows, args.dim, **(policy if kind != "hashing" else {}))
+    marks = {}
+
+    def on_batch_end(batch, logs):
+        if batch == args.warmup - 1:
+            marks["start"] = meter.read()
+
+    timer = keras.callbacks.LambdaCallback(
+        on_train_batch_end=on_batch_end, on_train_end=lambda logs: marks.__setitem__("end", meter.read()))
+    model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+    cpu = meter.per_step(marks["start"], marks["end"], args.steps)
+    roles = cpu["cpu_ms_per_step"]["by_role"]
+    run = {
+        "steps_per_s": round(args.steps / (marks["end"]["wall"] - marks["start"]["wall"]), 2),
+        "coordinator_cpu_ms_per_step": roles["coordinator"],
+        "ps_cpu_ms_per_step": roles["ps"],
+        "worker_cpu_ms_per_step": roles["worker"],
+        **cpu,
+    }
+    if count_ops:  # the same graph every repeat: traced once (a step of 26 layers takes a while)
+        run.update(ops_in_step(tf, keras, model, args.batch, n))
+    del model, timer
+    return run
+
+
+def _medians(runs: list) -> dict:
+    """The runs' medians, field by field (numbers, and numbers in nested dicts)."""
+    first = runs[0]
+    if isinstance(first, dict):
+        return {key: _medians([run[key] for run in runs if key in run]) for key in first}
+    return round(median(runs), 3) if isinstance(first, (int, float)) else first
 
 
 def main(argv=None) -> int:
@@ -90,6 +135,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {PATHS}")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every path and N, interleaved (figures: medians; each run under `runs`)")
     parser.add_argument("--min-frequency", type=int, default=1, help="the dynamic tables' min_frequency")
     parser.add_argument("--ttl-steps", type=int, default=None, help="the dynamic tables' ttl_steps (default: none)")
     args = parser.parse_args(argv)
@@ -116,42 +163,23 @@ def main(argv=None) -> int:
     y = (x_all[:, 0] % 3 == 0).astype("float32")
     result = {"args": vars(args), "environment": environment(sys.argv)}
     with psclient.LocalCluster(num_workers=2, num_ps=2, start_timeout=300) as local:
-        roles = {role: [local.pid(job, i) for job, i, _ in local.cluster.tasks() if job == role]
-                 for role in ("ps", "worker")}
+        pids = {"coordinator": os.getpid(), **{f"{job}:{i}": local.pid(job, i) for job, i, _ in local.cluster.tasks()}}
+        meter = ProcessCPU(pids)
         strategy = psclient.ParameterServerStrategy(local.cluster)
         try:
-            for n in counts:
-                x = np.ascontiguousarray(x_all[:, :n])
-                for kind in paths:
-                    gc.collect()
-                    with strategy.scope():
-                        model = build(keras, kind, n, args.rows, args.dim, **(policy if kind != "hashing" else {}))
-                    marks = {}
-
-                    def mark():
-                        return (time.perf_counter(), time.process_time(),
-                                cpu_seconds(roles["ps"]), cpu_seconds(roles["worker"]))
-
-                    def on_batch_end(batch, logs):
-                        if batch == args.warmup - 1:
-                            marks["start"] = mark()
-
-                    timer = keras.callbacks.LambdaCallback(
-                        on_train_batch_end=on_batch_end, on_train_end=lambda logs: marks.__setitem__("end", mark()))
-                    model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
-                    (w0, c0, p0, k0), (w1, c1, p1, k1) = marks["start"], marks["end"]
-                    run = {
-                        "steps_per_s": round(args.steps / (w1 - w0), 2),
-                        "coordinator_cpu_ms_per_step": round(1000 * (c1 - c0) / args.steps, 2),
-                        "ps_cpu_ms_per_step": round(1000 * (p1 - p0) / args.steps, 2),
-                        "worker_cpu_ms_per_step": round(1000 * (k1 - k0) / args.steps, 2),
-                        "ps_ops_in_step": ps_ops_in_step(tf, keras, model, args.batch, n),
-                    }
-                    result.setdefault(kind, {})[str(n)] = run
-                    log(f"{kind} x{n}: {run}")
-                    del model, timer
+            for repeat in range(args.repeats):
+                for n in counts:
+                    x = np.ascontiguousarray(x_all[:, :n])
+                    for kind in paths:
+                        run = one_run(keras, tf, strategy, meter, kind, n, x, y, args, policy, count_ops=repeat == 0)
+                        result.setdefault(kind, {}).setdefault(str(n), {"runs": []})["runs"].append(run)
+                        log(f"{kind} x{n} (repeat {repeat + 1}): {run}")
         finally:
             strategy.shutdown()
+    for kind in paths:
+        for n in counts:
+            entry = result[kind][str(n)]
+            entry.update(_medians(entry["runs"]))
     low, high = str(counts[0]), str(counts[-1])
     for kind in paths:
         runs = result[kind]
@@ -166,6 +194,10 @@ def main(argv=None) -> int:
         if kind in paths and "hashing" in paths:
             result[f"{kind}_vs_hashing_steps_per_s"] = {
                 str(n): round(result[kind][str(n)]["steps_per_s"] / result["hashing"][str(n)]["steps_per_s"], 2)
+                for n in counts}
+            result[f"{kind}_vs_hashing_cpu_per_step"] = {
+                str(n): round(result[kind][str(n)]["cpu_ms_per_step"]["all"]
+                              / result["hashing"][str(n)]["cpu_ms_per_step"]["all"], 2)
                 for n in counts}
     print_json(result)
     return 0

@@ -32,6 +32,10 @@ less sensitive than steps/s to such load; the load average is recorded.
 Usage:
   python benchmarks/step_cpu.py [--steps 300] [--tiny-steps 600] [--repeats 1] [--configs ...]
 
+With `--op-counts`, each run also records the op types of the train function its stack traced
+(`train_function_ops`: per graph, op types and counts, those pinned to a ps task, captured inputs):
+what a worker and a ps run per step, compared op for op.
+
 Prints one JSON object (progress on stderr) and saves it under
 benchmarks/results/step_cpu-<date>[-<tag>].json. Exits 0 when every run
 finished, 1 if any failed.
@@ -177,7 +181,44 @@ def child_main(args: argparse.Namespace) -> None:
         "load_average_1min": {"before": round(load0, 2), "after": round(os.getloadavg()[0], 2)},
         "coordinator_pid": os.getpid(),
         "check": check(),
+        **({"train_function_ops": train_function_ops()} if args.op_counts else {}),
     })
+
+
+def train_function_ops() -> dict:
+    """Op types of the train functions this process traced (`--op-counts`), each stack's own.
+
+    Every `tf.function` alive whose traced graph's name has "train" in it (psclient's kept step
+    functions, tf_keras's train function): per graph, its op types and counts, the ops pinned to a ps
+    task (the optimizer's update, placed there at trace time; the rest is placed by TF at run time,
+    resource reads beside their variable), the inputs it captures and the nested functions' ops.
+    """
+    import collections
+    import gc
+
+    import tensorflow as tf
+
+    found = {}
+    for function in gc.get_objects():
+        # isinstance first: a getattr on some objects gc holds (lazy modules) imports them.
+        # Traced ones only: listing an untraced function with an input signature traces it.
+        if not isinstance(function, tf.types.experimental.PolymorphicFunction) or \
+                not function.experimental_get_tracing_count():
+            continue
+        for concrete in function._list_all_concrete_functions():
+            graph = concrete.graph
+            if "train" not in graph.name:
+                continue
+            graph_def = graph.as_graph_def()
+            types = collections.Counter(node.op for node in graph_def.node)
+            on_ps = collections.Counter(node.op for node in graph_def.node if "/job:ps/" in node.device)
+            found[graph.name] = {
+                "ops": sum(types.values()), "op_types": dict(types.most_common()),
+                "ops_on_ps": sum(on_ps.values()), "op_types_on_ps": dict(on_ps.most_common()),
+                "captured_inputs": len(concrete.captured_inputs),
+                "nested_functions": {f.signature.name: len(f.node_def) for f in graph_def.library.function},
+            }
+    return found
 
 
 # ----------------------------------------------------------------------------
@@ -245,7 +286,8 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
                     for stack in stacks:
                         child = [os.path.abspath(__file__), "--_child", stack, "--config", config,
                                  "--cluster", json.dumps(cluster.jobs), "--task-pids", json.dumps(task_pids),
-                                 "--steps", str(steps), "--warmup", str(args.warmup)]
+                                 "--steps", str(steps), "--warmup", str(args.warmup)] + \
+                            (["--op-counts"] if args.op_counts else [])
                         tag = f"repeat {repeat + 1}/{args.repeats} {config:15} {stack:8}"
                         try:
                             # Generous: TF start-up, tracing, and the steps at 5 steps/s.
@@ -290,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="workers of the LocalCluster")
     parser.add_argument("--ps", type=int, default=DEFAULT_PS, help="ps tasks of the LocalCluster")
     parser.add_argument("--tag", default="", help="appended to the saved file's name")
+    parser.add_argument("--op-counts", action="store_true",
+                        help="also record the op types of each stack's traced train function (fit configurations)")
     parser.add_argument("--_child", choices=STACKS, help=argparse.SUPPRESS)
     parser.add_argument("--config", choices=list(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--cluster", help=argparse.SUPPRESS)
