@@ -4,7 +4,8 @@ Each seed draws one plan over --duration seconds on a fresh LocalCluster (3
 workers, 1 ps; the strategy with hang_timeout=3, checkpoint_every=200 and a
 checkpoint_dir): --kills worker SIGKILLs, each restarted after 0.5-3 s;
 --hangs worker SIGSTOPs of 4-6 s, ended with SIGCONT from this process;
---ps-kills ps SIGKILLs, each restarted at once. Times are uniform, so faults
+--ps-kills ps SIGKILLs, each restarted at once; --ps-hangs ps SIGSTOPs of 4-6 s,
+ended with SIGCONT as a worker's (the workers' steps wait on the ps meanwhile). Times are uniform, so faults
 overlap (a hang during a kill, the ps killed while a worker is out). Meanwhile
 the main thread schedules batches of --batch closures (a small update of a ps
 variable and a count of the steps) and joins each, until the plan has run.
@@ -41,7 +42,8 @@ PLAN_WORKERS, PLAN_PS = 3, 1
 MAX_STALL_S = 1.0
 
 
-def draw_plan(seed: int, duration: float, kills: int, hangs: int, ps_kills: int) -> list[dict]:
+def draw_plan(seed: int, duration: float, kills: int, hangs: int, ps_kills: int,
+              ps_hangs: int = 0) -> list[dict]:
     """The seed's faults: [{"at", "fault", "task", "for"}], by time."""
     rng = random.Random(seed)
     end = max(5.0, duration - 10.0)  # the last fault leaves time to recover within the plan
@@ -51,6 +53,9 @@ def draw_plan(seed: int, duration: float, kills: int, hangs: int, ps_kills: int)
               "for": rng.uniform(4.0, 6.0)} for _ in range(hangs)]
     plan += [{"at": rng.uniform(duration / 5, end), "fault": "kill", "task": "ps:0", "for": 0.0}
              for _ in range(ps_kills)]
+    # Drawn after the others, so that a seed's plan without ps hangs is the one it always was.
+    plan += [{"at": rng.uniform(3.0, end), "fault": "hang", "task": "ps:0", "for": rng.uniform(4.0, 6.0)}
+             for _ in range(ps_hangs)]
     return [{k: round(v, 2) if isinstance(v, float) else v for k, v in f.items()}
             for f in sorted(plan, key=lambda f: f["at"])]
 
@@ -91,8 +96,10 @@ class _Faults:
     def alive(self):
         return any(t.is_alive() for t in self.threads)
 
-    def _up(self, job, index, recoveries_before):
+    def _up(self, job, index, recoveries_before, completed_before=None):
         stats = self.strategy.stats()
+        if completed_before is not None:  # a ps that hung: back when closures complete again
+            return stats["completed"] > completed_before
         if job == "ps":
             return stats["ps"][index]["recoveries"] > recoveries_before
         return stats["workers"][index]["up"]
@@ -125,11 +132,13 @@ class _Faults:
                     self.results.append(row)
                     return
             ended = time.monotonic()
+            completed = self.strategy.stats()["completed"] if fault["fault"] == "hang" and job == "ps" else None
             row["ended_at"] = round(ended - self.started, 2)
             deadline = ended + self.recovery_timeout
-            while not self._up(job, index, recoveries) and time.monotonic() < deadline:
+            while not self._up(job, index, recoveries, completed) and time.monotonic() < deadline:
                 time.sleep(0.05)  # polling stats
-            row["back_after_s"] = round(time.monotonic() - ended, 2) if self._up(job, index, recoveries) else None
+            back = self._up(job, index, recoveries, completed)
+            row["back_after_s"] = round(time.monotonic() - ended, 2) if back else None
         self.results.append(row)
 
 
@@ -153,7 +162,7 @@ def _step(strategy):
 def run_seed(seed: int, args) -> dict:
     import psclient
 
-    plan = draw_plan(seed, args.duration, args.kills, args.hangs, args.ps_kills)
+    plan = draw_plan(seed, args.duration, args.kills, args.hangs, args.ps_kills, args.ps_hangs)
     log(f"seed {seed}: {len(plan)} faults: " + ", ".join(f"{f['fault']} {f['task']}@{f['at']}" for f in plan))
     logged = _Logged()
     logging.getLogger("psclient").addHandler(logged)
