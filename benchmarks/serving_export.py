@@ -20,7 +20,7 @@ makes: the model is never run eagerly here); `load`: the machine's 1-minute load
 
     nice -n 10 python benchmarks/serving_export.py                         # 1M rows + 200k dynamic rows
     nice -n 10 python benchmarks/serving_export.py --rows 4000000 --dynamic-rows 1000000
-    nice -n 10 python benchmarks/serving_export.py --paths export,checkpoint --calls 4
+    nice -n 10 python benchmarks/serving_export.py --paths export,checkpoint --calls 5 --interleave
 
 Prints one JSON object (progress on stderr). Noisy machine: compare the paths within one run.
 """
@@ -159,6 +159,9 @@ def main(argv=None) -> None:
     parser.add_argument("--paths", default="export,saved_model_save,keras_file,checkpoint",
                         help="comma-separated paths to measure, in this order")
     parser.add_argument("--calls", type=int, default=2, help="calls of each path (the first traces)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="call the paths in turn (export, checkpoint, export, ...) rather than each path's "
+                             "calls in a row: on a shared machine both see the same load")
     args = parser.parse_args(argv)
 
     import keras
@@ -200,30 +203,31 @@ def main(argv=None) -> None:
                 "keras_file": lambda out: model.save(out + ".keras"),
                 "checkpoint": lambda out: strategy.save_checkpoint(),
             }
-            for name in args.paths.split(","):
-                write = paths[name]
-                calls = []
-                for call in range(args.calls):
-                    out = os.path.join(work, f"{name}_{call}")
-                    release_freed_memory()
-                    log(f"{name} #{call + 1}")
-                    load, traced = os.getloadavg()[0], traces["calls"]
-                    start = time.perf_counter()
-                    with PeakRSS() as rss, TaskPeaks(ps_pids) as ps_peaks:
-                        written = write(out)
-                    seconds = time.perf_counter() - start
-                    if name == "checkpoint":  # a prefix or a directory: its files
-                        size = tree_bytes(written) if os.path.isdir(written) else sum(
-                            os.path.getsize(os.path.join(os.path.dirname(written), f))
-                            for f in os.listdir(os.path.dirname(written)) if f.startswith(os.path.basename(written)))
-                    else:
-                        size = tree_bytes(out + ".keras" if name == "keras_file" else out)
-                    calls.append({"seconds": round(seconds, 2), "bytes_mb": round(size / 2**20, 1),
-                                  "coordinator_rss_growth_mb": round(rss.growth / 2**20, 1),
-                                  "rss_growth_over_bytes": round(rss.growth / max(size, 1), 3),
-                                  **ps_peaks.report(), "traces": traces["calls"] - traced,
-                                  "load": round(load, 2)})
-                result[name] = calls
+            names = args.paths.split(",")
+            order = ([(name, call) for call in range(args.calls) for name in names] if args.interleave
+                     else [(name, call) for name in names for call in range(args.calls)])
+            for name in names:
+                result[name] = []
+            for name, call in order:
+                out = os.path.join(work, f"{name}_{call}")
+                release_freed_memory()
+                log(f"{name} #{call + 1}")
+                load, traced = os.getloadavg()[0], traces["calls"]
+                start = time.perf_counter()
+                with PeakRSS() as rss, TaskPeaks(ps_pids) as ps_peaks:
+                    written = paths[name](out)
+                seconds = time.perf_counter() - start
+                if name == "checkpoint":  # a prefix or a directory: its files
+                    size = tree_bytes(written) if os.path.isdir(written) else sum(
+                        os.path.getsize(os.path.join(os.path.dirname(written), f))
+                        for f in os.listdir(os.path.dirname(written)) if f.startswith(os.path.basename(written)))
+                else:
+                    size = tree_bytes(out + ".keras" if name == "keras_file" else out)
+                result[name].append({"seconds": round(seconds, 2), "bytes_mb": round(size / 2**20, 1),
+                                     "coordinator_rss_growth_mb": round(rss.growth / 2**20, 1),
+                                     "rss_growth_over_bytes": round(rss.growth / max(size, 1), 3),
+                                     **ps_peaks.report(), "traces": traces["calls"] - traced,
+                                     "load": round(load, 2)})
             strategy.shutdown()
     finally:
         shutil.rmtree(work, ignore_errors=True)
