@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import gc
 import os
 import shutil
@@ -144,6 +145,7 @@ def trace_counter(layer_class) -> dict:
     """Count the calls of `layer_class.call` from now on (in this benchmark, one per trace of the model)."""
     counter, stock = {"calls": 0}, layer_class.call
 
+    @functools.wraps(stock)  # Keras reads `call`'s signature
     def call(self, *args, **kwargs):
         counter["calls"] += 1
         return stock(self, *args, **kwargs)
