@@ -3,7 +3,7 @@
 One coordinator (this process) on a LocalCluster(num_workers=1, num_ps=2). Model: a partitioned
 Embedding(rows, 32) and a DynamicEmbedding(32, capacity=dynamic_rows) -> Dense(1), Adagrad; a few fit
 steps (so the optimizer's slots exist), then the dynamic table is filled with `dynamic_rows` rows
-through `import_state` (setup, not measured). Then, in turn, each path twice (the first traces):
+through `import_state` (setup, not measured). Then, in turn, each path `--calls` times (2 by default; the first traces):
 
   export            model.export(path)                 Keras's SavedModel (what export_servable writes)
   saved_model_save  tf.saved_model.save(model, path)
@@ -14,10 +14,13 @@ Per path and call: seconds, the bytes written, each ps task's peak resident memo
 during the call (VmHWM of the task process, reset before the call), and the coordinator's resident
 memory growth at its peak during the call (the kernel's exact peak, VmHWM, reset before the call; sampled every 10 ms with
 psutil where there is no /proc/self/clear_refs; memory freed before the call is first handed back to the
-OS with glibc's `malloc_trim`, else a second call reuses it unseen) over the bytes written.
+OS with glibc's `malloc_trim`, else a second call reuses it unseen) over the bytes written; `traces`: how
+many times the call traced the model (calls of the model's `Dense` layer's `call`, which only a trace
+makes: the model is never run eagerly here); `load`: the machine's 1-minute load average before the call.
 
     nice -n 10 python benchmarks/serving_export.py                         # 1M rows + 200k dynamic rows
     nice -n 10 python benchmarks/serving_export.py --rows 4000000 --dynamic-rows 1000000
+    nice -n 10 python benchmarks/serving_export.py --paths export,checkpoint --calls 5 --interleave
 
 Prints one JSON object (progress on stderr). Noisy machine: compare the paths within one run.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import gc
 import os
 import shutil
@@ -137,12 +141,29 @@ def tree_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
+def trace_counter(layer_class) -> dict:
+    """Count the calls of `layer_class.call` from now on (in this benchmark, one per trace of the model)."""
+    counter, stock = {"calls": 0}, layer_class.call
+
+    @functools.wraps(stock)  # Keras reads `call`'s signature
+    def call(self, *args, **kwargs):
+        counter["calls"] += 1
+        return stock(self, *args, **kwargs)
+
+    layer_class.call = call
+    return counter
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows of the partitioned Embedding")
     parser.add_argument("--dynamic-rows", type=int, default=200_000, help="rows held by the DynamicEmbedding")
     parser.add_argument("--paths", default="export,saved_model_save,keras_file,checkpoint",
                         help="comma-separated paths to measure, in this order")
+    parser.add_argument("--calls", type=int, default=2, help="calls of each path (the first traces)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="call the paths in turn (export, checkpoint, export, ...) rather than each path's "
+                             "calls in a row: on a shared machine both see the same load")
     args = parser.parse_args(argv)
 
     import keras
@@ -177,34 +198,38 @@ def main(argv=None) -> None:
                                    "slots": {}, "clock": 1, "admissions": len(keys), "evictions": 0}])
             del keys
             ps_pids = [cluster.pid("ps", i) for i in range(2)]
+            traces = trace_counter(keras.layers.Dense)
             paths = {
                 "export": lambda out: model.export(out, verbose=False),
                 "saved_model_save": lambda out: tf.saved_model.save(model, out),
                 "keras_file": lambda out: model.save(out + ".keras"),
                 "checkpoint": lambda out: strategy.save_checkpoint(),
             }
-            for name in args.paths.split(","):
-                write = paths[name]
-                calls = []
-                for call in range(2):
-                    out = os.path.join(work, f"{name}_{call}")
-                    release_freed_memory()
-                    log(f"{name} #{call + 1}")
-                    start = time.perf_counter()
-                    with PeakRSS() as rss, TaskPeaks(ps_pids) as ps_peaks:
-                        written = write(out)
-                    seconds = time.perf_counter() - start
-                    if name == "checkpoint":  # a prefix or a directory: its files
-                        size = tree_bytes(written) if os.path.isdir(written) else sum(
-                            os.path.getsize(os.path.join(os.path.dirname(written), f))
-                            for f in os.listdir(os.path.dirname(written)) if f.startswith(os.path.basename(written)))
-                    else:
-                        size = tree_bytes(out + ".keras" if name == "keras_file" else out)
-                    calls.append({"seconds": round(seconds, 2), "bytes_mb": round(size / 2**20, 1),
-                                  "coordinator_rss_growth_mb": round(rss.growth / 2**20, 1),
-                                  "rss_growth_over_bytes": round(rss.growth / max(size, 1), 3),
-                                  **ps_peaks.report()})
-                result[name] = calls
+            names = args.paths.split(",")
+            order = ([(name, call) for call in range(args.calls) for name in names] if args.interleave
+                     else [(name, call) for name in names for call in range(args.calls)])
+            for name in names:
+                result[name] = []
+            for name, call in order:
+                out = os.path.join(work, f"{name}_{call}")
+                release_freed_memory()
+                log(f"{name} #{call + 1}")
+                load, traced = os.getloadavg()[0], traces["calls"]
+                start = time.perf_counter()
+                with PeakRSS() as rss, TaskPeaks(ps_pids) as ps_peaks:
+                    written = paths[name](out)
+                seconds = time.perf_counter() - start
+                if name == "checkpoint":  # a prefix or a directory: its files
+                    size = tree_bytes(written) if os.path.isdir(written) else sum(
+                        os.path.getsize(os.path.join(os.path.dirname(written), f))
+                        for f in os.listdir(os.path.dirname(written)) if f.startswith(os.path.basename(written)))
+                else:
+                    size = tree_bytes(out + ".keras" if name == "keras_file" else out)
+                result[name].append({"seconds": round(seconds, 2), "bytes_mb": round(size / 2**20, 1),
+                                     "coordinator_rss_growth_mb": round(rss.growth / 2**20, 1),
+                                     "rss_growth_over_bytes": round(rss.growth / max(size, 1), 3),
+                                     **ps_peaks.report(), "traces": traces["calls"] - traced,
+                                     "load": round(load, 2)})
             strategy.shutdown()
     finally:
         shutil.rmtree(work, ignore_errors=True)

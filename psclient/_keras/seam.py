@@ -72,6 +72,7 @@ def _export_archive() -> tuple[str, str]:
 EXPORT_ARCHIVE_MODULE, _EXPORT_ARCHIVE_CLASS = _export_archive()
 EXPORT_WRITE_OUT = f"{EXPORT_ARCHIVE_MODULE}.{_EXPORT_ARCHIVE_CLASS}.write_out"
 TF_LAYER_CHILDREN = "keras.src.backend.tensorflow.layer.TFLayer._trackable_children"
+TF_LAYER_DEFAULT_SIGNATURE = "keras.src.backend.tensorflow.layer.TFLayer._default_save_signature"
 
 
 class Internal(NamedTuple):
@@ -138,7 +139,11 @@ KERAS_INTERNALS: tuple[Internal, ...] = (
              "optimizer and compiled metrics (training state, not served)"),
     Internal(f"{EXPORT_ARCHIVE_MODULE}._list_variables_used_by_fns", "patched: during `write_out` the "
              "variables an export's endpoints use are named as the Keras variables that hold them, so that "
-             "each is saved once, not again as a tf.Variable or as shards (psclient._keras.serving)"),
+             "each is saved once, not again as a tf.Variable or as shards; and the endpoints are traced for "
+             "it in TF's save context, the one trace TF's save then reuses (psclient._keras.serving)"),
+    Internal(TF_LAYER_DEFAULT_SIGNATURE, "patched: None during `write_out`, whose walk for lookup tables "
+             "would read it and trace the model once more for a signature it never saves "
+             "(psclient._keras.serving)"),
     # Variables.
     Internal(f"{_VARIABLE}._initialize_with_initializer",
              "patched: the variable described (shape, dtype, initializer) to psclient's creator, which "

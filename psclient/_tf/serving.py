@@ -22,6 +22,9 @@ one export takes one snapshot. Callbacks registered with `at_export_end` run
 when the outermost scope ends (a layer drops its snapshot then: the rows'
 copy on the ps is freed once the saved functions let go of it).
 
+`save_context_of(options)` enters TF's save context ahead of TF's save, so
+that a trace made in it is the one TF's save finds (`psclient._keras.serving`).
+
 TF internals used (no public equivalent): `saved_model.save_context`,
 `saved_model.save.save_and_return_nodes`.
 """
@@ -33,10 +36,11 @@ import functools
 import threading
 from typing import Callable, Iterator
 
+import tensorflow as tf
 from tensorflow.python.saved_model import save as saved_model_save
 from tensorflow.python.saved_model import save_context
 
-__all__ = ["ExportToken", "at_export_end", "current_export", "export_scope", "install_save_hook"]
+__all__ = ["ExportToken", "at_export_end", "current_export", "export_scope", "install_save_hook", "save_context_of"]
 
 _state = threading.local()  # .token: the export in progress on this thread; .on_end: its callbacks
 _hook_lock = threading.Lock()
@@ -102,3 +106,15 @@ def install_save_hook() -> None:
         save_context_and_export_scope._psclient_export_scope = True
         saved_model_save.save_and_return_nodes = save_and_return_nodes
         save_context.save_context = save_context_and_export_scope
+
+
+def save_context_of(options):
+    """TF's save context with `options` (None: TF's default `SaveOptions`, as `tf.saved_model.save`'s),
+    or nothing new when one is in force on this thread already (TF refuses to nest them).
+
+    `tf.function`'s cache keys a trace by the save context (its variable
+    policy): a function traced in this context is found, not traced again,
+    by a `tf.saved_model.save` given the same options."""
+    if save_context.in_save_context():
+        return contextlib.nullcontext()
+    return save_context.save_context(options or tf.saved_model.SaveOptions())
