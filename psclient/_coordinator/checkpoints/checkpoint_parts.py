@@ -285,8 +285,8 @@ def read_on_ps(path: str, variables: dict[str, Any], dtypes: dict[str, Any],
                     try:
                         part.restore(batch)  # dropped at once: only whether it reads counts here
                     except tf.errors.OpError as error:
-                        error._psclient_ps, error._psclient_slot = ps, _failing(batch, part.restore,
-                                                                                tf.errors.OpError)
+                        failing = _failing(batch, part.restore, tf.errors.OpError)  # a Piece
+                        error._psclient_ps, error._psclient_slot = ps, getattr(failing, "slot", None)
                         raise
             return part
         return run
