@@ -143,6 +143,11 @@ class Piece:
             end=_coordinator_constant([self.stop] + [0] * (rank - 1), tf.int64),
             strides=_coordinator_constant([1] * rank, tf.int64), value=tensor,
             end_mask=(1 << rank) - 2)  # every axis but the first whole
+        if self.stop == int(variable.shape[0]):  # its last range (they are assigned in order)
+            # A sliced assign puts the variable in TF's copy-on-read mode (as a scatter does): every
+            # read of it would then copy it, a dense one's on each step. Back to sharing its buffer;
+            # a scatter update sets the mode again where one updates it.
+            tf.raw_ops.DisableCopyOnRead(resource=variable.handle)
 
 
 def pieces_of(slots: list, chunked: frozenset | set | None, limit: int | None = None) -> list[Piece]:
