@@ -239,8 +239,17 @@ class CheckedPart:
     def __len__(self) -> int:
         return len(self.slots)
 
-    def batches(self) -> list[list[Piece]]:
-        return batches(pieces_of(self.slots, self.chunked, chunk_bytes(self.layout)))
+    def batches(self, whole: set | frozenset = frozenset()) -> list[list[Piece]]:
+        """Its slots in pieces (`pieces_of`; those of `whole`, ids of slots, whole), in batches."""
+        return batches(pieces_of(self.slots, self.chunked, chunk_bytes(self.layout), whole))
+
+    def unset(self) -> set[int]:
+        """ids of the slots it restores in ranges whose variable holds no value yet (made again on a
+        restarted ps): a sliced assign cannot set one, so those are read and assigned whole. On the
+        device in force (its ps)."""
+        return {id(piece.slot) for piece in pieces_of(self.slots, self.chunked, chunk_bytes(self.layout))
+                if piece.stop is not None and piece.start == 0
+                and not tf.raw_ops.VarIsInitializedOp(resource=piece.slot.variable.handle).numpy()}
 
     def restore(self, some: list) -> list:
         """`some` (Slots or Pieces) read from the checkpoint (RestoreV2 on the device in force), each
@@ -339,14 +348,16 @@ def assign_on_ps(values: dict[int, CheckedPart], timeout: float | None = None,
     def assign(part: CheckedPart) -> Callable[[], None]:
         def run():
             with device_of(part.ps):
-                for batch in part.batches():
+                for batch in part.batches(whole=part.unset()):
                     try:
                         tensors = part.restore(batch)
-                        for piece, tensor in zip(batch, tensors):
-                            piece.assign(tensor if patch is None else patch(piece, tensor))  # on this ps
+                        if patch is not None:  # reads the deltas' rows too
+                            tensors = [patch(piece, tensor) for piece, tensor in zip(batch, tensors)]
                     except _REREAD_ERRORS as error:
                         error._psclient_ps = part.ps
                         raise
+                    for piece, tensor in zip(batch, tensors):
+                        piece.assign(tensor)  # on this ps
                     del tensors  # before the next batch is read
         return run
 

@@ -150,14 +150,16 @@ class Piece:
             tf.raw_ops.DisableCopyOnRead(resource=variable.handle)
 
 
-def pieces_of(slots: list, chunked: frozenset | set | None, limit: int | None = None) -> list[Piece]:
+def pieces_of(slots: list, chunked: frozenset | set | None, limit: int | None = None,
+              whole: set | frozenset = frozenset()) -> list[Piece]:
     """`slots` as Pieces: a slot above `limit` whose key was saved in row chunks (`chunked`) in row
     ranges of at most `limit` bytes (the checkpoint's chunk size: its ranges are the chunks saved
-    when the shards are those it was saved from); any other slot whole."""
+    when the shards are those it was saved from); any other slot, and those of `whole` (ids), whole."""
     out = []
     for slot in slots:
         shape = slot.variable.shape.as_list()
-        rows = chunk_rows(shape, slot.variable.dtype, limit) if chunked and slot.key in chunked else None
+        ranged = chunked and slot.key in chunked and id(slot) not in whole
+        rows = chunk_rows(shape, slot.variable.dtype, limit) if ranged else None
         if rows is None:
             out.append(Piece(slot))
             continue
