@@ -207,7 +207,7 @@ def test_part_restores_a_slot_read_in_row_ranges_into_the_restarted_ps(
         two_workers_two_ps, restore_shared_clusters, tmp_path, monkeypatch):
     """The read limit lowered to 16 KiB: ps 1's [1024, 32] variable (128 KiB) is saved in 8 chunks and
     restored in row ranges into the restarted ps, where it holds no value yet (a sliced assign cannot
-    set one: that slot is read and assigned whole there), as its other slots are."""
+    set one: it gets a buffer of its shape first)."""
     from psclient._coordinator.checkpoints import checkpoint_pieces
 
     monkeypatch.setattr(checkpoint_pieces, "READ_BATCH_BYTES", 16 << 10)

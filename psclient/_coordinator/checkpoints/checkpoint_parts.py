@@ -75,6 +75,7 @@ from psclient._coordinator.checkpoints.checkpoint_pieces import (
     batches,
     chunk_bytes,
     chunked_keys,
+    coordinator_constant as _coordinator_constant,
     pieces_of,
     save_chunked,
 )
@@ -239,17 +240,22 @@ class CheckedPart:
     def __len__(self) -> int:
         return len(self.slots)
 
-    def batches(self, whole: set | frozenset = frozenset()) -> list[list[Piece]]:
-        """Its slots in pieces (`pieces_of`; those of `whole`, ids of slots, whole), in batches."""
-        return batches(pieces_of(self.slots, self.chunked, chunk_bytes(self.layout), whole))
+    def batches(self) -> list[list[Piece]]:
+        """Its slots in pieces (`pieces_of`), in batches."""
+        return batches(pieces_of(self.slots, self.chunked, chunk_bytes(self.layout)))
 
-    def unset(self) -> set[int]:
-        """ids of the slots it restores in ranges whose variable holds no value yet (made again on a
-        restarted ps): a sliced assign cannot set one, so those are read and assigned whole. On the
-        device in force (its ps)."""
-        return {id(piece.slot) for piece in pieces_of(self.slots, self.chunked, chunk_bytes(self.layout))
-                if piece.stop is not None and piece.start == 0
-                and not tf.raw_ops.VarIsInitializedOp(resource=piece.slot.variable.handle).numpy()}
+    def allocate_unset(self) -> None:
+        """Give each variable it restores in ranges that holds no value yet (made again on a
+        restarted ps: a sliced assign cannot set one) a buffer of its shape, left uninitialized
+        (`Empty`: its pages cost memory as the ranges fill them). On the device in force (its ps)."""
+        for piece in pieces_of(self.slots, self.chunked, chunk_bytes(self.layout)):
+            variable = piece.slot.variable
+            if piece.stop is None or piece.start != 0 or tf.raw_ops.VarIsInitializedOp(resource=variable.handle).numpy():
+                continue
+            empty = tf.raw_ops.Empty(shape=_coordinator_constant(variable.shape.as_list(), tf.int32),
+                                     dtype=variable.dtype, init=False)
+            tf.raw_ops.AssignVariableOp(resource=variable.handle, value=empty)  # every row assigned below
+            del empty
 
     def restore(self, some: list) -> list:
         """`some` (Slots or Pieces) read from the checkpoint (RestoreV2 on the device in force), each
@@ -348,7 +354,8 @@ def assign_on_ps(values: dict[int, CheckedPart], timeout: float | None = None,
     def assign(part: CheckedPart) -> Callable[[], None]:
         def run():
             with device_of(part.ps):
-                for batch in part.batches(whole=part.unset()):
+                part.allocate_unset()
+                for batch in part.batches():
                     try:
                         tensors = part.restore(batch)
                         if patch is not None:  # reads the deltas' rows too

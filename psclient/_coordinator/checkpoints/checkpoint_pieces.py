@@ -24,7 +24,7 @@ import tensorflow as tf
 from psclient._coordinator import runtime as _runtime
 
 __all__ = ["READ_BATCH_BYTES", "ROW_ALIGN_BYTES", "Piece", "batches", "chunk_bytes", "chunk_rows", "chunked_keys",
-           "pieces_of", "rows_spec", "save_chunked", "slot_bytes", "slot_bytes_of"]
+           "coordinator_constant", "pieces_of", "rows_spec", "save_chunked", "slot_bytes", "slot_bytes_of"]
 
 
 #: The most bytes a restore reads at once on a ps (a batch of small slots, or a range of a larger
@@ -89,8 +89,8 @@ def save_chunked(names: list[str], specs: list[str], values: list, limit: int | 
             continue
         full, first = _first_of(spec, shape)
         sizes = [rows] * (shape[0] // rows) + ([shape[0] % rows] if shape[0] % rows else [])
-        pieces = tf.raw_ops.SplitV(value=value, size_splits=_coordinator_constant(sizes, tf.int64),
-                                   axis=_coordinator_constant(0, tf.int32), num_split=len(sizes))
+        pieces = tf.raw_ops.SplitV(value=value, size_splits=coordinator_constant(sizes, tf.int64),
+                                   axis=coordinator_constant(0, tf.int32), num_split=len(sizes))
         at = first
         for size, piece in zip(sizes, pieces):
             out_names.append(name), out_specs.append(rows_spec(full, at, size)), out_values.append(piece)
@@ -99,7 +99,7 @@ def save_chunked(names: list[str], specs: list[str], values: list, limit: int | 
     return out_names, out_specs, out_values, chunked
 
 
-def _coordinator_constant(value, dtype):
+def coordinator_constant(value, dtype):
     """A constant on the coordinator's CPU: made under a ps's device, TF would copy it there from
     inside the conversion, holding the GIL (`psclient._tf.checkpoints._here`)."""
     with tf.device(_runtime.coordinator_cpu()):
@@ -139,9 +139,9 @@ class Piece:
             return
         rank = len(variable.shape)
         tf.raw_ops.ResourceStridedSliceAssign(
-            ref=variable.handle, begin=_coordinator_constant([self.start] + [0] * (rank - 1), tf.int64),
-            end=_coordinator_constant([self.stop] + [0] * (rank - 1), tf.int64),
-            strides=_coordinator_constant([1] * rank, tf.int64), value=tensor,
+            ref=variable.handle, begin=coordinator_constant([self.start] + [0] * (rank - 1), tf.int64),
+            end=coordinator_constant([self.stop] + [0] * (rank - 1), tf.int64),
+            strides=coordinator_constant([1] * rank, tf.int64), value=tensor,
             end_mask=(1 << rank) - 2)  # every axis but the first whole
         if self.stop == int(variable.shape[0]):  # its last range (they are assigned in order)
             # A sliced assign puts the variable in TF's copy-on-read mode (as a scatter does): every
@@ -150,16 +150,14 @@ class Piece:
             tf.raw_ops.DisableCopyOnRead(resource=variable.handle)
 
 
-def pieces_of(slots: list, chunked: frozenset | set | None, limit: int | None = None,
-              whole: set | frozenset = frozenset()) -> list[Piece]:
+def pieces_of(slots: list, chunked: frozenset | set | None, limit: int | None = None) -> list[Piece]:
     """`slots` as Pieces: a slot above `limit` whose key was saved in row chunks (`chunked`) in row
     ranges of at most `limit` bytes (the checkpoint's chunk size: its ranges are the chunks saved
-    when the shards are those it was saved from); any other slot, and those of `whole` (ids), whole."""
+    when the shards are those it was saved from); any other slot whole."""
     out = []
     for slot in slots:
         shape = slot.variable.shape.as_list()
-        ranged = chunked and slot.key in chunked and id(slot) not in whole
-        rows = chunk_rows(shape, slot.variable.dtype, limit) if ranged else None
+        rows = chunk_rows(shape, slot.variable.dtype, limit) if chunked and slot.key in chunked else None
         if rows is None:
             out.append(Piece(slot))
             continue
