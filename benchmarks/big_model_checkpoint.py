@@ -37,12 +37,20 @@ runs the tasks with TF_ENABLE_ONEDNN_OPTS=0 and MALLOC_MMAP_THRESHOLD_=1 MiB
 (plain malloc, which then gives every block of 1 MiB or more back), so that
 the growth is what the restore holds at once.
 `--shards N` cuts each partitioned variable into N shards (default one per ps).
+`--deltas N` (psclient only): incremental checkpoints on (`delta_checkpoint_every`);
+after the timed saves, N phases of fit steps each write a delta of the newest
+full checkpoint (each phase trains new rows), then the restores apply the full
+checkpoint and its N deltas. A first restore, not measured, drops the deltas'
+base (the previous cut's rows each ps keeps for the next diff: a restore ends
+the chain), so that the measured restores start from the variables alone.
 
     nice -n 10 python benchmarks/big_model_checkpoint.py               # 128 MB, 512 MB, 2 GB
     nice -n 10 python benchmarks/big_model_checkpoint.py --sizes-mb 128 --saves 2
     nice -n 10 python benchmarks/big_model_checkpoint.py --sizes-mb 244,977 --paths psclient   # stall vs write
     nice -n 10 python benchmarks/big_model_checkpoint.py --sizes-mb 244 --paths psclient --saves 1 --restores 2 \
         --ps-malloc --shards 10    # restore peak
+    nice -n 10 python benchmarks/big_model_checkpoint.py --sizes-mb 244 --paths psclient --saves 1 --restores 2 \
+        --ps-malloc --shards 2 --deltas 2    # restore peak, full checkpoint + 2 deltas
 """
 
 from __future__ import annotations
@@ -97,6 +105,8 @@ def make_dataset(rows: int):
 
 #: Shards per partitioned variable (`--shards`): NUM_PS by default, one per ps.
 SHARDS = {"count": NUM_PS}
+#: Fit steps between two deltas (`--deltas`): the steps of one phase.
+DELTA_STEPS = 4
 
 
 def partitioner():
@@ -150,7 +160,33 @@ def _settle(pids: list[int], timeout: float = 30.0) -> None:
         last = now
 
 
-def setup(path: str, cluster, rows: int, directory: str, saves: int):
+def write_deltas(strategy, model, rows: int, count: int) -> list[dict]:
+    """`count` phases of DELTA_STEPS fit steps, each on rows of its own: each writes one delta."""
+    import tensorflow as tf
+
+    written = []
+    for phase in range(count):
+        def phase_data(ctx, phase=phase):
+            start = (phase + 1) * rows // (count + 2)  # this phase's rows, apart from the others'
+            ids = start + tf.random.stateless_uniform([BATCH * 4, 4], seed=[3, phase], maxval=BATCH * 16,
+                                                      dtype=tf.int32)
+            labels = tf.cast(ids[:, :1] % 2, tf.float32)
+            return tf.data.Dataset.from_tensor_slices((ids, labels)).batch(BATCH, drop_remainder=True).repeat()
+
+        before = strategy.stats(read_ps=False)["checkpoints"]["deltas_written"]
+        model.fit(phase_data, epochs=1, steps_per_epoch=DELTA_STEPS, verbose=0)
+        deadline = time.monotonic() + 300
+        while strategy.stats(read_ps=False)["checkpoints"]["deltas_written"] <= before:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"delta {phase + 1} was not written within 300 s")
+            time.sleep(0.05)  # a benchmark's wait for the background write
+        stats = strategy.stats(read_ps=False)["checkpoints"]
+        written.append({"bytes": stats["last_delta_bytes"], "rows": stats["last_delta_rows"],
+                        "write_s": round(stats["last_delta_seconds"], 3)})
+    return written
+
+
+def setup(path: str, cluster, rows: int, directory: str, saves: int, deltas: int = 0):
     """(save() -> None, restore() -> None, strategy) for one path."""
     import tensorflow as tf
 
@@ -181,8 +217,10 @@ def setup(path: str, cluster, rows: int, directory: str, saves: int):
 
     # Every checkpoint kept, as tf.train.Checkpoint.save keeps them: neither path deletes files while timed
     # (+1: the strategy checkpoints new variables before the first fit step; then the saves while training).
+    # With deltas, one falls due every DELTA_STEPS completed steps (`write_deltas`).
+    more = {"delta_checkpoint_every": DELTA_STEPS} if deltas else {}
     strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=directory, variable_partitioner=partitioner(),
-                                                checkpoints_to_keep=2 * saves + 1)
+                                                checkpoints_to_keep=2 * saves + 1, **more)
     with strategy.scope():
         model = build_model(keras, rows)
     model.fit(lambda ctx: make_dataset(rows), epochs=1, steps_per_epoch=2, verbose=0)
@@ -257,7 +295,7 @@ def child_main(args: argparse.Namespace) -> None:
     directory = tempfile.mkdtemp(prefix=f"big-model-ckpt-{args._child}-", dir=args.scratch)
     try:
         t0 = time.perf_counter()
-        save, restore, strategy, model = setup(args._child, cluster, args.rows, directory, args.saves)
+        save, restore, strategy, model = setup(args._child, cluster, args.rows, directory, args.saves, args.deltas)
         setup_s = time.perf_counter() - t0
         ps_pids = list(json.loads(args.ps_pids))
         # First, while the ps tasks' memory is that of training alone (TF keeps what it freed).
@@ -268,12 +306,16 @@ def child_main(args: argparse.Namespace) -> None:
                 t0 = time.perf_counter()
                 newest = save()  # psclient: returns once written (nothing trains meanwhile here)
                 saves.append(time.perf_counter() - t0)
+        deltas = None
+        if args.deltas:
+            deltas = write_deltas(strategy, model, args.rows, args.deltas)
+            restore()  # not measured: it drops the deltas' base kept on each ps (a restore ends the chain)
         _settle(ps_pids)  # what the saves freed is given back (asynchronously) before the restores' baseline
         with PeakRss() as restore_memory, contextlib.ExitStack() as stack:
             ps_memory = [stack.enter_context(PeakRss(pid)) for pid in ps_pids]
             for _ in range(args.restores):
                 t0 = time.perf_counter()
-                restore()
+                last_restore = restore() or {}
                 restores.append(time.perf_counter() - t0)
         stem = os.path.basename(newest) + "."
         on_disk = sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory) if n.startswith(stem))
@@ -302,6 +344,9 @@ def child_main(args: argparse.Namespace) -> None:
         }
         if during is not None:
             result["while_training"] = during
+        if deltas is not None:
+            result["deltas_written"] = deltas
+            result["deltas_restored"] = len(last_restore.get("deltas") or [])
         del strategy
     finally:
         shutil.rmtree(directory, ignore_errors=True)  # before child_exit: it ends the process at once
@@ -331,6 +376,8 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
         "ps_allocator": ("malloc (TF_ENABLE_ONEDNN_OPTS=0, MALLOC_MMAP_THRESHOLD_=1 MiB: freed blocks of 1 MiB "
                          "or more go back to the system, so RSS follows what is live)") if args.ps_malloc else "TF's default (oneDNN: keeps what it frees)",
         "saves": args.saves, "restores": args.restores, "scratch": args.scratch,
+        "deltas": (f"{args.deltas} deltas of the newest full checkpoint ({DELTA_STEPS} fit steps each), "
+                   "applied by each measured restore") if args.deltas else None,
         "pruning": "none while timed: every checkpoint is kept on both paths",
         "paths": {"psclient": "strategy.save_checkpoint() / strategy.restore()",
                   "tf_pss": "tf_keras + TF ParameterServerStrategy, tf.train.Checkpoint(model, optimizer)"},
@@ -352,7 +399,7 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
                     child = [os.path.abspath(__file__), "--_child", path, "--rows", str(rows),
                              "--cluster", json.dumps(cluster.jobs), "--ps-pids", json.dumps(ps_pids),
                              "--saves", str(args.saves), "--restores", str(args.restores),
-                             "--scratch", args.scratch, "--shards", str(args.shards)]
+                             "--scratch", args.scratch, "--shards", str(args.shards), "--deltas", str(args.deltas)]
                     tag = f"{size:>5} MB {path:9}"
                     try:
                         result = _common.run_child(child, timeout=args.child_timeout, env=env)
@@ -408,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child-timeout", type=float, default=900.0, help="seconds per run before it is killed")
     parser.add_argument("--save-results", action="store_true", help="also write benchmarks/results/...json")
     parser.add_argument("--shards", type=int, default=NUM_PS, help="shards per partitioned variable")
+    parser.add_argument("--deltas", type=int, default=0,
+                        help="psclient only: write this many deltas after the saves; the restores apply them")
     parser.add_argument("--ps-malloc", action="store_true",
                         help="run the cluster's tasks with TF_ENABLE_ONEDNN_OPTS=0 (plain malloc: RSS follows "
                              "live memory; TF's default allocator keeps freed memory, hiding a restore's peak)")
@@ -430,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("saves", "restores", "shards"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be an integer >= 1. Received: {getattr(args, name)}.")
+    if args.deltas < 0 or (args.deltas and args.paths != "psclient"):
+        parser.error(f"--deltas must be an integer >= 0, with --paths psclient. Received: --deltas {args.deltas}, "
+                     f"--paths {args.paths}.")
     return _common.run_parent(parent_main, args, __file__, argv)
 
 

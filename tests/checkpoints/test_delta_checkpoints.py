@@ -6,6 +6,7 @@ checkpoint before the first step, then a delta after each phase. The state at ea
 checkpoint is read once training is idle and the checkpoint written (nothing runs then).
 """
 
+import json
 import os
 
 import numpy as np
@@ -15,6 +16,8 @@ from _conversions import RemoteConversions
 from _polling import wait_for
 
 import psclient
+from psclient._coordinator.checkpoints import checkpoint_pieces
+from psclient._tf import checkpoints as tf_checkpoints
 
 keras = pytest.importorskip("keras")
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
@@ -136,7 +139,8 @@ def test_restore_is_the_full_checkpoint_and_its_deltas_in_order(cluster, tmp_pat
 def assert_none_of_mine(seen):
     """No Python value converted under a task's device by the deltas' diffs and replays (a hung ps would
     then stop every coordinator thread: tests/strategy/test_no_remote_conversions.py)."""
-    mine = [found for found in seen.found if "_deltas.py" in found[2]]
+    mine = [found for found in seen.found
+            if any(name in found[2] for name in ("_deltas.py", "delta_restore.py", "checkpoint_pieces.py"))]
     assert not mine, "\n\n".join(f"{device}: {value}\n{stack}" for device, value, stack in mine)
 
 
@@ -434,8 +438,56 @@ def test_deltas_restore_into_another_number_of_ps(cluster, four_ps, tmp_path):
         with strategy.scope():
             model, optimizer = build("adagrad", seed=7)
         assert len(model.weights[0].value.variables) == 4
-        assert len(strategy.restore()["deltas"]) == 2
+        with RemoteConversions() as seen:  # the rows scattered into other shards: nothing converted on a ps
+            assert len(strategy.restore()["deltas"]) == 2
+        assert_none_of_mine(seen)
         assert_same(state(model, optimizer), states[2])
     finally:
         strategy.shutdown()
     tables_through_deltas(cluster, tmp_path / "tables", None, restore_on=four_ps)
+
+
+def test_a_slot_above_the_read_limit_is_saved_read_and_assigned_in_row_ranges_with_its_deltas(
+        cluster, tmp_path, monkeypatch):
+    """The read limit lowered to 16 KiB: the embedding's shards (2048 rows of 128 bytes, 256 KiB) and
+    its accumulator's are saved in chunks of 128 rows, read and assigned 128 rows at a time, and each
+    delta's changed rows (256 rows, 32 KiB, chunked too) are read for the rows of each range only."""
+    limit, row_bytes = 16 << 10, DIM * 4
+    monkeypatch.setattr(checkpoint_pieces, "READ_BATCH_BYTES", limit)
+    directory = tmp_path / "ckpt"
+    with RemoteConversions() as seen:
+        strategy, _model, _optimizer, states = train_with_deltas(cluster, directory, "adagrad")
+        strategy.shutdown()
+        reader = tf.train.load_checkpoint(str(directory / "ckpt-1"))
+        layout = json.loads(reader.get_tensor("psclient_layout"))
+        big = sorted(k for k, shape in reader.get_variable_to_shape_map().items() if shape == [ROWS, DIM])
+        assert len(big) == 2  # the embedding and its Adagrad accumulator
+        assert layout["row_chunks"]["bytes"] == limit and set(big) <= set(layout["row_chunks"]["keys"])
+
+        reads = []
+        real = tf_checkpoints.restore
+
+        def recording(prefix, keys, specs, dtypes):  # the real RestoreV2, each call's keys and slices noted
+            reads.append((os.path.basename(prefix), list(keys), list(specs)))
+            return real(prefix, keys, specs, dtypes)
+
+        monkeypatch.setattr(tf_checkpoints, "restore", recording)
+        result, got = restored_in_a_new_run(cluster, directory, "adagrad")
+    assert_none_of_mine(seen)
+    assert [os.path.basename(p) for p in result["deltas"]] == ["ckpt-1.delta-1", "ckpt-1.delta-2"]
+    assert_same(got, states[2])  # every row: the full checkpoint's, then each delta's, in order
+
+    per_range = limit // row_bytes
+    for key in big:
+        specs = [spec for prefix, keys, specs in reads if prefix == "ckpt-1"
+                 for k, spec in zip(keys, specs) if k == key]
+        ranges = sorted({tuple(int(x) for x in spec.split(" ")[2].split(":")[0].split(",")) for spec in specs})
+        # Each range read twice (the check, then the assign): 2 shards of 2048 rows, 16 ranges each.
+        assert len(specs) == 2 * len(ranges) and ranges == [(start, per_range)
+                                                            for start in range(0, ROWS, per_range)], ranges
+    # Each delta's changed rows (256 of the embedding, 256 of its accumulator, in shard 0 or 1): read a
+    # range at a time, none whole at assign time.
+    delta_rows = [spec for prefix, keys, specs in reads if ".delta-" in prefix
+                  for k, spec in zip(keys, specs) if k.endswith("/rows")]
+    assert delta_rows and all(spec and int(spec.split(" ")[2].split(":")[0].split(",")[1]) <= per_range
+                              for spec in delta_rows), delta_rows

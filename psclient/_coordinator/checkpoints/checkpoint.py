@@ -67,7 +67,7 @@ import tensorflow as tf
 from psclient._coordinator.checkpoints import checkpoint_deltas as _deltas
 from psclient._coordinator.checkpoints import checkpoint_parts as _parts
 from psclient._coordinator.checkpoints import checkpoint_snapshot as _snapshot
-from psclient._coordinator.checkpoints import table_checkpoint
+from psclient._coordinator.checkpoints import table_checkpoint, table_deltas
 from psclient._coordinator.checkpoints.checkpoint_parts import CheckpointUnreadable
 from psclient._coordinator.checkpoints.checkpoint_writer import BackgroundWriter, PendingSave
 from psclient._core.errors import PSUnavailableError, first_line
@@ -309,27 +309,28 @@ class Checkpoints:
                 log.warning("checkpoint %s is not usable: %s", path, error)
                 skipped.append({"path": path, "error": str(error)})
                 continue
-            applied = None
+            applied, patch, table_patches = None, None, []
             if self._deltas is not None or _deltas.any_delta(path):  # newest full + its deltas in order
-                # Deltas patch the full checkpoint's values: those are held on their ps for it (a ps
-                # peaks near twice its variables then; a plain restore reads twice and holds a batch).
-                held = (_parts.hold_values(values, timeout=self._hang_timeout),
-                        table_checkpoint.hold_states(table_states, functools.partial(
-                            _parts.on_each_ps, timeout=self._hang_timeout)))
-                values, completed, table_states, meta, applied, bad = self._deltas_for_read().restore_onto(
-                    path, variables, tables or {}, only_ps, (held[0], completed, held[1], meta))
+                # Each delta checked now; applied to each batch as the second pass reads and assigns it.
+                chain, completed, meta, applied, bad = self._deltas_for_read().restore_onto(
+                    path, variables, tables or {}, only_ps, completed, meta)
                 skipped += bad
-            _parts.assign_on_ps(values, timeout=self._hang_timeout)
-            table_checkpoint.assign(table_states, functools.partial(_parts.on_each_ps, timeout=self._hang_timeout))
+                chain.route(values)
+                patch = chain.patch if chain.deltas else None
+                table_patches = [table_deltas.patcher(d.path, tables, d.tables) for d in chain.deltas if tables]
+            if self._deltas is not None:
+                # The variables change now: the next checkpoint is full. Dropped first: the base's copies
+                # may share the variables' buffers, which a sliced assign would then copy whole.
+                self._deltas.forget()
+            on_each_ps = functools.partial(_parts.on_each_ps, timeout=self._hang_timeout)
+            _parts.assign_on_ps(values, timeout=self._hang_timeout, patch=patch)
+            rows = table_checkpoint.assign(table_states, on_each_ps, table_patches)
             if adopt:
                 self.foreign, self._first_own = None, 0
             if skipped:
                 log.warning("restored %s, the newest complete checkpoint; passed over %s",
                             path, ", ".join(s["path"] for s in skipped))
-            restored = {"variables": {ps: len(pairs) for ps, pairs in values.items()},
-                        "rows": {ps: table_checkpoint.rows_of(entries) for ps, entries in table_states.items()}}
-            if self._deltas is not None:
-                self._deltas.forget()  # the variables changed: the next checkpoint is full
+            restored = {"variables": {ps: len(part) for ps, part in values.items()}, "rows": rows}
             return {"path": path, "completed_closures": completed, "skipped": skipped, "meta": meta,
                     "restored": restored, **({"deltas": applied} if applied is not None else {})}
         raise CheckpointUnreadable(
@@ -432,7 +433,7 @@ class Checkpoints:
                                  f"{'; '.join(problems)}. Nothing was restored.")
         values = _parts.read_on_ps(path, variables, dtypes, layout, self._describe_ps, only_ps,
                                    timeout=self._hang_timeout)
-        meta = {k: v for k, v in (layout or {}).items() if k not in ("format", "parts", "tables")}
+        meta = {k: v for k, v in (layout or {}).items() if k not in ("format", "parts", "tables", "row_chunks")}
         return values, completed, self._read_tables(path, tables, layout, only_ps), meta
 
     def _read_tables(self, path: str, tables: dict[str, Any], layout: dict | None,

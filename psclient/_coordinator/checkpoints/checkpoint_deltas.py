@@ -29,14 +29,15 @@ counts once `ckpt-N.delta-M.index` exists. The state file never names a delta
 with their base.
 
 Restore: the newest complete full checkpoint, then its deltas in order
-(`restore_onto`): a whole variable takes the delta's value, a row-diffed one
-gets the delta's rows scattered into it (on its ps; indices are turned into
-rows of the full variable, so a restore into other shards works), a table
-shard drops the keys changed or gone and takes the changed ones
-(`table_deltas.apply`), the scalars come from the delta. It stops at the
-first missing or damaged delta (logged) and restores the state of the one
-before. Every delta is read and checked before anything is assigned, as for
-a full checkpoint.
+(`restore_onto`, `delta_restore`): a whole variable takes the newest delta's
+value, a row-diffed one gets each delta's rows scattered into it, a batch of
+rows at a time as it is assigned (on its ps; indices are turned into rows of
+the full variable, so a restore into other shards works), a table shard
+drops the keys changed or gone and takes the changed ones
+(`table_deltas.patcher`), the scalars come from the newest delta. It stops
+at the first missing or damaged delta (logged) and restores the state of the
+one before. Every delta is read and checked before anything is assigned, as
+for a full checkpoint, and no ps holds a second copy of its variables.
 
 Memory: each ps keeps, between checkpoints, one copy of its row-diffed shards
 and of its table shards' export (the previous cut's; two while a delta is
@@ -48,8 +49,6 @@ restore also ends the chain: the next checkpoint is then full.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import logging
 import os
 import re
@@ -59,24 +58,21 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from psclient._coordinator.checkpoints import delta_restore as _delta_restore
 from psclient._coordinator.checkpoints import table_deltas
 from psclient._coordinator.checkpoints.table_deltas import constant as _constant
 from psclient._coordinator.checkpoints.checkpoint_parts import (
-    LAYOUT_KEY,
     VALUE_SUFFIX,
     CheckpointUnreadable,
     CheckpointWriteError,
     PsTimeout,
     describe_task,
     device_of,
-    hold_values,
     on_each_ps,
-    read_on_ps,
     slots_of,
 )
 from psclient._coordinator.checkpoints.checkpoint_snapshot import Snapshot, write_snapshot
 from psclient._core.errors import first_line
-from psclient._tf import checkpoints as _checkpoints
 
 __all__ = ["ROW_DIFF_MIN_ROWS", "Deltas"]
 
@@ -85,7 +81,6 @@ log = logging.getLogger("psclient")
 #: A variable of rank 2 with at least this many rows (over its shards) is written per changed row
 #: (the serving deltas' rule, `serving.delta_cut`): below it, keeping a copy and diffing saves little.
 ROW_DIFF_MIN_ROWS = 1024
-_COMPLETED = "psclient_completed" + VALUE_SUFFIX
 
 
 @dataclasses.dataclass
@@ -298,15 +293,13 @@ class Deltas:
         return sorted(int(m.group(1)) for m in found if m)
 
     def restore_onto(self, path: str, variables: dict[str, Any], tables: dict, only_ps: frozenset | None,
-                     read: tuple) -> tuple:
-        """The state of `path` (`read` = (values, completed, table_states, meta) as `Checkpoints._read`
-        gives) carried forward through its complete deltas in order, each read and checked on the ps
-        tasks; stops at the first missing or damaged one (logged). Returns (values, completed,
-        table_states, meta, deltas applied, deltas passed over with their problem)."""
-        values, completed, table_states, meta = read
-        applied, skipped = [], []
-        numbers = self.numbers(path)
-        for expected, number in enumerate(numbers, start=1):
+                     completed: int | None, meta: dict) -> tuple:
+        """The complete deltas of `path` in order, each read and checked on the ps tasks (nothing
+        assigned, nothing kept: `delta_restore`); stops at the first missing or damaged one (logged).
+        Returns (the deltas as a `delta_restore.Chain`, completed, meta of the newest, deltas to be
+        applied, deltas passed over with their problem)."""
+        checked, applied, skipped = [], [], []
+        for expected, number in enumerate(self.numbers(path), start=1):
             delta = f"{path}.delta-{number}"
             if number != expected:
                 problem = f"{path}.delta-{expected} is missing"
@@ -314,100 +307,12 @@ class Deltas:
                 skipped.append({"path": delta, "error": problem})
                 break
             try:
-                values, completed, table_states, meta = self._read(
-                    path, delta, variables, tables, only_ps, values, table_states)
+                one = _delta_restore.check(path, delta, variables, tables, only_ps, self._describe_ps, self._timeout)
             except CheckpointUnreadable as error:
                 log.warning("checkpoint delta %s is not usable (%s); restored up to the one before", delta, error)
                 skipped.append({"path": delta, "error": str(error)})
                 break
+            checked.append(one)
+            completed, meta = one.completed, one.meta
             applied.append(delta)
-        return values, completed, table_states, meta, applied, skipped
-
-    def _read(self, path: str, delta: str, variables: dict[str, Any], tables: dict, only_ps: frozenset | None,
-              values: dict, table_states: dict) -> tuple:
-        try:
-            reader = tf.train.load_checkpoint(delta)
-            shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
-            layout = json.loads(reader.get_tensor(LAYOUT_KEY))
-            completed = int(reader.get_tensor(_COMPLETED)) if _COMPLETED in shapes else None
-        except (tf.errors.OpError, ValueError, IndexError) as error:
-            raise CheckpointUnreadable(f"its index or layout cannot be read: {first_line(error)}") from error
-        info = layout.get("delta") or {}
-        if info.get("base") != os.path.basename(path):
-            raise CheckpointUnreadable(f"it is a delta of {info.get('base')!r}, not of {os.path.basename(path)}")
-        rows = info.get("rows", {})
-        whole, problems = {}, []
-        for key, variable in variables.items():
-            name = key + VALUE_SUFFIX
-            if name in rows:
-                continue
-            if name not in shapes:
-                problems.append(f"{key} ({variable.name}) is not in it")
-            elif list(shapes[name]) != variable.shape.as_list() or dtypes[name] != variable.dtype:
-                problems.append(f"{key} ({variable.name}) has shape {list(shapes[name])} {dtypes[name].name} "
-                                f"there but {variable.shape.as_list()} {variable.dtype.name} here")
-            else:
-                whole[key] = variable
-        if problems:
-            raise CheckpointUnreadable("; ".join(problems[:5]))
-        read = hold_values(read_on_ps(delta, whole, dtypes, layout, self._describe_ps, only_ps, timeout=self._timeout),
-                           timeout=self._timeout)
-        replaced = {(slot.key, slot.spec): tensor for pairs in read.values() for slot, tensor in pairs}
-
-        def patch(ps: int, pairs: list) -> Callable[[], list]:
-            def run():
-                out = []
-                with device_of(ps):
-                    for slot, tensor in pairs:
-                        if slot.key in rows:
-                            try:
-                                tensor = _scatter(delta, slot, tensor, rows[slot.key])
-                            except tf.errors.OpError as error:
-                                error._psclient_what = f"{slot.key.split('/')[0]} ({slot.variable.name})"
-                                raise
-                        out.append((slot, replaced.get((slot.key, slot.spec), tensor)))
-                return out
-            return run
-
-        try:
-            values = on_each_ps({ps: patch(ps, pairs) for ps, pairs in values.items()}, timeout=self._timeout)
-        except tf.errors.OpError as error:
-            raise CheckpointUnreadable(
-                f"the changed rows of {getattr(error, '_psclient_what', 'a variable')} cannot be read or "
-                f"applied (corrupt or truncated data file?): {first_line(error)}") from error
-        if tables:
-            problems = [key for key in tables if key not in layout.get("tables", {})]
-            if problems:
-                raise CheckpointUnreadable(f"the dynamic tables {', '.join(problems)} are not in it")
-            try:
-                table_states = table_deltas.apply(delta, table_states, tables, layout["tables"],
-                                                  functools.partial(on_each_ps, timeout=self._timeout))
-            except tf.errors.OpError as error:
-                raise CheckpointUnreadable(
-                    f"the changes to {getattr(error, '_psclient_table', 'a dynamic table')} cannot be read or "
-                    f"applied (corrupt or truncated data file?): {first_line(error)}") from error
-        meta = {k: v for k, v in layout.items() if k not in ("format", "parts", "tables", "delta")}
-        return values, completed, table_states, meta
-
-
-def _scatter(delta: str, slot: Any, tensor, shards: list) -> Any:
-    """`tensor` (slot's rows of the full variable) with the delta's changed rows that fall in it, on its ps."""
-    start, length = _first_row(slot.spec)
-    length = int(slot.variable.shape[0]) if length is None else length
-    for first, rows in shards:
-        if first + rows <= start or first >= start + length:
-            continue
-        at = f"{slot.key}/delta/{first}"
-        indices, changed = _checkpoints.restore(delta, [at + "/idx", at + "/rows"], ["", ""],
-                                                [tf.int64, slot.variable.dtype])
-        if int(indices.shape[0]) == 0 and int(changed.shape[0]) > 0:  # the shard whole
-            indices = tf.range(_constant(0, tf.int64), _constant(int(changed.shape[0]), tf.int64),
-                               _constant(1, tf.int64))
-        indices = indices + _constant(first - start, tf.int64)
-        mine = tf.reshape(tf.where(tf.logical_and(indices >= _constant(0, tf.int64), indices < _constant(length, tf.int64))),
-                          _constant([-1], tf.int32))
-        axis = _constant(0, tf.int32)
-        tensor = tf.tensor_scatter_nd_update(
-            tensor, tf.reshape(tf.gather(indices, mine, axis=axis), _constant([-1, 1], tf.int32)),
-            tf.gather(changed, mine, axis=axis))
-    return tensor
+        return _delta_restore.Chain(checked), completed, meta, applied, skipped

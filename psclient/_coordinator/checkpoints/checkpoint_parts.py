@@ -21,12 +21,21 @@ restore reads on each ps the slices its variables need (`RestoreV2` there,
 which assembles a slice from whichever parts hold its rows) and assigns them
 there: a checkpoint restores into another number of ps tasks or shards, and
 the values never pass through the coordinator. It reads every value twice,
-a batch of at most `READ_BATCH_BYTES` (or one larger slot) at a time: first
-every ps checks that all of its values read (RestoreV2 verifies checksums)
-and keeps none (`read_on_ps`), then each reads and assigns them again
-(`assign_on_ps`). A damaged checkpoint thus leaves every variable untouched,
-and a ps holds at most one batch beyond its variables, never a second copy
-of them.
+a batch of at most `READ_BATCH_BYTES` at a time: first every ps checks that
+all of its values read (RestoreV2 verifies checksums) and keeps none
+(`read_on_ps`), then each reads and assigns them again (`assign_on_ps`,
+which applies a checkpoint's deltas to each batch before it assigns it). A
+damaged checkpoint thus leaves every variable untouched, and a ps holds at
+most about one batch beyond its variables, never a second copy of them.
+
+A slot above `READ_BATCH_BYTES` is saved in row chunks of at most that
+size (slices of its key, `save_chunked`: a split along rows shares the
+value's buffer when a row is a multiple of 64 bytes, so a save costs no
+copy; other slots are saved whole) and read and assigned in row ranges
+(`Piece`: RestoreV2 of a sub-slice, a sliced assign on the ps). RestoreV2
+reads a sub-range of a tensor by reading each saved slice it overlaps
+whole: only the keys the layout lists under `row_chunks` are read in
+ranges, the rest a slot at a time (checkpoints written before).
 
 A ps also writes its shards of the dynamic embedding tables in its part, in
 the same SaveV2 call (`table_checkpoint`).
@@ -60,13 +69,23 @@ from tensorflow.core.protobuf import trackable_object_graph_pb2 as pb
 
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.variables.sharding import is_partitioned
+from psclient._coordinator.checkpoints.checkpoint_pieces import (
+    READ_BATCH_BYTES,
+    Piece,
+    batches,
+    chunk_bytes,
+    chunked_keys,
+    coordinator_constant as _coordinator_constant,
+    pieces_of,
+    save_chunked,
+)
 from psclient._tf import checkpoints as _checkpoints
 from psclient._tf import executors as _executors
 from psclient._core.errors import CheckpointUnreadable, PSClientError, first_line
 
 __all__ = ["CheckedPart", "CheckpointDirError", "CheckpointUnreadable", "CheckpointWriteError", "LAYOUT_KEY",
-           "PsTimeout", "READ_BATCH_BYTES", "Slot", "assign_on_ps", "batches", "hold_values", "late_threads", "on_each_ps",
-           "probe_writable", "read_on_ps", "slots_of"]
+           "Piece", "PsTimeout", "READ_BATCH_BYTES", "Slot", "assign_on_ps", "batches", "late_threads", "on_each_ps",
+           "probe_writable", "read_on_ps", "save_chunked", "slots_of"]
 
 #: The checkpoint's own description: which task wrote which data file with which keys.
 LAYOUT_KEY = "psclient_layout"
@@ -201,50 +220,56 @@ def on_each_ps(work: dict[int, Callable[[], Any]], timeout: float | None = None,
     return {ps: future.result() for ps, future in futures.items()}
 
 
-#: The most bytes a restore reads at once on a ps (a batch of small slots; a larger slot is read alone):
-#: while a restore runs, a ps holds its variables and at most this much more, or one slot.
-READ_BATCH_BYTES = 8 << 20
-
-
-def slot_bytes(slot: Slot) -> int:
-    return int(slot.variable.shape.num_elements()) * slot.variable.dtype.size
-
-
-def batches(slots: list[Slot], limit: int = READ_BATCH_BYTES) -> list[list[Slot]]:
-    """`slots` in order, grouped so that a group holds at most `limit` bytes, or one larger slot alone."""
-    out: list[list[Slot]] = []
-    size = 0
-    for slot in slots:
-        n = slot_bytes(slot)
-        if out and size + n <= limit:
-            out[-1].append(slot)
-            size += n
-        else:
-            out.append([slot])
-            size = n
-    return out
-
-
 class CheckedPart:
     """What one ps read and checked of a checkpoint, to read again and assign (`assign_on_ps`).
 
-    Holds no value: `len()` is how many slots (variables or shards) the ps restores.
+    Holds no value: `len()` is how many slots (variables or shards) the ps restores. `sources`:
+    key -> a delta that holds that key whole (its newest), read instead of `path`; `chunked`: the
+    keys saved in row chunks in every file they are read from.
     """
 
-    __slots__ = ("path", "ps", "slots", "dtypes", "layout", "describe_ps")
+    __slots__ = ("path", "ps", "slots", "dtypes", "layout", "describe_ps", "chunked", "sources")
 
     def __init__(self, path: str, ps: int, slots: list[Slot], dtypes: dict[str, Any], layout: dict | None,
                  describe_ps: Callable[[int], str]):
         self.path, self.ps, self.slots, self.dtypes = path, ps, slots, dtypes
         self.layout, self.describe_ps = layout, describe_ps
+        self.chunked = chunked_keys(layout)
+        self.sources: dict[str, str] = {}
 
     def __len__(self) -> int:
         return len(self.slots)
 
-    def restore(self, some: list[Slot]) -> list:
-        """`some` read from the checkpoint (RestoreV2 on the device in force)."""
-        return _checkpoints.restore(self.path, [s.key for s in some], [s.spec for s in some],
-                                    [self.dtypes[s.key] for s in some])
+    def batches(self) -> list[list[Piece]]:
+        """Its slots in pieces (`pieces_of`), in batches."""
+        return batches(pieces_of(self.slots, self.chunked, chunk_bytes(self.layout)))
+
+    def allocate_unset(self) -> None:
+        """Give each variable it restores in ranges that holds no value yet (made again on a
+        restarted ps: a sliced assign cannot set one) a buffer of its shape, left uninitialized
+        (`Empty`: its pages cost memory as the ranges fill them). On the device in force (its ps)."""
+        for piece in pieces_of(self.slots, self.chunked, chunk_bytes(self.layout)):
+            variable = piece.slot.variable
+            if piece.stop is None or piece.start != 0 or tf.raw_ops.VarIsInitializedOp(resource=variable.handle).numpy():
+                continue
+            empty = tf.raw_ops.Empty(shape=_coordinator_constant(variable.shape.as_list(), tf.int32),
+                                     dtype=variable.dtype, init=False)
+            tf.raw_ops.AssignVariableOp(resource=variable.handle, value=empty)  # every row assigned below
+            del empty
+
+    def restore(self, some: list) -> list:
+        """`some` (Slots or Pieces) read from the checkpoint (RestoreV2 on the device in force), each
+        from its source."""
+        by_path: dict[str, list[int]] = {}
+        for i, s in enumerate(some):
+            by_path.setdefault(self.sources.get(s.key, self.path), []).append(i)
+        out = [None] * len(some)
+        for path, at in by_path.items():
+            got = _checkpoints.restore(path, [some[i].key for i in at], [some[i].spec for i in at],
+                                       [self.dtypes[some[i].key] for i in at])
+            for i, tensor in zip(at, got):
+                out[i] = tensor
+        return out
 
 
 def read_on_ps(path: str, variables: dict[str, Any], dtypes: dict[str, Any],
@@ -271,12 +296,12 @@ def read_on_ps(path: str, variables: dict[str, Any], dtypes: dict[str, Any],
 
         def run():
             with device_of(ps):
-                for batch in batches(part.slots):
+                for batch in part.batches():
                     try:
                         part.restore(batch)  # dropped at once: only whether it reads counts here
                     except tf.errors.OpError as error:
-                        error._psclient_ps, error._psclient_slot = ps, _failing(batch, part.restore,
-                                                                                tf.errors.OpError)
+                        failing = _failing(batch, part.restore, tf.errors.OpError)  # a Piece
+                        error._psclient_ps, error._psclient_slot = ps, getattr(failing, "slot", None)
                         raise
             return part
         return run
@@ -315,55 +340,31 @@ _REREAD_ERRORS = (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.Ou
                   tf.errors.InvalidArgumentError)
 
 
-def hold_values(checked: dict[int, CheckedPart], timeout: float | None = None) -> dict[int, list]:
-    """Every value `read_on_ps` checked, read again and held on its ps: ps -> [(slot, tensor there)].
-
-    For a restore that changes values before it assigns them (a full checkpoint's deltas): a ps
-    then holds a second copy of what it restores. `assign_on_ps` takes either form."""
-    def hold(part: CheckedPart) -> Callable[[], list]:
-        def run():
-            with device_of(part.ps):
-                try:
-                    return list(zip(part.slots, part.restore(part.slots)))
-                except _REREAD_ERRORS as error:
-                    error._psclient_ps = part.ps
-                    raise
-        return run
-
-    try:
-        return on_each_ps({ps: hold(part) for ps, part in checked.items()}, timeout=timeout)
-    except _REREAD_ERRORS as error:
-        part = checked.get(getattr(error, "_psclient_ps", None))
-        if part is None:
-            raise
-        raise _unreadable(error, part.path, part.layout, {part.ps: part.slots}, part.describe_ps,
-                          " (read without error a moment before: the file changed since). Nothing was "
-                          "assigned.") from error
-
-
-def assign_on_ps(values: dict[int, CheckedPart | list], timeout: float | None = None) -> None:
+def assign_on_ps(values: dict[int, CheckedPart], timeout: float | None = None,
+                 patch: Callable[[Piece, Any], Any] | None = None) -> None:
     """Read again each value `read_on_ps` checked and assign it to its variable, on its ps, a
     batch at a time (all ps at once): a ps holds at most one batch beyond its variables.
+    `patch(piece, tensor)`, run on the ps: the tensor to assign instead (a checkpoint's deltas
+    applied to the piece's rows).
 
     Raises PsTimeout naming a ps still assigning after `timeout` seconds, and
     CheckpointUnreadable if a value that was read in the check cannot be read
     now (its file changed since): variables assigned before keep their new values.
     """
-    def assign(part: CheckedPart | list) -> Callable[[], None]:
+    def assign(part: CheckedPart) -> Callable[[], None]:
         def run():
-            if isinstance(part, list):  # values held (`hold_values`), perhaps changed since
-                for slot, tensor in part:
-                    slot.variable.assign(tensor, read_value=False)  # both on this ps
-                return
             with device_of(part.ps):
-                for batch in batches(part.slots):
+                part.allocate_unset()
+                for batch in part.batches():
                     try:
                         tensors = part.restore(batch)
+                        if patch is not None:  # reads the deltas' rows too
+                            tensors = [patch(piece, tensor) for piece, tensor in zip(batch, tensors)]
                     except _REREAD_ERRORS as error:
                         error._psclient_ps = part.ps
                         raise
-                    for slot, tensor in zip(batch, tensors):
-                        slot.variable.assign(tensor, read_value=False)  # both on this ps
+                    for piece, tensor in zip(batch, tensors):
+                        piece.assign(tensor)  # on this ps
                     del tensors  # before the next batch is read
         return run
 
@@ -371,7 +372,7 @@ def assign_on_ps(values: dict[int, CheckedPart | list], timeout: float | None = 
         on_each_ps({ps: assign(part) for ps, part in values.items()}, timeout=timeout)
     except _REREAD_ERRORS as error:
         part = values.get(getattr(error, "_psclient_ps", None))
-        if not isinstance(part, CheckedPart):
+        if part is None:
             raise
         raise _unreadable(error, part.path, part.layout, {part.ps: part.slots}, part.describe_ps,
                           " (read without error a moment before: the file changed since). Some variables "

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
+from psclient._coordinator.checkpoints import checkpoint_pieces as _pieces
 from psclient._coordinator.checkpoints import table_checkpoint
 from psclient._coordinator.checkpoints.checkpoint_parts import (
     GRAPH_KEY,
@@ -141,13 +142,14 @@ def write_snapshot(prefix: str, snapshot: Snapshot, scalars: dict[str, Any], des
          "keys": snapshot.layout_parts[ps]} for ps in tasks]}
     if snapshot.tables:
         layout["tables"] = snapshot.tables
+    layout["row_chunks"] = {"bytes": _pieces.READ_BATCH_BYTES, "keys": _readable_in_ranges(snapshot)}
 
     def write(ps: int) -> Callable[[], None]:
-        names, specs, values = snapshot.parts[ps]
-
         def run():
             with device_of(ps):
                 try:
+                    # A big value in row chunks (sharing its buffer): a restore reads it a range at a time.
+                    names, specs, values, _ = _pieces.save_chunked(*snapshot.parts[ps])
                     _checkpoints.save(part_prefix(scratch, tasks.index(ps), count), names, specs, values)
                 except tf.errors.OpError as error:
                     error._psclient_ps = ps
@@ -187,6 +189,18 @@ def write_snapshot(prefix: str, snapshot: Snapshot, scalars: dict[str, Any], des
             _checkpoints.merge([part_prefix(scratch, i, count) for i in range(count)], prefix)
     finally:
         scratch_owner.release()
+
+
+def _readable_in_ranges(snapshot: Snapshot) -> list[str]:
+    """The keys whose every saved slice holds at most `READ_BATCH_BYTES` once `save_chunked` cut them:
+    a range of their rows reads at the cost of the range (`checkpoint_pieces`)."""
+    keys, whole = set(), set()
+    for names, _specs, values in snapshot.parts.values():
+        for name, value in zip(names, values):
+            shape = value.shape.as_list()
+            big = _pieces.slot_bytes_of(shape, value.dtype) > _pieces.READ_BATCH_BYTES
+            (whole if big and _pieces.chunk_rows(shape, value.dtype) is None else keys).add(name)
+    return sorted(keys - whole)
 
 
 class _ScratchOwner:

@@ -20,8 +20,9 @@ name, dim, shards, slot initial values.
 
 Restore: each ps reads (RestoreV2 there) what each of its shards will hold,
 one shard at a time, and drops it (`read`: a check); only when every ps has
-read everything (variables too) does any ps read each shard's state again
-and replace the shard's contents with it, one shard at a time (`assign`): a
+read everything (variables and deltas too) does any ps read each shard's
+state again, apply the deltas' changes to it (`table_deltas.patcher`) and
+replace the shard's contents with it, one shard at a time (`assign`): a
 checkpoint that cannot be read leaves the tables as they were, and a ps
 holds at most one shard's state beyond its tables. Restored into another number of ps tasks, each ps reads every
 saved shard and keeps the keys it owns (`shard_of(key, num_ps)`); the clock
@@ -42,7 +43,7 @@ from psclient._tf import checkpoints as _checkpoints
 #: imports this module, so not imported from there).
 LOCAL = -1
 
-__all__ = ["assign", "check", "hold_states", "layout_of", "names_by_ps", "read", "read_local", "rows_of", "save_work"]
+__all__ = ["assign", "check", "layout_of", "names_by_ps", "read", "read_local", "save_work"]
 
 _FIELDS = ("keys", "counters", "row_keys", "rows", "clock", "admissions", "evictions")
 
@@ -176,57 +177,34 @@ def read(path: str, tables: dict[str, Any], saved: dict) -> dict[int, Callable[[
     return {ps: on(entries) for ps, entries in work.items()}
 
 
-def rows_of(entries: list) -> int:
-    """How many rows the shards `read` checked (or `hold_states` held) get back."""
-    return sum(int(state["row_keys"].shape[0]) if "row_keys" in state else state["rows"]
-               for _table, _shard, state in entries)
-
-
-def hold_states(states: dict[int, list], on_each_ps: Callable) -> dict[int, list]:
-    """Each shard's state that `read` checked, read again and held on its ps: ps -> [(table, shard,
-    state)], for a restore that changes them before it assigns them (a checkpoint's deltas: a ps then
-    holds a second copy of its shards). `assign` takes either form."""
-    def on(entries):
-        def run():
-            out = []
-            for table, shard, checked in entries:
-                with shard.placed():
-                    try:
-                        state = checked["read"]()
-                    except tf.errors.OpError as error:
-                        error._psclient_table = checked["table"]
-                        raise
-                out.append((table, shard, state))
-            return out
-        return run
-
-    return on_each_ps({ps: on(entries) for ps, entries in states.items()})
-
-
-def assign(states: dict[int, list], on_each_ps: Callable) -> None:
-    """Read again each shard's state that `read` checked and replace the shard's contents with it,
-    one shard at a time on each ps (all ps at once)."""
+def assign(states: dict[int, list], on_each_ps: Callable, patches: list | tuple = ()) -> dict[int, int]:
+    """Read again each shard's state that `read` checked, apply `patches` to it in order (each
+    `patch(table, shard, state) -> state`: a checkpoint's deltas, `table_deltas.patcher`), and
+    replace the shard's contents with it, one shard at a time on each ps (all ps at once): a ps
+    holds one shard's state beyond its tables. Returns ps -> the rows its shards got back."""
     for entries in states.values():
         for table, _shard, checked in entries:
             table.ensure_slots(checked["slot_defaults"])  # a fresh process: the optimizer made none yet
 
     def on(entries):
         def run():
-            for _table, shard, checked in entries:
+            rows = 0
+            for table, shard, checked in entries:
                 with shard.placed():
-                    if "read" not in checked:  # a state held (`hold_states`), perhaps changed since
-                        _replace(shard, checked)
-                        continue
                     try:
                         state = checked["read"]()
+                        for patch in patches:
+                            state = patch(table, shard, state)
                     except tf.errors.OpError as error:
                         error._psclient_table = checked["table"]
                         raise
                     _replace(shard, state)
+                    rows += int(state["row_keys"].shape[0])
                     del state  # before the next shard's is read
+            return rows
         return run
 
-    on_each_ps({ps: on(entries) for ps, entries in states.items()})
+    return on_each_ps({ps: on(entries) for ps, entries in states.items()})
 
 
 def _replace(shard, state: dict) -> None:

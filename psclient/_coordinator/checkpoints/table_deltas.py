@@ -16,8 +16,11 @@ there (one copy of the shard's tracked keys and rows per ps: the memory a delta
 costs for a table): old keys sorted (TopK), the new ones found among them (LowerBound),
 values compared element by element, as the serving deltas do (`serving.delta_cut`).
 
-Restore applies a delta to the state read so far (`apply`): each ps drops the
-keys changed or removed (`ListDiff`) and appends the changed ones. Into another
+Restore checks each delta's changes on the ps that will apply them (`check`:
+read, then dropped), then, one shard at a time, applies each delta to the
+shard's state read from the full checkpoint before it replaces the shard's
+contents (`patcher`, `table_checkpoint.assign`): each ps drops the keys
+changed or removed (`ListDiff`) and appends the changed ones. Into another
 number of ps tasks, every saved shard's changes are read and each ps keeps the
 keys it owns, as `table_checkpoint.read` does.
 """
@@ -32,7 +35,7 @@ import tensorflow as tf
 from psclient._coordinator.runtime import coordinator_cpu
 from psclient._tf import checkpoints as _checkpoints
 
-__all__ = ["apply", "constant", "diff", "kept", "split"]
+__all__ = ["check", "constant", "diff", "kept", "patcher", "split"]
 
 _FIELD = re.compile(r"^(.+/ps\d+)/(keys|counters|row_keys|rows|clock|admissions|evictions|slot/.+)$")
 _SCALARS = ("clock", "admissions", "evictions")
@@ -115,29 +118,68 @@ def _merge(keys, values: list, changed_keys, changed: list, removed):
             [tf.concat([tf.gather(v, keep, axis=zero), c], zero) for v, c in zip(values, changed)])
 
 
-def apply(delta: str, states: dict[int, list], tables: dict[str, Any], saved: dict,
-          on_each_ps: Callable) -> dict[int, list]:
-    """`states` (ps -> [(table, shard, state)], `table_checkpoint.read`'s) with the delta's changes applied,
-    each on its ps. Raises tf.errors.OpError (`_psclient_table` names the table) if one cannot be read."""
+def _read(delta: str, key: str, part: int, slots: list[str]) -> dict:
+    """The changes the delta holds of saved shard `part` of table `key`, read on the device in force."""
+    prefix = f"{key}/ps{part}"
+    fields = ["keys", "counters", "removed", "row_keys", "row_removed", "rows"] + [f"slot/{s}" for s in slots]
+    dtypes = [tf.int64] * 5 + [tf.float32] * (1 + len(slots))
+    got = _checkpoints.restore(delta, [f"{prefix}/delta/{f}" for f in fields], [""] * len(fields), dtypes)
+    out = dict(zip(fields, got))
+    out.update(zip(_SCALARS, _checkpoints.restore(delta, [f"{prefix}/{f}" for f in _SCALARS], [""] * 3,
+                                                  [tf.int64] * 3)))
+    return out
+
+
+def _by_ps(tables: dict[str, Any], only_ps: frozenset | None) -> dict[int, list]:
+    """ps -> [(key, table, shard)] of the shards it holds (of `only_ps`, when given)."""
+    from psclient._coordinator.checkpoints.table_checkpoint import _task  # not at the top: it imports this module
+
+    out: dict[int, list] = {}
+    for key, table in tables.items():
+        for shard in table.shards:
+            ps = _task(shard)
+            if only_ps is None or ps in only_ps:
+                out.setdefault(ps, []).append((key, table, shard))
+    return out
+
+
+def _parts_of(table, shard, entry: dict) -> list[int]:
+    """The saved shards whose changes `shard` applies: its own, or every one (another number of ps)."""
+    count, n = int(entry["shards"]), len(table.shards)
+    return [table.shards.index(shard)] if count == n else list(range(count))
+
+
+def check(delta: str, tables: dict[str, Any], saved: dict, only_ps: frozenset | None, on_each_ps: Callable) -> None:
+    """Each ps reads the changes each of its shards will apply (each read, then dropped). Raises
+    tf.errors.OpError (`_psclient_table` names the table) if one cannot be read."""
+    def on(entries):
+        def run():
+            for key, table, shard in entries:
+                slots = sorted(saved[key]["slots"])
+                with shard.placed():
+                    try:
+                        for part in _parts_of(table, shard, saved[key]):
+                            _read(delta, key, part, slots)
+                    except tf.errors.OpError as error:
+                        error._psclient_table = f"{key} ({table.name!r})"
+                        raise
+        return run
+
+    on_each_ps({ps: on(entries) for ps, entries in _by_ps(tables, only_ps).items()})
+
+
+def patcher(delta: str, tables: dict[str, Any], saved: dict) -> Callable[[Any, Any, dict], dict]:
+    """patch(table, shard, state): `state` (`table_checkpoint.read`'s, of that shard) with the
+    delta's changes applied, under the shard's device. Raises tf.errors.OpError if they cannot be read."""
     from psclient._coordinator.tables.dynamic_tables import shard_of  # not at the top: dynamic_tables imports table_checkpoint
 
     key_of = {id(table): key for key, table in tables.items()}
 
-    def read(key: str, part: int, slots: list[str]) -> dict:
-        prefix = f"{key}/ps{part}"
-        fields = ["keys", "counters", "removed", "row_keys", "row_removed", "rows"] + [f"slot/{s}" for s in slots]
-        dtypes = [tf.int64] * 5 + [tf.float32] * (1 + len(slots))
-        got = _checkpoints.restore(delta, [f"{prefix}/delta/{f}" for f in fields], [""] * len(fields), dtypes)
-        out = dict(zip(fields, got))
-        out.update(zip(_SCALARS, _checkpoints.restore(delta, [f"{prefix}/{f}" for f in _SCALARS], [""] * 3,
-                                                      [tf.int64] * 3)))
-        return out
-
-    def state_of(table, shard, state) -> dict:
+    def patch(table, shard, state) -> dict:
         key = key_of[id(table)]
         entry, n, index = saved[key], len(table.shards), table.shards.index(shard)
         count, slots = int(entry["shards"]), sorted(entry["slots"])
-        parts = [read(key, part, slots) for part in ([index] if count == n else range(count))]
+        parts = [_read(delta, key, part, slots) for part in _parts_of(table, shard, entry)]
         got = {f: tf.concat([p[f] for p in parts], constant(0, tf.int32)) for f in parts[0] if f not in _SCALARS}
         if count != n:  # re-split: the changes to the keys this ps owns now
             mine = {by: shard_of(got[by], n) == index for by in ("keys", "removed", "row_keys", "row_removed")}
@@ -163,17 +205,4 @@ def apply(delta: str, states: dict[int, list], tables: dict[str, Any], saved: di
             out["evictions"] = tf.add_n([p["evictions"] for p in parts]) if index == 0 else zero
         return out
 
-    def on(entries):
-        def run():
-            out = []
-            for table, shard, state in entries:
-                with shard.placed():
-                    try:
-                        out.append((table, shard, state_of(table, shard, state)))
-                    except tf.errors.OpError as error:
-                        error._psclient_table = f"{key_of[id(table)]} ({table.name!r})"
-                        raise
-            return out
-        return run
-
-    return on_each_ps({ps: on(entries) for ps, entries in states.items()})
+    return patch
