@@ -17,9 +17,18 @@ Configurations (`--configs`):
       steps_per_execution 1 and 10; a step is one batch.
   schedule_tiny
       benchmarks/dispatch.py's "tiny" function (one assign_add on an int64
-      counter on each ps), scheduled `--steps` times and joined, no result
-      fetched; a step is one scheduled call. After the run every counter must
-      equal the number of calls scheduled (each ran exactly once).
+      counter on each ps, returning a scalar constant), scheduled
+      `--tiny-steps` times and joined; a step is one scheduled call. The
+      user fetches no result, but psclient copies every call's outputs to the
+      coordinator when the call finishes (its futures hold numpy values), while
+      TF's ClusterCoordinator leaves them on the worker until `fetch()`. After
+      the run every counter must equal the number of calls scheduled (each ran
+      exactly once).
+  schedule_tiny_fetched
+      The same, and TF's stack also fetches every call's result (`fetch()` of
+      each RemoteValue after `join()`): both stacks copy each result once.
+  schedule_tiny_noresult
+      The same function returning nothing: neither stack copies anything back.
 
 Around the timed section (after `--warmup` untimed steps, which trace) the
 child reads the user + system CPU seconds of every process with psutil: its
@@ -62,6 +71,8 @@ CONFIGS = {
     "fit_sgd_spe1": ("fit", "sgd", 1),
     "fit_sgd_spe10": ("fit", "sgd", 10),
     "schedule_tiny": ("schedule", None, 1),
+    "schedule_tiny_fetched": ("schedule", None, 1),
+    "schedule_tiny_noresult": ("schedule", None, 1),
 }
 DEFAULT_WORKERS, DEFAULT_PS = 2, 1
 
@@ -88,9 +99,20 @@ def setup_fit(stack: str, cluster, optimizer: str, spe: int):
     return run, check
 
 
-def setup_schedule(stack: str, cluster):
+def setup_schedule(stack: str, cluster, config: str):
     import dispatch  # the tiny step of benchmarks/dispatch.py
     import tensorflow as tf
+
+    def make_tiny(counters):
+        if config != "schedule_tiny_noresult":
+            return dispatch.make_tiny_step(counters)
+
+        @tf.function
+        def tiny_noresult():  # dispatch.py's tiny step without its output: nothing to copy back
+            for counter in counters:
+                counter.assign_add(1)
+
+        return tiny_noresult
 
     if stack == "psclient":
         import psclient
@@ -98,7 +120,7 @@ def setup_schedule(stack: str, cluster):
         strategy = psclient.ParameterServerStrategy(cluster)
         with strategy.scope():
             counters = dispatch.make_counters(cluster.num_ps)
-        tiny = dispatch.make_tiny_step(counters)
+        tiny = make_tiny(counters)
         schedule, join = (lambda: strategy.schedule(tiny)), strategy.join
     else:
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
@@ -108,13 +130,25 @@ def setup_schedule(stack: str, cluster):
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         with strategy.scope():  # TF places variables round-robin over the ps tasks
             counters = dispatch.make_counters(cluster.num_ps)
-        tiny = dispatch.make_tiny_step(counters)
+        tiny = make_tiny(counters)
 
         @tf.function
         def tiny_step():
             return strategy.run(tiny)
 
-        schedule, join = (lambda: coordinator.schedule(tiny_step)), coordinator.join
+        if config == "schedule_tiny_fetched":
+            # Each result copied to the coordinator once, as psclient's futures do.
+            results = []
+
+            def schedule():
+                results.append(coordinator.schedule(tiny_step))
+
+            def join():
+                coordinator.join()
+                coordinator.fetch(results)
+                results.clear()
+        else:
+            schedule, join = (lambda: coordinator.schedule(tiny_step)), coordinator.join
     scheduled = [0]
 
     def run(n: int) -> None:
@@ -145,7 +179,7 @@ def child_main(args: argparse.Namespace) -> None:
     if kind == "fit":
         run, check = setup_fit(args._child, cluster, optimizer, spe)
     else:
-        run, check = setup_schedule(args._child, cluster)
+        run, check = setup_schedule(args._child, cluster, args.config)
     processes = {"coordinator": psutil.Process(), **{t: psutil.Process(p) for t, p in task_pids.items()}}
 
     def cpu() -> dict[str, float]:
