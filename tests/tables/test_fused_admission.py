@@ -125,3 +125,50 @@ def test_a_layer_called_twice_in_a_step_admits_and_updates_each_key_once():
     for key, row in zip(got["row_keys"].tolist(), got["rows"].tolist()):
         np.testing.assert_allclose(row, rows[key], rtol=1e-5)
     assert twice.table_stats()[0]["admissions"] == once.table_stats()[0]["admissions"]
+
+
+def test_alike_tables_with_min_frequency_and_ttl_steps_count_and_expire_their_own_keys():
+    """Two alike tables with `min_frequency` and `ttl_steps` (one group: their keys still counting
+    and their expired rows split by table in one pass) end as the same two tables do trained each
+    in a step of its own (a group of one): same counting keys and counters, rows, clocks."""
+    init = keras.initializers.Constant(START)
+
+    def make(name):
+        layer = DynamicEmbedding(2, capacity=8, min_frequency=2, ttl_steps=3, embeddings_initializer=init, name=name)
+        layer.build()
+        return layer
+
+    together, alone = [make("policy_a"), make("policy_b")], [make("policy_a_alone"), make("policy_b_alone")]
+
+    def step_of(layers):
+        sgd = keras.optimizers.SGD(LR)  # one per step: Keras ties an optimizer to its first variables
+        variables = [v for layer in layers for v in layer.trainable_variables]
+
+        @tf.function
+        def step(keys, weights):
+            with tf.GradientTape() as tape:
+                loss = sum(tf.reduce_sum(layer(k, training=True) * w) for layer, k, w in zip(layers, keys, weights))
+            sgd.apply(tape.gradient(loss, variables), variables)
+
+        return step
+
+    fused, solo = step_of(together), [step_of([layer]) for layer in alone]
+    rng = np.random.default_rng(4)
+    for _ in range(14):
+        keys = [tf.constant(rng.integers(0, 12, 5), tf.int64) for _ in range(2)]
+        weights = [tf.constant(rng.normal(size=(5, 2)), tf.float32) for _ in range(2)]
+        fused(keys, weights)
+        for step, k, w in zip(solo, keys, weights):
+            step([k], [w])
+    for got_layer, want_layer in zip(together, alone):
+        [got], [want] = got_layer.export_state(), want_layer.export_state()
+        counters = {k: c for k, c in zip(want["keys"].tolist(), want["counters"].tolist())}
+        assert dict(zip(got["keys"].tolist(), got["counters"].tolist())) == counters
+        rows = dict(zip(want["row_keys"].tolist(), want["rows"].tolist()))
+        assert sorted(got["row_keys"].tolist()) == sorted(rows) and len(rows) < len(counters)
+        for key, row in zip(got["row_keys"].tolist(), got["rows"].tolist()):
+            np.testing.assert_allclose(row, rows[key], rtol=1e-5, err_msg=f"{got_layer.name} key {key}")
+        got_stats, want_stats = got_layer.table_stats()[0], want_layer.table_stats()[0]
+        for field in ("clock", "rows", "tracked_keys", "admissions", "evictions"):
+            assert got_stats[field] == want_stats[field], (got_layer.name, field)
+        assert got_stats["evictions"] > 0  # rows expired (ttl_steps) or were evicted on the way
