@@ -202,7 +202,7 @@ class Checkpoints:
         self.times["last_snapshot_seconds"] = snapshot.seconds
         pending = PendingSave(snapshot, completed, extra, meta)
         if self._deltas is not None:
-            pending.delta, pending.rows = delta, _deltas.row_slots(variables)
+            pending.delta, pending.rows, pending.renewals = delta, _deltas.row_slots(variables), _deltas.renewals(tables)
             self._deltas.snapshot_taken(self.times, delta)
         return pending
 
