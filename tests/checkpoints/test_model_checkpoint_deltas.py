@@ -152,3 +152,51 @@ def test_restore_of_an_empty_directory_and_bad_arguments(strategy, tmp_path):
         psclient.ModelCheckpoint(tmp_path / "c", delta_every=0)
     with pytest.raises(ValueError, match="Received: overwrite=True"):
         psclient.ModelCheckpoint(tmp_path / "c", overwrite=True).restore(model)
+
+
+def build_with_table(strategy, name, seed):
+    """The partitioned Embedding beside a DynamicEmbedding (int64 ids), both averaged into the Dense."""
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        inputs = keras.Input((IDS,), dtype="int64")
+        table = psclient.layers.DynamicEmbedding(DIM, capacity=1024, name=name)
+        pooled = [keras.layers.GlobalAveragePooling1D()(layer(inputs))
+                  for layer in (table, keras.layers.Embedding(ROWS, DIM))]
+        model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Concatenate()(pooled)))
+        model.compile(optimizer=keras.optimizers.Adagrad(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, table
+
+
+def rows_by_key(layer):
+    """{key: (counters, row, {slot: row})} over every shard of the table."""
+    out = {}
+    for shard in layer.export_state():
+        counters = dict(zip(shard["keys"].tolist(), shard["counters"].reshape(-1, 2).tolist()))
+        for i, key in enumerate(shard["row_keys"].tolist()):
+            out[key] = (counters.get(key), shard["rows"][i].tolist(),
+                        {slot: value[i].tolist() for slot, value in shard["slots"].items()})
+    return out
+
+
+def test_dynamic_embedding_rows_come_back_from_the_full_checkpoint_and_its_deltas(strategy, tmp_path):
+    directory = tmp_path / "ckpts"
+    model, table = build_with_table(strategy, "mc_delta_ids", seed=1)
+    tables = []
+
+    class TableRecorder(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):  # after the save of the epoch's last batch
+            tables.append(rows_by_key(table))
+
+    recorder = Recorder()
+    x, y = data()
+    saver = psclient.ModelCheckpoint(directory, save_freq=SAVE_FREQ, delta_every=2)
+    model.fit(x.astype("int64"), y, batch_size=16, epochs=3, verbose=0, callbacks=[saver, recorder, TableRecorder()])
+    assert [os.path.basename(p) for p in saver.saved] == ["ckpt-1", "ckpt-1.delta-1", "ckpt-1.delta-2"]
+    assert tables[-1] and tables[-1] != tables[0]  # rows trained, and changed between the saves
+
+    fresh, fresh_table = build_with_table(strategy, "mc_delta_ids_2", seed=7)
+    restored = psclient.ModelCheckpoint(directory).restore(fresh)
+    assert restored["deltas"] == saver.saved[1:]
+    assert_same(state(fresh), recorder.states[-1], "full + 2 deltas")
+    assert rows_by_key(fresh_table) == tables[-1]
