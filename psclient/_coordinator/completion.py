@@ -80,7 +80,8 @@ class _Waited:
             outputs, marker = outputs
             _wait(marker)
             return outputs
-        for value in tf.nest.flatten(outputs):
+        # Expanded: a sparse or ragged output's components are the tensors to wait for.
+        for value in tf.nest.flatten(outputs, expand_composites=True):
             if isinstance(value, tf.Tensor):
                 _wait(value)  # one is enough: every output comes back in the same answer
                 break
