@@ -30,14 +30,15 @@ __all__ = ["WaitedCalls"]
 class WaitedCalls:
     """Makes a traced function's call wait until the worker ran it (one per tracer)."""
 
-    def __init__(self, concrete_of: Callable[[Any, tuple, dict], Any]):
-        # `concrete_of(function, args, kwargs)`: traced the tracer's way (its variable
-        # creator, its streamed registrations), for the marked wrapper.
-        self._concrete_of = concrete_of
+    def __init__(self):
         self._lock = threading.Lock()
 
-    def caller(self, concrete, args: tuple, kwargs: dict) -> Callable:
-        """What a dispatcher calls instead of `concrete` (traced for `args`, `kwargs`)."""
+    def caller(self, concrete, name: str, args: tuple, kwargs: dict,
+               concrete_of: Callable[[Any, str, tuple, dict], Any]) -> Callable:
+        """What a dispatcher calls instead of `concrete`, traced for `args`, `kwargs`
+        (`name`: the scheduled function's, for messages; `concrete_of(function, name,
+        args, kwargs)`: traces the marked wrapper the tracer's way, in its variable
+        creator and with its registrations streamed)."""
         # Kept on the concrete function (as sync.py keeps its caller): the
         # caller holds it, so a table beside it would keep every trace alive.
         known = getattr(concrete, "_psclient_waited", None)
@@ -49,7 +50,7 @@ class WaitedCalls:
                 if concrete.outputs:
                     known = _Waited(concrete, marked=False)
                 else:
-                    known = _Waited(self._concrete_of(_marked(concrete), args, kwargs), marked=True)
+                    known = _Waited(concrete_of(_marked(concrete), name, args, kwargs), marked=True)
                 concrete._psclient_waited = known
             return known
 

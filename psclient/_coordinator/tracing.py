@@ -80,8 +80,7 @@ class Tracer:
     def __init__(self, create_variable: Callable, steps: Any = None, *, wait_for_run: bool = False):
         self._create_variable = create_variable
         # Above pipeline depth 1 a call returns once sent: make each wait until it ran (completion.py).
-        self._waited = WaitedCalls(
-            lambda function, args, kwargs: self._concrete(function, "", args, kwargs)) if wait_for_run else None
+        self._waited = WaitedCalls() if wait_for_run else None
         # `psclient._coordinator.training.sync.Steps`: a function that applies gradients is
         # traced instrumented (its model versions reported), others plainly.
         self._steps = steps
@@ -293,7 +292,7 @@ class Tracer:
                 if call is not None:
                     return call
         self._check(concrete, name)
-        return concrete if self._waited is None else self._waited.caller(concrete, args, kwargs)
+        return concrete if self._waited is None else self._waited.caller(concrete, name, args, kwargs, self._concrete)
 
     def _instrumented_call(self, function, name: str, args: tuple, kwargs: dict):
         """The caller of `function`'s instrumented trace, or None if that trace applies nothing."""
