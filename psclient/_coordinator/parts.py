@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import threading
 import weakref
 
@@ -38,8 +37,6 @@ from psclient._engine.edge import Roster, StrategyParts
 from psclient._engine.recovery import RecoveryConfig
 
 __all__ = ["Facades", "Parts", "assemble"]
-
-log = logging.getLogger("psclient")
 
 
 class Facades:
@@ -71,21 +68,13 @@ def assemble(cluster: Cluster, config: StrategyConfig, *, checkpoint_dir: str | 
     Each checkpoint carries the data ledgers (`Ledgers.meta` joins its layout), and a lost ps
     restored from one gives them back (`Ledgers.roll_back`)."""
     hang_timeout = config.hang_timeout
-    if config.pipeline_depth > 1:
-        # Measured (docs/api.md): with streaming enqueue a call returns once it is sent, so a
-        # function without outputs counts as done before it ran.
-        log.warning(
-            "pipeline_depth=%d: a scheduled function that returns nothing can count as done before "
-            "it ran (in a test none of 300 such calls had applied its update when join() "
-            "returned, and the coordinator crashed in the next run: docs/api.md); use pipeline_depth=1, or return a value "
-            "from every scheduled function", config.pipeline_depth)
     edge = TFEdge(streaming_enqueue=config.streaming)
     roster = Roster(cluster)
     scheduler = Scheduler(cluster.num_workers)
     steps = Steps(scheduler, config.max_staleness, config.replicas_to_aggregate, timeout=hang_timeout,
                   measured=config.measured)
     store = VariableStore(cluster.num_ps, partitioner, on_renew=(steps.renew,))
-    tracer = Tracer(store.create, steps if config.measured else None)
+    tracer = Tracer(store.create, steps if config.measured else None, wait_for_run=config.streaming)
     per_worker = PerWorkerRegistry()
     ledgers = Ledgers(store)
     checkpoints = Checkpoints(

@@ -35,6 +35,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
+from psclient._coordinator.completion import WaitedCalls
 from psclient._coordinator.data.per_worker import PerWorker, has_per_worker, resolve_per_worker
 from psclient._core.future import Future
 from psclient._core.closure import Closure
@@ -76,8 +77,10 @@ def warn_unless_scheduling(method: str) -> None:
 
 
 class Tracer:
-    def __init__(self, create_variable: Callable, steps: Any = None):
+    def __init__(self, create_variable: Callable, steps: Any = None, *, wait_for_run: bool = False):
         self._create_variable = create_variable
+        # Above pipeline depth 1 a call returns once sent: make each wait until it ran (completion.py).
+        self._waited = WaitedCalls() if wait_for_run else None
         # `psclient._coordinator.training.sync.Steps`: a function that applies gradients is
         # traced instrumented (its model versions reported), others plainly.
         self._steps = steps
@@ -221,8 +224,9 @@ class Tracer:
         concrete = self._trace(function, closure.name, args, kwargs)
         if key is None:
             if closure.per_worker:
-                # TF's lookup on every call; with instrumentation, psclient's (a trace per signature).
-                closure.fn = function if self._steps is None else _Retracing(self._trace, function, closure.name)
+                # TF's lookup on every call; instrumented or waited, psclient's (a trace per signature).
+                closure.fn = function if self._steps is None and self._waited is None else \
+                    _Retracing(self._trace, function, closure.name)
             else:
                 closure.fn = concrete
             return
@@ -288,7 +292,7 @@ class Tracer:
                 if call is not None:
                     return call
         self._check(concrete, name)
-        return concrete
+        return concrete if self._waited is None else self._waited.caller(concrete, name, args, kwargs, self._concrete)
 
     def _instrumented_call(self, function, name: str, args: tuple, kwargs: dict):
         """The caller of `function`'s instrumented trace, or None if that trace applies nothing."""

@@ -111,8 +111,11 @@ class Dispatcher:
         for thread in self._threads:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if timeout is not None and self.cancel_calls():
+            # One wait for all: above pipeline depth 1 a call waiting for a hung
+            # worker's answer is not cancellable (psclient/_coordinator/completion.py).
+            deadline = time.monotonic() + min(timeout, 5.0)
             for thread in self._threads:
-                thread.join(max(0.0, min(timeout, 5.0)))
+                thread.join(max(0.0, deadline - time.monotonic()))
         return [t.name for t in self._threads if t.is_alive()]
 
     def cancel_calls(self, worker: int | None = None) -> int:

@@ -40,7 +40,9 @@ _calls_stream = False
 def new_call_executor(streaming: bool | None = None):
     """A synchronous executor for one dispatcher (or probing) thread: unary
     calls at pipeline depth 1 (a dead task's error comes back), streaming
-    above (`streaming`: as the dispatchers' when None).
+    above (`streaming`: as the dispatchers' when None). A streamed call
+    returns once it is sent: the tracer makes each dispatcher call wait for
+    the worker's answer (psclient/_coordinator/completion.py).
 
     Made without TF's "async wait for remote functions": before a call of a
     function with inputs on other tasks (a step reading ps variables), such
