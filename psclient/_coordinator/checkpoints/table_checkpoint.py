@@ -96,10 +96,9 @@ def save_work(tables: dict[str, Any]) -> dict[int, Callable[[], tuple[list[str],
                     row_keys = tf.reshape(row_keys, [-1])
                     slot_rows = {s: shard.slots[s].lookup(row_keys) for s in slots}
                 names += _names(key, index, slots)
-                tensors += [tf.reshape(keys, [-1]), tf.reshape(counters, [-1, 2]), row_keys,
-                            tf.reshape(rows, [-1, table.dim]), shard.clock.read_value(),
-                            shard.admissions.read_value(), shard.evictions.read_value()]
-                tensors += [tf.reshape(slot_rows[s], [-1, table.dim]) for s in slots]
+                shaped = _saved_fields(keys, counters, row_keys, rows, [slot_rows[s] for s in slots], table.dim)
+                tensors += shaped[:4] + [shard.clock.read_value(), shard.admissions.read_value(),
+                                         shard.evictions.read_value()] + shaped[4:]  # in `_names`'s order
             return names, tensors
         return run
 
@@ -122,8 +121,6 @@ def check(tables: dict[str, Any], saved: dict) -> list[str]:
 def read(path: str, tables: dict[str, Any], saved: dict) -> dict[int, Callable[[], list]]:
     """ps -> a function checking, on that ps, that the state each of its shards will hold reads
     (each read, then dropped): [(table, shard, checked)], which `assign` reads again."""
-    from psclient._coordinator.tables.dynamic_tables import shard_of  # not at the top: dynamic_tables imports this module
-
     work: dict[int, list] = {}
     for key, table in tables.items():
         for index, shard in enumerate(table.shards):
@@ -139,24 +136,8 @@ def read(path: str, tables: dict[str, Any], saved: dict) -> dict[int, Callable[[
             values.append(_checkpoints.restore(path, names, [""] * len(names), _dtypes(len(slots))))
         fields = {f: [v[i] for v in values] for i, f in enumerate(_FIELDS)}
         fields.update({s: [v[len(_FIELDS) + i] for v in values] for i, s in enumerate(slots)})
-        keys, counters = tf.concat(fields["keys"], 0), tf.reshape(tf.concat(fields["counters"], 0), [-1, 2])
-        row_keys = tf.concat(fields["row_keys"], 0)
-        rows = tf.reshape(tf.concat(fields["rows"], 0), [-1, table.dim])
-        slot_rows = {s: tf.reshape(tf.concat(fields[s], 0), [-1, table.dim]) for s in slots}
-        if count == n:
-            clock, admissions, evictions = fields["clock"][0], fields["admissions"][0], fields["evictions"][0]
-        else:  # re-split: keep the keys this ps owns now
-            mine, mine_rows = shard_of(keys, n) == index, shard_of(row_keys, n) == index
-            keys, counters = tf.boolean_mask(keys, mine), tf.boolean_mask(counters, mine)
-            rows, slot_rows = tf.boolean_mask(rows, mine_rows), {
-                s: tf.boolean_mask(v, mine_rows) for s, v in slot_rows.items()}
-            row_keys = tf.boolean_mask(row_keys, mine_rows)
-            clock = tf.reduce_max(tf.stack(fields["clock"]))
-            zero = tf.constant(0, tf.int64)
-            admissions = tf.add_n(fields["admissions"]) if index == 0 else zero
-            evictions = tf.add_n(fields["evictions"]) if index == 0 else zero
-        return {"keys": keys, "counters": counters, "row_keys": row_keys, "rows": rows, "slots": slot_rows,
-                "clock": clock, "admissions": admissions, "evictions": evictions, "slot_defaults": entry["slots"]}
+        state = _restored_state(fields, tuple(slots), table.dim, n, None if count == n else index)
+        return {**state, "slot_defaults": entry["slots"]}
 
     def on(entries):
         def run():
@@ -175,6 +156,43 @@ def read(path: str, tables: dict[str, Any], saved: dict) -> dict[int, Callable[[
         return run
 
     return {ps: on(entries) for ps, entries in work.items()}
+
+
+# Traced (one call on the ps each) because, run eagerly under a ps's device, each Python value in
+# these ops (a shape, an axis, `shard_of`'s constants) is converted *there*, and TF copies it to the
+# ps inside the conversion holding the GIL: a ps hung then would stop every thread of the
+# coordinator (tests/_conversions.py). Shared by every table: traced once per form.
+@functools.partial(tf.function, autograph=False, reduce_retracing=True)
+def _saved_fields(keys, counters, row_keys, rows, slot_rows, dim):
+    """A shard's saved tensors (keys, counters, row_keys, rows, *slot rows) in the checkpoint's shapes."""
+    return ([tf.reshape(keys, [-1]), tf.reshape(counters, [-1, 2]), tf.reshape(row_keys, [-1]),
+             tf.reshape(rows, [-1, dim])] + [tf.reshape(value, [-1, dim]) for value in slot_rows])
+
+
+@functools.partial(tf.function, autograph=False, reduce_retracing=True)
+def _restored_state(fields, slots, dim, num_shards, index):
+    """A shard's state from the saved parts in `fields` (field -> one tensor per part): the one
+    part as it is (`index` None), or the keys shard `index` of `num_shards` owns of them all."""
+    from psclient._coordinator.tables.dynamic_tables import shard_of  # dynamic_tables imports this module
+
+    keys, counters = tf.concat(fields["keys"], 0), tf.reshape(tf.concat(fields["counters"], 0), [-1, 2])
+    row_keys = tf.concat(fields["row_keys"], 0)
+    rows = tf.reshape(tf.concat(fields["rows"], 0), [-1, dim])
+    slot_rows = {s: tf.reshape(tf.concat(fields[s], 0), [-1, dim]) for s in slots}
+    if index is None:
+        clock, admissions, evictions = fields["clock"][0], fields["admissions"][0], fields["evictions"][0]
+    else:  # re-split: keep the keys this ps owns now
+        mine, mine_rows = shard_of(keys, num_shards) == index, shard_of(row_keys, num_shards) == index
+        keys, counters = tf.boolean_mask(keys, mine), tf.boolean_mask(counters, mine)
+        rows, slot_rows = tf.boolean_mask(rows, mine_rows), {
+            s: tf.boolean_mask(v, mine_rows) for s, v in slot_rows.items()}
+        row_keys = tf.boolean_mask(row_keys, mine_rows)
+        clock = tf.reduce_max(tf.stack(fields["clock"]))
+        zero = tf.constant(0, tf.int64)
+        admissions = tf.add_n(fields["admissions"]) if index == 0 else zero
+        evictions = tf.add_n(fields["evictions"]) if index == 0 else zero
+    return {"keys": keys, "counters": counters, "row_keys": row_keys, "rows": rows, "slots": slot_rows,
+            "clock": clock, "admissions": admissions, "evictions": evictions}
 
 
 def assign(states: dict[int, list], on_each_ps: Callable, patches: list | tuple = ()) -> dict[int, int]:

@@ -33,6 +33,7 @@ still counting and index rebuilds for tables with `ttl_steps` or
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import tensorflow as tf
@@ -153,6 +154,13 @@ def _grow(value, size, fill):
     return tf.concat([value, pad], 0)
 
 
+@functools.partial(tf.function, autograph=False)
+def _slot_start(rows, dim: int, value: float):
+    """A new slot's value for the shard whose row variable is `rows`: `value` in each of its rows.
+    Traced, for the reason `DenseShard._on_ps` gives."""
+    return tf.fill(tf.stack([tf.shape(rows, tf.int64)[0], dim]), tf.constant(value, tf.float32))
+
+
 class DenseShard:
     """One ps task's part of a table with a capacity (see the module's docstring)."""
 
@@ -164,6 +172,7 @@ class DenseShard:
         self.placed, self._table, self._lock_for = placed, table_factory, lock_for
         self.slots: dict = {}
         self.slot_defaults: dict[str, float] = {}
+        self._traced: dict = {}
         self.make({})
 
     def _variable(self, value, name):
@@ -180,6 +189,7 @@ class DenseShard:
 
     def make(self, slot_defaults: dict[str, float]) -> None:
         """New, empty storage on the shard's device (at first, and after its ps was lost)."""
+        self._traced.clear()  # traced over the old storage
         with self.placed():
             size = self.share
             self.rows = self._variable(tf.zeros([size, self.dim]), "rows")
@@ -206,11 +216,16 @@ class DenseShard:
         missing = {slot: value for slot, value in defaults.items() if slot not in self.slots}
         if not missing:
             return  # no read of the ps: every trace of a training step asks (docs/fault_tolerance.md)
+        self._traced.clear()  # traced without these slots
         with self.placed():
-            size = tf.shape(self.rows.read_value())[0]
             for slot, value in missing.items():
-                self.slots[slot] = self._variable(
-                    tf.fill(tf.stack([size, self.dim]), tf.constant(float(value), tf.float32)), f"slot_{slot}")
+                self.slots[slot] = self._variable(_slot_start(self.rows, self.dim, float(value)), f"slot_{slot}")
+            # Traced and made on the ps now (the optimizer's build, before training; the table is
+            # empty yet), not in a checkpoint's cut, where nothing runs meanwhile. Kept as a concrete
+            # function: a call from the cut would not find a trace made in this context.
+            saved = self._traced["saved"] = self._on_ps("saved", self._saved).get_concrete_function()
+            if tf.executing_eagerly():
+                saved()
 
     # ---------------------------------------------------------------- reads
     def _rows_of(self, keys):
@@ -369,8 +384,27 @@ class DenseShard:
         counters = size(self.row_key) + size(self.last)
         return 4 * floats + 8 * counters + 4 * size(self.free) + self.index.BUCKET_BYTES * self.index.buckets()
 
+    def _on_ps(self, name: str, section):
+        """`section` as one traced call for the eager callers (checkpoints, restores, exports).
+
+        Run eagerly under the shard's device, each Python value in its ops (a
+        shape, a fill value) would be converted *there*, and TF copies it to the
+        ps inside the conversion holding the GIL: a ps hung then stops every
+        thread of the coordinator (tests/_conversions.py). Traced, they are
+        constants of the function, and its call waits without the GIL.
+        """
+        traced = self._traced.get(name)
+        if traced is None:
+            traced = self._traced[name] = tf.function(section, autograph=False, reduce_retracing=True)
+        return traced  # (or its one concrete function, for a section without arguments)
+
     def saved(self):
         """(keys, counters, row_keys, rows, {slot: rows}) of the shard, as tensors on its device."""
+        if tf.executing_eagerly():
+            return self._on_ps("saved", self._saved)()
+        return self._saved()
+
+    def _saved(self):
         row_keys, held = self.live()
         waiting_keys, waiting = self.pending.export()
         keys = tf.concat([row_keys, tf.reshape(waiting_keys, [-1])], 0)
@@ -385,12 +419,15 @@ class DenseShard:
         """Hold these (a restore or an import; eagerly). Restored into fewer ps tasks, a shard can get
         more rows than its share: the scan then evicts by the usual rules and the rows left are packed
         into the share (the fused admission wants every shard of a table at its share)."""
-        self._replace(keys, counters, row_keys, rows, slots, clock, admissions, evictions)
-        if int(tf.size(row_keys)) > self.share:
-            self.scan()
-            keys, counters, row_keys, rows, slots = self.saved()
-            self._replace(keys, counters, row_keys, rows, slots, self.clock.read_value(),
-                          self.admissions.read_value(), self.evictions.read_value())
+        self._on_ps("replace", self._replace)(keys, counters, row_keys, rows, slots, clock, admissions, evictions)
+        if int(row_keys.shape[0]) > self.share:
+            self._on_ps("repack", self._repack)()
+
+    def _repack(self):
+        self.scan()
+        keys, counters, row_keys, rows, slots = self._saved()
+        self._replace(keys, counters, row_keys, rows, slots, self.clock.read_value(),
+                      self.admissions.read_value(), self.evictions.read_value())
 
     def _replace(self, keys, counters, row_keys, rows, slots, clock, admissions, evictions) -> None:
         n = tf.size(row_keys, tf.int64)
