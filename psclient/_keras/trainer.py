@@ -11,7 +11,8 @@ For a cluster model:
   train function that schedules `steps_per_execution` steps per call on a free
   worker and returns without waiting: the logs it returns are those of the most
   recent finished call, so batch-level callbacks and the progress bar see
-  real numbers that lag a few steps behind. The epoch's last call waits for
+  real numbers that lag a few steps behind (when none reads them, only the
+  first call's logs are copied: `TrainFunction`). The epoch's last call waits for
   every pending step (as does the call after which a callback sets
   `model.stop_training`, through `fit_callbacks`), so when Keras reads the
   epoch's logs from the metric variables, which live on the ps and are updated
@@ -415,11 +416,15 @@ def reads_batch_logs(callbacks) -> bool:
     """
     import keras
 
-    base = keras.callbacks.Callback
+    hooks = ("on_train_batch_end", "on_batch_end")
     for callback in _flat(callbacks):
         kind = type(callback)
-        if kind.on_train_batch_end is base.on_train_batch_end and kind.on_batch_end is base.on_batch_end:
+        # The bound hooks, not the class's: a LambdaCallback sets its hooks on the instance.
+        if all(getattr(getattr(callback, hook), "__func__", None) is getattr(keras.callbacks.Callback, hook)
+               for hook in hooks):
             continue
+        if any(hook in getattr(callback, "__dict__", {}) for hook in hooks):
+            return True
         if vars(kind).get("_psclient_reads_batch_logs") is False or \
                 isinstance(callback, keras.callbacks.History) or \
                 (isinstance(callback, keras.callbacks.ProgbarLogger) and callback.verbose != 1) or \

@@ -156,7 +156,8 @@ def test_which_callbacks_read_batch_logs(tmp_path):
     quiet = [keras.callbacks.TensorBoard(str(tmp_path / "tb"), update_freq="epoch"),
              psclient.ModelCheckpoint(str(tmp_path / "ckpt"), save_freq=2),
              psclient.BackupAndRestore(str(tmp_path / "backup"), save_freq=2),
-             keras.callbacks.EarlyStopping(), keras.callbacks.CSVLogger(str(tmp_path / "log.csv"))]
+             keras.callbacks.EarlyStopping(), keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
+             keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: None)]
     assert not reads(*quiet)
     assert not reads(*quiet, verbose=2)  # a progress bar per epoch only
     assert reads(verbose=1)  # a progress bar per batch shows the batch's logs
@@ -166,3 +167,4 @@ def test_which_callbacks_read_batch_logs(tmp_path):
     assert reads(BatchLosses())
     assert reads(keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"), save_freq=2))
     assert reads(keras.callbacks.TerminateOnNaN())
+    assert reads(keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None))
