@@ -23,7 +23,11 @@ stats()["checkpoints"]["last_stall_seconds"]), of which waiting for the
 closures running then to end (`drain_s`: they go on training) and the rest,
 when nothing runs (`idle_s`: the cut and the snapshot, `snapshot_s`); how
 long the background write took (`write_s`),
-how many closures completed during the save_checkpoint() call, and each
+how many closures completed during the save_checkpoint() call, the longest
+time without any closure completing from the save's start to a second after
+it returned (`longest_no_progress_s`, beside the median time between
+completions over 2 s without a save: a copy moved out of the cut into the
+first step after it shows here), and each
 ps's resident memory before the saves and at its peak during them, beside
 the bytes of the variables it holds (`ps_peak_over_variables`: peak RSS
 over variable bytes; `ps_growth_over_variables`: the growth during the
@@ -135,6 +139,45 @@ class PeakRss:
                 self.peak = max(self.peak, self._process.memory_info().rss)
             except psutil.Error:  # the process ended: its peak so far stands
                 return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(5)
+
+
+class CompletionGaps:
+    """When the strategy's completed-closure count moved (polled every 5 ms), while the block runs.
+
+    `longest(t0, t1)`: the longest time without a closure completing that overlaps [t0, t1]: how long
+    training made no progress around a save, the cut's pause and the first steps after it included
+    (a copy moved out of the cut into a step shows there)."""
+
+    def __init__(self, completed):
+        self._completed = completed
+        self.times: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        last = self._completed()
+        self.times.append(time.perf_counter())
+        while not self._stop.wait(0.005):
+            now = self._completed()
+            if now != last:
+                last = now
+                self.times.append(time.perf_counter())
+
+    def longest(self, t0: float, t1: float) -> float:
+        spans = [b - a for a, b in zip(self.times, self.times[1:]) if b >= t0 and a <= t1]
+        return max(spans, default=0.0)
+
+    def median(self, t0: float, t1: float) -> float:
+        spans = [b - a for a, b in zip(self.times, self.times[1:]) if a >= t0 and b <= t1]
+        return _common.median(spans) if spans else 0.0
 
     def __enter__(self):
         self._thread.start()
@@ -259,17 +302,24 @@ def while_training(strategy, model, rows: int, saves: int, ps_pids: list[int]) -
     samples = []
     with contextlib.ExitStack() as stack:
         memory = [stack.enter_context(PeakRss(pid)) for pid in ps_pids]
+        gaps = stack.enter_context(CompletionGaps(completed))
+        baseline_from = time.perf_counter()
+        time.sleep(2.0)  # steps without a save: the usual time between completions
+        baseline = (baseline_from, time.perf_counter())
         for _ in range(saves):
             before, t0 = completed(), time.perf_counter()
             strategy.save_checkpoint()
             call_s = time.perf_counter() - t0
+            time.sleep(1.0)  # the first steps after the cut (a copy moved out of it lands there)
             stats = strategy.stats(read_ps=False)["checkpoints"]
             samples.append({"stall_s": round(stats["last_stall_seconds"], 4),
                             "drain_s": round(stats["last_drain_seconds"], 4),
                             "idle_s": round(stats["last_stall_seconds"] - stats["last_drain_seconds"], 4),
                             "snapshot_s": round(stats["last_snapshot_seconds"], 4),
                             "write_s": round(stats["last_write_seconds"], 3), "save_call_s": round(call_s, 3),
-                            "closures_completed_during_save": completed() - before})
+                            "closures_completed_during_save": completed() - before,
+                            # The write runs on; the window is the cut and the second after the call.
+                            "longest_no_progress_s": round(gaps.longest(t0, t0 + call_s + 1.0), 4)})
     stop.set()
     trainer.join(300)
     variables = rows * ROW_BYTES / NUM_PS  # per ps: its shard of the table and of the accumulator
@@ -278,6 +328,8 @@ def while_training(strategy, model, rows: int, saves: int, ps_pids: list[int]) -
         "median_stall_s": _common.median([s["stall_s"] for s in samples]),
         "median_idle_s": _common.median([s["idle_s"] for s in samples]),
         "median_write_s": _common.median([s["write_s"] for s in samples]),
+        "median_longest_no_progress_s": _common.median([s["longest_no_progress_s"] for s in samples]),
+        "median_time_between_completions_s": round(gaps.median(*baseline), 4),
         "ps": [{"variables_mb": round(variables / 2**20, 1), "rss_mb_before": round(m.before / 2**20, 1),
                 "rss_mb_peak": round(m.peak / 2**20, 1),
                 "ps_peak_over_variables": round(m.peak / variables, 2),
@@ -413,7 +465,9 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
                         if "while_training" in result:
                             during = result["while_training"]
                             _common.log(f"{tag} while training: stall {during['median_stall_s']:.3f} s, "
-                                        f"write {during['median_write_s']:.2f} s")
+                                        f"write {during['median_write_s']:.2f} s, no progress for "
+                                        f"{during['median_longest_no_progress_s']:.3f} s around a save (usual "
+                                        f"{during['median_time_between_completions_s']:.3f} s)")
                     runs[str(size)][path] = result
     output["config"]["wall_s"] = round(time.perf_counter() - started, 1)
     output["results"] = summarize(runs)
@@ -423,8 +477,9 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
     nonstop = [per.get("psclient", {}).get("while_training") for per in output["results"].values()]
     nonstop = [n for n in nonstop if n]
     output["stall_vs_write"] = {
-        size: {key: per["psclient"]["while_training"][key] for key in ("median_stall_s", "median_idle_s",
-                                                                       "median_write_s")}
+        size: {key: per["psclient"]["while_training"][key] for key in (
+            "median_stall_s", "median_idle_s", "median_write_s", "median_longest_no_progress_s",
+            "median_time_between_completions_s")}
         for size, per in output["results"].items() if per.get("psclient", {}).get("while_training")}
     output["targets"][STALL_TARGET] = all(n["median_idle_s"] <= 0.2 for n in nonstop) if nonstop else None
     restores = [p for per in output["results"].values() for p in per.get("psclient", {}).get("ps_during_restores", [])]

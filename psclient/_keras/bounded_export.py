@@ -22,6 +22,12 @@ in is removed instead of renamed (`Publication`), once the thread ends. A ps
 that answers a probe with an error (gone, not hung) is left to fail the
 export's own calls: it ends with their error, as it would without probes. The next export waits for an abandoned one to end (one
 export at a time per process).
+
+An export that fails with TF's error (a killed ps fails its calls at once:
+"Connection reset by peer", "failed to connect") has every ps probed once
+more, each within `hang_timeout`: the first one that fails its probe is named
+in a `PSUnavailableError` chained to TF's error, as the hung case names it; if
+every ps answers (one already restarted), TF's error is raised as it is.
 """
 
 from __future__ import annotations
@@ -112,8 +118,26 @@ def export_bounded(write: Callable[[Publication], Any], num_ps: int, hang_timeou
     done.wait()
     thread.join()
     if "error" in outcome:
+        if isinstance(outcome["error"], tf.errors.OpError):
+            _name_a_lost_ps(probes, hang_timeout, describe_ps, outcome["error"])
         raise outcome["error"]
     return outcome["result"]
+
+
+def _name_a_lost_ps(probes: dict, hang_timeout: float, describe_ps: Callable[[int], str],
+                    error: tf.errors.OpError) -> None:
+    """Raise PSUnavailableError for the first ps that fails a probe (each within `hang_timeout`), chained
+    to the export's `error`; return if every ps answers. TF's own error names the task in its text only."""
+    for ps in sorted(probes):
+        try:
+            on_each_ps({ps: probes[ps]}, timeout=hang_timeout)
+        except (tf.errors.OpError, PsTimeout) as probe_error:
+            raise PSUnavailableError(
+                f"export_servable: ps:{ps} ({describe_ps(ps)}) was lost during the export: it failed the "
+                f"export's call ({first_line(error)}) and then a probe ({first_line(probe_error)}). The "
+                "version being written was not published; export again once the ps is back (ps recovery "
+                "restores its variables from the strategy's checkpoint).",
+                task=f"ps:{ps}", address=describe_ps(ps)) from error
 
 
 def _probe_of(ps: int) -> Callable[[], None]:

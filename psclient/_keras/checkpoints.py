@@ -82,8 +82,9 @@ def step_of(model) -> dict[str, int]:
     return {"step": int(optimizer.iterations.numpy())} if optimizer is not None else {}
 
 
-def sharded_checkpoints(model, directory: str, keep: int, overwrite: bool, who: str):
-    """(strategy, Checkpoints) for a model on the ps tasks; (None, None) for a local model."""
+def sharded_checkpoints(model, directory: str, keep: int, overwrite: bool, who: str, deltas: bool = False):
+    """(strategy, Checkpoints) for a model on the ps tasks; (None, None) for a local model.
+    `deltas`: checkpoints may be deltas of the newest full one (`checkpoint_deltas`)."""
     strategy = cluster_strategy(model, "fit")
     if strategy is None:
         return None, None
@@ -91,7 +92,7 @@ def sharded_checkpoints(model, directory: str, keep: int, overwrite: bool, who: 
         directory, keep=keep, overwrite=overwrite,
         describe_ps=lambda ps: strategy.cluster.address("ps", ps),  # the cluster as it is then (it may grow)
         matched_by=f"position in the model and its optimizer (for {who}): build and compile the same model "
-                   "the same way as the run that wrote it")
+                   "the same way as the run that wrote it", deltas=deltas)
     checkpoints.check_reachable(strategy.num_ps)  # every ps writes its own part
     return strategy, checkpoints
 
@@ -108,6 +109,17 @@ class ModelCheckpoint(keras.callbacks.Callback):
     a bucket). Checkpoints of another run already there are an error unless
     `overwrite=True` (then they are deleted as new ones are written).
 
+    `delta_every=N`: after each full checkpoint, the next N saves are deltas
+    `ckpt-K.delta-1` ... `ckpt-K.delta-N` of it, the strategy's incremental
+    checkpoints (`psclient._coordinator.checkpoints.checkpoint_deltas`): each
+    ps writes only the rows of its large embedding shards (and their slots,
+    and its dynamic tables' entries) changed since the previous save, and the
+    other variables whole. A save with no base to diff against (the first,
+    after a restore, after a ps loss) is full and starts a new chain. Each ps
+    keeps a copy of its row-diffed shards between saves. `max_to_keep` counts
+    full checkpoints; each keeps its deltas, pruned with it. `restore(model)`
+    reads the newest full checkpoint and its deltas in order.
+
     `psclient.SidecarEvaluator` reads these checkpoints. A batch-level save
     reads values while later steps still run (asynchronous training).
     """
@@ -116,7 +128,7 @@ class ModelCheckpoint(keras.callbacks.Callback):
     _psclient_reads_batch_logs = False
 
     def __init__(self, directory, save_freq: str | int = "epoch", max_to_keep: int = 5,
-                 overwrite: bool = False):
+                 overwrite: bool = False, delta_every: int | None = None):
         super().__init__()
         if save_freq != "epoch" and (not isinstance(save_freq, int) or isinstance(save_freq, bool)
                                      or save_freq < 1):
@@ -127,10 +139,17 @@ class ModelCheckpoint(keras.callbacks.Callback):
             raise ValueError(
                 f"Invalid value for argument `max_to_keep`. Received: max_to_keep={max_to_keep!r}. "
                 "Expected a positive integer.")
+        if delta_every is not None and (not isinstance(delta_every, int) or isinstance(delta_every, bool)
+                                        or delta_every < 1):
+            raise ValueError(
+                f"Invalid value for argument `delta_every`. Received: delta_every={delta_every!r}. "
+                "Expected None (every checkpoint full) or a positive integer (deltas written after each "
+                "full checkpoint).")
         self.directory = str(directory)
         self.save_freq = save_freq
         self.max_to_keep = max_to_keep
         self.overwrite = overwrite
+        self.delta_every = delta_every
         self._checkpoints = None
         self._strategy = None
         self._batches = 0
@@ -138,17 +157,20 @@ class ModelCheckpoint(keras.callbacks.Callback):
         self.saved: list[str] = []
 
     def on_train_begin(self, logs=None):
+        self._open(self.model)
+        self._checkpoints.check_writable()  # another run's checkpoints: refused now, not after an epoch
+
+    def _open(self, model) -> None:
         if self._checkpoints is None:
             self._strategy, self._checkpoints = sharded_checkpoints(
-                self.model, self.directory, self.max_to_keep, self.overwrite, "ModelCheckpoint")
-            strategy = self._strategy
-            if strategy is None:
+                model, self.directory, self.max_to_keep, self.overwrite, "ModelCheckpoint",
+                deltas=self.delta_every is not None)
+            if self._strategy is None:
                 raise ValueError(
                     f"psclient.ModelCheckpoint writes the checkpoints of a model on the ps tasks. "
-                    f"Received: model {self.model.name!r}, whose variables live in this process. "
+                    f"Received: model {model.name!r}, whose variables live in this process. "
                     "Expected a model created and compiled inside strategy.scope() (use "
                     "keras.callbacks.ModelCheckpoint for a local model).")
-            self._checkpoints.check_writable()  # another run's checkpoints: refused now, not after an epoch
 
     def on_train_batch_end(self, batch, logs=None):
         if self.save_freq == "epoch":
@@ -166,7 +188,41 @@ class ModelCheckpoint(keras.callbacks.Callback):
         """Write a checkpoint of the model now (what fit calls at `save_freq`).
 
         Through a ps loss: a ps lost since the last step is restored from the strategy's newest
-        checkpoint first (psclient._coordinator.ps_state)."""
-        self.saved.append(on_ps(self._strategy, lambda: self._checkpoints.save(
+        checkpoint first (psclient._coordinator.ps_state). With `delta_every=N`, a delta unless N
+        were written on the newest full checkpoint (the store writes a full one when it has no base)."""
+        checkpoints = self._checkpoints
+        delta = self.delta_every is not None and checkpoints.deltas_since_full < self.delta_every
+        self.saved.append(on_ps(self._strategy, lambda: checkpoints.save(
             model_variables(self.model), completed=None, scalars=step_of(self.model), meta=meta_of(self.model),
-            tables=model_tables(self.model)), "writing a psclient.ModelCheckpoint"))
+            tables=model_tables(self.model), delta=delta), "writing a psclient.ModelCheckpoint"))
+
+    def restore(self, model) -> dict | None:
+        """Restore the newest checkpoint in `directory` into `model`; None if there is none.
+
+        `model`: built and compiled in `strategy.scope()` the same way as the
+        one that wrote it (weights are matched by position); its optimizer is
+        built first if it is not, its slots on the ps. Each ps reads and
+        assigns its own part: the newest complete full checkpoint, then its
+        complete deltas in order (a damaged or missing delta ends the chain
+        there, logged). Returns {"path": the full checkpoint, "deltas": the
+        deltas applied after it, "skipped": checkpoints or deltas passed over,
+        with what was wrong, "step": the optimizer's iterations saved}.
+        From then on this callback writes beside these checkpoints.
+        """
+        if self.overwrite:
+            raise ValueError(
+                "psclient.ModelCheckpoint.restore reads the checkpoints in its directory. Received: "
+                f"overwrite=True (the checkpoints in {self.directory!r} are never read, and are deleted). "
+                "Expected a ModelCheckpoint made with overwrite=False to restore from.")
+        self._open(model)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and not optimizer.built:
+            with self._strategy.scope():  # its slots on the ps, beside their variables
+                optimizer.build(model.trainable_variables)
+        checkpoints = self._checkpoints
+        restored = on_ps(self._strategy, lambda: checkpoints.restore(
+            model_variables(model), adopt=True, tables=model_tables(model)), "restoring a psclient.ModelCheckpoint")
+        if restored is None:
+            return None
+        return {"path": restored["path"], "deltas": restored.get("deltas", []), "skipped": restored["skipped"],
+                "step": step_of(model).get("step")}

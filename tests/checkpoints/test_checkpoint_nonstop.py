@@ -105,6 +105,9 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_holds_the_cut(clu
         assert cut == reader.get_tensor("psclient_completed" + VALUE) >= 1
         now = float(counter.read_value())
         assert now >= cut + 10, (now, cut)  # the 10 steps ran after the cut
+        # The live table took every update after the cut: the snapshot shared its buffer (out of
+        # TF's copy-on-read mode) and the first scatter after the cut copied it before writing.
+        assert float(sparse.read_value()[0, 0]) == now == float(sparse.read_value()[ROWS - 1, 7])
         # Exactly the cut's values, though training changed every variable after it.
         np.testing.assert_array_equal(reader.get_tensor("v000001" + VALUE)[[0, ROWS - 1]], cut)
         assert float(reader.get_tensor("v000001" + VALUE)[1:-1].max()) == 0.0

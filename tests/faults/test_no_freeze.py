@@ -8,13 +8,13 @@ with the GIL held stop every Python thread of the process, the heartbeat's
 too, so its longest gap is the coordinator's longest stall.
 """
 
-import subprocess
 import time
 
 import pytest
 import tensorflow as tf
 from _heartbeat import MAX_STALL_S, Heartbeat
 from _polling import wait_for
+from _stopped import stopped
 
 import psclient
 
@@ -121,20 +121,11 @@ def test_every_worker_hung_again_and_again_freezes_nothing(heal, tmp_path):
         for index in range(rounds):
             worker = index % 3
             with Heartbeat() as beat:
-                cluster.stop("worker", worker)
-                # A frozen coordinator could never resume the worker itself: a
-                # process of its own does, at the latest after WATCHDOG_S.
-                watchdog = subprocess.Popen(
-                    ["sh", "-c", f"sleep {WATCHDOG_S}; kill -CONT {cluster.pid('worker', worker)}"])
-                try:
+                with stopped(cluster, "worker", worker, watchdog_s=WATCHDOG_S):
                     # Not taken out while it was stopped: the coordinator froze until the watchdog.
                     run_until(lambda: stopped_worker_is_taken_out(strategy, worker), 60,
                               lambda: f"round {index}: worker {worker} not taken out; the coordinator "
                                       f"stalled {beat.longest:.1f} s")
-                finally:
-                    watchdog.kill()
-                    watchdog.wait()
-                cluster.resume("worker", worker)
                 run_until(lambda: not stopped_worker_is_taken_out(strategy, worker), 120,
                           lambda: f"round {index}: worker {worker} back in rotation")
             gaps.append(round(beat.longest, 2))

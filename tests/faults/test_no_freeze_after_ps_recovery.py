@@ -22,13 +22,13 @@ without an error once the ps answers, no worker may be taken out for the ps's
 hang, and the checkpoints go on.
 """
 
-import subprocess
 import time
 
 import pytest
 import tensorflow as tf
 from _polling import wait_for
 from _heartbeat import Heartbeat
+from _stopped import stopped
 
 import psclient
 
@@ -86,55 +86,49 @@ def lose_and_recover_ps(cluster, strategy, batch):
     batch(10)
 
 
-def test_a_worker_stopped_after_a_ps_recovery_freezes_nothing(heal, tmp_path):
-    cluster = heal
+@pytest.fixture
+def strategy(heal, tmp_path):
+    """A strategy on the shared cluster with frequent checkpoints and a short `hang_timeout`."""
     strategy = psclient.ParameterServerStrategy(
-        cluster.cluster, hang_timeout=HANG_TIMEOUT, checkpoint_dir=str(tmp_path / "ckpt"),
+        heal.cluster, hang_timeout=HANG_TIMEOUT, checkpoint_dir=str(tmp_path / "ckpt"),
         checkpoint_every=20,
     )
-    try:
-        step, batch = counting(strategy)
-        batch(30)
-        wait_for(lambda: strategy.stats()["checkpoints_written"] >= 1, 60, "a checkpoint")
-        lose_and_recover_ps(cluster, strategy, batch)
+    yield strategy
+    strategy.shutdown()
 
-        worker = 2
-        written = strategy.stats()["checkpoints_written"]
-        with Heartbeat() as beat:
-            cluster.stop("worker", worker)
-            # A frozen coordinator could not resume the worker itself: a
-            # process of its own does, at the latest after WATCHDOG_S.
-            watchdog = subprocess.Popen(
-                ["sh", "-c", f"sleep {WATCHDOG_S}; kill -CONT {cluster.pid('worker', worker)}"])
-            try:
-                # A steady trickle of closures, as a training loop, until the
-                # worker is taken out (its probes went unanswered) and a
-                # checkpoint fell due while it hangs.
-                stopped_at = time.monotonic()
-                futures = []
-                while time.monotonic() - stopped_at < STOPPED_S or not (
-                        taken_out(strategy, worker) and strategy.stats()["checkpoints_written"] > written):
-                    if time.monotonic() - stopped_at > WATCHDOG_S:
-                        break
-                    futures += [strategy.schedule(step) for _ in range(5)]
-                    time.sleep(0.05)
-                stopped_for = time.monotonic() - stopped_at
-                assert taken_out(strategy, worker), "the stopped worker was not taken out"
-            finally:
-                cluster.resume("worker", worker)
-                watchdog.kill()
-                watchdog.wait()
-            psclient.wait(futures, timeout=120)
-            wait_for(lambda: not taken_out(strategy, worker), 120, "the resumed worker to rejoin")
-        print(f"worker {worker} stopped {stopped_for:.2f} s after a ps recovery; "
-              f"longest coordinator gap {beat.longest:.2f} s")
-        assert stopped_for < WATCHDOG_S, "scheduling froze until the watchdog resumed the worker"
-        assert [f.exception() for f in futures] == [None] * len(futures)
-        assert strategy.stats()["checkpoints_written"] > written
-        assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s"
-    finally:
-        cluster.resume("worker", 2)
-        strategy.shutdown()
+
+def test_a_worker_stopped_after_a_ps_recovery_freezes_nothing(heal, strategy):
+    cluster = heal
+    step, batch = counting(strategy)
+    batch(30)
+    wait_for(lambda: strategy.stats()["checkpoints_written"] >= 1, 60, "a checkpoint")
+    lose_and_recover_ps(cluster, strategy, batch)
+
+    worker = 2
+    written = strategy.stats()["checkpoints_written"]
+    with Heartbeat() as beat:
+        with stopped(cluster, "worker", worker, watchdog_s=WATCHDOG_S):
+            # A steady trickle of closures, as a training loop, until the
+            # worker is taken out (its probes went unanswered) and a
+            # checkpoint fell due while it hangs.
+            stopped_at = time.monotonic()
+            futures = []
+            while time.monotonic() - stopped_at < STOPPED_S or not (
+                    taken_out(strategy, worker) and strategy.stats()["checkpoints_written"] > written):
+                if time.monotonic() - stopped_at > WATCHDOG_S:
+                    break
+                futures += [strategy.schedule(step) for _ in range(5)]
+                time.sleep(0.05)
+            stopped_for = time.monotonic() - stopped_at
+            assert taken_out(strategy, worker), "the stopped worker was not taken out"
+        psclient.wait(futures, timeout=120)
+        wait_for(lambda: not taken_out(strategy, worker), 120, "the resumed worker to rejoin")
+    print(f"worker {worker} stopped {stopped_for:.2f} s after a ps recovery; "
+          f"longest coordinator gap {beat.longest:.2f} s")
+    assert stopped_for < WATCHDOG_S, "scheduling froze until the watchdog resumed the worker"
+    assert [f.exception() for f in futures] == [None] * len(futures)
+    assert strategy.stats()["checkpoints_written"] > written
+    assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s"
 
 
 #: How long the ps stays stopped while closures are scheduled (the chaos plans' ps hangs: 4-6 s).
@@ -143,52 +137,36 @@ PS_STOPPED_S = 4.0
 PS_WATCHDOG_S = 30
 
 
-def test_a_ps_hung_before_and_after_its_recovery_freezes_nothing(heal, tmp_path):
+def test_a_ps_hung_before_and_after_its_recovery_freezes_nothing(heal, strategy):
     cluster = heal
-    strategy = psclient.ParameterServerStrategy(
-        cluster.cluster, hang_timeout=HANG_TIMEOUT, checkpoint_dir=str(tmp_path / "ckpt"),
-        checkpoint_every=20,
-    )
-    try:
-        step, batch = counting(strategy)
+    step, batch = counting(strategy)
 
-        def hang_ps_while_training(when):
-            written = strategy.stats()["checkpoints_written"]
-            with Heartbeat() as beat:
-                cluster.stop("ps", 0)
-                # A frozen coordinator could not resume the ps itself: a process of its own does.
-                watchdog = subprocess.Popen(
-                    ["sh", "-c", f"sleep {PS_WATCHDOG_S}; kill -CONT {cluster.pid('ps', 0)}"])
-                futures = []
-                try:
-                    stopped_at = time.monotonic()
-                    # A trickle of closures, as a training loop: they queue behind the hung ps,
-                    # and checkpoints fall due meanwhile.
-                    while time.monotonic() - stopped_at < PS_STOPPED_S:
-                        futures += [strategy.schedule(step) for _ in range(5)]
-                        time.sleep(0.05)
-                    stopped_for = time.monotonic() - stopped_at
-                finally:
-                    cluster.resume("ps", 0)
-                    watchdog.kill()
-                    watchdog.wait()
-                psclient.wait(futures, timeout=120)
-                batch(25)  # a checkpoint falls due once the ps answers again
-                wait_for(lambda: strategy.stats()["checkpoints_written"] > written, 120,
-                         f"a checkpoint written after the ps hung {when}")
-            print(f"ps hung {when}: {stopped_for:.2f} s, {len(futures)} closures scheduled meanwhile, "
-                  f"longest coordinator gap {beat.longest:.2f} s")
-            assert stopped_for < PS_WATCHDOG_S, f"scheduling froze until the watchdog resumed the ps ({when})"
-            assert [f.exception() for f in futures] == [None] * len(futures), when
-            assert all(w["up"] for w in strategy.stats()["workers"]), (
-                f"a worker was taken out for the ps's hang ({when}): {strategy.stats()['workers']}")
-            assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s ({when})"
+    def hang_ps_while_training(when):
+        written = strategy.stats()["checkpoints_written"]
+        with Heartbeat() as beat:
+            futures = []
+            with stopped(cluster, "ps", 0, watchdog_s=PS_WATCHDOG_S):
+                stopped_at = time.monotonic()
+                # A trickle of closures, as a training loop: they queue behind the hung ps,
+                # and checkpoints fall due meanwhile.
+                while time.monotonic() - stopped_at < PS_STOPPED_S:
+                    futures += [strategy.schedule(step) for _ in range(5)]
+                    time.sleep(0.05)
+                stopped_for = time.monotonic() - stopped_at
+            psclient.wait(futures, timeout=120)
+            batch(25)  # a checkpoint falls due once the ps answers again
+            wait_for(lambda: strategy.stats()["checkpoints_written"] > written, 120,
+                     f"a checkpoint written after the ps hung {when}")
+        print(f"ps hung {when}: {stopped_for:.2f} s, {len(futures)} closures scheduled meanwhile, "
+              f"longest coordinator gap {beat.longest:.2f} s")
+        assert stopped_for < PS_WATCHDOG_S, f"scheduling froze until the watchdog resumed the ps ({when})"
+        assert [f.exception() for f in futures] == [None] * len(futures), when
+        assert all(w["up"] for w in strategy.stats()["workers"]), (
+            f"a worker was taken out for the ps's hang ({when}): {strategy.stats()['workers']}")
+        assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s ({when})"
 
-        batch(30)
-        wait_for(lambda: strategy.stats()["checkpoints_written"] >= 1, 60, "a first checkpoint")
-        hang_ps_while_training("before any ps recovery")
-        lose_and_recover_ps(cluster, strategy, batch)
-        hang_ps_while_training("after its recovery")
-    finally:
-        cluster.resume("ps", 0)
-        strategy.shutdown()
+    batch(30)
+    wait_for(lambda: strategy.stats()["checkpoints_written"] >= 1, 60, "a first checkpoint")
+    hang_ps_while_training("before any ps recovery")
+    lose_and_recover_ps(cluster, strategy, batch)
+    hang_ps_while_training("after its recovery")

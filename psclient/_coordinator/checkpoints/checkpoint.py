@@ -171,16 +171,21 @@ class Checkpoints:
         )
 
     def save(self, variables: dict[str, Any], completed: int | None, scalars: dict | None = None,
-             meta: dict | None = None, tables: dict | None = None) -> str:
+             meta: dict | None = None, tables: dict | None = None, delta: bool = False) -> str:
         """Write one checkpoint of `variables` (key -> tf.Variable on a ps); return its path.
 
         `scalars` (name -> int) are saved beside, under `name/.ATTRIBUTES/VARIABLE_VALUE`;
         `meta` (JSON-able) joins the checkpoint's layout (`psclient_layout`).
         `tables` (key -> DynamicTable): each ps saves its shards (`table_checkpoint`).
-        Raises CheckpointWriteError naming the ps task that could not write its part.
-        `snapshot` then `write`, at once, on this thread.
+        `delta`: as `snapshot`'s. Raises CheckpointWriteError naming the ps task that could
+        not write its part. `snapshot` then `write`, at once, on this thread.
         """
-        return self.write(self.snapshot(variables, completed, scalars, meta, tables))
+        return self.write(self.snapshot(variables, completed, scalars, meta, tables, delta))
+
+    @property
+    def deltas_since_full(self) -> int | None:
+        """Deltas written on the newest full checkpoint; None without `deltas`."""
+        return None if self._deltas is None else self._deltas.since_full
 
     def snapshot(self, variables: dict[str, Any], completed: int | None, scalars: dict | None = None,
                  meta: dict | None = None, tables: dict | None = None, delta: bool = False) -> PendingSave:
@@ -197,7 +202,7 @@ class Checkpoints:
         self.times["last_snapshot_seconds"] = snapshot.seconds
         pending = PendingSave(snapshot, completed, extra, meta)
         if self._deltas is not None:
-            pending.delta, pending.rows = delta, _deltas.row_slots(variables)
+            pending.delta, pending.rows, pending.renewals = delta, _deltas.row_slots(variables), _deltas.renewals(tables)
             self._deltas.snapshot_taken(self.times, delta)
         return pending
 
@@ -492,6 +497,4 @@ def _number(name: str) -> int | None:
 
 
 def _index_problem(path: str) -> str:
-    if not tf.io.gfile.exists(path + ".index"):
-        return f"its index file {path}.index is missing"
-    return f"its index file {path}.index is unreadable"
+    return f"its index file {path}.index is {'unreadable' if tf.io.gfile.exists(path + '.index') else 'missing'}"

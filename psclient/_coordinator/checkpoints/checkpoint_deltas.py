@@ -95,6 +95,8 @@ class _Base:
     handles: dict
     #: ps -> {table shard prefix: {field: its export's tensor}} (`table_deltas`).
     tables: dict
+    #: key -> the table's `renewals` then (`renewals`).
+    renewals: dict
 
 
 def _first_row(spec: str) -> tuple[int, int | None]:
@@ -114,6 +116,12 @@ def row_slots(variables: dict[str, Any]) -> dict[tuple[str, str], tuple[int, int
                 start, _ = _first_row(slot.spec)
                 out[(slot.key, slot.spec)] = (start, int(slot.variable.shape[0]), slot.variable.handle)
     return out
+
+
+def renewals(tables: dict | None) -> dict[str, int]:
+    """key -> `renewals` of each dynamic table: a shard made again on a ps that came back (its kept
+    export gone with the old task; no restore of this store told it, e.g. a Keras callback's) counts."""
+    return {key: table.renewals for key, table in (tables or {}).items()}
 
 
 def _changed(old, new):
@@ -170,13 +178,14 @@ class Deltas:
         kept = {ps: {(n, s): v for n, s, v in zip(*part) if (n, s) in rows}
                 for ps, part in pending.snapshot.parts.items()}
         tables = {ps: table_deltas.kept(part[0], part[2]) for ps, part in pending.snapshot.parts.items()}
-        self._base = _Base(number, 0, kept, {k: handle for k, (_, _, handle) in rows.items()}, tables)
+        self._base = _Base(number, 0, kept, {k: handle for k, (_, _, handle) in rows.items()}, tables,
+                           dict(pending.renewals or {}))
 
     def can_diff(self, pending: Any) -> bool:
         """Whether `pending` can be written as a delta: a base of this run, with every row-diffed shard
-        kept and its variable not renewed since (a lost ps took its copy with it)."""
+        kept and its variable not renewed since (a lost ps took its copy with it), nor any table."""
         base = self._base
-        if base is None or not pending.delta:
+        if base is None or not pending.delta or base.renewals != (pending.renewals or {}):
             return False
         kept = {k for part in base.kept.values() for k in part}
         # Every table shard kept, with the same fields (a slot the optimizer made since: full).

@@ -41,6 +41,8 @@ class PendingSave:
     #: Asked to be written as a delta (`checkpoint_deltas`), and the row-diffed shards then.
     delta: bool = False
     rows: dict | None = None
+    #: Each dynamic table's `renewals` then: a renewed shard's kept export died with its ps.
+    renewals: dict | None = None
     #: Filled in when written (or failed).
     path: str | None = None
 
