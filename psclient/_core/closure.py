@@ -3,14 +3,43 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Iterator
 
 from psclient._core.future import Future
 
-__all__ = ["Closure", "cancel_all"]
+__all__ = ["Closure", "cancel_all", "outputs_unread"]
 
 _ids = itertools.count()
+
+
+class _Scheduling(threading.local):
+    """How the calling thread schedules now (`outputs_unread`)."""
+
+    outputs_unread = False
+
+
+_scheduling = _Scheduling()
+
+
+@contextlib.contextmanager
+def outputs_unread() -> Iterator[None]:
+    """Closures made in this thread meanwhile leave their outputs on the worker.
+
+    Their call still runs synchronously and its errors are handled as any
+    call's; only the copy of the outputs to the coordinator is left out, and
+    the future is resolved with None. For callers that never read a result
+    (the Keras trainer's steps whose logs no callback reads): the copy costs
+    a worker more than the rest of a small call. `strategy.schedule()` alone
+    never enters this, so its futures always hold values.
+    """
+    before, _scheduling.outputs_unread = _scheduling.outputs_unread, True
+    try:
+        yield
+    finally:
+        _scheduling.outputs_unread = before
 
 
 class Closure:
@@ -18,7 +47,7 @@ class Closure:
 
     __slots__ = (
         "id", "fn", "args", "kwargs", "future", "attempts", "started_at", "per_worker",
-        "worker", "function", "unexplained_failures", "other_lost_failures",
+        "worker", "function", "unexplained_failures", "other_lost_failures", "copy_outputs",
     )
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, future: Future):
@@ -42,6 +71,9 @@ class Closure:
         #: What `fn` was traced from: after a ps task is rebuilt, `fn` is
         #: traced again from it.
         self.function: Any = None
+        #: Whether the dispatcher copies the call's outputs into the future
+        #: (False: made under `outputs_unread()`, the future gets None).
+        self.copy_outputs = not _scheduling.outputs_unread
 
     @property
     def name(self) -> str:

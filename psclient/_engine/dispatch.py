@@ -73,6 +73,7 @@ class Dispatcher:
         self._pipeline_depth = pipeline_depth
         self._num_workers = num_workers
         self._threads: list[threading.Thread] = []
+        self._results_copied = 0
 
     def start(self) -> None:
         """Start the threads of the first `num_workers` workers (they wait in the scheduler)."""
@@ -155,11 +156,25 @@ class Dispatcher:
         iterators_generation = self._iterators.generation(worker)
         try:
             fn, args, kwargs = self._prepare(closure, worker)
-            value = self._edge.to_numpy(self._call(worker, fn, args, kwargs))
+            value = self._call(worker, fn, args, kwargs)
+            # A closure whose outputs nobody reads (closure.outputs_unread) leaves them on the
+            # worker: the call has run (synchronous executor), the copy is all that is skipped.
+            value = self._copied(value) if closure.copy_outputs else None
         except Exception as error:  # noqa: BLE001 - every error of the user's function is routed to its future
             self._failed(worker, device, closure, attempt, error, iterators_generation)
         else:
             self._scheduler.succeeded(worker, closure, value, attempt=attempt)
+
+    def _copied(self, outputs: Any) -> Any:
+        value = self._edge.to_numpy(outputs)
+        with self._calls_lock:
+            self._results_copied += 1
+        return value
+
+    @property
+    def results_copied(self) -> int:
+        """Calls whose outputs were copied to the coordinator so far (failed copies not counted)."""
+        return self._results_copied
 
     def _call(self, worker: int, fn: Callable, args: tuple, kwargs: dict) -> Any:
         me = threading.get_ident()

@@ -55,6 +55,9 @@ class BackupAndRestore(_KerasBackupAndRestore):
     mid-epoch and run again resumes that epoch, skipping the shards done.
     """
 
+    #: Keras's batch hook only counts batches for `save_freq`: fit may leave their logs on the workers.
+    _psclient_reads_batch_logs = False
+
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         # fit on a psclient.data.ShardedDataset: resume its epoch where the backup left it.

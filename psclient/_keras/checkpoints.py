@@ -124,6 +124,9 @@ class ModelCheckpoint(keras.callbacks.Callback):
     reads values while later steps still run (asynchronous training).
     """
 
+    #: Its batch hook counts batches and never reads their logs: fit may leave them on the workers.
+    _psclient_reads_batch_logs = False
+
     def __init__(self, directory, save_freq: str | int = "epoch", max_to_keep: int = 5,
                  overwrite: bool = False, delta_every: int | None = None):
         super().__init__()

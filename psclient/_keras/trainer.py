@@ -11,7 +11,8 @@ For a cluster model:
   train function that schedules `steps_per_execution` steps per call on a free
   worker and returns without waiting: the logs it returns are those of the most
   recent finished call, so batch-level callbacks and the progress bar see
-  real numbers that lag a few steps behind. The epoch's last call waits for
+  real numbers that lag a few steps behind (when none reads them, only the
+  first call's logs are copied: `TrainFunction`). The epoch's last call waits for
   every pending step (as does the call after which a callback sets
   `model.stop_training`, through `fit_callbacks`), so when Keras reads the
   epoch's logs from the metric variables, which live on the ps and are updated
@@ -24,6 +25,7 @@ For a cluster model:
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import warnings
 import weakref
@@ -33,9 +35,11 @@ import tensorflow as tf
 from psclient._engine import registry
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.ps_state import check_every_ps
+from psclient._core.closure import outputs_unread
 from psclient._keras import outside_state, seam
 
-__all__ = ["TrainFunction", "cluster_strategy", "fit_callbacks", "prepare_model", "result_or_first_error"]
+__all__ = ["TrainFunction", "cluster_strategy", "fit_callbacks", "prepare_model", "reads_batch_logs",
+           "result_or_first_error"]
 
 log = logging.getLogger("psclient")
 
@@ -156,15 +160,26 @@ class TrainFunction:
     queues more than a few steps ahead of the workers. The epoch's last call
     (`steps_per_epoch` steps scheduled) waits for all of them (`finish`), so
     the metric variables hold the whole epoch when Keras reads its logs.
+
+    The first call's logs are copied to the coordinator. If their keys are
+    those of the model's metrics (Keras then reads the epoch's logs from the
+    metric variables) and no callback reads batch logs (`reads_batch_logs`),
+    the later calls leave their logs on the worker (`closure.outputs_unread`)
+    and return the first call's: copying them cost each step's worker more
+    than a small call itself. Otherwise every call's logs are copied.
     """
 
     def __init__(self, model, strategy, steps_per_epoch: int):
         self._strategy = strategy
+        self._model_ref = weakref.ref(model)
         self._steps_per_execution = int(model.steps_per_execution)
         self._steps_per_epoch = steps_per_epoch
         self._steps_scheduled = 0
-        self._in_flight: collections.deque = collections.deque()
+        self._in_flight: collections.deque = collections.deque()  # (future, whether its logs are copied)
         self._latest = None
+        # None until the first logs are back; then whether the later steps' logs are left on the workers.
+        self._logs_unread: bool | None = None
+        self._callbacks = None  # fit's callback list (`watch`); None: assume they read batch logs
         # Enough to keep every worker's pipeline fed, few enough that logs stay fresh.
         self._max_in_flight = max(4, 2 * strategy.num_workers * strategy.pipeline_depth)
         self._counts: dict[int, object] = {}
@@ -174,18 +189,21 @@ class TrainFunction:
         # Keras asks for whole executions; never run past the epoch's end.
         count = max(1, min(self._steps_per_execution, self._steps_per_epoch - self._steps_scheduled))
         if count == 1:
-            future = self._strategy.schedule(self._one_step, args=(iterator,))
+            function, args = self._one_step, (iterator,)
         else:
             if count not in self._counts:
                 self._counts[count] = tf.constant(count, tf.int32)
-            future = self._strategy.schedule(self._many_steps, args=(iterator, self._counts[count]))
-        self._in_flight.append(future)
+            function, args = self._many_steps, (iterator, self._counts[count])
+        copied = not self._logs_unread
+        with contextlib.nullcontext() if copied else outputs_unread():
+            future = self._strategy.schedule(function, args=args)
+        self._in_flight.append((future, copied))
         self._steps_scheduled += count
         if self._steps_scheduled >= self._steps_per_epoch:
             return self.finish()  # the epoch's last call
         while len(self._in_flight) > self._max_in_flight:
             self._settle(self._in_flight.popleft())
-        while self._in_flight and self._in_flight[0].done():
+        while self._in_flight and self._in_flight[0][0].done():
             self._settle(self._in_flight.popleft())
         if self._latest is None:
             self._settle(self._in_flight.popleft())
@@ -196,8 +214,15 @@ class TrainFunction:
         self._strategy.join()  # raises the first error of a step, if any
         while self._in_flight:
             self._settle(self._in_flight.popleft())
-        latest, self._latest, self._steps_scheduled = self._latest, None, 0
+        latest, self._steps_scheduled = self._latest, 0
+        if not self._logs_unread:
+            # The next epoch's first call waits for its logs: callbacks see this epoch's numbers.
+            self._latest = None
         return latest
+
+    def watch(self, callbacks) -> None:
+        """Take fit's callback list: whether its callbacks read batch logs is asked of it."""
+        self._callbacks = callbacks
 
     def abandon(self, wait: bool = True) -> None:
         """After an error elsewhere: wait for the pending steps (unless `wait` is
@@ -211,8 +236,23 @@ class TrainFunction:
         except Exception as error:  # noqa: BLE001 - any step error; the one being raised matters more
             log.warning("a train step failed while fit() was stopping: %s: %s", type(error).__name__, error)
 
-    def _settle(self, future) -> None:
-        self._latest = result_or_first_error(self._strategy, future, self._in_flight.clear)
+    def _settle(self, pending) -> None:
+        future, copied = pending
+        logs = result_or_first_error(self._strategy, future, self._in_flight.clear)
+        if not copied:
+            return  # left on the worker (None): the last copied logs stand
+        self._latest = logs
+        if self._logs_unread is None:
+            self._logs_unread = self._unread_after(logs)
+
+    def _unread_after(self, logs) -> bool:
+        """Whether, given the first step's `logs`, the later steps' logs may stay on the workers."""
+        model = self._model_ref()
+        if model is None or self._callbacks is None or reads_batch_logs(self._callbacks):
+            return False
+        # Keras's own test (`_get_metrics_result_or_logs`): logs whose keys are the metrics'
+        # are replaced by the metric variables' results at the end of the epoch.
+        return isinstance(logs, dict) and set(logs) == set(model.get_metrics_result())
 
 
 # Where a model keeps its step functions between fit() calls (not a Keras attribute).
@@ -353,11 +393,45 @@ def fit_callbacks(model, train_function: TrainFunction, callbacks, verbose, epoc
 
     model_ref = weakref.ref(model)
     if isinstance(callbacks, keras.callbacks.CallbackList):
-        return _StopJoins([callbacks], model=model)
-    return _StopJoins(
-        callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose, epochs=epochs,
-        steps=steps, model=model,
-    )
+        made = _StopJoins([callbacks], model=model)
+    else:
+        made = _StopJoins(
+            callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose, epochs=epochs,
+            steps=steps, model=model,
+        )
+    if isinstance(train_function, TrainFunction):
+        train_function.watch(made)
+    return made
+
+
+def reads_batch_logs(callbacks) -> bool:
+    """Whether any callback in `callbacks` (a CallbackList) may read the logs of a batch.
+
+    One that overrides `on_train_batch_end` or `on_batch_end` of
+    `keras.callbacks.Callback` does, except those known to use only the
+    epoch's logs: History, a ProgbarLogger that does not show a bar per batch
+    (verbose != 1), a TensorBoard that writes per epoch, and psclient's
+    callbacks whose own class sets `_psclient_reads_batch_logs = False` (a
+    subclass may override the hooks: it counts as reading).
+    """
+    import keras
+
+    hooks = ("on_train_batch_end", "on_batch_end")
+    for callback in _flat(callbacks):
+        kind = type(callback)
+        # The bound hooks, not the class's: a LambdaCallback sets its hooks on the instance.
+        if all(getattr(getattr(callback, hook), "__func__", None) is getattr(keras.callbacks.Callback, hook)
+               for hook in hooks):
+            continue
+        if any(hook in getattr(callback, "__dict__", {}) for hook in hooks):
+            return True
+        if vars(kind).get("_psclient_reads_batch_logs") is False or \
+                isinstance(callback, keras.callbacks.History) or \
+                (isinstance(callback, keras.callbacks.ProgbarLogger) and callback.verbose != 1) or \
+                (isinstance(callback, keras.callbacks.TensorBoard) and callback.update_freq == "epoch"):
+            continue
+        return True
+    return False
 
 
 def _flat(callbacks) -> list:
