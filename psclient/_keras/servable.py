@@ -151,6 +151,8 @@ class ServingExport(keras.callbacks.Callback):
     deltas applied; TF Serving sees the full versions only.
     """
 
+    _psclient_reads_batch_logs = False  # its batch hook only looks at the clock (trainer.reads_batch_logs)
+
     def __init__(self, base_dir, every_seconds=None, every_epochs=None, keep=5, *, run_id=None, take_over=False,
                  delta_every_seconds=None, full_every_deltas=60):
         super().__init__()

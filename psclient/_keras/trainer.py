@@ -409,7 +409,7 @@ def reads_batch_logs(callbacks) -> bool:
 
     One that overrides `on_train_batch_end` or `on_batch_end` of
     `keras.callbacks.Callback` does, except those known to use only the
-    epoch's logs: History, a ProgbarLogger that does not show a bar per batch
+    epoch's logs: History, BackupAndRestore, a ProgbarLogger that does not show a bar per batch
     (verbose != 1), a TensorBoard that writes per epoch, and psclient's
     callbacks whose own class sets `_psclient_reads_batch_logs = False` (a
     subclass may override the hooks: it counts as reading).
@@ -426,7 +426,7 @@ def reads_batch_logs(callbacks) -> bool:
         if any(hook in getattr(callback, "__dict__", {}) for hook in hooks):
             return True
         if vars(kind).get("_psclient_reads_batch_logs") is False or \
-                isinstance(callback, keras.callbacks.History) or \
+                isinstance(callback, (keras.callbacks.History, keras.callbacks.BackupAndRestore)) or \
                 (isinstance(callback, keras.callbacks.ProgbarLogger) and callback.verbose != 1) or \
                 (isinstance(callback, keras.callbacks.TensorBoard) and callback.update_freq == "epoch"):
             continue

@@ -157,7 +157,9 @@ def test_which_callbacks_read_batch_logs(tmp_path):
              psclient.ModelCheckpoint(str(tmp_path / "ckpt"), save_freq=2),
              psclient.BackupAndRestore(str(tmp_path / "backup"), save_freq=2),
              keras.callbacks.EarlyStopping(), keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
-             keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: None)]
+             keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: None),
+             keras.callbacks.BackupAndRestore(str(tmp_path / "keras-backup"), save_freq=2),
+             psclient.ServingExport(str(tmp_path / "serving"), every_seconds=60)]
     assert not reads(*quiet)
     assert not reads(*quiet, verbose=2)  # a progress bar per epoch only
     assert reads(verbose=1)  # a progress bar per batch shows the batch's logs
