@@ -1,5 +1,8 @@
-"""A ps killed in the middle of an export leaves no version visible, and the next export after its
-recovery is whole (issue 35 item 6). Real cluster: 2 workers, 2 ps."""
+"""A ps killed in the middle of an export leaves no version visible, the export raises at once (well
+within `hang_timeout`) a `PSUnavailableError` naming the ps, and the next export after its recovery is
+whole (issue 35 item 6, issue 36 item 5). Real cluster: 2 workers, 2 ps.
+
+(SIGSTOP, a hung ps, is tests/serving/test_serving_hung_ps.py.)"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -19,6 +23,7 @@ import psclient  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
+HANG_TIMEOUT = 10.0
 LIMIT = 180.0  # recovery and restarts on a loaded machine
 
 
@@ -48,7 +53,7 @@ def test_a_ps_killed_during_an_export_leaves_no_version_and_the_next_export_is_w
     y = (x[:, :1] % 3).astype("float32")
     base_dir = str(tmp_path / "serving")
     strategy = psclient.ParameterServerStrategy(
-        cluster.cluster, checkpoint_dir=str(tmp_path / "ckpt"),
+        cluster.cluster, checkpoint_dir=str(tmp_path / "ckpt"), hang_timeout=HANG_TIMEOUT,
         variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2))
     try:
         with strategy.scope():
@@ -64,12 +69,14 @@ def test_a_ps_killed_during_an_export_leaves_no_version_and_the_next_export_is_w
                 outcome["path"] = psclient.export_servable(model, base_dir)
             except Exception as error:  # noqa: BLE001 - whatever it raises is checked below
                 outcome["error"] = error
+            outcome["ended"] = time.monotonic()
 
         thread = threading.Thread(target=export, name="export-under-test")
         os.makedirs(base_dir, exist_ok=True)
         thread.start()
         try:
             wait_for(lambda: _hidden(base_dir) or not thread.is_alive(), LIMIT, "the export to begin")
+            killed = time.monotonic()
             cluster.kill("ps", 1)
         finally:
             thread.join(LIMIT)
@@ -77,8 +84,12 @@ def test_a_ps_killed_during_an_export_leaves_no_version_and_the_next_export_is_w
         # A reader never sees half a version: none at all, and nothing hidden left behind.
         assert "error" in outcome, f"the export wrote {outcome.get('path')} although ps 1 was killed"
         assert _versions(base_dir) == [] and _hidden(base_dir) == []
-        assert "ps" in str(outcome["error"]).lower() or isinstance(outcome["error"], tf.errors.OpError), \
-            outcome["error"]
+        error, seconds = outcome["error"], outcome["ended"] - killed
+        print(f"export raised {seconds:.2f} s after ps 1 was killed (hang_timeout={HANG_TIMEOUT:g} s): {error!r}")
+        assert isinstance(error, psclient.PSUnavailableError), outcome
+        assert error.task == "ps:1" and error.address == cluster.cluster.address("ps", 1), error
+        assert "ps:1" in str(error) and isinstance(error.__cause__, tf.errors.OpError)
+        assert seconds < 3 * HANG_TIMEOUT  # a killed ps fails its calls at once; probes wait hang_timeout at most
 
         cluster.restart("ps", 1)
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)  # waits out the ps's recovery
