@@ -97,6 +97,20 @@ def sharded_checkpoints(model, directory: str, keep: int, overwrite: bool, who: 
     return strategy, checkpoints
 
 
+def _open_store(callback, model) -> None:
+    """`callback`'s checkpoint store for `model` (a psclient.ModelCheckpoint's), made once."""
+    if callback._checkpoints is None:
+        callback._strategy, callback._checkpoints = sharded_checkpoints(
+            model, callback.directory, callback.max_to_keep, callback.overwrite, "ModelCheckpoint",
+            deltas=callback.delta_every is not None)
+        if callback._strategy is None:
+            raise ValueError(
+                f"psclient.ModelCheckpoint writes the checkpoints of a model on the ps tasks. "
+                f"Received: model {model.name!r}, whose variables live in this process. "
+                "Expected a model created and compiled inside strategy.scope() (use "
+                "keras.callbacks.ModelCheckpoint for a local model).")
+
+
 class ModelCheckpoint(keras.callbacks.Callback):
     """Checkpoints a model on the ps tasks from `fit`, each ps writing its own part.
 
@@ -157,20 +171,8 @@ class ModelCheckpoint(keras.callbacks.Callback):
         self.saved: list[str] = []
 
     def on_train_begin(self, logs=None):
-        self._open(self.model)
+        _open_store(self, self.model)
         self._checkpoints.check_writable()  # another run's checkpoints: refused now, not after an epoch
-
-    def _open(self, model) -> None:
-        if self._checkpoints is None:
-            self._strategy, self._checkpoints = sharded_checkpoints(
-                model, self.directory, self.max_to_keep, self.overwrite, "ModelCheckpoint",
-                deltas=self.delta_every is not None)
-            if self._strategy is None:
-                raise ValueError(
-                    f"psclient.ModelCheckpoint writes the checkpoints of a model on the ps tasks. "
-                    f"Received: model {model.name!r}, whose variables live in this process. "
-                    "Expected a model created and compiled inside strategy.scope() (use "
-                    "keras.callbacks.ModelCheckpoint for a local model).")
 
     def on_train_batch_end(self, batch, logs=None):
         if self.save_freq == "epoch":
@@ -214,7 +216,7 @@ class ModelCheckpoint(keras.callbacks.Callback):
                 "psclient.ModelCheckpoint.restore reads the checkpoints in its directory. Received: "
                 f"overwrite=True (the checkpoints in {self.directory!r} are never read, and are deleted). "
                 "Expected a ModelCheckpoint made with overwrite=False to restore from.")
-        self._open(model)
+        _open_store(self, model)
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and not optimizer.built:
             with self._strategy.scope():  # its slots on the ps, beside their variables
