@@ -25,7 +25,7 @@ export at a time per process).
 
 An export that fails with TF's error (a killed ps fails its calls at once:
 "Connection reset by peer", "failed to connect") has every ps probed once
-more, each within `hang_timeout`: the first one that fails its probe is named
+more, all at once within `hang_timeout`: one that fails its probe is named
 in a `PSUnavailableError` chained to TF's error, as the hung case names it; if
 every ps answers (one already restarted), TF's error is raised as it is.
 """
@@ -126,18 +126,36 @@ def export_bounded(write: Callable[[Publication], Any], num_ps: int, hang_timeou
 
 def _name_a_lost_ps(probes: dict, hang_timeout: float, describe_ps: Callable[[int], str],
                     error: tf.errors.OpError) -> None:
-    """Raise PSUnavailableError for the first ps that fails a probe (each within `hang_timeout`), chained
-    to the export's `error`; return if every ps answers. TF's own error names the task in its text only."""
-    for ps in sorted(probes):
-        try:
-            on_each_ps({ps: probes[ps]}, timeout=hang_timeout)
-        except (tf.errors.OpError, PsTimeout) as probe_error:
-            raise PSUnavailableError(
-                f"export_servable: ps:{ps} ({describe_ps(ps)}) was lost during the export: it failed the "
-                f"export's call ({first_line(error)}) and then a probe ({first_line(probe_error)}). The "
-                "version being written was not published; export again once the ps is back (ps recovery "
-                "restores its variables from the strategy's checkpoint).",
-                task=f"ps:{ps}", address=describe_ps(ps)) from error
+    """Raise PSUnavailableError for a ps that fails a probe, chained to the export's `error`; return if
+    every ps answers. TF's own error names the task in its text only.
+
+    Every ps is probed at once, so this waits `hang_timeout` at most, not one per ps. A ps that
+    answers with an error (gone: it is what failed the export) is named before one that does not
+    answer in time, the lowest index first.
+    """
+    failed: dict[int, BaseException] = {}
+
+    def probe(ps):
+        def run():
+            try:
+                probes[ps]()
+            except tf.errors.OpError as probe_error:
+                failed[ps] = probe_error
+        return run
+
+    try:
+        on_each_ps({ps: probe(ps) for ps in probes}, timeout=hang_timeout)
+    except PsTimeout as timeout:
+        failed.setdefault(timeout._psclient_ps, timeout)  # after any that answered with an error
+    if not failed:
+        return
+    ps = min(failed, key=lambda p: (isinstance(failed[p], PsTimeout), p))
+    raise PSUnavailableError(
+        f"export_servable: ps:{ps} ({describe_ps(ps)}) was lost during the export: it failed the "
+        f"export's call ({first_line(error)}) and then a probe ({first_line(failed[ps])}). The "
+        "version being written was not published; export again once the ps is back (ps recovery "
+        "restores its variables from the strategy's checkpoint).",
+        task=f"ps:{ps}", address=describe_ps(ps)) from error
 
 
 def _probe_of(ps: int) -> Callable[[], None]:
