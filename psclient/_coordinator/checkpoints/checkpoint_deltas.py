@@ -72,16 +72,12 @@ from psclient._coordinator.checkpoints.checkpoint_parts import (
     slots_of,
 )
 from psclient._coordinator.checkpoints.checkpoint_snapshot import Snapshot, write_snapshot
+from psclient._coordinator.variables.sharding import ROW_DIFF_MIN_ROWS
 from psclient._core.errors import first_line
 
 __all__ = ["ROW_DIFF_MIN_ROWS", "Deltas"]
 
 log = logging.getLogger("psclient")
-
-#: A variable of rank 2 with at least this many rows (over its shards) is written per changed row
-#: (the serving deltas' rule, `serving.delta_cut`): below it, keeping a copy and diffing saves little.
-ROW_DIFF_MIN_ROWS = 1024
-
 
 @dataclasses.dataclass
 class _Base:

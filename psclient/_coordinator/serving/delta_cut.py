@@ -47,14 +47,10 @@ from typing import Callable, NamedTuple
 import tensorflow as tf
 
 from psclient._coordinator.serving.serving_table import ServingTable
+from psclient._coordinator.variables.sharding import ROW_DIFF_MIN_ROWS
 from psclient._tf.context import coordinator_cpu
 
 __all__ = ["ROW_DIFF_MIN_ROWS", "CutLost", "DeltaCut"]
-
-#: A dense variable of rank 2 with at least this many rows (over all its shards) is diffed per row.
-#: Below it the variable is a few hundred KB at most for common widths: keeping a copy of it on its ps
-#: and diffing it saves little, and a dense layer's kernel (most rows change each step) gains nothing.
-ROW_DIFF_MIN_ROWS = 1024
 
 
 class CutLost(RuntimeError):

@@ -49,6 +49,13 @@ def cut(value, ranges: list[tuple[int, int]]) -> list:
         return [value[start:stop] for start, stop in ranges]
 
 
+#: A variable of rank 2 with at least this many rows (over all its shards) is embedding-like: the
+#: checkpoints' and the serving exports' deltas write only its changed rows. Below it the variable is
+#: a few hundred KB at most for common widths: keeping a copy of it on its ps and diffing it saves
+#: little, and a dense layer's kernel (most rows change each step) gains nothing.
+ROW_DIFF_MIN_ROWS = 1024
+
+
 # Keras optimizers whose update is elementwise in the variable, its slots and
 # its gradient, so applying it to each shard's rows gives the update of the
 # whole (not Adafactor: its factored slots average over rows and columns;
