@@ -40,7 +40,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["MODES", "RestoreScope", "ledger_positions", "resolve_ps_recovery", "rolled_back"]
+__all__ = ["KEPT", "MODES", "RestoreScope", "closures_undone", "kept", "ledger_positions", "resolve_ps_recovery", "restore_scope",
+           "rolled_back"]
 
 #: The values of `StrategyConfig.ps_recovery` (None: chosen by the kind of training).
 MODES = ("part", "all")
@@ -104,16 +105,49 @@ class RestoreScope:
         return self.mode == "all"
 
 
-def rolled_back(scope: RestoreScope, variables: dict[int, int], rows: dict[int, int], closures: int,
+def restore_scope(mode: str, lost: tuple, holding: tuple, num_ps: int) -> RestoreScope | None:
+    """What a recovery restores once the `lost` ps answer again; None: nothing.
+
+    A lost ps that answers holding the variables this coordinator made there
+    (`holding`) hung (SIGSTOP, a cut network, a stall long enough to be taken
+    for a loss) and was not restarted: its state is what it was, so restoring
+    it would undo its updates since the checkpoint for nothing. Only the
+    others count as lost: restored alone ("part"), or, if any is left, with
+    every ps ("all": one version everywhere, the ones that hung included).
+    """
+    gone = tuple(ps for ps in lost if ps not in set(holding))
+    return RestoreScope(mode, gone, num_ps) if gone else None
+
+
+#: `rolled_back`'s mode for a lost ps that came back holding its variables: nothing restored there.
+KEPT = "kept"
+
+
+def rolled_back(scope: RestoreScope, variables: dict[int, int], rows: dict[int, int], closures: dict[int, int],
                 checkpoint: str | None) -> dict[int, dict]:
     """ps -> what this recovery took back to the checkpoint on it (`stats()["ps"][k]["rolled_back"]`).
 
     `variables` / `rows`: per ps, the variables (shards of partitioned ones
-    counted each) and dynamic-table rows restored there; `closures`: those
-    completed since the checkpoint, whose updates on those ps were undone.
+    counted each) and dynamic-table rows restored there; `closures`: per ps,
+    the closures completed since the checkpoint (or since that ps's previous
+    restore, if later) whose updates on it were undone.
     """
     return {ps: {"mode": scope.mode, "checkpoint": checkpoint, "variables": variables.get(ps, 0),
-                 "rows": rows.get(ps, 0), "closures": closures} for ps in sorted(scope.restored_ps)}
+                 "rows": rows.get(ps, 0), "closures": closures.get(ps, 0)} for ps in sorted(scope.restored_ps)}
+
+
+def kept(ps_tasks) -> dict[int, dict]:
+    """ps -> the report of a lost ps that came back holding its variables (`restore_scope`)."""
+    return {ps: {"mode": KEPT, "checkpoint": None, "variables": 0, "rows": 0, "closures": 0} for ps in ps_tasks}
+
+
+def closures_undone(completed: int, checkpoint_completed: int | None, restored_at: dict[int, int],
+                    ps_tasks) -> dict[int, int]:
+    """ps -> the closures whose updates a restore undid there: those completed since the
+    checkpoint, or since that ps's previous restore if that came later (the same checkpoint
+    restored twice on a ps undoes the closures before the first restore once, not twice)."""
+    base = checkpoint_completed or 0
+    return {ps: max(0, completed - max(base, restored_at.get(ps, 0))) for ps in ps_tasks}
 
 
 def ledger_positions(known: dict, held: set, num_shards: int) -> tuple[list[int], list[int]]:

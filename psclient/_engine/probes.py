@@ -87,17 +87,34 @@ class FailureProbes:
         silent = set(self._not_answering(
             {ps: self._edge.ps_device(ps).rsplit("/device:", 1)[0] for ps in range(self._roster.cluster.num_ps)}
         ))
-        return tuple(sorted(silent | set(self.stale_ps(skip=silent))))
+        stale, late = self._check_handles(skip=silent)
+        return tuple(sorted(silent | set(stale) | set(late)))
 
     def stale_ps(self, skip: set = frozenset()) -> tuple:
-        """The ps tasks whose variables this coordinator can no longer reach.
+        """The ps tasks that answer that they no longer hold this coordinator's variables.
 
         A ps restarted behind the coordinator's back answers probes once any
         reconnect has introduced the new process, but the variables' handles
         name the old one: every read fails ("invalid device") until they are
-        made again and restored. One shape op per ps, all at once, within
-        probe_timeout (a task that does not answer in time counts as lost).
+        made again and restored. A ps that does not answer the check in time
+        is not among them: it hangs (SIGSTOP, a cut network) and holds its
+        variables as they were, so restoring it would undo its updates since
+        the checkpoint for nothing (the hang's own path applies: its closures
+        wait, and if it was restarted meanwhile, the next call or check that
+        reaches it says so).
         """
+        return self._check_handles(skip)[0]
+
+    def holding(self, ps_tasks: tuple) -> tuple:
+        """Those of `ps_tasks` that answer holding this coordinator's variables (a ps that holds
+        none of them, or does not answer within probe_timeout, is not among them)."""
+        held = self._held()
+        stale, late = self._check_handles(skip={ps for ps in held if ps not in set(ps_tasks)})
+        return tuple(ps for ps in ps_tasks if ps in held and ps not in stale and ps not in late)
+
+    def _check_handles(self, skip: set) -> tuple[tuple, tuple]:
+        """(the ps whose handle check failed, the ps that did not answer it within probe_timeout):
+        one shape op per ps, all at once."""
         held = {ps: v for ps, v in self._held().items() if ps not in skip}
         results: dict[int, bool] = {}
 
@@ -115,7 +132,10 @@ class FailureProbes:
         deadline = time.monotonic() + self._probe_timeout
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        return tuple(sorted(ps for ps in held if not results.get(ps, False)))
+        answered = dict(results)  # a late thread may still write: read once
+        stale = tuple(sorted(ps for ps in held if answered.get(ps) is False))
+        late = tuple(sorted(ps for ps in held if ps not in answered))
+        return stale, late
 
     def worker_answers(self, worker: int) -> bool:
         """Whether `worker` answers, or cannot be judged yet.

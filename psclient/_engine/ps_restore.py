@@ -13,7 +13,7 @@ import logging
 from typing import Any, Callable
 
 from psclient._core import recovery_messages as rm
-from psclient._core.part_recovery import RestoreScope, rolled_back
+from psclient._core.part_recovery import RestoreScope, closures_undone, kept, restore_scope, rolled_back
 
 __all__ = ["PSStats", "PsRestore"]
 
@@ -25,9 +25,11 @@ class PSStats:
     failures: int = 0
     recoveries: int = 0
     last_recovery_s: float | None = None
-    #: Closures completed since the checkpoint whose updates on this ps were undone, in all.
+    #: Closures completed since the checkpoint whose updates on this ps were undone, in all (each
+    #: closure once: a second restore of the same checkpoint counts only those since the first).
     rolled_back_closures: int = 0
-    #: What the last recovery that restored this ps took back (`part_recovery.rolled_back`).
+    #: What the last recovery that restored this ps took back (`part_recovery.rolled_back`; mode
+    #: "kept": it came back holding its variables, nothing restored).
     rolled_back: dict | None = None
 
 
@@ -40,25 +42,45 @@ class PsRestore:
     """
 
     def __init__(self, store: Any, checkpoints: Any, num_ps: int, completed: Callable[[], int],
-                 meta_restored: Callable[..., None], clock: Callable[[], float]):
+                 meta_restored: Callable[..., None], clock: Callable[[], float],
+                 holding: Callable[[tuple], tuple] = lambda lost: ()):
+        # `holding(lost)`: those of the `lost` ps that answer holding this coordinator's variables
+        # (`FailureProbes.holding`; by default none: every lost ps is restored).
         self._store = store
         self._checkpoints = checkpoints
         self._num_ps = num_ps
         self._completed = completed
         self._meta_restored = meta_restored
         self._clock = clock
+        self._holding = holding
         self.ps_stats = [PSStats() for _ in range(num_ps)]
         self._completed_then: int | None = None
         self._restored: dict | None = None
         self._scope: RestoreScope | None = None
+        self._kept: tuple = ()
+        # ps -> closures completed when its last restore ended (`closures_undone`).
+        self._restored_at: dict[int, int] = {}
 
     def renew_and_restore(self, action: rm.RenewAndRestore) -> bool:
-        """New resources on the lost ps, then their state (or every one's) from the newest checkpoint."""
-        scope = RestoreScope(action.mode, tuple(action.lost), self._num_ps)
-        renewed = self._store.renew(set(action.lost))
+        """New resources on the lost ps, then their state (or every one's) from the newest checkpoint.
+
+        A lost ps that answers holding its variables (it hung, it was not
+        restarted) keeps them (`part_recovery.restore_scope`); if every lost ps
+        does, nothing is renewed or restored.
+        """
+        lost = tuple(action.lost)
+        holding = tuple(self._holding(lost))
+        scope = restore_scope(action.mode, lost, holding, self._num_ps)
+        self._kept = tuple(ps for ps in lost if ps in holding)
+        self._scope, self._restored, self._completed_then = scope, None, None
+        if scope is None:
+            log.warning("ps task(s) %s answered again holding their variables (they hung, they were not "
+                        "restarted): nothing restored, training goes on with their state", list(lost))
+            return True
+        renewed = self._store.renew(set(scope.lost))
         restored = self._checkpoints.restore(self._store.named(), tables=self._store.tables(),
                                              only_ps=scope.only_ps)
-        self._scope, self._restored = scope, restored
+        self._restored = restored
         self._completed_then = None if restored is None else restored["completed_closures"]
         # While nothing is dispatched: what the coordinator keeps of the data follows.
         meta = None if restored is None else restored.get("meta")
@@ -66,33 +88,44 @@ class PsRestore:
             self._meta_restored(meta)
         else:
             self._meta_restored(meta, lost=frozenset(scope.lost))
-        log.info("ps task(s) %s: %d variables re-created, %s restored", action.lost, renewed,
-                 "every variable" if scope.only_ps is None else "their own variables")
+        log.info("ps task(s) %s: %d variables re-created, %s restored%s", list(scope.lost), renewed,
+                 "every variable" if scope.only_ps is None else "their own variables",
+                 f"; ps task(s) {list(self._kept)} kept theirs (they hung)" if self._kept else "")
         return True
 
     def recovered(self, action: rm.PsRecovered, where: str | None) -> None:
         """The lost ps answer with their state again: what `stats()` reports of it."""
-        closures = max(0, self._completed() - (self._completed_then or 0))
+        completed = self._completed()
         recovery = self._clock() - action.back_at
-        scope = self._scope or RestoreScope("all", tuple(action.lost), self._num_ps)
-        counts = (self._restored or {}).get("restored", {})
-        where = (self._restored or {}).get("path", where)  # the one used (a damaged newest is passed over)
-        report = rolled_back(scope, counts.get("variables", {}), counts.get("rows", {}), closures, where)
         for ps in action.lost:
             stats = self.ps_stats[ps]
             stats.recoveries += 1
             stats.last_recovery_s = recovery
-            stats.rolled_back_closures += closures
+        for ps, what in kept(self._kept).items():
+            self.ps_stats[ps].rolled_back = what
+        scope = self._scope
+        if scope is None:
+            if not self._kept:  # no RenewAndRestore ran (not expected): reported as a whole rollback
+                scope = RestoreScope("all", tuple(action.lost), self._num_ps)
+            else:
+                return
+        counts = (self._restored or {}).get("restored", {})
+        where = (self._restored or {}).get("path", where)  # the one used (a damaged newest is passed over)
+        undone = closures_undone(completed, self._completed_then, self._restored_at, scope.restored_ps)
+        report = rolled_back(scope, counts.get("variables", {}), counts.get("rows", {}), undone, where)
         for ps, what in report.items():
             if 0 <= ps < len(self.ps_stats):
                 self.ps_stats[ps].rolled_back = what
+                self.ps_stats[ps].rolled_back_closures += undone[ps]
+                self._restored_at[ps] = completed
+        closures = max(undone.values(), default=0)
         if scope.mode == "part":
             log.warning(
                 "ps task(s) %s recovered from %s: their own variables restored, the other ps kept "
                 "theirs; the updates of %d closures completed since were lost on them only "
-                "(%.2f s after the task came back)", list(action.lost), where, closures, recovery)
+                "(%.2f s after the task came back)", list(scope.lost), where, closures, recovery)
         else:
             log.warning(
                 "ps task(s) %s recovered from %s: every variable restored; %d completed closures "
-                "rolled back (%.2f s after the task came back)", list(action.lost), where, closures, recovery)
+                "rolled back (%.2f s after the task came back)", list(scope.lost), where, closures, recovery)
         self._scope = self._restored = None

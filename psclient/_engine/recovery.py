@@ -127,7 +127,7 @@ class Recovery:
         self._inbox = wiring.inbox
         self.broken: BaseException | None = None
         self._restore = PsRestore(store, checkpoints, cluster.num_ps, scheduler.completed,
-                                  self._meta_restored, clock)
+                                  self._meta_restored, clock, holding=self.probes.holding)
         self.ps_stats = self._restore.ps_stats
         self.checkpoints_written = 0
         self._paused_at = clock()

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 import psclient
-from psclient._core.part_recovery import RestoreScope, ledger_positions, resolve_ps_recovery, rolled_back
+from psclient._core.part_recovery import (
+    RestoreScope, closures_undone, ledger_positions, resolve_ps_recovery, restore_scope, rolled_back)
 from psclient._engine.config import StrategyConfig, with_overrides
 
 
@@ -70,11 +71,32 @@ def test_an_unknown_mode_is_refused():
 
 
 def test_the_report_names_what_each_restored_ps_got_back():
-    part = rolled_back(RestoreScope("part", (1,), 2), {1: 4}, {1: 17}, closures=30, checkpoint="/c/ckpt-2")
+    part = rolled_back(RestoreScope("part", (1,), 2), {1: 4}, {1: 17}, closures={1: 30}, checkpoint="/c/ckpt-2")
     assert part == {1: {"mode": "part", "checkpoint": "/c/ckpt-2", "variables": 4, "rows": 17, "closures": 30}}
-    every = rolled_back(RestoreScope("all", (1,), 2), {0: 3, 1: 4}, {}, closures=30, checkpoint=None)
+    every = rolled_back(RestoreScope("all", (1,), 2), {0: 3, 1: 4}, {}, closures={0: 30, 1: 30}, checkpoint=None)
     assert every == {0: {"mode": "all", "checkpoint": None, "variables": 3, "rows": 0, "closures": 30},
                      1: {"mode": "all", "checkpoint": None, "variables": 4, "rows": 0, "closures": 30}}
+
+
+@pytest.mark.parametrize("mode", ["part", "all"])
+def test_a_lost_ps_that_answers_holding_its_variables_is_not_restored(mode):
+    # It hung (SIGSTOP, a cut network) and was taken for lost; it was not restarted.
+    assert restore_scope(mode, (0, 1), holding=(0, 1), num_ps=4) is None
+    scope = restore_scope(mode, (0, 1), holding=(0,), num_ps=4)
+    assert scope.lost == (1,)
+    # "part": ps 1 alone; "all": every ps goes back, the one that hung too (one version everywhere).
+    assert scope.restored_ps == ({1} if mode == "part" else {0, 1, 2, 3})
+    assert restore_scope(mode, (2,), holding=(), num_ps=4).lost == (2,)
+
+
+def test_a_second_restore_of_a_ps_counts_only_the_closures_since_the_first():
+    # Checkpoint at 100 closures; ps 0 restored from it at 130, then again (same checkpoint) at 150:
+    # 30, then 20 undone there (50 in all, the updates since the checkpoint), not 30 + 50.
+    assert closures_undone(130, 100, {}, (0,)) == {0: 30}
+    assert closures_undone(150, 100, {0: 130}, (0, 1)) == {0: 20, 1: 50}
+    # A newer checkpoint than the last restore: counted from the checkpoint.
+    assert closures_undone(220, 200, {0: 130}, (0,)) == {0: 20}
+    assert closures_undone(5, None, {}, (0,)) == {0: 5}  # no checkpoint's count
 
 
 def test_a_ledger_on_a_restored_ps_gets_the_positions_the_coordinator_knows():
@@ -115,17 +137,36 @@ class FakeCheckpoints:
                 "restored": {"variables": restored, "rows": {1: 5} if 1 in restored else {}}}
 
 
-def restore_step(mode):
+def restore_step(mode, lost=(1,), holding=()):
     from psclient._core import recovery_messages as rm
     from psclient._engine.ps_restore import PsRestore
 
     told = []
     store, checkpoints = FakeStore(), FakeCheckpoints()
     restore = PsRestore(store, checkpoints, 2, completed=lambda: 19,
-                        meta_restored=lambda meta, **kwargs: told.append((meta, kwargs)), clock=lambda: 10.0)
-    assert restore.renew_and_restore(rm.RenewAndRestore((1,), mode)) is True
-    restore.recovered(rm.PsRecovered((1,), back_at=9.5), "/c/ckpt-3")
+                        meta_restored=lambda meta, **kwargs: told.append((meta, kwargs)), clock=lambda: 10.0,
+                        holding=lambda asked: tuple(ps for ps in asked if ps in holding))
+    assert restore.renew_and_restore(rm.RenewAndRestore(lost, mode)) is True
+    restore.recovered(rm.PsRecovered(lost, back_at=9.5), "/c/ckpt-3")
     return store, checkpoints, told, restore.ps_stats
+
+
+@pytest.mark.parametrize("mode", ["part", "all"])
+def test_a_step_whose_lost_ps_all_hold_their_variables_renews_and_restores_nothing(mode):
+    store, checkpoints, told, stats = restore_step(mode, lost=(0, 1), holding=(0, 1))
+    assert store.renewed == [] and checkpoints.calls == [] and told == []
+    for ps in (0, 1):
+        assert stats[ps].recoveries == 1 and stats[ps].rolled_back_closures == 0
+        assert stats[ps].rolled_back == {"mode": "kept", "checkpoint": None, "variables": 0, "rows": 0,
+                                         "closures": 0}
+
+
+def test_a_step_restores_the_lost_ps_that_restarted_and_not_the_one_that_hung():
+    store, checkpoints, told, stats = restore_step("part", lost=(0, 1), holding=(0,))
+    assert store.renewed == [{1}] and checkpoints.calls == [frozenset({1})]
+    assert told == [({"m": 1}, {"lost": frozenset({1})})]
+    assert stats[0].rolled_back["mode"] == "kept" and stats[0].rolled_back_closures == 0
+    assert stats[1].rolled_back["mode"] == "part" and stats[1].rolled_back_closures == 12
 
 
 def test_the_part_step_restores_the_lost_ps_only_and_keeps_the_ledgers():

@@ -6,11 +6,14 @@ keep every update made since, and training goes on. "all": every variable goes b
 checkpoint, as before. The pure decisions are tested in tests/checkpoints/test_part_recovery.py.
 """
 
+import time
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import psclient
+from _stopped import stopped
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -244,5 +247,41 @@ def test_part_restores_a_slot_read_in_row_ranges_into_the_restarted_ps(
         big_on_ps1.assign(tf.zeros([1024, 32]))
         strategy.restore()
         np.testing.assert_array_equal(big_on_ps1.numpy(), np.full([1024, 32], float(STEPS)))
+    finally:
+        strategy.shutdown()
+
+
+def test_a_ps_hung_while_the_other_is_lost_keeps_its_updates(two_workers_two_ps, restore_shared_clusters, tmp_path):
+    """ps 0 SIGSTOPped while ps 1 is killed and started again. A step on ps 1 alone fails, and the
+    probes then find both lost: ps 1 restarted, ps 0 silent. When both answer again, ps 0 still holds
+    its variables (it hung, it was not restarted): only ps 1 is restored from the checkpoint, and
+    ps 0 keeps every update made since."""
+    cluster = two_workers_two_ps
+    strategy, _, (on_ps0, on_ps1, _) = trained_past_a_checkpoint(cluster, tmp_path, "part")
+
+    @tf.function
+    def step_on_ps1():
+        on_ps1.assign_add(1.0)
+        return on_ps1.read_value()
+
+    try:
+        probes = strategy._recovery.probes
+        with stopped(cluster, "ps", 0, watchdog_s=150):
+            assert probes.stale_ps() == ()  # silent is not restarted
+            assert probes.holding((0, 1)) == (1,)
+            cluster.kill("ps", 1)
+            cluster.restart("ps", 1)
+            future = strategy.schedule(step_on_ps1)
+            deadline = time.monotonic() + 120
+            while strategy.stats(read_ps=False)["ps"][0]["failures"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)  # polling stats: no event says "taken for lost"
+            assert strategy.stats(read_ps=False)["ps"][0]["failures"] >= 1, strategy.stats(read_ps=False)["ps"]
+        assert float(future.result(timeout=150)) == STEPS + 1
+        strategy.join(timeout=60)
+        assert on_ps0.numpy() == 2 * STEPS  # kept: no update since the checkpoint undone
+        assert on_ps1.numpy() == STEPS + 1
+        stats = strategy.stats()["ps"]
+        assert stats[0]["rolled_back"]["mode"] == "kept" and stats[0]["rolled_back_closures"] == 0, stats[0]
+        assert stats[1]["rolled_back"]["mode"] == "part" and stats[1]["rolled_back"]["closures"] == STEPS, stats[1]
     finally:
         strategy.shutdown()
