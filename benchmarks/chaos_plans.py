@@ -1,7 +1,7 @@
 """Seeded chaos plans: worker kills, hangs and a ps kill, overlapping, while batches run.
 
 Each seed draws one plan over --duration seconds on a fresh LocalCluster (3
-workers, 1 ps; the strategy with hang_timeout=3, checkpoint_every=200 and a
+workers, --ps ps tasks, 1 by default; the strategy with hang_timeout=3, checkpoint_every=200 and a
 checkpoint_dir): --kills worker SIGKILLs, each restarted after 0.5-3 s;
 --hangs worker SIGSTOPs of 4-6 s, ended with SIGCONT from this process;
 --ps-kills ps SIGKILLs, each restarted at once; --ps-hangs ps SIGSTOPs of 4-6 s,
@@ -43,18 +43,23 @@ MAX_STALL_S = 1.0
 
 
 def draw_plan(seed: int, duration: float, kills: int, hangs: int, ps_kills: int,
-              ps_hangs: int = 0) -> list[dict]:
-    """The seed's faults: [{"at", "fault", "task", "for"}], by time."""
+              ps_hangs: int = 0, num_ps: int = PLAN_PS) -> list[dict]:
+    """The seed's faults: [{"at", "fault", "task", "for"}], by time. With `num_ps` above 1 each
+    ps fault falls on a ps drawn at random (with 1, the plans of earlier runs, draw for draw)."""
     rng = random.Random(seed)
+
+    def a_ps() -> str:
+        return f"ps:{rng.randrange(num_ps) if num_ps > 1 else 0}"
+
     end = max(5.0, duration - 10.0)  # the last fault leaves time to recover within the plan
     plan = [{"at": rng.uniform(3.0, end), "fault": "kill", "task": f"worker:{rng.randrange(PLAN_WORKERS)}",
              "for": rng.uniform(0.5, 3.0)} for _ in range(kills)]
     plan += [{"at": rng.uniform(3.0, end), "fault": "hang", "task": f"worker:{rng.randrange(PLAN_WORKERS)}",
               "for": rng.uniform(4.0, 6.0)} for _ in range(hangs)]
-    plan += [{"at": rng.uniform(duration / 5, end), "fault": "kill", "task": "ps:0", "for": 0.0}
+    plan += [{"at": rng.uniform(duration / 5, end), "fault": "kill", "task": a_ps(), "for": 0.0}
              for _ in range(ps_kills)]
     # Drawn after the others, so that a seed's plan without ps hangs is the one it always was.
-    plan += [{"at": rng.uniform(3.0, end), "fault": "hang", "task": "ps:0", "for": rng.uniform(4.0, 6.0)}
+    plan += [{"at": rng.uniform(3.0, end), "fault": "hang", "task": a_ps(), "for": rng.uniform(4.0, 6.0)}
              for _ in range(ps_hangs)]
     return [{k: round(v, 2) if isinstance(v, float) else v for k, v in f.items()}
             for f in sorted(plan, key=lambda f: f["at"])]
@@ -82,10 +87,11 @@ class _Logged(logging.Handler):
 class _Faults:
     """One thread per fault; a lock per task so two faults on one task take turns."""
 
-    def __init__(self, local, strategy, plan, started, recovery_timeout):
+    def __init__(self, local, strategy, plan, started, recovery_timeout, num_ps):
         self.local, self.strategy, self.plan = local, strategy, plan
         self.started, self.recovery_timeout = started, recovery_timeout
-        self.locks = {t: threading.Lock() for t in [f"worker:{w}" for w in range(PLAN_WORKERS)] + ["ps:0"]}
+        self.locks = {t: threading.Lock() for t in [f"worker:{w}" for w in range(PLAN_WORKERS)]
+                      + [f"ps:{p}" for p in range(num_ps)]}
         self.results: list[dict] = []
         self.threads = [threading.Thread(target=self._run, args=(f,), daemon=True) for f in plan]
 
@@ -114,7 +120,7 @@ class _Faults:
                 row["skipped"] = "not running"
                 self.results.append(row)
                 return
-            recoveries = self.strategy.stats()["ps"][0]["recoveries"]
+            recoveries = self.strategy.stats()["ps"][index]["recoveries"] if job == "ps" else None
             if fault["fault"] == "hang":
                 # SIGCONT from another process: one from this process would wait
                 # on the coordinator, whose threads a hung task may freeze.
@@ -142,27 +148,33 @@ class _Faults:
         self.results.append(row)
 
 
-def _step(strategy):
+def _step(strategy, num_ps):
     import tensorflow as tf
 
-    with strategy.scope():
-        weights = tf.Variable(tf.random.stateless_normal([64, 64], seed=[1, 2]) / 8)
+    with strategy.scope():  # placed in turn: each ps holds weights
+        weights = [tf.Variable(tf.random.stateless_normal([64, 64], seed=[1, 2 + p]) / 8) for p in range(num_ps)]
         counted = tf.Variable(0, dtype=tf.int64)
     x = tf.random.stateless_normal([32, 64], seed=[3, 4])
 
     @tf.function
     def step():
-        weights.assign_sub(0.001 * tf.matmul(tf.transpose(x), tf.tanh(x @ weights)) / 32)
+        for w in weights:
+            w.assign_sub(0.001 * tf.matmul(tf.transpose(x), tf.tanh(x @ w)) / 32)
         counted.assign_add(1)
         return counted.read_value()
 
     return step, counted
 
 
+def _ps_index(variable) -> int:
+    return int(re.search(r"/job:ps/replica:0/task:(\d+)", variable.device).group(1))
+
+
 def run_seed(seed: int, args) -> dict:
     import psclient
 
-    plan = draw_plan(seed, args.duration, args.kills, args.hangs, args.ps_kills, args.ps_hangs)
+    num_ps = args.ps
+    plan = draw_plan(seed, args.duration, args.kills, args.hangs, args.ps_kills, args.ps_hangs, num_ps)
     log(f"seed {seed}: {len(plan)} faults: " + ", ".join(f"{f['fault']} {f['task']}@{f['at']}" for f in plan))
     logged = _Logged()
     logging.getLogger("psclient").addHandler(logged)
@@ -171,7 +183,7 @@ def run_seed(seed: int, args) -> dict:
     futures = []
     join_s: list[float] = []
     stall = [0.0, None]  # the longest stall, and when it ended (seconds into the plan)
-    with psclient.LocalCluster(num_workers=PLAN_WORKERS, num_ps=PLAN_PS) as local, \
+    with psclient.LocalCluster(num_workers=PLAN_WORKERS, num_ps=num_ps) as local, \
             tempfile.TemporaryDirectory() as ckpt:
         strategy = psclient.ParameterServerStrategy(
             local.cluster, hang_timeout=3.0, checkpoint_dir=ckpt, checkpoint_every=200)
@@ -197,9 +209,9 @@ def run_seed(seed: int, args) -> dict:
         sampler = threading.Thread(target=sample, daemon=True)
         faults = None
         try:
-            step, counted = _step(strategy)
+            step, counted = _step(strategy, num_ps)
             started = time.monotonic()
-            faults = _Faults(local, strategy, plan, started, args.recovery_timeout)
+            faults = _Faults(local, strategy, plan, started, args.recovery_timeout, num_ps)
             faults.start()
             sampler.start()
             # New batches while the plan runs (and its last faults recover, for
@@ -224,11 +236,12 @@ def run_seed(seed: int, args) -> dict:
                     key = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
                     errors[key] = errors.get(key, 0) + 1
             stats = strategy.stats()
-            ps = stats["ps"][0]
             ok = sum(f.done() and not f.cancelled() and f.exception() is None for f in futures)
             retried = sum(w["retried"] for w in stats["workers"])
             steps = int(counted.numpy()) if not stats.get("broken") else None
-            low = ok - ps["rolled_back_closures"]
+            # A ps recovered alone ("part") rolls back only its own variables: the count loses what
+            # the ps that holds it rolled back.
+            low = ok - stats["ps"][_ps_index(counted)]["rolled_back_closures"]
         finally:
             sampling.set()
             gc.callbacks.remove(timed_gc)
@@ -252,7 +265,8 @@ def run_seed(seed: int, args) -> dict:
                                      if "back_after_s" in r and r["back_after_s"] is None),
         "rejoin_s": logged.rejoin_s,
         "ps_recovery_s": logged.ps_recovery_s,
-        "ps_recoveries": ps["recoveries"],
+        "ps_recoveries": [p["recoveries"] for p in stats["ps"]],
+        "ps_rolled_back_closures": [p["rolled_back_closures"] for p in stats["ps"]],
         "recovery_step_failures": logged.step_failures,
         "max_stall_s": round(stall[0], 2),
         "max_stall_ended_at_s": None if stall[1] is None else round(stall[1], 1),
@@ -260,6 +274,8 @@ def run_seed(seed: int, args) -> dict:
         "batches": len(join_s),
         "max_join_s": round(max(join_s), 2) if join_s else None,
         "steps_counted": steps,
+        "steps_counted_range": [low, low + retried + (len(futures) - ok)],
+        "retried_closures": retried,
         "steps_counted_in_range": steps is not None and low <= steps <= low + retried + (len(futures) - ok),
         "wall_s": round(wall, 1),
     }
