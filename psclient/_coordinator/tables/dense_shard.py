@@ -429,9 +429,44 @@ class DenseShard:
         self._replace(keys, counters, row_keys, rows, slots, self.clock.read_value(),
                       self.admissions.read_value(), self.evictions.read_value())
 
+    def replace_keys(self, keys, counters, row_keys, clock, admissions, evictions) -> None:
+        """Hold these keys, counters and clocks (at most `share` rows; eagerly), the rows and slots
+        left to the caller, who then writes every row of them in place (a restore in row ranges,
+        `psclient._coordinator.checkpoints.table_ranges`): rows [0, n) the restored ones, in
+        `row_keys`' order, the others free. A row or slot variable keeps its buffer where it has
+        the share's shape; otherwise its buffer is dropped, then one of that shape (uninitialized)
+        is made: never two at once."""
+        self._on_ps("replace_keys", self._replace_keys_in_place)(keys, counters, row_keys, clock, admissions,
+                                                                 evictions)
+
+    def _replace_keys_in_place(self, keys, counters, row_keys, clock, admissions, evictions):
+        share = tf.constant(self.share, tf.int64)
+        self._replace_keys(keys, counters, row_keys, clock, admissions, evictions, share)
+        for var in (self.rows, *self.slots.values()):
+            def renew(var=var):
+                with tf.control_dependencies([var.assign(tf.zeros([0, self.dim]), read_value=False)]):
+                    empty = tf.raw_ops.Empty(shape=tf.constant([self.share, self.dim], tf.int32),
+                                             dtype=tf.float32, init=False)
+                with tf.control_dependencies([var.assign(empty, read_value=False)]):
+                    return tf.constant(True)
+
+            fits = tf.reduce_all(tf.equal(tf.shape(var, tf.int64), tf.stack([share, self.dim])))
+            tf.cond(fits, lambda: tf.constant(False), renew)
+
     def _replace(self, keys, counters, row_keys, rows, slots, clock, admissions, evictions) -> None:
         n = tf.size(row_keys, tf.int64)
         size = tf.maximum(n, self.share)
+        self._replace_keys(keys, counters, row_keys, clock, admissions, evictions, size)
+        self.rows.assign(_grow(tf.reshape(rows, [-1, self.dim]), size, 0.0), read_value=False)
+        for name, var in self.slots.items():
+            value = slots.get(name)
+            if value is None:
+                value = tf.fill(tf.stack([n, self.dim]), tf.constant(self.slot_defaults[name], tf.float32))
+            var.assign(_grow(tf.reshape(value, [-1, self.dim]), size, self.slot_defaults[name]), read_value=False)
+
+    def _replace_keys(self, keys, counters, row_keys, clock, admissions, evictions, size) -> None:
+        """Everything `_replace` holds but the rows and slots, for storage of `size` rows."""
+        n = tf.size(row_keys, tf.int64)
         self.index.reset(row_keys, tf.range(n))
         old, _ = self.pending.export()
         self.pending.remove(tf.reshape(old, [-1]))
@@ -441,17 +476,11 @@ class DenseShard:
         counters = tf.reshape(counters, [-1, 2])
         last = tf.tensor_scatter_nd_update(_grow(tf.zeros([n], tf.int64), size, -1), rows_at[:, None],
                                            tf.boolean_mask(counters[:, 1], is_row))
-        self.rows.assign(_grow(tf.reshape(rows, [-1, self.dim]), size, 0.0), read_value=False)
         self.row_key.assign(_grow(row_keys, size, 0), read_value=False)
         self.last.assign(last, read_value=False)
         free = tf.cast(tf.reverse(tf.reshape(tf.where(last < 0), [-1]), [0]), tf.int32)  # lowest rows on top
         self.free.assign(_grow(free, size, 0), read_value=False)
         self.free_count.assign(tf.size(free, tf.int64), read_value=False)
-        for name, var in self.slots.items():
-            value = slots.get(name)
-            if value is None:
-                value = tf.fill(tf.stack([n, self.dim]), tf.constant(self.slot_defaults[name], tf.float32))
-            var.assign(_grow(tf.reshape(value, [-1, self.dim]), size, self.slot_defaults[name]), read_value=False)
         waiting = ~is_row
         self.pending.insert(tf.boolean_mask(keys, waiting), tf.boolean_mask(counters, waiting))
         self.clock.assign(clock, read_value=False)
