@@ -8,9 +8,10 @@ ps tasks as saved it (each shard reads its own saved shard) of a shard in
 dense storage (`DenseShard`):
 
 - the keys, counters, the keys that have a row and the clocks are read whole
-  (8 to 16 bytes a key) and the shard takes them (`DenseShard.replace_keys`:
-  key index, free rows, counters; its row and slot variables keep their
-  buffers, of the share's shape);
+  (8 to 16 bytes a key), the keys with a row first, then the others, and the
+  shard takes them (`DenseShard.replace_row_keys`, `replace_counters`: key
+  index, free rows, counters; its row and slot variables keep their buffers,
+  of the share's shape);
 - the rows and each slot are read a range of rows at a time (RestoreV2 of a
   slice: `checkpoint_pieces.rows_spec`) and each range is assigned into
   its rows of the variable on the ps (a sliced assign), then the rows past
@@ -33,6 +34,8 @@ converted under the ps's device (tests/_conversions.py).
 
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 
 from psclient._coordinator.checkpoints.checkpoint_pieces import (
@@ -49,7 +52,6 @@ __all__ = ["Plan", "SMALL_FIELDS"]
 
 #: The fields read whole (the keys' and the clocks'), in `table_checkpoint._FIELDS`'s order.
 SMALL_FIELDS = ("keys", "counters", "row_keys", "clock", "admissions", "evictions")
-_SMALL_DTYPES = [tf.int64] * len(SMALL_FIELDS)
 
 
 class Plan:
@@ -73,8 +75,11 @@ class Plan:
 
     def read_small(self) -> dict:
         """The keys, counters, keys with a row and the clocks, read on the device in force."""
-        names = [f"{self.prefix}/{field}" for field in SMALL_FIELDS]
-        return dict(zip(SMALL_FIELDS, _checkpoints.restore(self.path, names, [""] * len(names), _SMALL_DTYPES)))
+        return dict(zip(SMALL_FIELDS, self._read([f"{self.prefix}/{field}" for field in SMALL_FIELDS])))
+
+    def _read(self, names: list[str]) -> list:
+        """Int64 values `names`, read whole on the device in force."""
+        return _checkpoints.restore(self.path, names, [""] * len(names), [tf.int64] * len(names))
 
     def ranges(self, field: str, count: int) -> list[tuple[int, int]]:
         """[start, stop) of each range `field`'s `count` saved rows are read in."""
@@ -105,14 +110,19 @@ class Plan:
         """Read the shard's saved state again and write it into `shard` (a DenseShard), under its
         device: the rows and slots a range at a time, in place. None (nothing written): more rows
         were saved than the shard's share holds (the caller restores it whole). Returns the rows."""
-        small = self.read_small()
-        count = int(small["row_keys"].shape[0])
+        row_keys = self._read([f"{self.prefix}/row_keys"])[0]
+        count = int(row_keys.shape[0])
         if count > shard.share:
             return None
-        shard.replace_keys(small["keys"], small["counters"], small["row_keys"], small["clock"],
-                           small["admissions"], small["evictions"])
-        del small
         variables = {"rows": shard.rows, **shard.slots}
+        _fit_storage(list(variables.values()), shard.share, self.dim)
+        shard.replace_row_keys(row_keys)
+        del row_keys  # before the counters are read: a ps holds one of them at a time
+        small = dict(zip(SMALL_FIELDS[:2] + SMALL_FIELDS[3:],
+                         self._read([f"{self.prefix}/{f}" for f in SMALL_FIELDS if f != "row_keys"])))
+        shard.replace_counters(small["keys"], small["counters"], coordinator_constant(count, tf.int64),
+                               small["clock"], small["admissions"], small["evictions"])
+        del small
         defaults = {"rows": 0.0, **shard.slot_defaults}
         for field, variable in variables.items():
             saved = self.ranges(field, count) if field in self.fields else []
@@ -126,6 +136,23 @@ class Plan:
                 _assign_rows(variable, start, stop, _filled(stop - start, self.dim, defaults[field]))
             tf.raw_ops.DisableCopyOnRead(resource=variable.handle)
         return count
+
+
+@functools.partial(tf.function, autograph=False, reduce_retracing=True)
+def _fit_storage(variables: list, rows: int, dim: int):
+    """Each of `variables` (float32, rank 2) with a buffer of [rows, dim]: kept where it has that
+    shape, else dropped, then one of it made (uninitialized: the caller writes every row), never
+    two at once. Traced: its Python values are constants of the function, not converted on the ps."""
+    for var in variables:
+        def renew(var=var):
+            with tf.control_dependencies([var.assign(tf.zeros([0, dim]), read_value=False)]):
+                empty = tf.raw_ops.Empty(shape=tf.constant([rows, dim], tf.int32), dtype=tf.float32, init=False)
+            with tf.control_dependencies([var.assign(empty, read_value=False)]):
+                return tf.constant(True)
+
+        # VariableShape, not tf.shape: that reads the variable, which copies it in copy-on-read mode.
+        shape = tf.raw_ops.VariableShape(input=var.handle, out_type=tf.int64)
+        tf.cond(tf.reduce_all(tf.equal(shape, tf.constant([rows, dim], tf.int64))), lambda: tf.constant(False), renew)
 
 
 def _filled(rows: int, dim: int, value: float):
