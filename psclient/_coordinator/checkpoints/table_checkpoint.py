@@ -24,7 +24,10 @@ read everything (variables and deltas too) does any ps read each shard's
 state again, apply the deltas' changes to it (`table_deltas.patcher`) and
 replace the shard's contents with it, one shard at a time (`assign`): a
 checkpoint that cannot be read leaves the tables as they were, and a ps
-holds at most one shard's state beyond its tables. Restored into another number of ps tasks, each ps reads every
+holds at most one shard's state beyond its tables. A dense shard restored
+from its own saved shard without deltas is read and written in row ranges
+instead, in place (`table_ranges`): its ps holds about one range and the
+shard's keys beyond its tables. Restored into another number of ps tasks, each ps reads every
 saved shard and keeps the keys it owns (`shard_of(key, num_ps)`); the clock
 becomes the largest saved one, admissions and evictions are summed on ps 0.
 """
