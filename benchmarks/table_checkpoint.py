@@ -13,6 +13,17 @@ ps takes its snapshot) and the call's time; for each restore, its time. The firs
 (`first_*`): a process traces each table shard's save when its optimizer slots are made, and its
 restore at the first restore. Then the ratio dynamic / hashing of the later saves' median pause.
 
+Each restore's peak resident memory on each ps (psutil every 5 ms, after the saves' memory was
+given back): `ps_restore_peaks`, with `peak_over_table` = 1 + growth / that ps's table bytes
+(`table_stats()`'s `table_bytes`: rows, slots, counters, key index; the tables are in the RSS
+before). `--fill F` fills each dynamic table to F of its capacity (imported rows, after the fit)
+so that a restore moves table-sized data; `--ps-malloc` starts the ps tasks with glibc's mmap
+threshold at 1 MiB and oneDNN off, so that what a restore frees goes back to the system and the
+next one's peak shows (TF's default CPU allocator keeps freed memory and reuses it unseen).
+
+    python benchmarks/table_checkpoint.py --tables 1 --rows 2000000 --dim 32 --fill 0.9 \
+        --saves 1 --restores 3 --paths dynamic --ps-malloc       # one big table: restore peak
+
     python benchmarks/table_checkpoint.py                       # 26 tables
     python benchmarks/table_checkpoint.py --tables 4 --saves 3 --restores 2
 
@@ -22,6 +33,7 @@ Prints one JSON object (progress on stderr).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -32,12 +44,44 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import environment, log, median, print_json  # noqa: E402
+from big_model_checkpoint import PeakRss, _settle  # noqa: E402
 from dynamic_many_tables import build  # noqa: E402
 
 KINDS = ("dynamic", "hashing")
 
 
-def one_kind(keras, psclient, cluster, kind: str, args) -> dict:
+def fill_tables(model, fraction: float) -> int:
+    """Each DynamicEmbedding's table filled to `fraction` of its capacity with imported rows (and
+    optimizer slots): returns the rows imported."""
+    from psclient.layers import DynamicEmbedding
+
+    rng, total = np.random.default_rng(1), 0
+    for layer in [layer for layer in model.layers if isinstance(layer, DynamicEmbedding)]:
+        table = layer.table
+        n = int(table.policy.capacity * fraction)
+        keys = rng.choice(2**40, n, replace=False).astype(np.int64)
+        rows = rng.standard_normal((n, table.dim), dtype=np.float32)
+        slots = {name: rng.random((n, table.dim), dtype=np.float32) for name in table.slot_defaults}
+        layer.import_state([{"keys": keys, "counters": np.stack([np.ones(n, np.int64), np.zeros(n, np.int64)], 1),
+                             "row_keys": keys, "rows": rows, "slots": slots, "clock": np.int64(1),
+                             "admissions": np.int64(n), "evictions": np.int64(0)}])
+        total += n
+        del keys, rows, slots
+    return total
+
+
+def table_bytes_by_ps(model) -> list[int]:
+    """Per ps, the bytes of the dynamic tables' storage there (`table_stats()`'s `table_bytes`)."""
+    from psclient.layers import DynamicEmbedding
+
+    out: dict[int, int] = {}
+    for layer in [layer for layer in model.layers if isinstance(layer, DynamicEmbedding)]:
+        for index, entry in enumerate(layer.table_stats()):
+            out[index] = out.get(index, 0) + int(entry.get("table_bytes", 0))
+    return [out[i] for i in sorted(out)]
+
+
+def one_kind(keras, psclient, cluster, kind: str, args, ps_pids: list[int]) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=directory)
         try:
@@ -49,6 +93,8 @@ def one_kind(keras, psclient, cluster, kind: str, args) -> dict:
             started = time.perf_counter()
             model.fit(x, y, epochs=1, batch_size=64, verbose=0)
             fit_s = time.perf_counter() - started
+            filled = fill_tables(model, args.fill) if kind == "dynamic" and args.fill else 0
+            table_bytes = table_bytes_by_ps(model) if kind == "dynamic" else []
             saves, restores = [], []
             for _ in range(args.saves):
                 started = time.perf_counter()
@@ -56,10 +102,19 @@ def one_kind(keras, psclient, cluster, kind: str, args) -> dict:
                 call_s = time.perf_counter() - started
                 stall = strategy.stats(read_ps=False)["checkpoints"]["last_stall_seconds"]
                 saves.append({"stall_s": round(stall, 4), "call_s": round(call_s, 3)})
+            peaks = []
             for _ in range(args.restores):
-                started = time.perf_counter()
-                strategy.restore()
-                restores.append(round(time.perf_counter() - started, 3))
+                _settle(ps_pids)  # what the saves (or the restore before) freed given back: the baseline
+                with contextlib.ExitStack() as stack:
+                    memory = [stack.enter_context(PeakRss(pid)) for pid in ps_pids]
+                    started = time.perf_counter()
+                    strategy.restore()
+                    restores.append(round(time.perf_counter() - started, 3))
+                peaks.append([{"rss_mb_before": round(m.before / 2**20, 1), "rss_mb_peak": round(m.peak / 2**20, 1),
+                               **({"table_mb": round(table_bytes[i] / 2**20, 1),
+                                   "peak_over_table": round(1 + (m.peak - m.before) / table_bytes[i], 3)}
+                                  if i < len(table_bytes) and table_bytes[i] else {})}
+                              for i, m in enumerate(memory)])
         finally:
             strategy.shutdown()
     later = saves[1:] or saves
@@ -69,6 +124,9 @@ def one_kind(keras, psclient, cluster, kind: str, args) -> dict:
         "median_later_save_stall_s": median([s["stall_s"] for s in later]),
         "first_restore_s": restores[0] if restores else None,
         "median_later_restore_s": median(restores[1:] or restores) if restores else None,
+        "rows_imported": filled, "ps_restore_peaks": peaks,
+        "max_peak_over_table": max((p["peak_over_table"] for run in peaks for p in run if "peak_over_table" in p),
+                                   default=None),
     }
 
 
@@ -81,6 +139,10 @@ def main(argv=None) -> int:
     parser.add_argument("--saves", type=int, default=4)
     parser.add_argument("--restores", type=int, default=3)
     parser.add_argument("--paths", default=",".join(KINDS))
+    parser.add_argument("--fill", type=float, default=0.0,
+                        help="fill each dynamic table to this fraction of its capacity before the checkpoints")
+    parser.add_argument("--ps-malloc", action="store_true",
+                        help="ps tasks give freed memory back (glibc mmap threshold 1 MiB, oneDNN off)")
     args = parser.parse_args(argv)
     kinds = [k for k in args.paths.split(",") if k]
     unknown = sorted(set(kinds) - set(KINDS))
@@ -93,10 +155,13 @@ def main(argv=None) -> int:
 
     output = {"benchmark": "table_checkpoint", "config": vars(args), "environment": environment(sys.argv),
               "results": {}}
-    with psclient.LocalCluster(num_workers=1, num_ps=2) as local:
+    env = {"TF_ENABLE_ONEDNN_OPTS": "0", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)} if args.ps_malloc else None
+    with psclient.LocalCluster(num_workers=1, num_ps=2, env=env, start_timeout=300) as local:
+        ps_pids = [local.pid("ps", i) for i in range(2)]
         for kind in kinds:
             log(f"{kind}: {args.tables} tables")
-            result = output["results"][kind] = one_kind(keras, psclient, local.cluster, kind, args)
+            result = output["results"][kind] = one_kind(keras, psclient, local.cluster, kind, args, ps_pids)
+            log(f"{kind}: restore peak over the tables {result['max_peak_over_table']}")
             log(f"{kind}: save pause first {result['first_save_stall_s']:.3f} s, later "
                 f"{result['median_later_save_stall_s']:.3f} s; restore first {result['first_restore_s']} s, "
                 f"later {result['median_later_restore_s']} s")

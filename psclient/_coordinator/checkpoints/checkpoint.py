@@ -445,7 +445,7 @@ class Checkpoints:
                      only_ps: frozenset | None = None) -> dict:
         if not tables:
             return {}
-        work = table_checkpoint.read(path, tables, layout["tables"])
+        work = table_checkpoint.read(path, tables, layout["tables"], layout)
         if only_ps is not None:
             work = {ps: read for ps, read in work.items() if ps in only_ps}
         try:

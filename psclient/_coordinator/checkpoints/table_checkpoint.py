@@ -24,7 +24,10 @@ read everything (variables and deltas too) does any ps read each shard's
 state again, apply the deltas' changes to it (`table_deltas.patcher`) and
 replace the shard's contents with it, one shard at a time (`assign`): a
 checkpoint that cannot be read leaves the tables as they were, and a ps
-holds at most one shard's state beyond its tables. Restored into another number of ps tasks, each ps reads every
+holds at most one shard's state beyond its tables. A dense shard restored
+from its own saved shard without deltas is read and written in row ranges
+instead, in place (`table_ranges`): its ps holds about one range and the
+shard's keys beyond its tables. Restored into another number of ps tasks, each ps reads every
 saved shard and keeps the keys it owns (`shard_of(key, num_ps)`); the clock
 becomes the largest saved one, admissions and evictions are summed on ps 0.
 """
@@ -36,6 +39,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from psclient._coordinator.checkpoints import table_ranges
 from psclient._coordinator.runtime import ps_index_of
 from psclient._tf import checkpoints as _checkpoints
 
@@ -118,9 +122,14 @@ def check(tables: dict[str, Any], saved: dict) -> list[str]:
     return problems
 
 
-def read(path: str, tables: dict[str, Any], saved: dict) -> dict[int, Callable[[], list]]:
+def read(path: str, tables: dict[str, Any], saved: dict, layout: dict | None = None,
+         range_bytes: int | None = None) -> dict[int, Callable[[], list]]:
     """ps -> a function checking, on that ps, that the state each of its shards will hold reads
-    (each read, then dropped): [(table, shard, checked)], which `assign` reads again."""
+    (each read, then dropped): [(table, shard, checked)], which `assign` reads again.
+
+    A dense shard restored from its own saved shard (as many ps as saved) is read in row ranges
+    (`table_ranges`: `layout`, the checkpoint's, says how its values were saved; `range_bytes`:
+    at most that many bytes a range, None: the checkpoint's row chunks)."""
     work: dict[int, list] = {}
     for key, table in tables.items():
         for index, shard in enumerate(table.shards):
@@ -144,14 +153,18 @@ def read(path: str, tables: dict[str, Any], saved: dict) -> dict[int, Callable[[
             out = []
             for key, index, table, shard in entries:
                 read_state = functools.partial(state_of, key, index, table)
+                entry, plan = saved[key], None
+                if shard.dense and int(entry["shards"]) == len(table.shards):
+                    plan = table_ranges.Plan(path, key, index, sorted(entry["slots"]), table.dim, layout, range_bytes)
                 with shard.placed():
                     try:
-                        rows = int(read_state()["row_keys"].shape[0])  # the state itself dropped at once
+                        # Each range, or the state itself, dropped at once.
+                        rows = plan.check() if plan is not None else int(read_state()["row_keys"].shape[0])
                     except tf.errors.OpError as error:
                         error._psclient_table = f"{key} ({table.name!r})"
                         raise
-                out.append((table, shard, {"read": read_state, "rows": rows, "slot_defaults": saved[key]["slots"],
-                                           "table": f"{key} ({table.name!r})"}))
+                out.append((table, shard, {"read": read_state, "ranges": plan, "rows": rows,
+                                           "slot_defaults": saved[key]["slots"], "table": f"{key} ({table.name!r})"}))
             return out
         return run
 
@@ -199,7 +212,9 @@ def assign(states: dict[int, list], on_each_ps: Callable, patches: list | tuple 
     """Read again each shard's state that `read` checked, apply `patches` to it in order (each
     `patch(table, shard, state) -> state`: a checkpoint's deltas, `table_deltas.patcher`), and
     replace the shard's contents with it, one shard at a time on each ps (all ps at once): a ps
-    holds one shard's state beyond its tables. Returns ps -> the rows its shards got back."""
+    holds one shard's state beyond its tables. A shard `read` planned in row ranges, without
+    `patches`, is written a range at a time in place instead (`table_ranges`): its ps holds about
+    one range beyond its tables and the shard's keys. Returns ps -> the rows its shards got back."""
     for entries in states.values():
         for table, _shard, checked in entries:
             table.ensure_slots(checked["slot_defaults"])  # a fresh process: the optimizer made none yet
@@ -209,6 +224,15 @@ def assign(states: dict[int, list], on_each_ps: Callable, patches: list | tuple 
             rows = 0
             for table, shard, checked in entries:
                 with shard.placed():
+                    if checked["ranges"] is not None and not patches:
+                        try:
+                            got = checked["ranges"].assign(shard)
+                        except tf.errors.OpError as error:
+                            error._psclient_table = checked["table"]
+                            raise
+                        if got is not None:
+                            rows += got
+                            continue
                     try:
                         state = checked["read"]()
                         for patch in patches:

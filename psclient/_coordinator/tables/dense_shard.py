@@ -429,31 +429,60 @@ class DenseShard:
         self._replace(keys, counters, row_keys, rows, slots, self.clock.read_value(),
                       self.admissions.read_value(), self.evictions.read_value())
 
+    def replace_row_keys(self, row_keys) -> None:
+        """A restore in place, first step (at most `share` rows, into row and slot variables of the
+        share's shape: `table_ranges`; eagerly): rows [0, n) hold `row_keys`, values left to the caller."""
+        self._on_ps("replace_row_keys", lambda keys: self._replace_row_keys(keys, tf.constant(self.share, tf.int64)))(
+            row_keys)
+
+    def replace_counters(self, keys, counters, rows, clock, admissions, evictions) -> None:
+        """The second step (after `replace_row_keys` of `rows` keys): the tracked keys' counters and the clocks."""
+        self._on_ps("replace_counters", self._replace_counters)(keys, counters, rows, clock, admissions, evictions)
+
     def _replace(self, keys, counters, row_keys, rows, slots, clock, admissions, evictions) -> None:
         n = tf.size(row_keys, tf.int64)
         size = tf.maximum(n, self.share)
-        self.index.reset(row_keys, tf.range(n))
-        old, _ = self.pending.export()
-        self.pending.remove(tf.reshape(old, [-1]))
-        at = self.index.lookup(keys)
-        is_row = at >= 0
-        rows_at = tf.boolean_mask(at, is_row)
-        counters = tf.reshape(counters, [-1, 2])
-        last = tf.tensor_scatter_nd_update(_grow(tf.zeros([n], tf.int64), size, -1), rows_at[:, None],
-                                           tf.boolean_mask(counters[:, 1], is_row))
+        self._replace_keys(keys, counters, row_keys, clock, admissions, evictions, size)
         self.rows.assign(_grow(tf.reshape(rows, [-1, self.dim]), size, 0.0), read_value=False)
-        self.row_key.assign(_grow(row_keys, size, 0), read_value=False)
-        self.last.assign(last, read_value=False)
-        free = tf.cast(tf.reverse(tf.reshape(tf.where(last < 0), [-1]), [0]), tf.int32)  # lowest rows on top
-        self.free.assign(_grow(free, size, 0), read_value=False)
-        self.free_count.assign(tf.size(free, tf.int64), read_value=False)
         for name, var in self.slots.items():
             value = slots.get(name)
             if value is None:
                 value = tf.fill(tf.stack([n, self.dim]), tf.constant(self.slot_defaults[name], tf.float32))
             var.assign(_grow(tf.reshape(value, [-1, self.dim]), size, self.slot_defaults[name]), read_value=False)
-        waiting = ~is_row
-        self.pending.insert(tf.boolean_mask(keys, waiting), tf.boolean_mask(counters, waiting))
+
+    def _replace_keys(self, keys, counters, row_keys, clock, admissions, evictions, size) -> None:
+        """All `_replace` holds but the rows and slots (storage of `size` rows)."""
+        self._replace_row_keys(row_keys, size)
+        self._replace_counters(keys, counters, tf.size(row_keys, tf.int64), clock, admissions, evictions, size)
+
+    def _replace_row_keys(self, row_keys, size) -> None:
+        self.index.reset(row_keys, tf.range(tf.size(row_keys, tf.int64)))
+        self.row_key.assign(_grow(row_keys, size, 0), read_value=False)
+
+    def _replace_counters(self, keys, counters, n, clock, admissions, evictions, size=None) -> None:
+        size = tf.constant(self.share, tf.int64) if size is None else size  # None: in place, at the share
+        old, _ = self.pending.export()
+        self.pending.remove(tf.reshape(old, [-1]))
+        counters = tf.reshape(counters, [-1, 2])
+
+        def found():  # in any order: each key's row looked up (a row without counters: 0)
+            at = self.index.lookup(keys)
+            is_row = at >= 0
+            last = tf.tensor_scatter_nd_update(tf.zeros([n], tf.int64), tf.boolean_mask(at, is_row)[:, None],
+                                               tf.boolean_mask(counters[:, 1], is_row))
+            return last, tf.boolean_mask(keys, ~is_row), tf.boolean_mask(counters, ~is_row)
+
+        # As `_saved` orders them (the keys with a row first, in the rows' order): no lookup, fewer copies.
+        head = keys[:n]
+        in_order = tf.reduce_all(tf.equal(head, self._vector(self.row_key)[:tf.size(head)]))
+        in_order &= tf.size(head, tf.int64) == n
+        last, waiting_keys, waiting = tf.cond(in_order, lambda: (counters[:n, 1], keys[n:], counters[n:]), found)
+        last = _grow(last, size, -1)
+        self.last.assign(last, read_value=False)
+        free = tf.cast(tf.reverse(tf.reshape(tf.where(last < 0), [-1]), [0]), tf.int32)  # lowest rows on top
+        self.free.assign(_grow(free, size, 0), read_value=False)
+        self.free_count.assign(tf.size(free, tf.int64), read_value=False)
+        self.pending.insert(waiting_keys, waiting)
         self.clock.assign(clock, read_value=False)
         self.admissions.assign(admissions, read_value=False)
         self.evictions.assign(evictions, read_value=False)

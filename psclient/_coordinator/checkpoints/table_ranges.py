@@ -1,0 +1,172 @@
+"""A dense table shard restored in row ranges, written in place: a ps holds about one range beyond it.
+
+Restored whole (`table_checkpoint`'s other path), a shard's saved state
+(keys, counters, rows, every slot) is read at once and the grown arrays the
+shard's variables get are built from it before they are assigned: the ps
+then holds the shard two to three times. Here, for a restore into as many
+ps tasks as saved it (each shard reads its own saved shard) of a shard in
+dense storage (`DenseShard`):
+
+- the keys, counters, the keys that have a row and the clocks are read whole
+  (8 to 16 bytes a key), the keys with a row first, then the others, and the
+  shard takes them (`DenseShard.replace_row_keys`, `replace_counters`: key
+  index, free rows, counters; its row and slot variables keep their buffers,
+  of the share's shape);
+- the rows and each slot are read a range of rows at a time (RestoreV2 of a
+  slice: `checkpoint_pieces.rows_spec`) and each range is assigned into
+  its rows of the variable on the ps (a sliced assign), then the rows past
+  the restored ones get their initial value, a range at a time.
+
+A range is the checkpoint's own row chunk (`checkpoint_pieces.save_chunked`:
+a range then reads at its own cost) or smaller (`range_bytes`); a value saved
+whole (rows of a width not a multiple of 64 bytes, or at most one chunk) is
+one range, unless `range_bytes` asks for smaller ones (each of which then
+reads the whole saved value: a range reads every saved slice it overlaps).
+
+The check (`check`) reads the same ranges and drops each at once, before any
+shard is assigned (`table_checkpoint.read`): a damaged value leaves every
+table as it was. Deltas (`table_deltas.patcher`) change a shard's state as a
+whole: a restore with deltas reads the shard whole (`table_checkpoint.assign`).
+Every op here runs on the shard's ps with its Python values made on the
+coordinator (`coordinator_constant`) or traced (`DenseShard`): nothing is
+converted under the ps's device (tests/_conversions.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import tensorflow as tf
+
+from psclient._coordinator.checkpoints.checkpoint_pieces import (
+    READ_BATCH_BYTES,
+    chunk_bytes,
+    chunk_rows,
+    chunked_keys,
+    coordinator_constant,
+    rows_spec,
+)
+from psclient._tf import checkpoints as _checkpoints
+
+__all__ = ["Plan", "SMALL_FIELDS"]
+
+#: The fields read whole (the keys' and the clocks'), in `table_checkpoint._FIELDS`'s order.
+SMALL_FIELDS = ("keys", "counters", "row_keys", "clock", "admissions", "evictions")
+
+
+class Plan:
+    """How saved shard `part` of table `key` (`slots`: its saved slots) is read in ranges from `path`.
+
+    `layout`: the checkpoint's (`row_chunks` says which values were saved in row
+    chunks, and their size). `range_bytes`: at most this many bytes a range
+    (None: the checkpoint's chunks; a value saved whole is then one range).
+    """
+
+    def __init__(self, path: str, key: str, part: int, slots: list[str], dim: int, layout: dict | None,
+                 range_bytes: int | None = None):
+        if range_bytes is not None and range_bytes < 1:
+            raise ValueError(f"Invalid value for argument `range_bytes`. Received: range_bytes={range_bytes}. "
+                             "Expected a positive number of bytes, or None (the checkpoint's row chunks).")
+        self.path, self.dim, self.range_bytes = path, dim, range_bytes
+        self.prefix = f"{key}/ps{part}"
+        #: field ("rows" or a slot's name) -> its key in the checkpoint
+        self.fields = {"rows": f"{self.prefix}/rows", **{s: f"{self.prefix}/slot/{s}" for s in slots}}
+        self._chunked, self._chunk_bytes = chunked_keys(layout), chunk_bytes(layout)
+
+    def read_small(self) -> dict:
+        """The keys, counters, keys with a row and the clocks, read on the device in force."""
+        return dict(zip(SMALL_FIELDS, self._read([f"{self.prefix}/{field}" for field in SMALL_FIELDS])))
+
+    def _read(self, names: list[str]) -> list:
+        """Int64 values `names`, read whole on the device in force."""
+        return _checkpoints.restore(self.path, names, [""] * len(names), [tf.int64] * len(names))
+
+    def ranges(self, field: str, count: int) -> list[tuple[int, int]]:
+        """[start, stop) of each range `field`'s `count` saved rows are read in."""
+        row_bytes = 4 * self.dim
+        rows = count or 1
+        if self.fields[field] in self._chunked:
+            rows = chunk_rows([count, self.dim], tf.float32, self._chunk_bytes) or count or 1
+        if self.range_bytes is not None:
+            rows = min(rows, max(1, self.range_bytes // row_bytes))
+        return [(start, min(count, start + rows)) for start in range(0, count, rows)]
+
+    def read_range(self, field: str, count: int, start: int, stop: int):
+        """Rows [start, stop) of `field` (saved with `count` rows), read on the device in force.
+        A saved value of another row count fails (RestoreV2 checks the spec's full shape)."""
+        spec = rows_spec([count, self.dim], start, stop - start)
+        return _checkpoints.restore(self.path, [self.fields[field]], [spec], [tf.float32])[0]
+
+    def check(self) -> int:
+        """Read every value (the rows and slots a range at a time), each dropped at once: raises
+        tf.errors.OpError if one cannot be read. Returns the rows saved."""
+        count = int(self.read_small()["row_keys"].shape[0])
+        for field in self.fields:
+            for start, stop in self.ranges(field, count):
+                self.read_range(field, count, start, stop)  # dropped at once: only whether it reads counts
+        return count
+
+    def assign(self, shard) -> int | None:
+        """Read the shard's saved state again and write it into `shard` (a DenseShard), under its
+        device: the rows and slots a range at a time, in place. None (nothing written): more rows
+        were saved than the shard's share holds (the caller restores it whole). Returns the rows."""
+        row_keys = self._read([f"{self.prefix}/row_keys"])[0]
+        count = int(row_keys.shape[0])
+        if count > shard.share:
+            return None
+        variables = {"rows": shard.rows, **shard.slots}
+        _fit_storage(list(variables.values()), shard.share, self.dim)
+        shard.replace_row_keys(row_keys)
+        del row_keys  # before the counters are read: a ps holds one of them at a time
+        small = dict(zip(SMALL_FIELDS[:2] + SMALL_FIELDS[3:],
+                         self._read([f"{self.prefix}/{f}" for f in SMALL_FIELDS if f != "row_keys"])))
+        shard.replace_counters(small["keys"], small["counters"], coordinator_constant(count, tf.int64),
+                               small["clock"], small["admissions"], small["evictions"])
+        del small
+        defaults = {"rows": 0.0, **shard.slot_defaults}
+        for field, variable in variables.items():
+            saved = self.ranges(field, count) if field in self.fields else []
+            for start, stop in saved:
+                _assign_rows(variable, start, stop, self.read_range(field, count, start, stop))
+            # The rows past the restored ones (or every row of a slot not in the checkpoint): free rows,
+            # with the value the whole path gives them.
+            step = max(1, (self.range_bytes or READ_BATCH_BYTES) // (4 * self.dim))
+            for start in range(saved[-1][1] if saved else 0, shard.share, step):
+                stop = min(shard.share, start + step)
+                _assign_rows(variable, start, stop, _filled(stop - start, self.dim, defaults[field]))
+            tf.raw_ops.DisableCopyOnRead(resource=variable.handle)
+        return count
+
+
+@functools.partial(tf.function, autograph=False, reduce_retracing=True)
+def _fit_storage(variables: list, rows: int, dim: int):
+    """Each of `variables` (float32, rank 2) with a buffer of [rows, dim]: kept where it has that
+    shape, else dropped, then one of it made (uninitialized: the caller writes every row), never
+    two at once. Traced: its Python values are constants of the function, not converted on the ps."""
+    for var in variables:
+        def renew(var=var):
+            with tf.control_dependencies([var.assign(tf.zeros([0, dim]), read_value=False)]):
+                empty = tf.raw_ops.Empty(shape=tf.constant([rows, dim], tf.int32), dtype=tf.float32, init=False)
+            with tf.control_dependencies([var.assign(empty, read_value=False)]):
+                return tf.constant(True)
+
+        # VariableShape, not tf.shape: that reads the variable, which copies it in copy-on-read mode.
+        shape = tf.raw_ops.VariableShape(input=var.handle, out_type=tf.int64)
+        tf.cond(tf.reduce_all(tf.equal(shape, tf.constant([rows, dim], tf.int64))), lambda: tf.constant(False), renew)
+
+
+def _filled(rows: int, dim: int, value: float):
+    """A [rows, dim] float32 tensor of `value`, made on the device in force from the coordinator's constants."""
+    return tf.raw_ops.Fill(dims=coordinator_constant([rows, dim], tf.int64),
+                           value=coordinator_constant(value, tf.float32))
+
+
+def _assign_rows(variable, start: int, stop: int, value) -> None:
+    """`value` into rows [start, stop) of the rank-2 `variable`, where it lives (a sliced assign).
+
+    Leaves the variable in TF's copy-on-read mode (as a scatter does): the caller
+    turns it off after the last range (`checkpoint_pieces.Piece.assign`)."""
+    tf.raw_ops.ResourceStridedSliceAssign(
+        ref=variable.handle, begin=coordinator_constant([start, 0], tf.int64),
+        end=coordinator_constant([stop, 0], tf.int64), strides=coordinator_constant([1, 1], tf.int64),
+        value=value, end_mask=2)  # every column

@@ -1,0 +1,137 @@
+"""A dense table shard restored in row ranges, written in place (`table_ranges`): every row, slot,
+counter and clock comes back exactly, in ranges smaller than the table, and a damaged rows entry
+leaves the table as it was. Local tables (no cluster): each test's checkpoint is written by this
+process, as a table without a cluster's is (`table_checkpoint.LOCAL`)."""
+
+from __future__ import annotations
+
+import glob
+import json
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from psclient._coordinator.checkpoints import table_checkpoint  # noqa: E402
+from psclient._coordinator.checkpoints.checkpoint import Checkpoints, CheckpointUnreadable  # noqa: E402
+from psclient._coordinator.tables.dynamic_tables import DynamicTable  # noqa: E402
+from psclient._core.dynamic_tables import Policy  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+KEY, DIM, CAPACITY, ROWS = "table/0000", 8, 1000, 700
+SLOT = "accumulator"
+
+
+def table(storage="dense"):
+    made = DynamicTable("ranged", DIM, [None], ("uniform", -0.05, 0.05, 1), Policy(capacity=CAPACITY),
+                        storage=storage)
+    made.ensure_slots({SLOT: 0.1})
+    return made
+
+
+def state(seed, shuffled=False):
+    """A shard's state: ROWS keys with a row (and their counters), 5 keys still counting."""
+    rng = np.random.default_rng(seed)
+    keys = rng.choice(10**12, ROWS + 5, replace=False).astype(np.int64)
+    counters = np.stack([rng.integers(1, 5, ROWS + 5), rng.integers(0, 90, ROWS + 5)], 1).astype(np.int64)
+    order = rng.permutation(ROWS + 5) if shuffled else np.arange(ROWS + 5)
+    return {"keys": keys[order], "counters": counters[order], "row_keys": keys[:ROWS],
+            "rows": rng.standard_normal((ROWS, DIM)).astype(np.float32),
+            "slots": {SLOT: rng.random((ROWS, DIM)).astype(np.float32)},
+            "clock": np.int64(100 + seed), "admissions": np.int64(7 + seed), "evictions": np.int64(3 + seed)}
+
+
+def contents(shard_state):
+    """What a shard holds, independent of the order of its rows: {key: (row, slot)},
+    {key: counters}, (clock, admissions, evictions)."""
+    rows = {key: (shard_state["rows"][i].tolist(), shard_state["slots"][SLOT][i].tolist())
+            for i, key in enumerate(shard_state["row_keys"].tolist())}
+    counters = dict(zip(shard_state["keys"].tolist(), shard_state["counters"].reshape(-1, 2).tolist()))
+    return rows, counters, tuple(int(shard_state[k]) for k in ("clock", "admissions", "evictions"))
+
+
+def saved_and_changed(tmp_path, source=None):
+    """A checkpoint of a table holding `state(1)` (made by `source`, dense by default), and a dense
+    table holding `state(2)` since: (path, its layout, the table, what it saved)."""
+    source = source or table()
+    source.import_shards([state(1)])
+    saved = contents(source.export_shard(0))
+    path = Checkpoints(str(tmp_path), keep=3).save({}, completed=1, tables={KEY: source})
+    target = source if source.shards[0].dense else table()
+    target.import_shards([state(2)])
+    assert contents(target.export_shard(0)) != saved
+    return path, json.loads(tf.train.load_checkpoint(path).get_tensor("psclient_layout")), target, saved
+
+
+def restore_in_ranges(path, layout, target, range_bytes):
+    """`table_checkpoint.read` (the check) then `assign`, with ranges of at most `range_bytes`."""
+    work = table_checkpoint.read(path, {KEY: target}, layout["tables"], layout, range_bytes=range_bytes)
+    checked = {ps: run() for ps, run in work.items()}
+    (_, _, entry), = checked[table_checkpoint.LOCAL]
+    rows = table_checkpoint.assign(checked, lambda runs: {ps: run() for ps, run in runs.items()})
+    return entry["ranges"], rows
+
+
+def test_a_table_bigger_than_one_range_gets_back_every_row_and_slot_exactly(tmp_path):
+    path, layout, target, saved = saved_and_changed(tmp_path)
+    plan, rows = restore_in_ranges(path, layout, target, range_bytes=1024)  # 32 rows of 8 floats a range
+    assert len(plan.ranges("rows", ROWS)) == -(-ROWS // 32) and len(plan.ranges(SLOT, ROWS)) == -(-ROWS // 32)
+    assert rows == {table_checkpoint.LOCAL: ROWS}
+    assert contents(target.export_shard(0)) == saved
+    # The free rows are free: the table admits into them up to its capacity as before.
+    stats = target.stats()[0]
+    assert (stats["rows"], stats["tracked_keys"]) == (ROWS, ROWS + 5)
+
+
+def test_a_restore_by_the_checkpoints_reads_in_its_row_chunks(tmp_path):
+    path, layout, target, saved = saved_and_changed(tmp_path)
+    restored = Checkpoints(str(tmp_path), keep=3).restore({}, adopt=True, tables={KEY: target})
+    assert restored["path"] == path and restored["restored"]["rows"] == {table_checkpoint.LOCAL: ROWS}
+    assert contents(target.export_shard(0)) == saved
+
+
+def test_keys_saved_in_another_order_than_the_rows_are_looked_up(tmp_path):
+    """A table kept in hash tables saves its keys in the tables' order: restored into dense storage
+    in ranges, each key still gets its own counters."""
+    source = table(storage="hash")
+    source.import_shards([state(1, shuffled=True)])
+    path, layout, target, saved = saved_and_changed(tmp_path, source)
+    restore_in_ranges(path, layout, target, range_bytes=4096)
+    rows, counters, clocks = saved
+    # Dense storage keeps a key's sightings only while it counts towards admission: a key with a row
+    # reads `min_frequency` (1) of them, and its own step last seen.
+    counters = {key: [1, step] if key in rows else [seen, step] for key, (seen, step) in counters.items()}
+    assert contents(target.export_shard(0)) == (rows, counters, clocks)
+
+
+def test_a_damaged_rows_entry_leaves_the_table_untouched(tmp_path):
+    path, layout, target, _ = saved_and_changed(tmp_path)
+    before = contents(target.export_shard(0))
+    # Bytes inside the saved rows, found by the first saved row's bytes (state(1)'s rows are random).
+    needle = state(1)["rows"][0].tobytes()
+    hits = []
+    for data in glob.glob(path + ".data-*"):
+        with open(data, "rb") as f:
+            at = f.read().find(needle)
+        if at >= 0:
+            hits.append((data, at))
+    assert len(hits) == 1, hits
+    data, at = hits[0]
+    with open(data, "r+b") as f:
+        f.seek(at + 8)
+        f.write(b"\xff" * 8)
+
+    with pytest.raises(tf.errors.OpError):  # the check, in ranges, finds it before anything is assigned
+        restore_in_ranges(path, layout, target, range_bytes=1024)
+    assert contents(target.export_shard(0)) == before
+    with pytest.raises(CheckpointUnreadable, match=f"{KEY} \\('ranged'\\)"):
+        Checkpoints(str(tmp_path), keep=3).restore({}, adopt=True, tables={KEY: target})
+    assert contents(target.export_shard(0)) == before
+
+
+def test_range_bytes_must_be_positive(tmp_path):
+    path, layout, target, _ = saved_and_changed(tmp_path)
+    with pytest.raises(ValueError, match=r"range_bytes=0\. Expected a positive number of bytes"):
+        table_checkpoint.read(path, {KEY: target}, layout["tables"], layout, range_bytes=0)[table_checkpoint.LOCAL]()
