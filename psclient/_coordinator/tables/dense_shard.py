@@ -377,8 +377,8 @@ class DenseShard:
     def storage_bytes(self):
         """Bytes the shard's rows, slots, per-row counters and key index hold (keys still counting
         towards admission are in a hash table of their own, not counted)."""
-        def size(variable):  # from the variable's shape: reading it could copy it
-            return tf.reduce_prod(tf.shape(variable, tf.int64))
+        def size(variable):  # VariableShape, not tf.shape: that reads the variable, a copy in copy-on-read mode
+            return tf.reduce_prod(tf.raw_ops.VariableShape(input=variable.handle, out_type=tf.int64))
 
         floats = size(self.rows) + sum(size(var) for var in self.slots.values())
         counters = size(self.row_key) + size(self.last)
