@@ -82,7 +82,10 @@ def test_each_ps_saves_its_shards_and_restore_resplits_them(local, tmp_path):
         with RemoteConversions() as seen:  # each shard's save runs on its ps: nothing converted there
             path = strategy.save_checkpoint()
         assert_no_table_conversions(seen)
-        saved, stats, predicted = layer.export_state(), layer.table_stats(), model.predict(probe(), verbose=0)
+        with RemoteConversions() as seen:  # each shard's stats in one traced call on its ps
+            stats = layer.table_stats()
+        assert_no_table_conversions(seen)
+        saved, predicted = layer.export_state(), model.predict(probe(), verbose=0)
         model.fit(x, y, epochs=1, batch_size=64, verbose=0)  # the tables move on after the checkpoint
         assert by_key(layer.export_state()) != by_key(saved)
     finally:

@@ -374,6 +374,18 @@ class DenseShard:
         rows = self.index.size()
         return rows, rows + self.pending.size()
 
+    def stats_values(self):
+        """[rows, keys tracked, admissions, evictions, clock, storage bytes], int64; eagerly one call (`_on_ps`)."""
+        if tf.executing_eagerly():
+            return self._on_ps("stats", self._stats_values)()
+        return self._stats_values()
+
+    def _stats_values(self):
+        rows, tracked = self.sizes()
+        return tf.stack([tf.cast(value, tf.int64) for value in (
+            rows, tracked, self.admissions.read_value(), self.evictions.read_value(), self.clock.read_value(),
+            self.storage_bytes())])
+
     def storage_bytes(self):
         """Bytes the shard's rows, slots, per-row counters and key index hold (keys still counting
         towards admission are in a hash table of their own, not counted)."""

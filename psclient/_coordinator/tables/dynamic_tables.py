@@ -409,19 +409,14 @@ class DynamicTable:
         return [_shard_stats_or_unavailable(self, index) for index in range(len(self.shards))]
 
     def shard_stats(self, index: int) -> dict:
-        """One shard's `stats()` entry (read on its ps)."""
+        """One shard's `stats()` entry (read on its ps: a bounded table's in one traced call)."""
         shard = self.shards[index]
         with shard.placed():
-            rows, tracked = shard.sizes() if shard.dense else (shard.values.size(), shard.counters.size())
-            return {
-                "ps": index if shard.device else None,
-                "rows": int(rows),
-                "tracked_keys": int(tracked),
-                "admissions": int(shard.admissions.read_value()),
-                "evictions": int(shard.evictions.read_value()),
-                "clock": int(shard.clock.read_value()),
-                **({"table_bytes": int(shard.storage_bytes())} if shard.dense else {}),
-            }
+            values = shard.stats_values().numpy().tolist() if shard.dense else [int(v) for v in (
+                shard.values.size(), shard.counters.size(), shard.admissions.read_value(),
+                shard.evictions.read_value(), shard.clock.read_value())]
+        names = ("rows", "tracked_keys", "admissions", "evictions", "clock", "table_bytes")
+        return {"ps": index if shard.device else None, **dict(zip(names, values))}
 
     def export_shard(self, index: int) -> dict:
         """One shard's whole state as numpy arrays: keys, rows, slots, counters and clocks.
