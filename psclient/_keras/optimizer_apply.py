@@ -26,6 +26,7 @@ import threading
 from psclient._coordinator.training import sync
 from psclient._coordinator.tables.dense_shard import run_due_scans
 from psclient._coordinator.tables.fused_admission import apply_parts
+from psclient._coordinator.tables.ps_saves import prepare as prepare_saves
 from psclient._keras import seam
 
 __all__ = ["install"]
@@ -46,7 +47,7 @@ def install() -> None:
 
 
 def _apply_rows(optimizer, trainable_variables: list) -> None:
-    parts, rule = [], None
+    parts, rule, tables = [], None, []
     for variable in trainable_variables:
         ref = getattr(variable, "_psclient_dynamic_layer", None)  # set on a DynamicEmbedding's anchor
         layer = ref() if ref is not None else None
@@ -54,9 +55,12 @@ def _apply_rows(optimizer, trainable_variables: list) -> None:
             layer_parts, layer_rule = layer.apply_kept_gradients(optimizer)
             parts += layer_parts
             rule = rule or layer_rule
+            tables.append(layer.table)
     if parts:
         apply_parts(parts, rule)
     run_due_scans()  # one check per ps for all the tables just updated
+    # Every table's slots made (above): each ps's one checkpoint save is traced now, not in a cut.
+    prepare_saves(tables)
 
 
 def _wrap_apply() -> None:

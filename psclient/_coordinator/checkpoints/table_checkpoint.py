@@ -81,32 +81,44 @@ def names_by_ps(tables: dict[str, Any]) -> dict[int, list[str]]:
 
 
 def save_work(tables: dict[str, Any]) -> dict[int, Callable[[], tuple[list[str], list]]]:
-    """ps -> a function, run under that ps's device, giving (names, tensors on that ps) of its shards."""
-    work: dict[int, list] = {}
-    for key, table in tables.items():
-        for index, shard in enumerate(table.shards):
-            work.setdefault(_task(shard), []).append((key, index, table, shard))
+    """ps -> a function, run under that ps's device in a checkpoint's cut, giving (names, tensors on
+    that ps) of its shards: the dense ones by one call of the ps's prepared save
+    (`ps_saves.PsSave`), else each on its own (`_shard_tensors`); nothing is traced here
+    when one was prepared."""
+    from psclient._coordinator.tables import ps_saves  # tables imports this module (dynamic_tables)
+
+    work = {_task(entries[0][3]): entries for entries in ps_saves.by_device(tables).values()}
 
     def on(entries):
         def run():
-            names, tensors = [], []
-            for key, index, table, shard in entries:
-                slots = sorted(shard.slots)
-                if shard.dense:
-                    keys, counters, row_keys, rows, slot_rows = shard.saved()
-                else:
-                    keys, counters = shard.counters.export()
-                    row_keys, rows = shard.values.export()
-                    row_keys = tf.reshape(row_keys, [-1])
-                    slot_rows = {s: shard.slots[s].lookup(row_keys) for s in slots}
-                names += _names(key, index, slots)
-                shaped = _saved_fields(keys, counters, row_keys, rows, [slot_rows[s] for s in slots], table.dim)
-                tensors += shaped[:4] + [shard.clock.read_value(), shard.admissions.read_value(),
-                                         shard.evictions.read_value()] + shaped[4:]  # in `_names`'s order
+            names = [name for key, index, _table, shard in entries for name in _names(key, index, sorted(shard.slots))]
+            prepared = ps_saves.current([shard for _key, _index, _table, shard in entries if shard.dense])
+            done = prepared() if prepared is not None else {}  # its shards (usually all of them): one call
+            tensors = []
+            for _key, _index, table, shard in entries:
+                own = done.get(id(shard))
+                tensors += own if own is not None else _shard_tensors(table, shard)
             return names, tensors
         return run
 
     return {ps: on(entries) for ps, entries in work.items()}
+
+
+def _shard_tensors(table, shard) -> list:
+    """One shard's saved tensors (in `_names`'s order), under its device: without a prepared save."""
+    slots = sorted(shard.slots)
+    if shard.dense and shard.fresh:
+        return shard.fresh_saved()  # empty since made: its empty tensors, no call
+    if shard.dense:
+        keys, counters, row_keys, rows, slot_rows = shard.saved()
+    else:
+        keys, counters = shard.counters.export()
+        row_keys, rows = shard.values.export()
+        row_keys = tf.reshape(row_keys, [-1])
+        slot_rows = {s: shard.slots[s].lookup(row_keys) for s in slots}
+    shaped = _saved_fields(keys, counters, row_keys, rows, [slot_rows[s] for s in slots], table.dim)
+    return shaped[:4] + [shard.clock.read_value(), shard.admissions.read_value(),
+                         shard.evictions.read_value()] + shaped[4:]  # in `_names`'s order
 
 
 def check(tables: dict[str, Any], saved: dict) -> list[str]:

@@ -190,6 +190,7 @@ class DenseShard:
     def make(self, slot_defaults: dict[str, float]) -> None:
         """New, empty storage on the shard's device (at first, and after its ps was lost)."""
         self._traced.clear()  # traced over the old storage
+        self.version = object()  # a per-ps save over the old storage is stale (ps_saves)
         with self.placed():
             size = self.share
             self.rows = self._variable(tf.zeros([size, self.dim]), "rows")
@@ -209,23 +210,35 @@ class DenseShard:
             # Shared by the bounded tables' shards on this device: a step admits into them at once.
             self.lock = self._lock_for(self.device)
             self.slots = {}
+            # What a checkpoint's cut saves of a shard nothing was written to (`fresh`): made here,
+            # outside any cut, on the ps (`psclient._coordinator.tables.ps_saves`).
+            empty_ids, empty_rows = tf.zeros([0], tf.int64), tf.zeros([0, self.dim])
+            zero = tf.constant(0, tf.int64)
+            self._fresh_fields = [empty_ids, tf.zeros([0, 2], tf.int64), empty_ids, empty_rows, zero, zero, zero]
+            self._empty_rows = empty_rows
         self.add_slots(slot_defaults)
+        #: Nothing written since made: cleared by an optimizer's slots (training follows) or a write
+        #: through `_on_ps` (a restore, an import).
+        self.fresh = True
+
+    def fresh_saved(self) -> list:
+        """A fresh shard's saved tensors (see `ps_saves.saved_tensors`), on its ps since `make`."""
+        return self._fresh_fields + [self._empty_rows] * len(self.slots)
 
     def add_slots(self, defaults: dict[str, float]) -> None:
+        self.fresh = False  # an optimizer asks for its slots before it first updates the rows
         self.slot_defaults = {**self.slot_defaults, **{k: float(v) for k, v in defaults.items()}}
         missing = {slot: value for slot, value in defaults.items() if slot not in self.slots}
         if not missing:
             return  # no read of the ps: every trace of a training step asks (docs/fault_tolerance.md)
         self._traced.clear()  # traced without these slots
+        self.version = object()  # a per-ps save without them is stale (ps_saves)
         with self.placed():
             for slot, value in missing.items():
                 self.slots[slot] = self._variable(_slot_start(self.rows, self.dim, float(value)), f"slot_{slot}")
-            # Traced and made on the ps now (the optimizer's build, before training; the table is
-            # empty yet), not in a checkpoint's cut, where nothing runs meanwhile. Kept as a concrete
-            # function: a call from the cut would not find a trace made in this context.
-            saved = self._traced["saved"] = self._on_ps("saved", self._saved).get_concrete_function()
-            if tf.executing_eagerly():
-                saved()
+        # Nothing traced here: a checkpoint's cut saves this ps's shards with one function, made once
+        # the optimizer made every table's slots (`ps_saves.prepare`). Traced per shard here (and in
+        # the first cut, before any slot), each shard's save was traced twice in a first fit.
 
     # ---------------------------------------------------------------- reads
     def _rows_of(self, keys):
@@ -405,6 +418,8 @@ class DenseShard:
         thread of the coordinator (tests/_conversions.py). Traced, they are
         constants of the function, and its call waits without the GIL.
         """
+        if name != "saved":
+            self.fresh = False  # a write (a restore's replace, an import)
         traced = self._traced.get(name)
         if traced is None:
             traced = self._traced[name] = tf.function(section, autograph=False, reduce_retracing=True)

@@ -1,0 +1,127 @@
+"""A checkpoint's cut of the bounded tables: one traced call per ps for all its dense shards.
+
+A strategy checkpoint stops dispatch while each ps takes its snapshot
+(`checkpoints/checkpoint_snapshot.py`). Saved one shard at a time, a ps
+answered about five round trips per shard (the shard's save, its clock,
+admissions and evictions, the reshapes), one after another: 26 tables on 2
+ps tasks paused training 0.49 s a save (docs/dynamic_embeddings.md). Here,
+each ps's dense shards are saved by one concrete function, `PsSave`, whose
+outputs are every tensor the checkpoint names for them
+(`table_checkpoint._names`'s order), counters and clock included: the cut
+makes one call per ps, all ps at once.
+
+The function is traced, and called once so that the ps instantiates it,
+*before* any cut: `prepare(tables)` runs where the optimizer makes the
+tables' slots, while a training step is traced (`psclient._keras.optimizer_apply`),
+never in a cut, where tracing would register a function on every task with
+dispatch stopped (docs/tf-runtime-facts: that registration waits for every
+task, holding the GIL). It covers the strategy's tables as the cut groups
+them (`by_device`); a shard made again (its ps lost: `DenseShard.make`) or
+given new slots changes its `version`, and a `PsSave` that holds an old
+version, or not exactly the ps's shards, is not called (`current`): the
+cut then saves each shard on its own (`table_checkpoint.save_work`), and
+the next traced step prepares a new one.
+
+A shard with nothing written since it was made (`DenseShard.fresh`: no
+optimizer slots asked for, no restore) is empty: the cut takes the empty
+tensors it made then, on its ps (`DenseShard.fresh_saved`), without a call.
+That is the checkpoint `schedule()` takes before a model's first step is
+traced (new variables), before the optimizer made any slot.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import tensorflow as tf
+
+__all__ = ["PsSave", "by_device", "current", "prepare", "saved_tensors"]
+
+
+def by_device(tables: dict[str, Any]) -> dict[Any, list[tuple]]:
+    """device -> [(key, index, table, shard)] of `tables`' shards, in the checkpoint's order."""
+    out: dict[Any, list[tuple]] = {}
+    for key, table in tables.items():
+        for index, shard in enumerate(table.shards):
+            out.setdefault(shard.device, []).append((key, index, table, shard))
+    return out
+
+
+def saved_tensors(shard, dim: int) -> list:
+    """In a traced function: a dense shard's saved tensors in the checkpoint's order (keys, counters,
+    row_keys, rows, clock, admissions, evictions, then its slots by name), in the checkpoint's shapes."""
+    keys, counters, row_keys, rows, slot_rows = shard.saved()  # its ops, in the caller's trace
+    return ([tf.reshape(keys, [-1]), tf.reshape(counters, [-1, 2]), tf.reshape(row_keys, [-1]),
+             tf.reshape(rows, [-1, dim]), shard.clock.read_value(), shard.admissions.read_value(),
+             shard.evictions.read_value()] + [tf.reshape(slot_rows[s], [-1, dim]) for s in sorted(shard.slots)])
+
+
+class PsSave:
+    """One ps's dense shards saved by one concrete function (see the module's docstring)."""
+
+    def __init__(self, shards: list, dims: list[int]):
+        self.shards = list(shards)
+        self.versions = [shard.version for shard in shards]
+        self.counts = [7 + len(shard.slots) for shard in shards]  # tensors per shard (`saved_tensors`)
+
+        def save_all():
+            out = []
+            for shard, dim in zip(shards, dims):
+                out += saved_tensors(shard, dim)
+            return out
+
+        with shards[0].placed():
+            # Concrete: a call from the cut (another context) would not find a trace made here.
+            self.function = tf.function(save_all, autograph=False).get_concrete_function()
+            self.function()  # the ps instantiates it now, not in the first cut
+
+    def valid(self) -> bool:
+        """Whether each of its shards is as it was traced (same storage and slots)."""
+        return all(shard.version is version for shard, version in zip(self.shards, self.versions))
+
+    def __call__(self) -> dict[int, list]:
+        """id(shard) -> that shard's saved tensors, on the ps: one call."""
+        flat, out, at = self.function(), {}, 0
+        for shard, count in zip(self.shards, self.counts):
+            out[id(shard)] = flat[at:at + count]
+            at += count
+        return out
+
+
+def current(shards: list) -> PsSave | None:
+    """A `PsSave` prepared for these dense shards (one ps's) that is still valid, or None. It may not
+    cover them all (a table made since: `save_work` saves the others one by one)."""
+    for shard in shards:
+        candidate = getattr(shard, "ps_save", None)
+        if candidate is not None and candidate.valid():
+            return candidate
+    return None
+
+
+def prepare(tables: Iterable[Any]) -> None:
+    """Make (trace and instantiate) the `PsSave` of each ps of the strategies owning `tables`, for
+    every table of theirs, where the one there is not current. Outside any cut: called while a
+    training step is traced, once the optimizer made the tables' slots. A strategy without
+    checkpoints never saves: nothing is made for it."""
+    from psclient._coordinator.ps_state import on_ps
+
+    strategies = {}
+    for table in tables:
+        strategy = table.owner()
+        if strategy is not None and strategy.config.checkpoint_dir is not None:
+            strategies[id(strategy)] = strategy
+    for strategy in strategies.values():
+        on_ps(strategy, lambda strategy=strategy: _prepare(strategy.parts.store.tables()),
+              "preparing the dynamic tables' checkpoint saves")
+
+
+def _prepare(tables: dict[str, Any]) -> None:
+    with tf.init_scope():
+        for entries in by_device(tables).values():
+            shards = [shard for _key, _index, _table, shard in entries if shard.dense]
+            prepared = current(shards)
+            if not shards or (prepared is not None and all(getattr(s, "ps_save", None) is prepared for s in shards)):
+                continue  # each shard here saved by one valid function already
+            ps_save = PsSave(shards, [table.dim for _key, _index, table, shard in entries if shard.dense])
+            for shard in shards:
+                shard.ps_save = ps_save
