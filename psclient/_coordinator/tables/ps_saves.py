@@ -4,7 +4,7 @@ A strategy checkpoint stops dispatch while each ps takes its snapshot
 (`checkpoints/checkpoint_snapshot.py`). Saved one shard at a time, a ps
 answered about five round trips per shard (the shard's save, its clock,
 admissions and evictions, the reshapes), one after another: 26 tables on 2
-ps tasks paused training 0.49 s a save (docs/dynamic_embeddings.md). Here,
+ps tasks paused training 0.49-0.58 s a save, 0.13 s now (docs/dynamic_embeddings.md). Here,
 each ps's dense shards are saved by one concrete function, `PsSave`, whose
 outputs are every tensor the checkpoint names for them
 (`table_checkpoint._names`'s order), counters and clock included: the cut
@@ -14,13 +14,14 @@ The function is traced, and called once so that the ps instantiates it,
 *before* any cut: `prepare(tables)` runs where the optimizer makes the
 tables' slots, while a training step is traced (`psclient._keras.optimizer_apply`),
 never in a cut, where tracing would register a function on every task with
-dispatch stopped (docs/tf-runtime-facts: that registration waits for every
-task, holding the GIL). It covers the strategy's tables as the cut groups
-them (`by_device`); a shard made again (its ps lost: `DenseShard.make`) or
-given new slots changes its `version`, and a `PsSave` that holds an old
-version, or not exactly the ps's shards, is not called (`current`): the
-cut then saves each shard on its own (`table_checkpoint.save_work`), and
-the next traced step prepares a new one.
+dispatch stopped (a registration waits for every task and holds the GIL: a
+task that hangs then stops every thread of the coordinator). It covers every
+table of the strategy. A shard made again (its ps lost: `DenseShard.make`)
+or given new slots gets a new `version`: a `PsSave` holding an old one is
+stale and not called (`current`), and the cut saves that ps's shards one by
+one (`table_checkpoint.save_work`) until the next traced step prepares a new
+one. A valid one that lacks some shards (a table made since) saves the
+shards it has; the others are saved one by one.
 
 A shard with nothing written since it was made (`DenseShard.fresh`: no
 optimizer slots asked for, no restore) is empty: the cut takes the empty
@@ -101,14 +102,15 @@ def current(shards: list) -> PsSave | None:
 def prepare(tables: Iterable[Any]) -> None:
     """Make (trace and instantiate) the `PsSave` of each ps of the strategies owning `tables`, for
     every table of theirs, where the one there is not current. Outside any cut: called while a
-    training step is traced, once the optimizer made the tables' slots. A strategy without
-    checkpoints never saves: nothing is made for it."""
+    training step is traced, once the optimizer made the tables' slots. Made with or without a
+    `checkpoint_dir`: Keras's checkpoint callbacks (`psclient.ModelCheckpoint`, `BackupAndRestore`)
+    save the tables through the same cut."""
     from psclient._coordinator.ps_state import on_ps
 
     strategies = {}
     for table in tables:
         strategy = table.owner()
-        if strategy is not None and strategy.config.checkpoint_dir is not None:
+        if strategy is not None:
             strategies[id(strategy)] = strategy
     for strategy in strategies.values():
         on_ps(strategy, lambda strategy=strategy: _prepare(strategy.parts.store.tables()),
