@@ -45,6 +45,9 @@ __all__ = ["DenseShard", "least_recent", "live_rows", "run_due_scans", "scan_whe
 
 _NEWEST = 2**63 - 1
 
+#: The `_on_ps` sections that only read a shard (any other may write: it is then no longer `fresh`).
+_READS = frozenset({"saved", "stats"})
+
 # Per traced graph, the output of its last critical section. Each one starts only after the previous
 # one ended (and after its own inputs arrived), so a step holds at most one shard's lock at a time:
 # two steps can never each hold a lock the other waits for. (Locks taken as soon as the step
@@ -418,8 +421,8 @@ class DenseShard:
         thread of the coordinator (tests/_conversions.py). Traced, they are
         constants of the function, and its call waits without the GIL.
         """
-        if name != "saved":
-            self.fresh = False  # a write (a restore's replace, an import)
+        if name not in _READS:
+            self.fresh = False  # a write (a restore's replace, an import): any but the known reads
         traced = self._traced.get(name)
         if traced is None:
             traced = self._traced[name] = tf.function(section, autograph=False, reduce_retracing=True)
