@@ -106,9 +106,11 @@ def save_work(tables: dict[str, Any]) -> dict[int, Callable[[], tuple[list[str],
 
 def _shard_tensors(table, shard) -> list:
     """One shard's saved tensors (in `_names`'s order), under its device: without a prepared save."""
+    from psclient._coordinator.tables import ps_saves
+
     slots = sorted(shard.slots)
     if shard.dense and shard.fresh:
-        return shard.fresh_saved()  # empty since made: its empty tensors, no call
+        return ps_saves.fresh_tensors(shard)  # empty since made: its empty tensors, no call
     if shard.dense:
         keys, counters, row_keys, rows, slot_rows = shard.saved()
     else:

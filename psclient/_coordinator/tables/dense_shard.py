@@ -39,14 +39,13 @@ import weakref
 import tensorflow as tf
 
 from psclient._coordinator.tables.key_index import KeyIndex, find
+from psclient._coordinator.tables.ps_saves import empty_fields
 from psclient._core import dynamic_tables as rules
 
 __all__ = ["DenseShard", "least_recent", "live_rows", "run_due_scans", "scan_when_due", "vector"]
 
 _NEWEST = 2**63 - 1
-
-#: The `_on_ps` sections that only read a shard (any other may write: it is then no longer `fresh`).
-_READS = frozenset({"saved", "stats"})
+_READS = frozenset({"saved", "stats"})  # `_on_ps` sections that only read (any other may write)
 
 # Per traced graph, the output of its last critical section. Each one starts only after the previous
 # one ended (and after its own inputs arrived), so a step holds at most one shard's lock at a time:
@@ -213,20 +212,9 @@ class DenseShard:
             # Shared by the bounded tables' shards on this device: a step admits into them at once.
             self.lock = self._lock_for(self.device)
             self.slots = {}
-            # What a checkpoint's cut saves of a shard nothing was written to (`fresh`): made here,
-            # outside any cut, on the ps (`psclient._coordinator.tables.ps_saves`).
-            empty_ids, empty_rows = tf.zeros([0], tf.int64), tf.zeros([0, self.dim])
-            zero = tf.constant(0, tf.int64)
-            self._fresh_fields = [empty_ids, tf.zeros([0, 2], tf.int64), empty_ids, empty_rows, zero, zero, zero]
-            self._empty_rows = empty_rows
+            self.empty_fields = empty_fields(self.dim)  # what a cut saves while `fresh`: made here, not there
         self.add_slots(slot_defaults)
-        #: Nothing written since made: cleared by an optimizer's slots (training follows) or a write
-        #: through `_on_ps` (a restore, an import).
-        self.fresh = True
-
-    def fresh_saved(self) -> list:
-        """A fresh shard's saved tensors (see `ps_saves.saved_tensors`), on its ps since `make`."""
-        return self._fresh_fields + [self._empty_rows] * len(self.slots)
+        self.fresh = True  #: nothing written since made (cleared by add_slots and writes through `_on_ps`)
 
     def add_slots(self, defaults: dict[str, float]) -> None:
         self.fresh = False  # an optimizer asks for its slots before it first updates the rows
@@ -239,9 +227,7 @@ class DenseShard:
         with self.placed():
             for slot, value in missing.items():
                 self.slots[slot] = self._variable(_slot_start(self.rows, self.dim, float(value)), f"slot_{slot}")
-        # Nothing traced here: a checkpoint's cut saves this ps's shards with one function, made once
-        # the optimizer made every table's slots (`ps_saves.prepare`). Traced per shard here (and in
-        # the first cut, before any slot), each shard's save was traced twice in a first fit.
+        # Nothing traced here: a cut saves the ps's shards with one function made later (`ps_saves.prepare`).
 
     # ---------------------------------------------------------------- reads
     def _rows_of(self, keys):
@@ -413,16 +399,12 @@ class DenseShard:
         return 4 * floats + 8 * counters + 4 * size(self.free) + self.index.BUCKET_BYTES * self.index.buckets()
 
     def _on_ps(self, name: str, section):
-        """`section` as one traced call for the eager callers (checkpoints, restores, exports).
-
-        Run eagerly under the shard's device, each Python value in its ops (a
-        shape, a fill value) would be converted *there*, and TF copies it to the
-        ps inside the conversion holding the GIL: a ps hung then stops every
-        thread of the coordinator (tests/_conversions.py). Traced, they are
-        constants of the function, and its call waits without the GIL.
-        """
-        if name not in _READS:
-            self.fresh = False  # a write (a restore's replace, an import): any but the known reads
+        """`section` as one traced call for the eager callers (checkpoints, restores, exports). Run
+        eagerly under the shard's device, each Python value in its ops (a shape, a fill value) would be
+        converted *there*, and TF copies it to the ps inside the conversion holding the GIL: a ps hung
+        then stops every thread of the coordinator (tests/_conversions.py). Traced, they are constants
+        of the function, and its call waits without the GIL."""
+        self.fresh = self.fresh and name in _READS  # any other section may write (a restore, an import)
         traced = self._traced.get(name)
         if traced is None:
             traced = self._traced[name] = tf.function(section, autograph=False, reduce_retracing=True)
@@ -430,9 +412,7 @@ class DenseShard:
 
     def saved(self):
         """(keys, counters, row_keys, rows, {slot: rows}) of the shard, as tensors on its device."""
-        if tf.executing_eagerly():
-            return self._on_ps("saved", self._saved)()
-        return self._saved()
+        return self._on_ps("saved", self._saved)() if tf.executing_eagerly() else self._saved()
 
     def _saved(self):
         row_keys, held = self.live()

@@ -25,7 +25,7 @@ shards it has; the others are saved one by one.
 
 A shard with nothing written since it was made (`DenseShard.fresh`: no
 optimizer slots asked for, no restore) is empty: the cut takes the empty
-tensors it made then, on its ps (`DenseShard.fresh_saved`), without a call.
+tensors it made then, on its ps (`fresh_tensors`), without a call.
 That is the checkpoint `schedule()` takes before a model's first step is
 traced (new variables), before the optimizer made any slot.
 """
@@ -36,7 +36,7 @@ from typing import Any, Iterable
 
 import tensorflow as tf
 
-__all__ = ["PsSave", "by_device", "current", "prepare", "saved_tensors"]
+__all__ = ["PsSave", "by_device", "current", "empty_fields", "fresh_tensors", "prepare", "saved_tensors"]
 
 
 def by_device(tables: dict[str, Any]) -> dict[Any, list[tuple]]:
@@ -55,6 +55,19 @@ def saved_tensors(shard, dim: int) -> list:
     return ([tf.reshape(keys, [-1]), tf.reshape(counters, [-1, 2]), tf.reshape(row_keys, [-1]),
              tf.reshape(rows, [-1, dim]), shard.clock.read_value(), shard.admissions.read_value(),
              shard.evictions.read_value()] + [tf.reshape(slot_rows[s], [-1, dim]) for s in sorted(shard.slots)])
+
+
+def empty_fields(dim: int) -> list:
+    """A fresh shard's saved tensors without slots, then one empty slot value: made (on the shard's
+    device, by `DenseShard.make`) outside any cut, taken by a cut without a call (`fresh_tensors`)."""
+    ids, rows, zero = tf.zeros([0], tf.int64), tf.zeros([0, dim]), tf.constant(0, tf.int64)
+    return [ids, tf.zeros([0, 2], tf.int64), ids, rows, zero, zero, zero, rows]
+
+
+def fresh_tensors(shard) -> list:
+    """A `fresh` dense shard's saved tensors (`saved_tensors`' order): empty, on its ps since made."""
+    fields = shard.empty_fields
+    return fields[:7] + [fields[7]] * len(shard.slots)
 
 
 class PsSave:
