@@ -358,6 +358,11 @@ class DenseShard:
         with tf.control_dependencies([rebuilt]):
             return self.evictions.read_value()
 
+    def scan_held(self):
+        """`scan` for a caller that holds the lock already (the fused admission's section); True."""
+        with tf.control_dependencies([self._scan()]):
+            return tf.constant(True)
+
     def due(self):
         """Whether a scan is due after a step (with `ttl_steps` or `min_frequency > 1`; rows over the
         share only come from a restore, which scans at once)."""
