@@ -265,23 +265,26 @@ class DenseShard:
         row; the update still reaches its row), and a row another step just freed and gave to a
         new key can be read once, like any read racing an asynchronous update.
         """
-        policy = self.policy
+        policy, ttl = self.policy, self.policy.ttl_steps
         at = self.index.find(asked)
-        found = self.gather_rows(self.rows, tf.maximum(at, 0))
+        safe = tf.maximum(at, 0)
+        found = self.gather_rows(self.rows, safe)
         code = at
-        if policy.ttl_steps is not None or policy.min_frequency > 1:
+        if ttl is not None or policy.min_frequency > 1:
+            # Written for few ops (a step runs these for every table on the ps): the clock read
+            # once, the counters unstacked in one op, scalars broadcast by the `where`s.
+            step = self.clock.read_value() + 1 if ttl is not None else None  # the step's clock
             alive = at >= 0
-            if policy.ttl_steps is not None:
-                last = self._vector(self.last, tf.maximum(at, 0))
-                alive &= self.clock.read_value() + 1 - last <= policy.ttl_steps
-            code = tf.where(alive, at, -1)
+            if ttl is not None:
+                alive &= step - self._vector(self.last, safe) <= ttl
             if policy.min_frequency > 1:
-                waiting = tf.reshape(find(self.pending, asked, [0, -1]), [-1, 2])
-                count = waiting[:, 0]
-                if policy.ttl_steps is not None:
-                    count = tf.where(self.clock.read_value() + 1 - waiting[:, 1] > policy.ttl_steps,
-                                     tf.zeros_like(count), count)
-                code = tf.where(alive | (count + seen_now >= policy.min_frequency), code, -2)
+                count, seen_at = tf.unstack(tf.reshape(find(self.pending, asked, [0, -1]), [-1, 2]), axis=1)
+                if ttl is not None:
+                    count = tf.where(step - seen_at > ttl, tf.constant(0, tf.int64), count)
+                waits = tf.where(count + seen_now >= policy.min_frequency, -1, -2)
+            else:
+                waits = tf.constant(-1)
+            code = tf.where(alive, at, waits)
         return tf.concat([found, tf.bitcast(code, tf.float32)[:, None]], 1)
 
     # ------------------------------------------------------------ admission
