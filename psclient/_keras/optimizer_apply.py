@@ -5,7 +5,7 @@ variables the optimizer was given:
 
 1. The rows of every `DynamicEmbedding` whose anchor weight is among them are
    updated from the gradients their lookups kept (one admission and update per
-   ps for the alike tables of the step, then one scan check per ps).
+   ps for the alike tables of the step, with the scans that are due).
 2. Inside a step traced for `schedule()`, the other weights are applied under
    the strategy's rule for model versions: a ticket, `max_staleness`, or
    `replicas_to_aggregate` (`psclient._coordinator.training.sync`). Keras's own apply
@@ -24,7 +24,6 @@ import functools
 import threading
 
 from psclient._coordinator.training import sync
-from psclient._coordinator.tables.dense_shard import run_due_scans
 from psclient._coordinator.tables.fused_admission import apply_parts
 from psclient._keras import seam
 
@@ -55,8 +54,7 @@ def _apply_rows(optimizer, trainable_variables: list) -> None:
             parts += layer_parts
             rule = rule or layer_rule
     if parts:
-        apply_parts(parts, rule)
-    run_due_scans()  # one check per ps for all the tables just updated
+        apply_parts(parts, rule)  # the scans due run in the same sections
 
 
 def _wrap_apply() -> None:
