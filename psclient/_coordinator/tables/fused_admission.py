@@ -129,10 +129,11 @@ def _free_stale(shards, keys, at, seg, stale):
     """Free the rows of the `stale` keys (expired, not yet scanned) of a group; returns True."""
     stale_at = tf.reshape(tf.where(stale), [-1])
     stale_seg = tf.gather(seg, stale_at)
+    gone_keys = tf.dynamic_partition(tf.gather(keys, stale_at), stale_seg, len(shards))
+    gone_rows = tf.dynamic_partition(tf.gather(at, stale_at), stale_seg, len(shards))
     ops = []
-    for shard, gone_keys, gone_rows in zip(shards, tf.dynamic_partition(tf.gather(keys, stale_at), stale_seg, len(shards)),
-                                           tf.dynamic_partition(tf.gather(at, stale_at), stale_seg, len(shards))):
-        ops += shard.free_rows(gone_keys, gone_rows)
+    for shard, shard_keys, shard_rows in zip(shards, gone_keys, gone_rows):
+        ops += shard.free_rows(shard_keys, shard_rows)
     with tf.control_dependencies(ops):
         return tf.constant(True)
 
