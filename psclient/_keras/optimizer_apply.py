@@ -5,7 +5,7 @@ variables the optimizer was given:
 
 1. The rows of every `DynamicEmbedding` whose anchor weight is among them are
    updated from the gradients their lookups kept (one admission and update per
-   ps for the alike tables of the step, then one scan check per ps).
+   ps for the alike tables of the step, with the scans that are due).
 2. Inside a step traced for `schedule()`, the other weights are applied under
    the strategy's rule for model versions: a ticket, `max_staleness`, or
    `replicas_to_aggregate` (`psclient._coordinator.training.sync`). Keras's own apply
@@ -24,7 +24,6 @@ import functools
 import threading
 
 from psclient._coordinator.training import sync
-from psclient._coordinator.tables.dense_shard import run_due_scans
 from psclient._coordinator.tables.fused_admission import apply_parts
 from psclient._coordinator.tables.ps_saves import prepare as prepare_saves
 from psclient._keras import seam
@@ -57,8 +56,7 @@ def _apply_rows(optimizer, trainable_variables: list) -> None:
             rule = rule or layer_rule
             tables.append(layer.table)
     if parts:
-        apply_parts(parts, rule)
-    run_due_scans()  # one check per ps for all the tables just updated
+        apply_parts(parts, rule)  # the scans due run in the same sections
     # Every table's slots made (above): each ps's one checkpoint save is traced now, not in a cut.
     prepare_saves(tables)
 

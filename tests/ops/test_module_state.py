@@ -33,7 +33,6 @@ ALLOWED = {
     "psclient._keras.trainer._warned_local": WEAK,
     "psclient._keras.eval._functions": WEAK,
     "psclient._coordinator.tables.dense_shard._last_section": WEAK,
-    "psclient._coordinator.tables.dense_shard._updated": WEAK,
     "psclient._coordinator.training.sync._applied_untracked": WEAK,
     "psclient._coordinator.training.sync._applies": WEAK,
     "psclient._coordinator.tables.dynamic_tables._local_locks": PROCESS + "the lock of tables made without any "

@@ -12,7 +12,7 @@ tf = pytest.importorskip("tensorflow")
 
 from psclient._coordinator.tables.dense_shard import least_recent  # noqa: E402
 from psclient._coordinator.tables.fused_admission import _least_recent_rows  # noqa: E402
-from psclient._core.dynamic_tables import headroom  # noqa: E402
+from psclient._core.dynamic_tables import headroom, scan_every  # noqa: E402
 from psclient.layers import DynamicEmbedding  # noqa: E402
 
 START, LR = 0.5, 0.1
@@ -172,3 +172,53 @@ def test_alike_tables_with_min_frequency_and_ttl_steps_count_and_expire_their_ow
         for field in ("clock", "rows", "tracked_keys", "admissions", "evictions"):
             assert got_stats[field] == want_stats[field], (got_layer.name, field)
         assert got_stats["evictions"] > 0  # rows expired (ttl_steps) or were evicted on the way
+
+
+def test_min_frequency_and_ttl_steps_read_as_without_a_capacity_also_for_keys_seen_between_expiry_and_scan():
+    """A bounded table (fused admission: keys still counting written per group, stale rows freed
+    under one conditional, the scan inside the admission's section) reads, in training and after
+    each step, what a table without a capacity (hash tables, admission per step, its own scan)
+    reads over the same stream: admitted at the 2nd sighting, expired after `ttl_steps` unseen,
+    Adagrad's slots started afresh on re-admission. The stream re-sights keys after their expiry
+    before a scan removed them (checked below), the case the conditional frees rows in."""
+    ttl, every, steps = 16, scan_every(16), 90
+    bounded = DynamicEmbedding(2, capacity=64, min_frequency=2, ttl_steps=ttl, name="policies_bounded")
+    unbounded = DynamicEmbedding.from_config({**bounded.get_config(), "name": "policies_unbounded", "capacity": None})
+    rng = np.random.default_rng(11)
+    batches = [rng.choice(24, 3, replace=False) for _ in range(steps)]
+    # Sightings of a key after its row expired (clock - last > ttl) and before a scan (clock % every == 0,
+    # after the step) removed it: the stale rows the admission frees itself.
+    last, stale = {}, 0
+    for clock, keys in enumerate(batches, start=1):
+        for key in keys.tolist():
+            if key in last and clock - last[key] > ttl and not any(
+                    c % every == 0 for c in range(last[key] + ttl + 1, clock)):
+                stale += 1
+            last[key] = clock
+    assert stale > 0, "the stream must re-sight a key between its expiry and the scan"
+
+    def step_of(layer):
+        optimizer = keras.optimizers.Adagrad(LR)
+
+        @tf.function
+        def step(keys, weights):
+            with tf.GradientTape() as tape:
+                out = layer(keys, training=True)
+                loss = tf.reduce_sum(out * weights)
+            optimizer.apply(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
+            return out
+
+        return step
+
+    bounded_step, unbounded_step = step_of(bounded), step_of(unbounded)
+    probe = tf.range(24, dtype=tf.int64)
+    for index, keys in enumerate(batches):
+        keys = tf.constant(keys, tf.int64)
+        weights = tf.constant(rng.normal(size=(3, 2)), tf.float32)
+        np.testing.assert_allclose(bounded_step(keys, weights), unbounded_step(keys, weights), rtol=1e-5,
+                                   err_msg=f"training read, step {index + 1}")
+        np.testing.assert_allclose(bounded(probe, training=False), unbounded(probe, training=False), rtol=1e-5,
+                                   err_msg=f"inference read, step {index + 1}")
+    got, want = bounded.table_stats()[0], unbounded.table_stats()[0]
+    assert got["admissions"] == want["admissions"] and got["clock"] == want["clock"] == steps
+    assert got["evictions"] > 0  # rows expired and were freed, by the scan or by the admission

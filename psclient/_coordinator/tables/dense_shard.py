@@ -28,7 +28,7 @@ at once must not take the same free row. The eviction a full shard needs
 runs inside it, before the new rows are placed, with the same victims as
 `psclient._core.dynamic_tables`' rules. Scans (`scan`) handle expiry, keys
 still counting and index rebuilds for tables with `ttl_steps` or
-`min_frequency > 1`, and restores.
+`min_frequency > 1` (in the same section, when due: `scan_held`), and restores.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from psclient._coordinator.tables.key_index import KeyIndex, find
 from psclient._coordinator.tables.ps_saves import empty_fields
 from psclient._core import dynamic_tables as rules
 
-__all__ = ["DenseShard", "least_recent", "live_rows", "run_due_scans", "scan_when_due", "vector"]
+__all__ = ["DenseShard", "least_recent", "live_rows", "vector"]
 
 _NEWEST = 2**63 - 1
 _READS = frozenset({"saved", "stats"})  # `_on_ps` sections that only read (any other may write)
@@ -64,44 +64,6 @@ def in_turn(section, inputs=()):
         out = section()
     _last_section[graph] = tf.nest.flatten(out)[0]
     return out
-
-
-# Per traced graph (or `_EAGER`), the shards a step updated, with their writes, whose scans are due
-# to be checked once the optimizer has updated every table (`scan_when_due`, `run_due_scans`).
-_EAGER = type("Eager", (), {})()
-_updated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def scan_when_due(shard, writes) -> None:
-    """Check, after `writes`, whether `shard` is due a scan (see `run_due_scans`)."""
-    graph = _EAGER if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-    _updated.setdefault(graph, []).append((shard, list(writes)))
-
-
-def run_due_scans() -> None:
-    """Scan the shards this step updated that are due, one conditional per ps task.
-
-    On a ps, each conditional in a step cost milliseconds (one per table and
-    step made a model of 4 tables 1.7x slower, docs/dynamic_embeddings.md,
-    "Speed and memory"): one per ps task asks whether any of its shards is
-    due, and only then each shard is asked on its own.
-    """
-    graph = _EAGER if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-    by_device: dict = {}
-    for shard, writes in _updated.pop(graph, []):
-        by_device.setdefault(shard.device, []).append((shard, writes))
-    for entries in by_device.values():
-        shards = [shard for shard, _ in entries]
-
-        def scan_each(shards=shards):
-            done = [in_turn(lambda shard=shard: tf.cond(shard.due(), shard.scan, lambda: tf.constant(0, tf.int64)))
-                    for shard in shards]
-            with tf.control_dependencies(done):
-                return tf.constant(0, tf.int64)
-
-        with shards[0].placed(), tf.control_dependencies([op for _, writes in entries for op in writes]):
-            due = tf.reduce_any(tf.stack([shard.due() for shard in shards]))
-            in_turn(lambda due=due, scan_each=scan_each: tf.cond(due, scan_each, lambda: tf.constant(0, tf.int64)))
 
 
 def vector(variable, at=None):
@@ -267,23 +229,26 @@ class DenseShard:
         row; the update still reaches its row), and a row another step just freed and gave to a
         new key can be read once, like any read racing an asynchronous update.
         """
-        policy = self.policy
+        policy, ttl = self.policy, self.policy.ttl_steps
         at = self.index.find(asked)
-        found = self.gather_rows(self.rows, tf.maximum(at, 0))
+        safe = tf.maximum(at, 0)
+        found = self.gather_rows(self.rows, safe)
         code = at
-        if policy.ttl_steps is not None or policy.min_frequency > 1:
+        if ttl is not None or policy.min_frequency > 1:
+            # Written for few ops (a step runs these for every table on the ps): the clock read
+            # once, the counters unstacked in one op, scalars broadcast by the `where`s.
+            step = self.clock.read_value() + 1 if ttl is not None else None  # the step's clock
             alive = at >= 0
-            if policy.ttl_steps is not None:
-                last = self._vector(self.last, tf.maximum(at, 0))
-                alive &= self.clock.read_value() + 1 - last <= policy.ttl_steps
-            code = tf.where(alive, at, -1)
+            if ttl is not None:
+                alive &= step - self._vector(self.last, safe) <= ttl
             if policy.min_frequency > 1:
-                waiting = tf.reshape(find(self.pending, asked, [0, -1]), [-1, 2])
-                count = waiting[:, 0]
-                if policy.ttl_steps is not None:
-                    count = tf.where(self.clock.read_value() + 1 - waiting[:, 1] > policy.ttl_steps,
-                                     tf.zeros_like(count), count)
-                code = tf.where(alive | (count + seen_now >= policy.min_frequency), code, -2)
+                count, seen_at = tf.unstack(tf.reshape(find(self.pending, asked, [0, -1]), [-1, 2]), axis=1)
+                if ttl is not None:
+                    count = tf.where(step - seen_at > ttl, tf.constant(0, tf.int64), count)
+                waits = tf.where(count + seen_now >= policy.min_frequency, -1, -2)
+            else:
+                waits = tf.constant(-1)
+            code = tf.where(alive, at, waits)
         return tf.concat([found, tf.bitcast(code, tf.float32)[:, None]], 1)
 
     # ------------------------------------------------------------ admission
@@ -360,15 +325,10 @@ class DenseShard:
         with tf.control_dependencies([rebuilt]):
             return self.evictions.read_value()
 
-    def due(self):
-        """Whether a scan is due after a step (with `ttl_steps` or `min_frequency > 1`; rows over the
-        share only come from a restore, which scans at once)."""
-        share, every = self.share, rules.scan_every(self.policy.ttl_steps)
-        rows = self.index.size()
-        due = (self.pending.size() > share) | (rows > share) | self.index.worn(rows)
-        if every is not None:
-            due |= self.clock.read_value() % every == 0
-        return due
+    def scan_held(self):
+        """`scan` for a caller that holds the lock already (the fused admission's section); True."""
+        with tf.control_dependencies([self._scan()]):
+            return tf.constant(True)
 
     # ------------------------------------------------------------ state out
     def sizes(self):

@@ -230,6 +230,8 @@ class DynamicTable:
                 if self.policy.ttl_steps is not None:
                     seen = tf.reshape(shard.counters.lookup(part), [-1, 2])
                     alive = shard.clock.read_value() - seen[:, 1] <= self.policy.ttl_steps
+                    # Re-sighted after expiring, a key counts afresh: its old row is no longer its.
+                    alive &= seen[:, 0] >= self.policy.min_frequency
                     found = tf.where(alive[:, None], found, tf.zeros_like(found))
                 rows.append(found)
         return tf.dynamic_stitch(positions, rows)

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from psclient._coordinator.tables.dense_shard import _NEWEST, in_turn, scan_when_due, vector
+from psclient._coordinator.tables.dense_shard import _NEWEST, in_turn, vector
 from psclient._coordinator.tables.key_hash import initial_rows
 from psclient._coordinator.tables.key_index import SUBSTITUTE_KEY, find
 from psclient._core import dynamic_tables as rules
@@ -67,9 +67,6 @@ def apply_parts(parts: list[Part], rule: Callable) -> list:
             group = [dataclasses.replace(p, keys=tf.identity(p.keys), gradient=tf.identity(p.gradient),
                                          seen=None if p.seen is None else tf.identity(p.seen)) for p in group]
             done = in_turn(lambda group=group: _locked(group, rule), [p.keys for p in group])
-        if group[0].shard.policy.ttl_steps is not None or group[0].shard.policy.min_frequency > 1:
-            for part in group:  # expiry and keys still counting are the scan's (run_due_scans)
-                scan_when_due(part.shard, [done])
         ops.append(done)
     return ops
 
@@ -128,6 +125,19 @@ def _least_recent_rows(keys, last, member, k):
     return below | (tie & (keys <= upto[:, None]) & (needed[:, None] > 0))
 
 
+def _free_stale(shards, keys, at, seg, stale):
+    """Free the rows of the `stale` keys (expired, not yet scanned) of a group; returns True."""
+    stale_at = tf.reshape(tf.where(stale), [-1])
+    stale_seg = tf.gather(seg, stale_at)
+    gone_keys = tf.dynamic_partition(tf.gather(keys, stale_at), stale_seg, len(shards))
+    gone_rows = tf.dynamic_partition(tf.gather(at, stale_at), stale_seg, len(shards))
+    ops = []
+    for shard, shard_keys, shard_rows in zip(shards, gone_keys, gone_rows):
+        ops += shard.free_rows(shard_keys, shard_rows)
+    with tf.control_dependencies(ops):
+        return tf.constant(True)
+
+
 def _admit_and_update(group: list[Part], rule: Callable):
     shards = [part.shard for part in group]
     first = shards[0]
@@ -155,10 +165,10 @@ def _admit_and_update(group: list[Part], rule: Callable):
     if policy.ttl_steps is not None:  # an expired row is freed; its key is admitted afresh
         last_at = tf.concat([vector(shard.last, tf.maximum(a, 0)) for shard, a in zip(shards, tf.split(at, sizes))], 0)
         stale = have & (clock_k - last_at > policy.ttl_steps)
-        stale_seg = tf.boolean_mask(seg, stale)
-        for shard, gone_keys, gone_rows in zip(shards, tf.dynamic_partition(tf.boolean_mask(keys, stale), stale_seg, count),
-                                               tf.dynamic_partition(tf.boolean_mask(at, stale), stale_seg, count)):
-            freed += shard.free_rows(gone_keys, gone_rows)
+        # Rare (a key seen again between its expiry and the scan that frees it): the freeing ops,
+        # a dozen per shard, run only when some key of the group is stale.
+        freed.append(tf.cond(tf.reduce_any(stale), lambda: _free_stale(shards, keys, at, seg, stale),
+                             lambda: tf.constant(False)))
         have &= ~stale
         at = tf.where(stale, tf.constant(-1, tf.int64), at)
     usable = keys != SUBSTITUTE_KEY  # a reserved key was asked for as this one
@@ -180,15 +190,23 @@ def _admit_and_update(group: list[Part], rule: Callable):
         f"Invalid value for argument `capacity` of DynamicEmbedding {_names(group)}. Received: capacity="
         f"{first.policy.capacity} ({share} rows per ps task). Expected at least the distinct admitted keys one "
         "batch brings to one ps task; this batch brought", tf.cast(tf.reduce_max(admitted_per_shard), tf.int32)])]
+    # The masks' positions, found once each and gathered from: what tf.boolean_mask gives, without
+    # its dozens of ops per call (per shard and step, on the ps).
+    fresh_where = tf.where(fresh)
+    fresh_at, admitted_at = tf.reshape(fresh_where, [-1]), tf.reshape(tf.where(admitted), [-1])
+    new_keys, new_seg = tf.gather(keys, fresh_at), tf.gather(seg, fresh_at)
+    new_key_parts = tf.dynamic_partition(new_keys, new_seg, count)
     if minimum > 1:
-        counting = ~admitted
-        for shard, g_keys, g_total, g_count, g_fresh, g_clock in zip(
-                shards, key_parts, tf.split(total, sizes), tf.split(counting, sizes), tf.split(fresh, sizes),
-                tf.unstack(clock)):
-            g_clock = tf.fill(tf.shape(tf.boolean_mask(g_total, g_count)), g_clock)
-            checks.append(shard.pending.insert(tf.boolean_mask(g_keys, g_count),
-                                               tf.stack([tf.boolean_mask(g_total, g_count), g_clock], 1)))
-            checks.append(shard.pending.remove(tf.boolean_mask(g_keys, g_fresh)))
+        # Keys still counting: their sightings and this step's clock, for the whole group at once,
+        # then split by shard (one partition); admitted ones leave the table.
+        counting_at = tf.reshape(tf.where(~admitted), [-1])
+        counting_seg = tf.gather(seg, counting_at)
+        counting_keys = tf.dynamic_partition(tf.gather(keys, counting_at), counting_seg, count)
+        counting_state = tf.dynamic_partition(
+            tf.stack([tf.gather(total, counting_at), tf.gather(clock_k, counting_at)], 1), counting_seg, count)
+        for shard, g_keys, g_state, g_new in zip(shards, counting_keys, counting_state, new_key_parts):
+            checks.append(shard.pending.insert(g_keys, g_state))
+            checks.append(shard.pending.remove(g_new))
 
     # A shard with fewer free rows than new keys evicts, down to the share minus the headroom.
     with tf.control_dependencies(freed):
@@ -218,11 +236,6 @@ def _admit_and_update(group: list[Part], rule: Callable):
     with tf.control_dependencies([evicted, *checks]):
         popped = [shard.pop_free(n) for shard, n in zip(shards, tf.unstack(need))]
     places = [rows for rows, _ in popped]
-    # The masks' positions, found once each and gathered from: what tf.boolean_mask gives, without
-    # its 14 ops per call (5 calls, every step, on the ps).
-    fresh_where = tf.where(fresh)
-    fresh_at, admitted_at = tf.reshape(fresh_where, [-1]), tf.reshape(tf.where(admitted), [-1])
-    new_keys, new_seg = tf.gather(keys, fresh_at), tf.gather(seg, fresh_at)
     at = tf.tensor_scatter_nd_update(at, fresh_where, tf.concat(places, 0))
     admitted_seg = tf.gather(seg, admitted_at)
     rows_at = tf.dynamic_partition(tf.gather(at, admitted_at), admitted_seg, count)  # held and new rows
@@ -233,7 +246,7 @@ def _admit_and_update(group: list[Part], rule: Callable):
     start_parts = tf.dynamic_partition(initial_rows(new_keys, dim, (kind, a, b, seed)), new_seg, count)
     writes = []
     for shard, (place, pop), new, start, rows, step, n in zip(
-            shards, popped, tf.dynamic_partition(new_keys, new_seg, count), start_parts, rows_at,
+            shards, popped, new_key_parts, start_parts, rows_at,
             tf.unstack(clock), tf.unstack(need)):
         with tf.control_dependencies([pop]):
             writes.append(shard.index.insert(new, place))
@@ -259,7 +272,7 @@ def _admit_and_update(group: list[Part], rule: Callable):
             updates += [shard.slots[name].scatter_update(tf.IndexedSlices(value, r))
                         for name, value in zip(first.slots, new_slots)]
     with tf.control_dependencies(updates):
-        return _rebuild_worn(shards)
+        return _scan_or_rebuild(shards, clock)
 
 
 def _names(group: list[Part]) -> str:
@@ -268,17 +281,52 @@ def _names(group: list[Part]) -> str:
     return repr(names[0]) if len(names) == 1 else f"{names[0]!r} or another table on its ps task ({', '.join(names)})"
 
 
-def _rebuild_worn(shards):
-    """Rebuild the key index of each shard whose tombstones fill half the buckets no key holds
-    (`KeyIndex.worn`): one conditional for the group, a shard's own only when one is worn."""
+def _scan_due(shards, clock):
+    """Which shards of a group a scan is due in after this step (None: the policy needs none).
+
+    What `DenseShard.due` says, from what the section has at hand: every `scan_every(ttl_steps)`
+    steps of a shard's clock (`clock`: the group's, this step's), and while more keys count
+    towards admission than the share. (Rows over the share only come from a restore, which scans
+    at once; a worn index is `_scan_or_rebuild`'s own check.)
+    """
+    policy, share = shards[0].policy, shards[0].share
+    every = rules.scan_every(policy.ttl_steps)
+    if every is None and policy.min_frequency == 1:
+        return None
+    due = tf.zeros(tf.shape(clock), tf.bool)
+    if every is not None:
+        due |= clock % every == 0
+    if policy.min_frequency > 1:
+        due |= tf.stack([shard.pending.size() for shard in shards]) > share
+    return due
+
+
+def _scan_or_rebuild(shards, clock):
+    """After the update, in the same section: scan each shard that is due (`_scan_due`:
+    expiry and keys still counting, with `ttl_steps` or `min_frequency > 1`), rebuild the key index
+    of each other one whose tombstones fill half the buckets no key holds (`KeyIndex.worn`; a scan
+    rebuilds a worn index itself). One conditional for the group, a shard's own only when it is due.
+
+    (A scan checked in a locked section of its own after the update, one per ps and step, with a
+    `due` of each shard read there, made a step of 26 tables with both policies 1.6x the CPU of
+    the hashing trick: docs/dynamic_embeddings.md, "The policies' cost".)
+    """
     # Each index's worn state from the rows its shard holds and the buckets it was made with (a reset
     # can only have added some: it is then rebuilt early), without reading the index's size.
     worn = tf.stack([shard.index.worn(shard.share - shard.free_count.read_value(), shard.index.bucket_count)
                      for shard in shards])
+    scan = _scan_due(shards, clock)  # None: the policy has nothing to scan for
+    due = worn if scan is None else worn | scan
 
-    def rebuild():
-        done = [tf.cond(worn[g], lambda shard=shard: shard.index.rebuild(shard.live), lambda: tf.constant(False))
-                for g, shard in enumerate(shards)]
+    def run():
+        done = []
+        for g, shard in enumerate(shards):
+            def rebuild(shard=shard, g=g):
+                return tf.cond(worn[g], lambda: shard.index.rebuild(shard.live), lambda: tf.constant(False))
+            if scan is None:
+                done.append(rebuild())
+                continue
+            done.append(tf.cond(scan[g], shard.scan_held, rebuild))
         return tf.reduce_any(tf.stack(done))
 
-    return tf.cond(tf.reduce_any(worn), rebuild, lambda: tf.constant(False))
+    return tf.cond(tf.reduce_any(due), run, lambda: tf.constant(False))
