@@ -178,12 +178,15 @@ def test_only_stock_tf_ops_are_in_the_saved_model(served, name):
 
 def served_now(layer) -> dict:
     """Key -> row of every row the layer's inference lookup reads now, from its exported state: held,
-    and with ttl_steps, seen within ttl_steps of its own ps task's clock."""
-    rows = {}
+    and with ttl_steps, seen within ttl_steps of its own ps task's clock and not counting afresh
+    towards min_frequency (a key sighted again after it expired: its old row is no longer its)."""
+    rows, config = {}, layer.get_config()
     for state in layer.export_state():
-        last = {int(k): int(c[1]) for k, c in zip(state["keys"], np.reshape(state["counters"], (-1, 2)))}
+        counters = {int(k): c for k, c in zip(state["keys"], np.reshape(state["counters"], (-1, 2)))}
         for key, row in zip(state["row_keys"], np.reshape(state["rows"], (-1, layer.output_dim))):
-            if layer.get_config()["ttl_steps"] is None or int(state["clock"]) - last[int(key)] <= TTL:
+            sightings, last = (int(v) for v in counters[int(key)])
+            if config["ttl_steps"] is None or (int(state["clock"]) - last <= TTL
+                                               and sightings >= config["min_frequency"]):
                 rows[int(key)] = row
     return rows
 

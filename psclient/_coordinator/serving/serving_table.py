@@ -45,6 +45,7 @@ _LAST_KEY = 2**63 - 1
 
 def _live_rows(shard, policy):
     """(keys, rows) a shard serves now, as tensors on its device (the caller places the ops)."""
+    counting_again = None
     if shard.dense:
         row_keys, held = shard.live()
         last = vector(shard.last, held)
@@ -52,10 +53,15 @@ def _live_rows(shard, policy):
     else:
         keys, rows = shard.values.export()
         row_keys, rows = tf.reshape(keys, [-1]), tf.reshape(rows, [-1, shard.dim])
-        last = tf.reshape(shard.counters.lookup(row_keys), [-1, 2])[:, 1]
+        seen = tf.reshape(shard.counters.lookup(row_keys), [-1, 2])
+        last, counting_again = seen[:, 1], seen[:, 0] < policy.min_frequency
     if policy.ttl_steps is not None:
-        # What the layer's inference lookup reads now: a row not seen for ttl_steps reads zeros.
+        # What the layer's inference lookup reads now: a row not seen for ttl_steps reads zeros, and
+        # so does the old row of a key sighted again after it expired (it counts afresh towards
+        # min_frequency: `DynamicTable.lookup`; a bounded shard frees such a row at once).
         alive = shard.clock.read_value() - last <= policy.ttl_steps
+        if counting_again is not None:
+            alive &= ~counting_again
         row_keys, rows = tf.boolean_mask(row_keys, alive), tf.boolean_mask(rows, alive)
     return row_keys, rows
 
