@@ -39,13 +39,13 @@ import weakref
 import tensorflow as tf
 
 from psclient._coordinator.tables.key_index import KeyIndex, find
-from psclient._coordinator.tables.ps_saves import empty_fields
+from psclient._coordinator.tables.ps_saves import empty_fields, saved_tensors
 from psclient._core import dynamic_tables as rules
 
 __all__ = ["DenseShard", "least_recent", "live_rows", "vector"]
 
 _NEWEST = 2**63 - 1
-_READS = frozenset({"saved", "stats"})  # `_on_ps` sections that only read (any other may write)
+_READS = frozenset({"saved", "saved_tensors", "stats"})  # `_on_ps` sections that only read (any other may write)
 
 # Per traced graph, the output of its last critical section. Each one starts only after the previous
 # one ended (and after its own inputs arrived), so a step holds at most one shard's lock at a time:
@@ -373,6 +373,11 @@ class DenseShard:
     def saved(self):
         """(keys, counters, row_keys, rows, {slot: rows}) of the shard, as tensors on its device."""
         return self._on_ps("saved", self._saved)() if tf.executing_eagerly() else self._saved()
+
+    def saved_tensors(self) -> list:
+        """The shard's saved tensors in the checkpoint's order and shapes (`ps_saves.saved_tensors`), on
+        its device: eagerly one traced call (a cut without a prepared per-ps save)."""
+        return self._on_ps("saved_tensors", lambda: saved_tensors(self))()
 
     def _saved(self):
         row_keys, held = self.live()

@@ -36,7 +36,8 @@ from typing import Any, Iterable
 
 import tensorflow as tf
 
-__all__ = ["PsSave", "by_device", "current", "empty_fields", "fresh_tensors", "prepare", "saved_tensors"]
+__all__ = ["PsSave", "by_device", "current", "empty_fields", "fresh_tensors", "in_saved_order", "prepare",
+           "saved_tensors"]
 
 
 def by_device(tables: dict[str, Any]) -> dict[Any, list[tuple]]:
@@ -48,13 +49,21 @@ def by_device(tables: dict[str, Any]) -> dict[Any, list[tuple]]:
     return out
 
 
-def saved_tensors(shard, dim: int) -> list:
-    """In a traced function: a dense shard's saved tensors in the checkpoint's order (keys, counters,
-    row_keys, rows, clock, admissions, evictions, then its slots by name), in the checkpoint's shapes."""
-    keys, counters, row_keys, rows, slot_rows = shard.saved()  # its ops, in the caller's trace
+def in_saved_order(keys, counters, row_keys, rows, clock, admissions, evictions, slot_rows: list, dim: int) -> list:
+    """In a traced function: a shard's saved tensors in the checkpoint's order
+    (`table_checkpoint._names`: keys, counters, row_keys, rows, clock, admissions, evictions, then
+    `slot_rows`, its slots' rows by slot name) and shapes. The one place that order is built, for
+    every storage and path (a per-ps save, a shard saved on its own)."""
     return ([tf.reshape(keys, [-1]), tf.reshape(counters, [-1, 2]), tf.reshape(row_keys, [-1]),
-             tf.reshape(rows, [-1, dim]), shard.clock.read_value(), shard.admissions.read_value(),
-             shard.evictions.read_value()] + [tf.reshape(slot_rows[s], [-1, dim]) for s in sorted(shard.slots)])
+             tf.reshape(rows, [-1, dim]), clock, admissions, evictions]
+            + [tf.reshape(value, [-1, dim]) for value in slot_rows])
+
+
+def saved_tensors(shard) -> list:
+    """In a traced function: a dense shard's saved tensors (`in_saved_order`)."""
+    keys, counters, row_keys, rows, slot_rows = shard.saved()  # its ops, in the caller's trace
+    return in_saved_order(keys, counters, row_keys, rows, shard.clock.read_value(), shard.admissions.read_value(),
+                          shard.evictions.read_value(), [slot_rows[s] for s in sorted(shard.slots)], shard.dim)
 
 
 def empty_fields(dim: int) -> list:
@@ -73,15 +82,15 @@ def fresh_tensors(shard) -> list:
 class PsSave:
     """One ps's dense shards saved by one concrete function (see the module's docstring)."""
 
-    def __init__(self, shards: list, dims: list[int]):
+    def __init__(self, shards: list):
         self.shards = list(shards)
         self.versions = [shard.version for shard in shards]
         self.counts = [7 + len(shard.slots) for shard in shards]  # tensors per shard (`saved_tensors`)
 
         def save_all():
             out = []
-            for shard, dim in zip(shards, dims):
-                out += saved_tensors(shard, dim)
+            for shard in shards:
+                out += saved_tensors(shard)
             return out
 
         with shards[0].placed():
@@ -137,6 +146,6 @@ def _prepare(tables: dict[str, Any]) -> None:
             prepared = current(shards)
             if not shards or (prepared is not None and all(getattr(s, "ps_save", None) is prepared for s in shards)):
                 continue  # each shard here saved by one valid function already
-            ps_save = PsSave(shards, [table.dim for _key, _index, table, shard in entries if shard.dense])
+            ps_save = PsSave(shards)  # each shard's rows are its own `dim` wide: no list beside them
             for shard in shards:
                 shard.ps_save = ps_save
