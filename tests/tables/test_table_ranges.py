@@ -24,22 +24,22 @@ KEY, DIM, CAPACITY, ROWS = "table/0000", 8, 1000, 700
 SLOT = "accumulator"
 
 
-def table(storage="dense"):
-    made = DynamicTable("ranged", DIM, [None], ("uniform", -0.05, 0.05, 1), Policy(capacity=CAPACITY),
+def table(storage="dense", capacity=CAPACITY, name="ranged"):
+    made = DynamicTable(name, DIM, [None], ("uniform", -0.05, 0.05, 1), Policy(capacity=capacity),
                         storage=storage)
     made.ensure_slots({SLOT: 0.1})
     return made
 
 
-def state(seed, shuffled=False):
-    """A shard's state: ROWS keys with a row (and their counters), 5 keys still counting."""
+def state(seed, shuffled=False, rows=ROWS):
+    """A shard's state: `rows` keys with a row (and their counters), 5 keys still counting."""
     rng = np.random.default_rng(seed)
-    keys = rng.choice(10**12, ROWS + 5, replace=False).astype(np.int64)
-    counters = np.stack([rng.integers(1, 5, ROWS + 5), rng.integers(0, 90, ROWS + 5)], 1).astype(np.int64)
-    order = rng.permutation(ROWS + 5) if shuffled else np.arange(ROWS + 5)
-    return {"keys": keys[order], "counters": counters[order], "row_keys": keys[:ROWS],
-            "rows": rng.standard_normal((ROWS, DIM)).astype(np.float32),
-            "slots": {SLOT: rng.random((ROWS, DIM)).astype(np.float32)},
+    keys = rng.choice(10**12, rows + 5, replace=False).astype(np.int64)
+    counters = np.stack([rng.integers(1, 5, rows + 5), rng.integers(0, 90, rows + 5)], 1).astype(np.int64)
+    order = rng.permutation(rows + 5) if shuffled else np.arange(rows + 5)
+    return {"keys": keys[order], "counters": counters[order], "row_keys": keys[:rows],
+            "rows": rng.standard_normal((rows, DIM)).astype(np.float32),
+            "slots": {SLOT: rng.random((rows, DIM)).astype(np.float32)},
             "clock": np.int64(100 + seed), "admissions": np.int64(7 + seed), "evictions": np.int64(3 + seed)}
 
 
@@ -85,7 +85,38 @@ def test_a_table_bigger_than_one_range_gets_back_every_row_and_slot_exactly(tmp_
     assert (stats["rows"], stats["tracked_keys"]) == (ROWS, ROWS + 5)
 
 
-def test_a_restore_by_the_checkpoints_reads_in_its_row_chunks(tmp_path):
+def test_a_small_table_restored_whole_beside_a_big_one_in_ranges_gets_back_everything_exactly(tmp_path):
+    """A shard whose rows and slots fit in one range is restored whole (few calls on its ps), a
+    bigger one in ranges, in the same restore: both get back every row, slot, counter and clock."""
+    small_key, small_rows = "table/0001", 20
+    big, small = table(), table(capacity=32, name="small")  # storage: 64,000 and 2,048 bytes
+    big.import_shards([state(1)])
+    small.import_shards([state(3, rows=small_rows)])
+    saved = {KEY: contents(big.export_shard(0)), small_key: contents(small.export_shard(0))}
+    path = Checkpoints(str(tmp_path), keep=3).save({}, completed=1, tables={KEY: big, small_key: small})
+    big.import_shards([state(2)])
+    small.import_shards([state(4, rows=small_rows)])
+    assert contents(big.export_shard(0)) != saved[KEY] and contents(small.export_shard(0)) != saved[small_key]
+    layout = json.loads(tf.train.load_checkpoint(path).get_tensor("psclient_layout"))
+
+    tables = {KEY: big, small_key: small}
+    work = table_checkpoint.read(path, tables, layout["tables"], layout, range_bytes=4096)
+    checked = {ps: run() for ps, run in work.items()}
+    plans = {table_.name: entry["ranges"] for table_, _shard, entry in checked[table_checkpoint.LOCAL]}
+    assert plans["small"] is None  # whole
+    assert len(plans["ranged"].ranges("rows", ROWS)) == -(-ROWS // (4096 // (4 * DIM)))
+    rows = table_checkpoint.assign(checked, lambda runs: {ps: run() for ps, run in runs.items()})
+    assert rows == {table_checkpoint.LOCAL: ROWS + small_rows}
+    assert contents(big.export_shard(0)) == saved[KEY]
+    assert contents(small.export_shard(0)) == saved[small_key]
+    for made, held in ((big, ROWS), (small, small_rows)):  # free rows free, as after a whole restore
+        stats = made.stats()[0]
+        assert (stats["rows"], stats["tracked_keys"]) == (held, held + 5)
+
+
+def test_a_restore_by_the_checkpoints_gets_back_every_row(tmp_path):
+    """Through `Checkpoints.restore` (no `range_bytes`: ranges of `READ_BATCH_BYTES`, which this
+    table fits in, so it is restored whole)."""
     path, layout, target, saved = saved_and_changed(tmp_path)
     restored = Checkpoints(str(tmp_path), keep=3).restore({}, adopt=True, tables={KEY: target})
     assert restored["path"] == path and restored["restored"]["rows"] == {table_checkpoint.LOCAL: ROWS}

@@ -25,9 +25,11 @@ state again, apply the deltas' changes to it (`table_deltas.patcher`) and
 replace the shard's contents with it, one shard at a time (`assign`): a
 checkpoint that cannot be read leaves the tables as they were, and a ps
 holds at most one shard's state beyond its tables. A dense shard restored
-from its own saved shard without deltas is read and written in row ranges
-instead, in place (`table_ranges`): its ps holds about one range and the
-shard's keys beyond its tables. Restored into another number of ps tasks, each ps reads every
+from its own saved shard without deltas, bigger than one range, is read and
+written in row ranges instead, in place (`table_ranges`): its ps holds about
+one range and the shard's keys beyond its tables (a shard within one range
+is restored whole: fewer calls, and at most about its own small size twice
+beyond its tables). Restored into another number of ps tasks, each ps reads every
 saved shard and keeps the keys it owns (`shard_of(key, num_ps)`); the clock
 becomes the largest saved one, admissions and evictions are summed on ps 0.
 """
@@ -112,15 +114,12 @@ def _shard_tensors(table, shard) -> list:
     if shard.dense and shard.fresh:
         return ps_saves.fresh_tensors(shard)  # empty since made: its empty tensors, no call
     if shard.dense:
-        keys, counters, row_keys, rows, slot_rows = shard.saved()
-    else:
-        keys, counters = shard.counters.export()
-        row_keys, rows = shard.values.export()
-        row_keys = tf.reshape(row_keys, [-1])
-        slot_rows = {s: shard.slots[s].lookup(row_keys) for s in slots}
-    shaped = _saved_fields(keys, counters, row_keys, rows, [slot_rows[s] for s in slots], table.dim)
-    return shaped[:4] + [shard.clock.read_value(), shard.admissions.read_value(),
-                         shard.evictions.read_value()] + shaped[4:]  # in `_names`'s order
+        return shard.saved_tensors()  # one traced call, the per-ps save's tensors (`ps_saves.saved_tensors`)
+    keys, counters = shard.counters.export()
+    row_keys, rows = shard.values.export()
+    row_keys = tf.reshape(row_keys, [-1])
+    return _saved_fields(keys, counters, row_keys, rows, shard.clock.read_value(), shard.admissions.read_value(),
+                         shard.evictions.read_value(), [shard.slots[s].lookup(row_keys) for s in slots], table.dim)
 
 
 def check(tables: dict[str, Any], saved: dict) -> list[str]:
@@ -143,7 +142,9 @@ def read(path: str, tables: dict[str, Any], saved: dict, layout: dict | None = N
 
     A dense shard restored from its own saved shard (as many ps as saved) is read in row ranges
     (`table_ranges`: `layout`, the checkpoint's, says how its values were saved; `range_bytes`:
-    at most that many bytes a range, None: the checkpoint's row chunks)."""
+    at most that many bytes a range, None: the checkpoint's row chunks), unless its rows and
+    slots fit in one range (`table_ranges.fits_one_range`): then whole, one RestoreV2 to check
+    and two calls to assign, as any shard restored from its own saved shard."""
     work: dict[int, list] = {}
     for key, table in tables.items():
         for index, shard in enumerate(table.shards):
@@ -157,10 +158,11 @@ def read(path: str, tables: dict[str, Any], saved: dict, layout: dict | None = N
         for part in parts:
             names = _names(key, part, slots)
             values.append(_checkpoints.restore(path, names, [""] * len(names), _dtypes(len(slots))))
+        if count == n:  # its own saved shard as it was: RestoreV2 gave it in the state's shapes
+            return {**_as_state(values[0], slots), "slot_defaults": entry["slots"]}
         fields = {f: [v[i] for v in values] for i, f in enumerate(_FIELDS)}
         fields.update({s: [v[len(_FIELDS) + i] for v in values] for i, s in enumerate(slots)})
-        state = _restored_state(fields, tuple(slots), table.dim, n, None if count == n else index)
-        return {**state, "slot_defaults": entry["slots"]}
+        return {**_restored_state(fields, tuple(slots), table.dim, n, index), "slot_defaults": entry["slots"]}
 
     def on(entries):
         def run():
@@ -168,8 +170,11 @@ def read(path: str, tables: dict[str, Any], saved: dict, layout: dict | None = N
             for key, index, table, shard in entries:
                 read_state = functools.partial(state_of, key, index, table)
                 entry, plan = saved[key], None
-                if shard.dense and int(entry["shards"]) == len(table.shards):
-                    plan = table_ranges.Plan(path, key, index, sorted(entry["slots"]), table.dim, layout, range_bytes)
+                slots = sorted(entry["slots"])
+                small = shard.dense and table_ranges.fits_one_range(  # its rows and every slot it will hold
+                    shard.share, table.dim, {*slots, *shard.slots}, range_bytes)
+                if shard.dense and int(entry["shards"]) == len(table.shards) and not small:
+                    plan = table_ranges.Plan(path, key, index, slots, table.dim, layout, range_bytes)
                 with shard.placed():
                     try:
                         # Each range, or the state itself, dropped at once.
@@ -190,16 +195,25 @@ def read(path: str, tables: dict[str, Any], saved: dict, layout: dict | None = N
 # ps inside the conversion holding the GIL: a ps hung then would stop every thread of the
 # coordinator (tests/_conversions.py). Shared by every table: traced once per form.
 @functools.partial(tf.function, autograph=False, reduce_retracing=True)
-def _saved_fields(keys, counters, row_keys, rows, slot_rows, dim):
-    """A shard's saved tensors (keys, counters, row_keys, rows, *slot rows) in the checkpoint's shapes."""
-    return ([tf.reshape(keys, [-1]), tf.reshape(counters, [-1, 2]), tf.reshape(row_keys, [-1]),
-             tf.reshape(rows, [-1, dim])] + [tf.reshape(value, [-1, dim]) for value in slot_rows])
+def _saved_fields(keys, counters, row_keys, rows, clock, admissions, evictions, slot_rows, dim):
+    """A hash-table shard's saved tensors from its exports, in `_names`'s order and the checkpoint's
+    shapes (`ps_saves.in_saved_order`, as a dense shard's)."""
+    from psclient._coordinator.tables.ps_saves import in_saved_order  # tables imports this module
+
+    return in_saved_order(keys, counters, row_keys, rows, clock, admissions, evictions, slot_rows, dim)
+
+
+def _as_state(saved: list, slots: list[str]) -> dict:
+    """One saved shard's tensors (`_names`'s order, `slots` its slots) as the state `assign` writes
+    (`_restored_state`'s form): no op, so no call on the ps."""
+    fields = dict(zip(_FIELDS, saved))
+    return {**fields, "slots": dict(zip(slots, saved[len(_FIELDS):]))}
 
 
 @functools.partial(tf.function, autograph=False, reduce_retracing=True)
 def _restored_state(fields, slots, dim, num_shards, index):
-    """A shard's state from the saved parts in `fields` (field -> one tensor per part): the one
-    part as it is (`index` None), or the keys shard `index` of `num_shards` owns of them all."""
+    """A shard's state from the saved parts in `fields` (field -> one tensor per part): the keys
+    shard `index` of `num_shards` owns of them all (the one part as it is: `index` None)."""
     from psclient._coordinator.tables.dynamic_tables import shard_of  # dynamic_tables imports this module
 
     keys, counters = tf.concat(fields["keys"], 0), tf.reshape(tf.concat(fields["counters"], 0), [-1, 2])
