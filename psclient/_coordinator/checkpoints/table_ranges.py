@@ -6,9 +6,9 @@ shard's variables get are built from it before they are assigned: the ps
 then holds the shard two to three times. Here, for a restore into as many
 ps tasks as saved it (each shard reads its own saved shard) of a shard in
 dense storage (`DenseShard`) whose rows and slots hold more than one range
-(a smaller one, `fits_one_range`, is restored whole: a few calls on its ps
-instead of a dozen or more, which cost 26 small tables 1.2 s a restore, and
-what it holds beyond its tables meanwhile is bounded by its own small size):
+(a smaller one, `fits_one_range`, is restored whole: three calls on its ps
+instead of 18, which cost 26 small tables over 1 s a restore, and what it
+holds beyond its tables meanwhile is bounded by its own small size):
 
 - the keys, counters, the keys that have a row and the clocks are read whole
   (8 to 16 bytes a key), the keys with a row first, then the others, and the
@@ -60,8 +60,9 @@ SMALL_FIELDS = ("keys", "counters", "row_keys", "clock", "admissions", "eviction
 def fits_one_range(share: int, dim: int, slots, range_bytes: int | None = None) -> bool:
     """Whether a dense shard's rows and `slots` at its `share` hold at most one range's bytes
     (`range_bytes`, else `READ_BATCH_BYTES`): such a shard is restored whole (`table_checkpoint`),
-    in two calls on its ps instead of a dozen or more, at a cost beyond its tables bounded by the
-    range size (it is that small), not by the table."""
+    in three calls on its ps (one to check, two to write) instead of 18 for rows and one slot, at a
+    cost beyond its tables bounded by the range size (about twice: its saved state and the grown
+    arrays built from it), not by the table."""
     limit = READ_BATCH_BYTES if range_bytes is None else range_bytes
     return share * dim * 4 * (1 + len(slots)) <= limit
 
