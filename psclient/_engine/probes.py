@@ -87,7 +87,7 @@ class FailureProbes:
         silent = set(self._not_answering(
             {ps: self._edge.ps_device(ps).rsplit("/device:", 1)[0] for ps in range(self._roster.cluster.num_ps)}
         ))
-        stale, late = self._check_handles(skip=silent)
+        stale, late = self._check_handles({ps: v for ps, v in self._held().items() if ps not in silent})
         return tuple(sorted(silent | set(stale) | set(late)))
 
     def stale_ps(self, skip: set = frozenset()) -> tuple:
@@ -103,19 +103,19 @@ class FailureProbes:
         wait, and if it was restarted meanwhile, the next call or check that
         reaches it says so).
         """
-        return self._check_handles(skip)[0]
+        return self._check_handles({ps: v for ps, v in self._held().items() if ps not in skip})[0]
 
     def holding(self, ps_tasks: tuple) -> tuple:
         """Those of `ps_tasks` that answer holding this coordinator's variables (a ps that holds
         none of them, or does not answer within probe_timeout, is not among them)."""
-        held = self._held()
-        stale, late = self._check_handles(skip={ps for ps in held if ps not in set(ps_tasks)})
+        wanted = set(ps_tasks)
+        held = {ps: v for ps, v in self._held().items() if ps in wanted}
+        stale, late = self._check_handles(held)
         return tuple(ps for ps in ps_tasks if ps in held and ps not in stale and ps not in late)
 
-    def _check_handles(self, skip: set) -> tuple[tuple, tuple]:
-        """(the ps whose handle check failed, the ps that did not answer it within probe_timeout):
-        one shape op per ps, all at once."""
-        held = {ps: v for ps, v in self._held().items() if ps not in skip}
+    def _check_handles(self, held: dict) -> tuple[tuple, tuple]:
+        """(the ps of `held` (ps -> one of its variables) whose handle check failed, those that
+        did not answer it within probe_timeout): one shape op per ps, all at once."""
         results: dict[int, bool] = {}
 
         def check(ps: int, variable: Any) -> None:
