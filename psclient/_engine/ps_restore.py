@@ -71,7 +71,9 @@ class PsRestore:
         lost = tuple(action.lost)
         holding = tuple(self._holding(lost))
         scope = restore_scope(action.mode, lost, holding, self._num_ps)
-        self._kept = tuple(ps for ps in lost if ps in holding)
+        # Under "all", a ps that hung is restored with the rest once another lost its state.
+        restored = frozenset() if scope is None else scope.restored_ps
+        self._kept = tuple(ps for ps in lost if ps in holding and ps not in restored)
         self._scope, self._restored, self._completed_then = scope, None, None
         if scope is None:
             log.warning("ps task(s) %s answered again holding their variables (they hung, they were not "

@@ -251,37 +251,74 @@ def test_part_restores_a_slot_read_in_row_ranges_into_the_restarted_ps(
         strategy.shutdown()
 
 
-def test_a_ps_hung_while_the_other_is_lost_keeps_its_updates(two_workers_two_ps, restore_shared_clusters, tmp_path):
-    """ps 0 SIGSTOPped while ps 1 is killed and started again. A step on ps 1 alone fails, and the
-    probes then find both lost: ps 1 restarted, ps 0 silent. When both answer again, ps 0 still holds
-    its variables (it hung, it was not restarted): only ps 1 is restored from the checkpoint, and
-    ps 0 keeps every update made since."""
-    cluster = two_workers_two_ps
-    strategy, _, (on_ps0, on_ps1, _) = trained_past_a_checkpoint(cluster, tmp_path, "part")
+def hang_ps0_and_lose_ps1(cluster, strategy, variable_on_ps1):
+    """ps 0 SIGSTOPped; meanwhile ps 1 is killed and started again and a step on ps 1 alone meets it.
+    Returns the step's future and whether the coordinator took ps 0 for lost too.
+
+    The step runs once before the faults (one more closure since the checkpoint): TF registers a
+    new function on every task, and a first schedule() made while ps 0 hangs and ps 1 restarts
+    waited for ps 0 (in 2 of 9 runs here), so the recovery would not be what this tests. The
+    failed step's probes usually find ps 0 silent too; when they find ps 1 alone, ps 0 is never
+    taken for lost. ps 0 is resumed once ps 1's loss is counted."""
 
     @tf.function
     def step_on_ps1():
-        on_ps1.assign_add(1.0)
-        return on_ps1.read_value()
+        variable_on_ps1.assign_add(1.0)
+        return variable_on_ps1.read_value()
 
+    assert float(strategy.schedule(step_on_ps1).result(timeout=60)) == 2 * STEPS + 1
+    probes = strategy._recovery.probes
+    with stopped(cluster, "ps", 0, watchdog_s=150):
+        assert probes.stale_ps() == ()  # silent is not restarted
+        assert probes.holding((0, 1)) == (1,)
+        cluster.kill("ps", 1)
+        cluster.restart("ps", 1)
+        future = strategy.schedule(step_on_ps1)
+        deadline = time.monotonic() + 120
+        while strategy.stats(read_ps=False)["ps"][1]["failures"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling stats: no event says "taken for lost"
+        stats = strategy.stats(read_ps=False)["ps"]
+        assert stats[1]["failures"] >= 1, stats
+    return future, stats[0]["failures"] >= 1
+
+
+def test_a_ps_hung_while_the_other_is_lost_keeps_its_updates(two_workers_two_ps, restore_shared_clusters, tmp_path):
+    """ps 0 hung while ps 1 was lost. When both answer again, ps 0 still holds its variables (it
+    hung, it was not restarted): only ps 1 is restored from the checkpoint, and ps 0 keeps every
+    update made since; if ps 0 was taken for lost too, its report says "kept"."""
+    cluster = two_workers_two_ps
+    strategy, _, (on_ps0, on_ps1, _) = trained_past_a_checkpoint(cluster, tmp_path, "part")
     try:
-        probes = strategy._recovery.probes
-        with stopped(cluster, "ps", 0, watchdog_s=150):
-            assert probes.stale_ps() == ()  # silent is not restarted
-            assert probes.holding((0, 1)) == (1,)
-            cluster.kill("ps", 1)
-            cluster.restart("ps", 1)
-            future = strategy.schedule(step_on_ps1)
-            deadline = time.monotonic() + 120
-            while strategy.stats(read_ps=False)["ps"][0]["failures"] == 0 and time.monotonic() < deadline:
-                time.sleep(0.05)  # polling stats: no event says "taken for lost"
-            assert strategy.stats(read_ps=False)["ps"][0]["failures"] >= 1, strategy.stats(read_ps=False)["ps"]
+        future, ps0_taken_for_lost = hang_ps0_and_lose_ps1(cluster, strategy, on_ps1)
         assert float(future.result(timeout=150)) == STEPS + 1
         strategy.join(timeout=60)
         assert on_ps0.numpy() == 2 * STEPS  # kept: no update since the checkpoint undone
         assert on_ps1.numpy() == STEPS + 1
         stats = strategy.stats()["ps"]
-        assert stats[0]["rolled_back"]["mode"] == "kept" and stats[0]["rolled_back_closures"] == 0, stats[0]
-        assert stats[1]["rolled_back"]["mode"] == "part" and stats[1]["rolled_back"]["closures"] == STEPS, stats[1]
+        if ps0_taken_for_lost:
+            assert stats[0]["rolled_back"]["mode"] == "kept", stats[0]
+        else:
+            assert stats[0]["rolled_back"] is None, stats[0]
+        assert stats[0]["rolled_back_closures"] == 0, stats[0]
+        assert stats[1]["rolled_back"]["mode"] == "part" and stats[1]["rolled_back"]["closures"] == STEPS + 1, stats[1]
+    finally:
+        strategy.shutdown()
+
+def test_all_restores_a_hung_ps_too_when_another_lost_its_state(two_workers_two_ps, restore_shared_clusters, tmp_path,
+                                                                caplog):
+    """The same faults under "all": ps 1 lost its state, so every ps goes back to the checkpoint
+    (one version everywhere), ps 0 included although it only hung."""
+    cluster = two_workers_two_ps
+    strategy, _, (on_ps0, on_ps1, _) = trained_past_a_checkpoint(cluster, tmp_path, "all")
+    try:
+        future, _ = hang_ps0_and_lose_ps1(cluster, strategy, on_ps1)
+        assert float(future.result(timeout=150)) == STEPS + 1
+        strategy.join(timeout=60)
+        assert on_ps0.numpy() == STEPS  # rolled back with the rest
+        assert on_ps1.numpy() == STEPS + 1
+        stats = strategy.stats()["ps"]
+        assert stats[0]["rolled_back"]["mode"] == stats[1]["rolled_back"]["mode"] == "all", stats
+        assert stats[0]["rolled_back_closures"] == stats[1]["rolled_back_closures"] == STEPS + 1, stats
+        assert not [r.message for r in caplog.records if "kept theirs" in r.getMessage()]  # the log says so too
     finally:
         strategy.shutdown()
