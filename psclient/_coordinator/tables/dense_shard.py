@@ -213,10 +213,14 @@ class DenseShard:
         found = self.gather_rows(self.rows, safe)
         return tf.where(alive[:, None], found, tf.zeros_like(found))
 
-    def peek(self, asked, seen_now):
-        """What a training step's forward pass reads for `asked` keys (`KeyIndex.asked`, seen
-        `seen_now` times: only read with `min_frequency > 1`), read only: rows [n, dim + 1], each
-        key's row and, bitcast to float32 in the last column, its code
+    def peek(self, sent):
+        """What a training step's forward pass reads for the keys `sent` to this ps: `KeyIndex.asked`
+        keys [n], or with `min_frequency > 1` [n, 2] those keys and their sightings in the batch,
+        stacked on the worker (each tensor a step sends between tasks costs a rendezvous; the
+        policy then adds none). Returns (rows, keys, sightings or None): the keys and sightings as
+        the ps received them, for the update (`fused_admission.Part`), which then receives nothing
+        more from the worker but the gradient. Read only: rows [n, dim + 1], each key's row and,
+        bitcast to float32 in the last column, its code
 
           >= 0  the key holds a row: the row is its
           -1    its update will admit it: it reads the row it will start from (drawn by the caller)
@@ -229,6 +233,7 @@ class DenseShard:
         row; the update still reaches its row), and a row another step just freed and gave to a
         new key can be read once, like any read racing an asynchronous update.
         """
+        asked, seen_now = tf.unstack(sent, axis=1) if self.policy.min_frequency > 1 else (sent, None)
         policy, ttl = self.policy, self.policy.ttl_steps
         at = self.index.find(asked)
         safe = tf.maximum(at, 0)
@@ -249,7 +254,7 @@ class DenseShard:
             else:
                 waits = tf.constant(-1)
             code = tf.where(alive, at, waits)
-        return tf.concat([found, tf.bitcast(code, tf.float32)[:, None]], 1)
+        return tf.concat([found, tf.bitcast(code, tf.float32)[:, None]], 1), asked, seen_now
 
     # ------------------------------------------------------------ admission
     def live(self):

@@ -210,12 +210,13 @@ class DynamicTable:
         self.renewals += 1
 
     # --------------------------------------------------------------- lookup
-    def _split(self, keys):
-        n = len(self.shards)
+    def _split(self, keys, values=None):
+        """(`values`' entries (default: `keys`) by the shard of their key, their positions)."""
+        n, values = len(self.shards), keys if values is None else values
         if n == 1:
-            return [keys], [tf.range(tf.size(keys))]
+            return [values], [tf.range(tf.size(keys))]
         owner = shard_of(keys, n)
-        return tf.dynamic_partition(keys, owner, n), tf.dynamic_partition(tf.range(tf.size(keys)), owner, n)
+        return tf.dynamic_partition(values, owner, n), tf.dynamic_partition(tf.range(tf.size(keys)), owner, n)
 
     def lookup(self, keys):
         """Rows of unique int64 `keys` as a model in inference reads them (unknown or expired: zeros)."""
@@ -261,15 +262,16 @@ class DynamicTable:
         fused_admission). A new key's first row is drawn here, where the rows are used, once for
         all shards."""
         asked = KeyIndex.asked(keys)
-        parts, positions = self._split(asked)
-        # Sightings only decide an admission with min_frequency > 1: else they do not travel.
-        count_parts = (self._split_like(tf.cast(counts, tf.int64), asked) if self.policy.min_frequency > 1
-                       else [None] * len(parts))
+        # Sightings only decide an admission with min_frequency > 1: then they travel with the keys,
+        # one tensor per shard (see `DenseShard.peek`); else they do not travel.
+        sent = tf.stack([asked, tf.cast(counts, tf.int64)], 1) if self.policy.min_frequency > 1 else asked
+        parts, positions = self._split(asked, sent)
         rows, states = [], []
-        for shard, part, seen_now in zip(self.shards, parts, count_parts):
+        for shard, part in zip(self.shards, parts):
             with shard.placed():
-                rows.append(shard.peek(part, seen_now))
-            states.append((part, seen_now))
+                read, on_ps, seen_now = shard.peek(part)
+            rows.append(read)
+            states.append((on_ps, seen_now))
         read = tf.reshape(tf.dynamic_stitch(positions, rows), [-1, self.dim + 1])
         found, code = read[:, :self.dim], tf.bitcast(read[:, self.dim], tf.int32)
         starts = asked != SUBSTITUTE_KEY  # a reserved key reads zeros
