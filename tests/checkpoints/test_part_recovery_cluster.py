@@ -255,9 +255,10 @@ def hang_ps0_and_lose_ps1(cluster, strategy, variable_on_ps1):
     """ps 0 SIGSTOPped; meanwhile ps 1 is killed and started again and a step on ps 1 alone meets it.
     Returns the step's future and whether the coordinator took ps 0 for lost too.
 
-    The step runs once before the faults (one more closure since the checkpoint): TF registers a
-    new function on every task, and a first schedule() made while ps 0 hangs and ps 1 restarts
-    waited for ps 0 (in 2 of 9 runs here), so the recovery would not be what this tests. The
+    The step runs once before the faults (one more closure since the checkpoint): run first while
+    ps 0 hung and ps 1 restarted, it waited for ps 0 in 7 of 16 runs here (cause not found; TF
+    registering the new function on every task is the candidate: docs/fault_tolerance.md), so
+    the recovery would not be what this tests. The
     failed step's probes usually find ps 0 silent too; when they find ps 1 alone, ps 0 is never
     taken for lost. ps 0 is resumed once ps 1's loss is counted."""
 
