@@ -116,8 +116,7 @@ def _shard_tensors(table, shard) -> list:
     if shard.dense:
         return shard.saved_tensors()  # one traced call, the per-ps save's tensors (`ps_saves.saved_tensors`)
     keys, counters = shard.counters.export()
-    row_keys, rows = shard.values.export()
-    row_keys = tf.reshape(row_keys, [-1])
+    row_keys, rows = shard.values.export()  # keys [n]: reshaped (traced) in _saved_fields
     return _saved_fields(keys, counters, row_keys, rows, shard.clock.read_value(), shard.admissions.read_value(),
                          shard.evictions.read_value(), [shard.slots[s].lookup(row_keys) for s in slots], table.dim)
 
@@ -284,8 +283,8 @@ def _replace(shard, state: dict) -> None:
                       state["slots"], state["clock"], state["admissions"], state["evictions"])
         return
     for table in (shard.values, shard.counters, *shard.slots.values()):
-        keys, _ = table.export()
-        table.remove(tf.reshape(keys, [-1]))
+        keys, _ = table.export()  # [n]: a reshape here would convert its shape on the ps
+        table.remove(keys)
     shard.counters.insert(state["keys"], state["counters"])
     shard.values.insert(state["row_keys"], state["rows"])
     for slot, value in state["slots"].items():

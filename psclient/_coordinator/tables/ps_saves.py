@@ -36,6 +36,8 @@ from typing import Any, Iterable
 
 import tensorflow as tf
 
+from psclient._coordinator import runtime as _runtime
+
 __all__ = ["PsSave", "by_device", "current", "empty_fields", "fresh_tensors", "in_saved_order", "prepare",
            "saved_tensors"]
 
@@ -69,8 +71,12 @@ def saved_tensors(shard) -> list:
 def empty_fields(dim: int) -> list:
     """A fresh shard's saved tensors without slots, then one empty slot value: made (on the shard's
     device, by `DenseShard.make`) outside any cut, taken by a cut without a call (`fresh_tensors`)."""
-    ids, rows, zero = tf.zeros([0], tf.int64), tf.zeros([0, dim]), tf.constant(0, tf.int64)
-    return [ids, tf.zeros([0, 2], tf.int64), ids, rows, zero, zero, zero, rows]
+    # Made on the coordinator and copied: made under the ps's device, each shape would be converted
+    # there, holding the GIL while TF copies it (tests/_conversions.py).
+    with tf.device(_runtime.coordinator_cpu()):
+        made = [tf.zeros([0], tf.int64), tf.zeros([0, 2], tf.int64), tf.zeros([0, dim]), tf.constant(0, tf.int64)]
+    ids, pairs, rows, zero = [tf.identity(value) for value in made]
+    return [ids, pairs, ids, rows, zero, zero, zero, rows]
 
 
 def fresh_tensors(shard) -> list:
