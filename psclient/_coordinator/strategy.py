@@ -145,7 +145,7 @@ class ParameterServerStrategy(TFStrategyAPI):
             undo.pop_all()
         # Shuts down when shutdown() is called, the strategy is collected, or at exit.
         self._finalizer = weakref.finalize(self, lifecycle.shutdown_quietly, scheduler, engine.dispatcher,
-                                           engine.recovery, engine.prober, edge, hang_timeout)
+                                           engine.recovery, engine.prober, edge, hang_timeout, engine.probes)
         # Scrapes read stats() through a weak reference: the server must not keep the strategy.
         self._metrics = None if config.metrics_port is None else MetricsServer(
             config.metrics_port, functools.partial(_metric_families, weakref.ref(self)))
@@ -461,8 +461,8 @@ class ParameterServerStrategy(TFStrategyAPI):
         """Cancel what is queued, let running calls finish, join every thread.
 
         Running calls get up to `hang_timeout` seconds; a thread stuck in a
-        call to a hung worker is left behind (logged) and exits when that
-        worker answers or dies. Idempotent. Afterwards `schedule` raises
+        call to a hung task is left behind (logged) and exits when that task
+        answers or dies (TF's view is kept while one hangs). Idempotent. Afterwards `schedule` raises
         `StrategyClosedError`.
         """
         with self._shutdown_lock:

@@ -90,6 +90,15 @@ class FailureProbes:
         stale, late = self._check_handles({ps: v for ps, v in self._held().items() if ps not in silent})
         return tuple(sorted(silent | set(stale) | set(late)))
 
+    def hung_ps(self) -> tuple:
+        """The ps tasks that leave one probe unanswered within probe_timeout (hung: SIGSTOP, a cut
+        network). One that answers with an error (gone) is not among them: TF's calls fail there
+        at once instead of waiting."""
+        probes = {ps: self._prober.start(self._edge.ps_device(ps).rsplit("/device:", 1)[0], urgent=True)
+                  for ps in range(self._roster.cluster.num_ps)}
+        deadline = time.monotonic() + self._probe_timeout
+        return tuple(ps for ps, probe in probes.items() if not probe.done.wait(max(0.0, deadline - time.monotonic())))
+
     def stale_ps(self, skip: set = frozenset()) -> tuple:
         """The ps tasks that answer that they no longer hold this coordinator's variables.
 

@@ -114,3 +114,38 @@ def test_a_restore_with_a_stopped_ps_fails_within_hang_timeout_naming_the_ps(clu
         cluster.resume("ps", 1)
         strategy.shutdown()
     assert not late_threads()
+
+
+def test_shutdown_returns_while_a_ps_still_hangs_and_the_next_strategy_trains(cluster, tmp_path, caplog):
+    """A save given up on a SIGSTOPped ps, then `shutdown()` with the ps still stopped: it returns
+    (TF's update_server_def, which leaving the cluster calls, would wait on the ps for good: it
+    held shutdown until the ps answered) and says why TF's view is kept; once the ps answers, a
+    new strategy on the same cluster trains and saves."""
+    directory = tmp_path / "ckpt"
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(directory), hang_timeout=HANG_TIMEOUT)
+    shut = threading.Event()
+    try:
+        _counter, _table, step = build(strategy)
+        strategy.schedule(step).result(timeout=60)
+        cluster.stop("ps", 1)
+        error, _ = timed(strategy.save_checkpoint)
+        assert isinstance(error, CheckpointWriteError), error
+        caplog.set_level("WARNING", logger="psclient")
+        closer = threading.Thread(target=lambda: (strategy.shutdown(), shut.set()), name="test-shutdown", daemon=True)
+        closer.start()
+        # hang_timeout for the running calls, probe_timeout for the ps probe, a loaded machine's slack.
+        assert shut.wait(HANG_TIMEOUT + SLACK_S + 30), "shutdown() waited on the stopped ps"
+        assert "ps task(s) [1] do not answer" in caplog.text
+    finally:
+        cluster.resume("ps", 1)
+        strategy.shutdown()
+    wait_for(lambda: not late_threads(), 60, "the calls left waiting on ps:1 to return")
+    again = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "again"), hang_timeout=HANG_TIMEOUT)
+    try:
+        counter, _table, step = build(again)
+        again.schedule(step).result(timeout=60)
+        path = again.save_checkpoint()
+        assert float(tf.train.load_checkpoint(path).get_tensor("v000000/.ATTRIBUTES/VARIABLE_VALUE")) == float(
+            counter.read_value()) == 1.0
+    finally:
+        again.shutdown()

@@ -30,7 +30,7 @@ def running():
     engine.start_dispatch()
     engine.start_recovery()
     yield edge, engine
-    lifecycle.shutdown_quietly(scheduler, engine.dispatcher, engine.recovery, engine.prober, edge, 10.0)
+    lifecycle.shutdown_quietly(scheduler, engine.dispatcher, engine.recovery, engine.prober, edge, 10.0, engine.probes)
     assert engine.dispatcher.alive_threads == 0
     assert edge.disconnects == 1  # nothing hung: TF's view is left
 
@@ -203,4 +203,4 @@ def test_the_end_of_an_endless_dataset_is_a_broken_iterator_made_again(endless):
                 future.result(timeout=LIMIT)
             assert iterators.renewed == []
     finally:
-        lifecycle.shutdown_quietly(scheduler, engine.dispatcher, engine.recovery, engine.prober, edge, 10.0)
+        lifecycle.shutdown_quietly(scheduler, engine.dispatcher, engine.recovery, engine.prober, edge, 10.0, engine.probes)
