@@ -129,6 +129,10 @@ class LocalCluster:
             check_positive("recycle_when_idle", recycle_when_idle, unit="seconds")
             self._serve_options += ["--recycle-when-idle", repr(float(recycle_when_idle))]
         self._lock = threading.RLock()
+        # Tasks a restart() waits for (without the lock: a fault on another task must not wait
+        # for a slow start); another call on one of them waits for that restart to end.
+        self._restarting: set[TaskProcess] = set()
+        self._restarted = threading.Condition(self._lock)
         self._tempdir = None
         if log_dir is None:
             self._tempdir = tempfile.TemporaryDirectory(prefix="psclient-local-")
@@ -185,10 +189,13 @@ class LocalCluster:
 
     def _start(self, tasks: list[TaskProcess], timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        self._launch(tasks)
+        wait_ready(tasks, deadline, timeout)
+
+    def _launch(self, tasks: list[TaskProcess]) -> None:
         for task in tasks:  # All at once: TensorFlow's import dominates start-up.
             env = dict(self._env, TF_CONFIG=self._cluster.to_tf_config(task.job, task.index))
             launch(task, env, self._serve_options)
-        wait_ready(tasks, deadline, timeout)
 
     # Inspection -------------------------------------------------------------
 
@@ -200,6 +207,13 @@ class LocalCluster:
     @property
     def log_dir(self) -> str:
         return self._log_dir
+
+    def _settled(self, job: str, index: int) -> TaskProcess:
+        """The task once no restart of it is in progress; called holding the lock (released while waiting)."""
+        task = self._task(job, index)
+        self._restarted.wait_for(lambda: task not in self._restarting)
+        self._check_open()
+        return task
 
     def _task(self, job: str, index: int) -> TaskProcess:
         if job not in _JOBS:
@@ -246,14 +260,14 @@ class LocalCluster:
         """SIGKILLs the task and waits for its process to be gone (its throttle ends)."""
         with self._lock:
             self._check_open()
-            task = self._task(job, index)
+            task = self._settled(job, index)
             self._unthrottle(task, forget=True)
             task.reap()
 
     def _signal_live(self, job: str, index: int, sig: signal.Signals) -> TaskProcess:
         with self._lock:
             self._check_open()
-            task = self._task(job, index)
+            task = self._settled(job, index)
             if not task.alive():
                 raise RuntimeError(f"Task {task.name} is not running ({task.state()}); restart() it first.")
             task.process.send_signal(sig)
@@ -266,7 +280,7 @@ class LocalCluster:
         """
         with self._lock:
             self._check_open()
-            task = self._task(job, index)
+            task = self._settled(job, index)
             if not task.stopped:
                 self._unthrottle(task)
             self._signal_live(job, index, signal.SIGSTOP).stopped = True
@@ -296,7 +310,7 @@ class LocalCluster:
         fraction, period = check_fraction(fraction), check_period(period)
         with self._lock:
             self._check_open()
-            task = self._task(job, index)
+            task = self._settled(job, index)
             if not task.alive():
                 raise RuntimeError(f"Task {task.name} is not running ({task.state()}); restart() it first.")
             task.throttle, task.period = fraction, period
@@ -318,20 +332,40 @@ class LocalCluster:
         """Kills the task if it is alive, starts it again at the same address and
         waits until it is ready (at most `timeout` s, default `start_timeout`).
 
+        The wait does not hold up calls on the other tasks (a `stop`, `resume`
+        or `kill` of another task from another thread goes ahead at once); a
+        call on this task waits for the restart to end.
+
         Raises:
             TaskUnreachableError: the new process exited or was not ready in time.
         """
+        check_positive("timeout", timeout, optional=True, unit="seconds")
+        limit = self._start_timeout if timeout is None else float(timeout)
         with self._lock:
             self._check_open()
-            task = self._task(job, index)
+            task = self._settled(job, index)
             self._unthrottle(task, forget=True)
             task.reap()
             with open(task.log_path, "a", encoding="utf-8") as log:
                 log.write(f"--- psclient LocalCluster: restarting {task.name} ---\n")
+            deadline = time.monotonic() + limit
+            self._restarting.add(task)
+        try:
             with contextlib.ExitStack() as on_failure:  # A task that did not start is not left half up.
-                on_failure.callback(task.reap)
-                self._start([task], self._start_timeout if timeout is None else timeout)
+                on_failure.callback(self._reap_locked, task)
+                with self._lock:
+                    self._check_open()
+                    self._launch([task])
+                wait_ready([task], deadline, limit)
                 on_failure.pop_all()
+        finally:
+            with self._lock:
+                self._restarting.discard(task)
+                self._restarted.notify_all()
+
+    def _reap_locked(self, task: TaskProcess) -> None:
+        with self._lock:
+            task.reap()
 
     # Life cycle -------------------------------------------------------------
 

@@ -45,6 +45,7 @@ class TaskProcess:
     process: subprocess.Popen | None = None
     parent_w: int | None = None  # Held, never written: EOF tells the task we are gone.
     ready_r: int | None = None  # Open only while waiting for "ready".
+    waiting: bool = False  # A thread selects on ready_r (`wait_ready`): it closes it, no one else.
     stopped: bool = False
     throttle: float = 1.0  # The fraction of its speed `LocalCluster.throttle` set...
     period: float = DEFAULT_PERIOD_S  # ...and the length of its duty cycle.
@@ -56,8 +57,12 @@ class TaskProcess:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def close_fds(self) -> None:
+    def close_fds(self, *, waited_on: bool = False) -> None:
+        """Closes our pipe ends; not `ready_r` while a `wait_ready` selects on it (a close()
+        during a restart: the waiter sees the task's EOF and closes it) unless `waited_on`."""
         for attr in ("parent_w", "ready_r"):
+            if attr == "ready_r" and self.waiting and not waited_on:
+                continue
             fd = getattr(self, attr)
             if fd is not None:
                 os.close(fd)
@@ -89,7 +94,7 @@ _LIVE_TASKS: weakref.WeakSet = weakref.WeakSet()
 
 def _forget_tasks_in_child() -> None:
     for task in list(_LIVE_TASKS):
-        task.close_fds()
+        task.close_fds(waited_on=True)  # no thread of the parent's runs here
         task.process = None  # Not this child's to signal or reap.
     _LIVE_TASKS.clear()
 
@@ -155,25 +160,35 @@ def wait_ready(tasks: list[TaskProcess], deadline: float, timeout: float) -> Non
     with selectors.DefaultSelector() as selector:
         for task in tasks:
             selector.register(task.ready_r, selectors.EVENT_READ, task)
-        while selector.get_map():
-            remaining = deadline - time.monotonic()
-            events = selector.select(remaining) if remaining > 0 else []
-            if not events:
-                pending = [key.data for key in selector.get_map().values()]
-                names = ", ".join(f"{t.name} ({t.address})" for t in pending)
-                raise _failure(pending[0], f"was not ready within {timeout} s (not ready: {names})")
-            for key, _ in events:
-                task = key.data
-                selector.unregister(key.fd)
-                message = os.read(key.fd, 64)
-                os.close(key.fd)
-                task.ready_r = None
-                if not message.startswith(b"ready"):  # EOF: the task died first.
-                    try:
-                        code = task.process.wait(timeout=_TERM_GRACE_S)
-                    except subprocess.TimeoutExpired:
-                        code = "unknown"
-                    raise _failure(task, f"exited with status {code} before it was ready")
+            task.waiting = True
+        try:
+            _wait(selector, deadline, timeout)
+        finally:
+            for task in tasks:
+                task.waiting = False
+
+
+def _wait(selector: selectors.BaseSelector, deadline: float, timeout: float) -> None:
+    """Reads each registered task's "ready" (or its EOF) until none is left or the deadline passes."""
+    while selector.get_map():
+        remaining = deadline - time.monotonic()
+        events = selector.select(remaining) if remaining > 0 else []
+        if not events:
+            pending = [key.data for key in selector.get_map().values()]
+            names = ", ".join(f"{t.name} ({t.address})" for t in pending)
+            raise _failure(pending[0], f"was not ready within {timeout} s (not ready: {names})")
+        for key, _ in events:
+            task = key.data
+            selector.unregister(key.fd)
+            message = os.read(key.fd, 64)
+            os.close(key.fd)
+            task.ready_r = None
+            if not message.startswith(b"ready"):  # EOF: the task died first.
+                try:
+                    code = task.process.wait(timeout=_TERM_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    code = "unknown"
+                raise _failure(task, f"exited with status {code} before it was ready")
 
 
 def shutdown(tasks: list[TaskProcess], tempdir: tempfile.TemporaryDirectory | None, owner: int,

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -20,6 +21,7 @@ from psclient._cluster.local import LocalCluster
 from psclient._core.errors import TaskUnreachableError
 
 from _paths import ROOT_STR
+from _polling import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
@@ -129,6 +131,46 @@ def test_stop_and_resume(local_cluster):
         local_cluster.resume("worker", 0)
     wait_for_status(process, {psutil.STATUS_RUNNING, psutil.STATUS_SLEEPING})
     assert answers(local_cluster.cluster.address("worker", 0))
+
+
+def test_a_restart_holds_up_calls_on_its_own_task_only(local_cluster):
+    """While a restart waits for its task to start, `stop`/`resume` of the other tasks go ahead (the
+    cluster's lock was held for the whole start: a fault plan's 5 s ps hang lasted 25 s, its SIGCONT
+    waiting on a worker's restart), and a call on the restarting task waits for the restart to end.
+    The new process is SIGSTOPped by the test so that the restart is still waiting, whatever the load."""
+    old = local_cluster.pid("worker", 1)
+    ended = {}
+
+    def restart():
+        local_cluster.restart("worker", 1, timeout=120)
+        ended["restart"] = time.monotonic()
+
+    def resume_restarted():
+        local_cluster.resume("worker", 1)
+        ended["resume"] = time.monotonic()
+
+    restarting = threading.Thread(target=restart, name="test-restart")
+    restarting.start()
+    new = None
+    try:
+        wait_for(lambda: local_cluster.pid("worker", 1) not in (None, old), 60, "the new worker:1 process")
+        new = psutil.Process(local_cluster.pid("worker", 1))
+        new.suspend()  # not ready while stopped: the restart keeps waiting
+        waiting = threading.Thread(target=resume_restarted, name="test-resume")
+        waiting.start()
+        for job, index in (("ps", 0), ("worker", 0)):
+            local_cluster.stop(job, index)
+            local_cluster.resume(job, index)
+        assert restarting.is_alive() and "resume" not in ended  # went ahead of the restart
+    finally:
+        if new is not None:
+            new.resume()
+        restarting.join(timeout=150)
+    waiting.join(timeout=30)
+    assert not restarting.is_alive() and not waiting.is_alive()
+    assert ended["resume"] >= ended["restart"]  # the call on worker:1 waited for its restart
+    for job, index in (("ps", 0), ("worker", 0), ("worker", 1)):
+        assert answers(local_cluster.cluster.address(job, index))
 
 
 @pytest.mark.parametrize(
