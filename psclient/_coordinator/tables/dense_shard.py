@@ -365,7 +365,8 @@ class DenseShard:
         return 4 * floats + 8 * counters + 4 * size(self.free) + self.index.BUCKET_BYTES * self.index.buckets()
 
     def _on_ps(self, name: str, section):
-        """`section` as one traced call for the eager callers (checkpoints, restores, exports). Run
+        """`section` as one traced call for the eager callers (checkpoints, exports; a restore's writes
+        go through `shard_restore`, one trace per form of shard, the same way). Run
         eagerly under the shard's device, each Python value in its ops (a shape, a fill value) would be
         converted *there*, and TF copies it to the ps inside the conversion holding the GIL: a ps hung
         then stops every thread of the coordinator (tests/_conversions.py). Traced, they are constants

@@ -16,9 +16,12 @@ write; what shapes the graph and is not a tensor (the section, `dim`, the
 slots' names and initial values) is its form. Alike shards (the tables of a
 model mostly share a form, whatever their capacities) are written
 by one concrete function: traced and registered once, instantiated once
-per ps (TF instantiates a function for the devices of its inputs). The
-state's tensors are given with unknown dimensions (`_generalized`), so
-shards of other sizes, and later restores, reuse the same trace.
+per ps (the first call there). Every ps shares the trace: called eagerly
+outside a distribution strategy's scope, a `tf.function` keys its traces
+without the caller's device, and its ops run where the call is placed (the
+shard's ps), beside the resources given. The state's tensors are given
+with unknown dimensions (`_generalized`), so shards of other sizes, and
+later restores, reuse the same trace.
 
 Inside the trace the section runs `DenseShard`'s own code (`_replace`,
 `_replace_row_keys`, `_replace_counters`) over a view of the shard
@@ -38,7 +41,7 @@ from psclient._coordinator.tables.key_index import KeyIndex
 
 __all__ = ["SECTIONS", "form_of", "run", "storage_of", "trace_count"]
 
-#: The sections a restore runs through here: `DenseShard` method -> its arguments after `self`.
+#: The sections a restore runs through here (`DenseShard` methods; their arguments as the shard passes them).
 SECTIONS = ("_replace", "_replace_row_keys", "_replace_counters")
 
 
@@ -106,9 +109,11 @@ def _generalized(value):
 
 
 def run(shard, name: str, *args) -> None:
-    """Section `name` (of `SECTIONS`) of `shard` with `args` (tensors on its ps, and Python values that
-    are part of its form), as one call of the section's trace for the shard's form; eagerly, under
-    the shard's device."""
+    """Section `name` (of `SECTIONS`) of `shard` with `args` (tensors on its ps, or on the coordinator
+    to be copied there), as one call of the section's trace for the shard's form; eagerly, under the
+    shard's device."""
+    if name not in SECTIONS:
+        raise ValueError(f"Invalid value for argument `name`. Received: name={name!r}. Expected one of {SECTIONS}.")
     form, storage = form_of(shard), storage_of(shard)
     specs = tf.nest.map_structure(lambda a: _generalized(a) if isinstance(a, tf.Tensor) else a, args)
     # Traced once per form with unknown dimensions; a call with tensors of any size finds that trace.
