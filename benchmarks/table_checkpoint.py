@@ -27,6 +27,13 @@ next one's peak shows (TF's default CPU allocator keeps freed memory and reuses 
     python benchmarks/table_checkpoint.py                       # 26 tables
     python benchmarks/table_checkpoint.py --tables 4 --saves 3 --restores 2
 
+`--ps-losses N` (dynamic tables only): after the saves, ps 1 is killed and started again N times;
+each time, the wall time from its restart until `stats()` counts its recovery (its variables and
+table shards made again and restored: the first of them is then the process's first restore, of
+that ps's shards), and the recovery's own `last_recovery_s`:
+
+    python benchmarks/table_checkpoint.py --paths dynamic --ps-losses 2 --restores 2
+
 Prints one JSON object (progress on stderr).
 """
 
@@ -81,7 +88,32 @@ def table_bytes_by_ps(model) -> list[int]:
     return [out[i] for i in sorted(out)]
 
 
-def one_kind(keras, psclient, cluster, kind: str, args, ps_pids: list[int]) -> dict:
+def lose_ps(local, strategy, ps: int, timeout: float = 600.0) -> dict:
+    """Kill ps `ps`, start it again, and wait for its recovery (its variables and table shards made
+    again and restored from the newest checkpoint): the wall time from its restart until `stats()`
+    counts the recovery, and the recovery's own time (`last_recovery_s`: from the task being back
+    to its state restored)."""
+    recoveries = strategy.stats(read_ps=False)["ps"][ps]["recoveries"]
+    try:
+        local.kill("ps", ps)
+    finally:
+        local.restart("ps", ps)
+    started = time.perf_counter()
+    strategy.stats()  # meets the restarted ps: the recovery starts (if dispatch has not met it yet)
+    while True:  # a benchmark, not a test: polled, every 10 ms
+        entry = strategy.stats(read_ps=False)["ps"][ps]
+        if entry["recoveries"] > recoveries:
+            break
+        if time.perf_counter() - started > timeout:
+            raise TimeoutError(f"ps {ps} restarted {timeout:g} s ago; its recovery is still not counted "
+                               f"(recoveries {entry['recoveries']}, expected {recoveries + 1})")
+        time.sleep(0.01)
+    return {"restart_to_recovered_s": round(time.perf_counter() - started, 3),
+            "last_recovery_s": round(entry["last_recovery_s"], 3)}
+
+
+def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dict:
+    cluster = local.cluster
     with tempfile.TemporaryDirectory() as directory:
         strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=directory)
         try:
@@ -102,6 +134,10 @@ def one_kind(keras, psclient, cluster, kind: str, args, ps_pids: list[int]) -> d
                 call_s = time.perf_counter() - started
                 stall = strategy.stats(read_ps=False)["checkpoints"]["last_stall_seconds"]
                 saves.append({"stall_s": round(stall, 4), "call_s": round(call_s, 3)})
+            # The dynamic tables only: `stats()` reads them on the ps, which meets the lost one (the
+            # hashing trick's model has nothing there that `stats()` reads: no recovery would start).
+            losses = [lose_ps(local, strategy, 1) for _ in range(args.ps_losses if kind == "dynamic" else 0)]
+            ps_pids = [local.pid("ps", i) for i in range(len(ps_pids))]  # ps 1's, once restarted
             peaks = []
             for _ in range(args.restores):
                 _settle(ps_pids)  # what the saves (or the restore before) freed given back: the baseline
@@ -124,7 +160,7 @@ def one_kind(keras, psclient, cluster, kind: str, args, ps_pids: list[int]) -> d
         "median_later_save_stall_s": median([s["stall_s"] for s in later]),
         "first_restore_s": restores[0] if restores else None,
         "median_later_restore_s": median(restores[1:] or restores) if restores else None,
-        "rows_imported": filled, "ps_restore_peaks": peaks,
+        "rows_imported": filled, "ps_losses": losses, "ps_restore_peaks": peaks,
         "max_peak_over_table": max((p["peak_over_table"] for run in peaks for p in run if "peak_over_table" in p),
                                    default=None),
     }
@@ -141,6 +177,9 @@ def main(argv=None) -> int:
     parser.add_argument("--paths", default=",".join(KINDS))
     parser.add_argument("--fill", type=float, default=0.0,
                         help="fill each dynamic table to this fraction of its capacity before the checkpoints")
+    parser.add_argument("--ps-losses", type=int, default=0,
+                        help="after the saves, lose ps 1 (killed, started again) this many times, each "
+                             "recovery waited for, before the restores")
     parser.add_argument("--ps-malloc", action="store_true",
                         help="ps tasks give freed memory back (glibc mmap threshold 1 MiB, oneDNN off)")
     args = parser.parse_args(argv)
@@ -160,8 +199,11 @@ def main(argv=None) -> int:
         ps_pids = [local.pid("ps", i) for i in range(2)]
         for kind in kinds:
             log(f"{kind}: {args.tables} tables")
-            result = output["results"][kind] = one_kind(keras, psclient, local.cluster, kind, args, ps_pids)
+            result = output["results"][kind] = one_kind(keras, psclient, local, kind, args, ps_pids)
             log(f"{kind}: restore peak over the tables {result['max_peak_over_table']}")
+            for loss in result["ps_losses"]:
+                log(f"{kind}: ps 1 lost: restart to recovered {loss['restart_to_recovered_s']} s "
+                    f"(last_recovery_s {loss['last_recovery_s']} s)")
             log(f"{kind}: save pause first {result['first_save_stall_s']:.3f} s, later "
                 f"{result['median_later_save_stall_s']:.3f} s; restore first {result['first_restore_s']} s, "
                 f"later {result['median_later_restore_s']} s")

@@ -38,6 +38,7 @@ import weakref
 
 import tensorflow as tf
 
+from psclient._coordinator.tables import shard_restore
 from psclient._coordinator.tables.key_index import KeyIndex, find
 from psclient._coordinator.tables.ps_saves import empty_fields, saved_tensors
 from psclient._core import dynamic_tables as rules
@@ -364,7 +365,8 @@ class DenseShard:
         return 4 * floats + 8 * counters + 4 * size(self.free) + self.index.BUCKET_BYTES * self.index.buckets()
 
     def _on_ps(self, name: str, section):
-        """`section` as one traced call for the eager callers (checkpoints, restores, exports). Run
+        """`section` as one traced call for the eager callers (checkpoints, exports; a restore's writes
+        go through `shard_restore`, one trace per form of shard, the same way). Run
         eagerly under the shard's device, each Python value in its ops (a shape, a fill value) would be
         converted *there*, and TF copies it to the ps inside the conversion holding the GIL: a ps hung
         then stops every thread of the coordinator (tests/_conversions.py). Traced, they are constants
@@ -399,7 +401,8 @@ class DenseShard:
         """Hold these (a restore or an import; eagerly). Restored into fewer ps tasks, a shard can get
         more rows than its share: the scan then evicts by the usual rules and the rows left are packed
         into the share (the fused admission wants every shard of a table at its share)."""
-        self._on_ps("replace", self._replace)(keys, counters, row_keys, rows, slots, clock, admissions, evictions)
+        self.fresh = False
+        shard_restore.run(self, "_replace", keys, counters, row_keys, rows, slots, clock, admissions, evictions)
         if int(row_keys.shape[0]) > self.share:
             self._on_ps("repack", self._repack)()
 
@@ -412,12 +415,13 @@ class DenseShard:
     def replace_row_keys(self, row_keys) -> None:
         """A restore in place, first step (at most `share` rows, into row and slot variables of the
         share's shape: `table_ranges`; eagerly): rows [0, n) hold `row_keys`, values left to the caller."""
-        self._on_ps("replace_row_keys", lambda keys: self._replace_row_keys(keys, tf.constant(self.share, tf.int64)))(
-            row_keys)
+        self.fresh = False
+        shard_restore.run(self, "_replace_row_keys", row_keys)
 
     def replace_counters(self, keys, counters, rows, clock, admissions, evictions) -> None:
         """The second step (after `replace_row_keys` of `rows` keys): the tracked keys' counters and the clocks."""
-        self._on_ps("replace_counters", self._replace_counters)(keys, counters, rows, clock, admissions, evictions)
+        self.fresh = False
+        shard_restore.run(self, "_replace_counters", keys, counters, rows, clock, admissions, evictions)
 
     def _replace(self, keys, counters, row_keys, rows, slots, clock, admissions, evictions) -> None:
         n = tf.size(row_keys, tf.int64)
@@ -435,12 +439,14 @@ class DenseShard:
         self._replace_row_keys(row_keys, size)
         self._replace_counters(keys, counters, tf.size(row_keys, tf.int64), clock, admissions, evictions, size)
 
-    def _replace_row_keys(self, row_keys, size) -> None:
+    def _replace_row_keys(self, row_keys, size=None) -> None:
+        size = self.share if size is None else size  # None: in place, at the share
         self.index.reset(row_keys, tf.range(tf.size(row_keys, tf.int64)))
         self.row_key.assign(_grow(row_keys, size, 0), read_value=False)
 
     def _replace_counters(self, keys, counters, n, clock, admissions, evictions, size=None) -> None:
-        size = tf.constant(self.share, tf.int64) if size is None else size  # None: in place, at the share
+        # None: in place, at the share (a tensor in `shard_restore`'s trace, an int in `_repack`'s).
+        size = tf.convert_to_tensor(self.share, tf.int64) if size is None else size
         old, _ = self.pending.export()
         self.pending.remove(tf.reshape(old, [-1]))
         counters = tf.reshape(counters, [-1, 2])
