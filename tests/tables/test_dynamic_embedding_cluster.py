@@ -173,3 +173,28 @@ def test_two_workers_admitting_the_same_keys_hold_each_key_once(strategy):
     keys = np.unique(x)
     np.testing.assert_array_equal(served(tf.constant(keys)).numpy(), layer(tf.constant(keys)).numpy())
     assert np.isfinite(predicted).all()
+
+
+@pytest.mark.parametrize("capacity", [CAPACITY, None], ids=["dense", "hash"])
+def test_state_imported_into_the_cluster_converts_nothing_on_a_ps(strategy, capacity):
+    """`import_state` into a layer on the cluster (also what `load_weights` runs) writes each ps's
+    shard from tensors made on the coordinator: a value converted under a ps's device is copied
+    there holding the GIL, which a hung ps would hold (tests/_conversions.py)."""
+    from _conversions import RemoteConversions
+
+    with strategy.scope():
+        layer = DynamicEmbedding(4, name=f"imported_{capacity}", capacity=capacity)
+        layer.build()
+    rng = np.random.default_rng(5)
+    keys = rng.choice(10_000, 300, replace=False).astype("int64")
+    rows = rng.normal(size=(300, 4)).astype("float32")
+    counters = np.stack([np.ones(300, "int64"), np.zeros(300, "int64")], 1)
+    state = {"keys": keys, "counters": counters, "row_keys": keys, "rows": rows, "slots": {},
+             "clock": 7, "admissions": 300, "evictions": 0}
+    with RemoteConversions(jobs=("/job:ps",)) as conversions:
+        layer.import_state([state])
+    assert not conversions.found, conversions.found[:3]
+    np.testing.assert_array_equal(layer(tf.constant(keys), training=False).numpy(), rows)
+    exported = layer.export_state()
+    assert sorted(np.concatenate([s["row_keys"] for s in exported])) == sorted(keys)
+    assert sum(int(s["admissions"]) for s in exported) == 300

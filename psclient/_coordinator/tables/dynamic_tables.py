@@ -75,7 +75,9 @@ def _shard_stats_or_unavailable(table: "DynamicTable", index: int) -> dict:
 def _export(table):
     """(keys, values) of every entry of a table (a copy, made on the table's device)."""
     keys, values = table.export()
-    return tf.reshape(keys, [-1]), values
+    if tf.executing_eagerly():  # a vector already; a reshape's [-1] would be converted under the ps's device
+        return keys, values
+    return tf.reshape(keys, [-1]), values  # traced: the export's keys have no static rank
 
 
 def _table(value_dtype, default: list):
@@ -471,23 +473,23 @@ class DynamicTable:
         row_owner = shard_of(tf.constant(row_keys, tf.int64), n).numpy() if n > 1 else np.zeros(len(row_keys), int)
         for index, shard in enumerate(self.shards):
             mine, mine_rows = owner == index, row_owner == index
+            total = {f: sum(int(s[f]) for s in states) if index == 0 else 0 for f in ("admissions", "evictions")}
+            with tf.device(coordinator_cpu()):  # made here: under the ps's device TF copies them holding the GIL
+                keys_in, counters_in = tf.constant(keys[mine], tf.int64), tf.constant(counters[mine], tf.int64)
+                row_keys_in, rows_in = tf.constant(row_keys[mine_rows], tf.int64), tf.constant(rows[mine_rows])
+                slots_in = {n: tf.constant(v[mine_rows]) for n, v in slots.items() if n in shard.slots}
+                clock_in = tf.constant(clock, tf.int64)
+                admissions, evictions = (tf.constant(total[f], tf.int64) for f in ("admissions", "evictions"))
             with shard.placed():
                 if shard.dense:
-                    shard.replace(tf.constant(keys[mine], tf.int64), tf.constant(counters[mine], tf.int64),
-                                  tf.constant(row_keys[mine_rows], tf.int64), tf.constant(rows[mine_rows]),
-                                  {n: tf.constant(v[mine_rows]) for n, v in slots.items() if n in shard.slots},
-                                  tf.constant(clock, tf.int64),
-                                  tf.constant(sum(int(s["admissions"]) for s in states) if index == 0 else 0, tf.int64),
-                                  tf.constant(sum(int(s["evictions"]) for s in states) if index == 0 else 0, tf.int64))
+                    shard.replace(keys_in, counters_in, row_keys_in, rows_in, slots_in, clock_in, admissions, evictions)
                     continue
                 for table in (shard.values, shard.counters, *shard.slots.values()):
                     table.remove(_export(table)[0])
-                shard.counters.insert(tf.constant(keys[mine], tf.int64), tf.constant(counters[mine], tf.int64))
-                shard.values.insert(tf.constant(row_keys[mine_rows], tf.int64), tf.constant(rows[mine_rows]))
-                for name, value in slots.items():
-                    if name in shard.slots:
-                        shard.slots[name].insert(tf.constant(row_keys[mine_rows], tf.int64),
-                                                 tf.constant(value[mine_rows]))
-                shard.clock.assign(clock)
-                shard.admissions.assign(sum(int(s["admissions"]) for s in states) if index == 0 else 0)
-                shard.evictions.assign(sum(int(s["evictions"]) for s in states) if index == 0 else 0)
+                shard.counters.insert(keys_in, counters_in)
+                shard.values.insert(row_keys_in, rows_in)
+                for name, value in slots_in.items():
+                    shard.slots[name].insert(row_keys_in, value)
+                shard.clock.assign(clock_in)
+                shard.admissions.assign(admissions)
+                shard.evictions.assign(evictions)
