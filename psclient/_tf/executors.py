@@ -7,7 +7,9 @@ traces register their functions on every task through a streaming one
 (`streamed_registrations`), so that a hung task holds neither. A thread
 that traces as it goes (an export) streams its registrations only
 (`streamed_function_registrations`, which wraps TF's `Context.add_c_function`,
-`add_function_def` and `remove_function`: TF internals).
+`add_function_def` and `remove_function`: TF internals). Once connected, every
+thread's removals of dropped functions are streamed too: a garbage collection
+can drop one anywhere, a `schedule()` included.
 """
 
 from __future__ import annotations
@@ -70,7 +72,11 @@ def new_call_executor(streaming: bool | None = None):
 
 
 def set_streaming_env(streaming: bool) -> None:
+    """Whether dispatcher threads' calls stream (connect sets it); from then on
+    every function dropped is removed from the tasks without being waited for
+    (`_install_registration_hook`)."""
     global _calls_stream
+    _install_registration_hook()
     with _env_lock:
         _calls_stream = streaming
         if not _streamed_traces:
@@ -79,7 +85,9 @@ def set_streaming_env(streaming: bool) -> None:
 
 _STREAMING_ENV = "TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"
 _ASYNC_WAIT_ENV = "TF_ENABLE_ASYNC_WAIT_FOR_REMOTE_FUNCTION"
-_env_lock = threading.Lock()
+# Reentrant: a function dropped by a garbage collection that runs while this
+# thread holds it is removed through `streamed_registrations`, which takes it.
+_env_lock = threading.RLock()
 #: Threads inside `streamed_registrations` (the env stays True while any is).
 _streamed_traces = 0
 _streaming_executor = None
@@ -152,16 +160,27 @@ def streamed_function_registrations():
 
 def _install_registration_hook() -> None:
     """Wrap TF's `Context.add_c_function`, `add_function_def` (where a trace registers its function
-    on every task) and `remove_function` (where a function dropped is removed from every task, as
-    blocking) once: streamed on a thread inside `streamed_function_registrations`."""
+    on every task) and `remove_function` (where a function dropped is removed from every task) once:
+    registrations streamed on a thread inside `streamed_function_registrations`, removals always.
+
+    TF removes a function from every task when its last Python reference goes
+    (`AtomicFunction.__del__`), with an RPC per task that it waits for with the
+    GIL held. That happens wherever a garbage collection or a dropped cache
+    entry frees an old trace: a `schedule()` tracing a new step while a ps was
+    SIGSTOPped freed an earlier test's function and held every thread of the
+    coordinator until the ps answered (140 s, the watchdog;
+    tests/faults/test_first_run_beside_hung_ps.py). A removal nobody waits
+    for can go down the stream like a registration.
+    """
     with _hook_lock:
         for name in ("add_c_function", "add_function_def", "remove_function"):
             stock = getattr(context.Context, name)
             if getattr(stock, "_psclient_streamed", False):
                 continue
+            always = name == "remove_function"
 
-            def wrapped(self, function, _stock=stock):
-                if getattr(_registering, "on", False):
+            def wrapped(self, function, _stock=stock, _always=always):
+                if _always or getattr(_registering, "on", False):
                     with streamed_registrations():
                         return _stock(self, function)
                 return _stock(self, function)

@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import psclient
+from _heartbeat import MAX_STALL_S, Heartbeat
 from _stopped import stopped
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
@@ -255,21 +256,20 @@ def hang_ps0_and_lose_ps1(cluster, strategy, variable_on_ps1):
     """ps 0 SIGSTOPped; meanwhile ps 1 is killed and started again and a step on ps 1 alone meets it.
     Returns the step's future and whether the coordinator took ps 0 for lost too.
 
-    The step runs once before the faults (one more closure since the checkpoint): run first while
-    ps 0 hung and ps 1 restarted, it waited for ps 0 in 7 of 16 runs here (cause not found; TF
-    registering the new function on every task is the candidate: docs/fault_tolerance.md), so
-    the recovery would not be what this tests. The
-    failed step's probes usually find ps 0 silent too; when they find ps 1 alone, ps 0 is never
-    taken for lost. ps 0 is resumed once ps 1's loss is counted."""
+    The step runs for the first time during the faults. Its schedule() waited for ps 0 in 7 of
+    16 runs here while an earlier test's traced function was freed under it: TF removed that one
+    from every task, ps 0 included, waiting with the GIL held (now streamed:
+    tests/faults/test_first_run_beside_hung_ps.py). The failed step's probes usually find ps 0
+    silent too; when they find ps 1 alone, ps 0 is never taken for lost. ps 0 is resumed once
+    ps 1's loss is counted."""
 
     @tf.function
     def step_on_ps1():
         variable_on_ps1.assign_add(1.0)
         return variable_on_ps1.read_value()
 
-    assert float(strategy.schedule(step_on_ps1).result(timeout=60)) == 2 * STEPS + 1
     probes = strategy._recovery.probes
-    with stopped(cluster, "ps", 0, watchdog_s=150):
+    with Heartbeat() as beat, stopped(cluster, "ps", 0, watchdog_s=150):
         assert probes.stale_ps() == ()  # silent is not restarted
         assert probes.holding((0, 1)) == (1,)
         cluster.kill("ps", 1)
@@ -280,6 +280,8 @@ def hang_ps0_and_lose_ps1(cluster, strategy, variable_on_ps1):
             time.sleep(0.05)  # polling stats: no event says "taken for lost"
         stats = strategy.stats(read_ps=False)["ps"]
         assert stats[1]["failures"] >= 1, stats
+        stall = beat.longest
+    assert stall <= MAX_STALL_S, f"the coordinator stalled {stall:.2f} s while ps 0 hung"
     return future, stats[0]["failures"] >= 1
 
 
@@ -301,7 +303,7 @@ def test_a_ps_hung_while_the_other_is_lost_keeps_its_updates(two_workers_two_ps,
         else:
             assert stats[0]["rolled_back"] is None, stats[0]
         assert stats[0]["rolled_back_closures"] == 0, stats[0]
-        assert stats[1]["rolled_back"]["mode"] == "part" and stats[1]["rolled_back"]["closures"] == STEPS + 1, stats[1]
+        assert stats[1]["rolled_back"]["mode"] == "part" and stats[1]["rolled_back"]["closures"] == STEPS, stats[1]
     finally:
         strategy.shutdown()
 
@@ -319,7 +321,7 @@ def test_all_restores_a_hung_ps_too_when_another_lost_its_state(two_workers_two_
         assert on_ps1.numpy() == STEPS + 1
         stats = strategy.stats()["ps"]
         assert stats[0]["rolled_back"]["mode"] == stats[1]["rolled_back"]["mode"] == "all", stats
-        assert stats[0]["rolled_back_closures"] == stats[1]["rolled_back_closures"] == STEPS + 1, stats
+        assert stats[0]["rolled_back_closures"] == stats[1]["rolled_back_closures"] == STEPS, stats
         assert not [r.message for r in caplog.records if "kept theirs" in r.getMessage()]  # the log says so too
     finally:
         strategy.shutdown()
