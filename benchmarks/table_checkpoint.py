@@ -34,6 +34,16 @@ that ps's shards), and the recovery's own `last_recovery_s`:
 
     python benchmarks/table_checkpoint.py --paths dynamic --ps-losses 2 --restores 2
 
+`--deltas N` (dynamic tables only): incremental checkpoints on (`delta_checkpoint_every`); after
+the saves, N phases of DELTA_STEPS fit steps, each on ids of its own (new keys admitted, rows and
+slots trained), each write a delta of the newest full checkpoint, and every restore applies the full
+checkpoint and its N deltas. A first restore, not measured, drops the deltas' base (the previous
+cut's export each ps keeps for the next diff: a restore ends the chain), so that the measured
+restores start from the tables alone:
+
+    python benchmarks/table_checkpoint.py --tables 1 --rows 2000000 --dim 32 --fill 0.9 \
+        --saves 1 --restores 3 --paths dynamic --ps-malloc --deltas 2   # restore peak with 2 deltas
+
 Prints one JSON object (progress on stderr).
 """
 
@@ -55,6 +65,8 @@ from big_model_checkpoint import PeakRss, _settle  # noqa: E402
 from dynamic_many_tables import build  # noqa: E402
 
 KINDS = ("dynamic", "hashing")
+#: Fit steps between two deltas (`--deltas`): the steps of one phase, and `delta_checkpoint_every`.
+DELTA_STEPS = 4
 
 
 def fill_tables(model, fraction: float) -> int:
@@ -88,6 +100,28 @@ def table_bytes_by_ps(model) -> list[int]:
     return [out[i] for i in sorted(out)]
 
 
+def write_deltas(model, strategy, args) -> list[dict]:
+    """`args.deltas` phases of DELTA_STEPS fit steps, each on ids of its own: each writes one delta
+    (waited for: the strategy writes it in the background)."""
+    written = []
+    for phase in range(args.deltas):
+        rng = np.random.default_rng(100 + phase)
+        start = (20 + phase) * args.rows  # ids apart from the first fit's (below 10 * rows) and each other's
+        x = rng.integers(start, start + args.rows, (DELTA_STEPS * 64, args.tables))
+        y = rng.integers(0, 2, (DELTA_STEPS * 64, 1)).astype("float32")
+        before = strategy.stats(read_ps=False)["checkpoints"]["deltas_written"]
+        model.fit(x, y, epochs=1, batch_size=64, verbose=0)
+        deadline = time.monotonic() + 300
+        while strategy.stats(read_ps=False)["checkpoints"]["deltas_written"] <= before:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"delta {phase + 1} of --deltas {args.deltas} was not written within 300 s")
+            time.sleep(0.05)  # a benchmark's wait for the background write
+        stats = strategy.stats(read_ps=False)["checkpoints"]
+        written.append({"bytes": stats["last_delta_bytes"], "rows": stats["last_delta_rows"],
+                        "write_s": round(stats["last_delta_seconds"], 3)})
+    return written
+
+
 def lose_ps(local, strategy, ps: int, timeout: float = 600.0) -> dict:
     """Kill ps `ps`, start it again, and wait for its recovery (its variables and table shards made
     again and restored from the newest checkpoint): the wall time from its restart until `stats()`
@@ -115,7 +149,9 @@ def lose_ps(local, strategy, ps: int, timeout: float = 600.0) -> dict:
 def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dict:
     cluster = local.cluster
     with tempfile.TemporaryDirectory() as directory:
-        strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=directory)
+        deltas = args.deltas if kind == "dynamic" else 0
+        more = {"delta_checkpoint_every": DELTA_STEPS} if deltas else {}
+        strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=directory, **more)
         try:
             with strategy.scope():
                 model = build(keras, kind, args.tables, args.rows, args.dim)
@@ -136,21 +172,25 @@ def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dic
                 saves.append({"stall_s": round(stall, 4), "call_s": round(call_s, 3)})
             # The dynamic tables only: `stats()` reads them on the ps, which meets the lost one (the
             # hashing trick's model has nothing there that `stats()` reads: no recovery would start).
+            written = write_deltas(model, strategy, args) if deltas else []
+            if deltas:
+                strategy.restore()  # not measured: it drops the deltas' base kept on each ps
             losses = [lose_ps(local, strategy, 1) for _ in range(args.ps_losses if kind == "dynamic" else 0)]
             ps_pids = [local.pid("ps", i) for i in range(len(ps_pids))]  # ps 1's, once restarted
-            peaks = []
+            peaks, applied = [], []
             for _ in range(args.restores):
                 _settle(ps_pids)  # what the saves (or the restore before) freed given back: the baseline
                 with contextlib.ExitStack() as stack:
                     memory = [stack.enter_context(PeakRss(pid)) for pid in ps_pids]
                     started = time.perf_counter()
-                    strategy.restore()
+                    result = strategy.restore()
                     restores.append(round(time.perf_counter() - started, 3))
                 peaks.append([{"rss_mb_before": round(m.before / 2**20, 1), "rss_mb_peak": round(m.peak / 2**20, 1),
                                **({"table_mb": round(table_bytes[i] / 2**20, 1),
                                    "peak_over_table": round(1 + (m.peak - m.before) / table_bytes[i], 3)}
                                   if i < len(table_bytes) and table_bytes[i] else {})}
                               for i, m in enumerate(memory)])
+                applied.append(len(result.get("deltas") or []))
         finally:
             strategy.shutdown()
     later = saves[1:] or saves
@@ -160,7 +200,8 @@ def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dic
         "median_later_save_stall_s": median([s["stall_s"] for s in later]),
         "first_restore_s": restores[0] if restores else None,
         "median_later_restore_s": median(restores[1:] or restores) if restores else None,
-        "rows_imported": filled, "ps_losses": losses, "ps_restore_peaks": peaks,
+        "rows_imported": filled, "deltas_written": written, "deltas_applied_per_restore": applied,
+        "ps_losses": losses, "ps_restore_peaks": peaks,
         "max_peak_over_table": max((p["peak_over_table"] for run in peaks for p in run if "peak_over_table" in p),
                                    default=None),
     }
@@ -180,6 +221,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ps-losses", type=int, default=0,
                         help="after the saves, lose ps 1 (killed, started again) this many times, each "
                              "recovery waited for, before the restores")
+    parser.add_argument("--deltas", type=int, default=0,
+                        help="dynamic tables: write this many deltas after the saves; the restores apply them")
     parser.add_argument("--ps-malloc", action="store_true",
                         help="ps tasks give freed memory back (glibc mmap threshold 1 MiB, oneDNN off)")
     args = parser.parse_args(argv)
@@ -187,6 +230,9 @@ def main(argv=None) -> int:
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown or args.saves < 1 or args.tables < 1:
         parser.error(f"--paths takes {', '.join(KINDS)} (received {unknown}); --saves and --tables >= 1")
+    if args.deltas < 0 or (args.deltas and "dynamic" not in kinds):
+        parser.error(f"--deltas must be an integer >= 0, with dynamic in --paths. Received: --deltas {args.deltas}, "
+                     f"--paths {args.paths}")
 
     import keras
 

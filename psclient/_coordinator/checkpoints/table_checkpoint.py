@@ -25,11 +25,12 @@ state again, apply the deltas' changes to it (`table_deltas.patcher`) and
 replace the shard's contents with it, one shard at a time (`assign`): a
 checkpoint that cannot be read leaves the tables as they were, and a ps
 holds at most one shard's state beyond its tables. A dense shard restored
-from its own saved shard without deltas, bigger than one range, is read and
-written in row ranges instead, in place (`table_ranges`): its ps holds about
-one range and the shard's keys beyond its tables (a shard within one range
-is restored whole: fewer calls, and at most about its own small size twice
-beyond its tables). Restored into another number of ps tasks, each ps reads every
+from its own saved shard, bigger than one range, is read and written in row
+ranges instead, in place (`table_ranges`), each delta's changed rows after
+the saved rows it left alone: its ps holds about one range, the shard's keys
+and a delta's changes beyond its tables (a shard within one range is restored
+whole: fewer calls, and at most about its own small size twice beyond its
+tables). Restored into another number of ps tasks, each ps reads every
 saved shard and keeps the keys it owns (`shard_of(key, num_ps)`); the clock
 becomes the largest saved one, admissions and evictions are summed on ps 0.
 """
@@ -239,9 +240,10 @@ def assign(states: dict[int, list], on_each_ps: Callable, patches: list | tuple 
     """Read again each shard's state that `read` checked, apply `patches` to it in order (each
     `patch(table, shard, state) -> state`: a checkpoint's deltas, `table_deltas.patcher`), and
     replace the shard's contents with it, one shard at a time on each ps (all ps at once): a ps
-    holds one shard's state beyond its tables. A shard `read` planned in row ranges, without
-    `patches`, is written a range at a time in place instead (`table_ranges`): its ps holds about
-    one range beyond its tables and the shard's keys. Returns ps -> the rows its shards got back."""
+    holds one shard's state beyond its tables. A shard `read` planned in row ranges is written a
+    range at a time in place instead (`table_ranges`), then each delta's changed rows
+    (`table_deltas.Patcher.changes`): its ps holds about one range beyond its tables, the shard's
+    keys and a delta's changes. Returns ps -> the rows its shards got back."""
     for entries in states.values():
         for table, _shard, checked in entries:
             table.ensure_slots(checked["slot_defaults"])  # a fresh process: the optimizer made none yet
@@ -251,9 +253,12 @@ def assign(states: dict[int, list], on_each_ps: Callable, patches: list | tuple 
             rows = 0
             for table, shard, checked in entries:
                 with shard.placed():
-                    if checked["ranges"] is not None and not patches:
+                    # Each delta's changes of this shard, read apart to write it in place (None:
+                    # a patch that only applies to a whole state, or another number of ps).
+                    changes = [getattr(patch, "changes", lambda *_: None)(table, shard) for patch in patches]
+                    if checked["ranges"] is not None and None not in changes:
                         try:
-                            got = checked["ranges"].assign(shard)
+                            got = checked["ranges"].assign(shard, changes)
                         except tf.errors.OpError as error:
                             error._psclient_table = checked["table"]
                             raise

@@ -35,9 +35,10 @@ import tensorflow as tf
 from psclient._coordinator.runtime import coordinator_cpu
 from psclient._tf import checkpoints as _checkpoints
 
-__all__ = ["check", "constant", "diff", "kept", "patcher", "split"]
+__all__ = ["Changes", "Patcher", "check", "constant", "diff", "kept", "merge", "patcher", "split"]
 
 _FIELD = re.compile(r"^(.+/ps\d+)/(keys|counters|row_keys|rows|clock|admissions|evictions|slot/.+)$")
+#: A shard's scalars, saved whole in a delta as in a full checkpoint.
 _SCALARS = ("clock", "admissions", "evictions")
 
 
@@ -110,7 +111,7 @@ def kept(names: list[str], values: list) -> dict[str, dict[str, Any]]:
             for prefix, fields in split(names).items()}
 
 
-def _merge(keys, values: list, changed_keys, changed: list, removed):
+def merge(keys, values: list, changed_keys, changed: list, removed):
     """`keys`/`values` without the changed or removed keys, then the changed ones."""
     zero = constant(0, tf.int32)
     keep = tf.raw_ops.ListDiff(x=keys, y=tf.concat([changed_keys, removed], zero), out_idx=tf.int64).idx
@@ -168,15 +169,52 @@ def check(delta: str, tables: dict[str, Any], saved: dict, only_ps: frozenset | 
     on_each_ps({ps: on(entries) for ps, entries in _by_ps(tables, only_ps).items()})
 
 
-def patcher(delta: str, tables: dict[str, Any], saved: dict) -> Callable[[Any, Any, dict], dict]:
+class Changes:
+    """What one delta changed of one table shard restored from its own saved shard, read a field at
+    a time on the device in force (`table_ranges.Plan.assign`, which writes a shard in place).
+
+    `slots`: the slots the delta holds."""
+
+    def __init__(self, delta: str, prefix: str, slots: list[str]):
+        self.delta, self.prefix, self.slots = delta, prefix, slots
+
+    def read(self, fields: list[str]) -> dict:
+        """field -> value: a delta field (`keys`, `counters`, `removed`, `row_keys`, `row_removed`,
+        `rows`, `slot/<name>`) or a scalar (`clock`, `admissions`, `evictions`)."""
+        names = [f"{self.prefix}/{f}" if f in _SCALARS else f"{self.prefix}/delta/{f}" for f in fields]
+        dtypes = [tf.float32 if f == "rows" or f.startswith("slot/") else tf.int64 for f in fields]
+        return dict(zip(fields, _checkpoints.restore(self.delta, names, [""] * len(names), dtypes)))
+
+
+def patcher(delta: str, tables: dict[str, Any], saved: dict) -> "Patcher":
     """patch(table, shard, state): `state` (`table_checkpoint.read`'s, of that shard) with the
-    delta's changes applied, under the shard's device. Raises tf.errors.OpError if they cannot be read."""
-    from psclient._coordinator.tables.dynamic_tables import shard_of  # not at the top: dynamic_tables imports table_checkpoint
+    delta's changes applied, under the shard's device (`Patcher`). Raises tf.errors.OpError if they
+    cannot be read."""
+    return Patcher(delta, tables, saved)
 
-    key_of = {id(table): key for key, table in tables.items()}
 
-    def patch(table, shard, state) -> dict:
-        key = key_of[id(table)]
+class Patcher:
+    """A delta's changes to the tables' shards: applied to a shard's whole state (a call), or read
+    apart for a shard written in place (`changes`)."""
+
+    def __init__(self, delta: str, tables: dict[str, Any], saved: dict):
+        self.delta, self.saved = delta, saved
+        self._key_of = {id(table): key for key, table in tables.items()}
+
+    def changes(self, table, shard) -> Changes | None:
+        """The delta's changes of `shard`'s own saved shard, read a field at a time; None when the
+        shard takes changes of several saved shards (restored into another number of ps tasks)."""
+        key = self._key_of[id(table)]
+        entry = self.saved[key]
+        if int(entry["shards"]) != len(table.shards):
+            return None
+        return Changes(self.delta, f"{key}/ps{table.shards.index(shard)}", sorted(entry["slots"]))
+
+    def __call__(self, table, shard, state) -> dict:
+        from psclient._coordinator.tables.dynamic_tables import shard_of  # not at the top: dynamic_tables imports table_checkpoint
+
+        delta, saved = self.delta, self.saved
+        key = self._key_of[id(table)]
         entry, n, index = saved[key], len(table.shards), table.shards.index(shard)
         count, slots = int(entry["shards"]), sorted(entry["slots"])
         parts = [_read(delta, key, part, slots) for part in _parts_of(table, shard, entry)]
@@ -186,14 +224,14 @@ def patcher(delta: str, tables: dict[str, Any], saved: dict) -> Callable[[Any, A
             owner = {"counters": "keys", "rows": "row_keys", **{f"slot/{s}": "row_keys" for s in slots}}
             got = {f: tf.boolean_mask(v, mine[owner.get(f, f)]) for f, v in got.items()}
         out = dict(state)
-        out["keys"], (out["counters"],) = _merge(state["keys"], [state["counters"]], got["keys"],
-                                                 [got["counters"]], got["removed"])
+        out["keys"], (out["counters"],) = merge(state["keys"], [state["counters"]], got["keys"],
+                                                [got["counters"]], got["removed"])
         rows = [got["rows"]] + [got[f"slot/{s}"] for s in slots]
         before = [state["slots"][s] if s in state["slots"] else  # a slot made since: its initial value
                   tf.fill(constant(state["rows"].shape, tf.int32), constant(float(entry["slots"][s]), tf.float32))
                   for s in slots]
-        out["row_keys"], merged = _merge(state["row_keys"], [state["rows"]] + before,
-                                         got["row_keys"], rows, got["row_removed"])
+        out["row_keys"], merged = merge(state["row_keys"], [state["rows"]] + before,
+                                        got["row_keys"], rows, got["row_removed"])
         out["rows"], out["slots"] = merged[0], dict(zip(slots, merged[1:]))
         out["slot_defaults"] = entry["slots"]
         if count == n:
@@ -204,5 +242,3 @@ def patcher(delta: str, tables: dict[str, Any], saved: dict) -> Callable[[Any, A
             out["admissions"] = tf.add_n([p["admissions"] for p in parts]) if index == 0 else zero
             out["evictions"] = tf.add_n([p["evictions"] for p in parts]) if index == 0 else zero
         return out
-
-    return patch

@@ -28,8 +28,12 @@ reads the whole saved value: a range reads every saved slice it overlaps).
 
 The check (`check`) reads the same ranges and drops each at once, before any
 shard is assigned (`table_checkpoint.read`): a damaged value leaves every
-table as it was. Deltas (`table_deltas.patcher`) change a shard's state as a
-whole: a restore with deltas reads the shard whole (`table_checkpoint.assign`).
+table as it was. A restore with deltas (`table_deltas.Changes`) writes the
+saved rows each delta left alone, a range at a time (each range read whole, its
+kept rows gathered), then each delta's changed rows, the tracked keys merged
+whole as the whole path merges them (`table_deltas.merge`): the rows land where
+the whole path puts them. A delta that holds other slots than the checkpoint
+sends the shard to the whole path (`table_checkpoint.assign`).
 Every op here runs on the shard's ps with its Python values made on the
 coordinator (`coordinator_constant`) or traced (`DenseShard`): nothing is
 converted under the ps's device (tests/_conversions.py).
@@ -55,6 +59,8 @@ __all__ = ["Plan", "SMALL_FIELDS", "fits_one_range"]
 
 #: The fields read whole (the keys' and the clocks'), in `table_checkpoint._FIELDS`'s order.
 SMALL_FIELDS = ("keys", "counters", "row_keys", "clock", "admissions", "evictions")
+#: A shard's scalars, which a delta holds whole.
+_SCALARS = SMALL_FIELDS[3:]
 
 
 def fits_one_range(share: int, dim: int, slots, range_bytes: int | None = None) -> bool:
@@ -119,13 +125,22 @@ class Plan:
                 self.read_range(field, count, start, stop)  # dropped at once: only whether it reads counts
         return count
 
-    def assign(self, shard) -> int | None:
+    def assign(self, shard, deltas: list | tuple = ()) -> int | None:
         """Read the shard's saved state again and write it into `shard` (a DenseShard), under its
-        device: the rows and slots a range at a time, in place. None (nothing written): more rows
-        were saved than the shard's share holds (the caller restores it whole). Returns the rows."""
+        device: the rows and slots a range at a time, in place, then each of `deltas`' changed rows
+        (`table_deltas.Changes`, in order). None (nothing written): more rows than the shard's share
+        holds, or a delta that holds other slots than the checkpoint (the caller restores it whole,
+        applying the deltas there). Returns the rows."""
+        saved_slots = sorted(f for f in self.fields if f != "rows")
+        if any(sorted(d.slots) != saved_slots for d in deltas):
+            return None
         row_keys = self._read([f"{self.prefix}/row_keys"])[0]
         count = int(row_keys.shape[0])
-        if count > shard.share:
+        # origin[i]: where row i's values come from: saved row origin[i] (< count), else changed row
+        # origin[i] - bases[j] of delta j (bases[j] <= origin[i] < bases[j + 1]); ascending (`_with_deltas`).
+        row_keys, origin, bases = _with_deltas(row_keys, count, deltas)
+        n = int(row_keys.shape[0])
+        if n > shard.share:
             return None
         variables = {"rows": shard.rows, **shard.slots}
         _fit_storage(list(variables.values()), shard.share, self.dim)
@@ -133,22 +148,93 @@ class Plan:
         del row_keys  # before the counters are read: a ps holds one of them at a time
         small = dict(zip(SMALL_FIELDS[:2] + SMALL_FIELDS[3:],
                          self._read([f"{self.prefix}/{f}" for f in SMALL_FIELDS if f != "row_keys"])))
-        shard.replace_counters(small["keys"], small["counters"], coordinator_constant(count, tf.int64),
+        for delta in deltas:  # the tracked keys merged whole, as the whole path does (8 to 16 bytes a key)
+            got = delta.read(["keys", "counters", "removed", *_SCALARS])
+            small["keys"], (small["counters"],) = _merge(small["keys"], [small["counters"]], got["keys"],
+                                                         [got["counters"]], got["removed"])
+            small.update({f: got[f] for f in _SCALARS})  # the newest delta's
+            del got
+        shard.replace_counters(small["keys"], small["counters"], coordinator_constant(n, tf.int64),
                                small["clock"], small["admissions"], small["evictions"])
         del small
         defaults = {"rows": 0.0, **shard.slot_defaults}
         for field, variable in variables.items():
             saved = self.ranges(field, count) if field in self.fields else []
-            for start, stop in saved:
-                _assign_rows(variable, start, stop, self.read_range(field, count, start, stop))
+            cuts = _positions(origin, [start for start, _ in saved] + [count]) if saved else []
+            for (start, stop), at, end in zip(saved, cuts, cuts[1:]):
+                value = self.read_range(field, count, start, stop)
+                if end - at != stop - start:  # some of these rows changed or left in a delta: the others
+                    value = _gather(value, origin, at, end, start)
+                if end > at:
+                    _assign_rows(variable, at, end, value)
+                del value
+            if field in self.fields and deltas:
+                cuts = _positions(origin, bases)
+                name = "rows" if field == "rows" else f"slot/{field}"
+                for delta, base, at, end in zip(deltas, bases, cuts, cuts[1:]):
+                    if end > at:
+                        _assign_rows(variable, at, end, _gather(delta.read([name])[name], origin, at, end, base))
             # The rows past the restored ones (or every row of a slot not in the checkpoint): free rows,
             # with the value the whole path gives them.
             step = max(1, (self.range_bytes or READ_BATCH_BYTES) // (4 * self.dim))
-            for start in range(saved[-1][1] if saved else 0, shard.share, step):
+            for start in range(n if field in self.fields else 0, shard.share, step):
                 stop = min(shard.share, start + step)
                 _assign_rows(variable, start, stop, _filled(stop - start, self.dim, defaults[field]))
             tf.raw_ops.DisableCopyOnRead(resource=variable.handle)
-        return count
+        return n
+
+
+def _with_deltas(row_keys, count: int, deltas) -> tuple:
+    """(the keys with a row after `deltas`, origin, bases), on the device in force: the saved keys
+    without those each delta changed or removed, then that delta's changed keys (`table_deltas.merge`,
+    the whole path's order). origin[i]: saved row origin[i], or changed row origin[i] - bases[j] of
+    delta j, bases[j] <= origin[i] < bases[j + 1] (one base per delta and the end). The saved rows
+    kept come first, in their order, then each delta's in order: ascending. Without deltas: the saved
+    keys, origin None (row i is saved row i), no bases."""
+    if not deltas:
+        return row_keys, None, []
+    origin, bases, base = _count_from(0, count), [], count
+    for delta in deltas:
+        got = delta.read(["row_keys", "row_removed"])
+        changed = int(got["row_keys"].shape[0])
+        row_keys, (origin,) = _merge(row_keys, [origin], got["row_keys"], [_count_from(base, changed)],
+                                     got["row_removed"])
+        bases.append(base)
+        base += changed
+    return row_keys, origin, [*bases, base]
+
+
+def _merge(keys, values: list, changed_keys, changed: list, removed):
+    """`keys`/`values` without the changed or removed keys, then the changed ones: the order
+    `table_deltas`' whole-state patch gives them (its `merge`; not imported from there, which
+    imports `table_checkpoint`, which imports this module)."""
+    zero = coordinator_constant(0, tf.int32)
+    keep = tf.raw_ops.ListDiff(x=keys, y=tf.concat([changed_keys, removed], zero), out_idx=tf.int64).idx
+    return (tf.concat([tf.gather(keys, keep, axis=zero), changed_keys], zero),
+            [tf.concat([tf.gather(v, keep, axis=zero), c], zero) for v, c in zip(values, changed)])
+
+
+def _count_from(start: int, count: int):
+    """int64 [start, start + count), made on the device in force from the coordinator's constants."""
+    return tf.range(coordinator_constant(start, tf.int64), coordinator_constant(start + count, tf.int64),
+                    coordinator_constant(1, tf.int64))
+
+
+def _positions(origin, values: list[int]) -> list[int]:
+    """For each of `values`, the first position in `origin` (ascending) holding it or more: one call
+    on the ps, its answer read here. `origin` None (row i is saved row i): `values` themselves."""
+    if origin is None:
+        return list(values)
+    row = coordinator_constant([1, -1], tf.int32)
+    at = tf.raw_ops.LowerBound(sorted_inputs=tf.reshape(origin, row),
+                               values=coordinator_constant([values], tf.int64), out_type=tf.int64)
+    return [int(v) for v in at.numpy().reshape(-1)]
+
+
+def _gather(value, origin, at: int, end: int, first: int):
+    """The rows of `value` (rows `first`, `first` + 1, ... of their source) that rows [at, end) take."""
+    taken = tf.slice(origin, coordinator_constant([at], tf.int64), coordinator_constant([end - at], tf.int64))
+    return tf.gather(value, taken - coordinator_constant(first, tf.int64), axis=coordinator_constant(0, tf.int32))
 
 
 @functools.partial(tf.function, autograph=False, reduce_retracing=True)
