@@ -70,6 +70,7 @@ from tensorflow.core.protobuf import trackable_object_graph_pb2 as pb
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.variables.sharding import is_partitioned
 from psclient._coordinator.checkpoints.checkpoint_pieces import (
+    LOCAL,
     READ_BATCH_BYTES,
     Piece,
     batches,
@@ -129,8 +130,8 @@ def slots_of(variables: dict[str, Any]) -> dict[int, list[Slot]]:
     return by_ps
 
 
-#: The group of variables that live in this process (not on a ps): the coordinator writes them.
-LOCAL = -1
+# LOCAL (checkpoint_pieces): the group of variables that live in this process (not on a ps): the
+# coordinator writes them.
 
 
 def _ps_of(variable: Any) -> int:

@@ -23,8 +23,9 @@ import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
 
-__all__ = ["READ_BATCH_BYTES", "ROW_ALIGN_BYTES", "Piece", "batches", "chunk_bytes", "chunk_rows", "chunked_keys",
-           "coordinator_constant", "pieces_of", "rows_spec", "save_chunked", "slot_bytes", "slot_bytes_of"]
+__all__ = ["LOCAL", "READ_BATCH_BYTES", "ROW_ALIGN_BYTES", "Piece", "batches", "chunk_bytes", "chunk_rows", "chunked_keys",
+           "coordinator_constant", "pieces_of", "rows_spec", "save_chunked", "slot_bytes", "slot_bytes_of",
+           "task_of"]
 
 
 #: The most bytes a restore reads at once on a ps (a batch of small slots, or a range of a larger
@@ -97,6 +98,15 @@ def save_chunked(names: list[str], specs: list[str], values: list, limit: int | 
             at += size
         chunked.add(name)
     return out_names, out_specs, out_values, chunked
+
+
+#: The "ps" of a table or variable without a cluster: its part is written by this process.
+LOCAL = -1
+
+
+def task_of(shard) -> int:
+    """The ps task that holds a table's `shard` (LOCAL: a table without a cluster, in this process)."""
+    return _runtime.ps_index_of(shard.device) if shard.device else LOCAL
 
 
 def coordinator_constant(value, dtype):

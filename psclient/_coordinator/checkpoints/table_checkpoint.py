@@ -43,21 +43,12 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from psclient._coordinator.checkpoints import table_ranges
-from psclient._coordinator.runtime import ps_index_of
+from psclient._coordinator.checkpoints.checkpoint_pieces import LOCAL, task_of as _task
 from psclient._tf import checkpoints as _checkpoints
-
-#: A table without a cluster: its part is written by this process (`checkpoint_parts.LOCAL`, which
-#: imports this module, so not imported from there).
-LOCAL = -1
 
 __all__ = ["assign", "check", "layout_of", "names_by_ps", "read", "read_local", "save_work"]
 
 _FIELDS = ("keys", "counters", "row_keys", "rows", "clock", "admissions", "evictions")
-
-
-def _task(shard) -> int:
-    """The ps task that holds `shard` (LOCAL: a table without a cluster, in this process)."""
-    return ps_index_of(shard.device) if shard.device else LOCAL
 
 
 def _dtypes(dim_slots: int) -> list:

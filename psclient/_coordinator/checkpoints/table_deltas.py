@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from psclient._coordinator.runtime import coordinator_cpu
+from psclient._coordinator.checkpoints.checkpoint_pieces import coordinator_constant as constant, task_of
 from psclient._tf import checkpoints as _checkpoints
 
 __all__ = ["Changes", "Patcher", "check", "constant", "diff", "kept", "merge", "patcher", "split"]
@@ -50,13 +50,6 @@ def split(names: list[str]) -> dict[str, dict[str, int]]:
         if match:
             out.setdefault(match.group(1), {})[match.group(2)] = position
     return out
-
-
-def constant(value, dtype):
-    """A constant on the coordinator's CPU. Made under a ps's device, TF would copy it there from inside
-    the conversion, holding the GIL (`psclient._tf.checkpoints._here`): the ops that use it copy it."""
-    with tf.device(coordinator_cpu()):
-        return tf.constant(value, dtype)
 
 
 def _flat(tensor):
@@ -133,12 +126,10 @@ def _read(delta: str, key: str, part: int, slots: list[str]) -> dict:
 
 def _by_ps(tables: dict[str, Any], only_ps: frozenset | None) -> dict[int, list]:
     """ps -> [(key, table, shard)] of the shards it holds (of `only_ps`, when given)."""
-    from psclient._coordinator.checkpoints.table_checkpoint import _task  # not at the top: it imports this module
-
     out: dict[int, list] = {}
     for key, table in tables.items():
         for shard in table.shards:
-            ps = _task(shard)
+            ps = task_of(shard)
             if only_ps is None or ps in only_ps:
                 out.setdefault(ps, []).append((key, table, shard))
     return out

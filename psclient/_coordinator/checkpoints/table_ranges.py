@@ -53,6 +53,7 @@ from psclient._coordinator.checkpoints.checkpoint_pieces import (
     coordinator_constant,
     rows_spec,
 )
+from psclient._coordinator.checkpoints.table_deltas import merge
 from psclient._tf import checkpoints as _checkpoints
 
 __all__ = ["Plan", "SMALL_FIELDS", "fits_one_range"]
@@ -150,7 +151,7 @@ class Plan:
                          self._read([f"{self.prefix}/{f}" for f in SMALL_FIELDS if f != "row_keys"])))
         for delta in deltas:  # the tracked keys merged whole, as the whole path does (8 to 16 bytes a key)
             got = delta.read(["keys", "counters", "removed", *_SCALARS])
-            small["keys"], (small["counters"],) = _merge(small["keys"], [small["counters"]], got["keys"],
+            small["keys"], (small["counters"],) = merge(small["keys"], [small["counters"]], got["keys"],
                                                          [got["counters"]], got["removed"])
             small.update({f: got[f] for f in _SCALARS})  # the newest delta's
             del got
@@ -197,21 +198,11 @@ def _with_deltas(row_keys, count: int, deltas) -> tuple:
     for delta in deltas:
         got = delta.read(["row_keys", "row_removed"])
         changed = int(got["row_keys"].shape[0])
-        row_keys, (origin,) = _merge(row_keys, [origin], got["row_keys"], [_count_from(base, changed)],
+        row_keys, (origin,) = merge(row_keys, [origin], got["row_keys"], [_count_from(base, changed)],
                                      got["row_removed"])
         bases.append(base)
         base += changed
     return row_keys, origin, [*bases, base]
-
-
-def _merge(keys, values: list, changed_keys, changed: list, removed):
-    """`keys`/`values` without the changed or removed keys, then the changed ones: the order
-    `table_deltas`' whole-state patch gives them (its `merge`; not imported from there, which
-    imports `table_checkpoint`, which imports this module)."""
-    zero = coordinator_constant(0, tf.int32)
-    keep = tf.raw_ops.ListDiff(x=keys, y=tf.concat([changed_keys, removed], zero), out_idx=tf.int64).idx
-    return (tf.concat([tf.gather(keys, keep, axis=zero), changed_keys], zero),
-            [tf.concat([tf.gather(v, keep, axis=zero), c], zero) for v, c in zip(values, changed)])
 
 
 def _count_from(start: int, count: int):
