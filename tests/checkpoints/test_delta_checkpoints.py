@@ -318,6 +318,30 @@ def test_dynamic_table_rows_slots_and_counters_come_back_from_full_and_deltas(cl
     assert evictions > 0 if capacity else evictions == 0
 
 
+def test_a_bounded_table_restored_in_ranges_applies_its_deltas_in_place(cluster, tmp_path, monkeypatch):
+    """The same, each shard forced onto the ranged path (a big shard's: one range a row, so a
+    64-row table takes it): the deltas' rows are written in place after the saved ranges
+    (`table_ranges.Plan.assign`), and every row, slot and counter comes back as the newest delta
+    holds it, on a real cluster (the local tests in tests/tables/test_table_ranges_deltas.py
+    compare it with the whole path)."""
+    from psclient._coordinator.checkpoints import table_ranges
+
+    monkeypatch.setattr(table_ranges, "READ_BATCH_BYTES", 1)  # no shard fits one range
+    applied = []
+    assign = table_ranges.Plan.assign
+
+    def recording(self, shard, deltas=()):
+        rows = assign(self, shard, deltas)
+        applied.append((len(deltas), rows))
+        return rows
+
+    monkeypatch.setattr(table_ranges.Plan, "assign", recording)
+    with RemoteConversions() as seen:
+        tables_through_deltas(cluster, tmp_path / "ckpt", 64)
+    assert_none_of_mine(seen, ("_deltas.py", "delta_restore.py", "table_checkpoint.py", "table_ranges.py"))
+    assert applied and all(deltas == 2 and rows is not None for deltas, rows in applied), applied
+
+
 def merged(shards):
     """A table's state over all its shards (for a restore into another number of ps tasks)."""
     counters, rows = {}, {}
