@@ -65,18 +65,25 @@ class FailureProbes:
                 break
             if attempt:
                 time.sleep(spacing)  # spacing between probes, not synchronisation
-            # Ahead of the heartbeats in the prober's queue: a burst of them (a hundred
-            # workers on a loaded coordinator) must not time these out before they run.
-            probes = {key: self._prober.start(device, urgent=True) for key, device in pending.items()}
-            deadline = time.monotonic() + self._probe_timeout
-            failed = {}
-            for key, probe in probes.items():
-                if not probe.done.wait(max(0.0, deadline - time.monotonic())):
-                    silent.append(key)  # timed out: hung, not asked again
-                elif not probe.ok:
-                    failed[key] = pending[key]
-            pending = failed
+            timed_out, failed = self._probe_round(pending)
+            silent += timed_out  # hung: not asked again
+            pending = {key: pending[key] for key in failed}
         return silent + list(pending)
+
+    def _probe_round(self, devices: dict) -> tuple[list, list]:
+        """One probe of every device in `devices` at once, against one deadline (probe_timeout):
+        (the keys whose probe timed out, the keys whose probe failed)."""
+        # Ahead of the heartbeats in the prober's queue: a burst of them (a hundred
+        # workers on a loaded coordinator) must not time these out before they run.
+        probes = {key: self._prober.start(device, urgent=True) for key, device in devices.items()}
+        deadline = time.monotonic() + self._probe_timeout
+        timed_out, failed = [], []
+        for key, probe in probes.items():
+            if not probe.done.wait(max(0.0, deadline - time.monotonic())):
+                timed_out.append(key)
+            elif not probe.ok:
+                failed.append(key)
+        return timed_out, failed
 
     def lost_ps(self) -> tuple:
         """The ps tasks that do not answer, or that answer but no longer hold
@@ -84,9 +91,7 @@ class FailureProbes:
         known = self._published.ps_down
         if known:
             return tuple(sorted(known))
-        silent = set(self._not_answering(
-            {ps: self._edge.ps_device(ps).rsplit("/device:", 1)[0] for ps in range(self._roster.cluster.num_ps)}
-        ))
+        silent = set(self._not_answering(self._ps_tasks()))
         stale, late = self._check_handles({ps: v for ps, v in self._held().items() if ps not in silent})
         return tuple(sorted(silent | set(stale) | set(late)))
 
@@ -94,10 +99,11 @@ class FailureProbes:
         """The ps tasks that leave one probe unanswered within probe_timeout (hung: SIGSTOP, a cut
         network). One that answers with an error (gone) is not among them: TF's calls fail there
         at once instead of waiting."""
-        probes = {ps: self._prober.start(self._edge.ps_device(ps).rsplit("/device:", 1)[0], urgent=True)
-                  for ps in range(self._roster.cluster.num_ps)}
-        deadline = time.monotonic() + self._probe_timeout
-        return tuple(ps for ps, probe in probes.items() if not probe.done.wait(max(0.0, deadline - time.monotonic())))
+        return tuple(self._probe_round(self._ps_tasks())[0])
+
+    def _ps_tasks(self) -> dict:
+        """ps index -> its task's device name (no "/device:" part: what a probe asks)."""
+        return {ps: self._edge.ps_device(ps).rsplit("/device:", 1)[0] for ps in range(self._roster.cluster.num_ps)}
 
     def stale_ps(self, skip: set = frozenset()) -> tuple:
         """The ps tasks that answer that they no longer hold this coordinator's variables.
