@@ -2,7 +2,9 @@
 
 For tests, examples and single-machine runs. Every worker and ps task is its
 own OS process running `python -m psclient serve`, so failures can be injected
-the way they happen in production: kill, stop (freeze), resume, restart.
+the way they happen in production: kill, stop (freeze), resume, restart. By
+default a task is forked from a process that imported TensorFlow once
+(forkserver.py): starting one costs a fork, not TensorFlow's import.
 
 Each task process is owned by the `LocalCluster` that started it:
 `close()` (also run by a `weakref.finalize` at interpreter exit) ends and reaps
@@ -35,11 +37,11 @@ from typing import Any
 
 import portpicker
 
-from psclient._cluster import exposure
+from psclient._cluster import exposure, forkserver
 from psclient._cluster.process import child_env
 from psclient._cluster.server import check_inter_op_threads
 from psclient._cluster.spec import Cluster
-from psclient._cluster.task_process import TaskProcess, launch, shutdown, wait_ready
+from psclient._cluster.task_process import START_METHODS, TaskProcess, launch, not_ready, shutdown, wait_ready
 from psclient._cluster.throttle import DEFAULT_PERIOD_S, Throttler, check_fraction, check_period
 from psclient._core.checks import check_positive
 from psclient._core.errors import TaskUnreachableError
@@ -100,6 +102,15 @@ class LocalCluster:
             has been open to it that long (`psclient serve
             --recycle-when-idle`: TF keeps part of every coordinator's
             context for good). Never when None. Linux only.
+        start_method: how a task process starts. "forkserver" (the default
+            where it works: Linux with pidfds): forked by one process that
+            imported TensorFlow once and serves every `LocalCluster` of this
+            process whose tasks get the same environment, so a start or
+            restart costs a fork and the task's own server, not TensorFlow's
+            import (about 3 CPU seconds a task). "spawn": `python -m psclient
+            serve` of its own, each import paid again, as on a real cluster
+            (measure restart times with it). The tasks are the same either
+            way: same command, options, pipes, session and logs.
 
     Raises:
         TaskUnreachableError: a task exited or was not ready in time; the
@@ -117,12 +128,22 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         inter_op_threads: int | None = None,
         recycle_when_idle: float | None = None,
+        start_method: str | None = None,
     ):
         check_positive("num_workers", num_workers, integer=True)
         check_positive("num_ps", num_ps, integer=True)
         check_positive("start_timeout", start_timeout, unit="seconds")
         if inter_op_threads is not None:
             check_inter_op_threads(inter_op_threads)
+        if start_method is None:
+            start_method = "forkserver" if forkserver.supported() else "spawn"
+        elif start_method not in START_METHODS:
+            raise ValueError(f"Invalid value for argument `start_method`. Received: start_method={start_method!r}. "
+                             f"Expected one of {list(START_METHODS)}.")
+        elif start_method == "forkserver" and not forkserver.supported():
+            raise ValueError("Invalid value for argument `start_method`. Received: start_method='forkserver' on "
+                             f"{sys.platform}. Expected 'spawn': a fork server needs Linux with pidfds (5.3+).")
+        self._start_method = start_method
         self._start_timeout = float(start_timeout)
         self._serve_options = [] if inter_op_threads is None else ["--inter-op-threads", str(inter_op_threads)]
         if recycle_when_idle is not None:
@@ -189,13 +210,18 @@ class LocalCluster:
 
     def _start(self, tasks: list[TaskProcess], timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        self._launch(tasks)
+        self._launch(tasks, deadline, timeout)
         wait_ready(tasks, deadline, timeout)
 
-    def _launch(self, tasks: list[TaskProcess]) -> None:
-        for task in tasks:  # All at once: TensorFlow's import dominates start-up.
+    def _launch(self, tasks: list[TaskProcess], deadline: float, timeout: float) -> None:
+        """Starts every task (all at once: a spawned task's TensorFlow import dominates its start),
+        without waiting for them to be ready; a fork server's answers count against `deadline`."""
+        for position, task in enumerate(tasks):
             env = dict(self._env, TF_CONFIG=self._cluster.to_tf_config(task.job, task.index))
-            launch(task, env, self._serve_options)
+            try:
+                launch(task, env, self._serve_options, self._start_method, deadline - time.monotonic())
+            except forkserver.ForkServerTimeout:  # still importing TensorFlow, or stopped
+                raise not_ready(tasks[position:], timeout) from None
 
     # Inspection -------------------------------------------------------------
 
@@ -355,7 +381,7 @@ class LocalCluster:
                 on_failure.callback(self._reap_locked, task)
                 with self._lock:
                     self._check_open()
-                    self._launch([task])
+                    self._launch([task], deadline, limit)
                 wait_ready([task], deadline, limit)
                 on_failure.pop_all()
         finally:

@@ -110,6 +110,8 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     )
     # Used by LocalCluster only: see psclient._cluster.server.serve.
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    # LocalCluster's starter of tasks (psclient/_cluster/forkserver.py): its control socket.
+    serve.add_argument("--fork-server", type=int, metavar="FD", help=argparse.SUPPRESS)
     serve.add_argument("--parent-fd", type=int, help=argparse.SUPPRESS)
     serve.set_defaults(handler=_run_serve, command_parser=serve)
 
@@ -175,7 +177,19 @@ def resolve_task(
     return job, index
 
 
+def serve_main(options: list[str]) -> int:
+    """`psclient serve` with these options (a task forked by a fork server runs this)."""
+    parser = argparse.ArgumentParser(prog="psclient")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", *options])
+    return args.handler(args)
+
+
 def _run_serve(args: argparse.Namespace) -> int:
+    if args.fork_server is not None:
+        from psclient._cluster import fork_serving
+
+        return fork_serving.serve_forks(args.fork_server, _server._import_tensorflow, serve_main)
     try:
         if args.inter_op_threads is not None:
             _server.check_inter_op_threads(args.inter_op_threads, name="--inter-op-threads")

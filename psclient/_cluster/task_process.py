@@ -6,7 +6,8 @@ when the other reaches EOF, that is when this process is gone (even by
 SIGKILL), because only this process holds its write end. Children this
 process forks close their copies of those ends at once
 (`os.register_at_fork`). `LocalCluster` (local.py) decides which tasks run
-where; this module knows how one runs.
+where; this module knows how one runs: forked by a fork server that imported
+TensorFlow once (forkserver.py), or as a process of its own.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import time
 import weakref
 from dataclasses import dataclass
 
-from psclient._cluster import exposure
+from psclient._cluster import exposure, forkserver
 from psclient._cluster.throttle import DEFAULT_PERIOD_S, Throttler
 from psclient._core.errors import TaskUnreachableError
 
-__all__ = ["TaskProcess", "launch", "shutdown", "wait_ready"]
+__all__ = ["START_METHODS", "TaskProcess", "launch", "not_ready", "shutdown", "wait_ready"]
 
 # How long close() lets tasks exit after SIGTERM before it SIGKILLs them.
 _TERM_GRACE_S = 5.0
@@ -42,7 +43,7 @@ class TaskProcess:
     index: int
     address: str
     log_path: str
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen | forkserver.ForkedProcess | None = None
     parent_w: int | None = None  # Held, never written: EOF tells the task we are gone.
     ready_r: int | None = None  # Open only while waiting for "ready".
     waiting: bool = False  # A thread selects on ready_r (`wait_ready`): it closes it, no one else.
@@ -113,8 +114,17 @@ def _log_tail(path: str) -> str:
     return "\n".join("    " + line for line in lines[-_LOG_TAIL_LINES:])
 
 
-def launch(task: TaskProcess, env: dict[str, str], serve_options: list[str]) -> None:
-    """Starts `task`'s process; does not wait for it to be ready."""
+#: How `launch` starts a task: forked by this process's fork server, or a process of its own.
+START_METHODS = ("forkserver", "spawn")
+
+
+def launch(task: TaskProcess, env: dict[str, str], serve_options: list[str], start_method: str = "spawn",
+           timeout: float = 60.0) -> None:
+    """Starts `task`'s process; does not wait for it to be ready.
+
+    "forkserver": forked by the fork server for `env` (forkserver.py; started if none runs, and
+    started again once if it has just exited: it idles out); `timeout` bounds its answer.
+    "spawn": `python -m psclient serve` of its own."""
     # os.pipe() fds are non-inheritable: a task inherits only the two ends in
     # pass_fds, so the write end of each parent pipe stays in this process alone.
     # Our ends belong to the task at once: its close_fds() (run by reap()) closes
@@ -122,14 +132,19 @@ def launch(task: TaskProcess, env: dict[str, str], serve_options: list[str]) -> 
     task.ready_r, ready_w = os.pipe()
     parent_r, task.parent_w = os.pipe()
     _LIVE_TASKS.add(task)
-    argv = [sys.executable, "-m", "psclient", "serve", "--job", task.job,
-            "--index", str(task.index), "--ready-fd", str(ready_w), "--parent-fd", str(parent_r)]
+    options = ["--job", task.job, "--index", str(task.index)]
     if not exposure.supported():
         # No socket filters: serve would refuse to start. LocalCluster has
         # warned (RuntimeWarning) that the ports are open.
-        argv.append("--allow-any-host")
-    argv += serve_options
+        options.append("--allow-any-host")
+    options += serve_options
+    argv = [sys.executable, "-m", "psclient", "serve", *options, "--ready-fd", str(ready_w),
+            "--parent-fd", str(parent_r)]
     try:
+        if start_method == "forkserver":
+            task.process = _forked(options, env, task.log_path, {"--ready-fd": ready_w, "--parent-fd": parent_r},
+                                   timeout)
+            return
         with open(task.log_path, "ab") as log:
             task.process = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -143,12 +158,25 @@ def launch(task: TaskProcess, env: dict[str, str], serve_options: list[str]) -> 
         os.close(parent_r)
 
 
+def _forked(options: list[str], env: dict[str, str], log_path: str, fds: dict[str, int], timeout: float):
+    try:
+        return forkserver.server_for(env).spawn(options, env, log_path, fds, timeout)
+    except forkserver.ForkServerGone:  # it idled out just as we asked: start another
+        return forkserver.server_for(env).spawn(options, env, log_path, fds, timeout)
+
+
 def _failure(task: TaskProcess, what: str) -> TaskUnreachableError:
     return TaskUnreachableError(
         f"Task {task.name} ({task.address}) {what}. Last lines of its log "
         f"{task.log_path}:\n{_log_tail(task.log_path)}",
         task=task.name, address=task.address,
     )
+
+
+def not_ready(pending: list[TaskProcess], timeout: float) -> TaskUnreachableError:
+    """The error of a start that gave up after `timeout` s: it names every task not ready."""
+    names = ", ".join(f"{t.name} ({t.address})" for t in pending)
+    return _failure(pending[0], f"was not ready within {timeout} s (not ready: {names})")
 
 
 def wait_ready(tasks: list[TaskProcess], deadline: float, timeout: float) -> None:
@@ -174,9 +202,7 @@ def _wait(selector: selectors.BaseSelector, deadline: float, timeout: float) -> 
         remaining = deadline - time.monotonic()
         events = selector.select(remaining) if remaining > 0 else []
         if not events:
-            pending = [key.data for key in selector.get_map().values()]
-            names = ", ".join(f"{t.name} ({t.address})" for t in pending)
-            raise _failure(pending[0], f"was not ready within {timeout} s (not ready: {names})")
+            raise not_ready([key.data for key in selector.get_map().values()], timeout)
         for key, _ in events:
             task = key.data
             selector.unregister(key.fd)

@@ -17,6 +17,7 @@ import pytest
 
 import psclient._cluster.local
 import psclient._cluster.task_process
+from psclient._cluster import forkserver
 from psclient._cluster.local import LocalCluster
 from psclient._core.errors import TaskUnreachableError
 
@@ -60,9 +61,21 @@ def wait_for_status(process, wanted, timeout=10):
 
 
 def serve_children():
-    """Task processes started by this test process."""
-    children = psutil.Process().children()
-    return {p.pid for p in children if "serve" in " ".join(p.cmdline())}
+    """Task processes started by this test process (children, or its fork servers' children)."""
+    found = set()
+    for process in psutil.Process().children(recursive=True):
+        try:
+            command = " ".join(process.cmdline())
+            forked_by_a_server = process.ppid() in fork_servers()
+        except psutil.NoSuchProcess:
+            continue
+        if "serve" in command and (forked_by_a_server or forkserver.OPTION not in command):
+            found.add(process.pid)
+    return found
+
+
+def fork_servers():
+    return {server.pid for server in forkserver._servers.values() if not server.gone}
 
 
 # The shared cluster ------------------------------------------------------------
@@ -133,11 +146,17 @@ def test_stop_and_resume(local_cluster):
     assert answers(local_cluster.cluster.address("worker", 0))
 
 
-def test_a_restart_holds_up_calls_on_its_own_task_only(local_cluster):
+def test_a_restart_holds_up_calls_on_its_own_task_only():
     """While a restart waits for its task to start, `stop`/`resume` of the other tasks go ahead (the
     cluster's lock was held for the whole start: a fault plan's 5 s ps hang lasted 25 s, its SIGCONT
     waiting on a worker's restart), and a call on the restarting task waits for the restart to end.
-    The new process is SIGSTOPped by the test so that the restart is still waiting, whatever the load."""
+    The new process is SIGSTOPped by the test so that the restart is still waiting, whatever the load:
+    started as a process of its own ("spawn"), as a forked task is ready too soon to be caught."""
+    with LocalCluster(num_workers=2, num_ps=1, start_method="spawn", start_timeout=120) as local_cluster:
+        _restart_holds_up_calls_on_its_own_task_only(local_cluster)
+
+
+def _restart_holds_up_calls_on_its_own_task_only(local_cluster):
     old = local_cluster.pid("worker", 1)
     ended = {}
 
@@ -198,15 +217,16 @@ def test_repr_names_every_task(local_cluster):
 # Own clusters ------------------------------------------------------------------
 
 
-def test_startup_time_and_close_leaves_no_process(capsys):
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_startup_time_and_close_leaves_no_process(capsys, start_method):
     start = time.monotonic()
-    with LocalCluster(num_workers=2, num_ps=1) as cluster:
+    with LocalCluster(num_workers=2, num_ps=1, start_method=start_method) as cluster:
         elapsed = time.monotonic() - start
         processes = [psutil.Process(cluster.pid(job, i)) for job, i, _ in cluster.cluster.tasks()]
         log_dir = cluster.log_dir
         assert os.path.isdir(log_dir)
     with capsys.disabled():
-        print(f"\nLocalCluster(2 workers, 1 ps) ready in {elapsed:.2f} s")
+        print(f"\nLocalCluster(2 workers, 1 ps, start_method={start_method!r}) ready in {elapsed:.2f} s")
     assert elapsed < 30
     wait_until_gone(processes, timeout=1)  # close() reaped them already.
     assert not os.path.exists(log_dir)  # Its own temporary directory is removed.
@@ -285,14 +305,19 @@ def test_a_task_that_cannot_start_is_named_with_its_log(monkeypatch, tmp_path):
     assert serve_children() == before  # The worker was ended too.
 
 
-def test_a_task_whose_process_cannot_be_created_leaks_no_pipe(monkeypatch, tmp_path):
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_task_whose_process_cannot_be_created_leaks_no_pipe(monkeypatch, tmp_path, start_method):
     def no_fork(*args, **kwargs):
         raise OSError(11, "Resource temporarily unavailable")
 
-    monkeypatch.setattr(psclient._cluster.task_process.subprocess, "Popen", no_fork)
+    if start_method == "spawn":
+        monkeypatch.setattr(psclient._cluster.task_process.subprocess, "Popen", no_fork)
+    else:
+        forkserver.server_for(psclient._cluster.local.child_env(None, quiet_tf=True))  # its socket counted before
+        monkeypatch.setattr(forkserver.ForkServer, "spawn", no_fork)
     fds = set(os.listdir("/proc/self/fd"))
     with pytest.raises(OSError, match="Resource temporarily unavailable"):
-        LocalCluster(num_workers=1, num_ps=1, log_dir=tmp_path)
+        LocalCluster(num_workers=1, num_ps=1, log_dir=tmp_path, start_method=start_method)
     assert set(os.listdir("/proc/self/fd")) <= fds
 
 
@@ -310,6 +335,7 @@ def test_start_timeout_names_the_tasks_and_ends_them():
         ({"num_ps": 1.5}, r"`num_ps`. Received: num_ps=1.5"),
         ({"start_timeout": 0}, r"`start_timeout`. Received: start_timeout=0"),
         ({"inter_op_threads": 1}, r"`inter_op_threads`. Received: 1. Expected an integer >= 2"),
+        ({"start_method": "fork"}, r"`start_method`. Received: start_method='fork'. Expected one of \['forkserver', 'spawn'\]"),
     ],
 )
 def test_invalid_arguments_start_nothing(kwargs, message):

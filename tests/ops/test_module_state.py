@@ -26,6 +26,8 @@ WEAK = "weakly keyed by an object psclient does not own (a TF graph or trace, a 
 #: "module.name" -> why it is module-level.
 ALLOWED = {
     "psclient._cluster.task_process._LIVE_TASKS": PROCESS + "the task processes this process owns (closed in a fork)",
+    "psclient._cluster.forkserver._servers": PROCESS + "the fork servers this process owns, one per task environment, "
+    "shared by its LocalClusters (forgotten in a fork)",
     "psclient._cluster.throttle._LIVE": PROCESS + "the throttle helpers this process owns (closed in a fork)",
     "psclient._coordinator.connection._coordinator_peers": PROCESS + "the hosts allowed to reach this process's port",
     "psclient._engine.registry._scope_hooks": PROCESS + "what entering any strategy's scope installs (Keras support)",
