@@ -162,7 +162,9 @@ def local_cluster(num_workers: int, num_ps: int, **options: Any) -> Iterator[tup
     """
     import psclient
 
-    with psclient.LocalCluster(num_workers=num_workers, num_ps=num_ps, **options) as local:
+    # Each task a process of its own, as on a real cluster (a restart pays TensorFlow's import, a
+    # task's memory is its own), unless `options` say otherwise; benchmarks/cluster_start.py compares.
+    with psclient.LocalCluster(num_workers=num_workers, num_ps=num_ps, **{"start_method": "spawn", **options}) as local:
         cluster = local.cluster
         pids = {f"{job}:{index}": local.pid(job, index) for job, index, _ in cluster.tasks()}
         yield cluster, pids

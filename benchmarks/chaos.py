@@ -219,7 +219,7 @@ def run(mode: str, args) -> dict:
 
     workers = ELASTIC_START if mode == "elastic" else args.workers
     log(f"{mode}: starting a cluster ({workers} workers, {args.ps} ps)")
-    with psclient.LocalCluster(num_workers=workers, num_ps=args.ps) as local, \
+    with psclient.LocalCluster(num_workers=workers, num_ps=args.ps, start_method="spawn") as local, \
             tempfile.TemporaryDirectory() as ckpt:
         cluster = local.cluster  # the strategy starts on these workers
         spares = []

@@ -167,7 +167,7 @@ def parent_main(args, argv) -> int:
     import psclient
 
     out = {"benchmark": "data_ledger", "config": {**_common.environment(argv), **vars(args)}}
-    with psclient.LocalCluster(num_workers=2, num_ps=1) as local:
+    with psclient.LocalCluster(num_workers=2, num_ps=1, start_method="spawn") as local:
         spec = json.dumps(local.cluster.training_spec())
 
         def throttle(fraction):

@@ -55,7 +55,7 @@ def main() -> None:
         optimizer.build(model.trainable_variables)
         return model, optimizer
 
-    with psclient.LocalCluster(num_workers=1, num_ps=2) as cluster:
+    with psclient.LocalCluster(num_workers=1, num_ps=2, start_method="spawn") as cluster:
         strategy = psclient.ParameterServerStrategy(
             cluster.cluster, checkpoint_dir=directory, delta_checkpoint_every=steps, hang_timeout=60.0,
             variable_partitioner=partitioner)

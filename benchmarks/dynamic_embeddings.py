@@ -142,7 +142,7 @@ def main(argv=None) -> int:
               "table_payload_mib_at_capacity": round(payload_mib, 1),
               "rows_and_slots_mib_at_capacity": round(floats_mib, 1),
               "rows_and_slots_bytes_per_row": args.dim * (1 + slots) * 4}
-    with psclient.LocalCluster(num_workers=2, num_ps=2, start_timeout=300) as local:
+    with psclient.LocalCluster(num_workers=2, num_ps=2, start_timeout=300, start_method="spawn") as local:
         pids = {f"{job}:{i}": local.pid(job, i) for job, i, _ in local.cluster.tasks()}
         ps_pids = [pid for name, pid in pids.items() if name.startswith("ps")]
         worker_pids = [pid for name, pid in pids.items() if name.startswith("worker")]

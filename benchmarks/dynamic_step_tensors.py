@@ -52,7 +52,7 @@ def child(kind: str, args) -> None:
 
     policy = {"min_frequency": args.min_frequency, "ttl_steps": args.ttl_steps} if kind == "dynamic_policies" else {}
     x = stream(0, 2, args.batch, 50_000).reshape(2, args.batch, -1)[:, :, :args.tables]
-    with psclient.LocalCluster(num_workers=1, num_ps=2, start_timeout=300) as local:
+    with psclient.LocalCluster(num_workers=1, num_ps=2, start_timeout=300, start_method="spawn") as local:
         strategy = psclient.ParameterServerStrategy(local.cluster)
         try:
             with strategy.scope():

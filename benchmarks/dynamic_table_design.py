@@ -190,7 +190,7 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(0)
     keys = rng.choice(1 << 40, size=args.rows, replace=False).astype("int64")
-    with psclient.LocalCluster(num_workers=2, num_ps=2) as cluster:
+    with psclient.LocalCluster(num_workers=2, num_ps=2, start_method="spawn") as cluster:
         strategy = psclient.ParameterServerStrategy(cluster.cluster, variable_partitioner=None)
         try:
             with strategy.scope(), tf.device("/job:ps/task:0"):

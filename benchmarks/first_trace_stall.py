@@ -60,7 +60,7 @@ def _child(mode: str, hang: float) -> dict:
     import psclient
 
     result: dict = {"mode": mode, "hang_s": hang}
-    with psclient.LocalCluster(num_workers=3, num_ps=1, start_timeout=300) as local:
+    with psclient.LocalCluster(num_workers=3, num_ps=1, start_timeout=300, start_method="spawn") as local:
         if mode == "psclient":
             strategy = psclient.ParameterServerStrategy(local.cluster, hang_timeout=3)
             with strategy.scope():

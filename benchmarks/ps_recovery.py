@@ -318,7 +318,7 @@ def child_main(args: argparse.Namespace) -> None:
     mode = args._child
     directory = tempfile.mkdtemp(prefix=f"ps-recovery-{mode}-", dir=args.scratch)
     try:
-        with psclient.LocalCluster(num_workers=NUM_WORKERS, num_ps=NUM_PS, start_timeout=RESTART_TIMEOUT_S) as local:
+        with psclient.LocalCluster(num_workers=NUM_WORKERS, num_ps=NUM_PS, start_timeout=RESTART_TIMEOUT_S, start_method="spawn") as local:
             strategy = psclient.ParameterServerStrategy(local.cluster, checkpoint_dir=directory,
                                                         **MODE_OPTIONS[mode])
             memory = PsMemory(lambda: {f"ps:{k}": local.pid("ps", k) for k in range(NUM_PS)})

@@ -67,7 +67,7 @@ def main(argv=None) -> None:
                          "embedding_rows": args.embedding_rows, "delta_every_seconds": args.delta_every_seconds,
                          "seconds": args.seconds}}
     try:
-        with psclient.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        with psclient.LocalCluster(num_workers=2, num_ps=2, start_method="spawn") as cluster:
             partitioner = (tf.distribute.experimental.partitioners.FixedShardsPartitioner(2) if args.embedding_rows
                            else None)
             strategy = psclient.ParameterServerStrategy(cluster.cluster, variable_partitioner=partitioner)

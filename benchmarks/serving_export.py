@@ -176,7 +176,7 @@ def main(argv=None) -> None:
     result = {"config": {**environment(sys.argv), "rows": args.rows, "dynamic_rows": args.dynamic_rows, "dim": DIM},
               "weights_mb": round((args.rows + args.dynamic_rows) * DIM * 4 / 2**20, 1)}
     try:
-        with psclient.LocalCluster(num_workers=1, num_ps=2) as cluster:
+        with psclient.LocalCluster(num_workers=1, num_ps=2, start_method="spawn") as cluster:
             strategy = psclient.ParameterServerStrategy(
                 cluster.cluster, checkpoint_dir=os.path.join(work, "checkpoints"),
                 variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2))

@@ -205,7 +205,7 @@ def parent_main(args, argv) -> int:
     failed = False
     with _common.stop_on_sigterm():
         _common.log(f"starting a LocalCluster ({NUM_WORKERS} workers, {NUM_PS} ps)")
-        with psclient.LocalCluster(num_workers=NUM_WORKERS, num_ps=NUM_PS) as local:
+        with psclient.LocalCluster(num_workers=NUM_WORKERS, num_ps=NUM_PS, start_method="spawn") as local:
             output["config"]["cluster"] = local.cluster.jobs
             for repeat in range(args.repeats):
                 for straggler in (False, True):
