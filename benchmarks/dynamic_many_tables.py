@@ -26,6 +26,13 @@ processes) per N.
     python benchmarks/dynamic_many_tables.py --tables 1,8 --steps 60
     python benchmarks/dynamic_many_tables.py --tables 1 --paths hashing,dynamic --steps 200 --repeats 3
     python benchmarks/dynamic_many_tables.py --tables 26 --min-frequency 2 --ttl-steps 400   # the policies with a scan
+    python benchmarks/dynamic_many_tables.py --tables 26 --paths dynamic --perf   # where the ps tasks' CPU goes
+
+With `--perf` (Linux `perf`, as root), each run also samples the ps tasks over its timed steps
+(`perf record -F 1999 -p <ps pids>`) and adds `ps_perf`: their CPU per step by kind of code (the
+categories of `PERF_KINDS`: TF's executor, its thread pool, malloc/free, hash tables, gRPC and
+rendezvous, ...; the rest is the kernels' own work), and the symbols that took the most, in ms per
+step over all ps tasks. Sampling costs the ps tasks some CPU: compare runs that all used it.
 
 Prints one JSON object (progress on stderr). Noisy machine: compare the ratios within one run.
 """
@@ -33,9 +40,15 @@ Prints one JSON object (progress on stderr). Noisy machine: compare the ratios w
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import os
+import re
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -46,6 +59,61 @@ from _common import ProcessCPU, environment, log, median, print_json  # noqa: E4
 from dynamic_embeddings import FEATURES, stream  # noqa: E402
 
 PATHS = ("dynamic", "hashing", "dynamic_dict")
+
+# Kinds of code in a ps task's samples, by symbol (the first that matches; unmatched: the kernels' own work).
+PERF_KINDS = (
+    ("executor", r"ExecutorState|PropagatorState|NodeDone|ScheduleReady|tensorflow::Entry|ExecutorImpl|OpKernelContext"
+                 r"|ThreadPoolDevice::Compute|InputRange|Tensor::|TensorBuffer|RefCounted"),
+    ("thread_pool", r"Eigen::RunQueue|ThreadPoolTempl|EigenEnvironment|MaybeGetTask|GlobalSteal|LocalSteal"),
+    ("malloc_free", r"malloc|free|_int_|unlink_chunk|consolidate|memalign|Allocator|operator new|operator delete"),
+    ("hash_tables", r"lookup::|_Hashtable|HashTable"),
+    ("memory_copies", r"mem(move|cpy|set|cmp)"),
+    ("locks", r"Mutex|mutex|futex|spin"),
+    ("grpc_rendezvous", r"grpc|gpr_|protobuf|Rendezvous|Recv|Send|Rpc|Proto"),
+    ("top_k_sort", r"TopK|sort|heap"),
+)
+
+
+class PsPerf:
+    """`perf record` of the ps tasks between `start()` and `stop()`; `summary(steps)`: ms per step by kind."""
+
+    def __init__(self, pids: list[int]):
+        self.pids, self.process = pids, None
+        self.path = os.path.join(tempfile.mkdtemp(prefix="ps_perf_"), "perf.data")
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            ["perf", "record", "-F", "1999", "-o", self.path, "-p", ",".join(map(str, self.pids))],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        """Stop the recording (a no-op when none runs: `one_run` also calls it after a failed fit)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGINT)  # perf writes its file and exits
+        self.process.wait(timeout=120)
+
+    def summary(self, steps: int) -> dict:
+        report = subprocess.run(["perf", "report", "-i", self.path, "--no-children", "--sort", "sym", "--stdio"],
+                                capture_output=True, text=True, check=True).stdout
+        os.remove(self.path)
+        os.rmdir(os.path.dirname(self.path))
+        total_ns = float(re.search(r"Event count \(approx\.\): (\d+)", report).group(1))
+        per_step = total_ns / 1e6 / steps  # ms of the ps tasks' CPU a step, all of them
+        kinds, symbols = collections.Counter(), collections.Counter()
+        for line in report.splitlines():
+            match = re.match(r"\s+([\d.]+)%\s+\[(.)\]\s+(.*)", line)
+            if not match:
+                continue
+            ms = float(match.group(1)) / 100 * per_step
+            symbol = match.group(3).strip()
+            symbols[symbol[:100]] += ms
+            kind = next((name for name, pattern in PERF_KINDS if re.search(pattern, symbol)),
+                        "os_kernel" if match.group(2) == "k" else "kernels_own_work")
+            kinds[kind] += ms
+        return {"ms_per_step": round(per_step, 2),
+                "by_kind_ms_per_step": {kind: round(ms, 2) for kind, ms in kinds.most_common()},
+                "top_symbols_ms_per_step": {name: round(ms, 2) for name, ms in symbols.most_common(15)}}
 
 
 def build(keras, kind: str, tables: int, rows: int, dim: int, **policy):
@@ -88,8 +156,10 @@ def ops_in_step(tf, keras, model, batch: int, tables: int) -> dict:
     return {"ps_ops_in_step": on_ps, "other_ops_in_step": len(nodes) - on_ps}
 
 
-def one_run(keras, tf, strategy, meter, kind: str, n: int, x, y, args, policy: dict, count_ops: bool) -> dict:
-    """One fit of a fresh model of `kind` with `n` tables: its figures, CPU per step of every process."""
+def one_run(keras, tf, strategy, meter, kind: str, n: int, x, y, args, policy: dict, count_ops: bool,
+            perf: PsPerf | None = None) -> dict:
+    """One fit of a fresh model of `kind` with `n` tables: its figures, CPU per step of every process
+    (and with `perf`, where the ps tasks' CPU went)."""
     gc.collect()
     with strategy.scope():
         model = build(keras, kind, n, args.rows, args.dim, **(policy if kind != "hashing" else {}))
@@ -97,11 +167,21 @@ def one_run(keras, tf, strategy, meter, kind: str, n: int, x, y, args, policy: d
 
     def on_batch_end(batch, logs):
         if batch == args.warmup - 1:
+            if perf is not None:
+                perf.start()
             marks["start"] = meter.read()
 
-    timer = keras.callbacks.LambdaCallback(
-        on_train_batch_end=on_batch_end, on_train_end=lambda logs: marks.__setitem__("end", meter.read()))
-    model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+    def on_train_end(logs):
+        marks["end"] = meter.read()
+        if perf is not None:
+            perf.stop()
+
+    timer = keras.callbacks.LambdaCallback(on_train_batch_end=on_batch_end, on_train_end=on_train_end)
+    try:
+        model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+    finally:
+        if perf is not None:
+            perf.stop()
     cpu = meter.per_step(marks["start"], marks["end"], args.steps)
     roles = cpu["cpu_ms_per_step"]["by_role"]
     run = {
@@ -111,6 +191,8 @@ def one_run(keras, tf, strategy, meter, kind: str, n: int, x, y, args, policy: d
         "worker_cpu_ms_per_step": roles["worker"],
         **cpu,
     }
+    if perf is not None:
+        run["ps_perf"] = perf.summary(args.steps)
     if count_ops:  # the same graph every repeat: traced once (a step of 26 layers takes a while)
         run.update(ops_in_step(tf, keras, model, args.batch, n))
     del model, timer
@@ -139,6 +221,7 @@ def main(argv=None) -> int:
                         help="runs of every path and N, interleaved (figures: medians; each run under `runs`)")
     parser.add_argument("--min-frequency", type=int, default=1, help="the dynamic tables' min_frequency")
     parser.add_argument("--ttl-steps", type=int, default=None, help="the dynamic tables' ttl_steps (default: none)")
+    parser.add_argument("--perf", action="store_true", help="sample the ps tasks with Linux perf over the timed steps")
     args = parser.parse_args(argv)
     try:
         counts = sorted({int(n) for n in args.tables.split(",") if n})
@@ -151,6 +234,8 @@ def main(argv=None) -> int:
         parser.error(f"--paths must name some of {PATHS}, got {args.paths!r}")
     if args.min_frequency < 1 or (args.ttl_steps is not None and args.ttl_steps < 1):
         parser.error(f"--min-frequency and --ttl-steps must be >= 1, got {args.min_frequency} and {args.ttl_steps}")
+    if args.perf and shutil.which("perf") is None:
+        parser.error("--perf needs Linux `perf` on the PATH")
     policy = {"min_frequency": args.min_frequency, "ttl_steps": args.ttl_steps}
 
     import keras
@@ -171,7 +256,9 @@ def main(argv=None) -> int:
                 for n in counts:
                     x = np.ascontiguousarray(x_all[:, :n])
                     for kind in paths:
-                        run = one_run(keras, tf, strategy, meter, kind, n, x, y, args, policy, count_ops=repeat == 0)
+                        perf = PsPerf([local.pid("ps", i) for i in range(2)]) if args.perf else None
+                        run = one_run(keras, tf, strategy, meter, kind, n, x, y, args, policy, count_ops=repeat == 0,
+                                      perf=perf)
                         result.setdefault(kind, {}).setdefault(str(n), {"runs": []})["runs"].append(run)
                         log(f"{kind} x{n} (repeat {repeat + 1}): {run}")
         finally:
