@@ -164,8 +164,12 @@ def read(path: str, tables: dict[str, Any], saved: dict, layout: dict | None = N
                 slots = sorted(entry["slots"])
                 small = shard.dense and table_ranges.fits_one_range(  # its rows and every slot it will hold
                     shard.share, table.dim, {*slots, *shard.slots}, range_bytes)
-                if shard.dense and int(entry["shards"]) == len(table.shards) and not small:
+                count = int(entry["shards"])
+                if shard.dense and count == len(table.shards) and not small:
                     plan = table_ranges.Plan(path, key, index, slots, table.dim, layout, range_bytes)
+                elif shard.dense and not small:  # another number of ps: each saved shard read in ranges
+                    plan = table_ranges.SplitPlan(path, key, count, index, len(table.shards), slots, table.dim,
+                                                  layout, range_bytes)
                 with shard.placed():
                     try:
                         # Each range, or the state itself, dropped at once.

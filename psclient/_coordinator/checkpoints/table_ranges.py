@@ -56,7 +56,7 @@ from psclient._coordinator.checkpoints.checkpoint_pieces import (
 from psclient._coordinator.checkpoints.table_deltas import merge
 from psclient._tf import checkpoints as _checkpoints
 
-__all__ = ["Plan", "SMALL_FIELDS", "fits_one_range"]
+__all__ = ["Plan", "SMALL_FIELDS", "SplitPlan", "fits_one_range"]
 
 #: The fields read whole (the keys' and the clocks'), in `table_checkpoint._FIELDS`'s order.
 SMALL_FIELDS = ("keys", "counters", "row_keys", "clock", "admissions", "evictions")
@@ -121,10 +121,14 @@ class Plan:
         """Read every value (the rows and slots a range at a time), each dropped at once: raises
         tf.errors.OpError if one cannot be read. Returns the rows saved."""
         count = int(self.read_small()["row_keys"].shape[0])
+        self.check_ranges(count)
+        return count
+
+    def check_ranges(self, count: int) -> None:
+        """Read the rows and slots (saved with `count` rows) a range at a time, each dropped at once."""
         for field in self.fields:
             for start, stop in self.ranges(field, count):
                 self.read_range(field, count, start, stop)  # dropped at once: only whether it reads counts
-        return count
 
     def assign(self, shard, deltas: list | tuple = ()) -> int | None:
         """Read the shard's saved state again and write it into `shard` (a DenseShard), under its
@@ -175,14 +179,126 @@ class Plan:
                 for delta, base, at, end in zip(deltas, bases, cuts, cuts[1:]):
                     if end > at:
                         _assign_rows(variable, at, end, _gather(delta.read([name])[name], origin, at, end, base))
-            # The rows past the restored ones (or every row of a slot not in the checkpoint): free rows,
-            # with the value the whole path gives them.
-            step = max(1, (self.range_bytes or READ_BATCH_BYTES) // (4 * self.dim))
-            for start in range(n if field in self.fields else 0, shard.share, step):
-                stop = min(shard.share, start + step)
-                _assign_rows(variable, start, stop, _filled(stop - start, self.dim, defaults[field]))
-            tf.raw_ops.DisableCopyOnRead(resource=variable.handle)
+            _fill_rest(variable, n if field in self.fields else 0, shard.share, self.dim, defaults[field],
+                       self.range_bytes)
         return n
+
+
+class SplitPlan:
+    """Shard `index` of `num_shards` restored from every saved shard of table `key` (`count` of them,
+    `slots` their slots) in ranges, from `path`: a restore into another number of ps tasks.
+
+    Each saved shard's keys, counters and keys with a row are read whole (8 to 16
+    bytes a key); its rows and slots a range at a time (`Plan`), and of each range
+    the rows this shard owns (`shard_of(key, num_shards) == index`, the rule
+    `table_checkpoint._restored_state` keeps rows by) are written into its
+    variables in place, where the whole path puts them: saved shard by saved
+    shard, each in its saved order. `layout`, `range_bytes`: as `Plan`'s.
+    """
+
+    def __init__(self, path: str, key: str, count: int, index: int, num_shards: int, slots: list[str], dim: int,
+                 layout: dict | None, range_bytes: int | None = None):
+        self.parts = [Plan(path, key, part, slots, dim, layout, range_bytes) for part in range(count)]
+        self.index, self.num_shards, self.dim, self.range_bytes = index, num_shards, dim, range_bytes
+        self.fields = self.parts[0].fields  # the same fields in every saved shard (`fields[...]` is part 0's key)
+
+    def _owned_rows(self, row_keys_by_part: list) -> tuple:
+        return _owned_rows(row_keys_by_part, coordinator_constant(self.num_shards, tf.int64),
+                           coordinator_constant(self.index, tf.int32))
+
+    def check(self) -> int:
+        """Read every saved shard's values (its rows and slots a range at a time), each dropped at once:
+        raises tf.errors.OpError if one cannot be read. Returns the rows this shard will hold."""
+        owned = 0
+        for plan in self.parts:
+            row_keys = plan.read_small()["row_keys"]
+            owned += int(self._owned_rows([row_keys])[0].shape[0])
+            plan.check_ranges(int(row_keys.shape[0]))
+            del row_keys
+        return owned
+
+    def assign(self, shard, deltas: list | tuple = ()) -> int | None:
+        """Read the saved shards again and write the rows, slots and keys `shard` (a DenseShard) owns
+        of them into it, under its device. None (nothing written): more rows than its share holds
+        (the whole path evicts down to it), or `deltas` (the whole path applies them to the merged
+        state). Returns the rows."""
+        if deltas:
+            return None
+        row_keys = [plan._read([f"{plan.prefix}/row_keys"])[0] for plan in self.parts]
+        counts = [int(keys.shape[0]) for keys in row_keys]
+        # picks[p]: the positions (ascending) of saved shard p's rows this shard owns.
+        kept, picks = self._owned_rows(row_keys)
+        del row_keys
+        n = int(kept.shape[0])
+        if n > shard.share:
+            return None
+        variables = {"rows": shard.rows, **shard.slots}
+        _fit_storage(list(variables.values()), shard.share, self.dim)
+        shard.replace_row_keys(kept)
+        del kept  # before the counters are read: a ps holds one of them at a time
+        fields = ("keys", "counters", *_SCALARS)
+        saved = [dict(zip(fields, plan._read([f"{plan.prefix}/{f}" for f in fields]))) for plan in self.parts]
+        where = (coordinator_constant(self.num_shards, tf.int64), coordinator_constant(self.index, tf.int32))
+        owned = _owned_counters(*([s[f] for s in saved] for f in fields), *where)
+        del saved
+        keys, counters, clock, admissions, evictions = owned
+        shard.replace_counters(keys, counters, coordinator_constant(n, tf.int64), clock, admissions, evictions)
+        del owned, keys, counters
+        defaults = {"rows": 0.0, **shard.slot_defaults}
+        for field, variable in variables.items():
+            at_row = 0  # where saved shard p's owned rows begin: after those of the shards before it
+            for plan, count, pick in zip(self.parts, counts, picks):
+                ranges = plan.ranges(field, count) if field in self.fields else []
+                cuts = _positions(pick, [start for start, _ in ranges] + [count]) if ranges else []
+                for (start, stop), at, end in zip(ranges, cuts, cuts[1:]):
+                    if end == at:
+                        continue  # none of these rows is this shard's: not read
+                    value = plan.read_range(field, count, start, stop)
+                    if end - at != stop - start:
+                        value = _gather(value, pick, at, end, start)
+                    _assign_rows(variable, at_row + at, at_row + end, value)
+                    del value
+                at_row += int(pick.shape[0])
+            _fill_rest(variable, n if field in self.fields else 0, shard.share, self.dim, defaults[field],
+                       self.range_bytes)
+        return n
+
+
+# Traced, as `DenseShard`'s sections, so that no Python value is converted under the ps's device.
+@functools.partial(tf.function, autograph=False, reduce_retracing=True)
+def _owned_rows(row_keys_by_part: list, num_shards, index):
+    """(the keys with a row that shard `index` of `num_shards` owns, saved shard by saved shard; for
+    each saved shard, the positions of those rows in it, ascending)."""
+    from psclient._coordinator.tables.key_hash import shard_of  # tables imports this module
+
+    picks = [tf.reshape(tf.where(tf.equal(shard_of(keys, num_shards), index)), [-1]) for keys in row_keys_by_part]
+    return tf.concat([tf.gather(keys, pick) for keys, pick in zip(row_keys_by_part, picks)], 0), picks
+
+
+@functools.partial(tf.function, autograph=False, reduce_retracing=True)
+def _owned_counters(keys, counters, clocks, admissions, evictions, num_shards, index):
+    """The tracked keys and counters shard `index` of `num_shards` owns of the saved shards' (each a
+    list, one per saved shard), and its clocks: the largest saved clock, the admissions and
+    evictions summed on shard 0 (0 elsewhere), as `table_checkpoint._restored_state` gives them."""
+    from psclient._coordinator.tables.key_hash import shard_of
+
+    keys = tf.concat(keys, 0)
+    counters = tf.concat([tf.reshape(c, [-1, 2]) for c in counters], 0)
+    mine = tf.equal(shard_of(keys, num_shards), index)
+    first, zero = tf.equal(index, 0), tf.constant(0, tf.int64)
+    return (tf.boolean_mask(keys, mine), tf.boolean_mask(counters, mine), tf.reduce_max(tf.stack(clocks)),
+            tf.where(first, tf.add_n(admissions), zero), tf.where(first, tf.add_n(evictions), zero))
+
+
+def _fill_rest(variable, start: int, share: int, dim: int, value: float, range_bytes: int | None) -> None:
+    """Rows [start, share) of `variable` (the rows past the restored ones, or every row of a slot not in
+    the checkpoint: free rows) set to `value`, as the whole path sets them, a range at a time; then
+    the variable out of copy-on-read mode (`_assign_rows`)."""
+    step = max(1, (range_bytes or READ_BATCH_BYTES) // (4 * dim))
+    for at in range(start, share, step):
+        stop = min(share, at + step)
+        _assign_rows(variable, at, stop, _filled(stop - at, dim, value))
+    tf.raw_ops.DisableCopyOnRead(resource=variable.handle)
 
 
 def _with_deltas(row_keys, count: int, deltas) -> tuple:
