@@ -3,7 +3,8 @@ saved shard's keys read whole, its rows and slots a range at a time, the rows ea
 in place. Every key, counter, row, slot and clock comes back as the whole path (every saved shard read
 whole and merged: `table_checkpoint._restored_state`) gives them, array for array, and a damaged
 checkpoint leaves the table as it was. Local tables (no cluster): a table of 2 shards saves, tables of
-1 and 3 restore; the cluster's test is tests/checkpoints/test_delta_checkpoints.py's."""
+1 and 3 restore; then the same on a real cluster (the session's 2 workers + 3 ps: a model on 2 ps
+saves, one on 3 restores), where nothing is converted under a ps's device."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ tf = pytest.importorskip("tensorflow")
 from psclient._coordinator.checkpoints import table_checkpoint, table_ranges  # noqa: E402
 from psclient._coordinator.checkpoints.checkpoint import Checkpoints  # noqa: E402
 
+from _conversions import RemoteConversions  # noqa: E402
 from _table_ranges_setup import CAPACITY, KEY, ROWS, state, table  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -126,3 +128,73 @@ def test_a_damaged_saved_shard_leaves_the_table_untouched(tmp_path):
     after = target.export_shard(0)
     for field in ("keys", "counters", "row_keys", "rows"):
         np.testing.assert_array_equal(after[field], before[field])
+
+
+# ------------------------------------------------------------------ on a real cluster
+def on_ps(local, num_ps, directory):
+    """A strategy on the cluster's first `num_ps` ps tasks (no chief: a coordinator picks its own port)."""
+    import psclient
+
+    spec = local.cluster.training_spec()
+    cluster = psclient.Cluster({"worker": list(spec["worker"]), "ps": list(spec["ps"][:num_ps])})
+    return psclient.ParameterServerStrategy(cluster, checkpoint_dir=directory)
+
+
+def dynamic_model():
+    """A DynamicEmbedding (dim 8, capacity 512: dense storage) under Adagrad, and the layer."""
+    keras = pytest.importorskip("keras")
+    from psclient.layers import DynamicEmbedding
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((64,), dtype="int64")
+    layer = DynamicEmbedding(8, min_frequency=2, capacity=512, name="ids")
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(layer(inputs))))
+    model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
+    return model, layer
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_on_a_cluster_a_table_saved_by_2_ps_and_restored_on_3_in_ranges_is_the_whole_paths(
+        two_workers_three_ps, restore_shared_clusters, tmp_path, monkeypatch, assigned):
+    local, directory = two_workers_three_ps, tmp_path / "ckpt"
+    strategy = on_ps(local, 2, directory)
+    try:
+        with strategy.scope():
+            model, layer = dynamic_model()
+        # Windows of 64 keys sliding by 32: a key seen twice is admitted, once only counted.
+        x = np.stack([np.arange(32 * i, 32 * i + 64) for i in range(8)]).astype("int64")
+        model.fit(x, np.ones((8, 1), "float32"), epochs=1, batch_size=1, verbose=0)
+        strategy.save_checkpoint()
+        saved = layer.export_state()
+    finally:
+        strategy.shutdown()
+    assert sum(len(s["row_keys"]) for s in saved) > 0 and sum(len(s["keys"]) for s in saved) > sum(
+        len(s["row_keys"]) for s in saved)  # some keys only counted
+
+    def restored_on_3():
+        strategy = on_ps(local, 3, directory)
+        try:
+            with strategy.scope():
+                _, layer = dynamic_model()
+            with RemoteConversions() as seen:
+                assert strategy.restore() is not None
+            mine = [found for found in seen.found if any(
+                name in found[2] for name in ("table_checkpoint.py", "table_ranges.py", "dense_shard.py"))]
+            assert not mine, "\n\n".join(f"{device}: {value}\n{stack}" for device, value, stack in mine)
+            return layer.export_state()
+        finally:
+            strategy.shutdown()
+
+    whole = restored_on_3()  # 171 rows of 8 floats and a slot a shard: one range, restored whole
+    assert assigned == []
+    monkeypatch.setattr(table_ranges, "READ_BATCH_BYTES", 256)  # no shard fits one range: 8 rows a range
+    ranged = restored_on_3()
+    assert len(assigned) == 3 and None not in assigned  # each shard in ranges, in place
+    assert sum(assigned) == sum(len(s["row_keys"]) for s in saved)
+    for got, want in zip(ranged, whole, strict=True):
+        assert sorted(got) == sorted(want)
+        for field in ("keys", "counters", "row_keys", "rows", "clock", "admissions", "evictions"):
+            np.testing.assert_array_equal(got[field], want[field], err_msg=field)
+        for slot in want["slots"]:
+            np.testing.assert_array_equal(got["slots"][slot], want["slots"][slot], err_msg=slot)
