@@ -41,10 +41,12 @@ def assigned(monkeypatch):
     return got
 
 
-def saved(tmp_path, capacity=2 * CAPACITY):
-    """A checkpoint of a table of 2 shards holding `state(1)` and `state(3)` (split by key): its path and layout."""
-    source = table(capacity=capacity, shards=SAVED_BY)
-    source.import_shards([state(1), state(3)])
+def saved(tmp_path, capacity=2 * CAPACITY, storage="dense"):
+    """A checkpoint of a table of 2 shards holding `state(1)` and `state(3)` (split by key): its path and
+    layout. In dense storage each shard saves its keys with a row first, in their rows' order; in
+    hash tables (`storage="hash"`) in the tables' order."""
+    source = table(storage=storage, capacity=capacity, shards=SAVED_BY)
+    source.import_shards([state(1, shuffled=True), state(3, shuffled=True)])
     path = Checkpoints(str(tmp_path), keep=3).save({}, completed=1, tables={KEY: source})
     return path, json.loads(tf.train.load_checkpoint(path).get_tensor("psclient_layout"))
 
@@ -74,9 +76,11 @@ def assert_same_shards(got, want):
     assert got.stats() == want.stats()  # rows, tracked keys, free rows: admissions go on alike
 
 
+@pytest.mark.parametrize("storage", ["dense", "hash"])
 @pytest.mark.parametrize("shards", [1, 3])
-def test_a_table_restored_into_another_number_of_shards_in_ranges_is_the_whole_paths(tmp_path, shards, assigned):
-    path, layout = saved(tmp_path)
+def test_a_table_restored_into_another_number_of_shards_in_ranges_is_the_whole_paths(
+        tmp_path, shards, storage, assigned):
+    path, layout = saved(tmp_path, storage=storage)
     whole, whole_plans, whole_rows = restored(path, layout, shards, range_bytes=None)  # fits one range: whole
     assert whole_plans == [None] * shards
     ranged, plans, rows = restored(path, layout, shards, range_bytes=1024)  # 32 rows of 8 floats a range
@@ -88,6 +92,27 @@ def test_a_table_restored_into_another_number_of_shards_in_ranges_is_the_whole_p
     # (the states' keys: every key on the shard that owns it, none lost)
     held = sorted(k for i in range(shards) for k in ranged.export_shard(i)["row_keys"].tolist())
     assert held == sorted(state(1)["row_keys"].tolist() + state(3)["row_keys"].tolist())
+
+
+def test_the_owned_keys_with_a_row_come_first_when_saved_so():
+    """`_owned_keys`: of keys saved with their row keys first (a dense shard's order), the owned ones
+    with a row form the head, in order; saved in another order, every owned key is in the tail."""
+    from psclient._coordinator.tables.key_hash import shard_of
+
+    keys = np.arange(100, 140, dtype=np.int64)
+    counters = np.stack([np.arange(40), np.arange(40) + 1000], 1).astype(np.int64)
+    mine = shard_of(tf.constant(keys), 2).numpy() == 1
+    where = (tf.constant(2, tf.int64), tf.constant(1, tf.int32))
+    head_keys, head_counters, tail_keys, tail_counters = table_ranges._owned_keys(keys, counters, keys[:30], *where)
+    np.testing.assert_array_equal(head_keys, keys[:30][mine[:30]])
+    np.testing.assert_array_equal(head_counters, counters[:30][mine[:30]])
+    np.testing.assert_array_equal(tail_keys, keys[30:][mine[30:]])
+    np.testing.assert_array_equal(tail_counters, counters[30:][mine[30:]])
+    for row_keys in (keys[10:40], np.arange(100, 150, dtype=np.int64)):  # not first; more than the keys
+        head_keys, _, tail_keys, tail_counters = table_ranges._owned_keys(keys, counters, row_keys, *where)
+        assert head_keys.shape == (0,)
+        np.testing.assert_array_equal(tail_keys, keys[mine])
+        np.testing.assert_array_equal(tail_counters, counters[mine])
 
 
 def test_a_shard_given_more_rows_than_its_share_goes_the_whole_way_and_evicts_alike(tmp_path, assigned):
@@ -108,7 +133,7 @@ def test_a_damaged_saved_shard_leaves_the_table_untouched(tmp_path):
     before = target.export_shard(0)
     # Bytes inside saved shard 1's rows, found by one of its rows' bytes (state(3)'s rows are random).
     source = table(capacity=2 * CAPACITY, shards=SAVED_BY)
-    source.import_shards([state(1), state(3)])
+    source.import_shards([state(1, shuffled=True), state(3, shuffled=True)])
     needle = source.export_shard(1)["rows"][-1].tobytes()
     hits = []
     for data in glob.glob(path + ".data-*"):

@@ -224,11 +224,17 @@ class SplitPlan:
         state). Returns the rows."""
         if deltas:
             return None
-        row_keys = [plan._read([f"{plan.prefix}/row_keys"])[0] for plan in self.parts]
-        counts = [int(keys.shape[0]) for keys in row_keys]
-        # picks[p]: the positions (ascending) of saved shard p's rows this shard owns.
-        kept, picks = self._owned_rows(row_keys)
-        del row_keys
+        # picks[p]: the positions (ascending) of saved shard p's rows this shard owns; one saved shard's
+        # keys read at a time, the owned ones kept.
+        counts, picks, kept = [], [], []
+        for plan in self.parts:
+            row_keys = plan._read([f"{plan.prefix}/row_keys"])[0]
+            counts.append(int(row_keys.shape[0]))
+            owned, (pick,) = self._owned_rows([row_keys])
+            picks.append(pick)
+            kept.append(owned)
+            del row_keys, owned
+        kept = _joined(kept)
         n = int(kept.shape[0])
         if n > shard.share:
             return None
@@ -236,14 +242,24 @@ class SplitPlan:
         _fit_storage(list(variables.values()), shard.share, self.dim)
         shard.replace_row_keys(kept)
         del kept  # before the counters are read: a ps holds one of them at a time
-        fields = ("keys", "counters", *_SCALARS)
-        saved = [dict(zip(fields, plan._read([f"{plan.prefix}/{f}" for f in fields]))) for plan in self.parts]
+        # Each saved shard's tracked keys read, the owned kept, one saved shard at a time: its keys with
+        # a row first (heads), in the rows' order, the others after (tails), so that the shard takes
+        # them as it takes its own saved keys (`DenseShard._replace_counters`: no lookup, fewer copies).
         where = (coordinator_constant(self.num_shards, tf.int64), coordinator_constant(self.index, tf.int32))
-        owned = _owned_counters(*([s[f] for s in saved] for f in fields), *where)
-        del saved
-        keys, counters, clock, admissions, evictions = owned
+        fields = ("keys", "counters", "row_keys", *_SCALARS)
+        heads, tails, scalars = [], [], []
+        for plan in self.parts:
+            got = dict(zip(fields, plan._read([f"{plan.prefix}/{f}" for f in fields])))
+            head_keys, head_counters, tail_keys, tail_counters = _owned_keys(
+                got["keys"], got["counters"], got["row_keys"], *where)
+            heads.append((head_keys, head_counters))
+            tails.append((tail_keys, tail_counters))
+            scalars.append([got[f] for f in _SCALARS])
+            del got
+        keys, counters, clock, admissions, evictions = _merged_keys(heads + tails, scalars, where[1])
+        del heads, tails
         shard.replace_counters(keys, counters, coordinator_constant(n, tf.int64), clock, admissions, evictions)
-        del owned, keys, counters
+        del keys, counters
         defaults = {"rows": 0.0, **shard.slot_defaults}
         for field, variable in variables.items():
             at_row = 0  # where saved shard p's owned rows begin: after those of the shards before it
@@ -276,18 +292,41 @@ def _owned_rows(row_keys_by_part: list, num_shards, index):
 
 
 @functools.partial(tf.function, autograph=False, reduce_retracing=True)
-def _owned_counters(keys, counters, clocks, admissions, evictions, num_shards, index):
-    """The tracked keys and counters shard `index` of `num_shards` owns of the saved shards' (each a
-    list, one per saved shard), and its clocks: the largest saved clock, the admissions and
-    evictions summed on shard 0 (0 elsewhere), as `table_checkpoint._restored_state` gives them."""
+def _joined(values: list):
+    """`values` one after the other (along their first axis)."""
+    return tf.concat(values, 0)
+
+
+@functools.partial(tf.function, autograph=False, reduce_retracing=True)
+def _owned_keys(keys, counters, row_keys, num_shards, index):
+    """(head keys, head counters, tail keys, tail counters): the tracked keys of one saved shard (and
+    their counters) that shard `index` of `num_shards` owns. Saved as a dense shard saves them (its
+    `row_keys` first, in their order): those with a row in the head, the others in the tail; saved
+    in another order (a hash table's): all in the tail, in their order."""
     from psclient._coordinator.tables.key_hash import shard_of
 
-    keys = tf.concat(keys, 0)
-    counters = tf.concat([tf.reshape(c, [-1, 2]) for c in counters], 0)
+    counters = tf.reshape(counters, [-1, 2])
     mine = tf.equal(shard_of(keys, num_shards), index)
+    count = tf.size(row_keys)
+    in_order = tf.size(keys) >= count  # and the first keys are the row keys (of as many as there are)
+    in_order &= tf.reduce_all(tf.equal(keys[:count], row_keys[:tf.size(keys)]))
+    split = tf.where(in_order, count, 0)
+    head, tail = mine[:split], mine[split:]
+    return (tf.boolean_mask(keys[:split], head), tf.boolean_mask(counters[:split], head),
+            tf.boolean_mask(keys[split:], tail), tf.boolean_mask(counters[split:], tail))
+
+
+@functools.partial(tf.function, autograph=False, reduce_retracing=True)
+def _merged_keys(pieces: list, scalars: list, index):
+    """(keys, counters, clock, admissions, evictions) of the shard: the owned keys' `pieces` ((keys,
+    counters) each) in turn; the largest saved clock, the admissions and evictions summed on shard 0
+    (0 elsewhere), as `table_checkpoint._restored_state` gives them. `scalars`: per saved shard, its
+    (clock, admissions, evictions)."""
+    clocks, admissions, evictions = zip(*scalars)
     first, zero = tf.equal(index, 0), tf.constant(0, tf.int64)
-    return (tf.boolean_mask(keys, mine), tf.boolean_mask(counters, mine), tf.reduce_max(tf.stack(clocks)),
-            tf.where(first, tf.add_n(admissions), zero), tf.where(first, tf.add_n(evictions), zero))
+    return (tf.concat([keys for keys, _ in pieces], 0), tf.concat([counters for _, counters in pieces], 0),
+            tf.reduce_max(tf.stack(clocks)), tf.where(first, tf.add_n(admissions), zero),
+            tf.where(first, tf.add_n(evictions), zero))
 
 
 def _fill_rest(variable, start: int, share: int, dim: int, value: float, range_bytes: int | None) -> None:
