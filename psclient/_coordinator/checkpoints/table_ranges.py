@@ -20,6 +20,17 @@ holds beyond its tables meanwhile is bounded by its own small size):
   its rows of the variable on the ps (a sliced assign), then the rows past
   the restored ones get their initial value, a range at a time.
 
+Restored into another number of ps tasks (`SplitPlan`), a dense shard bigger
+than one range reads every saved shard the same way, one at a time: its keys
+with a row whole (the owned ones kept, with their positions), then its
+tracked keys and counters whole (the owned ones kept, those with a row first
+when saved so), then, field by field, its rows and slots a range at a time,
+each range's owned rows gathered and written in place after those of the
+saved shards before it: where the whole path (`table_checkpoint._restored_state`
+then `DenseShard.replace`) puts them. A shard that would get more rows than its
+share (the whole path evicts down to it) or a restore with deltas goes the
+whole way.
+
 A range is the checkpoint's own row chunk (`checkpoint_pieces.save_chunked`:
 a range then reads at its own cost) or smaller (`range_bytes`); a value saved
 whole (rows of a width not a multiple of 64 bytes, or at most one chunk) is
