@@ -220,8 +220,8 @@ class SplitPlan:
         self.index, self.num_shards, self.dim, self.range_bytes = index, num_shards, dim, range_bytes
         self.fields = self.parts[0].fields  # the same fields in every saved shard (`fields[...]` is part 0's key)
 
-    def _owned_rows(self, row_keys_by_part: list) -> tuple:
-        return _owned_rows(row_keys_by_part, coordinator_constant(self.num_shards, tf.int64),
+    def _owned_rows(self, row_keys) -> tuple:
+        return _owned_rows(row_keys, coordinator_constant(self.num_shards, tf.int64),
                            coordinator_constant(self.index, tf.int32))
 
     def check(self) -> int:
@@ -231,7 +231,7 @@ class SplitPlan:
         for plan in self.parts:
             count = plan.check_small()
             row_keys = plan._read([f"{plan.prefix}/row_keys"])[0]  # again, alone: its owned ones counted
-            owned += int(self._owned_rows([row_keys])[0].shape[0])
+            owned += int(self._owned_rows(row_keys)[0].shape[0])
             del row_keys
             plan.check_ranges(count)
         return owned
@@ -249,7 +249,7 @@ class SplitPlan:
         for plan in self.parts:
             row_keys = plan._read([f"{plan.prefix}/row_keys"])[0]
             counts.append(int(row_keys.shape[0]))
-            owned, (pick,) = self._owned_rows([row_keys])
+            owned, pick = self._owned_rows(row_keys)
             picks.append(pick)
             kept.append(owned)
             del row_keys, owned
@@ -301,13 +301,13 @@ class SplitPlan:
 
 # Traced, as `DenseShard`'s sections, so that no Python value is converted under the ps's device.
 @functools.partial(tf.function, autograph=False, reduce_retracing=True)
-def _owned_rows(row_keys_by_part: list, num_shards, index):
-    """(the keys with a row that shard `index` of `num_shards` owns, saved shard by saved shard; for
-    each saved shard, the positions of those rows in it, ascending)."""
+def _owned_rows(row_keys, num_shards, index):
+    """(the keys with a row of one saved shard that shard `index` of `num_shards` owns, their
+    positions in it, ascending)."""
     from psclient._coordinator.tables.key_hash import shard_of  # tables imports this module
 
-    picks = [tf.reshape(tf.where(tf.equal(shard_of(keys, num_shards), index)), [-1]) for keys in row_keys_by_part]
-    return tf.concat([tf.gather(keys, pick) for keys, pick in zip(row_keys_by_part, picks)], 0), picks
+    pick = tf.reshape(tf.where(tf.equal(shard_of(row_keys, num_shards), index)), [-1])
+    return tf.gather(row_keys, pick), pick
 
 
 @functools.partial(tf.function, autograph=False, reduce_retracing=True)
