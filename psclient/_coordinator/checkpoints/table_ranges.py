@@ -104,6 +104,10 @@ class Plan:
         self.fields = {"rows": f"{self.prefix}/rows", **{s: f"{self.prefix}/slot/{s}" for s in slots}}
         self._chunked, self._chunk_bytes = chunked_keys(layout), chunk_bytes(layout)
 
+    def read_small(self) -> dict:
+        """The keys, counters, keys with a row and the clocks, read on the device in force."""
+        return dict(zip(SMALL_FIELDS, self._read([f"{self.prefix}/{field}" for field in SMALL_FIELDS])))
+
     def _read(self, names: list[str]) -> list:
         """Int64 values `names`, read whole on the device in force."""
         return _checkpoints.restore(self.path, names, [""] * len(names), [tf.int64] * len(names))
@@ -127,19 +131,8 @@ class Plan:
     def check(self) -> int:
         """Read every value (the rows and slots a range at a time), each dropped at once: raises
         tf.errors.OpError if one cannot be read. Returns the rows saved."""
-        count = self.check_small()
+        count = int(self.read_small()["row_keys"].shape[0])
         self.check_ranges(count)
-        return count
-
-    def check_small(self) -> int:
-        """Read the keys, counters, keys with a row and clocks one at a time, each dropped at once (a ps
-        holds one of them, not all four beside a range): raises tf.errors.OpError if one cannot be
-        read. Returns the rows saved."""
-        count = 0
-        for field in SMALL_FIELDS:
-            value = self._read([f"{self.prefix}/{field}"])[0]
-            count = int(value.shape[0]) if field == "row_keys" else count
-            del value
         return count
 
     def check_ranges(self, count: int) -> None:
@@ -229,11 +222,10 @@ class SplitPlan:
         raises tf.errors.OpError if one cannot be read. Returns the rows this shard will hold."""
         owned = 0
         for plan in self.parts:
-            count = plan.check_small()
-            row_keys = plan._read([f"{plan.prefix}/row_keys"])[0]  # again, alone: its owned ones counted
+            row_keys = plan.read_small()["row_keys"]
             owned += int(self._owned_rows(row_keys)[0].shape[0])
+            plan.check_ranges(int(row_keys.shape[0]))
             del row_keys
-            plan.check_ranges(count)
         return owned
 
     def assign(self, shard, deltas: list | tuple = ()) -> int | None:
