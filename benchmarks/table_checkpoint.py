@@ -44,6 +44,14 @@ restores start from the tables alone:
     python benchmarks/table_checkpoint.py --tables 1 --rows 2000000 --dim 32 --fill 0.9 \
         --saves 1 --restores 3 --paths dynamic --ps-malloc --deltas 2   # restore peak with 2 deltas
 
+`--restore-ps N` (dynamic tables only): the saves (and deltas) are written by 2 ps, the restores
+read into N ps (the cluster then has max(2, N) ps; a new coordinator's run on its first N, the same
+model restored once, not measured, so that its tables and slots are in the RSS before, then the restores):
+each ps reads the saved shards and keeps the keys it owns now. `table_mb` is then that run's:
+
+    python benchmarks/table_checkpoint.py --tables 1 --rows 2000000 --dim 32 --fill 0.9 \
+        --saves 1 --restores 3 --paths dynamic --ps-malloc --restore-ps 1   # 2 ps saved, 1 restores
+
 Prints one JSON object (progress on stderr).
 """
 
@@ -146,8 +154,25 @@ def lose_ps(local, strategy, ps: int, timeout: float = 600.0) -> dict:
             "last_recovery_s": round(entry["last_recovery_s"], 3)}
 
 
+def on_ps(psclient, local, num_ps: int):
+    """The cluster with the first `num_ps` of its ps tasks (no chief: a coordinator picks its own port)."""
+    spec = local.cluster.training_spec()
+    return psclient.Cluster({"worker": list(spec["worker"]), "ps": list(spec["ps"][:num_ps])})
+
+
+def restoring_run(keras, psclient, local, directory: str, args, kind: str):
+    """`--restore-ps`: a new coordinator's run on the first `args.restore_ps` ps, the same model built
+    and restored once (not measured: its tables and slots are then made there and in the RSS before
+    the measured restores), its checkpoint dir the saves'."""
+    strategy = psclient.ParameterServerStrategy(on_ps(psclient, local, args.restore_ps), checkpoint_dir=directory)
+    with strategy.scope():
+        model = build(keras, kind, args.tables, args.rows, args.dim)
+    strategy.restore()
+    return strategy, model
+
+
 def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dict:
-    cluster = local.cluster
+    cluster = on_ps(psclient, local, 2)
     with tempfile.TemporaryDirectory() as directory:
         deltas = args.deltas if kind == "dynamic" else 0
         more = {"delta_checkpoint_every": DELTA_STEPS} if deltas else {}
@@ -166,17 +191,22 @@ def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dic
             saves, restores = [], []
             for _ in range(args.saves):
                 started = time.perf_counter()
-                strategy.save_checkpoint()
+                newest = strategy.save_checkpoint()
                 call_s = time.perf_counter() - started
                 stall = strategy.stats(read_ps=False)["checkpoints"]["last_stall_seconds"]
                 saves.append({"stall_s": round(stall, 4), "call_s": round(call_s, 3)})
             # The dynamic tables only: `stats()` reads them on the ps, which meets the lost one (the
             # hashing trick's model has nothing there that `stats()` reads: no recovery would start).
             written = write_deltas(model, strategy, args) if deltas else []
-            if deltas:
+            if deltas and not args.restore_ps:
                 strategy.restore()  # not measured: it drops the deltas' base kept on each ps
             losses = [lose_ps(local, strategy, 1) for _ in range(args.ps_losses if kind == "dynamic" else 0)]
             ps_pids = [local.pid("ps", i) for i in range(len(ps_pids))]  # ps 1's, once restarted
+            if args.restore_ps:  # the saving run ends; the restores are another run's, on N ps
+                strategy.shutdown()
+                strategy, model = restoring_run(keras, psclient, local, directory, args, kind)
+                table_bytes = table_bytes_by_ps(model)
+                ps_pids = [local.pid("ps", i) for i in range(args.restore_ps)]
             peaks, applied = [], []
             for _ in range(args.restores):
                 _settle(ps_pids)  # what the saves (or the restore before) freed given back: the baseline
@@ -191,6 +221,8 @@ def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dic
                                   if i < len(table_bytes) and table_bytes[i] else {})}
                               for i, m in enumerate(memory)])
                 applied.append(len(result.get("deltas") or []))
+                if args.restore_ps and result["path"] != newest:  # not one the restoring run's fit wrote
+                    raise RuntimeError(f"--restore-ps restored {result['path']}, not the saves' newest {newest}")
         finally:
             strategy.shutdown()
     later = saves[1:] or saves
@@ -223,6 +255,8 @@ def main(argv=None) -> int:
                              "recovery waited for, before the restores")
     parser.add_argument("--deltas", type=int, default=0,
                         help="dynamic tables: write this many deltas after the saves; the restores apply them")
+    parser.add_argument("--restore-ps", type=int, default=0,
+                        help="dynamic tables: restore into this many ps (the saves are 2 ps's), in a new run")
     parser.add_argument("--ps-malloc", action="store_true",
                         help="ps tasks give freed memory back (glibc mmap threshold 1 MiB, oneDNN off)")
     args = parser.parse_args(argv)
@@ -234,6 +268,10 @@ def main(argv=None) -> int:
         parser.error(f"--deltas must be an integer >= 0, with dynamic in --paths. Received: --deltas {args.deltas}, "
                      f"--paths {args.paths}")
 
+    if args.restore_ps < 0 or (args.restore_ps and (kinds != ["dynamic"] or args.ps_losses)):
+        parser.error(f"--restore-ps must be an integer >= 0, with --paths dynamic and no --ps-losses. Received: "
+                     f"--restore-ps {args.restore_ps}, --paths {args.paths}, --ps-losses {args.ps_losses}")
+
     import keras
 
     import psclient
@@ -241,7 +279,7 @@ def main(argv=None) -> int:
     output = {"benchmark": "table_checkpoint", "config": vars(args), "environment": environment(sys.argv),
               "results": {}}
     env = {"TF_ENABLE_ONEDNN_OPTS": "0", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)} if args.ps_malloc else None
-    with psclient.LocalCluster(num_workers=1, num_ps=2, env=env, start_timeout=300) as local:
+    with psclient.LocalCluster(num_workers=1, num_ps=max(2, args.restore_ps), env=env, start_timeout=300) as local:
         ps_pids = [local.pid("ps", i) for i in range(2)]
         for kind in kinds:
             log(f"{kind}: {args.tables} tables")

@@ -37,6 +37,8 @@ ALLOWED = {
     "psclient._coordinator.tables.dense_shard._last_section": WEAK,
     "psclient._coordinator.training.sync._applied_untracked": WEAK,
     "psclient._coordinator.training.sync._applies": WEAK,
+    "psclient._coordinator.tables.shard_restore._traced": PROCESS + "each restore section's concrete function, one "
+                                                         "per form of shard (as the tf.function's own traces)",
     "psclient._coordinator.tables.dynamic_tables._local_locks": PROCESS + "the lock of tables made without any "
                                                                 "strategy, one per local device name",
 }

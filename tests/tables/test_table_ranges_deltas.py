@@ -16,42 +16,13 @@ tf = pytest.importorskip("tensorflow")
 
 from psclient._coordinator.checkpoints import table_checkpoint, table_deltas, table_ranges  # noqa: E402
 from psclient._coordinator.checkpoints.checkpoint import Checkpoints  # noqa: E402
-from psclient._coordinator.tables.dynamic_tables import DynamicTable  # noqa: E402
-from psclient._core.dynamic_tables import Policy  # noqa: E402
 from psclient._tf import checkpoints as _checkpoints  # noqa: E402
+
+from _table_ranges_setup import DIM, KEY, ROWS, SLOT, contents, state, table  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-KEY, DIM, CAPACITY, ROWS = "table/0000", 8, 1000, 700
-SLOT = "accumulator"
 PREFIX = f"{KEY}/ps0"
-
-
-def table():
-    made = DynamicTable("ranged", DIM, [None], ("uniform", -0.05, 0.05, 1), Policy(capacity=CAPACITY),
-                        storage="dense")
-    made.ensure_slots({SLOT: 0.1})
-    return made
-
-
-def state(seed):
-    """A shard's state: ROWS keys with a row (and their counters), 5 keys still counting."""
-    rng = np.random.default_rng(seed)
-    keys = rng.choice(10**12, ROWS + 5, replace=False).astype(np.int64)
-    counters = np.stack([rng.integers(1, 5, ROWS + 5), rng.integers(0, 90, ROWS + 5)], 1).astype(np.int64)
-    return {"keys": keys, "counters": counters, "row_keys": keys[:ROWS],
-            "rows": rng.standard_normal((ROWS, DIM)).astype(np.float32),
-            "slots": {SLOT: rng.random((ROWS, DIM)).astype(np.float32)},
-            "clock": np.int64(100 + seed), "admissions": np.int64(7 + seed), "evictions": np.int64(3 + seed)}
-
-
-def contents(shard_state):
-    """What a shard holds, independent of the order of its rows: {key: (row, slot)},
-    {key: counters}, (clock, admissions, evictions)."""
-    rows = {key: (shard_state["rows"][i].tolist(), shard_state["slots"][SLOT][i].tolist())
-            for i, key in enumerate(shard_state["row_keys"].tolist())}
-    counters = dict(zip(shard_state["keys"].tolist(), shard_state["counters"].reshape(-1, 2).tolist()))
-    return rows, counters, tuple(int(shard_state[k]) for k in ("clock", "admissions", "evictions"))
 
 
 def changed(before, seed, drop, touch, new):

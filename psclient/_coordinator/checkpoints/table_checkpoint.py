@@ -33,6 +33,10 @@ whole: fewer calls, and at most about its own small size twice beyond its
 tables). Restored into another number of ps tasks, each ps reads every
 saved shard and keeps the keys it owns (`shard_of(key, num_ps)`); the clock
 becomes the largest saved one, admissions and evictions are summed on ps 0.
+A dense shard bigger than one range reads them in row ranges too
+(`table_ranges.SplitPlan`: each saved shard's keys whole, its rows and slots
+a range at a time, the owned rows written in place), unless it gets more rows
+than its share or there are deltas: then whole, as above.
 """
 
 from __future__ import annotations
@@ -131,11 +135,12 @@ def read(path: str, tables: dict[str, Any], saved: dict, layout: dict | None = N
     """ps -> a function checking, on that ps, that the state each of its shards will hold reads
     (each read, then dropped): [(table, shard, checked)], which `assign` reads again.
 
-    A dense shard restored from its own saved shard (as many ps as saved) is read in row ranges
-    (`table_ranges`: `layout`, the checkpoint's, says how its values were saved; `range_bytes`:
-    at most that many bytes a range, None: the checkpoint's row chunks), unless its rows and
-    slots fit in one range (`table_ranges.fits_one_range`): then whole, one RestoreV2 to check
-    and two calls to assign, as any shard restored from its own saved shard."""
+    A dense shard is read in row ranges (`table_ranges`: `Plan` from its own saved shard, as many
+    ps as saved; `SplitPlan` from every saved shard, another number of ps; `layout`, the
+    checkpoint's, says how its values were saved; `range_bytes`: at most that many bytes a range,
+    None: the checkpoint's row chunks), unless its rows and slots fit in one range
+    (`table_ranges.fits_one_range`): then whole, one RestoreV2 to check and two calls to assign,
+    as any shard restored from its own saved shard."""
     work: dict[int, list] = {}
     for key, table in tables.items():
         for index, shard in enumerate(table.shards):
@@ -164,8 +169,12 @@ def read(path: str, tables: dict[str, Any], saved: dict, layout: dict | None = N
                 slots = sorted(entry["slots"])
                 small = shard.dense and table_ranges.fits_one_range(  # its rows and every slot it will hold
                     shard.share, table.dim, {*slots, *shard.slots}, range_bytes)
-                if shard.dense and int(entry["shards"]) == len(table.shards) and not small:
+                count = int(entry["shards"])
+                if shard.dense and count == len(table.shards) and not small:
                     plan = table_ranges.Plan(path, key, index, slots, table.dim, layout, range_bytes)
+                elif shard.dense and not small:  # another number of ps: each saved shard read in ranges
+                    plan = table_ranges.SplitPlan(path, key, count, index, len(table.shards), slots, table.dim,
+                                                  layout, range_bytes)
                 with shard.placed():
                     try:
                         # Each range, or the state itself, dropped at once.

@@ -20,6 +20,17 @@ holds beyond its tables meanwhile is bounded by its own small size):
   its rows of the variable on the ps (a sliced assign), then the rows past
   the restored ones get their initial value, a range at a time.
 
+Restored into another number of ps tasks (`SplitPlan`), a dense shard bigger
+than one range reads every saved shard the same way, one at a time: its keys
+with a row whole (the owned ones kept, with their positions), then its
+tracked keys and counters whole (the owned ones kept, those with a row first
+when saved so), then, field by field, its rows and slots a range at a time,
+each range's owned rows gathered and written in place after those of the
+saved shards before it: where the whole path (`table_checkpoint._restored_state`
+then `DenseShard.replace`) puts them. A shard that would get more rows than its
+share (the whole path evicts down to it) or a restore with deltas goes the
+whole way.
+
 A range is the checkpoint's own row chunk (`checkpoint_pieces.save_chunked`:
 a range then reads at its own cost) or smaller (`range_bytes`); a value saved
 whole (rows of a width not a multiple of 64 bytes, or at most one chunk) is
@@ -56,7 +67,7 @@ from psclient._coordinator.checkpoints.checkpoint_pieces import (
 from psclient._coordinator.checkpoints.table_deltas import merge
 from psclient._tf import checkpoints as _checkpoints
 
-__all__ = ["Plan", "SMALL_FIELDS", "fits_one_range"]
+__all__ = ["Plan", "SMALL_FIELDS", "SplitPlan", "fits_one_range"]
 
 #: The fields read whole (the keys' and the clocks'), in `table_checkpoint._FIELDS`'s order.
 SMALL_FIELDS = ("keys", "counters", "row_keys", "clock", "admissions", "evictions")
@@ -121,10 +132,14 @@ class Plan:
         """Read every value (the rows and slots a range at a time), each dropped at once: raises
         tf.errors.OpError if one cannot be read. Returns the rows saved."""
         count = int(self.read_small()["row_keys"].shape[0])
+        self.check_ranges(count)
+        return count
+
+    def check_ranges(self, count: int) -> None:
+        """Read the rows and slots (saved with `count` rows) a range at a time, each dropped at once."""
         for field in self.fields:
             for start, stop in self.ranges(field, count):
                 self.read_range(field, count, start, stop)  # dropped at once: only whether it reads counts
-        return count
 
     def assign(self, shard, deltas: list | tuple = ()) -> int | None:
         """Read the shard's saved state again and write it into `shard` (a DenseShard), under its
@@ -175,14 +190,165 @@ class Plan:
                 for delta, base, at, end in zip(deltas, bases, cuts, cuts[1:]):
                     if end > at:
                         _assign_rows(variable, at, end, _gather(delta.read([name])[name], origin, at, end, base))
-            # The rows past the restored ones (or every row of a slot not in the checkpoint): free rows,
-            # with the value the whole path gives them.
-            step = max(1, (self.range_bytes or READ_BATCH_BYTES) // (4 * self.dim))
-            for start in range(n if field in self.fields else 0, shard.share, step):
-                stop = min(shard.share, start + step)
-                _assign_rows(variable, start, stop, _filled(stop - start, self.dim, defaults[field]))
-            tf.raw_ops.DisableCopyOnRead(resource=variable.handle)
+            _fill_rest(variable, n if field in self.fields else 0, shard.share, self.dim, defaults[field],
+                       self.range_bytes)
         return n
+
+
+class SplitPlan:
+    """Shard `index` of `num_shards` restored from every saved shard of table `key` (`count` of them,
+    `slots` their slots) in ranges, from `path`: a restore into another number of ps tasks.
+
+    Each saved shard's keys, counters and keys with a row are read whole (8 to 16
+    bytes a key); its rows and slots a range at a time (`Plan`), and of each range
+    the rows this shard owns (`shard_of(key, num_shards) == index`, the rule
+    `table_checkpoint._restored_state` keeps rows by) are written into its
+    variables in place, where the whole path puts them: saved shard by saved
+    shard, each in its saved order. `layout`, `range_bytes`: as `Plan`'s.
+    """
+
+    def __init__(self, path: str, key: str, count: int, index: int, num_shards: int, slots: list[str], dim: int,
+                 layout: dict | None, range_bytes: int | None = None):
+        self.parts = [Plan(path, key, part, slots, dim, layout, range_bytes) for part in range(count)]
+        self.index, self.num_shards, self.dim, self.range_bytes = index, num_shards, dim, range_bytes
+        self.fields = self.parts[0].fields  # the same fields in every saved shard (`fields[...]` is part 0's key)
+
+    def _owned_rows(self, row_keys) -> tuple:
+        return _owned_rows(row_keys, coordinator_constant(self.num_shards, tf.int64),
+                           coordinator_constant(self.index, tf.int32))
+
+    def check(self) -> int:
+        """Read every saved shard's values (its rows and slots a range at a time), each dropped at once:
+        raises tf.errors.OpError if one cannot be read. Returns the rows this shard will hold."""
+        owned = 0
+        for plan in self.parts:
+            row_keys = plan.read_small()["row_keys"]
+            owned += int(self._owned_rows(row_keys)[0].shape[0])
+            plan.check_ranges(int(row_keys.shape[0]))
+            del row_keys
+        return owned
+
+    def assign(self, shard, deltas: list | tuple = ()) -> int | None:
+        """Read the saved shards again and write the rows, slots and keys `shard` (a DenseShard) owns
+        of them into it, under its device. None (nothing written): more rows than its share holds
+        (the whole path evicts down to it), or `deltas` (the whole path applies them to the merged
+        state). Returns the rows."""
+        if deltas:
+            return None
+        # picks[p]: the positions (ascending) of saved shard p's rows this shard owns; one saved shard's
+        # keys read at a time, the owned ones kept.
+        counts, picks, kept = [], [], []
+        for plan in self.parts:
+            row_keys = plan._read([f"{plan.prefix}/row_keys"])[0]
+            counts.append(int(row_keys.shape[0]))
+            owned, pick = self._owned_rows(row_keys)
+            picks.append(pick)
+            kept.append(owned)
+            del row_keys, owned
+        kept = _joined(kept)
+        n = int(kept.shape[0])
+        if n > shard.share:
+            return None
+        variables = {"rows": shard.rows, **shard.slots}
+        _fit_storage(list(variables.values()), shard.share, self.dim)
+        shard.replace_row_keys(kept)
+        del kept  # before the counters are read: a ps holds one of them at a time
+        # Each saved shard's tracked keys read, the owned kept, one saved shard at a time: its keys with
+        # a row first (heads), in the rows' order, the others after (tails), so that the shard takes
+        # them as it takes its own saved keys (`DenseShard._replace_counters`: no lookup, fewer copies).
+        where = (coordinator_constant(self.num_shards, tf.int64), coordinator_constant(self.index, tf.int32))
+        fields = ("keys", "counters", "row_keys", *_SCALARS)
+        heads, tails, scalars = [], [], []
+        for plan in self.parts:
+            got = dict(zip(fields, plan._read([f"{plan.prefix}/{f}" for f in fields])))
+            head_keys, head_counters, tail_keys, tail_counters = _owned_keys(
+                got["keys"], got["counters"], got["row_keys"], *where)
+            heads.append((head_keys, head_counters))
+            tails.append((tail_keys, tail_counters))
+            scalars.append([got[f] for f in _SCALARS])
+            del got
+        keys, counters, clock, admissions, evictions = _merged_keys(heads + tails, scalars, where[1])
+        del heads, tails
+        shard.replace_counters(keys, counters, coordinator_constant(n, tf.int64), clock, admissions, evictions)
+        del keys, counters
+        defaults = {"rows": 0.0, **shard.slot_defaults}
+        for field, variable in variables.items():
+            at_row = 0  # where saved shard p's owned rows begin: after those of the shards before it
+            for plan, count, pick in zip(self.parts, counts, picks):
+                ranges = plan.ranges(field, count) if field in self.fields else []
+                cuts = _positions(pick, [start for start, _ in ranges] + [count]) if ranges else []
+                for (start, stop), at, end in zip(ranges, cuts, cuts[1:]):
+                    if end == at:
+                        continue  # none of these rows is this shard's: not read
+                    value = plan.read_range(field, count, start, stop)
+                    if end - at != stop - start:
+                        value = _gather(value, pick, at, end, start)
+                    _assign_rows(variable, at_row + at, at_row + end, value)
+                    del value
+                at_row += int(pick.shape[0])
+            _fill_rest(variable, n if field in self.fields else 0, shard.share, self.dim, defaults[field],
+                       self.range_bytes)
+        return n
+
+
+# Traced, as `DenseShard`'s sections, so that no Python value is converted under the ps's device.
+@functools.partial(tf.function, autograph=False, reduce_retracing=True)
+def _owned_rows(row_keys, num_shards, index):
+    """(the keys with a row of one saved shard that shard `index` of `num_shards` owns, their
+    positions in it, ascending)."""
+    from psclient._coordinator.tables.key_hash import shard_of  # tables imports this module
+
+    pick = tf.reshape(tf.where(tf.equal(shard_of(row_keys, num_shards), index)), [-1])
+    return tf.gather(row_keys, pick), pick
+
+
+@functools.partial(tf.function, autograph=False, reduce_retracing=True)
+def _joined(values: list):
+    """`values` one after the other (along their first axis)."""
+    return tf.concat(values, 0)
+
+
+@functools.partial(tf.function, autograph=False, reduce_retracing=True)
+def _owned_keys(keys, counters, row_keys, num_shards, index):
+    """(head keys, head counters, tail keys, tail counters): the tracked keys of one saved shard (and
+    their counters) that shard `index` of `num_shards` owns. Saved as a dense shard saves them (its
+    `row_keys` first, in their order): those with a row in the head, the others in the tail; saved
+    in another order (a hash table's): all in the tail, in their order."""
+    from psclient._coordinator.tables.key_hash import shard_of
+
+    counters = tf.reshape(counters, [-1, 2])
+    mine = tf.equal(shard_of(keys, num_shards), index)
+    count = tf.size(row_keys)
+    in_order = tf.size(keys) >= count  # and the first keys are the row keys (of as many as there are)
+    in_order &= tf.reduce_all(tf.equal(keys[:count], row_keys[:tf.size(keys)]))
+    split = tf.where(in_order, count, 0)
+    head, tail = mine[:split], mine[split:]
+    return (tf.boolean_mask(keys[:split], head), tf.boolean_mask(counters[:split], head),
+            tf.boolean_mask(keys[split:], tail), tf.boolean_mask(counters[split:], tail))
+
+
+@functools.partial(tf.function, autograph=False, reduce_retracing=True)
+def _merged_keys(pieces: list, scalars: list, index):
+    """(keys, counters, clock, admissions, evictions) of the shard: the owned keys' `pieces` ((keys,
+    counters) each) in turn; the largest saved clock, the admissions and evictions summed on shard 0
+    (0 elsewhere), as `table_checkpoint._restored_state` gives them. `scalars`: per saved shard, its
+    (clock, admissions, evictions)."""
+    clocks, admissions, evictions = zip(*scalars)
+    first, zero = tf.equal(index, 0), tf.constant(0, tf.int64)
+    return (tf.concat([keys for keys, _ in pieces], 0), tf.concat([counters for _, counters in pieces], 0),
+            tf.reduce_max(tf.stack(clocks)), tf.where(first, tf.add_n(admissions), zero),
+            tf.where(first, tf.add_n(evictions), zero))
+
+
+def _fill_rest(variable, start: int, share: int, dim: int, value: float, range_bytes: int | None) -> None:
+    """Rows [start, share) of `variable` (the rows past the restored ones, or every row of a slot not in
+    the checkpoint: free rows) set to `value`, as the whole path sets them, a range at a time; then
+    the variable out of copy-on-read mode (`_assign_rows`)."""
+    step = max(1, (range_bytes or READ_BATCH_BYTES) // (4 * dim))
+    for at in range(start, share, step):
+        stop = min(share, at + step)
+        _assign_rows(variable, at, stop, _filled(stop - at, dim, value))
+    tf.raw_ops.DisableCopyOnRead(resource=variable.handle)
 
 
 def _with_deltas(row_keys, count: int, deltas) -> tuple:

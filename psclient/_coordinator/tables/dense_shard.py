@@ -401,7 +401,6 @@ class DenseShard:
         """Hold these (a restore or an import; eagerly). Restored into fewer ps tasks, a shard can get
         more rows than its share: the scan then evicts by the usual rules and the rows left are packed
         into the share (the fused admission wants every shard of a table at its share)."""
-        self.fresh = False
         shard_restore.run(self, "_replace", keys, counters, row_keys, rows, slots, clock, admissions, evictions)
         if int(row_keys.shape[0]) > self.share:
             self._on_ps("repack", self._repack)()
@@ -415,12 +414,10 @@ class DenseShard:
     def replace_row_keys(self, row_keys) -> None:
         """A restore in place, first step (at most `share` rows, into row and slot variables of the
         share's shape: `table_ranges`; eagerly): rows [0, n) hold `row_keys`, values left to the caller."""
-        self.fresh = False
         shard_restore.run(self, "_replace_row_keys", row_keys)
 
     def replace_counters(self, keys, counters, rows, clock, admissions, evictions) -> None:
         """The second step (after `replace_row_keys` of `rows` keys): the tracked keys' counters and the clocks."""
-        self.fresh = False
         shard_restore.run(self, "_replace_counters", keys, counters, rows, clock, admissions, evictions)
 
     def _replace(self, keys, counters, row_keys, rows, slots, clock, admissions, evictions) -> None:

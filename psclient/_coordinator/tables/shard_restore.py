@@ -103,6 +103,11 @@ def _section(shard_type, name: str, form: tuple, storage: dict, args: tuple):
     getattr(view, name)(*args)
 
 
+#: (shard type, section, form, the arguments' specs) -> the section's concrete function: found here, not
+#: looked up by `_section` in its traces before every call.
+_traced: dict = {}
+
+
 def _generalized(value):
     """A tensor's spec with each dimension unknown (its rank kept): one trace for every size."""
     return tf.TensorSpec([None] * value.shape.rank, value.dtype)
@@ -116,9 +121,12 @@ def run(shard, name: str, *args) -> None:
         raise ValueError(f"Invalid value for argument `name`. Received: name={name!r}. Expected one of {SECTIONS}.")
     form, storage = form_of(shard), storage_of(shard)
     specs = tf.nest.map_structure(lambda a: _generalized(a) if isinstance(a, tf.Tensor) else a, args)
-    # Traced once per form with unknown dimensions; a call with tensors of any size finds that trace.
-    _section.get_concrete_function(type(shard), name, form, storage, specs)
-    _section(type(shard), name, form, storage, args)
+    key = (type(shard), name, form, repr(tf.nest.map_structure(lambda _: 0, specs)), tuple(tf.nest.flatten(specs)))
+    traced = _traced.get(key)
+    if traced is None:  # traced once per form with unknown dimensions: tensors of any size take it
+        traced = _traced[key] = _section.get_concrete_function(type(shard), name, form, storage, specs)
+    shard.fresh = False  # written: a save must read it (`DenseShard.fresh`)
+    traced(type(shard), name, form, storage, args)
 
 
 def trace_count() -> int:
