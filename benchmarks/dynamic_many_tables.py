@@ -247,7 +247,7 @@ def main(argv=None) -> int:
     x_all = stream(args.seed, total, args.batch, 50_000)
     y = (x_all[:, 0] % 3 == 0).astype("float32")
     result = {"args": vars(args), "environment": environment(sys.argv)}
-    with psclient.LocalCluster(num_workers=2, num_ps=2, start_timeout=300) as local:
+    with psclient.LocalCluster(num_workers=2, num_ps=2, start_timeout=300, start_method="spawn") as local:
         pids = {"coordinator": os.getpid(), **{f"{job}:{i}": local.pid(job, i) for job, i, _ in local.cluster.tasks()}}
         meter = ProcessCPU(pids)
         strategy = psclient.ParameterServerStrategy(local.cluster)

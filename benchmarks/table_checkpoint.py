@@ -279,7 +279,8 @@ def main(argv=None) -> int:
     output = {"benchmark": "table_checkpoint", "config": vars(args), "environment": environment(sys.argv),
               "results": {}}
     env = {"TF_ENABLE_ONEDNN_OPTS": "0", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)} if args.ps_malloc else None
-    with psclient.LocalCluster(num_workers=1, num_ps=max(2, args.restore_ps), env=env, start_timeout=300) as local:
+    with psclient.LocalCluster(num_workers=1, num_ps=max(2, args.restore_ps), env=env, start_timeout=300,
+                               start_method="spawn") as local:
         ps_pids = [local.pid("ps", i) for i in range(2)]
         for kind in kinds:
             log(f"{kind}: {args.tables} tables")
