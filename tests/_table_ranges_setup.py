@@ -3,6 +3,8 @@ no cluster, each test's checkpoint written by its own process (`table_checkpoint
 
 from __future__ import annotations
 
+import glob
+
 import numpy as np
 
 from psclient._coordinator.tables.dynamic_tables import DynamicTable
@@ -39,3 +41,19 @@ def contents(shard_state):
             for i, key in enumerate(shard_state["row_keys"].tolist())}
     counters = dict(zip(shard_state["keys"].tolist(), shard_state["counters"].reshape(-1, 2).tolist()))
     return rows, counters, tuple(int(shard_state[k]) for k in ("clock", "admissions", "evictions"))
+
+
+def damage_saved_row(path: str, row: np.ndarray) -> None:
+    """Overwrite 8 bytes inside `row`'s bytes in the checkpoint at `path` (found exactly once)."""
+    needle = row.tobytes()
+    hits = []
+    for data in glob.glob(path + ".data-*"):
+        with open(data, "rb") as f:
+            at = f.read().find(needle)
+        if at >= 0:
+            hits.append((data, at))
+    assert len(hits) == 1, hits
+    data, at = hits[0]
+    with open(data, "r+b") as f:
+        f.seek(at + 8)
+        f.write(b"\xff" * 8)

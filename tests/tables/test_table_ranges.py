@@ -5,7 +5,6 @@ process, as a table without a cluster's is (`table_checkpoint.LOCAL`)."""
 
 from __future__ import annotations
 
-import glob
 import json
 
 import pytest
@@ -15,7 +14,7 @@ tf = pytest.importorskip("tensorflow")
 from psclient._coordinator.checkpoints import table_checkpoint  # noqa: E402
 from psclient._coordinator.checkpoints.checkpoint import Checkpoints, CheckpointUnreadable  # noqa: E402
 
-from _table_ranges_setup import DIM, KEY, ROWS, SLOT, contents, state, table  # noqa: E402
+from _table_ranges_setup import damage_saved_row, DIM, KEY, ROWS, SLOT, contents, state, table  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -108,18 +107,7 @@ def test_a_damaged_rows_entry_leaves_the_table_untouched(tmp_path):
     path, layout, target, _ = saved_and_changed(tmp_path)
     before = contents(target.export_shard(0))
     # Bytes inside the saved rows, found by the first saved row's bytes (state(1)'s rows are random).
-    needle = state(1)["rows"][0].tobytes()
-    hits = []
-    for data in glob.glob(path + ".data-*"):
-        with open(data, "rb") as f:
-            at = f.read().find(needle)
-        if at >= 0:
-            hits.append((data, at))
-    assert len(hits) == 1, hits
-    data, at = hits[0]
-    with open(data, "r+b") as f:
-        f.seek(at + 8)
-        f.write(b"\xff" * 8)
+    damage_saved_row(path, state(1)["rows"][0])
 
     with pytest.raises(tf.errors.OpError):  # the check, in ranges, finds it before anything is assigned
         restore_in_ranges(path, layout, target, range_bytes=1024)

@@ -8,7 +8,6 @@ saves, one on 3 restores), where nothing is converted under a ps's device."""
 
 from __future__ import annotations
 
-import glob
 import json
 
 import numpy as np
@@ -20,7 +19,7 @@ from psclient._coordinator.checkpoints import table_checkpoint, table_ranges  # 
 from psclient._coordinator.checkpoints.checkpoint import Checkpoints  # noqa: E402
 
 from _conversions import RemoteConversions  # noqa: E402
-from _table_ranges_setup import CAPACITY, KEY, ROWS, state, table  # noqa: E402
+from _table_ranges_setup import damage_saved_row, CAPACITY, KEY, ROWS, state, table  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -134,18 +133,7 @@ def test_a_damaged_saved_shard_leaves_the_table_untouched(tmp_path):
     # Bytes inside saved shard 1's rows, found by one of its rows' bytes (state(3)'s rows are random).
     source = table(capacity=2 * CAPACITY, shards=SAVED_BY)
     source.import_shards([state(1, shuffled=True), state(3, shuffled=True)])
-    needle = source.export_shard(1)["rows"][-1].tobytes()
-    hits = []
-    for data in glob.glob(path + ".data-*"):
-        with open(data, "rb") as f:
-            at = f.read().find(needle)
-        if at >= 0:
-            hits.append((data, at))
-    assert len(hits) == 1, hits
-    data, at = hits[0]
-    with open(data, "r+b") as f:
-        f.seek(at + 8)
-        f.write(b"\xff" * 8)
+    damage_saved_row(path, source.export_shard(1)["rows"][-1])
 
     work = table_checkpoint.read(path, {KEY: target}, layout["tables"], layout, range_bytes=1024)
     with pytest.raises(tf.errors.OpError):  # the check, in ranges, finds it before anything is assigned

@@ -155,12 +155,9 @@ class Plan:
         # origin[i]: where row i's values come from: saved row origin[i] (< count), else changed row
         # origin[i] - bases[j] of delta j (bases[j] <= origin[i] < bases[j + 1]); ascending (`_with_deltas`).
         row_keys, origin, bases = _with_deltas(row_keys, count, deltas)
-        n = int(row_keys.shape[0])
-        if n > shard.share:
+        n, variables = int(row_keys.shape[0]), _rows_keyed(shard, row_keys, self.dim)
+        if variables is None:
             return None
-        variables = {"rows": shard.rows, **shard.slots}
-        _fit_storage(list(variables.values()), shard.share, self.dim)
-        shard.replace_row_keys(row_keys)
         del row_keys  # before the counters are read: a ps holds one of them at a time
         small = dict(zip(SMALL_FIELDS[:2] + SMALL_FIELDS[3:],
                          self._read([f"{self.prefix}/{f}" for f in SMALL_FIELDS if f != "row_keys"])))
@@ -246,12 +243,9 @@ class SplitPlan:
             kept.append(owned)
             del row_keys, owned
         kept = _joined(kept)
-        n = int(kept.shape[0])
-        if n > shard.share:
+        n, variables = int(kept.shape[0]), _rows_keyed(shard, kept, self.dim)
+        if variables is None:
             return None
-        variables = {"rows": shard.rows, **shard.slots}
-        _fit_storage(list(variables.values()), shard.share, self.dim)
-        shard.replace_row_keys(kept)
         del kept  # before the counters are read: a ps holds one of them at a time
         # Each saved shard's tracked keys read, the owned kept, one saved shard at a time: its keys with
         # a row first (heads), in the rows' order, the others after (tails), so that the shard takes
@@ -392,6 +386,18 @@ def _gather(value, origin, at: int, end: int, first: int):
     """The rows of `value` (rows `first`, `first` + 1, ... of their source) that rows [at, end) take."""
     taken = tf.slice(origin, coordinator_constant([at], tf.int64), coordinator_constant([end - at], tf.int64))
     return tf.gather(value, taken - coordinator_constant(first, tf.int64), axis=coordinator_constant(0, tf.int32))
+
+
+def _rows_keyed(shard, row_keys, dim: int) -> dict | None:
+    """The shard's row and slot variables by field, once its storage is fitted to its share and its
+    rows [0, n) are keyed by `row_keys` (their values left to the caller); None, with nothing
+    changed, if `row_keys` are more than its share (the whole path evicts down to it)."""
+    if int(row_keys.shape[0]) > shard.share:
+        return None
+    variables = {"rows": shard.rows, **shard.slots}
+    _fit_storage(list(variables.values()), shard.share, dim)
+    shard.replace_row_keys(row_keys)
+    return variables
 
 
 @functools.partial(tf.function, autograph=False, reduce_retracing=True)
