@@ -13,12 +13,18 @@ from __future__ import annotations
 import json
 import os
 import select
+import shlex
 import signal
 import socket
 import sys
 import time
 import traceback
 from typing import Callable
+
+try:
+    import setproctitle as _title
+except ImportError:  # a platform without its wheel: `ps` shows the server's command for each task
+    _title = None
 
 __all__ = ["IDLE_EXIT_S", "MESSAGE_BYTES", "OPTION", "serve_forks"]
 
@@ -132,10 +138,13 @@ def _become_task(request: dict, fds: list[int], server_fds: tuple[int, ...], ser
     os.dup2(log, 2)
     os.close(null)
     os.close(log)
-    os.environ.clear()
-    os.environ.update(request["env"])
     argv = list(request["argv"])
     for option, fd in zip(request["fd_options"], fds):
         argv += [option, str(fd)]
+    if _title is not None:  # what `ps` and `pgrep -f` show: this task's own command, not the server's
+        # Before the environment is replaced: setproctitle finds the room it writes in beside it.
+        _title.setproctitle(shlex.join([sys.executable, "-m", "psclient", "serve", *argv]))
+    os.environ.clear()
+    os.environ.update(request["env"])
     sys.argv = [sys.argv[0], "serve", *argv]
     return serve(argv)

@@ -101,7 +101,7 @@ def test_ctrl_c_forwards_tears_down_and_leaves_no_process():
         launch.wait_for("evaluator | evaluating")
         children = descendants(launch.process.pid)
         commands = [" ".join(p.cmdline()) for p in children]
-        assert sum("psclient serve" in c for c in commands) == 3, commands
+        assert sum("psclient serve --job" in c for c in commands) == 3, commands  # and a fork server, maybe
         assert any("time.sleep(600)" in c for c in commands)
         launch.process.send_signal(signal.SIGINT)
         code = launch.finish()
