@@ -60,3 +60,15 @@ def test_a_tensorflow_outside_the_range_gets_one_warning(monkeypatch, version, w
         assert f"this is TensorFlow {version}" in messages[0]
     else:
         assert messages == []
+
+
+def test_the_install_page_gives_every_dependency_by_hand():
+    """docs/install.md's `tensorflow-cpu` recipe installs psclient without its dependencies and
+    names them itself: each of pyproject.toml's, with the same bound (tensorflow as tensorflow-cpu)."""
+    import tomllib
+
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    recipe = next(line for line in (ROOT / "docs" / "install.md").read_text().splitlines()
+                  if line.startswith('pip install "tensorflow-cpu'))
+    for dependency in dependencies:
+        assert f'"{dependency.replace("tensorflow", "tensorflow-cpu", 1)}"' in recipe, (dependency, recipe)
