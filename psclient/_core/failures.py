@@ -32,7 +32,7 @@ import enum
 from typing import Callable
 
 __all__ = [
-    "Verdict", "classify", "retry_pause", "iterator_cancelled", "CONNECTION_ERROR_NAMES",
+    "Verdict", "classify", "retry_pause", "iterator_cancelled", "stale_remote_handle", "CONNECTION_ERROR_NAMES",
     "MAX_TRANSIENT_ATTEMPTS", "AfterFailure", "after_failure",
 ]
 
@@ -103,7 +103,11 @@ def classify(
         # InvalidArgumentError ("invalid device"), not a connection error:
         # the ps probe (which checks the variables' handles) tells it apart
         # from the function's own error.
-        return Verdict.PS_LOST if ps_lost() else Verdict.FUNCTION_ERROR
+        if ps_lost():
+            return Verdict.PS_LOST
+        if stale_remote_handle(error) and attempts < MAX_TRANSIENT_ATTEMPTS:
+            return Verdict.WORKER_LOST
+        return Verdict.FUNCTION_ERROR
     # The ps tasks first: a lost ps breaks calls on every worker, and can make
     # a worker's own probe fail too, which must not take healthy workers out.
     if ps_lost():
@@ -115,6 +119,22 @@ def classify(
     if attempts < MAX_TRANSIENT_ATTEMPTS:
         return Verdict.TRANSIENT
     return Verdict.FUNCTION_ERROR
+
+
+def stale_remote_handle(error: BaseException) -> bool:
+    """Whether `error` says the worker no longer holds a tensor the call named (TF's
+    InvalidArgumentError "Unable to find the relevant tensor remote_handle").
+
+    A worker restarted behind the coordinator's back while a ps was lost: its first
+    call failed as the ps loss (the ps probe comes first), the ps recovery's reconnect
+    made the worker's context again, and the call's per-worker resources (a dataset
+    iterator) named tensors of the old one. Taken for lost, the worker rejoins with
+    its resources made again. TF says it in the message only; a call that still
+    fails so after MAX_TRANSIENT_ATTEMPTS is the function's own error.
+    """
+    if not any(cls.__name__ == "InvalidArgumentError" for cls in type(error).__mro__):
+        return False
+    return "Unable to find the relevant tensor remote_handle" in str(error)
 
 
 def iterator_cancelled(error: BaseException) -> bool:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from psclient._engine.edge import Edge, PerWorkerValues
 from psclient._core import ps_access
 from psclient._core.failures import (
-    MAX_TRANSIENT_ATTEMPTS, Verdict, after_failure, classify, end_of_sequence, iterator_cancelled,
+    MAX_TRANSIENT_ATTEMPTS, Verdict, after_failure, classify, end_of_sequence, iterator_cancelled, stale_remote_handle,
 )
 from psclient._core.recovery_messages import PsNotAnswering, WorkerNotAnswering
 from psclient._core.closure import Closure
@@ -254,6 +254,8 @@ class Dispatcher:
         if verdict is Verdict.WORKER_LOST:
             log.warning("worker %d does not answer (%s: %s); re-queueing its closures for other workers",
                         worker, type(error).__name__, first_line(error)[:300])
+            if stale_remote_handle(error):  # it does answer: bounded like an unexplained failure
+                closure.unexplained_failures += 1
             self._report(WorkerNotAnswering(worker, time.monotonic() - failed_at, epochs[worker]))
             # Taking the worker out re-queues this closure (and any other running
             # there); this attempt's own report would then be stale.

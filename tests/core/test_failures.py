@@ -40,6 +40,21 @@ def test_message_text_does_not_matter():
     assert classify(err, lambda: False) is Verdict.FUNCTION_ERROR
 
 
+def test_a_stale_remote_handle_takes_the_worker_out_a_bounded_number_of_times():
+    # A worker restarted unnoticed while a ps was lost: after the ps's recovery, its calls name
+    # tensors of its old context. Taken out, it rejoins with its resources made again.
+    from psclient._core.failures import MAX_TRANSIENT_ATTEMPTS, stale_remote_handle
+
+    stale = tf.errors.InvalidArgumentError(
+        None, None, "Unable to find the relevant tensor remote_handle: Op ID: 26, Output num: 0.")
+    assert stale_remote_handle(stale)
+    assert not stale_remote_handle(tf.errors.UnavailableError(None, None, str(stale)))
+    assert not stale_remote_handle(tf.errors.InvalidArgumentError(None, None, "bad shape"))
+    assert classify(stale, lambda: True, attempts=1) is Verdict.WORKER_LOST
+    assert classify(stale, lambda: True, ps_lost=lambda: True, attempts=1) is Verdict.PS_LOST  # the ps first
+    assert classify(stale, lambda: True, attempts=MAX_TRANSIENT_ATTEMPTS) is Verdict.FUNCTION_ERROR
+
+
 def test_live_worker_but_another_task_lost_is_retried():
     err = tf.errors.UnavailableError(None, None, "Connection reset by peer")
     assert classify(err, lambda: True, lambda: True) is Verdict.OTHER_TASK_LOST
