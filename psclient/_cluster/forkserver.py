@@ -98,11 +98,7 @@ class ForkedProcess:
         parent-death signal names the server); wait for that on the pidfd. Status unknown: -1."""
         with self._lock:
             fd = self._pidfd
-        try:
-            ended = fd is None or bool(select.select([fd], [], [], timeout)[0])
-        except (OSError, ValueError):  # closed meanwhile by another caller's `_exited`: it ended
-            ended = True
-        if ended:
+        if fd is None or select.select([fd], [], [], timeout)[0]:
             self._exited(-1)
 
     def poll(self) -> int | None:
