@@ -96,9 +96,14 @@ class ForkedProcess:
     def _orphaned(self, timeout: float) -> None:
         """Its fork server is gone, so nobody reports its status: it exits by itself (its
         parent-death signal names the server); wait for that on the pidfd. Status unknown: -1."""
-        with self._lock:
-            fd = self._pidfd
-        if fd is None or select.select([fd], [], [], timeout)[0]:
+        with self._lock:  # our own copy: another caller's `_exited` may close the pidfd meanwhile
+            fd = None if self._pidfd is None else os.dup(self._pidfd)
+        try:
+            ended = fd is None or bool(select.select([fd], [], [], timeout)[0])
+        finally:
+            if fd is not None:
+                os.close(fd)
+        if ended:
             self._exited(-1)
 
     def poll(self) -> int | None:

@@ -83,3 +83,34 @@ sys.stdin.read()  # Until killed.
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
     for name in ("worker-0.log", "worker-1.log", "ps-0.log"):
         assert "exiting: its parent process is gone" in (tmp_path / name).read_text()
+
+
+class _GoneServer:
+    gone = True  # its fork server lost: nobody reports the status, the pidfd says when it ends
+
+
+def test_an_orphaned_task_waited_on_by_several_threads_ends_once_for_each():
+    # Each waiter selects on its own copy of the pidfd: the first to see the end closes the
+    # original, the others are not left with a closed (or reused) descriptor.
+    import threading
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    try:
+        task = forkserver.ForkedProcess(child.pid, ["sleep"], _GoneServer())
+        codes, errors = [], []
+
+        def wait():
+            try:
+                codes.append(task.wait(timeout=60))
+            except Exception as error:  # noqa: BLE001 - the assertion below names it
+                errors.append(error)
+
+        waiters = [threading.Thread(target=wait) for _ in range(8)]
+        for waiter in waiters:
+            waiter.start()
+        for waiter in waiters:
+            waiter.join(timeout=60)
+        assert errors == [] and codes == [-1] * 8
+        assert task.poll() == -1
+    finally:
+        child.wait(timeout=30)

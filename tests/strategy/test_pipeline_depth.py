@@ -58,14 +58,17 @@ def test_functions_with_outputs_each_applied_once(strategy):
         counter = tf.Variable(0, dtype=tf.int64)
 
     @tf.function
-    def count():
-        return counter.assign_add(1)
+    def count(i):
+        counter.assign_add(i)
+        return i * 2
 
-    futures = [strategy.schedule(count) for _ in range(_CALLS)]
+    # Not `return counter.assign_add(1)`: its value is a second read of the variable, after
+    # the add but not atomic with it (another worker's add can come between).
+    futures = [strategy.schedule(count, args=(tf.constant(i, tf.int64),)) for i in range(1, _CALLS + 1)]
     strategy.join(timeout=300)
-    # Each call saw the counter just after its own increment: all distinct.
-    assert sorted(int(f.result(0)) for f in futures) == list(range(1, _CALLS + 1))
-    assert counter.numpy() == _CALLS
+    # Each future got its own call's output, and each call was applied once.
+    assert [int(f.result(0)) for f in futures] == [2 * i for i in range(1, _CALLS + 1)]
+    assert counter.numpy() == _CALLS * (_CALLS + 1) // 2
 
 
 def test_per_worker_iterator_steps_without_outputs(strategy):
