@@ -250,17 +250,21 @@ class SplitPlan:
         # Each saved shard's tracked keys read, the owned kept, one saved shard at a time: its keys with
         # a row first (heads), in the rows' order, the others after (tails), so that the shard takes
         # them as it takes its own saved keys (`DenseShard._replace_counters`: no lookup, fewer copies).
+        # The keys first, then the counters (twice the keys' bytes), each dropped before the next
+        # read: read together, with the keys with a row, they made a ps's peak of the whole restore.
         where = (coordinator_constant(self.num_shards, tf.int64), coordinator_constant(self.index, tf.int32))
-        fields = ("keys", "counters", "row_keys", *_SCALARS)
+        fields = ("keys", "row_keys", *_SCALARS)
         heads, tails, scalars = [], [], []
         for plan in self.parts:
             got = dict(zip(fields, plan._read([f"{plan.prefix}/{f}" for f in fields])))
-            head_keys, head_counters, tail_keys, tail_counters = _owned_keys(
-                got["keys"], got["counters"], got["row_keys"], *where)
-            heads.append((head_keys, head_counters))
-            tails.append((tail_keys, tail_counters))
+            head_keys, tail_keys, mine, split = _owned_keys(got["keys"], got["row_keys"], *where)
             scalars.append([got[f] for f in _SCALARS])
             del got
+            counters = plan._read([f"{plan.prefix}/counters"])[0]
+            head_counters, tail_counters = _owned_counters(counters, mine, split)
+            heads.append((head_keys, head_counters))
+            tails.append((tail_keys, tail_counters))
+            del counters, mine
         keys, counters, clock, admissions, evictions = _merged_keys(heads + tails, scalars, where[1])
         del heads, tails
         shard.replace_counters(keys, counters, coordinator_constant(n, tf.int64), clock, admissions, evictions)
@@ -303,22 +307,27 @@ def _joined(values: list):
 
 
 @functools.partial(tf.function, autograph=False, reduce_retracing=True)
-def _owned_keys(keys, counters, row_keys, num_shards, index):
-    """(head keys, head counters, tail keys, tail counters): the tracked keys of one saved shard (and
-    their counters) that shard `index` of `num_shards` owns. Saved as a dense shard saves them (its
-    `row_keys` first, in their order): those with a row in the head, the others in the tail; saved
-    in another order (a hash table's): all in the tail, in their order."""
-    from psclient._coordinator.tables.key_hash import shard_of
+def _owned_keys(keys, row_keys, num_shards, index):
+    """(head keys, tail keys, owned, split): the tracked keys of one saved shard that shard `index` of
+    `num_shards` owns. Saved as a dense shard saves them (its `row_keys` first, in their order):
+    those with a row in the head (`keys[:split]`), the others in the tail; saved in another order (a
+    hash table's): all in the tail (split 0). `owned`: which of `keys` are the shard's, for
+    `_owned_counters`."""
+    from psclient._coordinator.tables.key_hash import shard_of  # tables imports this module
 
-    counters = tf.reshape(counters, [-1, 2])
-    mine = tf.equal(shard_of(keys, num_shards), index)
+    owned = tf.equal(shard_of(keys, num_shards), index)
     count = tf.size(row_keys)
     in_order = tf.size(keys) >= count  # and the first keys are the row keys (of as many as there are)
     in_order &= tf.reduce_all(tf.equal(keys[:count], row_keys[:tf.size(keys)]))
     split = tf.where(in_order, count, 0)
-    head, tail = mine[:split], mine[split:]
-    return (tf.boolean_mask(keys[:split], head), tf.boolean_mask(counters[:split], head),
-            tf.boolean_mask(keys[split:], tail), tf.boolean_mask(counters[split:], tail))
+    return tf.boolean_mask(keys[:split], owned[:split]), tf.boolean_mask(keys[split:], owned[split:]), owned, split
+
+
+@functools.partial(tf.function, autograph=False, reduce_retracing=True)
+def _owned_counters(counters, owned, split):
+    """(head counters, tail counters): the counters of the keys `_owned_keys` kept, split as it split them."""
+    counters = tf.reshape(counters, [-1, 2])
+    return tf.boolean_mask(counters[:split], owned[:split]), tf.boolean_mask(counters[split:], owned[split:])
 
 
 @functools.partial(tf.function, autograph=False, reduce_retracing=True)

@@ -126,19 +126,27 @@ class KeyIndex:
         """Hold exactly `keys` -> `rows`: the buckets emptied (tombstones gone), then the keys inserted
         (the table doubles its buckets if they are too few for the keys)."""
         if tf.executing_eagerly():
-            return self._reset_function(keys, rows)
+            return self._reset_function(keys, tf.cast(rows, tf.int64))
         return self._reset(keys, rows)
 
     def _reset(self, keys, rows):
         # Emptied arrays shaped after the table's own ([buckets, 1] each), of a shape unknown when
         # traced: the import's shape check wants keys of rank 1, its kernel rank 2 (an eager call on
-        # a remote ps runs the check on the real shapes, hence `_reset_function`).
-        old_keys, old_rows = self.table.export()
-        emptied = tf.raw_ops.LookupTableImportV2(
-            table_handle=self.table.resource_handle,
-            keys=tf.fill(tf.shape(old_keys), tf.constant(EMPTY_KEY, tf.int64)), values=tf.zeros_like(old_rows))
+        # a remote ps runs the check on the real shapes, hence `_reset_function`). The import adopts
+        # the arrays it is given and drops the table's: a 4-bucket import first drops them, so the
+        # emptied full-size arrays are made once the old ones are gone (made before, both were held
+        # at once: 12 bytes a bucket more at the peak of every restore and rebuild).
+        shape = tf.shape(self.table.export()[0])
+        dropped = self._import_emptied(tf.minimum(shape, 4))
+        with tf.control_dependencies([dropped]):
+            emptied = self._import_emptied(tf.identity(shape))
         with tf.control_dependencies([emptied, self.removed.assign(0, read_value=False)]):
             return self.insert(keys, rows)
+
+    def _import_emptied(self, shape):
+        return tf.raw_ops.LookupTableImportV2(
+            table_handle=self.table.resource_handle,
+            keys=tf.fill(shape, tf.constant(EMPTY_KEY, tf.int64)), values=tf.zeros(shape, tf.int32))
 
     def worn(self, size=None, buckets=None):
         """Whether removals since the last rebuild could fill half of the buckets no key holds.
