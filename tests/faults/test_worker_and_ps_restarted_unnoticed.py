@@ -10,9 +10,8 @@ function's own error. Now worker 1 is taken out and rejoins with its iterators m
 
 import time
 
-import numpy as np
 import pytest
-import tensorflow as tf
+from _summing_step import summing_training
 
 import psclient
 
@@ -25,18 +24,7 @@ def test_a_worker_restarted_unnoticed_then_a_ps_lost_fails_no_future(three_worke
     strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=2.0,
                                                 checkpoint_dir=str(tmp_path / "ckpt"))
     try:
-        with strategy.scope():
-            total = tf.Variable(0.0)
-        data = np.arange(64, dtype="float32")
-
-        def dataset_fn(ctx):
-            return tf.data.Dataset.from_tensor_slices(data).shard(
-                ctx.num_input_pipelines, ctx.input_pipeline_id).repeat().batch(4)
-
-        @tf.function
-        def step(iterator):
-            total.assign_add(tf.reduce_sum(next(iterator)))
-            return total.read_value()
+        _, dataset_fn, step = summing_training(strategy)
 
         iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
 

@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 import pytest
-import tensorflow as tf
 from _conversions import RemoteConversions
 from _polling import wait_for
+from _summing_step import summing_training
 
 import psclient
 
@@ -37,18 +37,7 @@ def test_probes_reconnects_resources_checkpoints_and_recovery_convert_nothing_on
         checkpoint_every=25,
     )
     try:
-        with strategy.scope():
-            total = tf.Variable(0.0)
-        data = np.arange(64, dtype="float32")
-
-        def dataset_fn(ctx):
-            return tf.data.Dataset.from_tensor_slices(data).shard(
-                ctx.num_input_pipelines, ctx.input_pipeline_id).repeat().batch(4)
-
-        @tf.function
-        def step(iterator):
-            total.assign_add(tf.reduce_sum(next(iterator)))
-            return total.read_value()
+        _, dataset_fn, step = summing_training(strategy)
 
         with RemoteConversions() as seen:
             iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
