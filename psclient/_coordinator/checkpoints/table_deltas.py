@@ -105,8 +105,8 @@ def kept(names: list[str], values: list) -> dict[str, dict[str, Any]]:
 
 
 def merge(keys, values: list, changed_keys, changed: list, removed):
-    """`keys`/`values` without the changed or removed keys, then the changed ones."""
-    zero = constant(0, tf.int32)
+    """`keys`/`values` without the changed or removed keys, then the changed ones (eagerly, or traced)."""
+    zero = constant(0, tf.int32) if tf.executing_eagerly() else 0  # traced: a constant of the function
     keep = tf.raw_ops.ListDiff(x=keys, y=tf.concat([changed_keys, removed], zero), out_idx=tf.int64).idx
     return (tf.concat([tf.gather(keys, keep, axis=zero), changed_keys], zero),
             [tf.concat([tf.gather(v, keep, axis=zero), c], zero) for v, c in zip(values, changed)])
@@ -172,9 +172,12 @@ class Changes:
     def read(self, fields: list[str]) -> dict:
         """field -> value: a delta field (`keys`, `counters`, `removed`, `row_keys`, `row_removed`,
         `rows`, `slot/<name>`) or a scalar (`clock`, `admissions`, `evictions`)."""
-        names = [f"{self.prefix}/{f}" if f in _SCALARS else f"{self.prefix}/delta/{f}" for f in fields]
         dtypes = [tf.float32 if f == "rows" or f.startswith("slot/") else tf.int64 for f in fields]
-        return dict(zip(fields, _checkpoints.restore(self.delta, names, [""] * len(names), dtypes)))
+        return dict(zip(fields, _checkpoints.restore(self.delta, self.names(fields), [""] * len(fields), dtypes)))
+
+    def names(self, fields: list[str]) -> list[str]:
+        """The keys of `fields` (as `read` takes them) in the delta's checkpoint."""
+        return [f"{self.prefix}/{f}" if f in _SCALARS else f"{self.prefix}/delta/{f}" for f in fields]
 
 
 def patcher(delta: str, tables: dict[str, Any], saved: dict) -> "Patcher":

@@ -73,6 +73,9 @@ __all__ = ["Plan", "SMALL_FIELDS", "SplitPlan", "fits_one_range"]
 SMALL_FIELDS = ("keys", "counters", "row_keys", "clock", "admissions", "evictions")
 #: A shard's scalars, which a delta holds whole.
 _SCALARS = SMALL_FIELDS[3:]
+#: The tracked keys' fields and the scalars, of a saved shard and of a delta (`_merged_counters`).
+_COUNTED_FIELDS = ("keys", "counters", *_SCALARS)
+_DELTA_COUNTED_FIELDS = ("keys", "counters", "removed", *_SCALARS)
 
 
 def fits_one_range(share: int, dim: int, slots, range_bytes: int | None = None) -> bool:
@@ -159,14 +162,12 @@ class Plan:
         if variables is None:
             return None
         del row_keys  # before the counters are read: a ps holds one of them at a time
-        small = dict(zip(SMALL_FIELDS[:2] + SMALL_FIELDS[3:],
-                         self._read([f"{self.prefix}/{f}" for f in SMALL_FIELDS if f != "row_keys"])))
-        for delta in deltas:  # the tracked keys merged whole, as the whole path does (8 to 16 bytes a key)
-            got = delta.read(["keys", "counters", "removed", *_SCALARS])
-            small["keys"], (small["counters"],) = merge(small["keys"], [small["counters"]], got["keys"],
-                                                         [got["counters"]], got["removed"])
-            small.update({f: got[f] for f in _SCALARS})  # the newest delta's
-            del got
+        # The tracked keys merged whole with each delta's, as the whole path does (8 to 16 bytes a key).
+        small = dict(zip(_COUNTED_FIELDS, _merged_counters(
+            coordinator_constant(self.path, tf.string),
+            coordinator_constant([f"{self.prefix}/{f}" for f in _COUNTED_FIELDS], tf.string),
+            [coordinator_constant(delta.delta, tf.string) for delta in deltas],
+            [coordinator_constant(delta.names(_DELTA_COUNTED_FIELDS), tf.string) for delta in deltas])))
         shard.replace_counters(small["keys"], small["counters"], coordinator_constant(n, tf.int64),
                                small["clock"], small["admissions"], small["evictions"])
         del small
@@ -290,6 +291,24 @@ class SplitPlan:
 
 
 # Traced, as `DenseShard`'s sections, so that no Python value is converted under the ps's device.
+@functools.partial(tf.function, autograph=False, reduce_retracing=True)
+def _merged_counters(path, names, delta_paths: list, delta_names: list):
+    """(keys, counters, clock, admissions, evictions) of a saved shard (`names`: theirs in checkpoint
+    `path`) with each delta's tracked keys merged in turn (`table_deltas.merge`; `delta_names[j]`:
+    its `_DELTA_COUNTED_FIELDS` in checkpoint `delta_paths[j]`) and the newest scalars. Read and merged
+    in one call: each array is dropped as soon as the next is made from it (made eagerly, the saved
+    keys and counters were held through every merge, each merge's beside them: a ps's peak of a
+    restore with deltas)."""
+    keys, counters, *scalars = tf.raw_ops.RestoreV2(prefix=path, tensor_names=names, shape_and_slices=[""] * 5,
+                                                    dtypes=[tf.int64] * 5)
+    for delta_path, delta_fields in zip(delta_paths, delta_names):
+        got = tf.raw_ops.RestoreV2(prefix=delta_path, tensor_names=delta_fields, shape_and_slices=[""] * 6,
+                                   dtypes=[tf.int64] * 6)
+        keys, (counters,) = merge(keys, [counters], got[0], [got[1]], got[2])
+        scalars = got[3:]
+    return (keys, counters, *scalars)
+
+
 @functools.partial(tf.function, autograph=False, reduce_retracing=True)
 def _owned_rows(row_keys, num_shards, index):
     """(the keys with a row of one saved shard that shard `index` of `num_shards` owns, their
