@@ -79,7 +79,10 @@ def partitions(directory: str) -> dict:
     from tensorflow.core.framework import graph_pb2
 
     out = {}
-    for path in sorted(glob.glob(os.path.join(directory, "*step*_partition__*after_partition_passes.pbtxt"))):
+    # The step's own partitions: a function the step calls has partitions of its own, named
+    # "__inference_<name>_..._at___inference_step_...", which "*step*" would also match.
+    pattern = "__inference_step_*_partition__*after_partition_passes.pbtxt"
+    for path in sorted(glob.glob(os.path.join(directory, pattern))):
         task = re.search(r"partition__job:(\w+)_replica:0_task:(\d+)", path).expand(r"\1:\2")
         graph = graph_pb2.GraphDef()
         with open(path) as f:
