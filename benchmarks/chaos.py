@@ -344,6 +344,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ps", type=int, default=DEFAULT_PS, help="ps tasks of each run's LocalCluster")
     plans = parser.add_argument_group("seeded plans (--seeds)")
     plans.add_argument("--seeds", help="run seeded chaos plans: N (seeds 0..N-1), A-B or A,B,C")
+    plans.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn",
+                       help="how the plans' LocalCluster starts its tasks (forkserver: restarted within "
+                            "a fraction of a second, as a real cluster's never are; spawn: as before)")
     plans.add_argument("--duration", type=float, default=60.0, help="seconds of faults per plan")
     plans.add_argument("--kills", type=int, default=4, help="worker SIGKILLs per plan (restarted)")
     plans.add_argument("--hangs", type=int, default=2, help="worker SIGSTOPs of 4-6 s per plan")

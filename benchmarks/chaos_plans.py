@@ -183,7 +183,8 @@ def run_seed(seed: int, args) -> dict:
     futures = []
     join_s: list[float] = []
     stall = [0.0, None]  # the longest stall, and when it ended (seconds into the plan)
-    with psclient.LocalCluster(num_workers=PLAN_WORKERS, num_ps=num_ps, start_method="spawn") as local, \
+    with psclient.LocalCluster(num_workers=PLAN_WORKERS, num_ps=num_ps,
+                               start_method=args.start_method) as local, \
             tempfile.TemporaryDirectory() as ckpt:
         strategy = psclient.ParameterServerStrategy(
             local.cluster, hang_timeout=3.0, checkpoint_dir=ckpt, checkpoint_every=200)
