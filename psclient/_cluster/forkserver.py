@@ -43,7 +43,12 @@ from typing import Any
 
 from psclient._cluster.fork_serving import MESSAGE_BYTES, OPTION
 
-__all__ = ["ForkServer", "ForkServerGone", "ForkServerTimeout", "ForkedProcess", "server_for", "supported"]
+__all__ = ["READER_THREAD_NAME", "ForkServer", "ForkServerGone", "ForkServerTimeout", "ForkedProcess", "server_for",
+           "supported"]
+
+#: The name of each fork server's reader thread in its owner's process: it lives as long as its
+#: server, which serves every LocalCluster of the process and exits once idle (`IDLE_EXIT_S`).
+READER_THREAD_NAME = "psclient-fork-server"
 
 #: How often a wait checks whether the fork server is gone (then nobody would report the status).
 _ORPHAN_CHECK_S = 0.5
@@ -163,7 +168,7 @@ class ForkServer:
         self._next_id = 0
         self.gone = False
         self._owner = os.getpid()
-        self._reader = threading.Thread(target=self._read, name="psclient-fork-server", daemon=True)
+        self._reader = threading.Thread(target=self._read, name=READER_THREAD_NAME, daemon=True)
         self._reader.start()
 
     @property

@@ -13,12 +13,12 @@ when each case ends; a TF task process takes seconds to start); the 1 worker,
 
 import contextlib
 import gc
-import threading
 import time
 
 import pytest
 import tensorflow as tf
 from _polling import wait_for
+from _threads import psclient_threads
 
 import psclient
 
@@ -27,9 +27,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420),
 
 
 def _psclient_threads():
-    # A fork server's reader is LocalCluster's, not the strategy's (one idle for 120 s exits).
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("psclient-") and t.is_alive()
-                  and not t.name.startswith("psclient-fork-server"))
+    return sorted(t.name for t in psclient_threads())
 
 
 class _Training:

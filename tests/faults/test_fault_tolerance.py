@@ -10,6 +10,7 @@ import time
 import pytest
 import tensorflow as tf
 from _polling import wait_for
+from _threads import psclient_threads
 
 import psclient
 
@@ -431,8 +432,7 @@ def test_a_forgotten_strategy_is_collected_and_never_blocks_the_next_one(local_c
     strategy = psclient.ParameterServerStrategy(local_cluster.cluster, hang_timeout=HANG_TIMEOUT)
     _, step = counting_step(strategy)
     assert strategy.schedule(step).result(60) >= 1
-    threads = [t for t in set(threading.enumerate()) - before
-               if t.name.startswith("psclient-") and not t.name.startswith("psclient-fork-server")]
+    threads = psclient_threads(set(threading.enumerate()) - before)
     assert any(t.name == "psclient-health" for t in threads)
     forgotten = weakref.ref(strategy)
     del strategy  # no shutdown(): its threads and finalizer must not keep it alive

@@ -24,7 +24,7 @@ def test_a_worker_restarted_unnoticed_then_a_ps_lost_fails_no_future(three_worke
     strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=2.0,
                                                 checkpoint_dir=str(tmp_path / "ckpt"))
     try:
-        _, dataset_fn, step = summing_training(strategy)
+        dataset_fn, step = summing_training(strategy)
 
         iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
 

@@ -37,7 +37,7 @@ def test_probes_reconnects_resources_checkpoints_and_recovery_convert_nothing_on
         checkpoint_every=25,
     )
     try:
-        _, dataset_fn, step = summing_training(strategy)
+        dataset_fn, step = summing_training(strategy)
 
         with RemoteConversions() as seen:
             iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))

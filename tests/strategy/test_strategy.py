@@ -10,6 +10,7 @@ import warnings
 import numpy as np
 import pytest
 import tensorflow as tf
+from _threads import cluster_owned
 
 
 pytestmark = pytest.mark.cluster
@@ -388,10 +389,9 @@ def test_stats_report_per_worker_counts_and_latency(strategy):
 
 
 def lasting_threads():
-    # Probes come and go by design. A fork server's reader lives as long as its server, which
-    # serves every LocalCluster of this process (one idle for 120 s exits): not the strategy's.
+    # Probes come and go by design; a fork server's reader is the clusters' (`_threads`).
     return sorted(t.name for t in threading.enumerate()
-                  if not t.name.startswith(("psclient-probe", "psclient-fork-server")))
+                  if not t.name.startswith("psclient-probe") and not cluster_owned(t))
 
 
 def test_ten_thousand_closures_no_growth_in_memory_or_threads(strategy):
