@@ -154,6 +154,7 @@ class LocalCluster:
         # for a slow start); another call on one of them waits for that restart to end.
         self._restarting: set[TaskProcess] = set()
         self._restarted = threading.Condition(self._lock)
+        self._adding = threading.Lock()  # held by `add_worker` for a whole start, without `_lock`
         self._tempdir = None
         if log_dir is None:
             self._tempdir = tempfile.TemporaryDirectory(prefix="psclient-local-")
@@ -239,7 +240,7 @@ class LocalCluster:
         task = self._task(job, index)
         self._restarted.wait_for(lambda: task not in self._restarting)
         self._check_open()
-        return task
+        return self._task(job, index)  # an added worker that did not start is gone: a clear error
 
     def _task(self, job: str, index: int) -> TaskProcess:
         if job not in _JOBS:
@@ -408,29 +409,50 @@ class LocalCluster:
             RuntimeError: the cluster is closed.
         """
         check_positive("timeout", timeout, optional=True, unit="seconds")
-        with self._lock:
-            self._check_open()
-            index = self._cluster.num_workers
-            taken = {address for addresses in self._cluster.jobs.values() for address in addresses}
-            address = f"{_HOST}:{portpicker.pick_unused_port()}"
-            while address in taken:  # the reserved chief port is free too: portpicker may offer it
+        limit = self._start_timeout if timeout is None else float(timeout)
+        # One worker added at a time (one that fails takes back the cluster it grew), and the
+        # cluster's lock held only to launch it, as a restart does: a kill, stop or resume of
+        # another task goes ahead while it starts, and a call on it waits for its start to end.
+        with self._adding:
+            with self._lock:
+                self._check_open()
+                index = self._cluster.num_workers
+                taken = {address for addresses in self._cluster.jobs.values() for address in addresses}
                 address = f"{_HOST}:{portpicker.pick_unused_port()}"
-            # The tasks started before keep their TF_CONFIG: any cluster that
-            # names a task's own address serves it. The new one is owned as
-            # the first ones are (close() and the exit finalizer end it).
-            jobs = self._cluster.jobs
-            jobs["worker"].append(address)
-            grown = Cluster(jobs)
-            task = TaskProcess("worker", index, address, os.path.join(self._log_dir, f"worker-{index}.log"))
-            previous, self._cluster = self._cluster, grown
-            with contextlib.ExitStack() as on_failure:  # a worker that did not start leaves no trace
-                on_failure.callback(task.reap)
-                on_failure.callback(setattr, self, "_cluster", previous)
-                self._start([task], self._start_timeout if timeout is None else timeout)
-                on_failure.pop_all()
-            self._tasks[("worker", index)] = task
-            self._task_list.append(task)  # owned: close() and the finalizer end it
-            return index
+                while address in taken:  # the reserved chief port is free too: portpicker may offer it
+                    address = f"{_HOST}:{portpicker.pick_unused_port()}"
+                # The tasks started before keep their TF_CONFIG: any cluster that
+                # names a task's own address serves it. The new one is owned as
+                # the first ones are from here (close() and the exit finalizer end it).
+                jobs = self._cluster.jobs
+                jobs["worker"].append(address)
+                task = TaskProcess("worker", index, address, os.path.join(self._log_dir, f"worker-{index}.log"))
+                self._tasks[("worker", index)] = task  # before the cluster names it: `pid` reads both unlocked
+                self._task_list.append(task)
+                previous, self._cluster = self._cluster, Cluster(jobs)
+                self._restarting.add(task)
+                deadline = time.monotonic() + limit
+            try:
+                with contextlib.ExitStack() as on_failure:  # a worker that did not start leaves no trace
+                    on_failure.callback(self._forget_added, task, previous)
+                    with self._lock:
+                        self._check_open()
+                        self._launch([task], deadline, limit)
+                    wait_ready([task], deadline, limit)
+                    on_failure.pop_all()
+            finally:
+                with self._lock:
+                    self._restarting.discard(task)
+                    self._restarted.notify_all()
+        return index
+
+    def _forget_added(self, task: TaskProcess, previous: Cluster) -> None:
+        """Ends an added worker that did not start and gives the cluster back as it was before it."""
+        with self._lock:
+            task.reap()
+            self._cluster = previous
+            del self._tasks[("worker", task.index)]
+            self._task_list.remove(task)
 
     def close(self) -> None:
         """Ends every task (SIGTERM, then SIGKILL after a few seconds) and reaps them.

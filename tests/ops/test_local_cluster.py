@@ -146,14 +146,54 @@ def test_stop_and_resume(local_cluster):
     assert answers(local_cluster.cluster.address("worker", 0))
 
 
-def test_a_restart_holds_up_calls_on_its_own_task_only():
-    """While a restart waits for its task to start, `stop`/`resume` of the other tasks go ahead (the
-    cluster's lock was held for the whole start: a fault plan's 5 s ps hang lasted 25 s, its SIGCONT
-    waiting on a worker's restart), and a call on the restarting task waits for the restart to end.
-    The new process is SIGSTOPped by the test so that the restart is still waiting, whatever the load:
-    started as a process of its own ("spawn"), as a forked task is ready too soon to be caught."""
+def test_a_restart_or_an_added_worker_holds_up_calls_on_its_own_task_only():
+    """While a restart (or `add_worker`) waits for its task to start, `stop`/`resume` of the other
+    tasks go ahead (the cluster's lock was held for the whole start: a fault plan's 5 s ps hang lasted
+    25 s, its SIGCONT waiting on a worker's restart), and a call on the starting task waits for the
+    start to end. The new process is SIGSTOPped by the test so that the start is still waiting,
+    whatever the load: started as a process of its own ("spawn"), as a forked task is ready too soon
+    to be caught."""
     with LocalCluster(num_workers=2, num_ps=1, start_method="spawn", start_timeout=120) as local_cluster:
         _restart_holds_up_calls_on_its_own_task_only(local_cluster)
+        _add_worker_holds_up_calls_on_its_own_task_only(local_cluster)
+
+
+def _add_worker_holds_up_calls_on_its_own_task_only(local_cluster):
+    ended = {}
+
+    def add():
+        ended["index"] = local_cluster.add_worker(timeout=120)
+        ended["add"] = time.monotonic()
+
+    def resume_added():
+        local_cluster.resume("worker", 2)
+        ended["resume"] = time.monotonic()
+
+    def added_pid():
+        return local_cluster.cluster.num_workers == 3 and local_cluster.pid("worker", 2)
+
+    adding = threading.Thread(target=add, name="test-add-worker")
+    adding.start()
+    new = None
+    try:
+        wait_for(added_pid, 60, "the added worker:2 process")
+        new = psutil.Process(local_cluster.pid("worker", 2))
+        new.suspend()  # not ready while stopped: add_worker keeps waiting
+        waiting = threading.Thread(target=resume_added, name="test-resume-added")
+        waiting.start()
+        for job, index in (("ps", 0), ("worker", 0)):
+            local_cluster.stop(job, index)
+            local_cluster.resume(job, index)
+        assert adding.is_alive() and "resume" not in ended  # went ahead of the added worker's start
+    finally:
+        if new is not None:
+            new.resume()
+        adding.join(timeout=150)
+    waiting.join(timeout=30)
+    assert not adding.is_alive() and not waiting.is_alive()
+    assert ended["index"] == 2 and ended["resume"] >= ended["add"]  # the call on worker:2 waited
+    for job, index in (("ps", 0), ("worker", 0), ("worker", 2)):
+        assert answers(local_cluster.cluster.address(job, index))
 
 
 def _restart_holds_up_calls_on_its_own_task_only(local_cluster):
@@ -255,6 +295,14 @@ def test_add_worker_starts_a_task_at_a_new_port_owned_like_the_others():
         processes.append(psutil.Process(cluster.pid("worker", 2)))
         with pytest.raises(ValueError, match="timeout"):
             cluster.add_worker(timeout=0)
+        running = serve_children()
+        with pytest.raises(TaskUnreachableError, match=r"worker:3"):
+            cluster.add_worker(timeout=0.001)  # did not start: ended, and the cluster as before
+        assert cluster.cluster.num_workers == 3
+        # (forked after the caller gave up, a task finds its pipes closed and exits by itself)
+        wait_for(lambda: serve_children() == running, 60, "the worker that did not start to be gone")
+        with pytest.raises(ValueError, match="index"):
+            cluster.pid("worker", 3)
     wait_until_gone(processes, timeout=1)  # close() ended the added ones too
     with pytest.raises(RuntimeError, match="closed"):
         cluster.add_worker()
