@@ -94,7 +94,7 @@ def test_a_table_restored_into_another_number_of_shards_in_ranges_is_the_whole_p
 
 
 def test_the_owned_keys_with_a_row_come_first_when_saved_so():
-    """`_owned_keys` and `_owned_counters`: of keys saved with their row keys first (a dense shard's
+    """`_head_size`, `_owned_keys` and `_owned_counters`: of keys saved with their row keys first (a dense shard's
     order), the owned ones with a row form the head, in order; saved in another order, every owned
     key is in the tail. Their counters are split alike."""
     from psclient._coordinator.tables.key_hash import shard_of
@@ -103,8 +103,13 @@ def test_the_owned_keys_with_a_row_come_first_when_saved_so():
     counters = np.stack([np.arange(40), np.arange(40) + 1000], 1).astype(np.int64)
     mine = shard_of(tf.constant(keys), 2).numpy() == 1
     where = (tf.constant(2, tf.int64), tf.constant(1, tf.int32))
+    def head_size(keys, row_keys):
+        return table_ranges._head_size(keys, table_ranges._owned_rows(row_keys, *where, tf.int32)[2],
+                                       tf.constant(len(row_keys), tf.int64))
+
     def owned(row_keys):
-        head_keys, tail_keys, mine_saved, split = table_ranges._owned_keys(keys, row_keys, *where)
+        split = head_size(keys, row_keys)
+        head_keys, tail_keys, mine_saved = table_ranges._owned_keys(keys, split, *where)
         np.testing.assert_array_equal(mine_saved, mine)
         return (head_keys, *table_ranges._owned_counters(counters, mine_saved, split), tail_keys)
 
@@ -113,7 +118,9 @@ def test_the_owned_keys_with_a_row_come_first_when_saved_so():
     np.testing.assert_array_equal(head_counters, counters[:30][mine[:30]])
     np.testing.assert_array_equal(tail_keys, keys[30:][mine[30:]])
     np.testing.assert_array_equal(tail_counters, counters[30:][mine[30:]])
+    assert int(head_size(keys, keys[:30])) == 30
     for row_keys in (keys[10:40], np.arange(100, 150, dtype=np.int64)):  # not first; more than the keys
+        assert int(head_size(keys, row_keys)) == 0
         head_keys, _, tail_counters, tail_keys = owned(row_keys)
         assert head_keys.shape == (0,)
         np.testing.assert_array_equal(tail_keys, keys[mine])

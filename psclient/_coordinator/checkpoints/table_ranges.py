@@ -22,9 +22,10 @@ holds beyond its tables meanwhile is bounded by its own small size):
 
 Restored into another number of ps tasks (`SplitPlan`), a dense shard bigger
 than one range reads every saved shard the same way, one at a time: its keys
-with a row whole (the owned ones kept, with their positions), then its
-tracked keys and counters whole (the owned ones kept, those with a row first
-when saved so), then, field by field, its rows and slots a range at a time,
+with a row whole (the owned ones kept, with their positions as int32, and a
+sample of them), then its tracked keys, then its counters, each whole (the
+owned ones kept, those with a row first when the sample says they were saved
+so), then, field by field, its rows and slots a range at a time,
 each range's owned rows gathered and written in place after those of the
 saved shards before it: where the whole path (`table_checkpoint._restored_state`
 then `DenseShard.replace`) puts them. A shard that would get more rows than its
@@ -37,7 +38,8 @@ whole (rows of a width not a multiple of 64 bytes, or at most one chunk) is
 one range, unless `range_bytes` asks for smaller ones (each of which then
 reads the whole saved value: a range reads every saved slice it overlaps).
 
-The check (`check`) reads the same ranges and drops each at once, before any
+The check (`check`) reads the same values, the keys' and clocks' one at a
+time, the ranges as the restore reads them, and drops each at once, before any
 shard is assigned (`table_checkpoint.read`): a damaged value leaves every
 table as it was. A restore with deltas (`table_deltas.Changes`) writes the
 saved rows each delta left alone, a range at a time (each range read whole, its
@@ -107,9 +109,21 @@ class Plan:
         self.fields = {"rows": f"{self.prefix}/rows", **{s: f"{self.prefix}/slot/{s}" for s in slots}}
         self._chunked, self._chunk_bytes = chunked_keys(layout), chunk_bytes(layout)
 
-    def read_small(self) -> dict:
-        """The keys, counters, keys with a row and the clocks, read on the device in force."""
-        return dict(zip(SMALL_FIELDS, self._read([f"{self.prefix}/{field}" for field in SMALL_FIELDS])))
+    def check_small(self, row_keys_seen=None) -> int:
+        """Read the keys, counters, keys with a row and the clocks on the device in force, one at a
+        time, each dropped at once (read together, with `SplitPlan`'s hashing of the keys with a row
+        beside them, they made a ps's peak of a re-split restore): raises tf.errors.OpError if one
+        cannot be read. `row_keys_seen(row_keys)` is called with the keys with a row before they
+        are dropped. Returns the rows saved."""
+        count = 0
+        for field in SMALL_FIELDS:
+            value = self._read([f"{self.prefix}/{field}"])[0]
+            if field == "row_keys":
+                count = int(value.shape[0])
+                if row_keys_seen is not None:
+                    row_keys_seen(value)
+            del value
+        return count
 
     def _read(self, names: list[str]) -> list:
         """Int64 values `names`, read whole on the device in force."""
@@ -134,7 +148,7 @@ class Plan:
     def check(self) -> int:
         """Read every value (the rows and slots a range at a time), each dropped at once: raises
         tf.errors.OpError if one cannot be read. Returns the rows saved."""
-        count = int(self.read_small()["row_keys"].shape[0])
+        count = self.check_small()
         self.check_ranges(count)
         return count
 
@@ -212,19 +226,19 @@ class SplitPlan:
         self.fields = self.parts[0].fields  # the same fields in every saved shard (`fields[...]` is part 0's key)
 
     def _owned_rows(self, row_keys) -> tuple:
+        # The positions as int32 where they fit: they are held through the whole restore.
+        dtype = tf.int32 if int(row_keys.shape[0]) < 2**31 else tf.int64
         return _owned_rows(row_keys, coordinator_constant(self.num_shards, tf.int64),
-                           coordinator_constant(self.index, tf.int32))
+                           coordinator_constant(self.index, tf.int32), dtype)
 
     def check(self) -> int:
         """Read every saved shard's values (its rows and slots a range at a time), each dropped at once:
         raises tf.errors.OpError if one cannot be read. Returns the rows this shard will hold."""
-        owned = 0
+        owned = []
         for plan in self.parts:
-            row_keys = plan.read_small()["row_keys"]
-            owned += int(self._owned_rows(row_keys)[0].shape[0])
-            plan.check_ranges(int(row_keys.shape[0]))
-            del row_keys
-        return owned
+            count = plan.check_small(lambda row_keys: owned.append(int(self._owned_rows(row_keys)[0].shape[0])))
+            plan.check_ranges(count)
+        return sum(owned)
 
     def assign(self, shard, deltas: list | tuple = ()) -> int | None:
         """Read the saved shards again and write the rows, slots and keys `shard` (a DenseShard) owns
@@ -235,13 +249,15 @@ class SplitPlan:
             return None
         # picks[p]: the positions (ascending) of saved shard p's rows this shard owns; one saved shard's
         # keys read at a time, the owned ones kept.
-        counts, picks, kept = [], [], []
+        # samples[p]: a sample of its keys with a row, for the order check of its tracked keys (`_head_size`).
+        counts, picks, kept, samples = [], [], [], []
         for plan in self.parts:
             row_keys = plan._read([f"{plan.prefix}/row_keys"])[0]
             counts.append(int(row_keys.shape[0]))
-            owned, pick = self._owned_rows(row_keys)
+            owned, pick, sample = self._owned_rows(row_keys)
             picks.append(pick)
             kept.append(owned)
+            samples.append(sample)
             del row_keys, owned
         kept = _joined(kept)
         n, variables = int(kept.shape[0]), _rows_keyed(shard, kept, self.dim)
@@ -253,12 +269,17 @@ class SplitPlan:
         # them as it takes its own saved keys (`DenseShard._replace_counters`: no lookup, fewer copies).
         # The keys first, then the counters (twice the keys' bytes), each dropped before the next
         # read: read together, with the keys with a row, they made a ps's peak of the whole restore.
+        # Whether they were saved in that order is told from a sample of the keys with a row, not
+        # by reading those again beside the keys (with the keys' hashing, that made a ps's peak).
+        # (Read and masked in one traced call instead, the keys were still held at the counters'
+        # read: 1.23x.)
         where = (coordinator_constant(self.num_shards, tf.int64), coordinator_constant(self.index, tf.int32))
-        fields = ("keys", "row_keys", *_SCALARS)
+        fields = ("keys", *_SCALARS)
         heads, tails, scalars = [], [], []
-        for plan in self.parts:
+        for plan, count, sample in zip(self.parts, counts, samples):
             got = dict(zip(fields, plan._read([f"{plan.prefix}/{f}" for f in fields])))
-            head_keys, tail_keys, mine, split = _owned_keys(got["keys"], got["row_keys"], *where)
+            split = _head_size(got["keys"], sample, coordinator_constant(count, tf.int64))
+            head_keys, tail_keys, mine = _owned_keys(got["keys"], split, *where)
             scalars.append([got[f] for f in _SCALARS])
             del got
             counters = plan._read([f"{plan.prefix}/counters"])[0]
@@ -269,7 +290,7 @@ class SplitPlan:
         keys, counters, clock, admissions, evictions = _merged_keys(heads + tails, scalars, where[1])
         del heads, tails
         shard.replace_counters(keys, counters, coordinator_constant(n, tf.int64), clock, admissions, evictions)
-        del keys, counters
+        del keys, counters, samples
         defaults = {"rows": 0.0, **shard.slot_defaults}
         for field, variable in variables.items():
             at_row = 0  # where saved shard p's owned rows begin: after those of the shards before it
@@ -310,13 +331,19 @@ def _merged_counters(path, names, delta_paths: list, delta_names: list):
 
 
 @functools.partial(tf.function, autograph=False, reduce_retracing=True)
-def _owned_rows(row_keys, num_shards, index):
+def _owned_rows(row_keys, num_shards, index, dtype):
     """(the keys with a row of one saved shard that shard `index` of `num_shards` owns, their
-    positions in it, ascending)."""
+    positions in it, ascending, as `dtype`; a sample of `row_keys`, `_row_sample`)."""
     from psclient._coordinator.tables.key_hash import shard_of  # tables imports this module
 
-    pick = tf.reshape(tf.where(tf.equal(shard_of(row_keys, num_shards), index)), [-1])
-    return tf.gather(row_keys, pick), pick
+    pick = tf.cast(tf.reshape(tf.where(tf.equal(shard_of(row_keys, num_shards), index)), [-1]), dtype)
+    return tf.gather(row_keys, pick), pick, _row_sample(row_keys)
+
+
+def _row_sample(row_keys):
+    """About 1,024 of `row_keys`, evenly spaced, and the last one (in a traced function)."""
+    stride = tf.maximum(tf.size(row_keys) // 1024, 1)
+    return tf.concat([row_keys[::stride], row_keys[-1:]], 0)
 
 
 @functools.partial(tf.function, autograph=False, reduce_retracing=True)
@@ -326,20 +353,30 @@ def _joined(values: list):
 
 
 @functools.partial(tf.function, autograph=False, reduce_retracing=True)
-def _owned_keys(keys, row_keys, num_shards, index):
-    """(head keys, tail keys, owned, split): the tracked keys of one saved shard that shard `index` of
-    `num_shards` owns. Saved as a dense shard saves them (its `row_keys` first, in their order):
-    those with a row in the head (`keys[:split]`), the others in the tail; saved in another order (a
-    hash table's): all in the tail (split 0). `owned`: which of `keys` are the shard's, for
-    `_owned_counters`."""
+def _head_size(keys, sample, count):
+    """How many of one saved shard's tracked `keys` come first as its `count` keys with a row
+    (`sample`: theirs, `_row_sample`): saved as a dense shard saves them (its keys with a row
+    first, in their order), `count`; saved in another order (a hash table's), 0.
+
+    Told from the sample, so a guess; any answer is sound: the shard checks the order of the keys
+    it is given against its keys with a row and looks each key up where they differ
+    (`DenseShard._replace_counters`)."""
+    def sampled_alike():
+        return tf.reduce_all(tf.equal(_row_sample(keys[:count]), sample))
+
+    in_order = tf.cond(tf.size(keys, tf.int64) >= count, sampled_alike, lambda: tf.constant(False))
+    return tf.where(in_order, count, 0)
+
+
+@functools.partial(tf.function, autograph=False, reduce_retracing=True)
+def _owned_keys(keys, split, num_shards, index):
+    """(head keys, tail keys, owned): the tracked keys of one saved shard that shard `index` of
+    `num_shards` owns, those with a row in the head (`keys[:split]`, `_head_size`), the others in
+    the tail. `owned`: which of `keys` are the shard's, for `_owned_counters`."""
     from psclient._coordinator.tables.key_hash import shard_of  # tables imports this module
 
     owned = tf.equal(shard_of(keys, num_shards), index)
-    count = tf.size(row_keys)
-    in_order = tf.size(keys) >= count  # and the first keys are the row keys (of as many as there are)
-    in_order &= tf.reduce_all(tf.equal(keys[:count], row_keys[:tf.size(keys)]))
-    split = tf.where(in_order, count, 0)
-    return tf.boolean_mask(keys[:split], owned[:split]), tf.boolean_mask(keys[split:], owned[split:]), owned, split
+    return tf.boolean_mask(keys[:split], owned[:split]), tf.boolean_mask(keys[split:], owned[split:]), owned
 
 
 @functools.partial(tf.function, autograph=False, reduce_retracing=True)
@@ -406,14 +443,14 @@ def _positions(origin, values: list[int]) -> list[int]:
         return list(values)
     row = coordinator_constant([1, -1], tf.int32)
     at = tf.raw_ops.LowerBound(sorted_inputs=tf.reshape(origin, row),
-                               values=coordinator_constant([values], tf.int64), out_type=tf.int64)
+                               values=coordinator_constant([values], origin.dtype), out_type=tf.int64)
     return [int(v) for v in at.numpy().reshape(-1)]
 
 
 def _gather(value, origin, at: int, end: int, first: int):
     """The rows of `value` (rows `first`, `first` + 1, ... of their source) that rows [at, end) take."""
     taken = tf.slice(origin, coordinator_constant([at], tf.int64), coordinator_constant([end - at], tf.int64))
-    return tf.gather(value, taken - coordinator_constant(first, tf.int64), axis=coordinator_constant(0, tf.int32))
+    return tf.gather(value, taken - coordinator_constant(first, origin.dtype), axis=coordinator_constant(0, tf.int32))
 
 
 def _rows_keyed(shard, row_keys, dim: int) -> dict | None:
