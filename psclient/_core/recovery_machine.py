@@ -127,14 +127,11 @@ class RecoveryMachine:
         self._back_since: dict[int, float] = {}
         self._all_down_since: float | None = None
         self._gave_up_since: float | None = None
-        self._running = 0
-        self._completed = 0
+        self._running = self._completed = 0
         self._ps_loss: PsLoss | None = None  # a ps loss under way
         # Rounds seen, so that a running count from before a pause is never used.
-        self._rounds = 0
-        self._paused_at_round = 0
-        # checkpoints
-        self._checkpoints = CheckpointSchedule.of(config, now)
+        self._rounds = self._paused_at_round = 0
+        self._checkpoints = CheckpointSchedule.of(config, now)  # checkpoints: when each is due
         self._ckpt_waiting_since: float | None = None
         self._ckpt_reason = ""
         # A failed checkpoint or drop is tried again after a growing pause, not at once.
@@ -152,10 +149,15 @@ class RecoveryMachine:
     def lost_ps(self) -> list[int]:
         return [ps for ps, state in enumerate(self.ps) if state is not TaskState.UP]
 
+    @property
+    def draining(self) -> bool:
+        """Whether a checkpoint waits for the closures running at its pause to end."""
+        return self._ckpt_waiting_since is not None
+
     def poll_interval(self) -> float:
         """How soon the next round is wanted."""
-        if self._ckpt_waiting_since is not None:
-            return 0.02  # waiting for running closures to end
+        if self.draining:
+            return 0.02  # waiting for running closures to end (sooner: `Drained`)
         if self.lost_ps():
             return 0.2
         return self.config.interval

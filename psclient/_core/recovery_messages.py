@@ -38,6 +38,10 @@ WorkerRetired(worker, ticket)             | out of every Reconnect; RETIRED and
                                           | Finish(ticket) once out of TF's view
                                           | (both: joining.py)
 Shutdown()                                | Finish every waiting ticket; nothing after
+
+`Drained()` (a dispatcher) is the recovery thread's, not the machine's: the last
+closure running under a paused dispatch ended, so a checkpoint waiting for that
+gets its round (its Tick) now instead of at the next round.
 """
 
 from __future__ import annotations
@@ -71,6 +75,11 @@ class TaskState(enum.Enum):
 class Tick:
     running: int
     completed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Drained:
+    """No closure runs any more under a paused dispatch (see the module's docstring)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from psclient._core import ps_access
 from psclient._core.failures import (
     MAX_TRANSIENT_ATTEMPTS, Verdict, after_failure, classify, end_of_sequence, iterator_cancelled, stale_remote_handle,
 )
-from psclient._core.recovery_messages import PsNotAnswering, WorkerNotAnswering
+from psclient._core.recovery_messages import Drained, PsNotAnswering, WorkerNotAnswering
 from psclient._core.closure import Closure
 from psclient._core.errors import first_line
 from psclient._core.scheduler import Scheduler
@@ -164,6 +164,8 @@ class Dispatcher:
             self._failed(worker, device, closure, attempt, error, iterators_generation)
         else:
             self._scheduler.succeeded(worker, closure, value, attempt=attempt)
+            if self._scheduler.paused and not self._scheduler.running():
+                self._report(Drained())  # a checkpoint's pause goes on at once (a failure's: next round)
 
     def _copied(self, outputs: Any) -> Any:
         value = self._edge.to_numpy(outputs)

@@ -106,8 +106,8 @@ class Recovery:
         self._per_worker = parts.per_worker
         self._retrace = parts.retrace or _no_retrace
         self._cancel_calls = wiring.cancel_calls
-        self._checkpoint_meta = parts.checkpoint_meta or _no_meta
-        self._meta_restored = parts.meta_restored or _ignore_meta
+        self._checkpoint_meta = parts.checkpoint_meta or (lambda variables: None)  # nothing saved beside
+        self._meta_restored = parts.meta_restored or (lambda meta, lost=None: None)
         self._clock = clock
         self.checkpoints = checkpoints
         cluster = roster.cluster
@@ -227,7 +227,10 @@ class Recovery:
                 event = self._inbox.get(timeout=timeout)
             except queue.Empty:
                 event = None
-            if event is not None:
+            if isinstance(event, rm.Drained):  # a checkpoint's pause drained: its round now
+                if not self._machine.draining:
+                    continue
+            elif event is not None:
                 self._handle(event)
                 # Sooner if the event asked for it (a checkpoint's pause waits for the next round's Tick).
                 next_round = min(next_round, self._clock() + self._machine.poll_interval())
@@ -485,14 +488,6 @@ class Recovery:
             self.report(rm.CheckpointWritten(path, completed, error))
         self.checkpoints.write_in_background(pending, written)
         return completed
-
-
-def _ignore_meta(meta: dict | None, lost: frozenset | None = None) -> None:
-    return None
-
-
-def _no_meta(variables: dict) -> None:
-    return None
 
 
 def _no_retrace() -> None:

@@ -99,3 +99,18 @@ def test_shutdown_answers_the_callers_of_the_write_in_flight_and_those_queued():
     actions = m.handle(rm.Shutdown(), 1.0)
     closed = {a.ticket for a in actions if isinstance(a, rm.Finish) and isinstance(a.error, StrategyClosedError)}
     assert closed == {"writing", "queued"}
+
+
+def test_draining_from_the_checkpoints_pause_until_its_snapshot_starts():
+    """`draining`: what the recovery thread asks before it answers a dispatcher's `Drained` with a
+    round at once (the last closure running at the pause ended) instead of at the next round."""
+    m = machine()
+    assert not m.draining
+    assert m.handle(rm.CheckpointRequested("t", "requested"), 0.0) == [rm.PauseDispatch("checkpoint")]
+    assert m.draining and m.poll_interval() == 0.02
+    assert m.handle(rm.Tick(running=1, completed=0), 0.01) == []  # still running: still draining
+    assert m.draining
+    assert m.handle(rm.Tick(running=0, completed=1), 0.012) == [rm.Checkpoint("requested")]
+    assert not m.draining  # the snapshot is under way: a late `Drained` asks for no round
+    m.handle(rm.Done(m.op, True, 1), 0.02)
+    assert not m.draining
