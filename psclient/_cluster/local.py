@@ -25,6 +25,7 @@ Elsewhere the tasks run with `--allow-any-host`, after a `RuntimeWarning`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -33,7 +34,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import portpicker
 
@@ -377,9 +378,15 @@ class LocalCluster:
                 log.write(f"--- psclient LocalCluster: restarting {task.name} ---\n")
             deadline = time.monotonic() + limit
             self._restarting.add(task)
+        self._start_unlocked(task, deadline, limit, functools.partial(self._reap_locked, task))
+
+    def _start_unlocked(self, task: TaskProcess, deadline: float, limit: float, undo: Callable[[], None]) -> None:
+        """Starts `task` (put in `_restarting` under the lock), holding the lock only to launch it:
+        the wait until it is ready holds up no call on another task. `undo()` if it does not start
+        (a task that did not start is not left half up). Called without the lock."""
         try:
-            with contextlib.ExitStack() as on_failure:  # A task that did not start is not left half up.
-                on_failure.callback(self._reap_locked, task)
+            with contextlib.ExitStack() as on_failure:
+                on_failure.callback(undo)
                 with self._lock:
                     self._check_open()
                     self._launch([task], deadline, limit)
@@ -432,18 +439,8 @@ class LocalCluster:
                 previous, self._cluster = self._cluster, Cluster(jobs)
                 self._restarting.add(task)
                 deadline = time.monotonic() + limit
-            try:
-                with contextlib.ExitStack() as on_failure:  # a worker that did not start leaves no trace
-                    on_failure.callback(self._forget_added, task, previous)
-                    with self._lock:
-                        self._check_open()
-                        self._launch([task], deadline, limit)
-                    wait_ready([task], deadline, limit)
-                    on_failure.pop_all()
-            finally:
-                with self._lock:
-                    self._restarting.discard(task)
-                    self._restarted.notify_all()
+            # A worker that did not start leaves no trace.
+            self._start_unlocked(task, deadline, limit, functools.partial(self._forget_added, task, previous))
         return index
 
     def _forget_added(self, task: TaskProcess, previous: Cluster) -> None:

@@ -154,82 +154,51 @@ def test_a_restart_or_an_added_worker_holds_up_calls_on_its_own_task_only():
     whatever the load: started as a process of its own ("spawn"), as a forked task is ready too soon
     to be caught."""
     with LocalCluster(num_workers=2, num_ps=1, start_method="spawn", start_timeout=120) as local_cluster:
-        _restart_holds_up_calls_on_its_own_task_only(local_cluster)
-        _add_worker_holds_up_calls_on_its_own_task_only(local_cluster)
+        _a_start_holds_up_calls_on_its_own_task_only(local_cluster, lambda: local_cluster.restart("worker", 1), 1)
+        assert _a_start_holds_up_calls_on_its_own_task_only(local_cluster, local_cluster.add_worker, 2) == 2
 
 
-def _add_worker_holds_up_calls_on_its_own_task_only(local_cluster):
+def _a_start_holds_up_calls_on_its_own_task_only(local_cluster, start, index):
+    """`start()` (a restart of worker `index`, or the `add_worker` that makes it) in a thread, its
+    new process SIGSTOPped: `stop`/`resume` of ps 0 and worker 0 go ahead, a `resume` of worker
+    `index` waits for the start to end. Returns what `start()` returned."""
+    old = local_cluster.pid("worker", index) if index < local_cluster.cluster.num_workers else None
     ended = {}
 
-    def add():
-        ended["index"] = local_cluster.add_worker(timeout=120)
-        ended["add"] = time.monotonic()
+    def run_start():
+        ended["value"] = start()
+        ended["start"] = time.monotonic()
 
-    def resume_added():
-        local_cluster.resume("worker", 2)
+    def resume_started():
+        local_cluster.resume("worker", index)
         ended["resume"] = time.monotonic()
 
-    def added_pid():
-        return local_cluster.cluster.num_workers == 3 and local_cluster.pid("worker", 2)
+    def new_pid():
+        return index < local_cluster.cluster.num_workers and local_cluster.pid("worker", index) not in (None, old)
 
-    adding = threading.Thread(target=add, name="test-add-worker")
-    adding.start()
+    starting = threading.Thread(target=run_start, name="test-start")
+    starting.start()
     new = None
     try:
-        wait_for(added_pid, 60, "the added worker:2 process")
-        new = psutil.Process(local_cluster.pid("worker", 2))
-        new.suspend()  # not ready while stopped: add_worker keeps waiting
-        waiting = threading.Thread(target=resume_added, name="test-resume-added")
+        wait_for(new_pid, 60, f"the new worker:{index} process")
+        new = psutil.Process(local_cluster.pid("worker", index))
+        new.suspend()  # not ready while stopped: the start keeps waiting
+        waiting = threading.Thread(target=resume_started, name="test-resume")
         waiting.start()
-        for job, index in (("ps", 0), ("worker", 0)):
-            local_cluster.stop(job, index)
-            local_cluster.resume(job, index)
-        assert adding.is_alive() and "resume" not in ended  # went ahead of the added worker's start
+        for job, other in (("ps", 0), ("worker", 0)):
+            local_cluster.stop(job, other)
+            local_cluster.resume(job, other)
+        assert starting.is_alive() and "resume" not in ended  # went ahead of the start
     finally:
         if new is not None:
             new.resume()
-        adding.join(timeout=150)
+        starting.join(timeout=150)
     waiting.join(timeout=30)
-    assert not adding.is_alive() and not waiting.is_alive()
-    assert ended["index"] == 2 and ended["resume"] >= ended["add"]  # the call on worker:2 waited
-    for job, index in (("ps", 0), ("worker", 0), ("worker", 2)):
-        assert answers(local_cluster.cluster.address(job, index))
-
-
-def _restart_holds_up_calls_on_its_own_task_only(local_cluster):
-    old = local_cluster.pid("worker", 1)
-    ended = {}
-
-    def restart():
-        local_cluster.restart("worker", 1, timeout=120)
-        ended["restart"] = time.monotonic()
-
-    def resume_restarted():
-        local_cluster.resume("worker", 1)
-        ended["resume"] = time.monotonic()
-
-    restarting = threading.Thread(target=restart, name="test-restart")
-    restarting.start()
-    new = None
-    try:
-        wait_for(lambda: local_cluster.pid("worker", 1) not in (None, old), 60, "the new worker:1 process")
-        new = psutil.Process(local_cluster.pid("worker", 1))
-        new.suspend()  # not ready while stopped: the restart keeps waiting
-        waiting = threading.Thread(target=resume_restarted, name="test-resume")
-        waiting.start()
-        for job, index in (("ps", 0), ("worker", 0)):
-            local_cluster.stop(job, index)
-            local_cluster.resume(job, index)
-        assert restarting.is_alive() and "resume" not in ended  # went ahead of the restart
-    finally:
-        if new is not None:
-            new.resume()
-        restarting.join(timeout=150)
-    waiting.join(timeout=30)
-    assert not restarting.is_alive() and not waiting.is_alive()
-    assert ended["resume"] >= ended["restart"]  # the call on worker:1 waited for its restart
-    for job, index in (("ps", 0), ("worker", 0), ("worker", 1)):
-        assert answers(local_cluster.cluster.address(job, index))
+    assert not starting.is_alive() and not waiting.is_alive()
+    assert ended["resume"] >= ended["start"]  # the call on the starting worker waited for its start
+    for job, other in (("ps", 0), ("worker", 0), ("worker", index)):
+        assert answers(local_cluster.cluster.address(job, other))
+    return ended["value"]
 
 
 @pytest.mark.parametrize(
