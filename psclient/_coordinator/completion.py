@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from psclient._tf.executors import unregistered_executor
+
 __all__ = ["WaitedCalls"]
 
 
@@ -91,5 +93,8 @@ class _Waited:
 
 def _wait(tensor) -> None:
     # A remote output's shape is known once the worker answered (its error, if
-    # the function failed, is raised here).
-    tensor.shape  # noqa: B018 - read for its wait
+    # the function failed, is raised here). Waited for outside the thread's
+    # executor, on which the call is pending until then: an answer that never
+    # comes must not hold up TF's cache clearing (`unregistered_executor`).
+    with unregistered_executor():
+        tensor.shape  # noqa: B018 - read for its wait

@@ -32,7 +32,7 @@ from psclient._cluster.tasks import (
 from psclient._coordinator.connection import COORDINATOR_JOB, connect, disconnect
 from psclient._tf import executors as _executors
 from psclient._tf import variables as _variables
-from psclient._tf.calls import cancellable_call
+from psclient._tf.calls import cancellable_call, probing_call
 from psclient._tf.context import (
     ClosureInputError,
     coordinator_cpu,
@@ -84,6 +84,22 @@ def probe(device: str) -> None:
     restarted task no longer knows the coordinator's context). Blocks while
     the task is hung: call it with a timeout (`psclient._core.health.Prober`).
     """
+    with _probing():
+        # Both operands are made here, not under the task's device: a Python
+        # value converted there (a constant, or the `1` of `one + 1`) is
+        # copied to the task by the conversion, which holds the GIL, and a
+        # hung (SIGSTOPped) task then froze every thread of the coordinator
+        # until it answered. The op's own copy of its inputs waits without
+        # the GIL. tests/strategy/test_no_remote_conversions.py checks every such place.
+        with tf.device(coordinator_cpu()):
+            one = tf.constant(1, dtype=tf.int32)
+        with tf.device(f"{device}/device:CPU:0"):
+            tf.add(one, one).numpy()
+
+
+@contextlib.contextmanager
+def _probing():
+    """A probe's ops inside: through this thread's own executor, counted by TF's cache-clearing gate."""
     own = getattr(_probe_executors, "executor", None)
     if own is None:
         # Each probing thread calls through an executor of its own, made as the
@@ -92,17 +108,8 @@ def probe(device: str) -> None:
         # failed with another, dead worker's error.
         own = _probe_executors.executor = _executors.new_call_executor(streaming=False)
     try:
-        with _executors.executor_scope(own):
-            # Both operands are made here, not under the task's device: a Python
-            # value converted there (a constant, or the `1` of `one + 1`) is
-            # copied to the task by the conversion, which holds the GIL, and a
-            # hung (SIGSTOPped) task then froze every thread of the coordinator
-            # until it answered. The op's own copy of its inputs waits without
-            # the GIL. tests/strategy/test_no_remote_conversions.py checks every such place.
-            with tf.device(coordinator_cpu()):
-                one = tf.constant(1, dtype=tf.int32)
-            with tf.device(f"{device}/device:CPU:0"):
-                tf.add(one, one).numpy()
+        with probing_call(), _executors.executor_scope(own):
+            yield
     except tf.errors.OpError:
         own.clear_error()  # or the next probe on this thread fails with it
         raise
@@ -122,15 +129,8 @@ def check_handle(variable: Any) -> None:
     answers it once a reconnect has introduced it. Blocks while the task is
     hung: call it with a timeout.
     """
-    own = getattr(_probe_executors, "executor", None)
-    if own is None:
-        own = _probe_executors.executor = _executors.new_call_executor(streaming=False)
-    try:
-        with _executors.executor_scope(own), tf.device(coordinator_cpu()):
-            tf.raw_ops.VariableShape(input=variable.handle).numpy()
-    except tf.errors.OpError:
-        own.clear_error()
-        raise
+    with _probing(), tf.device(coordinator_cpu()):
+        tf.raw_ops.VariableShape(input=variable.handle).numpy()
 
 
 def renew_variable_handle(variable: Any, device: str) -> None:

@@ -13,7 +13,7 @@ import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import cancellation, context
 
-__all__ = ["cancellable_call"]
+__all__ = ["cancellable_call", "probing_call"]
 
 log = logging.getLogger("psclient")
 
@@ -47,12 +47,16 @@ class _CallGate:
     with the GIL held, for every call in flight in the process: one on a hung
     worker froze every thread, so also the one that would take the worker out
     and cancel the call. Cleared through this gate, it first waits with the
-    GIL released until no call runs (calls on a hung worker are cancelled
-    once it is taken out) and lets no new call start until it is done. TF's
-    clearing itself still waits, GIL held, for anything else in flight to a
-    hung task (a health probe, a remote handle's deletion): while a task
-    hangs, `tf.random.set_seed` can stall the process until it answers
-    (docs/development.md, known limits).
+    GIL released until no call runs and lets no new call start until it is
+    done. A call stops counting once it is cancelled (its worker taken out,
+    or its strategy shut down): above pipeline depth 1 a cancelled call can
+    still wait in TF for a hung or lost worker's answer, and the clearing
+    then waited for it for good. TF's clearing does not wait for such a call
+    (it is waited for outside its executor: `executors.unregistered_executor`).
+    Health probes count too (`probing_call`): TF's clearing waited, GIL held,
+    for a probe of a hung task, which froze every thread until the task
+    answered. What still freezes it: anything else in flight to a hung task
+    (a remote handle's deletion; docs/development.md, known limits).
     """
 
     def __init__(self):
@@ -61,17 +65,34 @@ class _CallGate:
         self._clearing = 0
 
     @contextlib.contextmanager
-    def call(self):
+    def call(self, *, held: bool = True):
+        """Counts the call made inside; yields `leave()`, which stops counting it (once).
+
+        `held`: whether it waits while a clearing is pending. A health probe is
+        not held: probes stopped behind a clearing made every task look hung.
+        """
         with self._cond:
-            while self._clearing:
+            while held and self._clearing:
                 self._cond.wait()
             self._running += 1
-        try:
-            yield
-        finally:
+        counted = [True]
+
+        def leave():
             with self._cond:
-                self._running -= 1
-                self._cond.notify_all()
+                if counted[0]:
+                    counted[0] = False
+                    self._running -= 1
+                    self._cond.notify_all()
+
+        try:
+            yield leave
+        finally:
+            leave()
+
+    @property
+    def running(self) -> int:
+        with self._cond:
+            return self._running
 
     def clear(self, clear_caches, handle, warn_every: float = 10.0) -> None:
         with self._cond:
@@ -107,6 +128,14 @@ def _install_cache_clearing_gate() -> None:
 
 
 @contextlib.contextmanager
+def probing_call():
+    """A health probe's op made inside is waited for by TF's cache clearing, GIL released (`_CallGate`)."""
+    _install_cache_clearing_gate()
+    with _call_gate.call(held=False):
+        yield
+
+
+@contextlib.contextmanager
 def cancellable_call():
     """The call this thread makes inside can be cancelled: yields a `cancel()` for any thread.
 
@@ -118,10 +147,15 @@ def cancellable_call():
     _install_thread_cancellation()
     _install_cache_clearing_gate()
     manager = cancellation.CancellationManager()  # one per call: a cancelled one stays cancelled
-    with _call_gate.call():
+    with _call_gate.call() as leave_gate:
+
+        def cancel():
+            leave_gate()  # first: a call TF cannot cancel must not hold the gate
+            manager.start_cancel()
+
         _thread_cancellation.manager = manager
         try:
-            yield manager.start_cancel
+            yield cancel
         except tf.errors.OpError:
             # A failed call leaves its error on this thread's executor, which
             # would raise it again when the executor is waited for or deleted.

@@ -32,6 +32,7 @@ __all__ = [
     "set_streaming_env",
     "streamed_function_registrations",
     "streamed_registrations",
+    "unregistered_executor",
     "until_registered",
 ]
 
@@ -205,10 +206,41 @@ def executor_scope(executor_in_scope):
     previous = _UnwaitedExecutor(pywrap_tfe.TFE_ContextGetExecutorForThread(handle),
                                  pywrap_tfe.TFE_DeleteExecutor)
     pywrap_tfe.TFE_ContextSetExecutorForThread(handle, executor_in_scope.handle())
+    scopes = _scopes.__dict__.setdefault("stack", [])
+    scopes.append((handle, executor_in_scope, previous))
     try:
         yield
     finally:
+        scopes.pop()
         pywrap_tfe.TFE_ContextSetExecutorForThread(handle, previous.handle())
+
+
+_scopes = threading.local()  # each thread's `executor_scope`s: (context handle, in scope, replaced)
+
+
+@contextlib.contextmanager
+def unregistered_executor():
+    """Inside, this thread's executor is the one its innermost `executor_scope` replaced.
+
+    For a wait on a streamed call's answer (psclient/_coordinator/completion.py):
+    TF's cache clearing (`tf.random.set_seed`) waits, with the GIL held, for
+    every node pending on every thread's registered executor. A streamed call
+    is such a node until its worker answers, and one whose answer never came
+    (its worker killed, the call abandoned by a shutdown) froze the whole
+    process at the next `set_seed`. Waited for outside its executor, it
+    holds up nothing but its own thread. Outside an `executor_scope`, nothing
+    changes.
+    """
+    scopes = getattr(_scopes, "stack", None)
+    if not scopes:
+        yield
+        return
+    handle, in_scope, replaced = scopes[-1]
+    pywrap_tfe.TFE_ContextSetExecutorForThread(handle, replaced.handle())
+    try:
+        yield
+    finally:
+        pywrap_tfe.TFE_ContextSetExecutorForThread(handle, in_scope.handle())
 
 
 class _UnwaitedExecutor:

@@ -1,0 +1,136 @@
+"""`tf.random.set_seed` (TF's cache clearing) beside calls that do not answer.
+
+TF's clearing waits, with the GIL held, for every node pending on every
+thread's executor. psclient's gate (psclient/_tf/calls.py) waits first, GIL
+released, for its own calls and probes. Two ways this went wrong:
+- a worker hung: the clearing waited, GIL held, on a health probe of it, and
+  every thread of the coordinator froze until the worker answered;
+- at pipeline depth 2 a call abandoned by a shutdown (or by its worker's
+  takeout) that never got its answer held the gate for good, and the next
+  `set_seed` of the process (a later test module's) waited forever.
+
+Each test starts its own strategy on this module's cluster (2 workers, 1 ps).
+"""
+
+import subprocess
+import threading
+import time
+
+import pytest
+import tensorflow as tf
+
+import psclient
+from psclient._cluster.local import LocalCluster
+from psclient._tf import calls
+from tests._threads import psclient_threads
+
+pytestmark = pytest.mark.cluster
+
+_LIMIT = 120.0  # seconds: start-up, takeout and thread exits on a loaded machine
+_FREEZE_BOUND = 60  # seconds the hung worker stays stopped at most
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(num_workers=2, num_ps=1, start_timeout=300) as local:
+        yield local
+
+
+def _until(condition, what: str, timeout: float = _LIMIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        time.sleep(0.02)
+
+
+def _set_seed_in_thread(returned: threading.Event | None = None) -> threading.Event:
+    returned = threading.Event() if returned is None else returned
+
+    def set_seed():
+        tf.random.set_seed(7)
+        returned.set()
+
+    threading.Thread(target=set_seed, name="test-set-seed", daemon=True).start()
+    return returned
+
+
+def test_set_seed_while_a_worker_hangs_waits_without_freezing_the_coordinator(cluster):
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=5)
+    try:
+        with strategy.scope():
+            v = tf.Variable(0, dtype=tf.int64)
+
+        @tf.function
+        def step():
+            x = tf.random.uniform([200, 200])
+            for _ in range(5):
+                x = tf.linalg.matmul(x, x) / 200.0
+            v.assign_add(1)
+
+        # Stopped under load: worker 1 is taken out while calls run on it (its health
+        # probes then wait on it). Stopped while idle, no probe froze anything.
+        futures = [strategy.schedule(step) for _ in range(300)]
+        psclient.wait(futures[:20], timeout=_LIMIT)
+        cluster.stop("worker", 1)
+        # A frozen coordinator could not resume the worker itself: a process does, after
+        # _FREEZE_BOUND, so that a freeze fails the test below instead of hanging it.
+        watchdog = subprocess.Popen(
+            ["sh", "-c", f"sleep {_FREEZE_BOUND}; kill -CONT {cluster.pid('worker', 1)}"])
+        try:
+            strategy.join(timeout=_LIMIT)
+            assert strategy.stats()["workers"][1]["up"] is False
+            # The coordinator's other threads run while the clearing waits (its
+            # wait on the hung worker's probe held the GIL: every thread froze).
+            returned = threading.Event()
+            beats = [time.monotonic()]
+
+            def beat():
+                while not returned.is_set() and beats[-1] - beats[0] < 3 * _FREEZE_BOUND:
+                    time.sleep(0.01)
+                    beats.append(time.monotonic())
+
+            heart = threading.Thread(target=beat, name="test-heartbeat", daemon=True)
+            heart.start()
+            _set_seed_in_thread(returned)
+            _until(lambda: len(beats) >= 200 or returned.is_set(), "200 heartbeats")
+        finally:
+            cluster.resume("worker", 1)
+            watchdog.kill()
+            watchdog.wait()
+        assert returned.wait(_LIMIT), "tf.random.set_seed did not return once the worker answered"
+        heart.join(_LIMIT)
+        longest = max(b - a for a, b in zip(beats, beats[1:]))
+        assert longest < _FREEZE_BOUND / 2, f"the coordinator froze for {longest:.1f} s"
+        # Calls go on after the clearing.
+        psclient.wait([strategy.schedule(step) for _ in range(5)], timeout=_LIMIT)
+        assert v.numpy() >= 305
+    finally:
+        strategy.shutdown()
+
+
+def test_calls_a_shutdown_abandoned_at_depth_2_hold_up_no_cache_clearing(cluster):
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, pipeline_depth=2, hang_timeout=5)
+    try:
+        # A call whose answer never comes, on a healthy worker: a dequeue from an empty queue.
+        with tf.device("/job:worker/replica:0/task:0/device:CPU:0"):
+            queue = tf.queue.FIFOQueue(4, tf.float32, shapes=[])
+
+        @tf.function
+        def blocked():
+            return queue.dequeue()
+
+        futures = [strategy.schedule(blocked) for _ in range(2)]
+        _until(lambda: calls._call_gate.running >= 2, "both calls sent")
+    finally:
+        strategy.shutdown()  # cancels them; above depth 1 they still wait for an answer
+    assert not any(f.done() and f.exception(timeout=0) is None for f in futures)
+    waiting = [t for t in psclient_threads() if t.name.startswith("psclient-worker")]
+    assert waiting, "the abandoned calls' threads should still wait (the worker never answered)"
+
+    assert _set_seed_in_thread().wait(_LIMIT), "tf.random.set_seed waited for calls a shutdown abandoned"
+
+    # The worker's end is their answer: their threads exit, none is left behind.
+    cluster.kill("worker", 0)
+    for thread in waiting:
+        thread.join(_LIMIT)
+    assert not [t.name for t in waiting if t.is_alive()]
