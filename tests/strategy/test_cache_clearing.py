@@ -22,6 +22,7 @@ import tensorflow as tf
 import psclient
 from psclient._cluster.local import LocalCluster
 from psclient._tf import calls
+from tests._busy_step import busy_counting_step
 from tests._threads import psclient_threads
 
 pytestmark = pytest.mark.cluster
@@ -57,16 +58,7 @@ def _set_seed_in_thread(returned: threading.Event | None = None) -> threading.Ev
 def test_set_seed_while_a_worker_hangs_waits_without_freezing_the_coordinator(cluster):
     strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=5)
     try:
-        with strategy.scope():
-            v = tf.Variable(0, dtype=tf.int64)
-
-        @tf.function
-        def step():
-            x = tf.random.uniform([200, 200])
-            for _ in range(5):
-                x = tf.linalg.matmul(x, x) / 200.0
-            v.assign_add(1)
-
+        v, step = busy_counting_step(strategy)
         # Stopped under load: worker 1 is taken out while calls run on it (its health
         # probes then wait on it). Stopped while idle, no probe froze anything.
         futures = [strategy.schedule(step) for _ in range(300)]

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import psclient
 from psclient._cluster.local import LocalCluster
+from tests._busy_step import busy_counting_step
 
 pytestmark = pytest.mark.cluster
 
@@ -113,16 +114,7 @@ def test_an_error_surfaces_at_join_and_the_strategy_goes_on(strategy):
 
 
 def test_a_killed_worker_work_runs_again_elsewhere(cluster, strategy):
-    with strategy.scope():
-        v = tf.Variable(0, dtype=tf.int64)
-
-    @tf.function
-    def step():
-        x = tf.random.uniform([200, 200])
-        for _ in range(5):
-            x = tf.linalg.matmul(x, x) / 200.0
-        v.assign_add(1)
-
+    v, step = busy_counting_step(strategy)
     futures = [strategy.schedule(step) for _ in range(_CALLS)]
     psclient.wait(futures[:20], timeout=120)
     cluster.kill("worker", 1)
