@@ -18,12 +18,13 @@ import time
 
 import pytest
 import tensorflow as tf
+from _busy_step import busy_counting_step
+from _polling import wait_for
+from _threads import psclient_threads
 
 import psclient
 from psclient._cluster.local import LocalCluster
 from psclient._tf import calls
-from tests._busy_step import busy_counting_step
-from tests._threads import psclient_threads
 
 pytestmark = pytest.mark.cluster
 
@@ -35,13 +36,6 @@ _FREEZE_BOUND = 60  # seconds the hung worker stays stopped at most
 def cluster():
     with LocalCluster(num_workers=2, num_ps=1, start_timeout=300) as local:
         yield local
-
-
-def _until(condition, what: str, timeout: float = _LIMIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
-        time.sleep(0.02)
 
 
 def _set_seed_in_thread(returned: threading.Event | None = None) -> threading.Event:
@@ -84,7 +78,7 @@ def test_set_seed_while_a_worker_hangs_waits_without_freezing_the_coordinator(cl
             heart = threading.Thread(target=beat, name="test-heartbeat", daemon=True)
             heart.start()
             _set_seed_in_thread(returned)
-            _until(lambda: len(beats) >= 200 or returned.is_set(), "200 heartbeats")
+            wait_for(lambda: len(beats) >= 200 or returned.is_set(), _LIMIT, "200 heartbeats", interval=0.02)
         finally:
             cluster.resume("worker", 1)
             watchdog.kill()
@@ -112,7 +106,7 @@ def test_calls_a_shutdown_abandoned_at_depth_2_hold_up_no_cache_clearing(cluster
             return queue.dequeue()
 
         futures = [strategy.schedule(blocked) for _ in range(2)]
-        _until(lambda: calls._call_gate.running >= 2, "both calls sent")
+        wait_for(lambda: calls._call_gate.running >= 2, _LIMIT, "both calls sent", interval=0.02)
     finally:
         strategy.shutdown()  # cancels them; above depth 1 they still wait for an answer
     assert not any(f.done() and f.exception(timeout=0) is None for f in futures)

@@ -13,10 +13,10 @@ import collections
 
 import pytest
 import tensorflow as tf
+from _busy_step import busy_counting_step
 
 import psclient
 from psclient._cluster.local import LocalCluster
-from tests._busy_step import busy_counting_step
 
 pytestmark = pytest.mark.cluster
 
