@@ -127,6 +127,29 @@ def test_the_owned_keys_with_a_row_come_first_when_saved_so():
         np.testing.assert_array_equal(tail_counters, counters[mine])
 
 
+@pytest.mark.parametrize("storage", ["dense", "hash"])
+def test_a_wrong_guess_of_the_saved_order_still_restores_every_key_and_counter(
+        tmp_path, storage, assigned, monkeypatch):
+    """`_head_size` guesses from a sample whether a saved shard's keys with a row come first. Told the
+    opposite of the truth (dense: "not first"; hash tables: "first"), the restore equals the whole
+    path's all the same: the shard compares the keys it is given with its keys with a row and looks
+    each key up where they differ (`DenseShard._replace_counters`; with that check skipped, the
+    "hash" case fails)."""
+    path, layout = saved(tmp_path, storage=storage)
+    whole, _, _ = restored(path, layout, 3, range_bytes=None)
+    guessed = []
+
+    def wrong(keys, sample, count):
+        guessed.append(storage)
+        return tf.constant(0, tf.int64) if storage == "dense" else count
+
+    monkeypatch.setattr(table_ranges, "_head_size", wrong)
+    ranged, plans, _ = restored(path, layout, 3, range_bytes=1024)
+    assert all(isinstance(plan, table_ranges.SplitPlan) for plan in plans) and None not in assigned
+    assert len(guessed) == 3 * SAVED_BY  # every saved shard, for each of the 3 shards
+    assert_same_shards(ranged, whole)
+
+
 def test_a_shard_given_more_rows_than_its_share_goes_the_whole_way_and_evicts_alike(tmp_path, assigned):
     """Restored into 1 shard of a capacity below the saved rows: `SplitPlan.assign` writes nothing and
     the whole path evicts down to the share, as it does without ranges."""
