@@ -94,6 +94,11 @@ def test_set_seed_while_a_worker_hangs_waits_without_freezing_the_coordinator(cl
         strategy.shutdown()
 
 
+@pytest.mark.skipif(
+    tuple(int(part) for part in tf.__version__.split(".")[:2]) < (2, 21),
+    reason="on TF 2.16.1 (nox -s oldest) a depth-2 call whose answer never comes held the GIL inside "
+           "TF's execute (py-spy: every thread idle, the call in TFE_Py_ExecuteCancelable): the process "
+           "froze before any cache clearing; measured on 2.16.1 and 2.21 only")
 def test_calls_a_shutdown_abandoned_at_depth_2_hold_up_no_cache_clearing(cluster):
     strategy = psclient.ParameterServerStrategy(cluster.cluster, pipeline_depth=2, hang_timeout=5)
     try:
