@@ -60,7 +60,8 @@ def main(argv=None) -> int:
     import tensorflow as tf
 
     from psclient._coordinator.tables.dense_shard import least_recent
-    from psclient._coordinator.tables.dynamic_tables import DynamicTable, _export
+    from psclient._coordinator.tables.dynamic_tables import DynamicTable
+    from psclient._coordinator.tables.hash_shard import export as _export
     from psclient._core.dynamic_tables import Policy
     from psclient.layers import DynamicEmbedding
 

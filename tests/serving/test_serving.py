@@ -184,6 +184,7 @@ def served_now(layer) -> dict:
     for state in layer.export_state():
         counters = {int(k): c for k, c in zip(state["keys"], np.reshape(state["counters"], (-1, 2)))}
         for key, row in zip(state["row_keys"], np.reshape(state["rows"], (-1, layer.output_dim))):
+            assert int(key) in counters, f"key {int(key)} holds a row without its counter (it would never expire)"
             sightings, last = (int(v) for v in counters[int(key)])
             if config["ttl_steps"] is None or (int(state["clock"]) - last <= TTL
                                                and sightings >= config["min_frequency"]):

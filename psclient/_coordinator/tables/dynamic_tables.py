@@ -3,7 +3,7 @@
 A `DynamicTable` holds one "shard" on each of its ps tasks (or one local shard without a
 cluster). With a `capacity`, a shard is a `DenseShard` (`psclient._coordinator.tables.dense_shard`:
 rows and slots in preallocated variables beside a key -> row index). Without one, the rows
-need storage that grows: the shard holds `tf.lookup.experimental.MutableHashTable`s:
+need storage that grows: the shard (`hash_shard.HashShard`) holds `tf.lookup.experimental.MutableHashTable`s:
 
   values   key -> row (float32[dim]), for admitted keys
   slots    one table per optimizer slot, key -> float32[dim]
@@ -29,11 +29,12 @@ import contextlib
 import itertools
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Callable
 
 import tensorflow as tf
 
-from psclient._coordinator.tables.dense_shard import DenseShard, least_recent
+from psclient._coordinator.tables.dense_shard import DenseShard
+from psclient._coordinator.tables.hash_shard import HashShard, export, hash_table
 from psclient._coordinator.tables.key_hash import initial_rows, mix64, shard_of
 from psclient._coordinator.tables.key_index import SUBSTITUTE_KEY, KeyIndex
 from psclient._coordinator.runtime import coordinator_cpu
@@ -70,56 +71,6 @@ def _shard_stats_or_unavailable(table: "DynamicTable", index: int) -> dict:
                      f"reading the stats of dynamic table {table.name!r}")
     except (tf.errors.OpError, PSUnavailableError) as error:
         return {"ps": index, "available": False, "error": f"{type(error).__name__}: {first_line(error)}"}
-
-
-def _export(table):
-    """(keys, values) of every entry of a table (a copy, made on the table's device)."""
-    keys, values = table.export()
-    if tf.executing_eagerly():  # a vector already; a reshape's [-1] would be converted under the ps's device
-        return keys, values
-    return tf.reshape(keys, [-1]), values  # traced: the export's keys have no static rank
-
-
-def _table(value_dtype, default: list):
-    """A MutableHashTable on the device in effect, whose `default` row is held here, not there.
-
-    A function using the table captures the default by value when it is
-    traced: held on the ps, each trace would copy it from there, and a trace
-    made while that ps is down (before a recovery) would fail on it.
-    """
-    with tf.device(coordinator_cpu()):
-        default = tf.constant(default, value_dtype)
-    return tf.lookup.experimental.MutableHashTable(tf.int64, value_dtype, default, checkpoint=False)
-
-
-
-class _Shard:
-    """One ps task's part of a table without a capacity: hash tables, which grow as keys come."""
-
-    dense = False
-
-    def __init__(self, device: str | None, dim: int, prefix: str):
-        self.device, self.dim, self.prefix = device, dim, prefix
-        self.slots: dict[str, Any] = {}
-        self.make({})
-
-    def make(self, slot_defaults: dict[str, float]) -> None:
-        """New, empty tables and zero counters on the shard's device (at first, and after its ps was lost)."""
-        with self.placed():
-            self.values = _table(tf.float32, [0.0] * self.dim)
-            self.counters = _table(tf.int64, [0, -1])
-            self.clock = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{self.prefix}_clock")
-            self.admissions = tf.Variable(tf.constant(0, tf.int64), trainable=False,
-                                          name=f"{self.prefix}_admissions")
-            self.evictions = tf.Variable(tf.constant(0, tf.int64), trainable=False,
-                                         name=f"{self.prefix}_evictions")
-            self.slots = {slot: _table(tf.float32, [float(value)] * self.dim)
-                          for slot, value in slot_defaults.items()}
-
-    def placed(self):
-        return tf.device(self.device) if self.device else contextlib.nullcontext()
-
-
 
 
 _local_locks: dict = {}
@@ -168,10 +119,10 @@ class DynamicTable:
         with tf.init_scope(), self.unmanaged():
             if self.share is not None and storage == "dense":
                 lock_for = store.table_lock if store is not None else _local_lock
-                self.shards = [DenseShard(d, dim, f"{name}_ps{i}", self.share, policy, _placer(d), _table, lock_for)
+                self.shards = [DenseShard(d, dim, f"{name}_ps{i}", self.share, policy, _placer(d), hash_table, lock_for)
                                for i, d in enumerate(devices)]
             else:
-                self.shards = [_Shard(d, dim, f"{name}_ps{i}") for i, d in enumerate(devices)]
+                self.shards = [HashShard(d, dim, f"{name}_ps{i}") for i, d in enumerate(devices)]
         if store is not None:
             store.add_table(self)  # its checkpoints and ps recovery carry the rows
         with _lock:
@@ -194,7 +145,7 @@ class DynamicTable:
                 for slot, value in defaults.items():
                     if slot not in shard.slots:
                         with shard.placed():
-                            shard.slots[slot] = _table(tf.float32, [float(value)] * self.dim)
+                            shard.slots[slot] = hash_table(tf.float32, [float(value)] * self.dim)
         self.slot_defaults = {**self.slot_defaults, **defaults}
 
     def renew(self, lost_ps: set) -> None:
@@ -357,6 +308,8 @@ class DynamicTable:
                 writes = [shard.values.insert(keys_a, rows)]
                 writes += [shard.slots[slot].insert(keys_a, value) for slot, value in slots.items()]
                 with tf.control_dependencies(writes):
+                    cleared = shard.clear_orphans(keys)
+                with tf.control_dependencies(cleared):
                     ops.append(self._maybe_evict(shard))
         return ops
 
@@ -368,33 +321,7 @@ class DynamicTable:
         every = rules.scan_every(policy.ttl_steps)
         if every is not None:
             due = due | (shard.clock.read_value() % every == 0)
-        return tf.cond(due, lambda: self._evict(shard), lambda: tf.constant(0, tf.int64))
-
-    def _evict(self, shard):
-        """Scan the shard's counters and remove what `choose_evictions` would (same rules, as ops)."""
-        policy, share = self.policy, self.share
-        keys, tracked = _export(shard.counters)
-        tracked = tf.reshape(tracked, [-1, 2])
-        count, last = tracked[:, 0], tracked[:, 1]
-        gone = tf.zeros(tf.shape(keys), tf.bool)
-        if policy.ttl_steps is not None:
-            gone = shard.clock.read_value() - last > policy.ttl_steps
-        if share is not None:
-            kept = ~gone
-            admitted = count >= policy.min_frequency
-            # With min_frequency=1 every tracked key has a row: no group of keys still counting.
-            groups = [kept & admitted] + ([kept & ~admitted] if policy.min_frequency > 1 else [])
-            for group in groups:
-                size = tf.reduce_sum(tf.cast(group, tf.int64))
-                excess = tf.where(size > share, size - (share - rules.headroom(share)), 0)
-                gone = gone | least_recent(keys, last, group, excess)
-        victims = tf.boolean_mask(keys, gone)
-        removals = [shard.values.remove(victims), shard.counters.remove(victims)]
-        removals += [table.remove(victims) for table in shard.slots.values()]
-        with tf.control_dependencies(removals):
-            # Rows evicted: the victims that had one (the others were still counting).
-            evicted = tf.reduce_sum(tf.cast(gone & (count >= policy.min_frequency), tf.int64))
-            return shard.evictions.assign_add(evicted)
+        return tf.cond(due, lambda: shard.evict(policy, share), lambda: tf.constant(0, tf.int64))
 
     def scan(self) -> int:
         """Run the eviction scan on every shard now (training runs it when due); return rows evicted."""
@@ -404,7 +331,7 @@ class DynamicTable:
         before = sum(int(shard.evictions.read_value()) for shard in self.shards)
         for shard in self.shards:
             with shard.placed():
-                shard.scan() if shard.dense else self._evict(shard)
+                shard.scan() if shard.dense else shard.evict(self.policy, self.share)
         return sum(int(shard.evictions.read_value()) for shard in self.shards) - before
 
     # ------------------------------------------------------------ state out
@@ -438,8 +365,8 @@ class DynamicTable:
             if shard.dense:
                 keys, tracked, row_keys, rows, slots = shard.saved()
             else:
-                keys, tracked = _export(shard.counters)
-                row_keys, rows = _export(shard.values)
+                keys, tracked = export(shard.counters)
+                row_keys, rows = export(shard.values)
                 slots = {name: table.lookup(row_keys) for name, table in shard.slots.items()}
         return {
             "keys": keys.numpy(), "counters": tracked.numpy(), "row_keys": row_keys.numpy(),
@@ -485,7 +412,7 @@ class DynamicTable:
                     shard.replace(keys_in, counters_in, row_keys_in, rows_in, slots_in, clock_in, admissions, evictions)
                     continue
                 for table in (shard.values, shard.counters, *shard.slots.values()):
-                    table.remove(_export(table)[0])
+                    table.remove(export(table)[0])
                 shard.counters.insert(keys_in, counters_in)
                 shard.values.insert(row_keys_in, rows_in)
                 for name, value in slots_in.items():
