@@ -75,12 +75,13 @@ class _CallGate:
             while held and self._clearing:
                 self._cond.wait()
             self._running += 1
-        counted = [True]
+        counted = True
 
         def leave():
+            nonlocal counted
             with self._cond:
-                if counted[0]:
-                    counted[0] = False
+                if counted:
+                    counted = False
                     self._running -= 1
                     self._cond.notify_all()
 
