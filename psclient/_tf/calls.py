@@ -158,9 +158,27 @@ def cancellable_call():
         try:
             yield cancel
         except tf.errors.OpError:
-            # A failed call leaves its error on this thread's executor, which
-            # would raise it again when the executor is waited for or deleted.
-            context.context().executor.clear_error()
+            _settle_after_error()
             raise
         finally:
             _thread_cancellation.manager = None
+
+
+def _settle_after_error() -> None:
+    """Wait for this thread's executor to finish the failed call's nodes, then clear its error.
+
+    A failed call leaves its error on the executor, which would raise it
+    again at the next wait. Above pipeline depth 1 the call's error can
+    reach the caller (its output's wait) before the executor has finished
+    the call's node, which then set the error again after it was cleared:
+    the next wait, by the Python wrapper that `context().executor` makes and
+    whose deletion waits, raised it as "Exception ignored in Executor.__del__"
+    (32 times in 600 failing calls), and the executor kept the error. The
+    wait is the one the wrapper's deletion did anyway, made first.
+    """
+    own = context.context().executor
+    try:
+        own.wait()
+    except tf.errors.OpError:
+        pass  # the failed call's own error, raised again by the wait
+    own.clear_error()
