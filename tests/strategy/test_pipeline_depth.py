@@ -91,7 +91,8 @@ def test_per_worker_iterator_steps_without_outputs(strategy):
     assert total.numpy() <= sum(range(100))
 
 
-def test_an_error_surfaces_at_join_and_the_strategy_goes_on(cluster, strategy):
+def checked_sum(strategy):
+    """A ps variable and a function adding its argument to it, failing on one not positive."""
     with strategy.scope():
         v = tf.Variable(0.0)
 
@@ -99,6 +100,12 @@ def test_an_error_surfaces_at_join_and_the_strategy_goes_on(cluster, strategy):
     def checked(x):
         tf.debugging.assert_positive(x, message="x must be positive")
         v.assign_add(x)
+
+    return v, checked
+
+
+def test_an_error_surfaces_at_join_and_the_strategy_goes_on(cluster, strategy):
+    v, checked = checked_sum(strategy)
 
     with pytest.raises(tf.errors.InvalidArgumentError, match="x must be positive"):
         bad = strategy.schedule(checked, args=(tf.constant(-1.0),))
@@ -133,13 +140,7 @@ def test_a_function_error_leaves_no_error_behind_on_the_dispatchers_executors(st
     benchmarks/depth_errors.py), and the executor kept it."""
     import sys
 
-    with strategy.scope():
-        v = tf.Variable(0.0)
-
-    @tf.function
-    def checked(x):
-        tf.debugging.assert_positive(x, message="x must be positive")
-        v.assign_add(x)
+    v, checked = checked_sum(strategy)
 
     ignored = []
     hook, sys.unraisablehook = sys.unraisablehook, ignored.append

@@ -29,6 +29,18 @@ def train(layer, optimizer, batches):
         optimizer.apply(grads, layer.trainable_variables)
 
 
+def traced_step(layer, optimizer):
+    """A tf.function training step: loss = sum of the layer's rows for `keys`."""
+
+    @tf.function
+    def step(keys):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(keys, training=True))
+        optimizer.apply(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
+
+    return step
+
+
 def rows_of(layer, keys):
     return layer(tf.constant(keys, tf.int64), training=False).numpy()
 
@@ -271,14 +283,7 @@ def test_a_stream_of_new_keys_keeps_the_key_index_exact_within_its_buckets():
     """Far more keys than the index has buckets pass through a small table in traced steps: the
     index is rebuilt by the steps' scans (its tombstones cleared) and never grows."""
     layer = DynamicEmbedding(DIM, capacity=16, embeddings_initializer="ones")
-    sgd = keras.optimizers.SGD(0.1)
-
-    @tf.function
-    def step(keys):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(layer(keys, training=True))
-        sgd.apply(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
-
+    step = traced_step(layer, keras.optimizers.SGD(0.1))
     layer.build()
     [shard] = layer.table.shards
     buckets = int(shard.index.buckets())
@@ -306,14 +311,7 @@ def test_steps_racing_the_expiry_scan_leave_no_row_without_its_counter(min_frequ
     import threading
 
     layer = DynamicEmbedding(16, ttl_steps=1, min_frequency=min_frequency)
-    adagrad = keras.optimizers.Adagrad(0.1)  # a slot table, written with the rows
-
-    @tf.function
-    def step(keys):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(layer(keys, training=True))
-        adagrad.apply(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
-
+    step = traced_step(layer, keras.optimizers.Adagrad(0.1))  # Adagrad: a slot table, written with the rows
     layer.build()
     step(tf.range(24, dtype=tf.int64))  # traced once, before the threads
     ticks, errors = itertools.count(), []
