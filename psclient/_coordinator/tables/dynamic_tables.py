@@ -308,9 +308,9 @@ class DynamicTable:
                 writes = [shard.values.insert(keys_a, rows)]
                 writes += [shard.slots[slot].insert(keys_a, value) for slot, value in slots.items()]
                 with tf.control_dependencies(writes):
-                    cleared = shard.clear_orphans(keys)
-                with tf.control_dependencies(cleared):
-                    ops.append(self._maybe_evict(shard))
+                    # Side by side: a scan and the clearing may run in either order (each keeps a row
+                    # with its counter), and chained they lengthened a step's path on the ps.
+                    ops += shard.clear_orphans(keys) + [self._maybe_evict(shard)]
         return ops
 
     def _maybe_evict(self, shard):
