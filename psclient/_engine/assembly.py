@@ -20,7 +20,6 @@ import queue
 import time
 from typing import Callable
 
-from psclient._core.closure import Closure
 from psclient._core.health import Prober
 from psclient._core.scheduler import Scheduler
 from psclient._engine.coordinator_access import CoordinatorAccess

@@ -62,7 +62,6 @@ from psclient._coordinator.checkpoints import delta_restore as _delta_restore
 from psclient._coordinator.checkpoints import table_deltas
 from psclient._coordinator.checkpoints.table_deltas import constant as _constant
 from psclient._coordinator.checkpoints.checkpoint_parts import (
-    VALUE_SUFFIX,
     CheckpointUnreadable,
     CheckpointWriteError,
     PsTimeout,
