@@ -336,17 +336,3 @@ def test_steps_racing_the_expiry_scan_leave_no_row_without_its_counter(min_frequ
     [shard] = layer.table.shards  # and no slot entry without its row
     rows, slots = int(shard.values.size()), {name: int(table.size()) for name, table in shard.slots.items()}
     assert rows > 0 and slots and all(n == rows for n in slots.values()), (rows, slots)
-
-
-def test_a_row_saved_without_its_counter_is_not_brought_back():
-    """A state that holds a row without its counter (an earlier version's race could save one) loses
-    that row on import and restore (one code path: `HashShard.replace`); the others come back whole."""
-    layer = DynamicEmbedding(DIM, ttl_steps=5)
-    layer.build()
-    rows = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], "float32")
-    layer.import_state([{"keys": np.array([7, 8]), "counters": np.array([[1, 3], [2, 3]]),
-                         "row_keys": np.array([7, 8, 9]), "rows": rows, "slots": {}, "clock": 3,
-                         "admissions": 3, "evictions": 0}])
-    [state] = layer.export_state()
-    assert sorted(state["row_keys"].tolist()) == [7, 8] and sorted(state["keys"].tolist()) == [7, 8]
-    np.testing.assert_array_equal(rows_of(layer, [7, 8, 9]), [[1, 2], [3, 4], [0, 0]])

@@ -66,24 +66,6 @@ class HashShard:
     def placed(self):
         return tf.device(self.device) if self.device else contextlib.nullcontext()
 
-    def replace(self, keys, counters, row_keys, rows, slots: dict, clock, admissions, evictions) -> None:
-        """The shard's contents replaced (a restore or an import; under the shard's device).
-
-        A row saved without its counter (a version before `clear_orphans` could leave one) is not
-        brought back: it would never expire.
-        """
-        for table in (self.values, self.counters, *self.slots.values()):
-            held, _ = table.export()  # [n]: a reshape here would convert its shape on the ps
-            table.remove(held)
-        self.counters.insert(keys, counters)
-        self.values.insert(row_keys, rows)
-        for slot, value in slots.items():
-            self.slots[slot].insert(row_keys, value)
-        self.clear_orphans(row_keys)
-        self.clock.assign(clock, read_value=False)
-        self.admissions.assign(admissions, read_value=False)
-        self.evictions.assign(evictions, read_value=False)
-
     def clear_orphans(self, keys) -> list:
         """Remove the rows (and slots) of `keys` whose counters are gone, after a step wrote them.
 
