@@ -145,7 +145,9 @@ def test_the_first_fit_wrote_a_full_version_then_deltas_in_order(run):
     version = int(os.path.basename(first["exported"][0]))
     assert [d["seq"] for d in first["deltas"]] == list(range(1, len(first["deltas"]) + 1))
     assert all(d["version"] == version for d in first["deltas"])
-    assert first["deltas"] and first["deltas"][-1]["changed"] > 0
+    # The fit's rows are in its deltas; the one written at its end may hold nothing (seen once in a
+    # full suite run: changed 1398, then 0), when the timer's delta came just after the last step.
+    assert first["deltas"] and sum(d["changed"] for d in first["deltas"]) > 0
     # TF Serving sees integer directories only: the deltas are not among them.
     assert psclient._core.serving_dirs.versions(run["base"]) == [version]  # noqa: SLF001
 
