@@ -308,9 +308,13 @@ class DynamicTable:
                 writes = [shard.values.insert(keys_a, rows)]
                 writes += [shard.slots[slot].insert(keys_a, value) for slot, value in slots.items()]
                 with tf.control_dependencies(writes):
-                    # Side by side: a scan and the clearing may run in either order (each keeps a row
-                    # with its counter), and chained they lengthened a step's path on the ps.
-                    ops += shard.clear_orphans(keys) + [self._maybe_evict(shard)]
+                    # Only where a scan can remove counters (ttl_steps or a capacity): without one
+                    # every row keeps its counter, and the step is spared the clearing's ops. Side by
+                    # side with the scan: they may run in either order (each keeps a row with its
+                    # counter), and chained they lengthened a step's path on the ps.
+                    if self.policy.ttl_steps is not None or self.share is not None:
+                        ops += shard.clear_orphans(keys)
+                    ops.append(self._maybe_evict(shard))
         return ops
 
     def _maybe_evict(self, shard):
