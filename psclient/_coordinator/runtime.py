@@ -38,6 +38,7 @@ from psclient._tf.context import (
     coordinator_cpu,
     cross_replica_context,
     current_worker,
+    replica_context,
     worker_index_scope,
 )
 from psclient._tf.executors import (
@@ -68,6 +69,7 @@ __all__ = [
     "device_scope",
     "op_error",
     "cross_replica_context",
+    "replica_context",
     "cancellable_call",
     "function_not_registered_yet",
     "streamed_registrations",

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.tracing import warn_unless_scheduling
 from psclient._core.errors import StrategyAPIUnsupportedError
 
@@ -75,8 +76,7 @@ class TFStrategyAPI:
         scheduled: that runs on the coordinator, not on a worker.
         """
         warn_unless_scheduling("run")
-        # TF's public replica context of its default strategy: replica 0 of 1.
-        with tf.distribute.ReplicaContext(tf.distribute.get_strategy(), replica_id_in_sync_group=0):
+        with _runtime.replica_context():  # TF's public replica context of its default strategy: 0 of 1
             return fn(*args, **(kwargs or {}))
 
     def reduce(self, reduce_op, value, axis=None):

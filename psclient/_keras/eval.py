@@ -25,6 +25,7 @@ import weakref
 
 import tensorflow as tf
 
+from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.data.per_worker import deserialize_dataset
 from psclient._keras import data as _keras_data
 from psclient._keras import seam
@@ -206,8 +207,10 @@ def _build_evaluate(model_ref, element_spec, variables):
         iterator = iter(deserialize_dataset(graph, element_spec))
 
         def body(i, state):
-            # Metric updates land in the scope, not in the ps variables.
-            with scope_class(state_mapping=list(zip(variables, state)), collect_losses=True) as scope:
+            # Metric updates land in the scope, not in the ps variables. The replica's context, as
+            # Keras's own evaluate runs test_step in (strategy.run), as fit's steps (trainer.py).
+            with scope_class(state_mapping=list(zip(variables, state)), collect_losses=True) as scope, \
+                    _runtime.replica_context():
                 model_ref().test_step(iterator.get_next())
             updated = tuple(tf.cast(scope.get_current_value(v), value.dtype) for v, value in zip(variables, state))
             return i + 1, updated
@@ -225,7 +228,8 @@ def _predict_function(model, element_spec):
 def _build_predict(model_ref, element_spec):
     def predict_range(graph, count):
         iterator = iter(deserialize_dataset(graph, element_spec))
-        first = model_ref().predict_step(iterator.get_next())
+        with _runtime.replica_context():  # as Keras's own predict runs predict_step (strategy.run)
+            first = model_ref().predict_step(iterator.get_next())
         arrays = tf.nest.map_structure(
             lambda t: tf.TensorArray(
                 t.dtype, size=count, infer_shape=False,
@@ -235,7 +239,8 @@ def _build_predict(model_ref, element_spec):
         )
 
         def body(i, arrays):
-            outputs = model_ref().predict_step(iterator.get_next())
+            with _runtime.replica_context():
+                outputs = model_ref().predict_step(iterator.get_next())
             return i + 1, tf.nest.map_structure(lambda a, t: a.write(i, t), arrays, outputs)
 
         _, arrays = tf.while_loop(lambda i, _: i < count, body, (tf.constant(1), arrays))

@@ -276,8 +276,10 @@ class _StepFunctions:
         model_ref = weakref.ref(model)  # the model owns these functions, not the reverse
 
         def train_step(iterator):
-            # Keras's own train_step, the user's override included.
-            return model_ref().train_step(next(iterator))
+            # Keras's own train_step, the user's override included, in the replica's context as
+            # locally (and as tf_keras's fit under strategy.run): LossScaleOptimizer refuses the other.
+            with _runtime.replica_context():
+                return model_ref().train_step(next(iterator))
 
         def train_steps(iterator, count):
             # `count` steps in one remote call. A while loop whose body reads
@@ -288,12 +290,13 @@ class _StepFunctions:
             # with benchmarks/keras_fit.py's model: ~30% more steps/s at
             # steps_per_execution=1).
             step = model_ref().train_step
-            logs = step(next(iterator))
-            _, logs = tf.while_loop(
-                lambda i, _: i < count,
-                lambda i, _: (i + 1, step(next(iterator))),
-                (tf.constant(1), logs),
-            )
+            with _runtime.replica_context():
+                logs = step(next(iterator))
+                _, logs = tf.while_loop(
+                    lambda i, _: i < count,
+                    lambda i, _: (i + 1, step(next(iterator))),
+                    (tf.constant(1), logs),
+                )
             return logs
 
         train_step.__name__ = f"{model.name}_train_step"

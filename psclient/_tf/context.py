@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 
+import tensorflow as tf
 from tensorflow.core.protobuf.tensorflow_server_pb2 import ServerDef
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute.coordinator import coordinator_context
@@ -22,6 +23,7 @@ __all__ = [
     "coordinator_cpu",
     "cross_replica_context",
     "current_device",
+    "replica_context",
     "current_worker",
     "ensure_initialized",
     "update_server_def",
@@ -88,6 +90,16 @@ def current_worker() -> int | None:
     """The index of the worker this thread calls (a dispatcher thread's), else None."""
     dispatch = coordinator_context.get_current_dispatch_context()
     return None if dispatch is None else int(dispatch.worker_index)
+
+
+def replica_context():
+    """The one replica's context of TF's default strategy (replica 0 of 1), as `strategy.run` enters.
+
+    Inside it `tf.distribute.in_cross_replica_context()` is False, as in a
+    Keras step run without any strategy: Keras code that refuses the
+    cross-replica context (`LossScaleOptimizer.apply`) runs as it runs locally.
+    """
+    return tf.distribute.ReplicaContext(tf.distribute.get_strategy(), replica_id_in_sync_group=0)
 
 
 @contextlib.contextmanager

@@ -305,6 +305,60 @@ def test_fit_train_function_updates_on_the_ps_and_equals_local_fit(strategy):
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
 
 
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_fit_with_a_loss_scale_optimizer_equals_local_fit(strategy, policy):
+    """Mixed precision as Keras's guide writes it (`mixed_float16`: compile wraps the optimizer in a
+    LossScaleOptimizer), and a LossScaleOptimizer given explicitly: fit runs as locally, a batch with
+    non-finite gradients included (its step skipped, the scale halved). LossScaleOptimizer refuses
+    the cross-replica context its apply() found before (ValueError "apply() must be called in a
+    replica context", raised while tracing)."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((96, 12)).astype("float32")
+    x[40, 3] = np.inf  # the third batch's gradients are not finite
+    y = rng.integers(0, 4, 96).astype("int32")
+
+    def dataset():
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
+
+    def compiled(model):
+        optimizer = keras.optimizers.Adam(1e-2)
+        if policy == "float32":
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=2.0**10, dynamic_growth_steps=2)
+        model.compile(optimizer=optimizer, loss=LOSS)
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        return model
+
+    def state(model):
+        optimizer = model.optimizer
+        return (model.get_weights(), float(optimizer.dynamic_scale.numpy()), int(optimizer.step_counter.numpy()),
+                int(optimizer.iterations.numpy()))
+
+    keras.mixed_precision.set_dtype_policy(policy)
+    try:
+        keras.utils.set_random_seed(5)
+        local = compiled(dense_model())
+        initial = [w.copy() for w in local.get_weights()]
+        with warnings.catch_warnings():  # a model outside the scope trains locally: on purpose here
+            warnings.filterwarnings("ignore", r"model\.fit\(\) trains .* in this process", UserWarning)
+            local.fit(dataset(), epochs=1, shuffle=False, verbose=0)
+        with strategy.scope():
+            model = compiled(dense_model())
+            model.set_weights(initial)
+        model.fit(dataset(), epochs=1, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    weights, scale, counter, iterations = state(model)
+    local_weights, local_scale, local_counter, local_iterations = state(local)
+    # 6 batches, one skipped: Keras counts the applied steps only.
+    assert (scale, counter, iterations) == (local_scale, local_counter, local_iterations)
+    assert iterations == 5 and scale < (2.0**10 if policy == "float32" else 2.0**15) * 2.0**5
+    assert all(ps_index_of(v.device) is not None for v in (_tf_variable(model.optimizer.dynamic_scale),
+                                                           _tf_variable(model.optimizer.step_counter)))
+    for got, expected in zip(weights, local_weights):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------- (c) bytes per step
 def test_adam_moves_twice_the_parameter_bytes_per_step(strategy):
     with strategy.scope():
