@@ -1,7 +1,9 @@
 """A Keras script as published examples write it, run by tests/keras/test_published_patterns.py in a fresh process.
 
 Data and preprocessing come first (a CSV read by a relative path, a tf.data pipeline,
-a `StringLookup` applied in the pipeline, a `Normalization` adapted outside any scope),
+a `StringLookup` applied in the pipeline, a `Normalization` adapted outside any scope;
+images read from a directory by a relative path and augmented in the pipeline by random
+layers, as keras.io's image classification example does),
 trained with local Keras; only then is the strategy created (which connects this process
 to the cluster) and the same model built in its scope, trained, validated, evaluated, used
 for prediction and saved. Prints one JSON line of results.
@@ -43,6 +45,29 @@ def build_model(normalizer, vocabulary_size):
     return model
 
 
+def image_pipeline():
+    """keras.io's "image classification from scratch" input: images read from class folders, then
+    `data_augmentation(images)` in the dataset's map (random layers: their seed generators' state
+    variables are made here, before the strategy connects this process)."""
+    rng = np.random.default_rng(3)
+    for label, scale in (("dark", 100), ("light", 255)):
+        os.makedirs(os.path.join("images", label), exist_ok=True)
+        for i in range(16):
+            pixels = (rng.random((12, 12, 3)) * scale).astype("uint8")
+            keras.utils.save_img(os.path.join("images", label, f"{i}.png"), pixels)
+    images = keras.utils.image_dataset_from_directory("images", image_size=(12, 12), batch_size=8, seed=1)
+    data_augmentation = keras.Sequential([keras.layers.RandomFlip("horizontal"), keras.layers.RandomRotation(0.1)])
+    return images.map(lambda x, y: (data_augmentation(x), y), num_parallel_calls=tf.data.AUTOTUNE)
+
+
+def image_model():
+    inputs = keras.Input((12, 12, 3))
+    x = keras.layers.Conv2D(4, 3, activation="relu")(keras.layers.Rescaling(1.0 / 255)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling2D()(x)))
+    model.compile(optimizer="adam", loss=keras.losses.BinaryCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
 def main():
     jobs = json.loads(sys.argv[1])
     keras.utils.set_random_seed(7)
@@ -59,6 +84,7 @@ def main():
         return {"numbers": numbers, "category": lookup(features["cat"])}, target
 
     train, val, test = (d.map(prepare) for d in (train_raw, val_raw, test_raw))
+    augmented = image_pipeline()
     results = {}
 
     # --- local Keras, the reference ---
@@ -119,6 +145,16 @@ def main():
         sums = [strategy.schedule(category_sum, args=(iterator,)) for _ in range(2)]
         strategy.join()
         results["schedule_batch_category_sums"] = [int(np.asarray(f.result())) for f in sums]
+
+        # The augmented images, their pipeline made before the strategy.
+        try:
+            with strategy.scope():
+                images_model = image_model()
+            history = images_model.fit(augmented, epochs=2, verbose=0)
+            results["augmented"] = {"loss": history.history["loss"],
+                                    "evaluate": images_model.evaluate(augmented, verbose=0, return_dict=True)}
+        except ValueError as error:  # reported by its own test, the other results kept
+            results["augmented"] = {"error": str(error)}
     finally:
         strategy.shutdown()
     results["cwd"] = os.getcwd()

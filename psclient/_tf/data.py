@@ -11,6 +11,7 @@ import tensorflow as tf
 from tensorflow.core.framework import dataset_options_pb2
 
 from psclient._tf.data_paths import absolute_paths
+from psclient._tf.local_variables import serialize_carrying
 
 __all__ = ["deserialize_dataset", "fix_shuffle_orders", "make_deterministic", "serialize_dataset",
            "serialize_self_contained"]
@@ -38,12 +39,18 @@ def serialize_dataset(dataset):
     directory (`data_paths`): a worker would look them up in its own.
     TF-internal: a dataset's graph is the only way to move it.
     """
-    try:
-        graph = dataset._as_serialized_graph(  # noqa: SLF001
+    def serialize():
+        return dataset._as_serialized_graph(  # noqa: SLF001
             strip_device_assignment=True,
             external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
         )
-    except (tf.errors.FailedPreconditionError, tf.errors.NotFoundError) as error:
+
+    gone = (tf.errors.FailedPreconditionError, tf.errors.NotFoundError)
+    try:
+        # A variable made before the connection is looked up on the process's new device:
+        # registered there again for the serialization (local_variables).
+        graph = serialize_carrying(serialize, gone)
+    except gone as error:
         # TF fails this way when a resource the pipeline uses is gone (made on a device that
         # no longer exists); psclient carries variables and lookup tables across the connection.
         raise ValueError(

@@ -97,3 +97,15 @@ def test_schedule_reads_a_dataset_and_table_built_before(published_run):
     # Each worker reads its own copy from the start: a first or second batch, as local Keras reads them.
     assert set(results["schedule_batch_category_sums"]) <= set(results["local"]["batch_category_sums"])
     assert len(results["schedule_batch_category_sums"]) == 2
+
+
+def test_images_augmented_in_a_pipeline_made_before_the_strategy_train(published_run):
+    """keras.io's image classification input: `data_augmentation` (RandomFlip, RandomRotation) in the
+    dataset's map, made before the strategy. Its random layers' seed generator states are variables
+    made before the connection, which a dataset's serialization looked up on the new device and
+    did not find ("Could not find resource"): sending the dataset to the workers failed."""
+    results, _ = published_run
+    augmented = results["augmented"]
+    assert "error" not in augmented, augmented
+    assert len(augmented["loss"]) == 2 and all(np.isfinite(augmented["loss"]))
+    assert 0.0 <= augmented["evaluate"]["accuracy"] <= 1.0 and np.isfinite(augmented["evaluate"]["loss"])
