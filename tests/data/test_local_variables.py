@@ -5,14 +5,10 @@ up there by name. TF connects a process once, so the check runs in a child proce
 to a cluster of its own server alone (no task processes needed), as tests/tables/test_local_tables.py.
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 
-from _paths import ROOT_STR
+from _child_runs import run_script_for_json
 
 _SCRIPT = r'''
 import json, logging, portpicker, tensorflow as tf, keras
@@ -56,12 +52,7 @@ print(json.dumps(results, default=int))
 
 
 def test_datasets_reading_variables_made_before_the_connection_serialize_with_their_values(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT_STR, os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
-    assert run.returncode == 0 and lines, run.stderr[-3000:]
-    result = json.loads(lines[-1])
+    result = run_script_for_json(_SCRIPT, tmp_path)
     assert result["pipeline"] == [7, 9, 11]  # the offset's value when sent, the Keras variable's too
     assert len(result["randoms"]) == 2 and all(0.0 <= x < 1.0 for x in result["randoms"])
     flipped = np.asarray(result["flips"])  # one batch of one 2x2 image: its pixels, maybe mirrored

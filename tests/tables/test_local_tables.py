@@ -5,12 +5,7 @@ process once, so each check runs in a child process that connects to a cluster o
 server alone (no task processes needed) the way psclient's first connection does.
 """
 
-import json
-import os
-import subprocess
-import sys
-
-from _paths import ROOT_STR
+from _child_runs import run_script_for_json
 
 _SCRIPT = r'''
 import json, portpicker, tensorflow as tf
@@ -48,12 +43,7 @@ print(json.dumps({
 
 
 def test_tables_made_before_the_connection_keep_their_contents(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT_STR, os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
-    assert run.returncode == 0 and lines, run.stderr[-3000:]
-    result = json.loads(lines[-1])
+    result = run_script_for_json(_SCRIPT, tmp_path)
     assert result["carried"] == 4  # static, the vocabulary's inner table, mutable, dense; not the anonymous one
     assert result["static"] == [1, -1]
     assert result["vocabulary"] == [1, 2]
