@@ -26,6 +26,8 @@ from __future__ import annotations
 import collections
 import inspect
 import logging
+import os
+import sysconfig
 import threading
 import warnings
 import weakref
@@ -321,6 +323,11 @@ class Tracer:
         except UnsupportedStep:
             raise  # says what is wrong with the function itself
         except (TypeError, ValueError) as error:
+            if _raised_by_traced_code(error):
+                # The function's own code (a Keras layer given the wrong shape...): its error, as
+                # a local call raises it, not one about schedule()'s arguments.
+                error.add_note(f"(raised while {name!r} was traced for schedule())")
+                raise
             raise TypeError(
                 f"The arguments given to schedule() do not match {name!r}: {error}"
             ) from error
@@ -445,3 +452,20 @@ class _PerWorkerTraces:
                 while len(self._traces) > _MAX_REMEMBERED:
                     self._traces.pop(next(iter(self._traces)))
         return known[1](*args, **kwargs)
+
+
+_NOT_TRACED_CODE = tuple(os.path.dirname(path) + os.sep for path in (tf.__file__, __file__)) + (
+    sysconfig.get_paths()["stdlib"] + os.sep,)
+
+
+def _raised_by_traced_code(error: BaseException) -> bool:
+    """Whether `error` came from the traced function's body (a frame of its code, Keras's, or
+    autograph's conversion of it), not from TF's binding of the arguments (TF's and the standard
+    library's frames only, below this module's)."""
+    frame = error.__traceback__
+    while frame is not None:
+        if not os.path.abspath(frame.tb_frame.f_code.co_filename).startswith(_NOT_TRACED_CODE):
+            return True
+        frame = frame.tb_next
+    return False
+

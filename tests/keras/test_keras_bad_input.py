@@ -106,3 +106,13 @@ def test_keras_backend_other_than_tensorflow(monkeypatch):
     monkeypatch.setattr(keras.src.backend, "backend", lambda: "jax")
     with pytest.raises(RuntimeError, match=r"Received: keras\.backend\.backend\(\)='jax'.*KERAS_BACKEND=tensorflow"):
         check_keras_backend()
+
+
+def test_data_that_does_not_fit_the_model_raises_kerass_own_error(model):
+    """A model given data of the wrong width: Keras's own ValueError, as local Keras raises it."""
+    wide = np.zeros((64, 6), "float32")
+    with pytest.raises(ValueError, match=r"incompatible with the layer"):
+        model.fit(wide, Y, epochs=1, batch_size=16, verbose=0)
+    local = compile_(keras.Sequential(layers()))
+    with pytest.raises(ValueError, match=r"incompatible with the layer"):
+        local.fit(wide, Y, epochs=1, batch_size=16, verbose=0)

@@ -355,6 +355,22 @@ def test_bad_fn_and_arguments_raise_type_error_at_schedule(strategy):
     assert strategy.stats()["unfinished"] == 0
 
 
+def test_an_error_of_the_functions_own_code_is_raised_as_a_local_call_raises_it(strategy):
+    """Tracing fails in the function's body: its own error (a ValueError here, as a local call
+    raises it), with a note naming the function; it was a TypeError saying schedule()'s arguments
+    did not match. A mismatch of the arguments themselves stays that TypeError (test above)."""
+
+    @tf.function
+    def misshapen(x):
+        return tf.reshape(x, [2])
+
+    with pytest.raises(ValueError, match="reshape") as raised:
+        strategy.schedule(misshapen, args=(tf.zeros([3]),))
+    assert any("'misshapen' was traced for schedule()" in note for note in raised.value.__notes__)
+    with pytest.raises(ValueError, match="reshape"):
+        misshapen(tf.zeros([3]))
+    assert strategy.stats()["unfinished"] == 0
+
 def test_variable_outside_scope_works_with_one_warning(strategy):
     outside = tf.Variable(5.0, name="made_outside")
 
