@@ -115,10 +115,17 @@ def test_calls_a_shutdown_abandoned_at_depth_2_hold_up_no_cache_clearing(cluster
     finally:
         strategy.shutdown()  # cancels them; above depth 1 they still wait for an answer
     assert not any(f.done() and f.exception(timeout=0) is None for f in futures)
+    # Usually the abandoned calls' threads still wait (the worker never answers). Once in a full
+    # suite run TF delivered the shutdown's cancellation to both streamed calls (CANCELLED, their
+    # threads gone): then nothing holds the gate either, and set_seed must not wait all the same.
     waiting = [t for t in psclient_threads() if t.name.startswith("psclient-worker")]
-    assert waiting, "the abandoned calls' threads should still wait (the worker never answered)"
+    gate_held = calls._call_gate.running
 
     assert _set_seed_in_thread().wait(_LIMIT), "tf.random.set_seed waited for calls a shutdown abandoned"
+    if not waiting:
+        print(f"the shutdown's cancellation reached both calls (gate held by {gate_held}): no call was "
+              "left waiting this time")
+        return
 
     # The worker's end is their answer: their threads exit, none is left behind.
     cluster.kill("worker", 0)
