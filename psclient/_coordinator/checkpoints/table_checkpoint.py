@@ -283,20 +283,8 @@ def assign(states: dict[int, list], on_each_ps: Callable, patches: list | tuple 
 
 def _replace(shard, state: dict) -> None:
     """`shard`'s contents replaced with `state` (under the shard's device)."""
-    if shard.dense:
-        shard.replace(state["keys"], state["counters"], state["row_keys"], state["rows"],
-                      state["slots"], state["clock"], state["admissions"], state["evictions"])
-        return
-    for table in (shard.values, shard.counters, *shard.slots.values()):
-        keys, _ = table.export()  # [n]: a reshape here would convert its shape on the ps
-        table.remove(keys)
-    shard.counters.insert(state["keys"], state["counters"])
-    shard.values.insert(state["row_keys"], state["rows"])
-    for slot, value in state["slots"].items():
-        shard.slots[slot].insert(state["row_keys"], value)
-    shard.clock.assign(state["clock"], read_value=False)
-    shard.admissions.assign(state["admissions"], read_value=False)
-    shard.evictions.assign(state["evictions"], read_value=False)
+    shard.replace(state["keys"], state["counters"], state["row_keys"], state["rows"],
+                  state["slots"], state["clock"], state["admissions"], state["evictions"])
 
 
 def read_local(reader, key: str, entry: dict) -> list[dict]:

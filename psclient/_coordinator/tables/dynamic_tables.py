@@ -412,15 +412,4 @@ class DynamicTable:
                 clock_in = tf.constant(clock, tf.int64)
                 admissions, evictions = (tf.constant(total[f], tf.int64) for f in ("admissions", "evictions"))
             with shard.placed():
-                if shard.dense:
-                    shard.replace(keys_in, counters_in, row_keys_in, rows_in, slots_in, clock_in, admissions, evictions)
-                    continue
-                for table in (shard.values, shard.counters, *shard.slots.values()):
-                    table.remove(export(table)[0])
-                shard.counters.insert(keys_in, counters_in)
-                shard.values.insert(row_keys_in, rows_in)
-                for name, value in slots_in.items():
-                    shard.slots[name].insert(row_keys_in, value)
-                shard.clock.assign(clock_in)
-                shard.admissions.assign(admissions)
-                shard.evictions.assign(evictions)
+                shard.replace(keys_in, counters_in, row_keys_in, rows_in, slots_in, clock_in, admissions, evictions)

@@ -66,6 +66,20 @@ class HashShard:
     def placed(self):
         return tf.device(self.device) if self.device else contextlib.nullcontext()
 
+    def replace(self, keys, counters, row_keys, rows, slots: dict, clock, admissions, evictions) -> None:
+        """The shard's contents replaced (a restore or an import), run eagerly under the shard's device,
+        the inputs made elsewhere: each op here takes tensors and converts no Python value on the ps."""
+        for table in (self.values, self.counters, *self.slots.values()):
+            held, _ = table.export()  # [n] eagerly: a reshape would convert its shape on the ps
+            table.remove(held)
+        self.counters.insert(keys, counters)
+        self.values.insert(row_keys, rows)
+        for slot, value in slots.items():
+            self.slots[slot].insert(row_keys, value)
+        self.clock.assign(clock, read_value=False)
+        self.admissions.assign(admissions, read_value=False)
+        self.evictions.assign(evictions, read_value=False)
+
     def clear_orphans(self, keys) -> list:
         """Remove the rows (and slots) of `keys` whose counters are gone, after a step wrote them.
 
