@@ -40,6 +40,9 @@ it frees, so a restore reuses the saves' freed memory unseen; `--ps-malloc`
 runs the tasks with TF_ENABLE_ONEDNN_OPTS=0 and MALLOC_MMAP_THRESHOLD_=1 MiB
 (plain malloc, which then gives every block of 1 MiB or more back), so that
 the growth is what the restore holds at once.
+`--checkpoint-cut copy` runs psclient with `StrategyConfig(checkpoint_cut="copy")` (the embedding and
+its slot read whole in the cut) instead of "rows" (copied before the cut, training going on; the cut
+reads again only the rows written since): run both for the stall's dependence on the model's size.
 `--shards N` cuts each partitioned variable into N shards (default one per ps).
 `--deltas N` (psclient only): incremental checkpoints on (`delta_checkpoint_every`);
 after the timed saves, N phases of fit steps each write a delta of the newest
@@ -229,7 +232,7 @@ def write_deltas(strategy, model, rows: int, count: int) -> list[dict]:
     return written
 
 
-def setup(path: str, cluster, rows: int, directory: str, saves: int, deltas: int = 0):
+def setup(path: str, cluster, rows: int, directory: str, saves: int, deltas: int = 0, checkpoint_cut: str = "rows"):
     """(save() -> None, restore() -> None, strategy) for one path."""
     import tensorflow as tf
 
@@ -263,7 +266,7 @@ def setup(path: str, cluster, rows: int, directory: str, saves: int, deltas: int
     # With deltas, one falls due every DELTA_STEPS completed steps (`write_deltas`).
     more = {"delta_checkpoint_every": DELTA_STEPS} if deltas else {}
     strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=directory, variable_partitioner=partitioner(),
-                                                checkpoints_to_keep=2 * saves + 1, **more)
+                                                checkpoints_to_keep=2 * saves + 1, checkpoint_cut=checkpoint_cut, **more)
     with strategy.scope():
         model = build_model(keras, rows)
     model.fit(lambda ctx: make_dataset(rows), epochs=1, steps_per_epoch=2, verbose=0)
@@ -316,6 +319,11 @@ def while_training(strategy, model, rows: int, saves: int, ps_pids: list[int]) -
                             "drain_s": round(stats["last_drain_seconds"], 4),
                             "idle_s": round(stats["last_stall_seconds"] - stats["last_drain_seconds"], 4),
                             "snapshot_s": round(stats["last_snapshot_seconds"], 4),
+                            # checkpoint_cut="rows": the copy before the pause (training went on) and
+                            # the rows its cut read again.
+                            "copy_s": round(stats.get("last_copy_seconds") or 0.0, 4),
+                            "copied_mb": round((stats.get("last_copied_bytes") or 0) / 2**20, 1),
+                            "rows_read_again": stats.get("last_rows_read_again"),
                             "write_s": round(stats["last_write_seconds"], 3), "save_call_s": round(call_s, 3),
                             "closures_completed_during_save": completed() - before,
                             # The write runs on; the window is the cut and the second after the call.
@@ -327,6 +335,7 @@ def while_training(strategy, model, rows: int, saves: int, ps_pids: list[int]) -
         "saves": samples,
         "median_stall_s": _common.median([s["stall_s"] for s in samples]),
         "median_idle_s": _common.median([s["idle_s"] for s in samples]),
+        "median_copy_s": _common.median([s["copy_s"] for s in samples]),
         "median_write_s": _common.median([s["write_s"] for s in samples]),
         "median_longest_no_progress_s": _common.median([s["longest_no_progress_s"] for s in samples]),
         "median_time_between_completions_s": round(gaps.median(*baseline), 4),
@@ -347,7 +356,8 @@ def child_main(args: argparse.Namespace) -> None:
     directory = tempfile.mkdtemp(prefix=f"big-model-ckpt-{args._child}-", dir=args.scratch)
     try:
         t0 = time.perf_counter()
-        save, restore, strategy, model = setup(args._child, cluster, args.rows, directory, args.saves, args.deltas)
+        save, restore, strategy, model = setup(args._child, cluster, args.rows, directory, args.saves, args.deltas,
+                                               args.checkpoint_cut)
         setup_s = time.perf_counter() - t0
         ps_pids = list(json.loads(args.ps_pids))
         # First, while the ps tasks' memory is that of training alone (TF keeps what it freed).
@@ -431,6 +441,7 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
         "deltas": (f"{args.deltas} deltas of the newest full checkpoint ({DELTA_STEPS} fit steps each), "
                    "applied by each measured restore") if args.deltas else None,
         "pruning": "none while timed: every checkpoint is kept on both paths",
+        "checkpoint_cut": f"psclient: StrategyConfig(checkpoint_cut={args.checkpoint_cut!r})",
         "paths": {"psclient": "strategy.save_checkpoint() / strategy.restore()",
                   "tf_pss": "tf_keras + TF ParameterServerStrategy, tf.train.Checkpoint(model, optimizer)"},
     }}
@@ -451,7 +462,8 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
                     child = [os.path.abspath(__file__), "--_child", path, "--rows", str(rows),
                              "--cluster", json.dumps(cluster.jobs), "--ps-pids", json.dumps(ps_pids),
                              "--saves", str(args.saves), "--restores", str(args.restores),
-                             "--scratch", args.scratch, "--shards", str(args.shards), "--deltas", str(args.deltas)]
+                             "--scratch", args.scratch, "--shards", str(args.shards), "--deltas", str(args.deltas),
+                             "--checkpoint-cut", args.checkpoint_cut]
                     tag = f"{size:>5} MB {path:9}"
                     try:
                         result = _common.run_child(child, timeout=args.child_timeout, env=env)
@@ -516,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the cluster's tasks with TF_ENABLE_ONEDNN_OPTS=0 (plain malloc: RSS follows "
                              "live memory; TF's default allocator keeps freed memory, hiding a restore's peak)")
     parser.add_argument("--results-name", default=None, help="the name of the results file (with --save-results)")
+    parser.add_argument("--checkpoint-cut", choices=("rows", "copy"), default="rows",
+                        help="psclient's StrategyConfig(checkpoint_cut=...): how the cut reads the embedding")
     parser.add_argument("--_child", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--rows", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--cluster", help=argparse.SUPPRESS)

@@ -73,14 +73,17 @@ def assemble(cluster: Cluster, config: StrategyConfig, *, checkpoint_dir: str | 
     scheduler = Scheduler(cluster.num_workers)
     steps = Steps(scheduler, config.max_staleness, config.replicas_to_aggregate, timeout=hang_timeout,
                   measured=config.measured)
-    store = VariableStore(cluster.num_ps, partitioner, on_renew=(steps.renew,))
+    deltas = config.delta_checkpoint_interval is not None or config.delta_checkpoint_every is not None
+    # Write marks only where a checkpoint's cut uses them (full checkpoints: a delta diffs whole values).
+    marks = checkpoint_dir is not None and not deltas and config.checkpoint_cut == "rows"
+    store = VariableStore(cluster.num_ps, partitioner, on_renew=(steps.renew,), write_marks=marks)
     tracer = Tracer(store.create, steps if config.measured else None, wait_for_run=config.streaming)
     per_worker = PerWorkerRegistry()
     ledgers = Ledgers(store)
     checkpoints = Checkpoints(
         checkpoint_dir, keep=config.checkpoints_to_keep, overwrite=config.overwrite_checkpoints,
         describe_ps=functools.partial(roster.address, "ps"), hang_timeout=hang_timeout,
-        deltas=config.delta_checkpoint_interval is not None or config.delta_checkpoint_every is not None,
+        deltas=deltas,
     ) if checkpoint_dir is not None else None
     engine = Engine(
         roster, edge=edge, scheduler=scheduler,

@@ -9,6 +9,7 @@ strategy: nothing it holds keeps a strategy alive.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import weakref
@@ -17,6 +18,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
+from psclient._coordinator.checkpoints import checkpoint_pieces as _pieces
 from psclient._coordinator.checkpoints.checkpoint import variable_key
 from psclient._coordinator.data.per_worker import PerWorker, PerWorkerDataset, PerWorkerIterator
 from psclient._coordinator.variables import initial_values
@@ -25,6 +27,7 @@ from psclient._core.failures import is_connection_error_type
 from psclient._core.partitioning import can_split, row_ranges, shard_count, shard_tasks
 from psclient._core.placement import Placer
 from psclient._tf import context as _context
+from psclient._tf import write_marks as _write_marks
 
 __all__ = ["VariableStore", "PerWorkerRegistry"]
 
@@ -45,9 +48,13 @@ class VariableStore:
     """
 
     def __init__(self, num_ps: int, partitioner: Callable | None = None, *,
-                 on_renew: tuple[Callable[[set], None], ...] = ()):
+                 on_renew: tuple[Callable[[set], None], ...] = (), write_marks: bool = False):
         self._num_ps = num_ps
         self._partitioner = partitioner
+        # Whether a variable (or shard) a checkpoint would save in row chunks gets write marks
+        # (`psclient._tf.write_marks`): its cut then reads again only the rows written since
+        # its copy began (`checkpoints.fuzzy_copy`).
+        self._marking = write_marks
         #: `guard(make, what)`: a variable made through a ps loss (the strategy's coordinator
         #: access, set once the engine exists; psclient._coordinator.ps_state).
         self.guard: Callable = lambda make, what: make()
@@ -178,6 +185,7 @@ class VariableStore:
         # init_scope: see `create`; the device: a callable initial value runs there.
         with tf.init_scope(), tf.device(_runtime.ps_device(ps)):
             variable = next_creator(**kwargs)
+        self._mark_writes(variable)
         with self._lock:
             self._variables.append((weakref.ref(variable), (ps,)))
         shape = variable.shape.as_list() if variable.shape.rank is not None else ()
@@ -209,6 +217,8 @@ class VariableStore:
         finally:
             self._making_shards.active = False
             release()
+        for shard in variable.variables:
+            self._mark_writes(shard)
         with self._lock:
             self._variables.append((weakref.ref(variable), tuple(tasks)))
         for index, (shard, ps, (start, stop)) in enumerate(zip(variable.variables, tasks, ranges)):
@@ -217,6 +227,17 @@ class VariableStore:
                 part=(index, shards), rows=(start, stop), of=shard.name.rsplit("/part_", 1)[0],
             )
         return variable
+
+    def _mark_writes(self, variable: Any) -> None:
+        """Write marks for `variable` (a tf.Variable on a ps) if a checkpoint saves it in row chunks."""
+        if not self._marking or not variable.shape.is_fully_defined() or \
+                _pieces.chunk_rows(variable.shape.as_list(), variable.dtype, aligned=False) is None:
+            return
+        _write_marks.attach(variable, functools.partial(self._make_mark, variable.device))
+
+    def _make_mark(self, device: str, value: Any, name: str) -> Any:
+        with self.unmanaged(), tf.init_scope(), tf.device(device):
+            return tf.Variable(value, trainable=False, name=name)
 
     def count(self) -> int:
         """Variables created so far (dead ones included: keys are creation indices)."""
@@ -240,6 +261,12 @@ class VariableStore:
             if ps in lost_ps:
                 _runtime.renew_variable_handle(part, _runtime.ps_device(ps))
                 count += 1
+                marks = _write_marks.marks_of(part)
+                if marks is not None:  # psclient's own: new, and cleared at once (writes mark them)
+                    for mark in marks.variables():
+                        _runtime.renew_variable_handle(mark, _runtime.ps_device(ps))
+                    with tf.device(_runtime.ps_device(ps)):
+                        marks.reset()
         with self._lock:  # the lost tasks' locks died with them: the tables' renewal makes new ones
             for ps in lost_ps:
                 self._table_locks.pop(_runtime.ps_device(ps), None)

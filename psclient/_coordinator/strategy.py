@@ -70,9 +70,9 @@ class ParameterServerStrategy(TFStrategyAPI):
         then every `checkpoint_interval` seconds and/or every `checkpoint_every`
         completed functions, keeping the newest `checkpoints_to_keep`; between
         them, with `delta_checkpoint_interval`/`_every`, deltas of the changed
-        rows only (docs/fault_tolerance.md). Checkpoints already in the directory
-        are another run's: the first save (the first `schedule()`) raises
-        FileExistsError unless `restore()` resumed from them or `overwrite_checkpoints=True`.
+        rows only; `checkpoint_cut` ("rows"/"copy"): how a cut reads embedding tables
+        (docs/fault_tolerance.md). Checkpoints already in the directory are another run's: the
+        first save raises FileExistsError unless `restore()` resumed from them or `overwrite_checkpoints=True`.
       overwrite_checkpoints: start over in a `checkpoint_dir` that holds
         another run's checkpoints: they are never restored, and are deleted
         as this run's are written (keeping `checkpoints_to_keep` in all).

@@ -59,6 +59,10 @@ class StrategyConfig:
     #: Where a DynamicEmbedding with a `capacity` keeps its rows: "dense" (one preallocated
     #: matrix per ps, the default) or "hash" (hash tables, the storage before; for comparisons).
     dynamic_table_storage: str = "dense"
+    #: How a checkpoint's cut reads the big variables written by sparse ops (embedding tables and
+    #: their slots): "rows" (copied before the cut, training going on; the cut reads again only
+    #: the rows written since) or "copy" (read whole in the cut: the pause grows with their bytes).
+    checkpoint_cut: str = "rows"
 
     def __post_init__(self) -> None:
         resolve_ps_recovery(self.ps_recovery, self.replicas_to_aggregate)
@@ -89,6 +93,10 @@ class StrategyConfig:
         check_positive("pipeline_depth", self.pipeline_depth, integer=True)
         check_positive("connect_timeout", self.connect_timeout, unit="seconds")
         check_port("metrics_port", self.metrics_port)
+        if self.checkpoint_cut not in ("rows", "copy"):
+            raise ValueError(
+                "Invalid value for argument `checkpoint_cut`. Received: checkpoint_cut="
+                f"{self.checkpoint_cut!r}. Expected 'rows' (the default) or 'copy'.")
         if self.dynamic_table_storage not in ("dense", "hash"):
             raise ValueError(
                 "Invalid value for argument `dynamic_table_storage`. Received: dynamic_table_storage="

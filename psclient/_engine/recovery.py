@@ -393,6 +393,10 @@ class Recovery:
 
     @_apply.register
     def _pause(self, action: rm.PauseDispatch) -> None:
+        if action.reason == "checkpoint" and self.checkpoints is not None:
+            # Training goes on while the big sparse-updated variables are copied: the cut then
+            # reads again only their rows written since (checkpoints.fuzzy_copy).
+            self.checkpoints.prepare(self._store.named())
         self._scheduler.pause()
         if action.reason == "checkpoint":  # a ps loss's pause is not a checkpoint's stall
             self._paused_at = self._clock()
@@ -407,6 +411,7 @@ class Recovery:
             self._paused_at = self._clock()
         elif self.checkpoints is not None:  # how long training stopped for the checkpoint
             self.checkpoints.times["last_stall_seconds"] = self._clock() - self._paused_at
+            self.checkpoints.discard_prepared()  # a cut not taken (skipped, failed): its copies go
 
     @_apply.register
     def _requeue_running(self, action: rm.RequeueRunning) -> None:

@@ -65,14 +65,14 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from psclient._coordinator.checkpoints import checkpoint_deltas as _deltas
+from psclient._coordinator.checkpoints import checkpoint_files as _files
 from psclient._coordinator.checkpoints import checkpoint_parts as _parts
 from psclient._coordinator.checkpoints import checkpoint_snapshot as _snapshot
+from psclient._coordinator.checkpoints import fuzzy_copy as _fuzzy
 from psclient._coordinator.checkpoints import table_checkpoint, table_deltas
 from psclient._coordinator.checkpoints.checkpoint_parts import CheckpointUnreadable
 from psclient._coordinator.checkpoints.checkpoint_writer import BackgroundWriter, PendingSave
 from psclient._core.errors import PSUnavailableError, first_line
-from psclient._core.files import replaced_atomically
-from psclient._tf import checkpoints as _checkpoints
 
 __all__ = ["CheckpointUnreadable", "Checkpoints", "check_directory", "variable_key"]
 
@@ -80,7 +80,6 @@ log = logging.getLogger("psclient")
 
 _COMPLETED_KEY = "psclient_completed"
 _VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
-_STATE_FILE = "checkpoint"
 _BY_CREATION = ("creation order: create the same variables, in the same order, as the run that wrote "
                 "the checkpoint")
 
@@ -124,6 +123,7 @@ class Checkpoints:
         self._writer = BackgroundWriter(self.write)
         self._commit_lock = threading.Lock()
         self._closing = False
+        self._prepared: _fuzzy.Prepared | None = None  # the next cut's copies (`prepare`)
         #: Tests' hook into the write, the snapshot taken and dispatch resumed: called with
         #: the checkpoint's path on the thread that writes it, before any ps writes.
         self.before_write: Callable[[str], None] | None = None
@@ -133,8 +133,8 @@ class Checkpoints:
         self.keep = keep
         self._describe_ps = describe_ps
         tf.io.gfile.makedirs(self.directory)  # local paths and TF filesystems (gs://, ...)
-        existing = self._numbers()
-        state = self._state_numbers()
+        existing = _files.numbers(self.directory)
+        state = _files.state_numbers(self.directory)
         # What another run left here, until restore() adopts it (None: nothing, or adopted).
         self.foreign: str | None = self._describe(existing, state) if existing or state else None
         # Checkpoints numbered below this are another run's: never read without restore().
@@ -153,7 +153,7 @@ class Checkpoints:
     def latest(self) -> str | None:
         """This run's newest checkpoint (written or adopted by restore()), or None."""
         path = tf.train.latest_checkpoint(self.directory)
-        if path is None or self.foreign is not None or (_number(path) or 0) < self._first_own:
+        if path is None or self.foreign is not None or (_files.number(path) or 0) < self._first_own:
             return None
         return path
 
@@ -198,13 +198,29 @@ class Checkpoints:
         extra = {name: np.int64(value) for name, value in (scalars or {}).items()}
         if completed is not None:
             extra[_COMPLETED_KEY] = np.int64(completed)
-        snapshot = _snapshot.take_snapshot(variables, self._describe_ps, tables, timeout=self._hang_timeout)
+        prepared, self._prepared = self._prepared, None
+        snapshot = _snapshot.take_snapshot(variables, self._describe_ps, tables, timeout=self._hang_timeout,
+                                           prepared=prepared)
         self.times["last_snapshot_seconds"] = snapshot.seconds
         pending = PendingSave(snapshot, completed, extra, meta)
         if self._deltas is not None:
             pending.delta, pending.rows, pending.renewals = delta, _deltas.row_slots(variables), _deltas.renewals(tables)
             self._deltas.snapshot_taken(self.times, delta)
         return pending
+
+    def prepare(self, variables: dict[str, Any]) -> None:
+        """Before a cut, training going on: copy the big variables written by sparse ops
+        (`fuzzy_copy`), so that the next `snapshot` reads only their rows written since.
+        Not with deltas (their diff needs each value whole, read in the cut)."""
+        self._prepared = None if self._deltas is not None else \
+            _fuzzy.prepare(variables, self._describe_ps, timeout=self._hang_timeout)
+        copied = self._prepared
+        self.times.update(last_copy_seconds=copied.seconds if copied else None,
+                          last_copied_bytes=copied.nbytes if copied else 0)
+
+    def discard_prepared(self) -> None:
+        """The cut `prepare` was for is not taken (its copies are freed)."""
+        self._prepared = None
 
     def write(self, pending: PendingSave) -> str:
         """Write the snapshot `pending` as the next `ckpt-N`, commit it (the state file last); its path.
@@ -224,6 +240,10 @@ class Checkpoints:
             started = time.monotonic()
             if self.before_write is not None:
                 self.before_write(path)
+            prepared = pending.snapshot.prepared
+            if prepared is not None:
+                prepared.release(self._hang_timeout)  # the stages: their reads in the snapshot hold what is written
+            self.times["last_rows_read_again"] = prepared.rows_read_again() if prepared is not None else 0
             _snapshot.write_snapshot(path, pending.snapshot, pending.scalars, self._describe_ps, pending.meta,
                                      timeout=self._hang_timeout, abandoned=lambda: self._closing)
             self._commit(number)
@@ -251,13 +271,16 @@ class Checkpoints:
         """For stats(): "checkpoint", the saves' times and bytes; "checkpoints", what the last
         one cost: how long dispatch was paused (`last_stall_seconds`), of which waiting
         for the closures running then to end (`last_drain_seconds`: they went on training)
-        and the snapshot (`last_snapshot_seconds`); its background write's seconds; errors."""
+        and the snapshot (`last_snapshot_seconds`); before the pause, the big variables' copy
+        (`last_copy_seconds`, `last_copied_bytes`) and the rows the cut read again of them
+        (`last_rows_read_again`); its background write's seconds; errors."""
         writer = self._writer
         saves = {key: self.times[key] for key in ("seconds_total", "last_seconds", "last_bytes")}
         return {"checkpoint": saves, "checkpoints": {
             "last_stall_seconds": self.times.get("last_stall_seconds"),
             "last_drain_seconds": self.times.get("last_drain_seconds"),
             "last_snapshot_seconds": self.times.get("last_snapshot_seconds"),
+            **{key: self.times.get(key) for key in ("last_copy_seconds", "last_copied_bytes", "last_rows_read_again")},
             "last_write_seconds": writer.last_write_seconds, "writing": writer.writing,
             "background_writes": writer.writes, "write_errors": writer.write_errors,
             "last_write_error": writer.last_error,
@@ -300,7 +323,7 @@ class Checkpoints:
                  only_ps: frozenset | None) -> dict | None:
         floor = 0 if adopt else (None if self.foreign is not None else self._first_own)
         candidates = [] if floor is None else sorted(
-            (n for n in self._numbers() | self._state_numbers() if n >= floor), reverse=True)
+            (n for n in self._all_numbers() if n >= floor), reverse=True)
         if not candidates:
             if adopt:
                 self.foreign = None
@@ -346,54 +369,14 @@ class Checkpoints:
     # ---------------------------------------------------------------- private
     def _commit(self, number: int) -> None:
         """Name checkpoint `number` in the state file (atomically), then prune beyond `keep`."""
-        own = sorted(n for n in self._state_numbers() | {number}
+        own = sorted(n for n in _files.state_numbers(self.directory) | {number}
                      if tf.io.gfile.exists(os.path.join(self.directory, f"ckpt-{n}.index")))
         if self._overwrite:  # another run's, to be replaced: pruned with this run's
-            own = sorted(set(own) | {n for n in self._numbers() if n < self._first_own})
+            own = sorted(set(own) | {n for n in _files.numbers(self.directory) if n < self._first_own})
         kept, dropped = own[-self.keep:], own[:-self.keep]
-        self._write_state(kept)
+        _files.write_state(self.directory, kept)
         for old in dropped:
-            self._delete(old)
-
-    def _write_state(self, numbers: list[int]) -> None:
-        text = _checkpoints.checkpoint_state_text([f"ckpt-{n}" for n in numbers])
-        final = os.path.join(self.directory, _STATE_FILE)
-        if "://" in final:  # a bucket: TF's own atomic write (temporary name, then rename)
-            _checkpoints.atomic_write(final, text)
-            return
-        with replaced_atomically(final) as temp, open(temp, "w", encoding="utf-8") as f:
-            f.write(text)
-
-    def _delete(self, number: int) -> None:
-        prefix = os.path.join(self.directory, f"ckpt-{number}")
-        # The index first: without it the checkpoint is no longer a candidate. Its deltas go with it.
-        for name in [prefix + ".index", *tf.io.gfile.glob(prefix + ".data-*"),
-                     *tf.io.gfile.glob(prefix + ".delta-*")]:
-            try:
-                tf.io.gfile.remove(name)
-            except tf.errors.NotFoundError:
-                pass
-
-    def _numbers(self) -> set[int]:
-        """N of every `ckpt-N` in the directory (index or data file)."""
-        numbers = set()
-        for name in tf.io.gfile.listdir(self.directory):
-            stem, _, ext = name.partition(".")
-            if ext.startswith(("index", "data")) and (number := _number(stem)) is not None:
-                numbers.add(number)
-        return numbers
-
-    def _state_numbers(self) -> set[int]:
-        """N of every `ckpt-N` the state file names (some may be missing)."""
-        if not tf.io.gfile.exists(os.path.join(self.directory, _STATE_FILE)):
-            return set()
-        try:
-            state = tf.train.get_checkpoint_state(self.directory)
-        except tf.errors.OpError as error:  # a damaged state file: the files themselves count
-            log.warning("checkpoint_dir %s: the state file is unreadable (%s)", self.directory, error)
-            return set()
-        paths = [] if state is None else [state.model_checkpoint_path, *state.all_model_checkpoint_paths]
-        return {n for p in paths if (n := _number(os.path.basename(p))) is not None}
+            _files.delete(self.directory, old)
 
     def _describe(self, existing: set[int], state: set[int]) -> str:
         numbers = existing | state
@@ -461,7 +444,10 @@ class Checkpoints:
 
     def _next_number(self) -> int:
         """One past the highest `ckpt-N` in the directory or its state file: no save overwrites another."""
-        return max(self._numbers() | self._state_numbers() | {0}) + 1
+        return max(self._all_numbers() | {0}) + 1
+
+    def _all_numbers(self) -> set[int]:
+        return _files.numbers(self.directory) | _files.state_numbers(self.directory)
 
     @staticmethod
     def _check_matches(variables: dict[str, Any], path: str, shapes: dict, dtypes: dict, matched_by: str) -> None:
@@ -488,12 +474,6 @@ class Checkpoints:
                 + f". Nothing was restored. Variables are matched by {matched_by}, or use "
                 "another checkpoint_dir."
             )
-
-
-def _number(name: str) -> int | None:
-    """N of `ckpt-N` (a file stem or a checkpoint prefix), else None."""
-    prefix, _, number = os.path.basename(name).rpartition("-")
-    return int(number) if prefix == "ckpt" and number.isdigit() else None
 
 
 def _index_problem(path: str) -> str:

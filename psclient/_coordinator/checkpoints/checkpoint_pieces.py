@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
 
-__all__ = ["LOCAL", "READ_BATCH_BYTES", "ROW_ALIGN_BYTES", "Piece", "batches", "chunk_bytes", "chunk_rows", "chunked_keys",
+__all__ = ["LOCAL", "READ_BATCH_BYTES", "ROW_ALIGN_BYTES", "Piece", "batches", "chunk_bytes", "chunk_rows", "chunked_keys", "first_of",
            "coordinator_constant", "pieces_of", "rows_spec", "save_chunked", "slot_bytes", "slot_bytes_of",
            "task_of"]
 
@@ -47,13 +47,14 @@ def slot_bytes_of(shape: list[int], dtype) -> int:
     return _product(shape) * int(dtype.size)
 
 
-def chunk_rows(shape: list[int], dtype, limit: int | None = None) -> int | None:
-    """Rows per chunk a value of `shape` is saved (and read) in, or None: saved whole."""
+def chunk_rows(shape: list[int], dtype, limit: int | None = None, aligned: bool = True) -> int | None:
+    """Rows per chunk a value of `shape` is saved (and read) in, or None: saved whole. `aligned`
+    False: also for rows of any size (chunks copied anyway, `fuzzy_copy`, not split off a read)."""
     limit = READ_BATCH_BYTES if limit is None else limit
     if len(shape) < 1 or shape[0] < 2:
         return None
     row = int(dtype.size) * int(_product(shape[1:]))
-    if row == 0 or row % ROW_ALIGN_BYTES or row * shape[0] <= limit:
+    if row == 0 or (aligned and row % ROW_ALIGN_BYTES) or row * shape[0] <= limit:
         return None
     return max(1, limit // row)
 
@@ -70,7 +71,7 @@ def rows_spec(full: list[int], first: int, rows: int) -> str:
     return " ".join(str(d) for d in full) + " " + ":".join([f"{first},{rows}"] + ["-"] * (len(full) - 1))
 
 
-def _first_of(spec: str, shape: list[int]) -> tuple[list[int], int]:
+def first_of(spec: str, shape: list[int]) -> tuple[list[int], int]:
     """(full shape, first row) of a value saved under `spec` ("" : the whole of `shape`)."""
     if not spec:
         return list(shape), 0
@@ -88,7 +89,7 @@ def save_chunked(names: list[str], specs: list[str], values: list, limit: int | 
         if rows is None:
             out_names.append(name), out_specs.append(spec), out_values.append(value)
             continue
-        full, first = _first_of(spec, shape)
+        full, first = first_of(spec, shape)
         sizes = [rows] * (shape[0] // rows) + ([shape[0] % rows] if shape[0] % rows else [])
         pieces = tf.raw_ops.SplitV(value=value, size_splits=coordinator_constant(sizes, tf.int64),
                                    axis=coordinator_constant(0, tf.int32), num_split=len(sizes))
@@ -128,7 +129,7 @@ class Piece:
             self.spec, self.nbytes = slot.spec, slot_bytes(slot)
         else:
             shape = slot.variable.shape.as_list()
-            full, first = _first_of(slot.spec, shape)
+            full, first = first_of(slot.spec, shape)
             self.spec = rows_spec(full, first + start, stop - start)
             self.nbytes = (stop - start) * _product(shape[1:]) * slot.variable.dtype.size
 
@@ -139,7 +140,7 @@ class Piece:
     @property
     def first_row(self) -> int:
         """Its first row in the full (unpartitioned) variable."""
-        return _first_of(self.slot.spec, self.slot.variable.shape.as_list())[1] + self.start
+        return first_of(self.slot.spec, self.slot.variable.shape.as_list())[1] + self.start
 
     def assign(self, tensor) -> None:
         """`tensor` into its rows of its variable, on the device in force (its ps)."""

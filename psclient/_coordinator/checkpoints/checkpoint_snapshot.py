@@ -35,6 +35,7 @@ import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.checkpoints import checkpoint_pieces as _pieces
+from psclient._coordinator.checkpoints import fuzzy_copy as _fuzzy
 from psclient._coordinator.checkpoints import table_checkpoint
 from psclient._coordinator.checkpoints.checkpoint_parts import (
     GRAPH_KEY,
@@ -66,16 +67,20 @@ class Snapshot:
     while training goes on, without reading any variable again.
     """
 
-    __slots__ = ("keys", "parts", "layout_parts", "tables", "seconds")
+    __slots__ = ("keys", "parts", "layout_parts", "tables", "seconds", "prepared")
 
     def __init__(self, keys: list[str], parts: dict[int, tuple], layout_parts: dict[int, list[str]],
-                 tables: dict | None, seconds: float):
+                 tables: dict | None, seconds: float, prepared: _fuzzy.Prepared | None = None):
         self.keys, self.parts, self.layout_parts, self.tables = keys, parts, layout_parts, tables
         self.seconds = seconds
+        #: The copies its big variables took before the cut (None: all read in the cut): their
+        #: stages, read in the cut (`fuzzy_copy.cut`), released by the write; the rows read again.
+        self.prepared = prepared
 
 
 def take_snapshot(variables: dict[str, Any], describe_ps: Callable[[int], str],
-                  tables: dict | None = None, timeout: float | None = None) -> Snapshot:
+                  tables: dict | None = None, timeout: float | None = None,
+                  prepared: _fuzzy.Prepared | None = None) -> Snapshot:
     """Read every variable (and export every table shard) on its own ps, all ps at once.
 
     Run it in a cut: the snapshot holds exactly the values of that moment.
@@ -97,7 +102,7 @@ def take_snapshot(variables: dict[str, Any], describe_ps: Callable[[int], str],
         def run():
             with device_of(ps):
                 try:
-                    values = [s.variable.read_value() for s in slots]  # read there: stays on this ps
+                    values = _read(ps, slots, prepared)  # read there: stays on this ps
                     names, specs = [s.key for s in slots], [s.spec for s in slots]
                     if ps in table_work:  # exported on this ps, written with its variables
                         more, tensors = table_work[ps]()
@@ -117,7 +122,15 @@ def take_snapshot(variables: dict[str, Any], describe_ps: Callable[[int], str],
             "No checkpoint was written; the previous one stays the newest.") from error
     layout_parts = {ps: sorted({s.key for s in by_ps.get(ps, [])} | set(table_names.get(ps, []))) for ps in tasks}
     return Snapshot(list(variables), parts, layout_parts,
-                    table_checkpoint.layout_of(tables) if tables else None, time.monotonic() - started)
+                    table_checkpoint.layout_of(tables) if tables else None, time.monotonic() - started, prepared)
+
+
+def _read(ps: int, slots: list, prepared: _fuzzy.Prepared | None) -> list:
+    """Each slot's value on `ps` (the device in force), in order: a read of the variable, or, for one
+    copied before the cut, its copy with the rows written since read again."""
+    copies = [prepared.take(ps, slot) if prepared is not None else None for slot in slots]
+    patched = iter(_fuzzy.cut(prepared, [copy for copy in copies if copy is not None]))
+    return [slot.variable.read_value() if copy is None else next(patched) for slot, copy in zip(slots, copies)]
 
 
 def write_snapshot(prefix: str, snapshot: Snapshot, scalars: dict[str, Any], describe_ps: Callable[[int], str],

@@ -50,7 +50,7 @@ from psclient._coordinator.checkpoints import table_ranges
 from psclient._coordinator.checkpoints.checkpoint_pieces import LOCAL, task_of as _task
 from psclient._tf import checkpoints as _checkpoints
 
-__all__ = ["assign", "check", "layout_of", "names_by_ps", "read", "read_local", "save_work"]
+__all__ = ["LOCAL", "assign", "check", "layout_of", "names_by_ps", "read", "read_local", "save_work"]
 
 _FIELDS = ("keys", "counters", "row_keys", "rows", "clock", "admissions", "evictions")
 

@@ -1,0 +1,197 @@
+"""Big variables copied before a checkpoint's cut, while training goes on; the cut reads only what changed.
+
+Reading a variable updated by sparse ops in the cut copies it whole there
+(TF's copy-on-read mode), so the pause would grow with the embedding tables'
+bytes. For each variable (or shard) with write marks (`psclient._tf.write_marks`:
+those above one row chunk of a checkpoint) that was written only by sparse ops
+since the previous checkpoint:
+
+1. `prepare`, before dispatch pauses: its marks are cleared, then its rows are
+   copied on its ps into a staging variable of its shape, a chunk of
+   `chunk_rows` rows at a time (`ResourceGather`, then a scatter into the
+   stage: each copy holds the variable for the time of one chunk). Training
+   goes on, so each chunk is its rows as of its own moment.
+2. `cut`, in the cut (nothing running): the rows marked since step 1 are read
+   again and scattered into the stage (`where` on the marks, one gather, one
+   scatter). Every write after a chunk was copied marked its rows (a mark
+   follows its write, and the closures that wrote ended before the cut), so
+   the stage now holds exactly the cut's values. It is then read sharing its
+   buffer (`DisableCopyOnRead` first): the snapshot holds that read, a tensor
+   like any other, and the stage itself is dropped. A variable written whole
+   since step 1 (a dense `assign*`) is read whole in the cut instead.
+
+A variable scattered since the previous checkpoint is in copy-on-read mode
+anyway; one that was not (never written, or written densely) is left to the
+cut, whose read of it shares its buffer and costs nothing. Memory on a ps: one
+stage per copied variable (what the cut's copy took before) and one chunk in
+flight, plus the marks (one byte a row).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import tensorflow as tf
+
+from psclient._coordinator.checkpoints import checkpoint_pieces as _pieces
+from psclient._coordinator.checkpoints.checkpoint_parts import (
+    PsTimeout,
+    describe_task,
+    device_of,
+    on_each_ps,
+    slots_of,
+)
+from psclient._core.errors import first_line
+from psclient._tf import variables as _variables
+from psclient._tf import write_marks as _write_marks
+
+__all__ = ["Prepared", "cut", "prepare"]
+
+log = logging.getLogger("psclient")
+
+
+class _Copy:
+    """One slot's stage, filled on its ps before the cut (`prepare`)."""
+
+    __slots__ = ("slot", "marks", "stage")
+
+    def __init__(self, slot: Any, marks: Any, stage: Any):
+        self.slot, self.marks, self.stage = slot, marks, stage
+
+
+class Prepared:
+    """The copies of one checkpoint's big variables, by ps and slot, until its cut takes them."""
+
+    def __init__(self, copies: dict[int, dict[tuple, _Copy]], seconds: float):
+        self.copies, self.seconds = copies, seconds
+        self.nbytes = sum(_pieces.slot_bytes(copy.slot) for by_slot in copies.values() for copy in by_slot.values())
+        #: Rows the cut read again, per copy (`cut`).
+        self.read_again: list[int] = []
+
+    def take(self, ps: int, slot: Any) -> _Copy | None:
+        return self.copies.get(ps, {}).get((slot.key, slot.spec))
+
+    def rows_read_again(self) -> int:
+        return sum(self.read_again)
+
+    def release(self, timeout: float | None = None) -> None:
+        """Drop the stages once the cut read them (the reads keep what is written): each first
+        given an empty value on its ps, since a ps keeps the resources of a function's last call
+        alive until its next one (a whole stage, held from one checkpoint to the next). Waits at
+        most `timeout` for a ps (a hung one keeps its stages until it answers)."""
+        copies, self.copies = self.copies, {}
+
+        def empty_on(ps: int) -> Callable[[], None]:
+            def run() -> None:
+                with device_of(ps):
+                    for copy in copies[ps].values():
+                        shape = copy.stage.shape.as_list()
+                        tf.raw_ops.AssignVariableOp(resource=copy.stage.handle, validate_shape=False,
+                                                    value=tf.zeros([0] + shape[1:], copy.stage.dtype))
+            return run
+
+        try:
+            on_each_ps({ps: empty_on(ps) for ps in copies}, timeout=timeout)
+        except (tf.errors.OpError, PsTimeout) as error:  # a lost or hung ps: the write says so
+            log.debug("stages of a checkpoint not emptied: %s", first_line(error))
+
+
+def prepare(variables: dict[str, Any], describe_ps: Callable[[int], str],
+            timeout: float | None = None) -> Prepared | None:
+    """Copy, on each ps, the marked variables written only by sparse ops since the last prepare
+    (training goes on). None when none is; also when a ps fails or does not answer within `timeout`
+    (logged: the cut then reads everything, as without a copy)."""
+    started = time.monotonic()
+    marked = {ps: [(slot, marks) for slot in slots if (marks := _write_marks.marks_of(slot.variable)) is not None]
+              for ps, slots in slots_of(variables).items()}
+    marked = {ps: slots for ps, slots in marked.items() if slots}
+    if not marked:
+        return None
+
+    def copy_on(ps: int) -> Callable[[], dict]:
+        def run() -> dict:
+            with device_of(ps):
+                try:
+                    return _copy_sparse_written(marked[ps])
+                except tf.errors.OpError as error:
+                    error._psclient_ps = ps
+                    raise
+        return run
+
+    try:
+        copies = on_each_ps({ps: copy_on(ps) for ps in marked}, timeout=timeout)
+    except (tf.errors.OpError, PsTimeout) as error:
+        where = describe_task(getattr(error, "_psclient_ps", None), describe_ps)
+        log.warning("%s could not copy its variables before a checkpoint's cut (%s): the cut reads them whole",
+                    where, first_line(error))
+        return None
+    copies = {ps: by_slot for ps, by_slot in copies.items() if by_slot}
+    return Prepared(copies, time.monotonic() - started) if copies else None
+
+
+def _copy_sparse_written(slots: list) -> dict[tuple, _Copy]:
+    """On the ps in force: a stage for each slot scattered, and not written whole, since the marks were
+    last cleared, filled chunk by chunk; every slot's marks cleared first (so those copied mark what
+    is written from then on)."""
+    flags = tf.stack([tf.stack([tf.reduce_max(marks.rows.read_value()), marks.whole.read_value()])
+                      for _slot, marks in slots]).numpy()
+    for _slot, marks in slots:
+        marks.reset()
+    out = {}
+    for (slot, marks), (scattered, whole) in zip(slots, flags):
+        if not scattered or whole:
+            continue  # read in the cut: shares its buffer (not in copy-on-read mode), or written densely
+        variable = slot.variable
+        shape = variable.shape.as_list()
+        # Uninitialized memory (`Empty`): its pages cost memory as the chunks fill them.
+        empty = tf.raw_ops.Empty(shape=_pieces.coordinator_constant(shape, tf.int32), dtype=variable.dtype,
+                                 init=False)
+        stage = _variables.uncreated_variable(empty, "psclient_checkpoint_stage")
+        del empty  # the stage's buffer alone: a scatter into it then writes in place
+        rows = _pieces.chunk_rows(shape, variable.dtype, aligned=False)
+        for start in range(0, shape[0], rows):
+            chunk = tf.range(_pieces.coordinator_constant(start, tf.int64),
+                             _pieces.coordinator_constant(min(shape[0], start + rows), tf.int64))
+            _move_rows(variable, stage, chunk)
+        out[(slot.key, slot.spec)] = _Copy(slot, marks, stage)
+        # Traced now, not in the cut (once per shape and dtype: a later checkpoint finds it).
+        _catch_up.get_concrete_function(marks.rows, marks.whole, variable, stage)
+    return out
+
+
+def _move_rows(variable: Any, stage: Any, indices: Any) -> None:
+    """Rows `indices` of `variable` into the same rows of `stage` (on their ps)."""
+    tf.raw_ops.ResourceScatterUpdate(
+        resource=stage.handle, indices=indices,
+        updates=tf.raw_ops.ResourceGather(resource=variable.handle, indices=indices, dtype=variable.dtype))
+
+
+def cut(prepared: Prepared, copies: list[_Copy]) -> list:
+    """In the cut, on the ps in force: each copy's value, its stage with the rows marked since its
+    copy read again, or the variable read whole where it was written whole since."""
+    if not copies:
+        return []
+    # One call on the ps per copy (the stall counts each round trip), then one fetch for all.
+    counts = [_catch_up(copy.marks.rows, copy.marks.whole, copy.slot.variable, copy.stage) for copy in copies]
+    read_again = tf.stack(counts).numpy()
+    prepared.read_again.extend(max(0, int(count)) for count in read_again)
+    # Read eagerly, not returned by the function: the ps kept a function's last outputs alive
+    # until the next call (one stage held between checkpoints).
+    return [copy.slot.variable.read_value() if count < 0 else copy.stage.read_value()
+            for copy, count in zip(copies, read_again)]
+
+
+@tf.function(autograph=False)
+def _catch_up(marks, whole, variable, stage):
+    """The rows `marks` flags read again from `variable` into `stage`, which is then read sharing its
+    buffer (the scatters put it in copy-on-read mode; nothing writes it afterwards, and it is dropped
+    once read); how many rows, or -1 where `whole` is set (`variable` is then read whole instead)."""
+    def patched():
+        indices = tf.reshape(tf.where(marks.read_value() > 0), [-1])
+        _move_rows(variable, stage, indices)
+        tf.raw_ops.DisableCopyOnRead(resource=stage.handle)  # after the scatter: same resource, in order
+        return tf.size(indices, out_type=tf.int64)
+
+    return tf.cond(whole.read_value() > 0, lambda: tf.constant(-1, tf.int64), patched)

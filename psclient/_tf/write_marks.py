@@ -1,0 +1,118 @@
+"""Which rows of a big variable were written: what lets a checkpoint copy it while training goes on.
+
+A checkpoint's cut is the moment between closures whose values it saves. A
+variable updated by sparse ops (`ResourceScatter*`: an embedding table and its
+optimizer's slots) is in TensorFlow's copy-on-read mode, so reading it in the
+cut copies it whole there, and the pause grows with its bytes. Instead, its
+rows can be copied in ranges *before* the cut, while training goes on (a
+"fuzzy" copy: each range as of its own moment), and the cut then reads again
+only the rows written since the copy began. That needs every write to say
+which rows it wrote: `WriteMarks` keeps, beside the variable on its ps,
+
+- `rows`: one int8 per row, set to 1 by every sparse write of those rows;
+- `whole`: a scalar set to 1 by every dense write (`assign`, `assign_add`,
+  `assign_sub`, `batch_scatter_update`): the cut must then read it whole.
+
+`attach` wraps the variable's own write methods (`scatter_*`, `scatter_nd_*`,
+`assign*`) on that object, so Keras's optimizers (which call them), psclient's
+sparse updates and user code that calls them all mark what they write, eagerly
+or traced. In a traced function the mark runs after the write (a control
+dependency): a mark seen in the cut then always follows its write. Writes that
+bypass the methods (raw ops on `variable.handle`, `tf.compat.v1.scatter_*`) are
+not marked: `StrategyConfig(checkpoint_cut="copy")` reads every variable whole
+in the cut instead (docs/fault_tolerance.md).
+
+Cost: a mark is one more scatter (int8) on the ps per sparse write, and the
+marks take one byte per row (1/128 of a 32-wide float32 row).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import tensorflow as tf
+
+__all__ = ["WriteMarks", "attach", "marks_of"]
+
+_SPARSE = ("scatter_add", "scatter_sub", "scatter_update", "scatter_max", "scatter_min", "scatter_mul",
+           "scatter_div")
+_SPARSE_ND = ("scatter_nd_add", "scatter_nd_sub", "scatter_nd_update", "scatter_nd_max", "scatter_nd_min")
+_DENSE = ("assign", "assign_add", "assign_sub", "batch_scatter_update")
+
+#: The attribute of a marked variable that holds its WriteMarks.
+_ATTRIBUTE = "_psclient_write_marks"
+
+
+class WriteMarks:
+    """The write marks of one variable (or shard) of rank >= 1, on its ps (see the module)."""
+
+    __slots__ = ("rows", "whole", "__weakref__")
+
+    def __init__(self, rows: Any, whole: Any):
+        self.rows, self.whole = rows, whole
+
+    def mark_rows(self, indices: Any, after: Any) -> None:
+        indices = tf.reshape(tf.convert_to_tensor(indices), [-1])
+        with _after(after), tf.device(self.rows.device):
+            self.rows.scatter_update(tf.IndexedSlices(tf.ones_like(indices, dtype=tf.int8), indices))
+
+    def mark_whole(self, after: Any) -> None:
+        with _after(after), tf.device(self.whole.device):
+            self.whole.assign(tf.constant(1, tf.int8), read_value=False)
+
+    def reset(self) -> None:
+        """Every mark cleared (eagerly, on their ps): writes from now on are marked again."""
+        self.rows.assign(tf.zeros(self.rows.shape, tf.int8), read_value=False)  # (no read: may hold none yet)
+        self.whole.assign(tf.constant(0, tf.int8), read_value=False)
+
+    def variables(self) -> tuple:
+        return self.rows, self.whole
+
+
+def _after(write: Any):
+    """Control dependencies on `write` (a write method's result) in a traced function; none eagerly
+    (ops then run in program order)."""
+    if tf.executing_eagerly() or write is None:
+        return tf.control_dependencies(None)
+    op = getattr(write, "op", write)
+    return tf.control_dependencies([op])
+
+
+def marks_of(variable: Any) -> WriteMarks | None:
+    return getattr(variable, _ATTRIBUTE, None)
+
+
+def attach(variable: Any, make: Callable[[Any, str], Any]) -> WriteMarks:
+    """Give `variable` write marks, made by `make(initial_value, name)` (a plain variable on
+    `variable`'s ps), and wrap its write methods to set them."""
+    rows = int(variable.shape[0])
+    name = variable.name.split(":")[0]
+    marks = WriteMarks(make(tf.zeros([rows], tf.int8), f"{name}/rows_written"),
+                       make(tf.constant(0, tf.int8), f"{name}/written_whole"))
+    setattr(variable, _ATTRIBUTE, marks)
+    for method in _SPARSE:
+        setattr(variable, method, _sparse(getattr(variable, method), marks, lambda delta: delta.indices))
+    for method in _SPARSE_ND:
+        setattr(variable, method, _sparse(getattr(variable, method), marks, lambda indices: indices[..., 0]))
+    for method in _DENSE:
+        setattr(variable, method, _dense(getattr(variable, method), marks))
+    return marks
+
+
+def _sparse(write: Callable, marks: WriteMarks, rows_of: Callable) -> Callable:
+    @functools.wraps(write)
+    def method(what, *args, **kwargs):
+        result = write(what, *args, **kwargs)
+        marks.mark_rows(rows_of(what), result)
+        return result
+    return method
+
+
+def _dense(write: Callable, marks: WriteMarks) -> Callable:
+    @functools.wraps(write)
+    def method(*args, **kwargs):
+        result = write(*args, **kwargs)
+        marks.mark_whole(result)
+        return result
+    return method

@@ -1,0 +1,222 @@
+"""A checkpoint copies its big sparse-updated variables before the cut, training going on.
+
+The cut then reads again only the rows written since the copy began
+(`checkpoints.fuzzy_copy`, `_tf.write_marks`). Checked on a real cluster with
+steps that keep running beside each save: every checkpoint must hold exactly
+the values of its cut. Each step takes a number from a counter on ps:0 and
+adds 1 to 64 rows of a table on ps:1 that the number picks, so a checkpoint
+whose counter reads `c` must hold the table the steps 1..c make, row for row.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import psclient
+from psclient._tf.write_marks import marks_of
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+ROWS, WIDTH, TOUCHED = 600_000, 8, 64  # 19.2 MB: three row chunks of 8 MiB (the checkpoint's)
+VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+@pytest.fixture(scope="module")
+def cluster(two_workers_two_ps):
+    return two_workers_two_ps
+
+
+def rows_of(k: int) -> np.ndarray:
+    return (k * 7919 + np.arange(TOUCHED) * 104_729) % ROWS
+
+
+def expected_table(count: int) -> np.ndarray:
+    table = np.zeros([ROWS, WIDTH], np.float32)
+    for k in range(1, count + 1):
+        np.add.at(table, rows_of(k), 1.0)
+    return table
+
+
+def build(strategy):
+    with strategy.scope():
+        with tf.device("/job:ps/task:0"):
+            counter = tf.Variable(0, dtype=tf.int64)
+        with tf.device("/job:ps/task:1"):
+            table = tf.Variable(tf.zeros([ROWS, WIDTH]))
+            dense = tf.Variable(tf.zeros([ROWS, WIDTH]))  # written whole by each step
+            frozen = tf.Variable(tf.ones([ROWS, WIDTH]))  # never written
+
+    @tf.function
+    def step():
+        k = counter.assign_add(1)
+        rows = (k * 7919 + tf.range(TOUCHED, dtype=tf.int64) * 104_729) % ROWS
+        table.scatter_add(tf.IndexedSlices(tf.ones([TOUCHED, WIDTH]), rows))
+        dense.assign_add(tf.fill([ROWS, WIDTH], 1.0))
+        return k
+    return counter, table, dense, frozen, step
+
+
+class Training:
+    """Schedules `step` from a thread of its own until stopped: steps run beside every save."""
+
+    def __init__(self, strategy, step):
+        self._stop = threading.Event()
+        self.errors = []
+
+        def run():
+            for _ in range(100_000):  # bounded; stopped by the test long before
+                if self._stop.is_set():
+                    return
+                try:
+                    strategy.schedule(step).result(timeout=120)
+                except Exception as error:  # noqa: BLE001 - the test asserts there was none
+                    self.errors.append(error)
+                    return
+        self._threads = [threading.Thread(target=run, name=f"test-training-{i}") for i in range(2)]
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self):
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(120)
+        assert not any(thread.is_alive() for thread in self._threads)
+
+
+def saves_beside_training(strategy, step, tries=6):
+    """Saves while two threads schedule `step`, until a cut read rows again (at most `tries`):
+    [(path, copied bytes, rows read again)]."""
+    training = Training(strategy, step)
+    seen = []
+    try:
+        for _ in range(tries):
+            path = strategy.save_checkpoint()
+            stats = strategy.stats()["checkpoints"]
+            seen.append((path, stats["last_copied_bytes"], stats["last_rows_read_again"]))
+            if stats["last_rows_read_again"]:
+                break
+    finally:
+        training.stop()
+    assert not training.errors, training.errors
+    return seen
+
+
+def assert_holds_its_cut(path):
+    reader = tf.train.load_checkpoint(path)
+    count = int(reader.get_tensor("v000000" + VALUE))
+    assert count >= 1
+    np.testing.assert_array_equal(reader.get_tensor("v000001" + VALUE), expected_table(count),
+                                  err_msg=f"{path}: counter {count}")
+    assert np.all(reader.get_tensor("v000002" + VALUE) == count)
+
+
+def test_each_checkpoint_holds_its_cut_while_steps_write_during_the_copy(cluster, tmp_path):
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"),
+                                                variable_partitioner=None)
+    try:
+        counter, table, dense, frozen, step = build(strategy)
+        assert marks_of(table) is not None and marks_of(dense) is not None and marks_of(counter) is None
+        strategy.schedule(step).result(timeout=120)  # the table now scatter-updated (copy-on-read mode)
+        seen = saves_beside_training(strategy, step)
+        # Only the table was copied before its cut: `dense` is written whole by every step (read
+        # whole in the cut), `frozen` never written (its read in the cut shares its buffer).
+        assert all(copied == ROWS * WIDTH * 4 for _path, copied, _again in seen), seen
+        assert seen[-1][2] > 0, f"no save had a step write during its copy: {seen}"
+        for path, _copied, _again in seen:
+            assert_holds_its_cut(path)
+            assert np.all(tf.train.load_checkpoint(path).get_tensor("v000003" + VALUE) == 1.0)
+        restored = strategy.restore()
+        assert restored["path"] == seen[-1][0]
+        np.testing.assert_array_equal(table.read_value().numpy(), expected_table(int(counter.read_value())))
+    finally:
+        strategy.shutdown()
+
+
+def test_a_restarted_ps_gets_new_marks_and_its_checkpoints_hold_their_cut(cluster, restore_shared_clusters,
+                                                                         tmp_path):
+    """ps 1 (the table's) killed and started again: its variables and their marks are made again
+    there, every variable goes back to the newest checkpoint (`ps_recovery="all"`: the counter
+    on ps 0 with them), and the checkpoints taken beside training afterwards hold their cut."""
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"),
+                                                variable_partitioner=None, ps_recovery="all", hang_timeout=3.0)
+    try:
+        counter, table, _dense, _frozen, step = build(strategy)
+        strategy.schedule(step).result(timeout=120)
+        before = saves_beside_training(strategy, step, tries=1)
+        cluster.kill("ps", 1)
+        cluster.restart("ps", 1)
+        assert int(strategy.schedule(step).result(timeout=150)) >= 1  # met the restarted ps, recovered
+        assert strategy.stats()["ps"][1]["recoveries"] == 1
+        np.testing.assert_array_equal(table.numpy(), expected_table(int(counter.numpy())))
+        assert not marks_of(table).rows.numpy()[np.setdiff1d(np.arange(ROWS), rows_of(int(counter.numpy())))].any()
+        after = saves_beside_training(strategy, step)
+        assert after[-1][1] == ROWS * WIDTH * 4 and after[-1][2] > 0, after
+        for path, _copied, _again in before + after:
+            assert_holds_its_cut(path)
+    finally:
+        strategy.shutdown()
+
+
+def test_checkpoint_cut_copy_reads_every_variable_in_the_cut(cluster, tmp_path):
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"),
+                                                variable_partitioner=None, checkpoint_cut="copy")
+    try:
+        counter, table, _dense, _frozen, step = build(strategy)
+        assert marks_of(table) is None  # nothing marked: a step costs no more op
+        for _ in range(3):
+            strategy.schedule(step)
+        path = strategy.save_checkpoint()
+        stats = strategy.stats()["checkpoints"]
+        assert stats["last_copied_bytes"] == 0 and stats["last_rows_read_again"] == 0
+        reader = tf.train.load_checkpoint(path)
+        count = int(reader.get_tensor("v000000" + VALUE))
+        np.testing.assert_array_equal(reader.get_tensor("v000001" + VALUE), expected_table(count))
+    finally:
+        strategy.shutdown()
+
+
+def test_a_bad_checkpoint_cut_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"checkpoint_cut.*Received: checkpoint_cut='fuzzy'.*'rows'.*'copy'"):
+        psclient.StrategyConfig(checkpoint_cut="fuzzy")
+
+
+def test_keras_fit_marks_the_rows_adagrad_writes_and_its_checkpoint_restores(cluster, tmp_path):
+    """Keras's own update path (Adagrad: scatter_add on the accumulator, scatter_sub on the table, on
+    each shard) marks what it writes; a save from a callback mid-fit copies both before its cut."""
+    import keras
+
+    rows, width = 300_000, 16  # 19.2 MB, two shards of 9.6 MB (one per ps), each above a row chunk
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"))
+    try:
+        with strategy.scope():
+            model = keras.Sequential([keras.Input([4], dtype="int64"), keras.layers.Embedding(rows, width),
+                                      keras.layers.Flatten(), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
+        table = model.layers[0].embeddings.value
+        shards = table.variables
+        assert len(shards) == 2 and all(marks_of(shard) is not None for shard in shards)
+        ids = np.random.default_rng(0).integers(0, rows, size=[256, 4])
+        data = tf.data.Dataset.from_tensor_slices((ids, np.ones([256, 1], np.float32))).batch(32).repeat()
+        saved = {}
+
+        class SaveMidFit(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch == 5:
+                    saved["path"] = strategy.save_checkpoint()
+                    saved["stats"] = strategy.stats()["checkpoints"]
+
+        model.fit(data, epochs=1, steps_per_epoch=12, verbose=0, callbacks=[SaveMidFit()])
+        # The table and its accumulator (both partitioned) were copied before the cut.
+        assert saved["stats"]["last_copied_bytes"] == 2 * rows * width * 4, saved["stats"]
+        marked = np.concatenate([marks_of(shard).rows.numpy() for shard in shards])
+        assert marked.any() and not marked[np.setdiff1d(np.arange(rows), ids.ravel())].any()
+        reader = tf.train.load_checkpoint(saved["path"])
+        name = min(key for key, shape in reader.get_variable_to_shape_map().items()
+                   if shape == [rows, width])  # the table: created before its accumulator
+        restored = strategy.restore()
+        assert restored["path"] == saved["path"]  # the newest: nothing else saved since
+        np.testing.assert_array_equal(table.numpy(), reader.get_tensor(name))
+    finally:
+        strategy.shutdown()
