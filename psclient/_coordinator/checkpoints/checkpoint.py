@@ -242,7 +242,7 @@ class Checkpoints:
                 self.before_write(path)
             prepared = pending.snapshot.prepared
             if prepared is not None:
-                prepared.release(self._hang_timeout)  # the stages: their reads in the snapshot hold what is written
+                prepared.release(self._hang_timeout)  # the snapshot holds their reads
             self.times["last_rows_read_again"] = prepared.rows_read_again() if prepared is not None else 0
             _snapshot.write_snapshot(path, pending.snapshot, pending.scalars, self._describe_ps, pending.meta,
                                      timeout=self._hang_timeout, abandoned=lambda: self._closing)

@@ -129,7 +129,7 @@ def _read(ps: int, slots: list, prepared: _fuzzy.Prepared | None) -> list:
     """Each slot's value on `ps` (the device in force), in order: a read of the variable, or, for one
     copied before the cut, its copy with the rows written since read again."""
     copies = [prepared.take(ps, slot) if prepared is not None else None for slot in slots]
-    patched = iter(_fuzzy.cut(prepared, [copy for copy in copies if copy is not None]))
+    patched = iter(_fuzzy.cut(prepared, ps, [copy for copy in copies if copy is not None]))
     return [slot.variable.read_value() if copy is None else next(patched) for slot, copy in zip(slots, copies)]
 
 

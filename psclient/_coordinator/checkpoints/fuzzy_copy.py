@@ -67,25 +67,30 @@ class Prepared:
     def __init__(self, copies: dict[int, dict[tuple, _Copy]], seconds: float):
         self.copies, self.seconds = copies, seconds
         self.nbytes = sum(_pieces.slot_bytes(copy.slot) for by_slot in copies.values() for copy in by_slot.values())
-        #: Rows the cut read again, per copy (`cut`).
-        self.read_again: list[int] = []
+        #: Rows the cut read again: ps -> one count per copy (`cut`), tensors on the ps until
+        #: `release` fetches them (with a timeout), then ints.
+        self.read_again: dict[int, list] = {}
 
     def take(self, ps: int, slot: Any) -> _Copy | None:
         return self.copies.get(ps, {}).get((slot.key, slot.spec))
 
     def rows_read_again(self) -> int:
-        return sum(self.read_again)
+        """How many rows the cut read again (counted by `release`; a ps that did not answer: 0)."""
+        return sum(count for counts in self.read_again.values() for count in counts if isinstance(count, int))
 
     def release(self, timeout: float | None = None) -> None:
         """Drop the stages once the cut read them (the reads keep what is written): each first
         given an empty value on its ps, since a ps keeps the resources of a function's last call
-        alive until its next one (a whole stage, held from one checkpoint to the next). Waits at
-        most `timeout` for a ps (a hung one keeps its stages until it answers)."""
+        alive until its next one (a whole stage, held from one checkpoint to the next). Fetches the
+        counts of rows read again. Waits at most `timeout` for a ps (a hung one keeps its stages
+        until it answers)."""
         copies, self.copies = self.copies, {}
 
         def empty_on(ps: int) -> Callable[[], None]:
             def run() -> None:
                 with device_of(ps):
+                    counts = self.read_again.get(ps, [])
+                    self.read_again[ps] = [int(n) for n in tf.stack(counts).numpy()] if counts else []
                     for copy in copies[ps].values():
                         shape = copy.stage.shape.as_list()
                         tf.raw_ops.AssignVariableOp(resource=copy.stage.handle, validate_shape=False,
@@ -157,7 +162,7 @@ def _copy_sparse_written(slots: list) -> dict[tuple, _Copy]:
             _move_rows(variable, stage, chunk)
         out[(slot.key, slot.spec)] = _Copy(slot, marks, stage)
         # Traced now, not in the cut (once per shape and dtype: a later checkpoint finds it).
-        _catch_up.get_concrete_function(marks.rows, marks.whole, variable, stage)
+        _cut_one.get_concrete_function(marks.rows, marks.whole, variable, stage)
     return out
 
 
@@ -168,30 +173,27 @@ def _move_rows(variable: Any, stage: Any, indices: Any) -> None:
         updates=tf.raw_ops.ResourceGather(resource=variable.handle, indices=indices, dtype=variable.dtype))
 
 
-def cut(prepared: Prepared, copies: list[_Copy]) -> list:
+def cut(prepared: Prepared, ps: int, copies: list[_Copy]) -> list:
     """In the cut, on the ps in force: each copy's value, its stage with the rows marked since its
     copy read again, or the variable read whole where it was written whole since."""
-    if not copies:
-        return []
-    # One call on the ps per copy (the stall counts each round trip), then one fetch for all.
-    counts = [_catch_up(copy.marks.rows, copy.marks.whole, copy.slot.variable, copy.stage) for copy in copies]
-    read_again = tf.stack(counts).numpy()
-    prepared.read_again.extend(max(0, int(count)) for count in read_again)
-    # Read eagerly, not returned by the function: the ps kept a function's last outputs alive
-    # until the next call (one stage held between checkpoints).
-    return [copy.slot.variable.read_value() if count < 0 else copy.stage.read_value()
-            for copy, count in zip(copies, read_again)]
+    out = []
+    for copy in copies:
+        # One call on the ps per copy, nothing fetched: the stall counts each round trip.
+        value, count = _cut_one(copy.marks.rows, copy.marks.whole, copy.slot.variable, copy.stage)
+        prepared.read_again.setdefault(ps, []).append(count)
+        out.append(value)
+    return out
 
 
 @tf.function(autograph=False)
-def _catch_up(marks, whole, variable, stage):
-    """The rows `marks` flags read again from `variable` into `stage`, which is then read sharing its
-    buffer (the scatters put it in copy-on-read mode; nothing writes it afterwards, and it is dropped
-    once read); how many rows, or -1 where `whole` is set (`variable` is then read whole instead)."""
+def _cut_one(marks, whole, variable, stage):
+    """(value at the cut, rows read again): `variable` read whole if `whole` is set, else `stage`
+    with the rows `marks` flags read again, read sharing its buffer (the scatters put it in
+    copy-on-read mode; nothing writes it afterwards, and `release` empties it)."""
     def patched():
         indices = tf.reshape(tf.where(marks.read_value() > 0), [-1])
         _move_rows(variable, stage, indices)
         tf.raw_ops.DisableCopyOnRead(resource=stage.handle)  # after the scatter: same resource, in order
-        return tf.size(indices, out_type=tf.int64)
+        return stage.read_value(), tf.size(indices, out_type=tf.int64)
 
-    return tf.cond(whole.read_value() > 0, lambda: tf.constant(-1, tf.int64), patched)
+    return tf.cond(whole.read_value() > 0, lambda: (variable.read_value(), tf.constant(0, tf.int64)), patched)
