@@ -57,6 +57,9 @@ def families(stats: dict) -> list:
         _counter("checkpoints_written", "Strategy checkpoints written.", stats["checkpoints_written"]),
     ]
     out += _checkpoint_times(stats.get("checkpoint", {}))
+    if (stall := (stats.get("checkpoints") or {}).get("last_stall_seconds")) is not None:
+        out.append(_gauge("checkpoint_last_stall_seconds",
+                          "Seconds dispatch was paused for the newest checkpoint's cut.", stall))
     out += _data_ledgers(stats.get("data", {}).get("feeds", []))
     out += _dynamic_tables(stats.get("dynamic_embeddings", {}))
     return out

@@ -43,6 +43,7 @@ def _stats(**extra) -> dict:
         "ps": [{"failures": 1, "recoveries": 1, "last_recovery_s": 0.5, "rolled_back_closures": 7, "up": True}],
         "checkpoints_written": 2, "staleness": staleness.summary(),
         "checkpoint": {"seconds_total": 1.5, "last_seconds": 0.5, "last_bytes": 4096},
+        "checkpoints": {"last_stall_seconds": 0.03},
         "data": {"feeds": [{"shards": 8, "done": 3}]},
         "dynamic_embeddings": {"user": [{"ps": 0, "rows": 10, "admissions": 12, "evictions": 2},
                                         {"ps": 1, "available": False, "error": "AbortedError"}]},
@@ -84,6 +85,7 @@ def test_families_follow_prometheus_naming_and_carry_the_counts():
     assert samples[("psclient_update_staleness_count", ())] == 3
     assert samples[("psclient_checkpoint_seconds_total", ())] == 1.5
     assert samples[("psclient_checkpoint_last_bytes", ())] == 4096
+    assert samples[("psclient_checkpoint_last_stall_seconds", ())] == 0.03
     assert samples[("psclient_data_shards_pending", (("feed", "0"),))] == 5
     assert samples[("psclient_embedding_rows", (("layer", "user"), ("task", "ps:0")))] == 10
     assert samples[("psclient_embedding_admissions_total", (("layer", "user"), ("task", "ps:0")))] == 12
