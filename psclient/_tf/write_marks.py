@@ -85,11 +85,12 @@ def marks_of(variable: Any) -> WriteMarks | None:
 
 def attach(variable: Any, make: Callable[[Any, str], Any]) -> WriteMarks:
     """Give `variable` write marks, made by `make(initial_value, name)` (a plain variable on
-    `variable`'s ps), and wrap its write methods to set them."""
+    `variable`'s ps, from a callable initial value), and wrap its write methods to set them."""
     rows = int(variable.shape[0])
     name = variable.name.split(":")[0]
-    marks = WriteMarks(make(tf.zeros([rows], tf.int8), f"{name}/rows_written"),
-                       make(tf.constant(0, tf.int8), f"{name}/written_whole"))
+    # Callables: made where `make` puts them (the ps), eagerly even while a function is traced.
+    marks = WriteMarks(make(lambda: tf.zeros([rows], tf.int8), f"{name}/rows_written"),
+                       make(lambda: tf.constant(0, tf.int8), f"{name}/written_whole"))
     setattr(variable, _ATTRIBUTE, marks)
     for method in _SPARSE:
         setattr(variable, method, _sparse(getattr(variable, method), marks, lambda delta: delta.indices))

@@ -159,6 +159,27 @@ def test_a_restarted_ps_gets_new_marks_and_its_checkpoints_hold_their_cut(cluste
         strategy.shutdown()
 
 
+def test_a_variable_made_while_a_function_is_traced_marks_its_writes(cluster, tmp_path):
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"),
+                                                variable_partitioner=None)
+    try:
+        made = {}
+        with strategy.scope():
+            @tf.function
+            def make_and_write():
+                if "table" not in made:  # made at the first trace (lifted out of it, onto a ps)
+                    made["table"] = tf.Variable(lambda: tf.zeros([ROWS, WIDTH]), shape=[ROWS, WIDTH])
+                made["table"].scatter_add(tf.IndexedSlices(tf.ones([2, WIDTH]), tf.constant([3, 7])))
+                return tf.constant(1)
+
+        strategy.schedule(make_and_write).result(timeout=120)
+        assert np.flatnonzero(marks_of(made["table"]).rows.numpy()).tolist() == [3, 7]
+        strategy.save_checkpoint()
+        assert strategy.stats()["checkpoints"]["last_copied_bytes"] == ROWS * WIDTH * 4
+    finally:
+        strategy.shutdown()
+
+
 def test_checkpoint_cut_copy_reads_every_variable_in_the_cut(cluster, tmp_path):
     strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"),
                                                 variable_partitioner=None, checkpoint_cut="copy")
