@@ -31,17 +31,23 @@ def cluster(one_worker_two_ps, restore_shared_clusters):
     return one_worker_two_ps
 
 
-def build(strategy):
+def build(strategy, marked=False):
+    """A counter on ps:0, a table on ps:1 added to whole by each step; `marked`: a table of 19 MB
+    updated by a scatter instead, which a checkpoint copies before its cut (`fuzzy_copy`)."""
+    shape = [300_000, 16] if marked else [10_000, 8]
     with strategy.scope():
         with tf.device("/job:ps/task:0"):
             counter = tf.Variable(0.0)
         with tf.device("/job:ps/task:1"):
-            table = tf.Variable(tf.zeros([10_000, 8]))
+            table = tf.Variable(tf.zeros(shape))
 
     @tf.function
     def step():
         counter.assign_add(1.0)
-        table.assign_add(tf.ones([10_000, 8]))
+        if marked:
+            table.scatter_add(tf.IndexedSlices(tf.ones([2, shape[1]]), tf.constant([0, shape[0] - 1])))
+        else:
+            table.assign_add(tf.ones(shape))
     return counter, table, step
 
 
@@ -66,12 +72,16 @@ def check_back_to_normal(strategy, cluster, directory, step, counter, previous):
         counter.read_value())
 
 
+@pytest.mark.parametrize("marked", [False, True], ids=["read-in-the-cut", "copied-before-the-cut"])
 @pytest.mark.parametrize("when", ["snapshot", "write"])
-def test_a_ps_stopped_during_a_save_fails_it_within_hang_timeout_naming_the_ps(cluster, tmp_path, when):
+def test_a_ps_stopped_during_a_save_fails_it_within_hang_timeout_naming_the_ps(cluster, tmp_path, when, marked):
+    """Stopped before the save (its copy before the cut, then the cut, each give up after
+    hang_timeout), or as its write starts (the stages' release, then the write)."""
     directory = tmp_path / "ckpt"
-    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(directory), hang_timeout=HANG_TIMEOUT)
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(directory), hang_timeout=HANG_TIMEOUT,
+                                                variable_partitioner=None)
     try:
-        counter, _table, step = build(strategy)
+        counter, _table, step = build(strategy, marked)
         strategy.schedule(step).result(timeout=60)
         previous = tf.train.latest_checkpoint(str(directory))
         assert previous is not None
@@ -86,6 +96,8 @@ def test_a_ps_stopped_during_a_save_fails_it_within_hang_timeout_naming_the_ps(c
         assert waited < HANG_TIMEOUT + SLACK_S
         assert tf.train.latest_checkpoint(str(directory)) == previous
         assert strategy.stats()["checkpoints"]["writing"] is False
+        if marked and when == "write":  # the table was copied before the cut, its stage then waited on
+            assert strategy.stats()["checkpoints"]["last_copied_bytes"] == 300_000 * 16 * 4
         check_back_to_normal(strategy, cluster, directory, step, counter, previous)
     finally:
         cluster.resume("ps", 1)
