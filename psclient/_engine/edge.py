@@ -117,6 +117,12 @@ class CheckpointStore(Protocol):
     def check_writable(self) -> None:
         """Raise FileExistsError if the directory holds another run's checkpoints."""
 
+    def prepare(self, variables: dict[str, Any]) -> None:
+        """Before a cut, training going on: copy what the next `snapshot` then reads only in part."""
+
+    def discard_prepared(self) -> None:
+        """The cut `prepare` was for is not taken: drop its copies."""
+
     def snapshot(self, variables: dict[str, Any], completed: int | None, *, meta: dict | None = None,
                  tables: dict | None = None, delta: bool = False) -> Any:
         """Take a checkpoint of `variables` (and `tables`, with `meta` beside) in a cut: each ps holds its
