@@ -51,7 +51,7 @@ class VariableStore:
                  on_renew: tuple[Callable[[set], None], ...] = (), write_marks: bool = False):
         self._num_ps = num_ps
         self._partitioner = partitioner
-        # Whether a variable (or shard) a checkpoint would save in row chunks gets write marks
+        # Whether a variable (or shard) above one checkpoint row chunk (8 MiB) gets write marks
         # (`psclient._tf.write_marks`): its cut then reads again only the rows written since
         # its copy began (`checkpoints.fuzzy_copy`).
         self._marking = write_marks
@@ -229,7 +229,7 @@ class VariableStore:
         return variable
 
     def _mark_writes(self, variable: Any) -> None:
-        """Write marks for `variable` (a tf.Variable on a ps) if a checkpoint saves it in row chunks."""
+        """Write marks for `variable` (a tf.Variable on a ps) if it is above one checkpoint row chunk."""
         if not self._marking or not variable.shape.is_fully_defined() or \
                 _pieces.chunk_rows(variable.shape.as_list(), variable.dtype, aligned=False) is None:
             return
