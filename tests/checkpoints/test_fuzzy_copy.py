@@ -209,6 +209,9 @@ def test_keras_fit_marks_the_rows_adagrad_writes_and_its_checkpoint_restores(clu
     import keras
 
     rows, width = 300_000, 16  # 19.2 MB, two shards of 9.6 MB (one per ps), each above a row chunk
+    # The data first, then the strategy and the model, as published Keras scripts do.
+    ids = np.random.default_rng(0).integers(0, rows, size=[256, 4])
+    data = tf.data.Dataset.from_tensor_slices((ids, np.ones([256, 1], np.float32))).batch(32).repeat()
     strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"))
     try:
         with strategy.scope():
@@ -218,8 +221,6 @@ def test_keras_fit_marks_the_rows_adagrad_writes_and_its_checkpoint_restores(clu
         table = model.layers[0].embeddings.value
         shards = table.variables
         assert len(shards) == 2 and all(marks_of(shard) is not None for shard in shards)
-        ids = np.random.default_rng(0).integers(0, rows, size=[256, 4])
-        data = tf.data.Dataset.from_tensor_slices((ids, np.ones([256, 1], np.float32))).batch(32).repeat()
         saved = {}
 
         class SaveMidFit(keras.callbacks.Callback):

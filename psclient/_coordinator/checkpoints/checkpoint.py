@@ -15,8 +15,9 @@ that is removed, so the previous checkpoint stays the newest. The newest
 `keep` are kept.
 
 A save is two steps: `snapshot` in a cut (dispatch paused, nothing
-running: each ps holds the values of that moment, `checkpoint_snapshot`),
-then `write`. The strategy writes on this store's own thread
+running: each ps holds the values of that moment, `checkpoint_snapshot`;
+the big sparse-updated variables copied by `prepare` before it, training
+going on, re-read only where written since: `fuzzy_copy`), then `write`. The strategy writes on this store's own thread
 (`write_in_background`, `checkpoint_writer`), one write at a time, while
 training goes on; `close()` joins it, and a restore waits for it. Every call
 on a ps waits at most `hang_timeout`: a hung ps fails the save
