@@ -24,7 +24,8 @@ TESTS = ["tests/keras/test_keras_seam.py", "tests/keras/test_keras_fit.py", "tes
          "tests/strategy/test_ps_updates.py::test_fit_with_a_loss_scale_optimizer_equals_local_fit",
          # Write marks wrapped on a variable's methods; a checkpoint's copy before its cut
          # (`Empty`, `DisableCopyOnRead`, a shape-changing `AssignVariableOp`).
-         "tests/checkpoints/test_write_marks.py", "tests/checkpoints/test_fuzzy_copy.py"]
+         "tests/checkpoints/test_write_marks.py", "tests/checkpoints/test_fuzzy_copy.py",
+         "tests/checkpoints/test_table_copy.py", "tests/checkpoints/test_table_pack.py"]
 
 
 @nox.session

@@ -86,11 +86,12 @@ class VariableStore:
         by the table itself and saved with its rows: they are no model
         variables, and their number depends on the number of ps tasks.
         """
+        before = getattr(self._unmanaged, "active", False)  # nested (a table's storage, then its marks)
         self._unmanaged.active = True
         try:
             yield
         finally:
-            self._unmanaged.active = False
+            self._unmanaged.active = before
 
     def create(self, next_creator, **kwargs):
         """A `tf.variable_creator_scope` creator: place the variable on a ps task."""
@@ -230,10 +231,17 @@ class VariableStore:
 
     def _mark_writes(self, variable: Any) -> None:
         """Write marks for `variable` (a tf.Variable on a ps) if it is above one checkpoint row chunk."""
-        if not self._marking or not variable.shape.is_fully_defined() or \
-                _pieces.chunk_rows(variable.shape.as_list(), variable.dtype, aligned=False) is None:
-            return
-        _write_marks.attach(variable, functools.partial(self._make_mark, variable.device))
+        if variable.shape.is_fully_defined():
+            self.mark_writes(variable, variable.shape.as_list())
+
+    def mark_writes(self, variable: Any, shape: list[int], force: bool = False) -> bool:
+        """Give `variable` (on a ps, of `shape`: a dynamic table's storage has no static one) write
+        marks where this store marks writes and it is above one checkpoint row chunk (`force`: of any
+        size, a table's keys copied with its rows); whether it did."""
+        if not self._marking or (not force and _pieces.chunk_rows(shape, variable.dtype, aligned=False) is None):
+            return False
+        _write_marks.attach(variable, functools.partial(self._make_mark, variable.device), rows=shape[0])
+        return True
 
     def _make_mark(self, device: str, value: Any, name: str) -> Any:
         with self.unmanaged(), tf.init_scope(), tf.device(device):

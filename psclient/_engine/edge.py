@@ -117,7 +117,7 @@ class CheckpointStore(Protocol):
     def check_writable(self) -> None:
         """Raise FileExistsError if the directory holds another run's checkpoints."""
 
-    def prepare(self, variables: dict[str, Any]) -> None:
+    def prepare(self, variables: dict[str, Any], tables: dict | None = None) -> None:
         """Before a cut, training going on: copy what the next `snapshot` then reads only in part."""
 
     def discard_prepared(self) -> None:

@@ -396,7 +396,7 @@ class Recovery:
         if action.reason == "checkpoint" and self.checkpoints is not None:
             # Training goes on while the big sparse-updated variables are copied: the cut then
             # reads again only their rows written since (checkpoints.fuzzy_copy).
-            self.checkpoints.prepare(self._store.named())
+            self.checkpoints.prepare(self._store.named(), self._store.tables())
         self._scheduler.pause()
         if action.reason == "checkpoint":  # a ps loss's pause is not a checkpoint's stall
             self._paused_at = self._clock()

@@ -28,12 +28,14 @@ marks take one byte per row (1/128 of a 32-wide float32 row).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from typing import Any, Callable
 
 import tensorflow as tf
 
-__all__ = ["WriteMarks", "attach", "marks_of"]
+__all__ = ["WriteMarks", "attach", "marks_of", "unmarked"]
 
 _SPARSE = ("scatter_add", "scatter_sub", "scatter_update", "scatter_max", "scatter_min", "scatter_mul",
            "scatter_div")
@@ -54,11 +56,11 @@ class WriteMarks:
 
     def mark_rows(self, indices: Any, after: Any) -> None:
         indices = tf.reshape(tf.convert_to_tensor(indices), [-1])
-        with _after(after), tf.device(self.rows.device):
+        with _after(after), _on(self.rows):
             self.rows.scatter_update(tf.IndexedSlices(tf.ones_like(indices, dtype=tf.int8), indices))
 
     def mark_whole(self, after: Any) -> None:
-        with _after(after), tf.device(self.whole.device):
+        with _after(after), _on(self.whole):
             self.whole.assign(tf.constant(1, tf.int8), read_value=False)
 
     def reset(self) -> None:
@@ -68,6 +70,12 @@ class WriteMarks:
 
     def variables(self) -> tuple:
         return self.rows, self.whole
+
+
+def _on(mark: Any):
+    """Eagerly, the mark's device. Traced, none: a graph places a write with its variable, and a
+    function run on the ps itself (a table's restore section) must not name a device."""
+    return tf.device(mark.device) if tf.executing_eagerly() else contextlib.nullcontext()
 
 
 def _after(write: Any):
@@ -83,10 +91,11 @@ def marks_of(variable: Any) -> WriteMarks | None:
     return getattr(variable, _ATTRIBUTE, None)
 
 
-def attach(variable: Any, make: Callable[[Any, str], Any]) -> WriteMarks:
+def attach(variable: Any, make: Callable[[Any, str], Any], rows: int | None = None) -> WriteMarks:
     """Give `variable` write marks, made by `make(initial_value, name)` (a plain variable on
-    `variable`'s ps, from a callable initial value), and wrap its write methods to set them."""
-    rows = int(variable.shape[0])
+    `variable`'s ps, from a callable initial value), and wrap its write methods to set them.
+    `rows`: its rows, where its shape does not say (a dynamic table's storage, of unknown shape)."""
+    rows = int(variable.shape[0]) if rows is None else int(rows)
     name = variable.name.split(":")[0]
     # Callables: made where `make` puts them (the ps), eagerly even while a function is traced.
     marks = WriteMarks(make(lambda: tf.zeros([rows], tf.int8), f"{name}/rows_written"),
@@ -101,11 +110,31 @@ def attach(variable: Any, make: Callable[[Any, str], Any]) -> WriteMarks:
     return marks
 
 
+_unmarked = threading.local()
+
+
+@contextlib.contextmanager
+def unmarked():
+    """Writes made (or traced) by this thread inside are not marked: for writers that say so another
+    way (a dynamic table's restore sections: `DenseShard.restores`)."""
+    before = getattr(_unmarked, "active", False)
+    _unmarked.active = True
+    try:
+        yield
+    finally:
+        _unmarked.active = before
+
+
+def _marking() -> bool:
+    return not getattr(_unmarked, "active", False)
+
+
 def _sparse(write: Callable, marks: WriteMarks, rows_of: Callable) -> Callable:
     @functools.wraps(write)
     def method(what, *args, **kwargs):
         result = write(what, *args, **kwargs)
-        marks.mark_rows(rows_of(what), result)
+        if _marking():
+            marks.mark_rows(rows_of(what), result)
         return result
     return method
 
@@ -114,6 +143,7 @@ def _dense(write: Callable, marks: WriteMarks) -> Callable:
     @functools.wraps(write)
     def method(*args, **kwargs):
         result = write(*args, **kwargs)
-        marks.mark_whole(result)
+        if _marking():
+            marks.mark_whole(result)
         return result
     return method

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from psclient._tf.write_marks import attach, marks_of
+from psclient._tf.write_marks import attach, marks_of, unmarked
 
 ROWS, WIDTH = 12, 3
 
@@ -78,3 +78,27 @@ def test_unmarked_variables_are_left_alone():
     assert marks_of(variable) is None
     variable.scatter_add(tf.IndexedSlices(tf.ones([1, WIDTH]), tf.constant([2])))
     assert float(variable.numpy()[2, 0]) == 1.0
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_writes_made_unmarked_mark_nothing(traced):
+    """A dynamic table's restore sections write under `unmarked()` (they count restores instead)."""
+    variable = marked_variable()
+
+    def writes():
+        variable.scatter_add(tf.IndexedSlices(tf.ones([1, WIDTH]), tf.constant([2])))
+        variable.assign(tf.zeros([ROWS, WIDTH]))
+
+    with unmarked():
+        (tf.function(writes) if traced else writes)()
+    assert rows_marked(variable) == [] and int(marks_of(variable).whole.numpy()) == 0
+    variable.scatter_add(tf.IndexedSlices(tf.ones([1, WIDTH]), tf.constant([5])))  # marked again outside
+    assert rows_marked(variable) == [5]
+
+
+def test_a_variable_of_unknown_shape_is_marked_over_the_rows_given():
+    """A dynamic table's storage has no static shape: its rows are given."""
+    variable = tf.Variable(tf.zeros([ROWS, WIDTH]), shape=tf.TensorShape(None))
+    attach(variable, lambda value, name: tf.Variable(value, trainable=False, name=name), rows=ROWS)
+    variable.scatter_update(tf.IndexedSlices(tf.ones([2, WIDTH]), tf.constant([3, 11])))
+    assert marks_of(variable).rows.shape == [ROWS] and rows_marked(variable) == [3, 11]

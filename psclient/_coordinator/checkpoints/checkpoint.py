@@ -16,8 +16,9 @@ that is removed, so the previous checkpoint stays the newest. The newest
 
 A save is two steps: `snapshot` in a cut (dispatch paused, nothing
 running: each ps holds the values of that moment, `checkpoint_snapshot`;
-the big sparse-updated variables copied by `prepare` before it, training
-going on, re-read only where written since: `fuzzy_copy`), then `write`. The strategy writes on this store's own thread
+the big sparse-updated variables and table shards copied by `prepare` before
+it, training going on, re-read only where written since: `fuzzy_copy`,
+`table_copy`), then `write`. The strategy writes on this store's own thread
 (`write_in_background`, `checkpoint_writer`), one write at a time, while
 training goes on; `close()` joins it, and a restore waits for it. Every call
 on a ps waits at most `hang_timeout`: a hung ps fails the save
@@ -209,12 +210,13 @@ class Checkpoints:
             self._deltas.snapshot_taken(self.times, delta)
         return pending
 
-    def prepare(self, variables: dict[str, Any]) -> None:
+    def prepare(self, variables: dict[str, Any], tables: dict | None = None) -> None:
         """Before a cut, training going on: copy the big variables written by sparse ops
-        (`fuzzy_copy`), so that the next `snapshot` reads only their rows written since.
-        Not with deltas (their diff needs each value whole, read in the cut)."""
+        (`fuzzy_copy`) and the big bounded tables' shards (`table_copy`), so that the next
+        `snapshot` reads only their rows written since. Not with deltas (their diff needs each
+        value whole, read in the cut)."""
         self._prepared = None if self._deltas is not None else \
-            _fuzzy.prepare(variables, self._describe_ps, timeout=self._hang_timeout)
+            _fuzzy.prepare(variables, self._describe_ps, timeout=self._hang_timeout, tables=tables)
         copied = self._prepared
         self.times.update(last_copy_seconds=copied.seconds if copied else None,
                           last_copied_bytes=copied.nbytes if copied else 0)
@@ -242,11 +244,13 @@ class Checkpoints:
             if self.before_write is not None:
                 self.before_write(path)
             prepared = pending.snapshot.prepared
-            if prepared is not None:
-                prepared.release(self._hang_timeout)  # the snapshot holds their reads
+            try:
+                _snapshot.write_snapshot(path, pending.snapshot, pending.scalars, self._describe_ps, pending.meta,
+                                         timeout=self._hang_timeout, abandoned=lambda: self._closing)
+            finally:
+                if prepared is not None:  # written (or given up): their stages go
+                    prepared.release(self._hang_timeout)
             self.times["last_rows_read_again"] = prepared.rows_read_again() if prepared is not None else 0
-            _snapshot.write_snapshot(path, pending.snapshot, pending.scalars, self._describe_ps, pending.meta,
-                                     timeout=self._hang_timeout, abandoned=lambda: self._closing)
             self._commit(number)
             if self._deltas is not None:
                 self._deltas.rebase(number, pending)

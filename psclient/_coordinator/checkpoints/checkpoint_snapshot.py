@@ -36,6 +36,7 @@ import tensorflow as tf
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.checkpoints import checkpoint_pieces as _pieces
 from psclient._coordinator.checkpoints import fuzzy_copy as _fuzzy
+from psclient._coordinator.checkpoints import table_copy as _table_copy
 from psclient._coordinator.checkpoints import table_checkpoint
 from psclient._coordinator.checkpoints.checkpoint_parts import (
     GRAPH_KEY,
@@ -92,7 +93,7 @@ def take_snapshot(variables: dict[str, Any], describe_ps: Callable[[int], str],
     """
     started = time.monotonic()
     by_ps = slots_of(variables)
-    table_work = table_checkpoint.save_work(tables or {})
+    table_work = table_checkpoint.save_work(tables or {}, prepared)
     table_names = table_checkpoint.names_by_ps(tables or {})
     tasks = sorted(set(by_ps) | set(table_work))
 
@@ -155,14 +156,18 @@ def write_snapshot(prefix: str, snapshot: Snapshot, scalars: dict[str, Any], des
          "keys": snapshot.layout_parts[ps]} for ps in tasks]}
     if snapshot.tables:
         layout["tables"] = snapshot.tables
-    layout["row_chunks"] = {"bytes": _pieces.READ_BATCH_BYTES, "keys": _readable_in_ranges(snapshot)}
+    written: dict[int, list] = {}  # ps -> (name, shape, dtype) of each value it wrote whole
 
     def write(ps: int) -> Callable[[], None]:
         def run():
             with device_of(ps):
                 try:
+                    names, specs, values = snapshot.parts[ps]
+                    # A copied table's keys, rows and slots, packed now (`table_copy`), on this ps.
+                    values = [v.value() if isinstance(v, _table_copy.Later) else v for v in values]
+                    written[ps] = [(name, v.shape.as_list(), v.dtype) for name, v in zip(names, values)]
                     # A big value in row chunks (sharing its buffer): a restore reads it a range at a time.
-                    names, specs, values, _ = _pieces.save_chunked(*snapshot.parts[ps])
+                    names, specs, values, _ = _pieces.save_chunked(names, specs, values)
                     _checkpoints.save(part_prefix(scratch, tasks.index(ps), count), names, specs, values)
                 except tf.errors.OpError as error:
                     error._psclient_ps = ps
@@ -192,6 +197,7 @@ def write_snapshot(prefix: str, snapshot: Snapshot, scalars: dict[str, Any], des
         if abandoned():
             raise CheckpointWriteError(f"checkpoint {prefix} was given up while its parts were written: "
                                        "not merged; the previous one stays the newest.")
+        layout["row_chunks"] = {"bytes": _pieces.READ_BATCH_BYTES, "keys": _readable_in_ranges(written)}
         names = [key + VALUE_SUFFIX for key in scalars] + [LAYOUT_KEY, GRAPH_KEY]
         with tf.device(_runtime.coordinator_cpu()):
             values = [tf.constant(v) for v in scalars.values()]
@@ -204,15 +210,15 @@ def write_snapshot(prefix: str, snapshot: Snapshot, scalars: dict[str, Any], des
         scratch_owner.release()
 
 
-def _readable_in_ranges(snapshot: Snapshot) -> list[str]:
-    """The keys whose every saved slice holds at most `READ_BATCH_BYTES` once `save_chunked` cut them:
-    a range of their rows reads at the cost of the range (`checkpoint_pieces`)."""
+def _readable_in_ranges(written: dict[int, list]) -> list[str]:
+    """The keys whose every saved slice holds at most `READ_BATCH_BYTES` once `save_chunked` cut them
+    (`written`: ps -> (name, shape, dtype) of each value): a range of their rows reads at the cost
+    of the range (`checkpoint_pieces`)."""
     keys, whole = set(), set()
-    for names, _specs, values in snapshot.parts.values():
-        for name, value in zip(names, values):
-            shape = value.shape.as_list()
-            big = _pieces.slot_bytes_of(shape, value.dtype) > _pieces.READ_BATCH_BYTES
-            (whole if big and _pieces.chunk_rows(shape, value.dtype) is None else keys).add(name)
+    for values in written.values():
+        for name, shape, dtype in values:
+            big = _pieces.slot_bytes_of(shape, dtype) > _pieces.READ_BATCH_BYTES
+            (whole if big and _pieces.chunk_rows(shape, dtype) is None else keys).add(name)
     return sorted(keys - whole)
 
 

@@ -24,7 +24,8 @@ A variable scattered since the previous checkpoint is in copy-on-read mode
 anyway; one that was not (never written, or written densely) is left to the
 cut, whose read of it shares its buffer and costs nothing. Memory on a ps: one
 stage per copied variable (what the cut's copy took before) and one chunk in
-flight, plus the marks (one byte a row).
+flight, plus the marks (one byte a row). Big bounded DynamicEmbedding shards
+are copied by the same `prepare`, and packed after the cut (`table_copy`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from psclient._coordinator.checkpoints import checkpoint_pieces as _pieces
+from psclient._coordinator.checkpoints import stages as _stages
+from psclient._coordinator.checkpoints import table_copy as _table_copy
 from psclient._coordinator.checkpoints.checkpoint_parts import (
     PsTimeout,
     describe_task,
@@ -44,7 +47,6 @@ from psclient._coordinator.checkpoints.checkpoint_parts import (
     slots_of,
 )
 from psclient._core.errors import first_line
-from psclient._tf import variables as _variables
 from psclient._tf import write_marks as _write_marks
 
 __all__ = ["Prepared", "cut", "prepare"]
@@ -62,84 +64,100 @@ class _Copy:
 
 
 class Prepared:
-    """The copies of one checkpoint's big variables, by ps and slot, until its cut takes them."""
+    """The copies of one checkpoint's big variables (by ps and slot) and bounded table shards (by ps
+    and id(shard): `table_copy`), until its cut takes them and its write releases them."""
 
-    def __init__(self, copies: dict[int, dict[tuple, _Copy]], seconds: float):
-        self.copies, self.seconds = copies, seconds
+    def __init__(self, copies: dict[int, dict[tuple, _Copy]], tables: dict[int, dict[int, Any]], seconds: float):
+        self.copies, self.tables, self.seconds = copies, tables, seconds
         self.nbytes = sum(_pieces.slot_bytes(copy.slot) for by_slot in copies.values() for copy in by_slot.values())
-        #: Rows the cut read again: ps -> one count per copy (`cut`), tensors on the ps until
-        #: `release` fetches them (with a timeout), then ints.
+        self.nbytes += sum(_table_copy.stage_bytes(copy) for by_shard in tables.values() for copy in by_shard.values())
+        #: Rows the cut read again: ps -> one count per copy (`cut`, `table_copy.cut`), tensors on
+        #: the ps until `release` fetches them (with a timeout), then ints.
         self.read_again: dict[int, list] = {}
 
     def take(self, ps: int, slot: Any) -> _Copy | None:
         return self.copies.get(ps, {}).get((slot.key, slot.spec))
+
+    def take_table(self, ps: int, shard: Any) -> Any:
+        """The shard's `table_copy.TableCopy` if it was copied and is still current, else None."""
+        copy = self.tables.get(ps, {}).get(id(shard))
+        return copy if copy is not None and copy.shard is shard and copy.current() else None
 
     def rows_read_again(self) -> int:
         """How many rows the cut read again (counted by `release`; a ps that did not answer: 0)."""
         return sum(count for counts in self.read_again.values() for count in counts if isinstance(count, int))
 
     def release(self, timeout: float | None = None) -> None:
-        """Drop the stages once the cut read them (the reads keep what is written): each first
-        given an empty value on its ps, since a ps keeps the resources of a function's last call
-        alive until its next one (a whole stage, held from one checkpoint to the next). Fetches the
-        counts of rows read again. Waits at most `timeout` for a ps (a hung one keeps its stages
-        until it answers)."""
+        """Drop the stages once the checkpoint is written (its reads of them kept what it wrote):
+        each first given an empty value on its ps (`stages.empty`). Fetches the counts of rows read
+        again. Waits at most `timeout` for a ps (a hung one keeps its stages until it answers)."""
         copies, self.copies = self.copies, {}
+        tables, self.tables = self.tables, {}
 
         def empty_on(ps: int) -> Callable[[], None]:
             def run() -> None:
                 with device_of(ps):
                     counts = self.read_again.get(ps, [])
                     self.read_again[ps] = [int(n) for n in tf.stack(counts).numpy()] if counts else []
-                    for copy in copies[ps].values():
-                        shape = copy.stage.shape.as_list()
-                        tf.raw_ops.AssignVariableOp(resource=copy.stage.handle, validate_shape=False,
-                                                    value=tf.zeros([0] + shape[1:], copy.stage.dtype))
+                    for copy in copies.get(ps, {}).values():
+                        _stages.empty(copy.stage)
+                    for copy in tables.get(ps, {}).values():
+                        for stage in copy.stages:
+                            _stages.empty(stage)
             return run
 
         try:
-            on_each_ps({ps: empty_on(ps) for ps in copies}, timeout=timeout)
+            on_each_ps({ps: empty_on(ps) for ps in set(copies) | set(tables)}, timeout=timeout)
         except (tf.errors.OpError, PsTimeout) as error:  # a lost or hung ps: the write says so
             log.debug("stages of a checkpoint not emptied: %s", first_line(error))
 
 
 def prepare(variables: dict[str, Any], describe_ps: Callable[[int], str],
-            timeout: float | None = None) -> Prepared | None:
-    """Copy, on each ps, the marked variables written only by sparse ops since the last prepare
-    (training goes on). None when none is; also when a ps fails or does not answer within `timeout`
-    (logged: the cut then reads everything, as without a copy)."""
+            timeout: float | None = None, tables: dict[str, Any] | None = None) -> Prepared | None:
+    """Copy, on each ps, the marked variables written only by sparse ops since the last prepare, and
+    the marked shards of `tables` (`table_copy.copy_shards`), training going on. None when none is;
+    also when a ps fails or does not answer within `timeout` (logged: the cut then reads everything,
+    as without a copy)."""
     started = time.monotonic()
     marked = {ps: [(slot, marks) for slot in slots if (marks := _write_marks.marks_of(slot.variable)) is not None]
               for ps, slots in slots_of(variables).items()}
     marked = {ps: slots for ps, slots in marked.items() if slots}
-    if not marked:
+    shards: dict[int, list] = {}
+    for table in (tables or {}).values():
+        for shard in table.shards:
+            if shard.dense and shard.marked:
+                shards.setdefault(_pieces.task_of(shard), []).append(shard)
+    if not marked and not shards:
         return None
 
-    def copy_on(ps: int) -> Callable[[], dict]:
-        def run() -> dict:
+    def copy_on(ps: int) -> Callable[[], tuple]:
+        def run() -> tuple:
             with device_of(ps):
                 try:
-                    return _copy_sparse_written(marked[ps])
+                    return _copy_sparse_written(marked.get(ps, [])), _table_copy.copy_shards(shards.get(ps, []))
                 except tf.errors.OpError as error:
                     error._psclient_ps = ps
                     raise
         return run
 
     try:
-        copies = on_each_ps({ps: copy_on(ps) for ps in marked}, timeout=timeout)
+        done = on_each_ps({ps: copy_on(ps) for ps in set(marked) | set(shards)}, timeout=timeout)
     except (tf.errors.OpError, PsTimeout) as error:
         where = describe_task(getattr(error, "_psclient_ps", None), describe_ps)
         log.warning("%s could not copy its variables before a checkpoint's cut (%s): the cut reads them whole",
                     where, first_line(error))
         return None
-    copies = {ps: by_slot for ps, by_slot in copies.items() if by_slot}
-    return Prepared(copies, time.monotonic() - started) if copies else None
+    copies = {ps: by_slot for ps, (by_slot, _) in done.items() if by_slot}
+    table_copies = {ps: by_shard for ps, (_, by_shard) in done.items() if by_shard}
+    return Prepared(copies, table_copies, time.monotonic() - started) if copies or table_copies else None
 
 
 def _copy_sparse_written(slots: list) -> dict[tuple, _Copy]:
     """On the ps in force: a stage for each slot scattered, and not written whole, since the marks were
     last cleared, filled chunk by chunk; every slot's marks cleared first (so those copied mark what
     is written from then on)."""
+    if not slots:
+        return {}
     flags = tf.stack([tf.stack([tf.reduce_max(marks.rows.read_value()), marks.whole.read_value()])
                       for _slot, marks in slots]).numpy()
     for _slot, marks in slots:
@@ -150,27 +168,12 @@ def _copy_sparse_written(slots: list) -> dict[tuple, _Copy]:
             continue  # read in the cut: shares its buffer (not in copy-on-read mode), or written densely
         variable = slot.variable
         shape = variable.shape.as_list()
-        # Uninitialized memory (`Empty`): its pages cost memory as the chunks fill them.
-        empty = tf.raw_ops.Empty(shape=_pieces.coordinator_constant(shape, tf.int32), dtype=variable.dtype,
-                                 init=False)
-        stage = _variables.uncreated_variable(empty, "psclient_checkpoint_stage")
-        del empty  # the stage's buffer alone: a scatter into it then writes in place
-        rows = _pieces.chunk_rows(shape, variable.dtype, aligned=False)
-        for start in range(0, shape[0], rows):
-            chunk = tf.range(_pieces.coordinator_constant(start, tf.int64),
-                             _pieces.coordinator_constant(min(shape[0], start + rows), tf.int64))
-            _move_rows(variable, stage, chunk)
+        stage = _stages.new_stage(shape, variable.dtype)
+        _stages.copy_in_chunks(variable, stage, shape[0], _pieces.chunk_rows(shape, variable.dtype, aligned=False))
         out[(slot.key, slot.spec)] = _Copy(slot, marks, stage)
         # Traced now, not in the cut (once per shape and dtype: a later checkpoint finds it).
         _cut_one.get_concrete_function(marks.rows, marks.whole, variable, stage)
     return out
-
-
-def _move_rows(variable: Any, stage: Any, indices: Any) -> None:
-    """Rows `indices` of `variable` into the same rows of `stage` (on their ps)."""
-    tf.raw_ops.ResourceScatterUpdate(
-        resource=stage.handle, indices=indices,
-        updates=tf.raw_ops.ResourceGather(resource=variable.handle, indices=indices, dtype=variable.dtype))
 
 
 def cut(prepared: Prepared, ps: int, copies: list[_Copy]) -> list:
@@ -192,7 +195,7 @@ def _cut_one(marks, whole, variable, stage):
     copy-on-read mode; nothing writes it afterwards, and `release` empties it)."""
     def patched():
         indices = tf.reshape(tf.where(marks.read_value() > 0), [-1])
-        _move_rows(variable, stage, indices)
+        _stages.move_rows(variable, stage, indices)
         tf.raw_ops.DisableCopyOnRead(resource=stage.handle)  # after the scatter: same resource, in order
         return stage.read_value(), tf.size(indices, out_type=tf.int64)
 

@@ -46,6 +46,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from psclient._coordinator.checkpoints import table_copy as _table_copy
 from psclient._coordinator.checkpoints import table_ranges
 from psclient._coordinator.checkpoints.checkpoint_pieces import LOCAL, task_of as _task
 from psclient._tf import checkpoints as _checkpoints
@@ -78,28 +79,36 @@ def names_by_ps(tables: dict[str, Any]) -> dict[int, list[str]]:
     return out
 
 
-def save_work(tables: dict[str, Any]) -> dict[int, Callable[[], tuple[list[str], list]]]:
+def save_work(tables: dict[str, Any], prepared: Any = None) -> dict[int, Callable[[], tuple[list[str], list]]]:
     """ps -> a function, run under that ps's device in a checkpoint's cut, giving (names, tensors on
-    that ps) of its shards: the dense ones by one call of the ps's prepared save
-    (`ps_saves.PsSave`), else each on its own (`_shard_tensors`); nothing is traced here
-    when one was prepared."""
+    that ps) of its shards: those copied before the cut (`prepared`, a `fuzzy_copy.Prepared`:
+    `table_copy`, their rows and slots `table_copy.Compacted` until the write), the other dense
+    ones by one call of the ps's prepared save (`ps_saves.PsSave`), else each on its own
+    (`_shard_tensors`); nothing is traced here when one was prepared."""
     from psclient._coordinator.tables import ps_saves  # tables imports this module (dynamic_tables)
 
     work = {_task(entries[0][3]): entries for entries in ps_saves.by_device(tables).values()}
 
-    def on(entries):
+    def on(ps, entries):
         def run():
             names = [name for key, index, _table, shard in entries for name in _names(key, index, sorted(shard.slots))]
-            prepared = ps_saves.current([shard for _key, _index, _table, shard in entries if shard.dense])
-            done = prepared() if prepared is not None else {}  # its shards (usually all of them): one call
+            copies = {id(shard): copy for _key, _index, _table, shard in entries
+                      if prepared is not None and (copy := prepared.take_table(ps, shard)) is not None}
+            ps_save = ps_saves.current([shard for _key, _index, _table, shard in entries if shard.dense])
+            done = ps_save() if ps_save is not None else {}  # its shards (usually all of them): one call
             tensors = []
             for _key, _index, table, shard in entries:
-                own = done.get(id(shard))
-                tensors += own if own is not None else _shard_tensors(table, shard)
+                copy, own = copies.get(id(shard)), done.get(id(shard))
+                if copy is not None:
+                    saved, count = _table_copy.cut(copy)
+                    prepared.read_again.setdefault(ps, []).append(count)
+                    tensors += saved
+                else:
+                    tensors += own if own is not None else _shard_tensors(table, shard)
             return names, tensors
         return run
 
-    return {ps: on(entries) for ps, entries in work.items()}
+    return {ps: on(ps, entries) for ps, entries in work.items()}
 
 
 def _shard_tensors(table, shard) -> list:

@@ -7,8 +7,7 @@ then holds the shard two to three times. Here, for a restore into as many
 ps tasks as saved it (each shard reads its own saved shard) of a shard in
 dense storage (`DenseShard`) whose rows and slots hold more than one range
 (a smaller one, `fits_one_range`, is restored whole: three calls on its ps
-instead of 18, which cost 26 small tables over 1 s a restore, and what it
-holds beyond its tables meanwhile is bounded by its own small size):
+instead of 18, which cost 26 small tables over 1 s a restore):
 
 - the keys, counters, the keys that have a row and the clocks are read whole
   (8 to 16 bytes a key), the keys with a row first, then the others, and the
@@ -47,9 +46,8 @@ kept rows gathered), then each delta's changed rows, the tracked keys merged
 whole as the whole path merges them (`table_deltas.merge`): the rows land where
 the whole path puts them. A delta that holds other slots than the checkpoint
 sends the shard to the whole path (`table_checkpoint.assign`).
-Every op here runs on the shard's ps with its Python values made on the
-coordinator (`coordinator_constant`) or traced (`DenseShard`): nothing is
-converted under the ps's device (tests/_conversions.py).
+Every op here runs on the shard's ps with its Python values made on the coordinator
+(`coordinator_constant`) or traced: nothing is converted there (tests/_conversions.py).
 """
 
 from __future__ import annotations
@@ -68,6 +66,7 @@ from psclient._coordinator.checkpoints.checkpoint_pieces import (
 )
 from psclient._coordinator.checkpoints.table_deltas import merge
 from psclient._tf import checkpoints as _checkpoints
+from psclient._tf import write_marks as _write_marks
 
 __all__ = ["Plan", "SMALL_FIELDS", "SplitPlan", "fits_one_range"]
 
@@ -460,7 +459,8 @@ def _rows_keyed(shard, row_keys, dim: int) -> dict | None:
     if int(row_keys.shape[0]) > shard.share:
         return None
     variables = {"rows": shard.rows, **shard.slots}
-    _fit_storage(list(variables.values()), shard.share, dim)
+    with _write_marks.unmarked():  # a restore: counted in `restores` (`replace_row_keys`, next)
+        _fit_storage(list(variables.values()), shard.share, dim)
     shard.replace_row_keys(row_keys)
     return variables
 

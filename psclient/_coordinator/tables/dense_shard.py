@@ -42,6 +42,7 @@ from psclient._coordinator.tables import shard_restore
 from psclient._coordinator.tables.key_index import KeyIndex, find
 from psclient._coordinator.tables.ps_saves import empty_fields, saved_tensors
 from psclient._core import dynamic_tables as rules
+from psclient._tf import write_marks as _write_marks
 
 __all__ = ["DenseShard", "least_recent", "live_rows", "vector"]
 
@@ -71,6 +72,18 @@ def vector(variable, at=None):
     """A 1-D variable's values (at `at`), of known rank (its shape is unknown: see `DenseShard._variable`)."""
     value = variable.read_value() if at is None else tf.gather(variable, at)
     return tf.reshape(value, [-1])
+
+
+def saved_keys(row_key, last, waiting_keys, waiting, min_frequency: int):
+    """A shard's saved (keys, counters, row_keys) from its `row_key` and `last` values and the export
+    of its keys still counting (`pending`), and `held`: the storage row of each of `row_keys`, in
+    order (what its rows and slots are packed by). The keys with a row first, in their rows' order."""
+    row_keys, held = live_rows(row_key, last)
+    last = tf.gather(last, held)
+    keys = tf.concat([row_keys, tf.reshape(waiting_keys, [-1])], 0)
+    counters = tf.concat([tf.stack([tf.fill(tf.shape(last), tf.constant(min_frequency, tf.int64)), last], 1),
+                          tf.reshape(waiting, [-1, 2])], 0)
+    return keys, counters, row_keys, held
 
 
 def live_rows(row_keys, last):
@@ -132,9 +145,12 @@ class DenseShard:
     dense = True
 
     def __init__(self, device: str | None, dim: int, prefix: str, share: int, policy: rules.Policy,
-                 placed, table_factory, lock_for):
+                 placed, table_factory, lock_for, mark_writes=None):
         self.device, self.dim, self.prefix, self.share, self.policy = device, dim, prefix, share, policy
         self.placed, self._table, self._lock_for = placed, table_factory, lock_for
+        # The store's `mark_writes(variable, shape, force)`: a big shard's storage copied before a cut.
+        self._mark_writes = mark_writes or (lambda variable, shape, force=False: False)
+        self.restores = 0  #: restores and imports (`shard_restore.run`): unmarked writes (checkpoints/table_copy)
         self.slots: dict = {}
         self.slot_defaults: dict[str, float] = {}
         self._traced: dict = {}
@@ -161,6 +177,11 @@ class DenseShard:
             self.rows = self._variable(tf.zeros([size, self.dim]), "rows")
             self.row_key = self._variable(tf.zeros([size], tf.int64), "row_key")
             self.last = self._variable(tf.fill([size], tf.constant(-1, tf.int64)), "last")
+            #: Whether its rows, slots, `row_key` and `last` have write marks (`psclient._tf.write_marks`).
+            self.marked = self._mark_writes(self.rows, [size, self.dim])
+            if self.marked:  # copied with the rows, whatever their own size
+                self._mark_writes(self.row_key, [size], force=True)
+                self._mark_writes(self.last, [size], force=True)
             # Popped from the end: rows 0, 1, 2... are taken first.
             self.free = self._variable(tf.range(size - 1, -1, -1, dtype=tf.int32), "free")
             self.free_count = tf.Variable(tf.constant(size, tf.int64), trainable=False,
@@ -190,6 +211,8 @@ class DenseShard:
         with self.placed():
             for slot, value in missing.items():
                 self.slots[slot] = self._variable(_slot_start(self.rows, self.dim, float(value)), f"slot_{slot}")
+                if self.marked:
+                    self._mark_writes(self.slots[slot], [self.share, self.dim])
         # Nothing traced here: a cut saves the ps's shards with one function made later (`ps_saves.prepare`).
 
     # ---------------------------------------------------------------- reads
@@ -386,14 +409,16 @@ class DenseShard:
         its device: eagerly one traced call (a cut without a prepared per-ps save)."""
         return self._on_ps("saved_tensors", lambda: saved_tensors(self))()
 
+    def trace_saved_tensors(self) -> None:
+        """Make `saved_tensors`' call once (traced, instantiated on the ps) outside any cut, if not yet."""
+        if "saved_tensors" not in self._traced:
+            with self.placed():
+                self.saved_tensors()
+
     def _saved(self):
-        row_keys, held = self.live()
         waiting_keys, waiting = self.pending.export()
-        keys = tf.concat([row_keys, tf.reshape(waiting_keys, [-1])], 0)
-        last = self._vector(self.last, held)
-        counters = tf.concat([tf.stack([tf.fill(tf.shape(last), tf.constant(self.policy.min_frequency, tf.int64)),
-                                        last], 1),
-                              tf.reshape(waiting, [-1, 2])], 0)
+        keys, counters, row_keys, held = saved_keys(self._vector(self.row_key), self._vector(self.last),
+                                                    waiting_keys, waiting, self.policy.min_frequency)
         slots = {name: self.gather_rows(var, held) for name, var in self.slots.items()}
         return keys, counters, row_keys, self.gather_rows(self.rows, held), slots
 
@@ -403,7 +428,8 @@ class DenseShard:
         into the share (the fused admission wants every shard of a table at its share)."""
         shard_restore.run(self, "_replace", keys, counters, row_keys, rows, slots, clock, admissions, evictions)
         if int(row_keys.shape[0]) > self.share:
-            self._on_ps("repack", self._repack)()
+            with _write_marks.unmarked():  # a restore's part: counted in `restores` (shard_restore.run)
+                self._on_ps("repack", self._repack)()
 
     def _repack(self):
         self.scan()

@@ -119,8 +119,9 @@ class DynamicTable:
         with tf.init_scope(), self.unmanaged():
             if self.share is not None and storage == "dense":
                 lock_for = store.table_lock if store is not None else _local_lock
-                self.shards = [DenseShard(d, dim, f"{name}_ps{i}", self.share, policy, _placer(d), hash_table, lock_for)
-                               for i, d in enumerate(devices)]
+                marks = store.mark_writes if store is not None else None
+                self.shards = [DenseShard(d, dim, f"{name}_ps{i}", self.share, policy, _placer(d), hash_table, lock_for,
+                                          marks) for i, d in enumerate(devices)]
             else:
                 self.shards = [HashShard(d, dim, f"{name}_ps{i}") for i, d in enumerate(devices)]
         if store is not None:

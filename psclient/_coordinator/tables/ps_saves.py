@@ -148,7 +148,13 @@ def prepare(tables: Iterable[Any]) -> None:
 def _prepare(tables: dict[str, Any]) -> None:
     with tf.init_scope():
         for entries in by_device(tables).values():
-            shards = [shard for _key, _index, _table, shard in entries if shard.dense]
+            # A shard with write marks is copied before the cut and compacted after it
+            # (checkpoints/table_copy); where it is not (its first checkpoint, one after a restore),
+            # the cut saves it by its own call, traced here.
+            for _key, _index, _table, shard in entries:
+                if shard.dense and shard.marked:
+                    shard.trace_saved_tensors()
+            shards = [shard for _key, _index, _table, shard in entries if shard.dense and not shard.marked]
             prepared = current(shards)
             if not shards or (prepared is not None and all(getattr(s, "ps_save", None) is prepared for s in shards)):
                 continue  # each shard here saved by one valid function already

@@ -38,6 +38,7 @@ import tensorflow as tf
 
 from psclient._coordinator.runtime import coordinator_cpu
 from psclient._coordinator.tables.key_index import KeyIndex
+from psclient._tf import write_marks as _write_marks
 
 __all__ = ["SECTIONS", "form_of", "run", "storage_of", "trace_count"]
 
@@ -124,8 +125,10 @@ def run(shard, name: str, *args) -> None:
     key = (type(shard), name, form, repr(tf.nest.map_structure(lambda _: 0, specs)), tuple(tf.nest.flatten(specs)))
     traced = _traced.get(key)
     if traced is None:  # traced once per form with unknown dimensions: tensors of any size take it
-        traced = _traced[key] = _section.get_concrete_function(type(shard), name, form, storage, specs)
+        with _write_marks.unmarked():  # counted in `restores` instead (a traced mark ran on the ps: unknown device)
+            traced = _traced[key] = _section.get_concrete_function(type(shard), name, form, storage, specs)
     shard.fresh = False  # written: a save must read it (`DenseShard.fresh`)
+    shard.restores += 1  # written through the storage given, unmarked: a copy taken before is stale
     traced(type(shard), name, form, storage, args)
 
 

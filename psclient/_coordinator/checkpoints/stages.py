@@ -1,0 +1,44 @@
+"""Staging variables on a ps: where a checkpoint copies a big value before its cut (`fuzzy_copy`, `table_copy`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from psclient._coordinator.checkpoints import checkpoint_pieces as _pieces
+from psclient._tf import variables as _variables
+
+__all__ = ["copy_in_chunks", "empty", "move_rows", "new_stage"]
+
+
+def new_stage(shape: list[int], dtype: Any) -> Any:
+    """A variable of `shape` on the device in force, of uninitialized memory (`Empty`): its pages cost
+    memory as the copy fills them."""
+    value = tf.raw_ops.Empty(shape=_pieces.coordinator_constant(shape, tf.int32), dtype=dtype, init=False)
+    return _variables.uncreated_variable(value, "psclient_checkpoint_stage")  # its buffer alone: written in place
+
+
+def move_rows(variable: Any, stage: Any, indices: Any) -> Any:
+    """Rows `indices` of `variable` into the same rows of `stage` (on their ps)."""
+    return tf.raw_ops.ResourceScatterUpdate(
+        resource=stage.handle, indices=indices,
+        updates=tf.raw_ops.ResourceGather(resource=variable.handle, indices=indices, dtype=stage.dtype))
+
+
+def copy_in_chunks(variable: Any, stage: Any, rows: int, chunk: int) -> None:
+    """Rows [0, `rows`) of `variable` into `stage`, `chunk` rows at a time (eagerly, on their ps): each
+    copy holds the variable for one chunk only, so training goes on meanwhile."""
+    for start in range(0, rows, chunk):
+        at = tf.range(_pieces.coordinator_constant(start, tf.int64),
+                      _pieces.coordinator_constant(min(rows, start + chunk), tf.int64))
+        move_rows(variable, stage, at)
+
+
+def empty(stage: Any) -> None:
+    """Give `stage` an empty value (eagerly, on its ps): its buffer goes once no read holds it. A ps
+    keeps the resources of a function's last call alive until its next call, so a stage merely
+    dropped could stay whole until the next checkpoint."""
+    shape = stage.shape.as_list()
+    tf.raw_ops.AssignVariableOp(resource=stage.handle, validate_shape=False,
+                                value=tf.zeros([0] + shape[1:], stage.dtype))

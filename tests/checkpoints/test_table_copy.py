@@ -1,0 +1,175 @@
+"""A bounded DynamicEmbedding table copied before a checkpoint's cut and packed after it.
+
+`checkpoints.table_copy`: a shard above one row chunk gets write marks on its
+rows and slots; the checkpoint copies them while training goes on, the cut
+reads again only the rows written since and the write packs the copy by the
+keys. On a real cluster (2 workers, 2 ps), with steps running beside the
+saves: every step trains the same 64 keys, whose rows start equal and stay
+equal step after step (same rows, same kernel, same gradient: one worker, so
+no step reads rows another is writing), spread over the storage of both
+shards; a checkpoint that mixed rows of different moments would hold them
+unequal.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+tf = pytest.importorskip("tensorflow")
+
+import psclient  # noqa: E402
+from psclient._coordinator.checkpoints import checkpoint_snapshot, fuzzy_copy  # noqa: E402
+from psclient._tf.write_marks import marks_of  # noqa: E402
+from tables.test_table_saves import by_key, saved_state  # noqa: E402
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+
+CAPACITY, DIM = 300_000, 32  # 150,000 rows a ps: 19.2 MB a variable, three row chunks of 8 MiB
+FILLED = 120_000  # keys imported before training
+PROBES = np.arange(10**9, 10**9 + FILLED, FILLED // 64, dtype=np.int64)[:64]  # spread over the storage
+
+
+@pytest.fixture(scope="module")
+def cluster(two_workers_two_ps):
+    return two_workers_two_ps
+
+
+def one_worker(local):
+    """The shared cluster's ps tasks and its first worker: steps one after another."""
+    spec = local.cluster.training_spec()
+    return psclient.Cluster({"worker": list(spec["worker"][:1]), "ps": list(spec["ps"])})
+
+
+def build(strategy, **policy):
+    with strategy.scope():
+        ids = keras.Input([1], dtype="int64")
+        layer = psclient.layers.DynamicEmbedding(DIM, capacity=CAPACITY, name="item", **policy)
+        model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(layer(ids))))
+        model.compile(optimizer=keras.optimizers.Adagrad(0.05), loss="mse")
+    return model, layer
+
+
+def fill(layer):
+    """FILLED keys imported with equal rows (the probes among them, each on its own storage row)."""
+    keys = np.arange(10**9, 10**9 + FILLED, dtype=np.int64)
+    layer.import_state([{"keys": keys, "counters": np.stack([np.ones(FILLED, np.int64), np.zeros(FILLED, np.int64)], 1),
+                         "row_keys": keys, "rows": np.full([FILLED, DIM], 0.01, np.float32),
+                         "slots": {"accumulator": np.full([FILLED, DIM], 0.1, np.float32)},
+                         "clock": 0, "admissions": 0, "evictions": 0}])
+
+
+def probe_data():
+    """Built before the strategy and the model, as published scripts do: every batch is the 64 probes."""
+    return tf.data.Dataset.from_tensor_slices((PROBES[:, None], np.ones([64, 1], np.float32))).batch(64).repeat()
+
+
+def assert_probes_in_step(path):
+    """The probes' rows and accumulators in the checkpoint are one moment's: all equal, trained."""
+    rows, _clocks = saved_state(path)
+    found = [rows[int(key)] for key in PROBES]
+    assert all(row == found[0][1] for _c, row, _s in found), f"{path}: probes' rows differ"
+    accumulators = [slots["accumulator"] for _c, _r, slots in found]
+    assert all(acc == accumulators[0] for acc in accumulators), f"{path}: probes' accumulators differ"
+    assert accumulators[0][0] > 0.1  # trained
+
+
+def test_each_checkpoint_holds_one_moment_of_a_table_trained_beside_it(cluster, tmp_path):
+    data = probe_data()
+    strategy = psclient.ParameterServerStrategy(one_worker(cluster), checkpoint_dir=str(tmp_path / "ckpt"))
+    try:
+        # The imported keys but the probes expire after 2 steps: their rows are freed, the probes'
+        # stay where they were, so each save packs rows from all over the storage.
+        model, layer = build(strategy, ttl_steps=2)
+        shards = layer.table.shards
+        assert all(shard.marked for shard in shards)
+        model.fit(data, epochs=1, steps_per_epoch=4, verbose=0)  # the slots made, the saves traced
+        assert all(marks_of(shard.slots["accumulator"]) is not None for shard in shards)
+        fill(layer)
+
+        # No step running: the copy is the cut's state, saved as the table exports it.
+        model.fit(data, epochs=1, steps_per_epoch=4, verbose=0)
+        assert sum(stats["rows"] for stats in layer.table_stats()) == len(PROBES)  # the others expired
+        path = strategy.save_checkpoint()
+        stats = strategy.stats()["checkpoints"]
+        # Each ps: its rows and accumulator (4 bytes a value), its row keys and last steps (8 bytes a row).
+        assert stats["last_copied_bytes"] == 2 * (CAPACITY // 2) * (2 * DIM * 4 + 16), stats
+        assert saved_state(path) == by_key(layer.export_state())
+        assert_probes_in_step(path)
+
+        # Steps beside each save, until a cut read rows again.
+        stop, errors, seen = threading.Event(), [], []
+
+        def train():
+            try:
+                for _ in range(200):  # bounded: stopped long before
+                    if stop.is_set():
+                        return
+                    model.fit(data, epochs=1, steps_per_epoch=8, verbose=0)
+            except Exception as error:  # noqa: BLE001 - asserted below
+                errors.append(error)
+
+        thread = threading.Thread(target=train, name="test-fit")
+        thread.start()
+        try:
+            for _ in range(8):
+                seen.append((strategy.save_checkpoint(), strategy.stats()["checkpoints"]["last_rows_read_again"]))
+                if seen[-1][1]:
+                    break
+        finally:
+            stop.set()
+            thread.join(300)
+        assert not thread.is_alive() and not errors, errors
+        assert seen[-1][1] > 0, f"no step wrote during a copy: {seen}"
+        for saved, _again in seen:
+            assert_probes_in_step(saved)
+        restored = strategy.restore()
+        assert restored["path"] == seen[-1][0]
+        assert by_key(layer.export_state()) == saved_state(seen[-1][0])
+    finally:
+        strategy.shutdown()
+
+
+def test_a_copy_taken_before_an_import_is_not_saved(cluster, tmp_path):
+    """An import (as a restore) writes the shard without marks: the copy made before it is stale,
+    and the cut saves the shard as it is then, packed there."""
+    data = probe_data()
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"))
+    try:
+        model, layer = build(strategy)
+        model.fit(data, epochs=1, steps_per_epoch=4, verbose=0)
+        fill(layer)
+        model.fit(data, epochs=1, steps_per_epoch=2, verbose=0)
+        tables = strategy.parts.store.tables()
+        prepared = fuzzy_copy.prepare({}, str, tables=tables)
+        assert prepared is not None and sum(len(by_shard) for by_shard in prepared.tables.values()) == 2
+        before = by_key(layer.export_state())
+        state = layer.export_state()
+        for shard_state in state:
+            shard_state["rows"] = np.asarray(shard_state["rows"]) + 1.0
+        layer.import_state(state)
+        assert all(prepared.take_table(ps, shard) is None for ps, shard in enumerate(layer.table.shards))
+        snapshot = checkpoint_snapshot.take_snapshot({}, str, tables, prepared=prepared)
+        path = str(tmp_path / "direct" / "ckpt-1")
+        tf.io.gfile.makedirs(str(tmp_path / "direct"))
+        checkpoint_snapshot.write_snapshot(path, snapshot, {}, str)
+        prepared.release()
+        after = saved_state(path)
+        assert after == by_key(layer.export_state()) and after != before
+    finally:
+        strategy.shutdown()
+
+
+def test_checkpoint_cut_copy_leaves_the_table_unmarked(cluster, tmp_path):
+    data = probe_data()
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_cut="copy")
+    try:
+        model, layer = build(strategy)
+        assert not any(shard.marked for shard in layer.table.shards)
+        model.fit(data, epochs=1, steps_per_epoch=4, verbose=0)
+        path = strategy.save_checkpoint()
+        assert strategy.stats()["checkpoints"]["last_copied_bytes"] == 0
+        assert saved_state(path) == by_key(layer.export_state())
+    finally:
+        strategy.shutdown()

@@ -1,0 +1,47 @@
+"""A copied table shard packed after the cut (`checkpoints.table_copy._pack`), in this process.
+
+The stages hold a shard's storage at the cut: rows and slots of `share` rows,
+each row's key, each row's last step (-1: free). Packing must give what
+`DenseShard.saved` gives from the same storage: the held rows' keys (then the
+keys still counting), their counters, and each row and slot stage's held rows,
+in storage order, moved in place a chunk at a time. Chunks smaller than the
+shard here, holes everywhere, so that a chunk reads rows past those earlier
+chunks wrote."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from psclient._coordinator.checkpoints.table_copy import _pack
+
+SHARE, DIM, MIN_FREQUENCY = 1000, 4, 3
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, SHARE])
+def test_pack_gives_the_held_rows_in_storage_order(chunk):
+    rng = np.random.default_rng(chunk)
+    last = np.where(rng.random(SHARE) < 0.4, -1, rng.integers(0, 50, SHARE)).astype(np.int64)
+    row_key = rng.integers(0, 2**40, SHARE).astype(np.int64)
+    rows, slot = rng.standard_normal((SHARE, DIM)).astype(np.float32), rng.random((SHARE, DIM)).astype(np.float32)
+    waiting_keys, waiting = np.array([7, 9], np.int64), np.array([[1, 40], [2, 41]], np.int64)
+    stages = [tf.Variable(rows), tf.Variable(slot)]
+    keys, counters, row_keys, (packed_rows, packed_slot) = _pack(
+        stages, tf.Variable(row_key), tf.Variable(last), tf.constant(waiting_keys), tf.constant(waiting),
+        MIN_FREQUENCY, chunk)
+
+    held = np.flatnonzero(last >= 0)
+    assert held[0] > 0 or held.size < SHARE  # holes before held rows: rows move
+    np.testing.assert_array_equal(row_keys.numpy(), row_key[held])
+    np.testing.assert_array_equal(keys.numpy(), np.concatenate([row_key[held], waiting_keys]))
+    np.testing.assert_array_equal(counters.numpy(), np.concatenate(
+        [np.stack([np.full(held.size, MIN_FREQUENCY), last[held]], 1), waiting]))
+    np.testing.assert_array_equal(packed_rows.numpy(), rows[held])
+    np.testing.assert_array_equal(packed_slot.numpy(), slot[held])
+
+
+def test_pack_of_a_shard_holding_no_row():
+    empty = tf.Variable(np.full(SHARE, -1, np.int64))
+    keys, counters, row_keys, (packed,) = _pack(
+        [tf.Variable(tf.ones([SHARE, DIM]))], tf.Variable(tf.zeros([SHARE], tf.int64)), empty,
+        tf.zeros([0], tf.int64), tf.zeros([0, 2], tf.int64), 1, 64)
+    assert keys.shape == [0] and counters.shape == [0, 2] and row_keys.shape == [0] and packed.shape == [0, DIM]
