@@ -12,6 +12,9 @@ path after the other on the same cluster and the same stream (each path a fresh 
   dynamic_shared_hash  dynamic_shared in the storage bounded tables had before the dense one (hash
                   tables per ps: key -> row, key -> slot, key -> counters), for a before/after;
                   `ParameterServerStrategy(dynamic_table_storage="hash")`, a strategy of its own
+  dynamic_shared_marked  dynamic_shared in a strategy with a `checkpoint_dir` (none taken): a table
+                  above one checkpoint row chunk (8 MiB a ps) then has write marks on its storage
+                  (checkpoints copied before their cut): what the marks cost a step
 
 Equal memory: 26*rows rows of `dim` floats (and one Adagrad slot each) in every path.
 
@@ -40,6 +43,8 @@ its `capacity` rows (all held from the start).
     python benchmarks/dynamic_embeddings.py --paths dynamic_shared,hashing   # >= 10 million distinct keys:
                                                    # 12.5 minutes on a loaded 2-core machine
     python benchmarks/dynamic_embeddings.py --quick    # 200 steps, all three paths: about 5 minutes there
+    python benchmarks/dynamic_embeddings.py --rows 40000 --steps 600 \
+        --paths dynamic_shared,dynamic_shared_marked,dynamic_shared,dynamic_shared_marked   # the marks' cost
 
 Prints one JSON object (progress on stderr). Noisy machine: compare the ratios within one run.
 """
@@ -51,16 +56,17 @@ import gc
 import math
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import cpu_seconds, environment, log, print_json, task_usage  # noqa: E402
+from _common import cpu_seconds, environment, log, median, print_json, task_usage  # noqa: E402
 
 FEATURES = 26
-PATHS = ("dynamic_shared", "hashing", "dynamic", "dynamic_shared_hash")
+PATHS = ("dynamic_shared", "hashing", "dynamic", "dynamic_shared_hash", "dynamic_shared_marked")
 
 
 def stream(seed: int, n_batches: int, batch: int, window: int, drift: float = 1.0) -> np.ndarray:
@@ -142,19 +148,24 @@ def main(argv=None) -> int:
               "table_payload_mib_at_capacity": round(payload_mib, 1),
               "rows_and_slots_mib_at_capacity": round(floats_mib, 1),
               "rows_and_slots_bytes_per_row": args.dim * (1 + slots) * 4}
-    with psclient.LocalCluster(num_workers=2, num_ps=2, start_timeout=300, start_method="spawn") as local:
+    with psclient.LocalCluster(num_workers=2, num_ps=2, start_timeout=300, start_method="spawn") as local, \
+            tempfile.TemporaryDirectory(prefix="psclient-bench-") as scratch:
         pids = {f"{job}:{i}": local.pid(job, i) for job, i, _ in local.cluster.tasks()}
         ps_pids = [pid for name, pid in pids.items() if name.startswith("ps")]
         worker_pids = [pid for name, pid in pids.items() if name.startswith("worker")]
-        strategy = None
+        strategy, current = None, None
         try:
             for kind in paths:
                 # The hash storage is the strategy's setting: a strategy of its own for that path.
                 storage = "hash" if kind == "dynamic_shared_hash" else "dense"
-                if strategy is None or strategy.config.dynamic_table_storage != storage:
+                setting = (storage, kind == "dynamic_shared_marked")
+                if strategy is None or setting != current:
                     if strategy is not None:
                         strategy.shutdown()
-                    strategy = psclient.ParameterServerStrategy(local.cluster, dynamic_table_storage=storage)
+                    directory = os.path.join(scratch, f"{kind}-{len(result.get('runs', []))}")  # one per run
+                    more = {"checkpoint_dir": directory} if setting[1] else {}
+                    strategy = psclient.ParameterServerStrategy(local.cluster, dynamic_table_storage=storage, **more)
+                    current = setting
                 gc.collect()
                 rss_before = task_usage(ps_pids)["rss_mib"]
                 with strategy.scope():
@@ -183,6 +194,9 @@ def main(argv=None) -> int:
                     "worker_cpu_ms_per_step": round(1000 * (k1 - k0) / args.steps, 2),
                 }
                 run["task_cpu_ms_per_step"] = round(run["ps_cpu_ms_per_step"] + run["worker_cpu_ms_per_step"], 2)
+                if kind.startswith("dynamic_shared"):  # whether its shards' storage has write marks
+                    run["write_marks"] = all(shard.marked for layer in model.layers if hasattr(layer, "table")
+                                             for shard in layer.table.shards)
                 if kind != "hashing":
                     run["lookups_per_s_per_ps"] = round(keys_per_batch * args.steps / seconds / len(ps_pids))
                     tables = strategy.stats()["dynamic_embeddings"]
@@ -201,16 +215,22 @@ def main(argv=None) -> int:
                 run["ps_rss_growth_vs_rows_and_slots_at_capacity"] = round(rss[-1] / floats_mib, 2)
                 held = capacity if kind == "hashing" else run["rows"]
                 run["ps_rss_growth_bytes_per_row_held"] = round(rss[-1] * 2**20 / max(1, held))
-                result[kind] = run
+                result[kind] = run  # a path given twice: the later run here, each in `runs`
+                result.setdefault("runs", []).append({"path": kind, "steps_per_s": run["steps_per_s"]})
                 log(f"{kind}: {run['steps_per_s']} steps/s")
                 del model, timer
         finally:
             if strategy is not None:
                 strategy.shutdown()
-    for kind in ("dynamic_shared", "dynamic", "dynamic_shared_hash"):
+    for kind in ("dynamic_shared", "dynamic", "dynamic_shared_hash", "dynamic_shared_marked"):
         if kind in result and "hashing" in result:
             result[f"{kind}_vs_hashing_steps_per_s"] = round(
                 result[kind]["steps_per_s"] / result["hashing"]["steps_per_s"], 2)
+    if "dynamic_shared" in result and "dynamic_shared_marked" in result:  # medians over the runs of each
+        def median_of(path):
+            return median([r["steps_per_s"] for r in result["runs"] if r["path"] == path])
+        result["dynamic_shared_marked_vs_unmarked_steps_per_s"] = round(
+            median_of("dynamic_shared_marked") / median_of("dynamic_shared"), 2)
     print_json(result)
     return 0
 

@@ -12,6 +12,15 @@ Printed per kind: for each save, how long dispatch was paused (`stall_s`: the cu
 ps takes its snapshot) and the call's time; for each restore, its time. The first of each is apart
 (`first_*`): a process traces each table shard's save when its optimizer slots are made, and its
 restore at the first restore. Then the ratio dynamic / hashing of the later saves' median pause.
+Per save also: the copy made before the cut (`copy_s`, `copied_mb`: a big table's storage copied
+while training goes on, `checkpoints/table_copy`) and the rows the cut read again; and each ps's
+peak resident memory during the saves over its table bytes (`ps_save_peaks`).
+`--checkpoint-cut copy` saves every table packed in the cut (`StrategyConfig.checkpoint_cut`), for
+the pause's dependence on the table's size; `--train-beside` saves while `model.fit` trains in
+another thread (new keys admitted, rows evicted and trained during each copy):
+
+    python benchmarks/table_checkpoint.py --tables 1 --rows 2000000 --dim 32 --fill 0.9 \
+        --saves 4 --restores 0 --paths dynamic --train-beside --checkpoint-cut rows   # (and copy)
 
 Each restore's peak resident memory on each ps (psutil every 5 ms, after the saves' memory was
 given back): `ps_restore_peaks`, with `peak_over_table` = 1 + growth / that ps's table bytes
@@ -97,6 +106,40 @@ def fill_tables(model, fraction: float) -> int:
     return total
 
 
+class TrainingBeside:
+    """`model.fit` on (x, y) again and again in a thread of its own while the block runs: the saves
+    then copy and cut tables that training writes (`--train-beside`)."""
+
+    def __init__(self, model, x, y):
+        import threading
+
+        self._stop, self.errors = threading.Event(), []
+
+        def run():
+            for _ in range(10_000):  # bounded: stopped when the saves end
+                if self._stop.is_set():
+                    return
+                try:
+                    model.fit(x, y, epochs=1, batch_size=64, verbose=0)
+                except Exception as error:  # noqa: BLE001 - re-raised by __exit__
+                    self.errors.append(error)
+                    return
+        self._thread = threading.Thread(target=run, name="benchmark-training-beside")
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(600)
+        if self._thread.is_alive():
+            raise TimeoutError("the training beside the saves did not stop within 600 s")
+        if self.errors:
+            raise self.errors[0]
+        return False
+
+
 def table_bytes_by_ps(model) -> list[int]:
     """Per ps, the bytes of the dynamic tables' storage there (`table_stats()`'s `table_bytes`)."""
     from psclient.layers import DynamicEmbedding
@@ -176,7 +219,8 @@ def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dic
     with tempfile.TemporaryDirectory() as directory:
         deltas = args.deltas if kind == "dynamic" else 0
         more = {"delta_checkpoint_every": DELTA_STEPS} if deltas else {}
-        strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=directory, **more)
+        strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=directory,
+                                                    checkpoint_cut=args.checkpoint_cut, **more)
         try:
             with strategy.scope():
                 model = build(keras, kind, args.tables, args.rows, args.dim)
@@ -189,12 +233,25 @@ def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dic
             filled = fill_tables(model, args.fill) if kind == "dynamic" and args.fill else 0
             table_bytes = table_bytes_by_ps(model) if kind == "dynamic" else []
             saves, restores = [], []
-            for _ in range(args.saves):
-                started = time.perf_counter()
-                newest = strategy.save_checkpoint()
-                call_s = time.perf_counter() - started
-                stall = strategy.stats(read_ps=False)["checkpoints"]["last_stall_seconds"]
-                saves.append({"stall_s": round(stall, 4), "call_s": round(call_s, 3)})
+            _settle(ps_pids)
+            with contextlib.ExitStack() as stack:
+                memory = [stack.enter_context(PeakRss(pid)) for pid in ps_pids]
+                if args.train_beside:
+                    stack.enter_context(TrainingBeside(model, x, y))
+                for _ in range(args.saves):
+                    started = time.perf_counter()
+                    newest = strategy.save_checkpoint()
+                    call_s = time.perf_counter() - started
+                    stats = strategy.stats(read_ps=False)["checkpoints"]
+                    saves.append({"stall_s": round(stats["last_stall_seconds"], 4), "call_s": round(call_s, 3),
+                                  "copy_s": None if stats["last_copy_seconds"] is None
+                                  else round(stats["last_copy_seconds"], 3),
+                                  "copied_mb": round(stats["last_copied_bytes"] / 2**20, 1),
+                                  "rows_read_again": stats["last_rows_read_again"]})
+            save_peaks = [{"rss_mb_before": round(m.before / 2**20, 1), "rss_mb_peak": round(m.peak / 2**20, 1),
+                           **({"table_mb": round(table_bytes[i] / 2**20, 1),
+                               "peak_over_table": round(1 + (m.peak - m.before) / table_bytes[i], 3)}
+                              if i < len(table_bytes) and table_bytes[i] else {})} for i, m in enumerate(memory)]
             # The dynamic tables only: `stats()` reads them on the ps, which meets the lost one (the
             # hashing trick's model has nothing there that `stats()` reads: no recovery would start).
             written = write_deltas(model, strategy, args) if deltas else []
@@ -233,7 +290,7 @@ def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dic
         "first_restore_s": restores[0] if restores else None,
         "median_later_restore_s": median(restores[1:] or restores) if restores else None,
         "rows_imported": filled, "deltas_written": written, "deltas_applied_per_restore": applied,
-        "ps_losses": losses, "ps_restore_peaks": peaks,
+        "ps_losses": losses, "ps_restore_peaks": peaks, "ps_save_peaks": save_peaks,
         "max_peak_over_table": max((p["peak_over_table"] for run in peaks for p in run if "peak_over_table" in p),
                                    default=None),
     }
@@ -257,6 +314,10 @@ def main(argv=None) -> int:
                         help="dynamic tables: write this many deltas after the saves; the restores apply them")
     parser.add_argument("--restore-ps", type=int, default=0,
                         help="dynamic tables: restore into this many ps (the saves are 2 ps's), in a new run")
+    parser.add_argument("--checkpoint-cut", choices=("rows", "copy"), default="rows",
+                        help="StrategyConfig.checkpoint_cut: copy the tables before the cut (rows) or in it (copy)")
+    parser.add_argument("--train-beside", action="store_true",
+                        help="the saves run while model.fit trains in another thread")
     parser.add_argument("--ps-malloc", action="store_true",
                         help="ps tasks give freed memory back (glibc mmap threshold 1 MiB, oneDNN off)")
     args = parser.parse_args(argv)
