@@ -173,3 +173,31 @@ def test_checkpoint_cut_copy_leaves_the_table_unmarked(cluster, tmp_path):
         assert saved_state(path) == by_key(layer.export_state())
     finally:
         strategy.shutdown()
+
+
+def test_a_restarted_ps_gets_new_marks_and_its_shard_is_copied_again(cluster, restore_shared_clusters, tmp_path):
+    """ps 1 killed and started again: its shard's storage and marks are made again there and
+    restored (unmarked writes: no copy of the old storage is used); the next checkpoints copy
+    the new storage and hold the table as it exports."""
+    data = probe_data()
+    strategy = psclient.ParameterServerStrategy(one_worker(cluster), checkpoint_dir=str(tmp_path / "ckpt"),
+                                                hang_timeout=3.0)
+    try:
+        model, layer = build(strategy)
+        model.fit(data, epochs=1, steps_per_epoch=4, verbose=0)
+        fill(layer)
+        strategy.save_checkpoint()
+        old_marks = marks_of(layer.table.shards[1].rows)
+        cluster.kill("ps", 1)
+        cluster.restart("ps", 1)
+        strategy.stats()  # meets the restarted ps: its shard made again and restored
+        assert strategy.stats()["ps"][1]["recoveries"] == 1
+        shard = layer.table.shards[1]
+        assert shard.marked and marks_of(shard.rows) is not old_marks
+        model.fit(data, epochs=1, steps_per_epoch=4, verbose=0)
+        path = strategy.save_checkpoint()
+        stats = strategy.stats()["checkpoints"]
+        assert stats["last_copied_bytes"] == 2 * (CAPACITY // 2) * (2 * DIM * 4 + 16), stats  # both shards
+        assert saved_state(path) == by_key(layer.export_state())
+    finally:
+        strategy.shutdown()
