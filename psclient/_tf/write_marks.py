@@ -65,11 +65,29 @@ class WriteMarks:
 
     def reset(self) -> None:
         """Every mark cleared (eagerly, on their ps): writes from now on are marked again."""
-        self.rows.assign(tf.zeros(self.rows.shape, tf.int8), read_value=False)  # (no read: may hold none yet)
-        self.whole.assign(tf.constant(0, tf.int8), read_value=False)
+        _cleared(self.rows, self.whole)
+
+    def flags(self) -> Any:
+        """int8 [whether any row is marked, whether `whole` is set], on their ps (eagerly one call)."""
+        return _flags(self.rows, self.whole)
 
     def variables(self) -> tuple:
         return self.rows, self.whole
+
+
+# Traced: their Python values (a shape, a zero) are constants of the function. Converted eagerly under
+# the ps's device, TF would copy each to the ps inside the conversion, holding the GIL: a hung ps would
+# then stop every thread of the coordinator (tests/_conversions.py).
+@functools.partial(tf.function, autograph=False, reduce_retracing=True)
+def _cleared(rows, whole):
+    shape = tf.raw_ops.VariableShape(input=rows.handle, out_type=tf.int64)  # no read: may hold none yet
+    rows.assign(tf.zeros(shape, tf.int8), read_value=False)
+    whole.assign(tf.constant(0, tf.int8), read_value=False)
+
+
+@functools.partial(tf.function, autograph=False, reduce_retracing=True)
+def _flags(rows, whole):
+    return tf.stack([tf.reduce_max(rows.read_value()), whole.read_value()])
 
 
 def _on(mark: Any):

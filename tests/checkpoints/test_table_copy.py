@@ -22,6 +22,7 @@ tf = pytest.importorskip("tensorflow")
 import psclient  # noqa: E402
 from psclient._coordinator.checkpoints import checkpoint_snapshot, fuzzy_copy  # noqa: E402
 from psclient._tf.write_marks import marks_of  # noqa: E402
+from _conversions import RemoteConversions  # noqa: E402
 from tables.test_table_saves import by_key, saved_state  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
@@ -198,6 +199,37 @@ def test_a_restarted_ps_gets_new_marks_and_its_shard_is_copied_again(cluster, re
         path = strategy.save_checkpoint()
         stats = strategy.stats()["checkpoints"]
         assert stats["last_copied_bytes"] == 2 * (CAPACITY // 2) * (2 * DIM * 4 + 16), stats  # both shards
+        assert saved_state(path) == by_key(layer.export_state())
+    finally:
+        strategy.shutdown()
+
+
+def test_a_save_with_copies_converts_nothing_on_the_ps(cluster, tmp_path):
+    """The copies before the cut, the cut and the write (a big variable's and a table's) hand the ps
+    no Python value to convert under its device: TF copies one there holding the GIL, so a hung ps
+    would stop every thread of the coordinator."""
+    rows = 300_000  # an Embedding of 19.2 MB: two shards (one per ps), each above a row chunk
+    ids = np.stack([PROBES, PROBES % rows], 1)
+    data = tf.data.Dataset.from_tensor_slices((ids, np.ones([64, 1], np.float32))).batch(64).repeat()
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"))
+    try:
+        with strategy.scope():
+            both = keras.Input([2], dtype="int64")
+            layer = psclient.layers.DynamicEmbedding(DIM, capacity=CAPACITY, name="item")
+            embedding = keras.layers.Embedding(rows, 16)
+            joined = keras.layers.Concatenate()([keras.layers.Flatten()(layer(both[:, :1])),
+                                                 keras.layers.Flatten()(embedding(both[:, 1:]))])
+            model = keras.Model(both, keras.layers.Dense(1)(joined))
+            model.compile(optimizer=keras.optimizers.Adagrad(0.05), loss="mse")
+        model.fit(data, epochs=1, steps_per_epoch=4, verbose=0)
+        strategy.save_checkpoint()  # the first: functions traced and made on the ps
+        model.fit(data, epochs=1, steps_per_epoch=4, verbose=0)
+        with RemoteConversions() as seen:
+            path = strategy.save_checkpoint()
+        stats = strategy.stats()["checkpoints"]
+        # The embedding and its accumulator, and the table's storage, were copied before the cut.
+        assert stats["last_copied_bytes"] == 2 * rows * 16 * 4 + 2 * (CAPACITY // 2) * (2 * DIM * 4 + 16), stats
+        assert not seen.found, "Python values converted under a task's device:\n" + seen.report()
         assert saved_state(path) == by_key(layer.export_state())
     finally:
         strategy.shutdown()

@@ -158,8 +158,7 @@ def _copy_sparse_written(slots: list) -> dict[tuple, _Copy]:
     is written from then on)."""
     if not slots:
         return {}
-    flags = tf.stack([tf.stack([tf.reduce_max(marks.rows.read_value()), marks.whole.read_value()])
-                      for _slot, marks in slots]).numpy()
+    flags = tf.stack([marks.flags() for _slot, marks in slots]).numpy()
     for _slot, marks in slots:
         marks.reset()
     out = {}

@@ -29,9 +29,10 @@ def move_rows(variable: Any, stage: Any, indices: Any) -> Any:
 def copy_in_chunks(variable: Any, stage: Any, rows: int, chunk: int) -> None:
     """Rows [0, `rows`) of `variable` into `stage`, `chunk` rows at a time (eagerly, on their ps): each
     copy holds the variable for one chunk only, so training goes on meanwhile."""
+    one = _pieces.coordinator_constant(1, tf.int64)  # (tf.range would convert its delta on the ps)
     for start in range(0, rows, chunk):
-        at = tf.range(_pieces.coordinator_constant(start, tf.int64),
-                      _pieces.coordinator_constant(min(rows, start + chunk), tf.int64))
+        at = tf.raw_ops.Range(start=_pieces.coordinator_constant(start, tf.int64),
+                              limit=_pieces.coordinator_constant(min(rows, start + chunk), tf.int64), delta=one)
         move_rows(variable, stage, at)
 
 
@@ -39,6 +40,6 @@ def empty(stage: Any) -> None:
     """Give `stage` an empty value (eagerly, on its ps): its buffer goes once no read holds it. A ps
     keeps the resources of a function's last call alive until its next call, so a stage merely
     dropped could stay whole until the next checkpoint."""
-    shape = stage.shape.as_list()
+    shape = _pieces.coordinator_constant([0] + stage.shape.as_list()[1:], tf.int32)  # not converted on the ps
     tf.raw_ops.AssignVariableOp(resource=stage.handle, validate_shape=False,
-                                value=tf.zeros([0] + shape[1:], stage.dtype))
+                                value=tf.raw_ops.Empty(shape=shape, dtype=stage.dtype))

@@ -119,13 +119,8 @@ def copy_shards(shards: list) -> dict[int, TableCopy]:
     shards = [shard for shard in shards if _copyable(shard)]
     if not shards:
         return {}
-    checks = []
-    for shard in shards:
-        for variable in _storage(shard):
-            marks = _write_marks.marks_of(variable)
-            shape = tf.raw_ops.VariableShape(input=variable.handle, out_type=tf.int64)  # not a read: no copy
-            checks.append(tf.stack([tf.cast(marks.whole.read_value(), tf.int64), tf.reduce_prod(shape)]))
-    checks = iter(tf.stack(checks).numpy().tolist())
+    checks = iter(tf.stack([_written_whole_and_size(_write_marks.marks_of(variable).whole, variable)
+                            for shard in shards for variable in _storage(shard)]).numpy().tolist())
     out = {}
     for shard in shards:
         variables, shapes = _storage(shard), _shapes(shard)
@@ -148,6 +143,13 @@ def copy_shards(shards: list) -> dict[int, TableCopy]:
         _pack.get_concrete_function(stages[:-2], stages[-2], stages[-1], tf.TensorSpec([None], tf.int64),
                                     tf.TensorSpec([None, 2], tf.int64), shard.policy.min_frequency, _chunk(shard))
     return out
+
+
+@tf.function(autograph=False, reduce_retracing=True)  # traced: nothing converted under the ps's device
+def _written_whole_and_size(whole, variable):
+    """int64 [the variable's `whole` mark, its number of elements] (VariableShape: not a read, no copy)."""
+    size = tf.reduce_prod(tf.raw_ops.VariableShape(input=variable.handle, out_type=tf.int64))
+    return tf.stack([tf.cast(whole.read_value(), tf.int64), size])
 
 
 def _chunk(shard: Any) -> int:
