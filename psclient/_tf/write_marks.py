@@ -78,10 +78,10 @@ class WriteMarks:
 # Traced: their Python values (a shape, a zero) are constants of the function. Converted eagerly under
 # the ps's device, TF would copy each to the ps inside the conversion, holding the GIL: a hung ps would
 # then stop every thread of the coordinator (tests/_conversions.py).
-@functools.partial(tf.function, autograph=False, reduce_retracing=True)
+@functools.partial(tf.function, autograph=False)
 def _cleared(rows, whole):
-    shape = tf.raw_ops.VariableShape(input=rows.handle, out_type=tf.int64)  # no read: may hold none yet
-    rows.assign(tf.zeros(shape, tf.int8), read_value=False)
+    # The static shape (one trace per size): the marks of a ps just restarted hold no value yet.
+    rows.assign(tf.zeros(rows.shape, tf.int8), read_value=False)
     whole.assign(tf.constant(0, tf.int8), read_value=False)
 
 
