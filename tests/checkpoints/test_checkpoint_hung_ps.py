@@ -15,6 +15,7 @@ import tensorflow as tf
 from _polling import wait_for
 
 import psclient
+from psclient._coordinator.checkpoints import checkpoint as checkpoint_module
 from psclient._coordinator.checkpoints.checkpoint_parts import CheckpointWriteError, late_threads
 from psclient._core.errors import PSUnavailableError
 
@@ -74,9 +75,22 @@ def check_back_to_normal(strategy, cluster, directory, step, counter, previous):
 
 @pytest.mark.parametrize("marked", [False, True], ids=["read-in-the-cut", "copied-before-the-cut"])
 @pytest.mark.parametrize("when", ["snapshot", "write"])
-def test_a_ps_stopped_during_a_save_fails_it_within_hang_timeout_naming_the_ps(cluster, tmp_path, when, marked):
+def test_a_ps_stopped_during_a_save_fails_it_within_hang_timeout_naming_the_ps(cluster, tmp_path, when, marked,
+                                                                              monkeypatch):
     """Stopped before the save (its copy before the cut, then the cut, each give up after
-    hang_timeout), or as its write starts (the stages' release, then the write)."""
+    hang_timeout), or as its write starts (the write gives up after hang_timeout; the stages'
+    release then does not wait for that ps again)."""
+    gave_up = []
+    write_snapshot = checkpoint_module._snapshot.write_snapshot  # noqa: SLF001
+
+    def recording(*args, **kwargs):
+        try:
+            return write_snapshot(*args, **kwargs)
+        except CheckpointWriteError:
+            gave_up.append(time.monotonic())
+            raise
+
+    monkeypatch.setattr(checkpoint_module._snapshot, "write_snapshot", recording)  # noqa: SLF001
     directory = tmp_path / "ckpt"
     strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(directory), hang_timeout=HANG_TIMEOUT,
                                                 variable_partitioner=None)
@@ -90,6 +104,7 @@ def test_a_ps_stopped_during_a_save_fails_it_within_hang_timeout_naming_the_ps(c
         else:  # after the cut: each ps writes its part while training goes on
             strategy._recovery.checkpoints.before_write = lambda path: cluster.stop("ps", 1)  # noqa: SLF001
         error, waited = timed(strategy.save_checkpoint)
+        returned = time.monotonic()
         strategy._recovery.checkpoints.before_write = None  # noqa: SLF001
         assert isinstance(error, CheckpointWriteError), error
         assert "ps:1" in str(error) and "within 3 s" in str(error), error
@@ -98,6 +113,8 @@ def test_a_ps_stopped_during_a_save_fails_it_within_hang_timeout_naming_the_ps(c
         assert strategy.stats()["checkpoints"]["writing"] is False
         if marked and when == "write":  # the table was copied before the cut, its stage then waited on
             assert strategy.stats()["checkpoints"]["last_copied_bytes"] == 300_000 * 16 * 4
+        if when == "write":  # returned without a second hang_timeout for the stopped ps's stages
+            assert len(gave_up) == 1 and returned - gave_up[0] < HANG_TIMEOUT, (returned, gave_up)
         check_back_to_normal(strategy, cluster, directory, step, counter, previous)
     finally:
         cluster.resume("ps", 1)

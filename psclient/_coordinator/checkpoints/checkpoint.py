@@ -243,13 +243,17 @@ class Checkpoints:
             started = time.monotonic()
             if self.before_write is not None:
                 self.before_write(path)
-            prepared = pending.snapshot.prepared
+            prepared, hung = pending.snapshot.prepared, None
             try:
                 _snapshot.write_snapshot(path, pending.snapshot, pending.scalars, self._describe_ps, pending.meta,
                                          timeout=self._hang_timeout, abandoned=lambda: self._closing)
+            except _parts.CheckpointWriteError as error:
+                if isinstance(error.__cause__, _parts.PsTimeout):  # not waited on again for its stages
+                    hung = getattr(error.__cause__, "_psclient_ps", None)
+                raise
             finally:
                 if prepared is not None:  # written (or given up): their stages go
-                    prepared.release(self._hang_timeout)
+                    prepared.release(self._hang_timeout, hung=hung)
             self.times["last_rows_read_again"] = prepared.rows_read_again() if prepared is not None else 0
             self._commit(number)
             if self._deltas is not None:

@@ -87,10 +87,11 @@ class Prepared:
         """How many rows the cut read again (counted by `release`; a ps that did not answer: 0)."""
         return sum(count for counts in self.read_again.values() for count in counts if isinstance(count, int))
 
-    def release(self, timeout: float | None = None) -> None:
+    def release(self, timeout: float | None = None, hung: int | None = None) -> None:
         """Drop the stages once the checkpoint is written (its reads of them kept what it wrote):
         each first given an empty value on its ps (`stages.empty`). Fetches the counts of rows read
-        again. Waits at most `timeout` for a ps (a hung one keeps its stages until it answers)."""
+        again. Waits at most `timeout` for a ps (a hung one keeps its stages until it answers), and
+        not at all for `hung`, a ps the write already waited `timeout` for: its call goes on alone."""
         copies, self.copies = self.copies, {}
         tables, self.tables = self.tables, {}
 
@@ -106,10 +107,13 @@ class Prepared:
                             _stages.empty(stage)
             return run
 
-        try:
-            on_each_ps({ps: empty_on(ps) for ps in set(copies) | set(tables)}, timeout=timeout)
-        except (tf.errors.OpError, PsTimeout) as error:  # a lost or hung ps: the write says so
-            log.debug("stages of a checkpoint not emptied: %s", first_line(error))
+        work = {ps: empty_on(ps) for ps in set(copies) | set(tables)}
+        waits = [({hung: work.pop(hung)}, 0.0)] if hung in work else []
+        for part, wait in [*waits, (work, timeout)]:
+            try:
+                on_each_ps(part, timeout=wait)
+            except (tf.errors.OpError, PsTimeout) as error:  # a lost or hung ps: the write says so
+                log.debug("stages of a checkpoint not emptied: %s", first_line(error))
 
 
 def prepare(variables: dict[str, Any], describe_ps: Callable[[int], str],
