@@ -352,6 +352,11 @@ def main(argv=None) -> int:
     plans.add_argument("--hangs", type=int, default=2, help="worker SIGSTOPs of 4-6 s per plan")
     plans.add_argument("--ps-kills", type=int, default=1, help="ps SIGKILLs per plan (restarted)")
     plans.add_argument("--ps-hangs", type=int, default=0, help="ps SIGSTOPs of 4-6 s per plan")
+    plans.add_argument("--plan-checkpoint-every", dest="checkpoint_every", type=int, default=200,
+                       help="closures between the strategy's checkpoints")
+    plans.add_argument("--big-rows", type=int, default=0,
+                       help="rows of a 32-wide table on each ps (0: none); above 65,536 a checkpoint copies "
+                            "it before its cut")
     plans.add_argument("--batch", type=int, default=300, help="closures scheduled, then joined, per batch")
     plans.add_argument("--join-timeout", type=float, default=180.0,
                        help="a join of one batch that takes longer counts as a hang")

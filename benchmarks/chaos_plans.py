@@ -1,8 +1,9 @@
 """Seeded chaos plans: worker kills, hangs and a ps kill, overlapping, while batches run.
 
 Each seed draws one plan over --duration seconds on a fresh LocalCluster (3
-workers, --ps ps tasks, 1 by default; the strategy with hang_timeout=3, checkpoint_every=200 and a
-checkpoint_dir): --kills worker SIGKILLs, each restarted after 0.5-3 s;
+workers, --ps ps tasks, 1 by default; the strategy with hang_timeout=3, checkpoint_every=200
+(--plan-checkpoint-every) and a checkpoint_dir; --big-rows N adds an [N, 32] float table on each ps,
+64 rows scattered a step, which every checkpoint then copies before its cut): --kills worker SIGKILLs, each restarted after 0.5-3 s;
 --hangs worker SIGSTOPs of 4-6 s, ended with SIGCONT from this process;
 --ps-kills ps SIGKILLs, each restarted at once; --ps-hangs ps SIGSTOPs of 4-6 s,
 ended with SIGCONT as a worker's (the workers' steps wait on the ps meanwhile). Times are uniform, so faults
@@ -38,6 +39,7 @@ import time
 from _common import log
 
 PLAN_WORKERS, PLAN_PS = 3, 1
+BIG_DIM = 32  # --big-rows: the width of each ps's big table
 #: The longest a coordinator thread may stall (the limit of tests/faults/test_no_freeze.py).
 MAX_STALL_S = 1.0
 
@@ -148,11 +150,14 @@ class _Faults:
         self.results.append(row)
 
 
-def _step(strategy, num_ps):
+def _step(strategy, num_ps, big_rows=0):
     import tensorflow as tf
 
     with strategy.scope():  # placed in turn: each ps holds weights
         weights = [tf.Variable(tf.random.stateless_normal([64, 64], seed=[1, 2 + p]) / 8) for p in range(num_ps)]
+        # --big-rows: a table on each ps above one checkpoint row chunk, a few rows scattered a step,
+        # so that every checkpoint copies it before its cut while the faults go on.
+        tables = [tf.Variable(tf.zeros([big_rows, BIG_DIM])) for _ in range(num_ps if big_rows else 0)]
         counted = tf.Variable(0, dtype=tf.int64)
     x = tf.random.stateless_normal([32, 64], seed=[3, 4])
 
@@ -160,6 +165,9 @@ def _step(strategy, num_ps):
     def step():
         for w in weights:
             w.assign_sub(0.001 * tf.matmul(tf.transpose(x), tf.tanh(x @ w)) / 32)
+        for table in tables:
+            rows = tf.random.uniform([64], 0, big_rows, dtype=tf.int64)
+            table.scatter_add(tf.IndexedSlices(tf.fill([64, BIG_DIM], 0.001), rows))
         counted.assign_add(1)
         return counted.read_value()
 
@@ -187,7 +195,7 @@ def run_seed(seed: int, args) -> dict:
                                start_method=args.start_method) as local, \
             tempfile.TemporaryDirectory() as ckpt:
         strategy = psclient.ParameterServerStrategy(
-            local.cluster, hang_timeout=3.0, checkpoint_dir=ckpt, checkpoint_every=200)
+            local.cluster, hang_timeout=3.0, checkpoint_dir=ckpt, checkpoint_every=args.checkpoint_every)
         sampling = threading.Event()
 
         def sample():  # a coordinator thread that wants to wake every 50 ms
@@ -210,7 +218,7 @@ def run_seed(seed: int, args) -> dict:
         sampler = threading.Thread(target=sample, daemon=True)
         faults = None
         try:
-            step, counted = _step(strategy, num_ps)
+            step, counted = _step(strategy, num_ps, args.big_rows)
             started = time.monotonic()
             faults = _Faults(local, strategy, plan, started, args.recovery_timeout, num_ps)
             faults.start()
@@ -279,6 +287,8 @@ def run_seed(seed: int, args) -> dict:
         "retried_closures": retried,
         "steps_counted_in_range": steps is not None and low <= steps <= low + retried + (len(futures) - ok),
         "wall_s": round(wall, 1),
+        "checkpoints_written": stats.get("checkpoints_written"),
+        "checkpoint_cost": stats.get("checkpoints"),
     }
     log(f"seed {seed}: {ok}/{len(futures)} resolved, {row['futures_failed']} failed, "
         f"{row['futures_cancelled']} cancelled, {row['futures_unresolved']} unresolved, errors {errors}, "
