@@ -14,11 +14,11 @@ import subprocess
 import threading
 
 import numpy as np
-import psutil
 import pytest
 import tensorflow as tf
 from _polling import wait_for
 from _heartbeat import MAX_STALL_S, Heartbeat
+from _rss import PeakRss, rss
 
 import psclient
 from psclient._coordinator.checkpoints.checkpoint_parts import READ_BATCH_BYTES, CheckpointDirError, Slot, batches
@@ -45,31 +45,6 @@ def on_ps(cluster, count):
 def heal(cluster, restore_shared_clusters):
     """The cluster; after the test every task runs again (restarted or resumed)."""
     return cluster
-
-
-def rss() -> int:
-    return psutil.Process().memory_info().rss
-
-
-class PeakRss:
-    """The coordinator's peak resident memory while the block runs (sampled every 10 ms)."""
-
-    def __init__(self):
-        self.peak = rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.wait(0.01):
-            self.peak = max(self.peak, rss())
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(5)
 
 
 def test_coordinator_memory_does_not_grow_with_the_table_across_checkpoints(cluster, tmp_path):

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import psclient
 from psclient._tf.write_marks import marks_of
+from _rss import PeakRss
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -130,6 +131,53 @@ def test_each_checkpoint_holds_its_cut_while_steps_write_during_the_copy(cluster
         restored = strategy.restore()
         assert restored["path"] == seen[-1][0]
         np.testing.assert_array_equal(table.read_value().numpy(), expected_table(int(counter.read_value())))
+    finally:
+        strategy.shutdown()
+
+
+def test_a_table_scattered_only_before_the_previous_checkpoint_is_not_copied_in_the_cut(tmp_path):
+    """Scattered, checkpointed (copied before its cut), then checkpointed again with no write since:
+    TF keeps it in copy-on-read mode, and the cut's read copied it whole in the pause (54 ms for
+    1 GB). Now the read shares its buffer: the ps does not grow by the table during that save.
+    A scatter after such a cut, while its write holds the read, must not reach the checkpoint.
+    Its own cluster, on plain malloc (oneDNN's allocator, TF's default, keeps freed memory and
+    reuses it unseen: the copy would not show)."""
+    rows = 2_000_000  # 64 MB
+    plain_malloc = {"TF_ENABLE_ONEDNN_OPTS": "0", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    with psclient.LocalCluster(num_workers=1, num_ps=1, env=plain_malloc) as cluster:
+        saves_after_a_scatter(cluster, rows, tmp_path)
+
+
+def saves_after_a_scatter(cluster, rows, tmp_path):
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"),
+                                                variable_partitioner=None)
+    try:
+        with strategy.scope():
+            big = tf.Variable(tf.zeros([rows, WIDTH]))
+
+        @tf.function
+        def scatter():
+            big.scatter_add(tf.IndexedSlices(tf.ones([TOUCHED, WIDTH]), tf.range(TOUCHED, dtype=tf.int64)))
+
+        def first_rows(path):
+            return tf.train.load_checkpoint(path).get_tensor("v000000" + VALUE)[:TOUCHED]
+
+        strategy.schedule(scatter).result(timeout=120)
+        strategy.save_checkpoint()  # copied before its cut: scattered since made
+        with PeakRss(cluster.pid("ps", 0), period=0.002) as peak:
+            quiet = strategy.save_checkpoint()  # nothing written since the previous one
+        assert peak.growth < rows * WIDTH * 4 / 2, f"the ps grew {peak.growth / 2**20:.1f} MiB during the save"
+        assert np.all(first_rows(quiet) == 1.0)
+        # The cut shares the buffer; a scatter before the write copies it first (TF), so the write
+        # holds the cut's value.
+        strategy._recovery.checkpoints.before_write = lambda path: strategy.schedule(scatter).result(timeout=120)  # noqa: SLF001
+        try:
+            cut_before_the_scatter = strategy.save_checkpoint()
+        finally:
+            strategy._recovery.checkpoints.before_write = None  # noqa: SLF001
+        assert np.all(first_rows(cut_before_the_scatter) == 1.0)
+        assert np.all(first_rows(strategy.save_checkpoint()) == 2.0)
+        assert np.all(big[:TOUCHED].numpy() == 2.0)
     finally:
         strategy.shutdown()
 

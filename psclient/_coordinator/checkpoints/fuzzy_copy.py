@@ -20,9 +20,14 @@ since the previous checkpoint:
    like any other, and the stage itself is dropped. A variable written whole
    since step 1 (a dense `assign*`) is read whole in the cut instead.
 
-A variable scattered since the previous checkpoint is in copy-on-read mode
-anyway; one that was not (never written, or written densely) is left to the
-cut, whose read of it shares its buffer and costs nothing. Memory on a ps: one
+A variable not scattered since the previous checkpoint (never written,
+written densely, or only scattered before) is left to the cut. One scattered
+before stays in TF's copy-on-read mode, so its read in the cut would copy it
+whole there (54 ms for 1 GB here); `prepare` turns that mode off for it
+(`DisableCopyOnRead`), so the cut's read shares its buffer. Should training
+scatter it again while the checkpoint still holds that read, TF copies the
+variable once in that scatter (its buffer is shared), on the ps, outside
+the pause; a variable left alone (frozen embeddings) is never copied. Memory on a ps: one
 stage per copied variable (what the cut's copy took before) and one chunk in
 flight, plus the marks (one byte a row). Big bounded DynamicEmbedding shards
 are copied by the same `prepare`, and packed after the cut (`table_copy`).
@@ -167,8 +172,13 @@ def _copy_sparse_written(slots: list) -> dict[tuple, _Copy]:
         marks.reset()
     out = {}
     for (slot, marks), (scattered, whole) in zip(slots, flags):
-        if not scattered or whole:
-            continue  # read in the cut: shares its buffer (not in copy-on-read mode), or written densely
+        if not scattered:
+            # Left to the cut, its read then sharing the buffer: copy-on-read mode (from scatters
+            # before the previous checkpoint) would copy it whole in the pause.
+            tf.raw_ops.DisableCopyOnRead(resource=slot.variable.handle)
+            continue
+        if whole:
+            continue  # written densely since: read whole in the cut
         variable = slot.variable
         shape = variable.shape.as_list()
         stage = _stages.new_stage(shape, variable.dtype)
