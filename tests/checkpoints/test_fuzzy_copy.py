@@ -137,7 +137,7 @@ def test_each_checkpoint_holds_its_cut_while_steps_write_during_the_copy(cluster
 
 def test_a_table_scattered_only_before_the_previous_checkpoint_is_not_copied_in_the_cut(tmp_path):
     """Scattered, checkpointed (copied before its cut), then checkpointed again with no write since:
-    TF keeps it in copy-on-read mode, and the cut's read copied it whole in the pause (54 ms for
+    TF keeps it in copy-on-read mode, and the cut's read copied it whole in the pause (53 ms for
     1 GB). Now the read shares its buffer: the ps does not grow by the table during that save.
     A scatter after such a cut, while its write holds the read, must not reach the checkpoint.
     Its own cluster, on plain malloc (oneDNN's allocator, TF's default, keeps freed memory and

@@ -23,12 +23,13 @@ since the previous checkpoint:
 A variable not scattered since the previous checkpoint (never written,
 written densely, or only scattered before) is left to the cut. One scattered
 before stays in TF's copy-on-read mode, so its read in the cut would copy it
-whole there (54 ms for 1 GB here); `prepare` turns that mode off for it
-(`DisableCopyOnRead`), so the cut's read shares its buffer. Should training
-scatter it again while the checkpoint still holds that read, TF copies the
-variable once in that scatter (its buffer is shared), on the ps, outside
-the pause; a variable left alone (frozen embeddings) is never copied. Memory on a ps: one
-stage per copied variable (what the cut's copy took before) and one chunk in
+whole there (53 ms for 1 GB here: benchmarks/quiet_checkpoint.py);
+`prepare` turns that mode off for it (`DisableCopyOnRead`), so the cut's
+read shares its buffer. Should training scatter it again while the
+checkpoint still holds that read, TF copies the variable once in that
+scatter (its buffer is shared), on the ps, outside the pause; a variable
+left alone (frozen embeddings) is never copied. Memory on a ps: one stage
+per copied variable (what the cut's copy took before) and one chunk in
 flight, plus the marks (one byte a row). Big bounded DynamicEmbedding shards
 are copied by the same `prepare`, and packed after the cut (`table_copy`).
 """
