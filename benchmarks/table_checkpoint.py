@@ -14,7 +14,8 @@ ps takes its snapshot) and the call's time; for each restore, its time. The firs
 restore at the first restore. Then the ratio dynamic / hashing of the later saves' median pause.
 Per save also: the copy made before the cut (`copy_s`, `copied_mb`: a big table's storage copied
 while training goes on, `checkpoints/table_copy`) and the rows the cut read again; and each ps's
-peak resident memory during the saves over its table bytes (`ps_save_peaks`).
+peak resident memory during the saves over its table bytes (`ps_save_peaks`; each save's own in
+`saves[i].ps_peak_over_table`, from the same memory before the first save).
 `--checkpoint-cut copy` saves every table packed in the cut (`StrategyConfig.checkpoint_cut`), for
 the pause's dependence on the table's size; `--train-beside` saves while `model.fit` trains in
 another thread (new keys admitted, rows evicted and trained during each copy):
@@ -239,11 +240,19 @@ def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dic
                 if args.train_beside:
                     stack.enter_context(TrainingBeside(model, x, y))
                 for _ in range(args.saves):
+                    peak_so_far = [m.peak for m in memory]
+                    for m in memory:  # each save's own peak too (the first also makes its functions)
+                        m.peak = m.before
                     started = time.perf_counter()
                     newest = strategy.save_checkpoint()
                     call_s = time.perf_counter() - started
                     stats = strategy.stats(read_ps=False)["checkpoints"]
+                    own = [round(1 + (m.peak - m.before) / table_bytes[i], 3) if i < len(table_bytes) and table_bytes[i]
+                           else None for i, m in enumerate(memory)]
+                    for m, earlier in zip(memory, peak_so_far):
+                        m.peak = max(m.peak, earlier)
                     saves.append({"stall_s": round(stats["last_stall_seconds"], 4), "call_s": round(call_s, 3),
+                                  "ps_peak_over_table": own,
                                   "copy_s": None if stats["last_copy_seconds"] is None
                                   else round(stats["last_copy_seconds"], 3),
                                   "copied_mb": round(stats["last_copied_bytes"] / 2**20, 1),

@@ -17,13 +17,15 @@ from psclient._coordinator.checkpoints.table_copy import _pack
 SHARE, DIM, MIN_FREQUENCY = 1000, 4, 3
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 64, SHARE])
-def test_pack_gives_the_held_rows_in_storage_order(chunk):
+@pytest.mark.parametrize("chunk,waiting_count", [(1, 2), (7, 2), (64, 2), (SHARE, 2), (7, 0), (SHARE, 0)])
+def test_pack_gives_the_held_rows_in_storage_order(chunk, waiting_count):
+    """With keys waiting and without (min_frequency=1: the keys are the packed row keys themselves)."""
     rng = np.random.default_rng(chunk)
     last = np.where(rng.random(SHARE) < 0.4, -1, rng.integers(0, 50, SHARE)).astype(np.int64)
     row_key = rng.integers(0, 2**40, SHARE).astype(np.int64)
     rows, slot = rng.standard_normal((SHARE, DIM)).astype(np.float32), rng.random((SHARE, DIM)).astype(np.float32)
-    waiting_keys, waiting = np.array([7, 9], np.int64), np.array([[1, 40], [2, 41]], np.int64)
+    waiting_keys = np.array([7, 9], np.int64)[:waiting_count]
+    waiting = np.array([[1, 40], [2, 41]], np.int64)[:waiting_count].reshape([-1, 2])
     stages = [tf.Variable(rows), tf.Variable(slot)]
     keys, counters, row_keys, (packed_rows, packed_slot) = _pack(
         stages, tf.Variable(row_key), tf.Variable(last), tf.constant(waiting_keys), tf.constant(waiting),

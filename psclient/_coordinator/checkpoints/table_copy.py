@@ -23,16 +23,20 @@ big variables (`fuzzy_copy`):
    clock and the counts. Scanning the marks (one byte a row a variable) is
    what still grows with the table.
 3. `Packed`, in the background write: one call on the ps finds the held rows
-   in the staged `last`, gathers their keys and counters, and packs each
-   row and slot stage in place, a chunk at a time (row j takes row
-   held[j] >= j, so a chunk never reads a row an earlier chunk wrote); each
-   is saved as its first rows, a slice sharing its buffer.
+   in the staged `last` and packs every stage in place by them, `row_key` and
+   `last` too, a chunk at a time (row j takes row held[j] >= j, so a chunk
+   never reads a row an earlier chunk wrote); each is saved as its first
+   rows, a slice sharing its buffer, and the counters are built from the
+   packed steps (`saved_rows.keys_and_counters`: the only new buffer, 16
+   bytes a held row; the keys are the packed row keys when none wait).
 
 A restore or import into the shard (`shard_restore.run`, unmarked writes)
 after its copy makes the copy stale (`DenseShard.restores`): the cut then
 saves that shard as before, packed there. Memory on a ps: one stage per
 copied variable (the rows and slots packed in the cut took as much before),
-16 bytes a row for the keys' stages, one chunk in flight.
+16 bytes a row for the keys' stages, one chunk in flight (1 MiB in the
+packing, one stage after the other), and while packing the held rows'
+indices (8 bytes each) and counters (16).
 """
 
 from __future__ import annotations
@@ -44,10 +48,13 @@ import tensorflow as tf
 
 from psclient._coordinator.checkpoints import checkpoint_pieces as _pieces
 from psclient._coordinator.checkpoints import stages as _stages
-from psclient._coordinator.tables.dense_shard import saved_keys
+from psclient._coordinator.tables.saved_rows import keys_and_counters
 from psclient._tf import write_marks as _write_marks
 
 __all__ = ["Later", "Packed", "TableCopy", "copy_shards", "cut", "stage_bytes"]
+
+#: The packing's chunk (`_pack`): what the write holds beside the stages, one chunk at a time.
+PACK_CHUNK_BYTES = 1 << 20
 
 
 class TableCopy:
@@ -153,7 +160,8 @@ def _written_whole_and_size(whole, variable):
 
 
 def _chunk(shard: Any) -> int:
-    return _pieces.chunk_rows([shard.share, shard.dim], tf.float32, aligned=False) or shard.share
+    """Rows a chunk of the packing moves: 1 MiB of a shard's rows (a write's chunk in flight)."""
+    return _pieces.chunk_rows([shard.share, shard.dim], tf.float32, PACK_CHUNK_BYTES, aligned=False) or shard.share
 
 
 def cut(copy: TableCopy) -> tuple[list, Any]:
@@ -201,13 +209,19 @@ def _read_again(variable: Any, stage: Any) -> Any:
 @tf.function(autograph=False)
 def _pack(float_stages, row_key, last, waiting_keys, waiting, min_frequency: int, chunk: int):
     """From a copied shard's stages (the cut's state): its saved (keys, counters, row_keys, [rows and
-    slots]), as `DenseShard.saved` gives them; each of `float_stages` packed in place (`_compact`)."""
-    for keyed in (row_key, last):
-        tf.raw_ops.DisableCopyOnRead(resource=keyed.handle)  # read sharing its buffer: nothing writes it
-    keys, counters, row_keys, held = saved_keys(tf.reshape(row_key.read_value(), [-1]),
-                                                tf.reshape(last.read_value(), [-1]), waiting_keys, waiting,
-                                                min_frequency)
-    return keys, counters, row_keys, [_compact(stage, held, chunk) for stage in float_stages]
+    slots]), as `DenseShard.saved` gives them. Every stage is packed in place (`_compact`), `row_key`
+    and `last` too: the keys and steps of the held rows are slices of their stages, not gathered copies
+    (with none waiting, the keys are the row keys themselves: `keys_and_counters`)."""
+    tf.raw_ops.DisableCopyOnRead(resource=last.handle)  # read sharing its buffer for the scan below
+    held = tf.reshape(tf.where(tf.reshape(last.read_value(), [-1]) >= 0), [-1])
+    packed, after = [], []
+    for stage in [row_key, last, *float_stages]:  # one after another: one chunk in flight
+        with tf.control_dependencies(after):
+            packed.append(_compact(stage, held, chunk))
+        after = [packed[-1]]
+    row_keys, held_last, *values = packed
+    keys, counters = keys_and_counters(row_keys, held_last, waiting_keys, waiting, min_frequency)
+    return keys, counters, row_keys, values
 
 
 def _compact(stage, held, chunk: int):
@@ -230,4 +244,7 @@ def _compact(stage, held, chunk: int):
     with tf.control_dependencies([done]):
         tf.raw_ops.DisableCopyOnRead(resource=stage.handle)  # the scatters set copy-on-read: read shares now
     value = stage.read_value()
-    return tf.slice(value, tf.zeros([2], tf.int64), tf.stack([count, tf.constant(-1, tf.int64)]))
+    rank = tf.rank(value)  # the rows and slots: 2; `row_key` and `last`: 1
+    begin = tf.zeros([rank], tf.int64)
+    size = tf.concat([tf.reshape(count, [1]), -tf.ones([rank - 1], tf.int64)], 0)
+    return tf.slice(value, begin, size)

@@ -41,10 +41,11 @@ import tensorflow as tf
 from psclient._coordinator.tables import shard_restore
 from psclient._coordinator.tables.key_index import KeyIndex, find
 from psclient._coordinator.tables.ps_saves import empty_fields, saved_tensors
+from psclient._coordinator.tables.saved_rows import live_rows, saved_keys
 from psclient._core import dynamic_tables as rules
 from psclient._tf import write_marks as _write_marks
 
-__all__ = ["DenseShard", "least_recent", "live_rows", "vector"]
+__all__ = ["DenseShard", "least_recent", "vector"]
 
 _NEWEST = 2**63 - 1
 _READS = frozenset({"saved", "saved_tensors", "stats"})  # `_on_ps` sections that only read (any other may write)
@@ -72,24 +73,6 @@ def vector(variable, at=None):
     """A 1-D variable's values (at `at`), of known rank (its shape is unknown: see `DenseShard._variable`)."""
     value = variable.read_value() if at is None else tf.gather(variable, at)
     return tf.reshape(value, [-1])
-
-
-def saved_keys(row_key, last, waiting_keys, waiting, min_frequency: int):
-    """A shard's saved (keys, counters, row_keys) from its `row_key` and `last` values and the export
-    of its keys still counting (`pending`), and `held`: the storage row of each of `row_keys`, in
-    order (what its rows and slots are packed by). The keys with a row first, in their rows' order."""
-    row_keys, held = live_rows(row_key, last)
-    last = tf.gather(last, held)
-    keys = tf.concat([row_keys, tf.reshape(waiting_keys, [-1])], 0)
-    counters = tf.concat([tf.stack([tf.fill(tf.shape(last), tf.constant(min_frequency, tf.int64)), last], 1),
-                          tf.reshape(waiting, [-1, 2])], 0)
-    return keys, counters, row_keys, held
-
-
-def live_rows(row_keys, last):
-    """(keys, rows) of the rows that hold a key, from a shard's `row_key` and `last` values."""
-    held = tf.reshape(tf.where(last >= 0), [-1])
-    return tf.gather(row_keys, held), held
 
 
 # Up to this many entries the LRU selection runs every step, even with nothing to evict; above, it
