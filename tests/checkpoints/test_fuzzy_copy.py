@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import psclient
+from psclient._coordinator.checkpoints import fuzzy_copy, stages
 from psclient._tf.write_marks import marks_of
 from _rss import PeakRss
 
@@ -179,6 +180,52 @@ def saves_after_a_scatter(cluster, rows, tmp_path):
         assert np.all(first_rows(strategy.save_checkpoint()) == 2.0)
         assert np.all(big[:TOUCHED].numpy() == 2.0)
     finally:
+        strategy.shutdown()
+
+
+def test_once_one_ps_fails_its_copy_the_other_ps_stops_copying(cluster, restore_shared_clusters, tmp_path,
+                                                               monkeypatch, caplog):
+    """ps 1 killed as a checkpoint's copy begins, ps 0 slowed: ps 0's copy stops before its next chunk
+    instead of copying the rest of its table (a ps loss's recovery waits on that thread: it took the
+    rest of a 1 GB copy, 1.1 s), and the warning names ps 1, not the ps stopped for it."""
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"),
+                                                variable_partitioner=None, hang_timeout=3.0)
+    outcomes = []
+    copy_in_chunks = stages.copy_in_chunks
+
+    def recording(variable, *args, **kwargs):
+        try:
+            copy_in_chunks(variable, *args, **kwargs)
+            outcomes.append((variable.device, "copied"))
+        except stages.CopyStopped:
+            outcomes.append((variable.device, "stopped"))
+            raise
+
+    try:
+        with strategy.scope():
+            with tf.device("/job:ps/task:0"):
+                big = tf.Variable(tf.zeros([4 * ROWS, WIDTH]))  # 77 MB: ten chunks
+            with tf.device("/job:ps/task:1"):
+                small = tf.Variable(tf.zeros([ROWS, WIDTH]))
+
+        @tf.function
+        def scatter():
+            for table in (big, small):
+                table.scatter_add(tf.IndexedSlices(tf.ones([TOUCHED, WIDTH]), tf.range(TOUCHED, dtype=tf.int64)))
+
+        strategy.schedule(scatter).result(timeout=120)
+        monkeypatch.setattr(stages, "copy_in_chunks", recording)
+        cluster.throttle("ps", 0, 0.25)
+        cluster.kill("ps", 1)
+        with caplog.at_level("WARNING", logger="psclient"):
+            prepared = fuzzy_copy.prepare(strategy.parts.store.named(), lambda ps: f"ps {ps}", timeout=60)
+        assert prepared is None
+        assert [outcome for device, outcome in outcomes if "task:0" in device] == ["stopped"], outcomes
+        assert any("ps:1" in r.getMessage() and "could not copy" in r.getMessage() for r in caplog.records), \
+            [r.getMessage() for r in caplog.records]
+    finally:
+        cluster.throttle("ps", 0, 1.0)
+        cluster.restart("ps", 1)
         strategy.shutdown()
 
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import tensorflow as tf
 
 from psclient._coordinator.checkpoints import checkpoint_pieces as _pieces
 from psclient._tf import variables as _variables
 
-__all__ = ["copy_in_chunks", "empty", "move_rows", "new_stage"]
+__all__ = ["CopyStopped", "copy_in_chunks", "empty", "move_rows", "new_stage"]
 
 
 def new_stage(shape: list[int], dtype: Any) -> Any:
@@ -26,11 +26,19 @@ def move_rows(variable: Any, stage: Any, indices: Any) -> Any:
         updates=tf.raw_ops.ResourceGather(resource=variable.handle, indices=indices, dtype=stage.dtype))
 
 
-def copy_in_chunks(variable: Any, stage: Any, rows: int, chunk: int) -> None:
+class CopyStopped(Exception):
+    """A copy given up between two chunks (`copy_in_chunks`' `stop`): another ps's copy failed."""
+
+
+def copy_in_chunks(variable: Any, stage: Any, rows: int, chunk: int,
+                   stop: Callable[[], bool] | None = None) -> None:
     """Rows [0, `rows`) of `variable` into `stage`, `chunk` rows at a time (eagerly, on their ps): each
-    copy holds the variable for one chunk only, so training goes on meanwhile."""
+    copy holds the variable for one chunk only, so training goes on meanwhile. Raises CopyStopped
+    before a chunk once `stop()` is true."""
     one = _pieces.coordinator_constant(1, tf.int64)  # (tf.range would convert its delta on the ps)
     for start in range(0, rows, chunk):
+        if stop is not None and stop():
+            raise CopyStopped(f"stopped at row {start} of {rows}")
         at = tf.raw_ops.Range(start=_pieces.coordinator_constant(start, tf.int64),
                               limit=_pieces.coordinator_constant(min(rows, start + chunk), tf.int64), delta=one)
         move_rows(variable, stage, at)

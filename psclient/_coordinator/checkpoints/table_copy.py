@@ -41,7 +41,7 @@ indices (8 bytes each) and counters (16).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
@@ -119,10 +119,10 @@ def stage_bytes(copy: TableCopy) -> int:
     return sum(int(stage.shape.num_elements()) * stage.dtype.size for stage in copy.stages)
 
 
-def copy_shards(shards: list) -> dict[int, TableCopy]:
+def copy_shards(shards: list, stop: Callable[[], bool] | None = None) -> dict[int, TableCopy]:
     """On the ps in force, training going on: id(shard) -> its copy, for each of `shards` (that ps's)
     with write marks, written since made, not written whole since its marks were last cleared and of
-    its share's shape. Every such shard's marks are cleared first."""
+    its share's shape. Every such shard's marks are cleared first. `stop`: as `stages.copy_in_chunks`'."""
     shards = [shard for shard in shards if _copyable(shard)]
     if not shards:
         return {}
@@ -140,7 +140,7 @@ def copy_shards(shards: list) -> dict[int, TableCopy]:
         for variable, shape in zip(variables, shapes):
             stage = _stages.new_stage(shape, variable.dtype)
             chunk = _pieces.chunk_rows(shape, variable.dtype, aligned=False) or shape[0]
-            _stages.copy_in_chunks(variable, stage, shape[0], chunk)
+            _stages.copy_in_chunks(variable, stage, shape[0], chunk, stop)
             stages.append(stage)
         copy = out[id(shard)] = TableCopy(shard, stages)
         # Traced now, not in the cut or the write (a trace registers a function on every task); the
