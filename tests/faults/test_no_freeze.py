@@ -204,6 +204,30 @@ def test_a_new_function_first_scheduled_while_a_worker_hangs(heal):
         strategy.shutdown()
 
 
+@pytest.mark.parametrize("storage", ["dense", "hash"])
+def test_a_first_stats_of_a_dynamic_table_while_a_worker_hangs(heal, storage):
+    """`stats()` reads each shard of a bounded DynamicEmbedding table in one call of a function traced
+    at its first read. Its registration on every task waited for the stopped worker with the GIL
+    held: the coordinator stalled 3.9 s in a chaos plan, until the worker was resumed. (A table in
+    hash storage is read by eager ops.)"""
+    import keras
+
+    cluster = heal
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=HANG_TIMEOUT,
+                                                dynamic_table_storage=storage)
+    try:
+        with strategy.scope():
+            ids = keras.Input([1], dtype="int64")
+            keras.Model(ids, psclient.layers.DynamicEmbedding(8, capacity=1000, name="hung_stats")(ids))
+        with Heartbeat() as beat, stopped(cluster, "worker", 2, watchdog_s=WATCHDOG_S):
+            tables = strategy.stats()["dynamic_embeddings"]
+        assert [shard["rows"] for shard in tables["hung_stats"]] == [0], tables
+        assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s"
+    finally:
+        cluster.resume("worker", 2)
+        strategy.shutdown()
+
+
 @pytest.mark.xfail(run=False, reason=(
     "known limit (docs/development.md): fit waits for a hung worker until it answers. Its first "
     "eager ops of a new kind register their kernels on every task with a blocking RPC (streaming "

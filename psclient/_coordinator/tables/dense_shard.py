@@ -44,6 +44,7 @@ from psclient._coordinator.tables.ps_saves import empty_fields, saved_tensors
 from psclient._coordinator.tables.saved_rows import live_rows, saved_keys
 from psclient._core import dynamic_tables as rules
 from psclient._tf import write_marks as _write_marks
+from psclient._tf.executors import streamed_function_registrations, until_registered
 
 __all__ = ["DenseShard", "least_recent", "vector"]
 
@@ -380,8 +381,17 @@ class DenseShard:
         self.fresh = self.fresh and name in _READS  # any other section may write (a restore, an import)
         traced = self._traced.get(name)
         if traced is None:
-            traced = self._traced[name] = tf.function(section, autograph=False, reduce_retracing=True)
-        return traced  # (or its one concrete function, for a section without arguments)
+            function = tf.function(section, autograph=False, reduce_retracing=True)
+
+            def traced():
+                # Its first call traces it. Waited for with the GIL held, the registration on every
+                # task stopped the coordinator while a worker hung (a first `stats()`, 3.9 s in a
+                # chaos plan): streamed, with the call made again if it overtakes the registration.
+                with streamed_function_registrations():
+                    return until_registered(function)
+
+            self._traced[name] = traced
+        return traced
 
     def saved(self):
         """(keys, counters, row_keys, rows, {slot: rows}) of the shard, as tensors on its device."""
