@@ -357,6 +357,9 @@ def main(argv=None) -> int:
     plans.add_argument("--big-rows", type=int, default=0,
                        help="rows of a 32-wide table on each ps (0: none); above 65,536 a checkpoint copies "
                             "it before its cut")
+    plans.add_argument("--table-capacity", type=int, default=0,
+                       help="capacity of a DynamicEmbedding(32) trained by each step (0: none); above 65,536 "
+                            "rows a ps a checkpoint copies its shards before its cut")
     plans.add_argument("--batch", type=int, default=300, help="closures scheduled, then joined, per batch")
     plans.add_argument("--join-timeout", type=float, default=180.0,
                        help="a join of one batch that takes longer counts as a hang")

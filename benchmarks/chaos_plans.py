@@ -3,7 +3,8 @@
 Each seed draws one plan over --duration seconds on a fresh LocalCluster (3
 workers, --ps ps tasks, 1 by default; the strategy with hang_timeout=3, checkpoint_every=200
 (--plan-checkpoint-every) and a checkpoint_dir; --big-rows N adds an [N, 32] float table on each ps,
-64 rows scattered a step, which every checkpoint then copies before its cut): --kills worker SIGKILLs, each restarted after 0.5-3 s;
+64 rows scattered a step, which every checkpoint then copies before its cut; --table-capacity C a
+DynamicEmbedding(32, capacity=C) trained with Adagrad by each step, 64 keys drawn from 10 C): --kills worker SIGKILLs, each restarted after 0.5-3 s;
 --hangs worker SIGSTOPs of 4-6 s, ended with SIGCONT from this process;
 --ps-kills ps SIGKILLs, each restarted at once; --ps-hangs ps SIGSTOPs of 4-6 s,
 ended with SIGCONT as a worker's (the workers' steps wait on the ps meanwhile). Times are uniform, so faults
@@ -150,7 +151,7 @@ class _Faults:
         self.results.append(row)
 
 
-def _step(strategy, num_ps, big_rows=0):
+def _step(strategy, num_ps, big_rows=0, table_capacity=0):
     import tensorflow as tf
 
     with strategy.scope():  # placed in turn: each ps holds weights
@@ -160,6 +161,7 @@ def _step(strategy, num_ps, big_rows=0):
         tables = [tf.Variable(tf.zeros([big_rows, BIG_DIM])) for _ in range(num_ps if big_rows else 0)]
         counted = tf.Variable(0, dtype=tf.int64)
     x = tf.random.stateless_normal([32, 64], seed=[3, 4])
+    dynamic = _dynamic_model(strategy, table_capacity) if table_capacity else None
 
     @tf.function
     def step():
@@ -168,10 +170,32 @@ def _step(strategy, num_ps, big_rows=0):
         for table in tables:
             rows = tf.random.uniform([64], 0, big_rows, dtype=tf.int64)
             table.scatter_add(tf.IndexedSlices(tf.fill([64, BIG_DIM], 0.001), rows))
+        if dynamic is not None:
+            model, optimizer = dynamic
+            keys = tf.random.uniform([64, 1], 0, 10 * table_capacity, dtype=tf.int64)  # admissions, evictions
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(model(keys) ** 2)
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
         counted.assign_add(1)
         return counted.read_value()
 
     return step, counted
+
+
+def _dynamic_model(strategy, capacity: int):
+    """--table-capacity: a DynamicEmbedding(32, capacity) + Adagrad trained by every step; above
+    65,536 rows a ps, each checkpoint copies its shards before the cut and packs them in the write."""
+    import keras
+
+    import psclient
+
+    with strategy.scope():
+        ids = keras.Input([1], dtype="int64")
+        layer = psclient.layers.DynamicEmbedding(BIG_DIM, capacity=capacity, name="chaos_table")
+        model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(layer(ids))))
+        optimizer = keras.optimizers.Adagrad(0.05)
+        optimizer.build(model.trainable_variables)
+    return model, optimizer
 
 
 def _ps_index(variable) -> int:
@@ -218,7 +242,7 @@ def run_seed(seed: int, args) -> dict:
         sampler = threading.Thread(target=sample, daemon=True)
         faults = None
         try:
-            step, counted = _step(strategy, num_ps, args.big_rows)
+            step, counted = _step(strategy, num_ps, args.big_rows, args.table_capacity)
             started = time.monotonic()
             faults = _Faults(local, strategy, plan, started, args.recovery_timeout, num_ps)
             faults.start()

@@ -228,6 +228,39 @@ def test_a_first_stats_of_a_dynamic_table_while_a_worker_hangs(heal, storage):
         strategy.shutdown()
 
 
+def test_a_first_checkpoint_that_copies_big_tables_while_a_worker_hangs(heal, tmp_path):
+    """The first checkpoint that copies a big variable and a big DynamicEmbedding table before its cut
+    traces the copy's functions on the ps threads: a save started as a worker stops (before
+    hang_timeout takes it out) must not wait on it with the GIL held."""
+    import keras
+    import numpy as np
+
+    cluster = heal
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=HANG_TIMEOUT,
+                                                checkpoint_dir=str(tmp_path / "ckpt"), variable_partitioner=None)
+    try:
+        with strategy.scope():
+            big = tf.Variable(tf.zeros([300_000, 8]))  # 9.6 MB: above one row chunk, copied
+            ids = keras.Input([1], dtype="int64")
+            layer = psclient.layers.DynamicEmbedding(32, capacity=100_000, name="hung_copy")  # 12.8 MB a variable
+            model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(layer(ids))))
+            model.compile(optimizer=keras.optimizers.Adagrad(0.05), loss="mse")
+        keys = np.arange(256, dtype=np.int64)[:, None]
+        model.fit(keys, np.ones([256, 1], np.float32), batch_size=64, epochs=1, verbose=0)
+
+        @tf.function
+        def scatter():
+            big.scatter_add(tf.IndexedSlices(tf.ones([4, 8]), tf.range(4, dtype=tf.int64)))
+
+        strategy.schedule(scatter).result(timeout=120)
+        with Heartbeat() as beat, stopped(cluster, "worker", 2, watchdog_s=WATCHDOG_S):
+            path = strategy.save_checkpoint()
+        assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s"
+        assert strategy.stats()["checkpoints"]["last_copied_bytes"] > 300_000 * 8 * 4, path
+    finally:
+        strategy.shutdown()
+
+
 @pytest.mark.xfail(run=False, reason=(
     "known limit (docs/development.md): fit waits for a hung worker until it answers. Its first "
     "eager ops of a new kind register their kernels on every task with a blocking RPC (streaming "

@@ -185,9 +185,13 @@ def on_each_ps(work: dict[int, Callable[[], Any]], timeout: float | None = None,
             return
         executor = _executors.new_call_executor(streaming=False)
         try:
-            with _executors.executor_scope(executor):
+            # A function first traced here (a copy's or a cut's, a shard's restore) is registered on
+            # every task: waited for, with the GIL held, a worker that had just stopped froze the
+            # coordinator until it answered (tests/faults/test_no_freeze.py). Streamed instead, and
+            # the work made again should a call overtake its function's registration.
+            with _executors.executor_scope(executor), _executors.streamed_function_registrations():
                 try:
-                    future.set_result(work[ps]())
+                    future.set_result(_executors.until_registered(work[ps]))
                 except tf.errors.OpError as error:
                     executor.clear_error()  # else it raises again when it is deleted
                     future.set_exception(error)

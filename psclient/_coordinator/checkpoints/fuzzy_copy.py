@@ -54,6 +54,7 @@ from psclient._coordinator.checkpoints.checkpoint_parts import (
 )
 from psclient._core.errors import first_line
 from psclient._tf import write_marks as _write_marks
+from psclient._tf.executors import function_not_registered_yet
 
 __all__ = ["Prepared", "cut", "prepare"]
 
@@ -152,7 +153,8 @@ def prepare(variables: dict[str, Any], describe_ps: Callable[[int], str],
                             _table_copy.copy_shards(shards.get(ps, []), stop=lambda: bool(failed)))
                 except tf.errors.OpError as error:
                     error._psclient_ps = ps
-                    failed.append(error)
+                    if not function_not_registered_yet(error):  # that one is made again (`on_each_ps`)
+                        failed.append(error)
                     raise
         return run
 
