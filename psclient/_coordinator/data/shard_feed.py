@@ -187,19 +187,23 @@ class ShardFeed:
                 return i + 1, records + count, replayed, iterator.get_next_as_optional()
 
             def body(i, records, replayed, optional, _owner):
-                # Iteration n starts once iteration n-1, its steps included, completed.
-                positions.scatter_max(tf.IndexedSlices(tf.reshape(first + i, [1]), slots))
-                # Read alongside the steps (not in the loop condition, which would wait for it
-                # alone): a newer attempt on the shard (this worker was taken for hung, then woke
-                # up) owns it now, so stop after this iteration instead of training it all again.
-                owner = tf.equal(attempts.sparse_read(slot), attempt)
-                if every == 1:
-                    return (*train(i, records, replayed, optional), owner)
-                # `every` batches (fewer at the shard's end) between two ledger writes.
-                end_of_iteration = i + every
-                i, records, replayed, optional = tf.while_loop(
-                    lambda i, r, p, o: tf.logical_and(i < end_of_iteration, o.has_value()),
-                    lambda i, r, p, o: train(i, r, p, o), (i, records, replayed, optional))
+                # Iteration n starts once iteration n-1, its steps included, completed; its steps
+                # start once the position says so on the ps. Unordered, a worker killed under
+                # load had trained iteration n while the ps still held n-1: the next attempt
+                # trained n-1 again, a batch not cut off (tests/data/test_data_ledger.py).
+                written = positions.scatter_max(tf.IndexedSlices(tf.reshape(first + i, [1]), slots))
+                with tf.control_dependencies([written.op]):
+                    # Read alongside the steps (not in the loop condition, which would wait for it
+                    # alone): a newer attempt on the shard (this worker was taken for hung, then woke
+                    # up) owns it now, so stop after this iteration instead of training it all again.
+                    owner = tf.equal(attempts.sparse_read(slot), attempt)
+                    if every == 1:
+                        return (*train(i, records, replayed, optional), owner)
+                    # `every` batches (fewer at the shard's end) between two ledger writes.
+                    end_of_iteration = i + every
+                    i, records, replayed, optional = tf.while_loop(
+                        lambda i, r, p, o: tf.logical_and(i < end_of_iteration, o.has_value()),
+                        lambda i, r, p, o: train(i, r, p, o), (i, records, replayed, optional))
                 return i, records, replayed, optional, owner
 
             def more(i, records, replayed, optional, owner):
