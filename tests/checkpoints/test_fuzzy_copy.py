@@ -3,9 +3,12 @@
 The cut then reads again only the rows written since the copy began
 (`checkpoints.fuzzy_copy`, `_tf.write_marks`). Checked on a real cluster with
 steps that keep running beside each save: every checkpoint must hold exactly
-the values of its cut. Each step takes a number from a counter on ps:0 and
-adds 1 to 64 rows of a table on ps:1 that the number picks, so a checkpoint
-whose counter reads `c` must hold the table the steps 1..c make, row for row.
+the values of its cut. Each step adds 1 to a counter on ps:0, reads it back
+as its number `k`, adds 1 to 64 rows of a table on ps:1 that `k` picks and
+counts `k` in a tally beside the table. So a checkpoint must hold the table
+its tally makes, row for row, and a tally of as many steps as its counter.
+(Two steps running at once can both read the number the later one made: the
+add and the read are two ops. The tally, not the counter, says which rows.)
 """
 
 import threading
@@ -23,6 +26,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 ROWS, WIDTH, TOUCHED = 600_000, 8, 64  # 19.2 MB: three row chunks of 8 MiB (the checkpoint's)
 VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
+MAX_STEPS = 1 << 16  # a step numbered beyond fails its scatter (an error, not a wrong table)
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +38,11 @@ def rows_of(k: int) -> np.ndarray:
     return (k * 7919 + np.arange(TOUCHED) * 104_729) % ROWS
 
 
-def expected_table(count: int) -> np.ndarray:
+def expected_table(tally: np.ndarray) -> np.ndarray:
+    """The table made by the steps `tally` counts (`tally[k]`: steps that took number k)."""
     table = np.zeros([ROWS, WIDTH], np.float32)
-    for k in range(1, count + 1):
-        np.add.at(table, rows_of(k), 1.0)
+    for k in np.flatnonzero(tally):
+        np.add.at(table, rows_of(int(k)), float(tally[k]))
     return table
 
 
@@ -49,14 +54,17 @@ def build(strategy):
             table = tf.Variable(tf.zeros([ROWS, WIDTH]))
             dense = tf.Variable(tf.zeros([ROWS, WIDTH]))  # written whole by each step
             frozen = tf.Variable(tf.ones([ROWS, WIDTH]))  # never written
+            tally = tf.Variable(tf.zeros([MAX_STEPS], tf.int32))  # steps by number
 
     @tf.function
     def step():
         k = counter.assign_add(1)
         rows = (k * 7919 + tf.range(TOUCHED, dtype=tf.int64) * 104_729) % ROWS
         table.scatter_add(tf.IndexedSlices(tf.ones([TOUCHED, WIDTH]), rows))
+        tally.scatter_add(tf.IndexedSlices(tf.ones([1], tf.int32), tf.reshape(k, [1])))
         dense.assign_add(tf.fill([ROWS, WIDTH], 1.0))
         return k
+    step.tally = tally
     return counter, table, dense, frozen, step
 
 
@@ -108,8 +116,9 @@ def saves_beside_training(strategy, step, tries=6):
 def assert_holds_its_cut(path):
     reader = tf.train.load_checkpoint(path)
     count = int(reader.get_tensor("v000000" + VALUE))
-    assert count >= 1
-    np.testing.assert_array_equal(reader.get_tensor("v000001" + VALUE), expected_table(count),
+    tally = reader.get_tensor("v000004" + VALUE)
+    assert count >= 1 and tally.sum() == count, (path, count, tally.sum())
+    np.testing.assert_array_equal(reader.get_tensor("v000001" + VALUE), expected_table(tally),
                                   err_msg=f"{path}: counter {count}")
     assert np.all(reader.get_tensor("v000002" + VALUE) == count)
 
@@ -131,7 +140,7 @@ def test_each_checkpoint_holds_its_cut_while_steps_write_during_the_copy(cluster
             assert np.all(tf.train.load_checkpoint(path).get_tensor("v000003" + VALUE) == 1.0)
         restored = strategy.restore()
         assert restored["path"] == seen[-1][0]
-        np.testing.assert_array_equal(table.read_value().numpy(), expected_table(int(counter.read_value())))
+        np.testing.assert_array_equal(table.read_value().numpy(), expected_table(step.tally.numpy()))
     finally:
         strategy.shutdown()
 
@@ -244,7 +253,8 @@ def test_a_restarted_ps_gets_new_marks_and_its_checkpoints_hold_their_cut(cluste
         cluster.restart("ps", 1)
         assert int(strategy.schedule(step).result(timeout=150)) >= 1  # met the restarted ps, recovered
         assert strategy.stats()["ps"][1]["recoveries"] == 1
-        np.testing.assert_array_equal(table.numpy(), expected_table(int(counter.numpy())))
+        assert step.tally.numpy().sum() == int(counter.numpy())
+        np.testing.assert_array_equal(table.numpy(), expected_table(step.tally.numpy()))
         assert not marks_of(table).rows.numpy()[np.setdiff1d(np.arange(ROWS), rows_of(int(counter.numpy())))].any()
         after = saves_beside_training(strategy, step)
         assert after[-1][1] == ROWS * WIDTH * 4 and after[-1][2] > 0, after
@@ -287,8 +297,9 @@ def test_checkpoint_cut_copy_reads_every_variable_in_the_cut(cluster, tmp_path):
         stats = strategy.stats()["checkpoints"]
         assert stats["last_copied_bytes"] == 0 and stats["last_rows_read_again"] == 0
         reader = tf.train.load_checkpoint(path)
-        count = int(reader.get_tensor("v000000" + VALUE))
-        np.testing.assert_array_equal(reader.get_tensor("v000001" + VALUE), expected_table(count))
+        tally = reader.get_tensor("v000004" + VALUE)
+        assert tally.sum() == int(reader.get_tensor("v000000" + VALUE))
+        np.testing.assert_array_equal(reader.get_tensor("v000001" + VALUE), expected_table(tally))
     finally:
         strategy.shutdown()
 
