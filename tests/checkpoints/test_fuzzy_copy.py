@@ -348,3 +348,39 @@ def test_keras_fit_marks_the_rows_adagrad_writes_and_its_checkpoint_restores(clu
         np.testing.assert_array_equal(table.numpy(), reader.get_tensor(name))
     finally:
         strategy.shutdown()
+
+
+def test_a_cut_made_again_counts_its_rows_read_again_once(cluster, tmp_path, monkeypatch):
+    """`on_each_ps` makes a ps's snapshot work again when a call overtakes a function's registration
+    (`until_registered`): made twice here, the cut still reports the 10 rows written since the copy
+    once (it reported 20)."""
+    from psclient._coordinator.checkpoints import checkpoint_snapshot
+
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"),
+                                                variable_partitioner=None)
+    try:
+        _counter, table, _dense, _frozen, step = build(strategy)
+        strategy.schedule(step).result(timeout=120)  # scattered: copied before the next cut
+        prepare = fuzzy_copy.prepare
+
+        def prepare_then_write(*args, **kwargs):
+            prepared = prepare(*args, **kwargs)
+            table.scatter_add(tf.IndexedSlices(tf.ones([10, WIDTH]), tf.range(10, dtype=tf.int64)))  # marked
+            return prepared
+
+        on_each_ps = checkpoint_snapshot.on_each_ps
+
+        def each_made_twice(work, **kwargs):
+            on_each_ps(work, **kwargs)
+            return on_each_ps(work, **kwargs)
+
+        monkeypatch.setattr(fuzzy_copy, "prepare", prepare_then_write)
+        monkeypatch.setattr(checkpoint_snapshot, "on_each_ps", each_made_twice)
+        path = strategy.save_checkpoint()
+        stats = strategy.stats()["checkpoints"]
+        assert stats["last_copied_bytes"] == ROWS * WIDTH * 4 and stats["last_rows_read_again"] == 10, stats
+        want = expected_table(step.tally.numpy())
+        want[:10] += 1.0  # the write between the copy and the cut, read again
+        np.testing.assert_array_equal(tf.train.load_checkpoint(path).get_tensor("v000001" + VALUE), want)
+    finally:
+        strategy.shutdown()

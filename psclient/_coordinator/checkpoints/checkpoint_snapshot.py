@@ -101,6 +101,10 @@ def take_snapshot(variables: dict[str, Any], describe_ps: Callable[[int], str],
         slots = by_ps.get(ps, [])
 
         def run():
+            if prepared is not None:
+                # Counted afresh: `on_each_ps` makes this work again when a call overtakes the
+                # registration of a function it traced, and its first counts would stay.
+                prepared.read_again.pop(ps, None)
             with device_of(ps):
                 try:
                     values = _read(ps, slots, prepared)  # read there: stays on this ps
