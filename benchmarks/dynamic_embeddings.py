@@ -15,6 +15,8 @@ path after the other on the same cluster and the same stream (each path a fresh 
   dynamic_shared_marked  dynamic_shared in a strategy with a `checkpoint_dir` (none taken): a table
                   above one checkpoint row chunk (8 MiB a ps) then has write marks on its storage
                   (checkpoints copied before their cut): what the marks cost a step
+  dynamic_shared_hash_marked  dynamic_shared_hash with a `checkpoint_dir`: hash tables then say which
+                  keys each write touches while a checkpoint copies them (`checkpoints/hash_copy`)
 
 Equal memory: 26*rows rows of `dim` floats (and one Adagrad slot each) in every path.
 
@@ -45,6 +47,8 @@ its `capacity` rows (all held from the start).
     python benchmarks/dynamic_embeddings.py --quick    # 200 steps, all three paths: about 5 minutes there
     python benchmarks/dynamic_embeddings.py --rows 40000 --steps 600 \
         --paths dynamic_shared,dynamic_shared_marked,dynamic_shared,dynamic_shared_marked   # the marks' cost
+    python benchmarks/dynamic_embeddings.py --rows 40000 --steps 600 --paths \
+        dynamic_shared_hash,dynamic_shared_hash_marked,dynamic_shared_hash,dynamic_shared_hash_marked
 
 Prints one JSON object (progress on stderr). Noisy machine: compare the ratios within one run.
 """
@@ -66,7 +70,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import cpu_seconds, environment, log, median, print_json, task_usage  # noqa: E402
 
 FEATURES = 26
-PATHS = ("dynamic_shared", "hashing", "dynamic", "dynamic_shared_hash", "dynamic_shared_marked")
+PATHS = ("dynamic_shared", "hashing", "dynamic", "dynamic_shared_hash", "dynamic_shared_marked",
+         "dynamic_shared_hash_marked")
 
 
 def stream(seed: int, n_batches: int, batch: int, window: int, drift: float = 1.0) -> np.ndarray:
@@ -157,8 +162,8 @@ def main(argv=None) -> int:
         try:
             for kind in paths:
                 # The hash storage is the strategy's setting: a strategy of its own for that path.
-                storage = "hash" if kind == "dynamic_shared_hash" else "dense"
-                setting = (storage, kind == "dynamic_shared_marked")
+                storage = "hash" if kind.startswith("dynamic_shared_hash") else "dense"
+                setting = (storage, kind.endswith("_marked"))
                 if strategy is None or setting != current:
                     if strategy is not None:
                         strategy.shutdown()
@@ -222,15 +227,18 @@ def main(argv=None) -> int:
         finally:
             if strategy is not None:
                 strategy.shutdown()
-    for kind in ("dynamic_shared", "dynamic", "dynamic_shared_hash", "dynamic_shared_marked"):
+    for kind in ("dynamic_shared", "dynamic", "dynamic_shared_hash", "dynamic_shared_marked",
+                 "dynamic_shared_hash_marked"):
         if kind in result and "hashing" in result:
             result[f"{kind}_vs_hashing_steps_per_s"] = round(
                 result[kind]["steps_per_s"] / result["hashing"]["steps_per_s"], 2)
-    if "dynamic_shared" in result and "dynamic_shared_marked" in result:  # medians over the runs of each
-        def median_of(path):
-            return median([r["steps_per_s"] for r in result["runs"] if r["path"] == path])
-        result["dynamic_shared_marked_vs_unmarked_steps_per_s"] = round(
-            median_of("dynamic_shared_marked") / median_of("dynamic_shared"), 2)
+    def median_of(path):
+        return median([r["steps_per_s"] for r in result["runs"] if r["path"] == path])
+
+    for unmarked in ("dynamic_shared", "dynamic_shared_hash"):  # medians over the runs of each
+        if unmarked in result and f"{unmarked}_marked" in result:
+            result[f"{unmarked}_marked_vs_unmarked_steps_per_s"] = round(
+                median_of(f"{unmarked}_marked") / median_of(unmarked), 2)
     print_json(result)
     return 0
 

@@ -18,7 +18,9 @@ peak resident memory during the saves over its table bytes (`ps_save_peaks`; eac
 `saves[i].ps_peak_over_table`, from the same memory before the first save).
 `--checkpoint-cut copy` saves every table packed in the cut (`StrategyConfig.checkpoint_cut`), for
 the pause's dependence on the table's size; `--train-beside` saves while `model.fit` trains in
-another thread (new keys admitted, rows evicted and trained during each copy):
+another thread (new keys admitted, rows evicted and trained during each copy); `--storage hash`
+keeps the dynamic tables in hash tables (`StrategyConfig.dynamic_table_storage`), which the cut
+exports whole:
 
     python benchmarks/table_checkpoint.py --tables 1 --rows 2000000 --dim 32 --fill 0.9 \
         --saves 4 --restores 0 --paths dynamic --train-beside --checkpoint-cut rows   # (and copy)
@@ -208,7 +210,8 @@ def restoring_run(keras, psclient, local, directory: str, args, kind: str):
     """`--restore-ps`: a new coordinator's run on the first `args.restore_ps` ps, the same model built
     and restored once (not measured: its tables and slots are then made there and in the RSS before
     the measured restores), its checkpoint dir the saves'."""
-    strategy = psclient.ParameterServerStrategy(on_ps(psclient, local, args.restore_ps), checkpoint_dir=directory)
+    strategy = psclient.ParameterServerStrategy(on_ps(psclient, local, args.restore_ps), checkpoint_dir=directory,
+                                                dynamic_table_storage=args.storage)
     with strategy.scope():
         model = build(keras, kind, args.tables, args.rows, args.dim)
     strategy.restore()
@@ -221,7 +224,8 @@ def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dic
         deltas = args.deltas if kind == "dynamic" else 0
         more = {"delta_checkpoint_every": DELTA_STEPS} if deltas else {}
         strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=directory,
-                                                    checkpoint_cut=args.checkpoint_cut, **more)
+                                                    checkpoint_cut=args.checkpoint_cut,
+                                                    dynamic_table_storage=args.storage, **more)
         try:
             with strategy.scope():
                 model = build(keras, kind, args.tables, args.rows, args.dim)
@@ -325,6 +329,8 @@ def main(argv=None) -> int:
                         help="dynamic tables: restore into this many ps (the saves are 2 ps's), in a new run")
     parser.add_argument("--checkpoint-cut", choices=("rows", "copy"), default="rows",
                         help="StrategyConfig.checkpoint_cut: copy the tables before the cut (rows) or in it (copy)")
+    parser.add_argument("--storage", choices=("dense", "hash"), default="dense",
+                        help="StrategyConfig.dynamic_table_storage of the dynamic tables (hash: exported in the cut)")
     parser.add_argument("--train-beside", action="store_true",
                         help="the saves run while model.fit trains in another thread")
     parser.add_argument("--ps-malloc", action="store_true",

@@ -234,6 +234,11 @@ class VariableStore:
         if variable.shape.is_fully_defined():
             self.mark_writes(variable, variable.shape.as_list())
 
+    @property
+    def marks_writes(self) -> bool:
+        """Whether this store's checkpoints copy before the cut (write marks, `mark_writes`)."""
+        return self._marking
+
     def mark_writes(self, variable: Any, shape: list[int], force: bool = False) -> bool:
         """Give `variable` (on a ps, of `shape`: a dynamic table's storage has no static one) write
         marks where this store marks writes and it is above one checkpoint row chunk (`force`: of any

@@ -43,6 +43,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from psclient._coordinator.checkpoints import checkpoint_pieces as _pieces
+from psclient._coordinator.checkpoints import hash_copy as _hash_copy
 from psclient._coordinator.checkpoints import stages as _stages
 from psclient._coordinator.checkpoints import table_copy as _table_copy
 from psclient._coordinator.checkpoints.checkpoint_parts import (
@@ -77,7 +78,7 @@ class Prepared:
     def __init__(self, copies: dict[int, dict[tuple, _Copy]], tables: dict[int, dict[int, Any]], seconds: float):
         self.copies, self.tables, self.seconds = copies, tables, seconds
         self.nbytes = sum(_pieces.slot_bytes(copy.slot) for by_slot in copies.values() for copy in by_slot.values())
-        self.nbytes += sum(_table_copy.stage_bytes(copy) for by_shard in tables.values() for copy in by_shard.values())
+        self.nbytes += sum(copy.nbytes for by_shard in tables.values() for copy in by_shard.values())
         #: Rows the cut read again: ps -> one count per copy (`cut`, `table_copy.cut`), tensors on
         #: the ps until `release` fetches them (with a timeout), then ints.
         self.read_again: dict[int, list] = {}
@@ -110,8 +111,7 @@ class Prepared:
                     for copy in copies.get(ps, {}).values():
                         _stages.empty(copy.stage)
                     for copy in tables.get(ps, {}).values():
-                        for stage in copy.stages:
-                            _stages.empty(stage)
+                        copy.release()
             return run
 
         work = {ps: empty_on(ps) for ps in set(copies) | set(tables)}
@@ -136,7 +136,7 @@ def prepare(variables: dict[str, Any], describe_ps: Callable[[int], str],
     shards: dict[int, list] = {}
     for table in (tables or {}).values():
         for shard in table.shards:
-            if shard.dense and shard.marked:
+            if shard.marked:  # bounded (`table_copy`) or in hash storage (`hash_copy`)
                 shards.setdefault(_pieces.task_of(shard), []).append(shard)
     if not marked and not shards:
         return None
@@ -149,8 +149,9 @@ def prepare(variables: dict[str, Any], describe_ps: Callable[[int], str],
         def run() -> tuple:
             with device_of(ps):
                 try:
-                    return (_copy_sparse_written(marked.get(ps, []), stop=lambda: bool(failed)),
-                            _table_copy.copy_shards(shards.get(ps, []), stop=lambda: bool(failed)))
+                    tables = _table_copy.copy_shards(shards.get(ps, []), stop=lambda: bool(failed))
+                    tables.update(_hash_copy.copy_shards(shards.get(ps, [])))
+                    return _copy_sparse_written(marked.get(ps, []), stop=lambda: bool(failed)), tables
                 except tf.errors.OpError as error:
                     error._psclient_ps = ps
                     if not function_not_registered_yet(error):  # that one is made again (`on_each_ps`)

@@ -46,6 +46,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from psclient._coordinator.checkpoints import hash_copy as _hash_copy
 from psclient._coordinator.checkpoints import table_copy as _table_copy
 from psclient._coordinator.checkpoints import table_ranges
 from psclient._coordinator.checkpoints.checkpoint_pieces import LOCAL, task_of as _task
@@ -100,7 +101,7 @@ def save_work(tables: dict[str, Any], prepared: Any = None) -> dict[int, Callabl
             for _key, _index, table, shard in entries:
                 copy, own = copies.get(id(shard)), done.get(id(shard))
                 if copy is not None:
-                    saved, count = _table_copy.cut(copy)
+                    saved, count = (_hash_copy.cut if isinstance(copy, _hash_copy.HashCopy) else _table_copy.cut)(copy)
                     prepared.read_again.setdefault(ps, []).append(count)
                     tensors += saved
                 else:

@@ -70,6 +70,15 @@ class TableCopy:
         """Whether the shard still has the storage copied, written only through marked methods since."""
         return self.shard.version is self.version and self.shard.restores == self.restores
 
+    @property
+    def nbytes(self) -> int:
+        return stage_bytes(self)
+
+    def release(self) -> None:
+        """After the write, on the shard's ps: each stage given an empty value (`stages.empty`)."""
+        for stage in self.stages:
+            _stages.empty(stage)
+
 
 class Packed:
     """A copied shard's keys, counters, row keys, rows and slots, packed from its stages in the

@@ -123,7 +123,8 @@ class DynamicTable:
                 self.shards = [DenseShard(d, dim, f"{name}_ps{i}", self.share, policy, _placer(d), hash_table, lock_for,
                                           marks) for i, d in enumerate(devices)]
             else:
-                self.shards = [HashShard(d, dim, f"{name}_ps{i}") for i, d in enumerate(devices)]
+                marked = store is not None and store.marks_writes
+                self.shards = [HashShard(d, dim, f"{name}_ps{i}", marked) for i, d in enumerate(devices)]
         if store is not None:
             store.add_table(self)  # its checkpoints and ps recovery carry the rows
         with _lock:
@@ -145,6 +146,7 @@ class DynamicTable:
                     continue
                 for slot, value in defaults.items():
                     if slot not in shard.slots:
+                        shard.version = object()  # a copy without this slot is stale (checkpoints/hash_copy)
                         with shard.placed():
                             shard.slots[slot] = hash_table(tf.float32, [float(value)] * self.dim)
         self.slot_defaults = {**self.slot_defaults, **defaults}
@@ -264,7 +266,7 @@ class DynamicTable:
         with tf.control_dependencies([write]):
             admit = shard.values.insert(new_keys, initial_rows(new_keys, self.dim, self.init))
             shard.admissions.assign_add(tf.reduce_sum(tf.cast(fresh, tf.int64)))
-        with tf.control_dependencies([admit]):
+        with tf.control_dependencies([admit] + shard.mark(keys, [write, admit])):
             found = tf.reshape(shard.values.lookup(keys), [-1, self.dim])
         return tf.where(admitted[:, None], found, tf.zeros_like(found)), admitted, fresh
 
@@ -308,6 +310,7 @@ class DynamicTable:
                 rows, slots = rule(rows, grad, slots)
                 writes = [shard.values.insert(keys_a, rows)]
                 writes += [shard.slots[slot].insert(keys_a, value) for slot, value in slots.items()]
+                writes += shard.mark(keys_a, writes)
                 with tf.control_dependencies(writes):
                     # Only where a scan can remove counters (ttl_steps or a capacity): without one
                     # every row keeps its counter, and the step is spared the clearing's ops. Side by

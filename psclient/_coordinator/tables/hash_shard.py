@@ -4,6 +4,11 @@ with a capacity). Its eviction scan, and the rule every write keeps with it: a r
 
 Everything here is TensorFlow ops placed on the shard's device; traced into a worker's step, they run
 on the ps.
+
+In a strategy whose checkpoints copy before the cut (`checkpoints/hash_copy`), a shard also says which
+keys each write touched while a copy is under way: `mark(keys, after)` puts them in `touched` once the
+write is done, if `copying` is set (read after the write: a write that found it unset was done before
+the copy began). Restores and imports (`replace`) are counted in `restores` instead.
 """
 
 from __future__ import annotations
@@ -45,14 +50,23 @@ class HashShard:
 
     dense = False
 
-    def __init__(self, device: str | None, dim: int, prefix: str):
+    def __init__(self, device: str | None, dim: int, prefix: str, marked: bool = False):
         self.device, self.dim, self.prefix = device, dim, prefix
+        #: Whether its writes are marked while a checkpoint copies it (`mark`, checkpoints/hash_copy).
+        self.marked = marked
+        self.restores = 0  #: restores and imports (`replace`): unmarked writes (checkpoints/hash_copy)
         self.slots: dict[str, Any] = {}
         self.make({})
 
     def make(self, slot_defaults: dict[str, float]) -> None:
         """New, empty tables and zero counters on the shard's device (at first, and after its ps was lost)."""
+        self.version = object()  # a copy or a traced cut over the old tables is stale (checkpoints/hash_copy)
         with self.placed():
+            if self.marked:
+                with tf.device(coordinator_cpu()):
+                    none = tf.constant(0, tf.int64)
+                self.touched = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, none, checkpoint=False)
+                self.copying = tf.Variable(tf.constant(False), trainable=False, name=f"{self.prefix}_copying")
             self.values = hash_table(tf.float32, [0.0] * self.dim)
             self.counters = hash_table(tf.int64, [0, -1])
             self.clock = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{self.prefix}_clock")
@@ -66,9 +80,25 @@ class HashShard:
     def placed(self):
         return tf.device(self.device) if self.device else contextlib.nullcontext()
 
+    def mark(self, keys, after: list) -> list:
+        """In a traced write section: ops that put `keys` in `touched` once the ops `after` (the writes
+        of those keys) are done, if a copy is under way (see the module). None unmarked."""
+        if not self.marked:
+            return []
+        keys = tf.reshape(keys, [-1])
+
+        def put():
+            with tf.control_dependencies([self.touched.insert(keys, tf.ones_like(keys))]):
+                return tf.constant(True)
+
+        with tf.control_dependencies(after):
+            copying = self.copying.read_value()
+        return [tf.cond(copying, put, lambda: tf.constant(False))]
+
     def replace(self, keys, counters, row_keys, rows, slots: dict, clock, admissions, evictions) -> None:
         """The shard's contents replaced (a restore or an import), run eagerly under the shard's device,
         the inputs made elsewhere: each op here takes tensors and converts no Python value on the ps."""
+        self.restores += 1  # unmarked writes: a copy taken before is stale
         for table in (self.values, self.counters, *self.slots.values()):
             held, _ = table.export()  # [n] eagerly: a reshape would convert its shape on the ps
             table.remove(held)
@@ -94,7 +124,8 @@ class HashShard:
         """
         tracked = tf.reshape(self.counters.lookup(keys), [-1, 2])[:, 0] > 0
         orphans = tf.boolean_mask(keys, ~tracked)
-        return [self.values.remove(orphans)] + [table.remove(orphans) for table in self.slots.values()]
+        removals = [self.values.remove(orphans)] + [table.remove(orphans) for table in self.slots.values()]
+        return removals + self.mark(orphans, removals)
 
     def evict(self, policy: rules.Policy, share: int | None):
         """Scan the counters and remove what `choose_evictions` would (same rules, as ops); `share`: the
@@ -119,6 +150,7 @@ class HashShard:
         # and removes the row itself (`clear_orphans`); one that wrote it before has it removed here.
         with tf.control_dependencies([self.counters.remove(victims)]):
             removals = [self.values.remove(victims)] + [table.remove(victims) for table in self.slots.values()]
+        removals += self.mark(victims, removals)
         with tf.control_dependencies(removals):
             # Rows evicted: the victims that had one (the others were still counting).
             evicted = tf.reduce_sum(tf.cast(gone & (count >= policy.min_frequency), tf.int64))
