@@ -49,7 +49,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 

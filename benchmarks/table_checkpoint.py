@@ -15,7 +15,9 @@ restore at the first restore. Then the ratio dynamic / hashing of the later save
 Per save also: the copy made before the cut (`copy_s`, `copied_mb`: a big table's storage copied
 while training goes on, `checkpoints/table_copy`) and the rows the cut read again; and each ps's
 peak resident memory during the saves over its table bytes (`ps_save_peaks`; each save's own in
-`saves[i].ps_peak_over_table`, from the same memory before the first save).
+`saves[i].ps_peak_over_table`, from the same memory before the first save). With `--fill`, each
+ps's resident memory grown by the imported rows (`ps_rss_growth_mb_from_fill`): the tables' own
+bytes where `table_stats()` has none (hash storage), on `--ps-malloc`.
 `--checkpoint-cut copy` saves every table packed in the cut (`StrategyConfig.checkpoint_cut`), for
 the pause's dependence on the table's size; `--train-beside` saves while `model.fit` trains in
 another thread (new keys admitted, rows evicted and trained during each copy); `--storage hash`
@@ -143,6 +145,12 @@ class TrainingBeside:
         return False
 
 
+def rss_mb(pids: list[int]) -> list[float]:
+    import psutil
+
+    return [psutil.Process(pid).memory_info().rss / 2**20 for pid in pids]
+
+
 def table_bytes_by_ps(model) -> list[int]:
     """Per ps, the bytes of the dynamic tables' storage there (`table_stats()`'s `table_bytes`)."""
     from psclient.layers import DynamicEmbedding
@@ -235,7 +243,14 @@ def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dic
             started = time.perf_counter()
             model.fit(x, y, epochs=1, batch_size=64, verbose=0)
             fit_s = time.perf_counter() - started
+            fill_growth = None
+            if kind == "dynamic" and args.fill:
+                _settle(ps_pids)
+                before_fill = rss_mb(ps_pids)
             filled = fill_tables(model, args.fill) if kind == "dynamic" and args.fill else 0
+            if filled:  # the imported rows' resident memory (all of it given back after, on --ps-malloc)
+                _settle(ps_pids)
+                fill_growth = [round(after - before, 1) for after, before in zip(rss_mb(ps_pids), before_fill)]
             table_bytes = table_bytes_by_ps(model) if kind == "dynamic" else []
             saves, restores = [], []
             _settle(ps_pids)
@@ -302,7 +317,7 @@ def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dic
         "median_later_save_stall_s": median([s["stall_s"] for s in later]),
         "first_restore_s": restores[0] if restores else None,
         "median_later_restore_s": median(restores[1:] or restores) if restores else None,
-        "rows_imported": filled, "deltas_written": written, "deltas_applied_per_restore": applied,
+        "rows_imported": filled, "ps_rss_growth_mb_from_fill": fill_growth, "deltas_written": written, "deltas_applied_per_restore": applied,
         "ps_losses": losses, "ps_restore_peaks": peaks, "ps_save_peaks": save_peaks,
         "max_peak_over_table": max((p["peak_over_table"] for run in peaks for p in run if "peak_over_table" in p),
                                    default=None),
