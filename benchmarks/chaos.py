@@ -360,6 +360,9 @@ def main(argv=None) -> int:
     plans.add_argument("--table-capacity", type=int, default=0,
                        help="capacity of a DynamicEmbedding(32) trained by each step (0: none); above 65,536 "
                             "rows a ps a checkpoint copies its shards before its cut")
+    plans.add_argument("--table-storage", choices=("dense", "hash"), default="dense",
+                       help="StrategyConfig.dynamic_table_storage of that table (hash: every checkpoint exports it "
+                            "before its cut, its writes noting their keys meanwhile)")
     plans.add_argument("--batch", type=int, default=300, help="closures scheduled, then joined, per batch")
     plans.add_argument("--join-timeout", type=float, default=180.0,
                        help="a join of one batch that takes longer counts as a hang")

@@ -219,7 +219,8 @@ def run_seed(seed: int, args) -> dict:
                                start_method=args.start_method) as local, \
             tempfile.TemporaryDirectory() as ckpt:
         strategy = psclient.ParameterServerStrategy(
-            local.cluster, hang_timeout=3.0, checkpoint_dir=ckpt, checkpoint_every=args.checkpoint_every)
+            local.cluster, hang_timeout=3.0, checkpoint_dir=ckpt, checkpoint_every=args.checkpoint_every,
+            dynamic_table_storage=args.table_storage)
         sampling = threading.Event()
 
         def sample():  # a coordinator thread that wants to wake every 50 ms
