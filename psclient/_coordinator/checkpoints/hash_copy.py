@@ -9,10 +9,11 @@ checkpoints copy before the cut, each hash shard says which keys its writes
 touch while a copy is under way (`HashShard.mark`). Then, as for big
 variables (`fuzzy_copy`) and bounded tables (`table_copy`):
 
-1. `copy_shards`, before dispatch pauses, training going on: `copying` set,
-   `touched` emptied, then the counters and rows exported and each slot read
-   at the exported rows' keys (each table as of its own moment). Every write
-   after `touched` was emptied puts its keys there once it is done.
+1. `copy_shards`, before dispatch pauses, training going on: a copy begun
+   (`HashShard.copies`), `touched` emptied, then the counters and rows
+   exported and each slot read at the exported rows' keys (each table as of
+   its own moment). Every write after `touched` was emptied puts its keys
+   there once it is done.
 2. `cut`, in the cut, one call per shard: the touched keys, and for each of
    them its counters, row and slots now, with whether it still has a counter
    and a row (looked up with a default no entry holds: a removed key is
@@ -20,7 +21,8 @@ variables (`fuzzy_copy`) and bounded tables (`table_copy`):
 3. `Merged`, in the background write, on the ps: the touched keys' entries
    are dropped from the exports (`ListDiff`) and those that still hold one
    appended with their values at the cut, one field at a time, each export
-   dropped once merged. `release` unsets `copying` and empties `touched`.
+   dropped once merged. `release` ends the copy (`touched` is emptied when
+   the next one begins).
 
 So the checkpoint holds what an export in the cut would hold (the same
 entries; the touched keys last). A restore or import into the shard
@@ -37,6 +39,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.checkpoints.table_copy import Later
 
 __all__ = ["HashCopy", "Merged", "copy_shards", "cut"]
@@ -52,10 +55,10 @@ class HashCopy:
     """One hash shard's exports, taken before the cut (`copy_shards`): counters' keys and values, rows'
     keys and rows, each slot's rows (by slot name), tensors on its ps."""
 
-    __slots__ = ("shard", "version", "restores", "exports", "nbytes")
+    __slots__ = ("shard", "version", "restores", "exports", "nbytes", "number")
 
-    def __init__(self, shard: Any, exports: list):
-        self.shard, self.exports = shard, exports
+    def __init__(self, shard: Any, exports: list, number: int):
+        self.shard, self.exports, self.number = shard, exports, number
         self.nbytes = sum(int(t.shape.num_elements()) * t.dtype.size for t in exports)
         self.version, self.restores = shard.version, shard.restores
 
@@ -64,10 +67,10 @@ class HashCopy:
         return self.shard.version is self.version and self.shard.restores == self.restores
 
     def release(self) -> None:
-        """After the write, on the shard's ps: writes are no longer marked, `touched` is emptied (the
-        exports went as they were merged)."""
+        """After the write, on the shard's ps: the copy ends, writes are no longer marked (the exports
+        went as they were merged)."""
         if self.current():
-            _marking(self.shard.copying, self.shard.touched, False)
+            _end(self.shard.copies, _constant(self.number))
 
 
 class Merged:
@@ -100,11 +103,12 @@ def copy_shards(shards: list) -> dict[int, HashCopy]:
     `shards` (that ps's)."""
     out = {}
     for shard in [shard for shard in shards if not shard.dense and shard.marked]:
-        _marking(shard.copying, shard.touched, True)  # set before `touched` is emptied: see the module
+        shard.copies_begun += 1
+        _begin(shard.copies, shard.touched, _constant(shard.copies_begun))  # begun before `touched` is emptied
         counters = shard.counters.export()  # keys [n] eagerly, values [n, width]
         keys, rows = shard.values.export()
         slot_rows = [shard.slots[name].lookup(keys) for name in sorted(shard.slots)]
-        out[id(shard)] = HashCopy(shard, [*counters, keys, rows, *slot_rows])
+        out[id(shard)] = HashCopy(shard, [*counters, keys, rows, *slot_rows], shard.copies_begun)
         # Traced now, not in the cut or the write (a trace registers a function on every task); the
         # cut's also called, so that the ps makes it now (it only reads).
         touched, counters_now, rows_now, _slots, tracked, has_row = _cut_function(shard)()[:-4]
@@ -127,12 +131,27 @@ def cut(copy: HashCopy) -> tuple[list, Any]:
     return [keys, counters, row_keys, rows, clock, admissions, evictions, *slots], count
 
 
+def _constant(number: int):
+    with tf.device(_runtime.coordinator_cpu()):  # made here, copied to the ps as a tensor
+        return tf.constant(number, tf.int64)
+
+
+# Traced: nothing converted under the ps's device (TF would copy a Python value there holding the GIL).
 @tf.function(autograph=False)
-def _marking(copying, touched, on: bool):
-    """`copying` set to `on`, then `touched` emptied (traced: nothing converted under the ps's device)."""
-    with tf.control_dependencies([copying.assign(on, read_value=False)]):
+def _begin(copies, touched, number):
+    """Copy `number` begun (`HashShard.copies`), then `touched` emptied."""
+    begun = tf.raw_ops.ResourceScatterUpdate(resource=copies.handle, indices=tf.constant([0]),
+                                             updates=tf.reshape(number, [1]))
+    with tf.control_dependencies([begun]):
         keys, _ = touched.export()
     touched.remove(tf.reshape(keys, [-1]))  # run: a stateful op of the function
+
+
+@tf.function(autograph=False)
+def _end(copies, number):
+    """Copy `number` ended: the highest number ended raised to it (an end of an earlier copy that
+    reaches the ps late leaves a later copy under way)."""
+    tf.raw_ops.ResourceScatterMax(resource=copies.handle, indices=tf.constant([1]), updates=tf.reshape(number, [1]))
 
 
 def _cut_function(shard: Any):

@@ -7,8 +7,10 @@ on the ps.
 
 In a strategy whose checkpoints copy before the cut (`checkpoints/hash_copy`), a shard also says which
 keys each write touched while a copy is under way: `mark(keys, after)` puts them in `touched` once the
-write is done, if `copying` is set (read after the write: a write that found it unset was done before
-the copy began). Restores and imports (`replace`) are counted in `restores` instead.
+write is done, if a copy is under way (read after the write: a write that found none was done before
+the copy began). `copies` holds [the number of the last copy begun, the highest number ended]: a copy
+is under way while the first is the greater, so an end that reaches a ps late (it hung) never ends a
+copy begun after it. Restores and imports (`replace`) are counted in `restores` instead.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ class HashShard:
                 with tf.device(coordinator_cpu()):
                     none = tf.constant(0, tf.int64)
                 self.touched = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, none, checkpoint=False)
-                self.copying = tf.Variable(tf.constant(False), trainable=False, name=f"{self.prefix}_copying")
+                self.copies = tf.Variable(tf.zeros([2], tf.int64), trainable=False, name=f"{self.prefix}_copies")
+            self.copies_begun = 0  # numbers the copies (`checkpoints/hash_copy`)
             self.values = hash_table(tf.float32, [0.0] * self.dim)
             self.counters = hash_table(tf.int64, [0, -1])
             self.clock = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{self.prefix}_clock")
@@ -92,8 +95,8 @@ class HashShard:
                 return tf.constant(True)
 
         with tf.control_dependencies(after):
-            copying = self.copying.read_value()
-        return [tf.cond(copying, put, lambda: tf.constant(False))]
+            begun_and_ended = self.copies.read_value()
+        return [tf.cond(begun_and_ended[0] > begun_and_ended[1], put, lambda: tf.constant(False))]
 
     def replace(self, keys, counters, row_keys, rows, slots: dict, clock, admissions, evictions) -> None:
         """The shard's contents replaced (a restore or an import), run eagerly under the shard's device,
