@@ -74,8 +74,8 @@ def assemble(cluster: Cluster, config: StrategyConfig, *, checkpoint_dir: str | 
     steps = Steps(scheduler, config.max_staleness, config.replicas_to_aggregate, timeout=hang_timeout,
                   measured=config.measured)
     deltas = config.delta_checkpoint_interval is not None or config.delta_checkpoint_every is not None
-    # Write marks only where a checkpoint's cut uses them (full checkpoints: a delta diffs whole values).
-    marks = checkpoint_dir is not None and not deltas and config.checkpoint_cut == "rows"
+    # Write marks only where a checkpoint's cut uses them (each copied before its cut, full or delta).
+    marks = checkpoint_dir is not None and config.checkpoint_cut == "rows"
     store = VariableStore(cluster.num_ps, partitioner, on_renew=(steps.renew,), write_marks=marks)
     tracer = Tracer(store.create, steps if config.measured else None, wait_for_run=config.streaming)
     per_worker = PerWorkerRegistry()

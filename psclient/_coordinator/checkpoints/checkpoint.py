@@ -56,6 +56,7 @@ restore then applies the full checkpoint's complete deltas in order.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -212,11 +213,10 @@ class Checkpoints:
 
     def prepare(self, variables: dict[str, Any], tables: dict | None = None) -> None:
         """Before a cut, training going on: copy the big variables written by sparse ops
-        (`fuzzy_copy`) and the big bounded tables' shards (`table_copy`), so that the next
-        `snapshot` reads only their rows written since. Not with deltas (their diff needs each
-        value whole, read in the cut)."""
-        self._prepared = None if self._deltas is not None else \
-            _fuzzy.prepare(variables, self._describe_ps, timeout=self._hang_timeout, tables=tables)
+        (`fuzzy_copy`) and the dynamic tables' shards (`table_copy`, `hash_copy`), so that the
+        next `snapshot` reads only their rows written since. A delta diffs the values the cut
+        gives so (each whole: a copy with its rows read again) against the previous cut's."""
+        self._prepared = _fuzzy.prepare(variables, self._describe_ps, timeout=self._hang_timeout, tables=tables)
         copied = self._prepared
         self.times.update(last_copy_seconds=copied.seconds if copied else None,
                           last_copied_bytes=copied.nbytes if copied else 0)
@@ -236,25 +236,17 @@ class Checkpoints:
             if self._deltas is not None and self._deltas.can_diff(pending):
                 if self.before_write is not None:
                     self.before_write(self._deltas.next_path())
-                pending.path = self._deltas.write(pending, pending.scalars, pending.meta, lambda: self._closing)
+                with self._releasing(pending.snapshot.prepared):
+                    pending.path = self._deltas.write(pending, pending.scalars, pending.meta, lambda: self._closing)
                 return pending.path
             number = self._next_number()
             pending.path = path = os.path.join(self.directory, f"ckpt-{number}")
             started = time.monotonic()
             if self.before_write is not None:
                 self.before_write(path)
-            prepared, hung = pending.snapshot.prepared, None
-            try:
+            with self._releasing(pending.snapshot.prepared):
                 _snapshot.write_snapshot(path, pending.snapshot, pending.scalars, self._describe_ps, pending.meta,
                                          timeout=self._hang_timeout, abandoned=lambda: self._closing)
-            except _parts.CheckpointWriteError as error:
-                if isinstance(error.__cause__, _parts.PsTimeout):  # not waited on again for its stages
-                    hung = getattr(error.__cause__, "_psclient_ps", None)
-                raise
-            finally:
-                if prepared is not None:  # written (or given up): their stages go
-                    prepared.release(self._hang_timeout, hung=hung)
-            self.times["last_rows_read_again"] = prepared.rows_read_again() if prepared is not None else 0
             self._commit(number)
             if self._deltas is not None:
                 self._deltas.rebase(number, pending)
@@ -263,6 +255,23 @@ class Checkpoints:
         self.times.update(seconds_total=self.times["seconds_total"] + seconds, last_seconds=seconds,
                           last_bytes=written)
         return path
+
+    @contextlib.contextmanager
+    def _releasing(self, prepared: Any):
+        """Around a write of a snapshot whose cut used `prepared` copies: once written (or given up),
+        their stages go, a ps the write waited `hang_timeout` for not waited on again; then the rows
+        the cut read again are counted."""
+        hung = None
+        try:
+            yield
+        except _parts.CheckpointWriteError as error:
+            if isinstance(error.__cause__, _parts.PsTimeout):
+                hung = getattr(error.__cause__, "_psclient_ps", None)
+            raise
+        finally:
+            if prepared is not None:
+                prepared.release(self._hang_timeout, hung=hung)
+        self.times["last_rows_read_again"] = prepared.rows_read_again() if prepared is not None else 0
 
     def write_in_background(self, pending: PendingSave, on_done: Callable) -> None:
         """`write(pending)` on the writer thread, training going on; `on_done(pending, path, error)`

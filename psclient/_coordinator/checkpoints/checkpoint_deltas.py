@@ -59,6 +59,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from psclient._coordinator.checkpoints import delta_restore as _delta_restore
+from psclient._coordinator.checkpoints import table_copy as _table_copy
 from psclient._coordinator.checkpoints import table_deltas
 from psclient._coordinator.checkpoints.table_deltas import constant as _constant
 from psclient._coordinator.checkpoints.checkpoint_parts import (
@@ -172,7 +173,9 @@ class Deltas:
         rows = pending.rows or {}
         kept = {ps: {(n, s): v for n, s, v in zip(*part) if (n, s) in rows}
                 for ps, part in pending.snapshot.parts.items()}
-        tables = {ps: table_deltas.kept(part[0], part[2]) for ps, part in pending.snapshot.parts.items()}
+        # A copied table shard's values were packed (or merged) by the write: the same tensors here.
+        tables = {ps: table_deltas.kept(part[0], _table_copy.resolved(part[2]))
+                  for ps, part in pending.snapshot.parts.items()}
         self._base = _Base(number, 0, kept, {k: handle for k, (_, _, handle) in rows.items()}, tables,
                            dict(pending.renewals or {}))
 
@@ -244,9 +247,11 @@ class Deltas:
         def run():
             out_names, out_specs, out_values, new_kept, changed = [], [], [], {}, 0
             with device_of(ps):
+                # A table shard copied before the cut: packed (or merged) now, on this ps.
+                values_now = _table_copy.resolved(values)
                 for prefix, fields in tables.items():
                     try:
-                        more, tensors, count = table_deltas.diff(prefix, fields, base.tables[ps][prefix], values)
+                        more, tensors, count = table_deltas.diff(prefix, fields, base.tables[ps][prefix], values_now)
                     except tf.errors.OpError as error:
                         error._psclient_ps = ps
                         raise
@@ -254,7 +259,7 @@ class Deltas:
                     out_specs += [""] * len(more)
                     out_values += tensors
                     changed += count
-                for position, (name, spec, value) in enumerate(zip(names, specs, values)):
+                for position, (name, spec, value) in enumerate(zip(names, specs, values_now)):
                     if position in in_tables:
                         continue
                     if (name, spec) not in rows:
@@ -275,7 +280,7 @@ class Deltas:
                     out_specs += ["", ""]
                     out_values += [indices, changed_rows]
                     new_kept[(name, spec)] = value
-            return out_names, out_specs, out_values, new_kept, changed, table_deltas.kept(names, values)
+            return out_names, out_specs, out_values, new_kept, changed, table_deltas.kept(names, values_now)
         return run
 
     @staticmethod

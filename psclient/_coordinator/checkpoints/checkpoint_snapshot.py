@@ -168,7 +168,7 @@ def write_snapshot(prefix: str, snapshot: Snapshot, scalars: dict[str, Any], des
                 try:
                     names, specs, values = snapshot.parts[ps]
                     # A copied table's keys, rows and slots, packed now (`table_copy`), on this ps.
-                    values = [v.value() if isinstance(v, _table_copy.Later) else v for v in values]
+                    values = _table_copy.resolved(values)
                     written[ps] = [(name, v.shape.as_list(), v.dtype) for name, v in zip(names, values)]
                     # A big value in row chunks (sharing its buffer): a restore reads it a range at a time.
                     names, specs, values, _ = _pieces.save_chunked(names, specs, values)

@@ -98,8 +98,13 @@ class Packed:
         return self._out
 
 
+def resolved(values: list) -> list:
+    """`values` with each `Later` one made (packed, merged) now: on its ps, under its device."""
+    return [value.value() if isinstance(value, Later) else value for value in values]
+
+
 class Later:
-    """One saved value of a `Packed` shard: `value()` in the write."""
+    """One saved value of a `Packed` shard: `value()` in the write (made once, then the same tensor)."""
 
     __slots__ = ("packed", "index")
 
