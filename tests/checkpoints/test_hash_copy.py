@@ -9,7 +9,6 @@ expire keys (`ttl_steps`); the checkpoint must hold the table as it is at the
 cut, every tracked key, counter, row and slot.
 """
 
-import threading
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ tf = pytest.importorskip("tensorflow")
 import psclient  # noqa: E402
 from psclient._coordinator.checkpoints import checkpoint_snapshot, fuzzy_copy, hash_copy  # noqa: E402
 from _conversions import RemoteConversions  # noqa: E402
+from _saves_beside import saves_beside_fit  # noqa: E402
 from tables.test_table_saves import read_local  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
@@ -175,30 +175,7 @@ def test_each_checkpoint_holds_one_moment_of_a_table_trained_beside_it(cluster, 
                              "rows": np.full([keys.size + 64, DIM], 0.01, np.float32),
                              "slots": {"accumulator": np.full([keys.size + 64, DIM], 0.1, np.float32)},
                              "clock": 1, "admissions": 0, "evictions": 0}])
-        stop, errors, seen = threading.Event(), [], []
-
-        def fit():
-            try:
-                for _ in range(200):  # bounded: stopped long before
-                    if stop.is_set():
-                        return
-                    model.fit(data, epochs=1, steps_per_epoch=8, verbose=0)
-            except Exception as error:  # noqa: BLE001 - asserted below
-                errors.append(error)
-
-        thread = threading.Thread(target=fit, name="test-fit")
-        thread.start()
-        try:
-            for _ in range(8):
-                seen.append((strategy.save_checkpoint(), strategy.stats()["checkpoints"]["last_rows_read_again"]))
-                if seen[-1][1]:
-                    break
-        finally:
-            stop.set()
-            thread.join(300)
-        assert not thread.is_alive() and not errors, errors
-        assert seen[-1][1] > 0, f"no step wrote during a copy: {seen}"
-        for path, _again in seen:
+        for path, _again in saves_beside_fit(strategy, model, data):  # until a cut read rows again
             _counters, rows, slots, _clocks = saved(path)
             assert len(rows) == keys.size + 64
             assert len({tuple(rows[int(k)]) for k in probes}) == 1, f"{path}: probes' rows differ"

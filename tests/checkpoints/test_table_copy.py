@@ -11,8 +11,6 @@ shards; a checkpoint that mixed rows of different moments would hold them
 unequal.
 """
 
-import threading
-
 import numpy as np
 import pytest
 
@@ -23,6 +21,7 @@ import psclient  # noqa: E402
 from psclient._coordinator.checkpoints import checkpoint_snapshot, fuzzy_copy  # noqa: E402
 from psclient._tf.write_marks import marks_of  # noqa: E402
 from _conversions import RemoteConversions  # noqa: E402
+from _saves_beside import saves_beside_fit  # noqa: E402
 from tables.test_table_saves import by_key, saved_state  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
@@ -99,30 +98,7 @@ def test_each_checkpoint_holds_one_moment_of_a_table_trained_beside_it(cluster, 
         assert saved_state(path) == by_key(layer.export_state())
         assert_probes_in_step(path)
 
-        # Steps beside each save, until a cut read rows again.
-        stop, errors, seen = threading.Event(), [], []
-
-        def train():
-            try:
-                for _ in range(200):  # bounded: stopped long before
-                    if stop.is_set():
-                        return
-                    model.fit(data, epochs=1, steps_per_epoch=8, verbose=0)
-            except Exception as error:  # noqa: BLE001 - asserted below
-                errors.append(error)
-
-        thread = threading.Thread(target=train, name="test-fit")
-        thread.start()
-        try:
-            for _ in range(8):
-                seen.append((strategy.save_checkpoint(), strategy.stats()["checkpoints"]["last_rows_read_again"]))
-                if seen[-1][1]:
-                    break
-        finally:
-            stop.set()
-            thread.join(300)
-        assert not thread.is_alive() and not errors, errors
-        assert seen[-1][1] > 0, f"no step wrote during a copy: {seen}"
+        seen = saves_beside_fit(strategy, model, data)  # until a cut read rows again
         for saved, _again in seen:
             assert_probes_in_step(saved)
         restored = strategy.restore()
