@@ -20,7 +20,8 @@ ps's resident memory grown by the imported rows (`ps_rss_growth_mb_from_fill`): 
 bytes where `table_stats()` has none (hash storage), on `--ps-malloc`.
 `--checkpoint-cut copy` saves every table packed in the cut (`StrategyConfig.checkpoint_cut`), for
 the pause's dependence on the table's size; `--train-beside` saves while `model.fit` trains in
-another thread (new keys admitted, rows evicted and trained during each copy); `--storage hash`
+another thread (new keys admitted, rows evicted and trained during each copy; per save, the longest
+time between two steps' batch ends around it, `longest_step_gap_s`); `--storage hash`
 keeps the dynamic tables in hash tables (`StrategyConfig.dynamic_table_storage`), which the cut
 exports whole:
 
@@ -118,14 +119,18 @@ class TrainingBeside:
     def __init__(self, model, x, y):
         import threading
 
+        import keras
+
         self._stop, self.errors = threading.Event(), []
+        self.ends: list[float] = []  # when each step's batch ended, as fit's callbacks hear it
+        ended = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: self.ends.append(time.perf_counter()))
 
         def run():
             for _ in range(10_000):  # bounded: stopped when the saves end
                 if self._stop.is_set():
                     return
                 try:
-                    model.fit(x, y, epochs=1, batch_size=64, verbose=0)
+                    model.fit(x, y, epochs=1, batch_size=64, verbose=0, callbacks=[ended])
                 except Exception as error:  # noqa: BLE001 - re-raised by __exit__
                     self.errors.append(error)
                     return
@@ -134,6 +139,16 @@ class TrainingBeside:
     def __enter__(self):
         self._thread.start()
         return self
+
+    def longest_gap(self, start: float, end: float) -> float | None:
+        """The longest time between two steps' batch ends (of those around [start, end], the first
+        after `end` included): how long training made no step around a save."""
+        ends = list(self.ends)
+        around = [t for t in ends if start <= t <= end]
+        before = [t for t in ends if t < start][-1:]
+        after = [t for t in ends if t > end][:1]
+        times = before + around + after
+        return round(max(b - a for a, b in zip(times, times[1:])), 4) if len(times) > 1 else None
 
     def __exit__(self, *exc):
         self._stop.set()
@@ -256,8 +271,7 @@ def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dic
             _settle(ps_pids)
             with contextlib.ExitStack() as stack:
                 memory = [stack.enter_context(PeakRss(pid)) for pid in ps_pids]
-                if args.train_beside:
-                    stack.enter_context(TrainingBeside(model, x, y))
+                beside = stack.enter_context(TrainingBeside(model, x, y)) if args.train_beside else None
                 for _ in range(args.saves):
                     peak_so_far = [m.peak for m in memory]
                     for m in memory:  # each save's own peak too (the first also makes its functions)
@@ -265,6 +279,10 @@ def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dic
                     started = time.perf_counter()
                     newest = strategy.save_checkpoint()
                     call_s = time.perf_counter() - started
+                    if beside is not None:  # the first step after the save ended, to measure the gap
+                        deadline = time.perf_counter() + 30
+                        while not [t for t in list(beside.ends) if t > started + call_s] and time.perf_counter() < deadline:
+                            time.sleep(0.01)  # a benchmark's wait for training's next step
                     stats = strategy.stats(read_ps=False)["checkpoints"]
                     own = [round(1 + (m.peak - m.before) / table_bytes[i], 3) if i < len(table_bytes) and table_bytes[i]
                            else None for i, m in enumerate(memory)]
@@ -275,7 +293,9 @@ def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dic
                                   "copy_s": None if stats["last_copy_seconds"] is None
                                   else round(stats["last_copy_seconds"], 3),
                                   "copied_mb": round(stats["last_copied_bytes"] / 2**20, 1),
-                                  "rows_read_again": stats["last_rows_read_again"]})
+                                  "rows_read_again": stats["last_rows_read_again"],
+                                  "longest_step_gap_s": None if beside is None
+                                  else beside.longest_gap(started, started + call_s)})
             save_peaks = [{"rss_mb_before": round(m.before / 2**20, 1), "rss_mb_peak": round(m.peak / 2**20, 1),
                            **({"table_mb": round(table_bytes[i] / 2**20, 1),
                                "peak_over_table": round(1 + (m.peak - m.before) / table_bytes[i], 3)}
