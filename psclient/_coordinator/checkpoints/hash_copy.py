@@ -39,7 +39,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from psclient._coordinator import runtime as _runtime
+from psclient._coordinator.checkpoints.checkpoint_pieces import coordinator_constant
 from psclient._coordinator.checkpoints.table_copy import Later
 
 __all__ = ["HashCopy", "Merged", "copy_shards", "cut"]
@@ -70,7 +70,7 @@ class HashCopy:
         """After the write, on the shard's ps: the copy ends, writes are no longer marked (the exports
         went as they were merged)."""
         if self.current():
-            _end(self.shard.copies, _constant(self.number))
+            _end(self.shard.copies, coordinator_constant(self.number, tf.int64))
 
 
 class Merged:
@@ -104,7 +104,8 @@ def copy_shards(shards: list) -> dict[int, HashCopy]:
     out = {}
     for shard in [shard for shard in shards if not shard.dense and shard.marked]:
         shard.copies_begun += 1
-        _begin(shard.copies, shard.touched, _constant(shard.copies_begun))  # begun before `touched` is emptied
+        # Begun before `touched` is emptied: see the module.
+        _begin(shard.copies, shard.touched, coordinator_constant(shard.copies_begun, tf.int64))
         counters = shard.counters.export()  # keys [n] eagerly, values [n, width]
         keys, rows = shard.values.export()
         slot_rows = [shard.slots[name].lookup(keys) for name in sorted(shard.slots)]
@@ -129,11 +130,6 @@ def cut(copy: HashCopy) -> tuple[list, Any]:
     merged = Merged(copy, reads)
     keys, counters, row_keys, rows, *slots = [Later(merged, i) for i in range(len(copy.exports))]
     return [keys, counters, row_keys, rows, clock, admissions, evictions, *slots], count
-
-
-def _constant(number: int):
-    with tf.device(_runtime.coordinator_cpu()):  # made here, copied to the ps as a tensor
-        return tf.constant(number, tf.int64)
 
 
 # Traced: nothing converted under the ps's device (TF would copy a Python value there holding the GIL).
