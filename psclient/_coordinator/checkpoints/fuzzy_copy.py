@@ -31,7 +31,8 @@ scatter (its buffer is shared), on the ps, outside the pause; a variable
 left alone (frozen embeddings) is never copied. Memory on a ps: one stage
 per copied variable (what the cut's copy took before) and one chunk in
 flight, plus the marks (one byte a row). Big bounded DynamicEmbedding shards
-are copied by the same `prepare`, and packed after the cut (`table_copy`).
+are copied by the same `prepare`, and packed after the cut (`table_copy`); so are the shards of
+tables in hash storage, merged after it (`hash_copy`).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class _Copy:
 
 class Prepared:
     """The copies of one checkpoint's big variables (by ps and slot) and bounded table shards (by ps
-    and id(shard): `table_copy`), until its cut takes them and its write releases them."""
+    and id(shard): `table_copy`, `hash_copy`), until its cut takes them and its write releases them."""
 
     def __init__(self, copies: dict[int, dict[tuple, _Copy]], tables: dict[int, dict[int, Any]], seconds: float):
         self.copies, self.tables, self.seconds = copies, tables, seconds
