@@ -8,7 +8,8 @@ as its number `k`, adds 1 to 64 rows of a table on ps:1 that `k` picks and
 counts `k` in a tally beside the table. So a checkpoint must hold the table
 its tally makes, row for row, and a tally of as many steps as its counter.
 (Two steps running at once can both read the number the later one made: the
-add and the read are two ops. The tally, not the counter, says which rows.)
+add and the read are two ops. The tally, not the counter, says which rows;
+each step reads its number once, so its rows and its tally agree.)
 """
 
 import threading
@@ -58,7 +59,9 @@ def build(strategy):
 
     @tf.function
     def step():
-        k = counter.assign_add(1)
+        # One read of the counter: the result of `assign_add` is read again at each use (a
+        # ReadVariableOp per use), so the rows and the tally could take different numbers.
+        k = tf.convert_to_tensor(counter.assign_add(1))
         rows = (k * 7919 + tf.range(TOUCHED, dtype=tf.int64) * 104_729) % ROWS
         table.scatter_add(tf.IndexedSlices(tf.ones([TOUCHED, WIDTH]), rows))
         tally.scatter_add(tf.IndexedSlices(tf.ones([1], tf.int32), tf.reshape(k, [1])))
@@ -405,7 +408,7 @@ def test_a_delta_diffs_the_copied_cut_and_restores_to_it(cluster, tmp_path, monk
 
         @tf.function
         def step():
-            k = count.assign_add(1)
+            k = tf.convert_to_tensor(count.assign_add(1))  # one read (see build)
             rows = (k * 7919 + tf.range(TOUCHED, dtype=tf.int64) * 104_729) % ROWS
             table.scatter_add(tf.IndexedSlices(tf.ones([TOUCHED, WIDTH]), rows))
             return k

@@ -251,7 +251,9 @@ class DynamicTable:
 
     def _admit(self, shard, keys, seen_now):
         policy = self.policy
-        clock = shard.clock.assign_add(1)
+        # One read: `assign_add`'s result is read again at each use, and another worker's step can
+        # move the clock between two reads (the TTL test and the step recorded would differ).
+        clock = tf.convert_to_tensor(shard.clock.assign_add(1))
         keys = tf.reshape(keys, [-1])
         tracked = tf.reshape(shard.counters.lookup(keys), [-1, 2])
         count, last = tracked[:, 0], tracked[:, 1]
