@@ -27,6 +27,7 @@ from psclient._core.failures import is_connection_error_type
 from psclient._core.partitioning import can_split, row_ranges, shard_count, shard_tasks
 from psclient._core.placement import Placer
 from psclient._tf import context as _context
+from psclient._tf import variables as _tf_variables
 from psclient._tf import write_marks as _write_marks
 
 __all__ = ["VariableStore", "PerWorkerRegistry"]
@@ -130,6 +131,9 @@ class VariableStore:
 
     def _create_placed(self, next_creator, kwargs, spec, requested, reason):
         initial_value = kwargs.get("initial_value")
+        lifted = _tf_variables.lifted_initial_value(initial_value, kwargs.get("name"))
+        if lifted is not None:  # a tensor of the function being traced: its ops made again on the ps
+            kwargs["initial_value"] = initial_value = lifted
         if callable(initial_value) and not initial_values.is_checkpoint_value(initial_value):
             return self._create_on_ps(next_creator, kwargs, initial_value, spec, requested, reason)
         if callable(initial_value):

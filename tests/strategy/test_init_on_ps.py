@@ -193,3 +193,38 @@ def test_tfs_partition_protocol_makes_each_shard_on_its_ps(strategy):
     assert [c[:2] for c in calls] == [((3, 2), (0, 0)), ((2, 2), (3, 0))]
     assert [c[2] for c in calls] == [s.device for s in shards]
     np.testing.assert_array_equal(variable.numpy()[:, 0], [0, 0, 0, 3, 3])
+
+
+def test_a_tensor_initial_value_made_in_a_scheduled_functions_first_trace_is_made_on_the_ps(strategy):
+    """`tf.Variable(tf.zeros(...))` at a function's first trace (the pattern `tf.function`'s guide
+    shows): the initial value is a tensor of that trace, whose ops are copied out and run on the ps."""
+    made = {}
+
+    @tf.function
+    def step():
+        if not made:
+            made["count"] = tf.Variable(tf.zeros([]))  # a scalar: whole
+            made["table"] = tf.Variable(tf.random.stateless_uniform([6, 3], seed=[1, 2]))  # 2 shards
+        made["count"].assign_add(1.0)
+        return made["count"].read_value()
+
+    with strategy.scope():
+        assert strategy.schedule(step).result(timeout=120) == 1.0
+    assert strategy.schedule(step).result(timeout=120) == 2.0  # made once, at the first trace
+    assert "/job:ps/" in made["count"].device
+    assert len(_shards(made["table"])) == 2 and all("/job:ps/" in s.device for s in _shards(made["table"]))
+    np.testing.assert_array_equal(made["table"].numpy(), tf.random.stateless_uniform([6, 3], seed=[1, 2]).numpy())
+
+
+def test_an_initial_value_computed_from_a_functions_input_is_refused_naming_the_argument(strategy):
+    made = {}
+
+    @tf.function
+    def step(x):
+        if not made:
+            made["doubled"] = tf.Variable(x * 2.0, name="doubled")
+        return made["doubled"].read_value()
+
+    with strategy.scope(), pytest.raises(ValueError, match=r"`initial_value` of tf.Variable 'doubled'.*"
+                                                           r"inputs or captured values.*lambda"):
+        strategy.schedule(step, args=(tf.ones([2]),))
