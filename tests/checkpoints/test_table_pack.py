@@ -4,9 +4,11 @@ The stages hold a shard's storage at the cut: rows and slots of `share` rows,
 each row's key, each row's last step (-1: free). Packing must give what
 `DenseShard.saved` gives from the same storage: the held rows' keys (then the
 keys still counting), their counters, and each row and slot stage's held rows,
-in storage order, moved in place a chunk at a time. Chunks smaller than the
-shard here, holes everywhere, so that a chunk reads rows past those earlier
-chunks wrote."""
+in storage order: a stage whose rows are a multiple of 64 bytes moved in place
+a chunk at a time (its first rows then read sharing its buffer), any other
+gathered into a buffer of its own and emptied (TF would copy its first rows).
+Chunks smaller than the shard here, holes everywhere, so that a chunk reads
+rows past those earlier chunks wrote."""
 
 import numpy as np
 import pytest
@@ -17,19 +19,21 @@ from psclient._coordinator.checkpoints.table_copy import _pack
 SHARE, DIM, MIN_FREQUENCY = 1000, 4, 3
 
 
-@pytest.mark.parametrize("chunk,waiting_count", [(1, 2), (7, 2), (64, 2), (SHARE, 2), (7, 0), (SHARE, 0)])
-def test_pack_gives_the_held_rows_in_storage_order(chunk, waiting_count):
-    """With keys waiting and without (min_frequency=1: the keys are the packed row keys themselves)."""
+@pytest.mark.parametrize("chunk,waiting_count,dim", [(1, 2, 16), (7, 2, 16), (64, 2, 16), (SHARE, 2, 16),
+                                                     (7, 0, 16), (SHARE, 0, 16), (7, 2, DIM), (SHARE, 0, DIM)])
+def test_pack_gives_the_held_rows_in_storage_order(chunk, waiting_count, dim):
+    """With keys waiting and without (min_frequency=1: the keys are the packed row keys themselves);
+    rows of 64 bytes (16 floats: packed in place) and of 16 (gathered)."""
     rng = np.random.default_rng(chunk)
     last = np.where(rng.random(SHARE) < 0.4, -1, rng.integers(0, 50, SHARE)).astype(np.int64)
     row_key = rng.integers(0, 2**40, SHARE).astype(np.int64)
-    rows, slot = rng.standard_normal((SHARE, DIM)).astype(np.float32), rng.random((SHARE, DIM)).astype(np.float32)
+    rows, slot = rng.standard_normal((SHARE, dim)).astype(np.float32), rng.random((SHARE, dim)).astype(np.float32)
     waiting_keys = np.array([7, 9], np.int64)[:waiting_count]
     waiting = np.array([[1, 40], [2, 41]], np.int64)[:waiting_count].reshape([-1, 2])
     stages = [tf.Variable(rows), tf.Variable(slot)]
+    key_stage, last_stage = tf.Variable(row_key), tf.Variable(last)
     keys, counters, row_keys, (packed_rows, packed_slot) = _pack(
-        stages, tf.Variable(row_key), tf.Variable(last), tf.constant(waiting_keys), tf.constant(waiting),
-        MIN_FREQUENCY, chunk)
+        stages, key_stage, last_stage, tf.constant(waiting_keys), tf.constant(waiting), MIN_FREQUENCY, chunk)
 
     held = np.flatnonzero(last >= 0)
     assert held[0] > 0 or held.size < SHARE  # holes before held rows: rows move
@@ -39,6 +43,9 @@ def test_pack_gives_the_held_rows_in_storage_order(chunk, waiting_count):
         [np.stack([np.full(held.size, MIN_FREQUENCY), last[held]], 1), waiting]))
     np.testing.assert_array_equal(packed_rows.numpy(), rows[held])
     np.testing.assert_array_equal(packed_slot.numpy(), slot[held])
+    # Gathered stages are emptied by the pack; those packed in place keep their rows (read sharing them).
+    assert [int(tf.shape(v)[0]) for v in (key_stage, last_stage)] == [0, 0]
+    assert [int(tf.shape(v)[0]) for v in stages] == ([SHARE, SHARE] if dim * 4 % 64 == 0 else [0, 0])
 
 
 def test_pack_of_a_shard_holding_no_row():

@@ -184,23 +184,30 @@ def _copy_sparse_written(slots: list, stop: Callable[[], bool] | None = None) ->
     for _slot, marks in slots:
         marks.reset()
     out = {}
-    for (slot, marks), (scattered, whole) in zip(slots, flags):
-        if not scattered:
-            # Left to the cut, its read then sharing the buffer: copy-on-read mode (from scatters
-            # before the previous checkpoint) would copy it whole in the pause.
-            tf.raw_ops.DisableCopyOnRead(resource=slot.variable.handle)
-            continue
-        if whole:
-            continue  # written densely since: read whole in the cut
-        variable = slot.variable
-        shape = variable.shape.as_list()
-        stage = _stages.new_stage(shape, variable.dtype)
-        _stages.copy_in_chunks(variable, stage, shape[0], _pieces.chunk_rows(shape, variable.dtype, aligned=False),
-                               stop)
-        out[(slot.key, slot.spec)] = _Copy(slot, marks, stage)
-        # Traced now, not in the cut (once per shape and dtype: a later checkpoint finds it).
-        _cut_one.get_concrete_function(marks.rows, marks.whole, variable, stage)
+    with _stages.emptied_on_failure() as made:
+        for (slot, marks), (scattered, whole) in zip(slots, flags):
+            _copy_one(slot, marks, scattered, whole, made, out, stop)
     return out
+
+
+def _copy_one(slot: Any, marks: Any, scattered: int, whole: int, made: list, out: dict,
+              stop: Callable[[], bool] | None) -> None:
+    """`_copy_sparse_written` for one slot: its stage in `made` as soon as it exists, its copy in `out`."""
+    if not scattered:
+        # Left to the cut, its read then sharing the buffer: copy-on-read mode (from scatters
+        # before the previous checkpoint) would copy it whole in the pause.
+        tf.raw_ops.DisableCopyOnRead(resource=slot.variable.handle)
+        return
+    if whole:
+        return  # written densely since: read whole in the cut
+    variable = slot.variable
+    shape = variable.shape.as_list()
+    stage = _stages.new_stage(shape, variable.dtype)
+    made.append(stage)
+    _stages.copy_in_chunks(variable, stage, shape[0], _pieces.chunk_rows(shape, variable.dtype, aligned=False), stop)
+    out[(slot.key, slot.spec)] = _Copy(slot, marks, stage)
+    # Traced now, not in the cut (once per shape and dtype: a later checkpoint finds it).
+    _cut_one.get_concrete_function(marks.rows, marks.whole, variable, stage)
 
 
 def cut(prepared: Prepared, ps: int, copies: list[_Copy]) -> list:

@@ -41,6 +41,7 @@ import tensorflow as tf
 
 from psclient._coordinator.checkpoints.checkpoint_pieces import coordinator_constant
 from psclient._coordinator.checkpoints.table_copy import Later
+from psclient._tf.executors import until_registered
 
 __all__ = ["HashCopy", "Merged", "copy_shards", "cut"]
 
@@ -105,14 +106,16 @@ def copy_shards(shards: list) -> dict[int, HashCopy]:
     for shard in [shard for shard in shards if not shard.dense and shard.marked]:
         shard.copies_begun += 1
         # Begun before `touched` is emptied: see the module.
-        _begin(shard.copies, shard.touched, coordinator_constant(shard.copies_begun, tf.int64))
+        # Called again if it overtakes its registration (only then: not run), not the whole copy.
+        until_registered(lambda: _begin(shard.copies, shard.touched,  # noqa: B023 - called here
+                                        coordinator_constant(shard.copies_begun, tf.int64)))
         counters = shard.counters.export()  # keys [n] eagerly, values [n, width]
         keys, rows = shard.values.export()
         slot_rows = [shard.slots[name].lookup(keys) for name in sorted(shard.slots)]
         out[id(shard)] = HashCopy(shard, [*counters, keys, rows, *slot_rows], shard.copies_begun)
         # Traced now, not in the cut or the write (a trace registers a function on every task); the
         # cut's also called, so that the ps makes it now (it only reads).
-        touched, counters_now, rows_now, _slots, tracked, has_row = _cut_function(shard)()[:-4]
+        touched, counters_now, rows_now, _slots, tracked, has_row = until_registered(_cut_function(shard))[:-4]
         to = _positions.get_concrete_function(*map(_any_size, [keys, keys, touched, tracked, has_row]))
         for export, at_cut in [(keys, touched), (counters[1], counters_now), (rows, rows_now)]:
             _stitch.get_concrete_function(*map(_any_size, [export, at_cut, *to.outputs[:3]]))
@@ -196,9 +199,20 @@ def _positions(counter_keys, row_keys, touched, tracked, has_row):
 @tf.function(autograph=False, reduce_retracing=True)
 def _stitch(exported, at_cut, to_exported, to_cut, size):
     """One merged field: the export's and the cut's entries put where `_positions` says, in one new
-    buffer (`DynamicStitch`: a later entry wins a position, so the cut's fill the end), its first
-    `size` entries read sharing it."""
-    stitched = tf.raw_ops.DynamicStitch(indices=[to_exported, to_cut], data=[exported, at_cut])
-    rank = tf.rank(stitched)
-    begin = tf.zeros([rank], tf.int32)
-    return tf.slice(stitched, begin, tf.concat([tf.reshape(size, [1]), -tf.ones([rank - 1], tf.int32)], 0))
+    buffer of exactly `size` entries (`DynamicStitch`). The entries dropped (position `size`) go to
+    position 0 instead, and the entry that belongs there is put there again after them (a later list
+    wins a position): no longer result is cut to `size`, which TF would copy where an entry is not a
+    multiple of 64 bytes (a key, a counter, an 8-wide row)."""
+    def merged():
+        zero = tf.zeros([1], to_exported.dtype)
+        first = tf.concat([tf.gather(exported, tf.reshape(tf.where(tf.equal(to_exported, 0)), [-1])),
+                           tf.gather(at_cut, tf.reshape(tf.where(tf.equal(to_cut, 0)), [-1]))], 0)
+        return tf.raw_ops.DynamicStitch(
+            indices=[tf.where(tf.equal(to_exported, size), zero, to_exported),
+                     tf.where(tf.equal(to_cut, size), zero, to_cut), zero],
+            data=[exported, at_cut, first])
+
+    def nothing():
+        return tf.zeros(tf.concat([[0], tf.shape(exported)[1:]], 0), exported.dtype)
+
+    return tf.cond(size > 0, merged, nothing)

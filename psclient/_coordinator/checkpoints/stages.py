@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import tensorflow as tf
 
 from psclient._coordinator.checkpoints import checkpoint_pieces as _pieces
 from psclient._tf import variables as _variables
 
-__all__ = ["CopyStopped", "copy_in_chunks", "empty", "move_rows", "new_stage"]
+__all__ = ["CopyStopped", "copy_in_chunks", "emptied_on_failure", "empty", "move_rows", "new_stage"]
 
 
 def new_stage(shape: list[int], dtype: Any) -> Any:
@@ -51,3 +52,20 @@ def empty(stage: Any) -> None:
     shape = _pieces.coordinator_constant([0] + stage.shape.as_list()[1:], tf.int32)  # not converted on the ps
     tf.raw_ops.AssignVariableOp(resource=stage.handle, validate_shape=False,
                                 value=tf.raw_ops.Empty(shape=shape, dtype=stage.dtype))
+
+
+@contextlib.contextmanager
+def emptied_on_failure() -> Iterator[list]:
+    """A list for the stages made inside: if the block raises, each is emptied on its ps and the error
+    goes on. A copy that fails is made again (`on_each_ps` does so for a function not registered yet)
+    or given up: its stages must not stay whole on the ps (they stayed for the run: +1x a table)."""
+    made: list = []
+    try:
+        yield made
+    except BaseException:
+        for stage in made:
+            try:
+                empty(stage)
+            except tf.errors.OpError:
+                pass  # its ps lost or failing: the error raised says so
+        raise

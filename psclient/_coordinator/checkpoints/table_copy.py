@@ -23,20 +23,28 @@ big variables (`fuzzy_copy`):
    clock and the counts. Scanning the marks (one byte a row a variable) is
    what still grows with the table.
 3. `Packed`, in the background write: one call on the ps finds the held rows
-   in the staged `last` and packs every stage in place by them, `row_key` and
-   `last` too, a chunk at a time (row j takes row held[j] >= j, so a chunk
-   never reads a row an earlier chunk wrote); each is saved as its first
-   rows, a slice sharing its buffer, and the counters are built from the
-   packed steps (`saved_rows.keys_and_counters`: the only new buffer, 16
-   bytes a held row; the keys are the packed row keys when none wait).
+   in the staged `last`, gathers their keys and steps (the counters built
+   from them: `saved_rows.keys_and_counters`), and packs each rows or slot
+   stage by them. TF reads a value's first rows sharing its buffer only where
+   a row is a multiple of 64 bytes; so a stage with such rows (32-wide
+   float32) is packed in place, a chunk at a time (row j takes row
+   held[j] >= j, so a chunk never reads a row an earlier chunk wrote), and
+   saved as its first rows; any other (8-wide rows, the keys and steps) has
+   its held rows gathered into a buffer of their own, then is emptied, one
+   stage after the other (its first rows read would have been a copy beside
+   the stage: 2.52x a table's storage at a save's peak for 8-wide rows, 2.10x
+   gathered; `docs/dynamic_embeddings.md`).
 
 A restore or import into the shard (`shard_restore.run`, unmarked writes)
 after its copy makes the copy stale (`DenseShard.restores`): the cut then
 saves that shard as before, packed there. Memory on a ps: one stage per
 copied variable (the rows and slots packed in the cut took as much before),
-16 bytes a row for the keys' stages, one chunk in flight (1 MiB in the
-packing, one stage after the other), and while packing the held rows'
-indices (8 bytes each) and counters (16).
+16 bytes a row for the keys' stages, and while packing the held rows' indices
+(8 bytes each), keys (8) and counters (16), and one chunk in flight or one
+gathered field beside its stage. A copy that fails empties the stages it made
+(`stages.emptied_on_failure`), and the cut's first call at the copy is made
+again alone when it overtakes its registration: the whole copy made again had
+left the first one's stages whole on the ps for the run (3.26x at a save).
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from psclient._coordinator.checkpoints import checkpoint_pieces as _pieces
 from psclient._coordinator.checkpoints import stages as _stages
 from psclient._coordinator.tables.saved_rows import keys_and_counters
 from psclient._tf import write_marks as _write_marks
+from psclient._tf.executors import until_registered
 
 __all__ = ["Later", "Packed", "TableCopy", "copy_shards", "cut", "stage_bytes"]
 
@@ -143,26 +152,30 @@ def copy_shards(shards: list, stop: Callable[[], bool] | None = None) -> dict[in
     checks = iter(tf.stack([_written_whole_and_size(_write_marks.marks_of(variable).whole, variable)
                             for shard in shards for variable in _storage(shard)]).numpy().tolist())
     out = {}
-    for shard in shards:
-        variables, shapes = _storage(shard), _shapes(shard)
-        found = [next(checks) for _ in variables]
-        for variable in variables:
-            _write_marks.marks_of(variable).reset()
-        if any(whole or size != int(np.prod(shape)) for (whole, size), shape in zip(found, shapes)):
-            continue  # written whole (a repack), or not at its share: saved in the cut as before
-        stages = []
-        for variable, shape in zip(variables, shapes):
-            stage = _stages.new_stage(shape, variable.dtype)
-            chunk = _pieces.chunk_rows(shape, variable.dtype, aligned=False) or shape[0]
-            _stages.copy_in_chunks(variable, stage, shape[0], chunk, stop)
-            stages.append(stage)
-        copy = out[id(shard)] = TableCopy(shard, stages)
-        # Traced now, not in the cut or the write (a trace registers a function on every task); the
-        # cut's also called once, so that the ps makes it now, not in the first cut. (Harmless: it
-        # reads again into the stages the rows marked since the copy, as the cut will.)
-        _cut_function(shard)(copy.stages)
-        _pack.get_concrete_function(stages[:-2], stages[-2], stages[-1], tf.TensorSpec([None], tf.int64),
-                                    tf.TensorSpec([None, 2], tf.int64), shard.policy.min_frequency, _chunk(shard))
+    with _stages.emptied_on_failure() as made:
+        for shard in shards:
+            variables, shapes = _storage(shard), _shapes(shard)
+            found = [next(checks) for _ in variables]
+            for variable in variables:
+                _write_marks.marks_of(variable).reset()
+            if any(whole or size != int(np.prod(shape)) for (whole, size), shape in zip(found, shapes)):
+                continue  # written whole (a repack), or not at its share: saved in the cut as before
+            stages = []
+            for variable, shape in zip(variables, shapes):
+                stage = _stages.new_stage(shape, variable.dtype)
+                made.append(stage)
+                chunk = _pieces.chunk_rows(shape, variable.dtype, aligned=False) or shape[0]
+                _stages.copy_in_chunks(variable, stage, shape[0], chunk, stop)
+                stages.append(stage)
+            copy = out[id(shard)] = TableCopy(shard, stages)
+            # Traced now, not in the cut or the write (a trace registers a function on every task); the
+            # cut's also called once, so that the ps makes it now, not in the first cut. (Harmless: it
+            # reads again into the stages the rows marked since the copy, as the cut will.) The call can
+            # overtake the registration: called again then, not the whole copy made again.
+            until_registered(lambda: _cut_function(shard)(copy.stages))  # noqa: B023 - called here
+            _pack.get_concrete_function(stages[:-2], stages[-2], stages[-1], tf.TensorSpec([None], tf.int64),
+                                        tf.TensorSpec([None, 2], tf.int64), shard.policy.min_frequency,
+                                        _chunk(shard))
     return out
 
 
@@ -223,19 +236,49 @@ def _read_again(variable: Any, stage: Any) -> Any:
 @tf.function(autograph=False)
 def _pack(float_stages, row_key, last, waiting_keys, waiting, min_frequency: int, chunk: int):
     """From a copied shard's stages (the cut's state): its saved (keys, counters, row_keys, [rows and
-    slots]), as `DenseShard.saved` gives them. Every stage is packed in place (`_compact`), `row_key`
-    and `last` too: the keys and steps of the held rows are slices of their stages, not gathered copies
-    (with none waiting, the keys are the row keys themselves: `keys_and_counters`)."""
+    slots]), as `DenseShard.saved` gives them, each the size of what is saved.
+
+    TF reads a tensor's first rows sharing its buffer only where a row is a multiple of 64 bytes
+    (`ROW_ALIGN_BYTES`; any other first rows are copied: a 32-wide float32 row shares, an 8-wide
+    one or a row key does not). So a rows or slot stage with such rows is packed in place
+    (`_compact`) and saved as its first rows; any other stage has its held rows gathered into a
+    buffer of their own, after which it is emptied: the stage goes before the next one is packed,
+    so the pack never holds more than one such field twice (the keys and steps are gathered first)."""
     tf.raw_ops.DisableCopyOnRead(resource=last.handle)  # read sharing its buffer for the scan below
     held = tf.reshape(tf.where(tf.reshape(last.read_value(), [-1]) >= 0), [-1])
-    packed, after = [], []
-    for stage in [row_key, last, *float_stages]:  # one after another: one chunk in flight
-        with tf.control_dependencies(after):
-            packed.append(_compact(stage, held, chunk))
-        after = [packed[-1]]
-    row_keys, held_last, *values = packed
+    row_keys = _gathered(row_key, held, [])
+    held_last = _gathered(last, held, [row_keys])
     keys, counters = keys_and_counters(row_keys, held_last, waiting_keys, waiting, min_frequency)
+    values, after = [], [keys, counters]
+    for stage in float_stages:  # one after another: one chunk, or one gathered field, in flight
+        if _aligned(stage):
+            with tf.control_dependencies(after):
+                values.append(_compact(stage, held, chunk))
+        else:
+            values.append(_gathered(stage, held, after))
+        after = [values[-1]]
     return keys, counters, row_keys, values
+
+
+def _aligned(stage) -> bool:
+    shape = stage.shape
+    return shape.rank >= 2 and (int(np.prod(shape[1:])) * stage.dtype.size) % _pieces.ROW_ALIGN_BYTES == 0
+
+
+def _gathered(stage, held, after: list):
+    """In `_pack`'s trace: `stage`'s rows `held` in a new buffer (after `after`), the stage then
+    emptied (its buffer goes: nothing else reads it)."""
+    with tf.control_dependencies(after):
+        taken = tf.raw_ops.ResourceGather(resource=stage.handle, indices=held, dtype=stage.dtype)
+    # [0, ...], its first dimension unknown to the trace: the graph checks an assigned value's known
+    # shape against the stage's (the eager `stages.empty` is not checked).
+    none = tf.size(held, out_type=tf.int32) * 0
+    empty_shape = tf.stack([none] + stage.shape.as_list()[1:])
+    with tf.control_dependencies([taken]):
+        emptied = tf.raw_ops.AssignVariableOp(resource=stage.handle, validate_shape=False,
+                                              value=tf.raw_ops.Empty(shape=empty_shape, dtype=stage.dtype))
+    with tf.control_dependencies([emptied]):
+        return tf.identity(taken)
 
 
 def _compact(stage, held, chunk: int):
@@ -258,7 +301,7 @@ def _compact(stage, held, chunk: int):
     with tf.control_dependencies([done]):
         tf.raw_ops.DisableCopyOnRead(resource=stage.handle)  # the scatters set copy-on-read: read shares now
     value = stage.read_value()
-    rank = tf.rank(value)  # the rows and slots: 2; `row_key` and `last`: 1
+    rank = tf.rank(value)
     begin = tf.zeros([rank], tf.int64)
     size = tf.concat([tf.reshape(count, [1]), -tf.ones([rank - 1], tf.int64)], 0)
     return tf.slice(value, begin, size)
