@@ -59,7 +59,7 @@ def _moments(variable):
 
 
 def _dataset(context):
-    ids = tf.data.Dataset.random(seed=1).batch(4).map(lambda x: tf.cast(x % ROWS, tf.int32))
+    ids = tf.data.Dataset.random(seed=1).batch(4, drop_remainder=True).map(lambda x: tf.cast(x % ROWS, tf.int32))
     labels = tf.data.Dataset.random(seed=2).map(lambda x: tf.cast(x % 2, tf.float32)[None])
     return tf.data.Dataset.zip((ids, labels)).batch(64).repeat()
 
