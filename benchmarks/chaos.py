@@ -360,6 +360,8 @@ def main(argv=None) -> int:
     plans.add_argument("--table-capacity", type=int, default=0,
                        help="capacity of a DynamicEmbedding(32) trained by each step (0: none); above 65,536 "
                             "rows a ps a checkpoint copies its shards before its cut")
+    plans.add_argument("--table-dim", type=int, default=32,
+                       help="width of that table's rows (8: rows of 32 bytes, which a checkpoint packs by gathers)")
     plans.add_argument("--table-storage", choices=("dense", "hash"), default="dense",
                        help="StrategyConfig.dynamic_table_storage of that table (hash: every checkpoint exports it "
                             "before its cut, its writes noting their keys meanwhile)")

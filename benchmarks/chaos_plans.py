@@ -151,7 +151,7 @@ class _Faults:
         self.results.append(row)
 
 
-def _step(strategy, num_ps, big_rows=0, table_capacity=0):
+def _step(strategy, num_ps, big_rows=0, table_capacity=0, table_dim=BIG_DIM):
     import tensorflow as tf
 
     with strategy.scope():  # placed in turn: each ps holds weights
@@ -161,7 +161,7 @@ def _step(strategy, num_ps, big_rows=0, table_capacity=0):
         tables = [tf.Variable(tf.zeros([big_rows, BIG_DIM])) for _ in range(num_ps if big_rows else 0)]
         counted = tf.Variable(0, dtype=tf.int64)
     x = tf.random.stateless_normal([32, 64], seed=[3, 4])
-    dynamic = _dynamic_model(strategy, table_capacity) if table_capacity else None
+    dynamic = _dynamic_model(strategy, table_capacity, table_dim) if table_capacity else None
 
     @tf.function
     def step():
@@ -182,16 +182,17 @@ def _step(strategy, num_ps, big_rows=0, table_capacity=0):
     return step, counted
 
 
-def _dynamic_model(strategy, capacity: int):
-    """--table-capacity: a DynamicEmbedding(32, capacity) + Adagrad trained by every step; above
-    65,536 rows a ps, each checkpoint copies its shards before the cut and packs them in the write."""
+def _dynamic_model(strategy, capacity: int, dim: int = BIG_DIM):
+    """--table-capacity: a DynamicEmbedding(--table-dim, capacity) + Adagrad trained by every step; above
+    one row chunk a ps, each checkpoint copies its shards before the cut and packs them in the write
+    (rows of 8 floats: gathered and each stage emptied; 32: in place)."""
     import keras
 
     import psclient
 
     with strategy.scope():
         ids = keras.Input([1], dtype="int64")
-        layer = psclient.layers.DynamicEmbedding(BIG_DIM, capacity=capacity, name="chaos_table")
+        layer = psclient.layers.DynamicEmbedding(dim, capacity=capacity, name="chaos_table")
         model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(layer(ids))))
         optimizer = keras.optimizers.Adagrad(0.05)
         optimizer.build(model.trainable_variables)
@@ -243,7 +244,7 @@ def run_seed(seed: int, args) -> dict:
         sampler = threading.Thread(target=sample, daemon=True)
         faults = None
         try:
-            step, counted = _step(strategy, num_ps, args.big_rows, args.table_capacity)
+            step, counted = _step(strategy, num_ps, args.big_rows, args.table_capacity, args.table_dim)
             started = time.monotonic()
             faults = _Faults(local, strategy, plan, started, args.recovery_timeout, num_ps)
             faults.start()

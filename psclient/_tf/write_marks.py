@@ -35,6 +35,8 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from psclient._tf import context as _context
+
 __all__ = ["WriteMarks", "attach", "marks_of", "unmarked"]
 
 _SPARSE = ("scatter_add", "scatter_sub", "scatter_update", "scatter_max", "scatter_min", "scatter_mul",
@@ -115,9 +117,14 @@ def attach(variable: Any, make: Callable[[Any, str], Any], rows: int | None = No
     `rows`: its rows, where its shape does not say (a dynamic table's storage, of unknown shape)."""
     rows = int(variable.shape[0]) if rows is None else int(rows)
     name = variable.name.split(":")[0]
-    # Callables: made where `make` puts them (the ps), eagerly even while a function is traced.
-    marks = WriteMarks(make(lambda: tf.zeros([rows], tf.int8), f"{name}/rows_written"),
-                       make(lambda: tf.constant(0, tf.int8), f"{name}/written_whole"))
+    # Callables: made where `make` puts them (the ps), eagerly even while a function is traced, from
+    # tensors on the coordinator's CPU (the ops copy them to the ps without the GIL; a Python value
+    # converted under the ps's device is copied inside the conversion, holding it: a hung ps would
+    # stop every thread of the coordinator, tests/_conversions.py).
+    with tf.device(_context.coordinator_cpu()):
+        size, zero = tf.constant([rows], tf.int32), tf.constant(0, tf.int8)
+    marks = WriteMarks(make(lambda: tf.raw_ops.Fill(dims=size, value=zero), f"{name}/rows_written"),
+                       make(lambda: tf.identity(zero), f"{name}/written_whole"))
     setattr(variable, _ATTRIBUTE, marks)
     for method in _SPARSE:
         setattr(variable, method, _sparse(getattr(variable, method), marks, lambda delta: delta.indices))

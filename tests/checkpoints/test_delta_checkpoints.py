@@ -308,14 +308,24 @@ def table_state(layer):
     return out
 
 
-@pytest.mark.parametrize("capacity", [None, 64], ids=["hash", "bounded"])
-def test_dynamic_table_rows_slots_and_counters_come_back_from_full_and_deltas(cluster, tmp_path, capacity):
+# 600,000: 300,000 8-wide rows a ps (9.6 MB a variable, above a row chunk), so each checkpoint copies
+# the shards before its cut and gathers their rows in the write (rows of 32 bytes): deltas diff those.
+@pytest.mark.parametrize("capacity", [None, 64, 600_000], ids=["hash", "bounded", "bounded-copied"])
+def test_dynamic_table_rows_slots_and_counters_come_back_from_full_and_deltas(cluster, tmp_path, capacity,
+                                                                               monkeypatch):
+    from psclient._coordinator.checkpoints import table_copy
+
+    copied, copy_shards = [], table_copy.copy_shards
+    monkeypatch.setattr(table_copy, "copy_shards", lambda *a, **k: copied.append(copy_shards(*a, **k)) or copied[-1])
     with RemoteConversions() as seen:
         evictions = tables_through_deltas(cluster, tmp_path / "ckpt", capacity)
     # The tables' own saves and restores too (hash tables have no prepared per-ps save).
     assert_none_of_mine(seen, ("_deltas.py", "delta_restore.py", "checkpoint_pieces.py", "table_checkpoint.py",
                                "table_ranges.py", "ps_saves.py"))
-    assert evictions > 0 if capacity else evictions == 0
+    assert evictions > 0 if capacity == 64 else evictions == 0
+    # Only the big shards are copied before the cut (hash shards are, by `hash_copy`, in the same dicts).
+    assert any(isinstance(copy, table_copy.TableCopy) for by_shard in copied for copy in by_shard.values()) == \
+        (capacity == 600_000)
 
 
 def test_a_bounded_table_restored_in_ranges_applies_its_deltas_in_place(cluster, tmp_path, monkeypatch):
