@@ -121,7 +121,8 @@ def attach(variable: Any, make: Callable[[Any, str], Any], rows: int | None = No
     # tensors on the coordinator's CPU (the ops copy them to the ps without the GIL; a Python value
     # converted under the ps's device is copied inside the conversion, holding it: a hung ps would
     # stop every thread of the coordinator, tests/_conversions.py).
-    with tf.device(_context.coordinator_cpu()):
+    # (Eager even while a function is traced, as the marks are.)
+    with tf.init_scope(), tf.device(_context.coordinator_cpu()):
         size, zero = tf.constant([rows], tf.int32), tf.constant(0, tf.int8)
     marks = WriteMarks(make(lambda: tf.raw_ops.Fill(dims=size, value=zero), f"{name}/rows_written"),
                        make(lambda: tf.identity(zero), f"{name}/written_whole"))
