@@ -67,7 +67,7 @@ def lifted_initial_value(value: Any, name: Any) -> Any:
     inputs = {tensor.op for tensor in list(getattr(graph, "inputs", [])) + list(getattr(graph, "internal_captures", []))}
     try:  # checked at once, in the trace: a clear error there, not at the variable's first use
         lift_to_graph.lift_to_graph([value], tf.Graph(), disallowed_placeholders=inputs)
-    except lift_to_graph.UnliftableError as error:
+    except lift_to_graph.UnliftableError as error:  # its message is in ours: TF's traceback is noise here
         raise ValueError(
             f"Invalid value for argument `initial_value` of tf.Variable{f' {name!r}' if name else ''}. Received: a tensor "
             f"({value.name}) computed from the inputs or captured values of the function being traced. "
