@@ -118,10 +118,9 @@ def attach(variable: Any, make: Callable[[Any, str], Any], rows: int | None = No
     rows = int(variable.shape[0]) if rows is None else int(rows)
     name = variable.name.split(":")[0]
     # Callables: made where `make` puts them (the ps), eagerly even while a function is traced, from
-    # tensors on the coordinator's CPU (the ops copy them to the ps without the GIL; a Python value
-    # converted under the ps's device is copied inside the conversion, holding it: a hung ps would
-    # stop every thread of the coordinator, tests/_conversions.py).
-    # (Eager even while a function is traced, as the marks are.)
+    # tensors made eagerly too, on the coordinator's CPU (the ops copy them to the ps without the GIL;
+    # a Python value converted under the ps's device is copied inside the conversion, holding it: a
+    # hung ps would stop every thread of the coordinator, tests/_conversions.py).
     with tf.init_scope(), tf.device(_context.coordinator_cpu()):
         size, zero = tf.constant([rows], tf.int32), tf.constant(0, tf.int8)
     marks = WriteMarks(make(lambda: tf.raw_ops.Fill(dims=size, value=zero), f"{name}/rows_written"),
