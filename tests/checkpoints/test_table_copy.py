@@ -108,10 +108,11 @@ def test_each_checkpoint_holds_one_moment_of_a_table_trained_beside_it(cluster, 
         strategy.shutdown()
 
 
-def test_rows_of_8_floats_are_packed_by_gathers_and_a_pre_call_made_again_copies_once(cluster, tmp_path,
-                                                                                        monkeypatch):
-    """8-wide rows (32 bytes: TF would copy their first rows, a second table beside the stages) are
-    gathered, each stage emptied once gathered; the checkpoint equals the table. The cut's first call,
+def test_rows_of_8_floats_are_packed_in_place_and_a_pre_call_made_again_copies_once(cluster, tmp_path,
+                                                                                      monkeypatch):
+    """8-wide rows (32 bytes: TF would copy a matrix's first rows, a second table beside the stages)
+    are packed in place and written as two slices of their key (`table_copy.Split`: the first
+    read through the flat vector, sharing the stage); the checkpoint equals the table. The cut's first call,
     made at the copy, overtakes its registration on each ps: called again, the copy not made again
     (it was: the first copy's stages then stayed whole on the ps for the run)."""
     from psclient._coordinator.checkpoints import stages, table_copy

@@ -167,9 +167,11 @@ def write_snapshot(prefix: str, snapshot: Snapshot, scalars: dict[str, Any], des
             with device_of(ps):
                 try:
                     names, specs, values = snapshot.parts[ps]
-                    # A copied table's keys, rows and slots, packed now (`table_copy`), on this ps.
-                    values = _table_copy.resolved(values)
+                    # A copied table's keys, rows and slots, packed now (`table_copy`), on this ps; a
+                    # packed field in two pieces written as two slices of its key (no copy of it).
+                    values = _table_copy.resolved(values, split=True)
                     written[ps] = [(name, v.shape.as_list(), v.dtype) for name, v in zip(names, values)]
+                    names, specs, values = _table_copy.as_slices(names, specs, values)
                     # A big value in row chunks (sharing its buffer): a restore reads it a range at a time.
                     names, specs, values, _ = _pieces.save_chunked(names, specs, values)
                     _checkpoints.save(part_prefix(scratch, tasks.index(ps), count), names, specs, values)

@@ -25,23 +25,24 @@ big variables (`fuzzy_copy`):
 3. `Packed`, in the background write: one call on the ps finds the held rows
    in the staged `last`, gathers their keys and steps (the counters built
    from them: `saved_rows.keys_and_counters`), and packs each rows or slot
-   stage by them. TF reads a value's first rows sharing its buffer only where
-   a row is a multiple of 64 bytes; so a stage with such rows (32-wide
-   float32) is packed in place, a chunk at a time (row j takes row
-   held[j] >= j, so a chunk never reads a row an earlier chunk wrote), and
-   saved as its first rows; any other (8-wide rows, the keys and steps) has
-   its held rows gathered into a buffer of their own, then is emptied, one
-   stage after the other (its first rows read would have been a copy beside
-   the stage: 2.52x a table's storage at a save's peak for 8-wide rows, 2.10x
-   gathered; `docs/dynamic_embeddings.md`).
+   stage by them in place, a chunk at a time (row j takes row held[j] >= j,
+   so a chunk never reads a row an earlier chunk wrote), saved as its first
+   rows, read sharing the stage's buffer. TF shares a matrix's first rows
+   only where a row is a multiple of 64 bytes (32-wide float32), a vector's
+   first entries wherever they end on such a multiple: so a stage with other
+   rows (8-wide) is saved as two slices of its key (`Split`), its first rows
+   up to such an end through its flat vector, and the few after them copied.
+   (Read as a matrix's first rows, 8-wide rows were a copy beside the stages:
+   2.52x a table's storage at a save's peak; gathered into a buffer of their
+   own, 2.09-2.13x; `docs/dynamic_embeddings.md`.) The keys and steps are
+   gathered (16 bytes a row), their stages emptied at once.
 
 A restore or import into the shard (`shard_restore.run`, unmarked writes)
 after its copy makes the copy stale (`DenseShard.restores`): the cut then
 saves that shard as before, packed there. Memory on a ps: one stage per
 copied variable (the rows and slots packed in the cut took as much before),
 16 bytes a row for the keys' stages, and while packing the held rows' indices
-(8 bytes each), keys (8) and counters (16), and one chunk in flight or one
-gathered field beside its stage. A copy that fails empties the stages it made
+(8 bytes each), keys (8) and counters (16), and one chunk in flight. A copy that fails empties the stages it made
 (`stages.emptied_on_failure`), and the cut's first call at the copy is made
 again alone when it overtakes its registration: the whole copy made again had
 left the first one's stages whole on the ps for the run (3.26x at a save).
@@ -49,6 +50,7 @@ left the first one's stages whole on the ps for the run (3.26x at a save).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import numpy as np
@@ -60,7 +62,7 @@ from psclient._coordinator.tables.saved_rows import keys_and_counters
 from psclient._tf import write_marks as _write_marks
 from psclient._tf.executors import until_registered
 
-__all__ = ["Later", "Packed", "TableCopy", "copy_shards", "cut", "stage_bytes"]
+__all__ = ["Later", "Packed", "Split", "TableCopy", "as_slices", "copy_shards", "cut", "resolved", "stage_bytes"]
 
 #: The packing's chunk (`_pack`): what the write holds beside the stages, one chunk at a time.
 PACK_CHUNK_BYTES = 1 << 20
@@ -103,13 +105,57 @@ class Packed:
             shard, stages = self.copy.shard, self.copy.stages
             keys, counters, row_keys, values = _pack(stages[:-2], stages[-2], stages[-1], self.waiting_keys,
                                                      self.waiting, shard.policy.min_frequency, _chunk(shard))
-            self._out = [keys, counters, row_keys, *values]
+            self._out = [keys, counters, row_keys, *(Split(*v) if isinstance(v, (tuple, list)) else v for v in values)]
         return self._out
 
 
-def resolved(values: list) -> list:
-    """`values` with each `Later` one made (packed, merged) now: on its ps, under its device."""
-    return [value.value() if isinstance(value, Later) else value for value in values]
+class Split:
+    """A packed field in two pieces (`_split_rows`): its first rows, sharing its stage's buffer, and
+    the few rows after them; written as two slices of its key (`as_slices`), read back as one."""
+
+    __slots__ = ("first", "rest")
+
+    def __init__(self, first: Any, rest: Any):
+        self.first, self.rest = first, rest
+
+    @property
+    def shape(self) -> tf.TensorShape:
+        return tf.TensorShape([int(self.first.shape[0]) + int(self.rest.shape[0])] + self.first.shape.as_list()[1:])
+
+    @property
+    def dtype(self) -> tf.DType:
+        return self.first.dtype
+
+    def joined(self) -> Any:
+        """The field as one tensor (a copy), on the device in force."""
+        return tf.concat([self.first, self.rest], _pieces.coordinator_constant(0, tf.int32))
+
+
+def resolved(values: list, split: bool = False) -> list:
+    """`values` with each `Later` one made (packed, merged) now: on its ps, under its device; a field
+    packed in two pieces joined into one tensor (a copy), unless `split` (then a `Split`)."""
+    out = [value.value() if isinstance(value, Later) else value for value in values]
+    return out if split else [value.joined() if isinstance(value, Split) else value for value in out]
+
+
+def as_slices(names: list[str], specs: list[str], values: list) -> tuple[list, list, list]:
+    """(names, specs, values) with each `Split` (saved whole: spec "") as two slices of its key, or as
+    its one piece that has rows (its pieces are 0 rows: the first one)."""
+    out_names, out_specs, out_values = [], [], []
+    for name, spec, value in zip(names, specs, values):
+        if not isinstance(value, Split):
+            out_names.append(name), out_specs.append(spec), out_values.append(value)
+            continue
+        assert spec == "", (name, spec)  # a table's field is saved whole
+        full = value.shape.as_list()
+        first, rest = int(value.first.shape[0]), int(value.rest.shape[0])
+        if not (first and rest):
+            out_names.append(name), out_specs.append(""), out_values.append(value.rest if rest else value.first)
+            continue
+        out_names += [name, name]
+        out_specs += [_pieces.rows_spec(full, 0, first), _pieces.rows_spec(full, first, rest)]
+        out_values += [value.first, value.rest]
+    return out_names, out_specs, out_values
 
 
 class Later:
@@ -238,31 +284,58 @@ def _pack(float_stages, row_key, last, waiting_keys, waiting, min_frequency: int
     """From a copied shard's stages (the cut's state): its saved (keys, counters, row_keys, [rows and
     slots]), as `DenseShard.saved` gives them, each the size of what is saved.
 
-    TF reads a tensor's first rows sharing its buffer only where a row is a multiple of 64 bytes
-    (`ROW_ALIGN_BYTES`; any other first rows are copied: a 32-wide float32 row shares, an 8-wide
-    one or a row key does not). So a rows or slot stage with such rows is packed in place
-    (`_compact`) and saved as its first rows; any other stage has its held rows gathered into a
-    buffer of their own, after which it is emptied: the stage goes before the next one is packed,
-    so the pack never holds more than one such field twice (the keys and steps are gathered first)."""
+    Each rows or slot stage is packed in place (`_compact`), a chunk at a time, and saved as its first
+    rows, which must then be read sharing its buffer. TF's Slice shares a matrix's first rows only
+    where a row is a multiple of 64 bytes (`ROW_ALIGN_BYTES`: a 32-wide float32 row; an 8-wide one
+    would be copied, a second table beside the stages: 2.52x a table's storage at a save's peak),
+    but a vector's first entries wherever they end on such a multiple. So a stage with other rows
+    gives two pieces (`_split_rows`): its first rows up to such an end, read through its flat
+    vector (sharing the buffer), and the few rows after them (fewer than 64 bytes' worth of rows:
+    copied), saved as two slices of one key (`Split`). The row keys and steps are gathered (16 bytes
+    a row), their stages emptied at once."""
     tf.raw_ops.DisableCopyOnRead(resource=last.handle)  # read sharing its buffer for the scan below
     held = tf.reshape(tf.where(tf.reshape(last.read_value(), [-1]) >= 0), [-1])
     row_keys = _gathered(row_key, held, [])
     held_last = _gathered(last, held, [row_keys])
     keys, counters = keys_and_counters(row_keys, held_last, waiting_keys, waiting, min_frequency)
     values, after = [], [keys, counters]
-    for stage in float_stages:  # one after another: one chunk, or one gathered field, in flight
-        if _aligned(stage):
-            with tf.control_dependencies(after):
-                values.append(_compact(stage, held, chunk))
-        else:
-            values.append(_gathered(stage, held, after))
-        after = [values[-1]]
+    for stage in float_stages:  # one after another: one chunk in flight
+        with tf.control_dependencies(after):
+            value = _compact(stage, held, chunk)
+        count = tf.size(held, out_type=tf.int64)
+        values.append(_first_rows(value, count) if _aligned(stage) else _split_rows(value, count, stage.shape))
+        after = tf.nest.flatten(values[-1])
     return keys, counters, row_keys, values
 
 
+def _row_bytes(shape, dtype) -> int:
+    return int(np.prod(shape[1:])) * dtype.size
+
+
 def _aligned(stage) -> bool:
-    shape = stage.shape
-    return shape.rank >= 2 and (int(np.prod(shape[1:])) * stage.dtype.size) % _pieces.ROW_ALIGN_BYTES == 0
+    return stage.shape.rank >= 2 and _row_bytes(stage.shape, stage.dtype) % _pieces.ROW_ALIGN_BYTES == 0
+
+
+def _first_rows(value, count):
+    """In `_pack`'s trace: `value`'s first `count` rows (sharing its buffer: rows of 64 bytes)."""
+    rank = tf.rank(value)
+    return tf.slice(value, tf.zeros([rank], tf.int64), tf.concat([tf.reshape(count, [1]), -tf.ones([rank - 1], tf.int64)], 0))
+
+
+def _split_rows(value, count, shape) -> tuple:
+    """In `_pack`'s trace: (first, rest) of `value`'s first `count` rows (a packed stage read sharing
+    its buffer): `first` its rows up to the last whose end is a multiple of `ROW_ALIGN_BYTES`, taken
+    as a slice of the flat vector (which TF shares: a matrix's slice it would copy), `rest` the rows
+    after them (copied: fewer than `ROW_ALIGN_BYTES` bytes' worth of rows)."""
+    row_bytes = _row_bytes(shape, value.dtype)
+    multiple = _pieces.ROW_ALIGN_BYTES // math.gcd(row_bytes, _pieces.ROW_ALIGN_BYTES)  # rows a piece ends on
+    width = row_bytes // value.dtype.size
+    first = count - count % multiple
+    flat = tf.reshape(value, [-1])
+    row_shape = shape.as_list()[1:]
+    return (tf.reshape(tf.slice(flat, tf.zeros([1], tf.int64), tf.reshape(first * width, [1])), [-1] + row_shape),
+            tf.reshape(tf.slice(flat, tf.reshape(first * width, [1]), tf.reshape((count - first) * width, [1])),
+                       [-1] + row_shape))
 
 
 def _gathered(stage, held, after: list):
@@ -283,8 +356,9 @@ def _gathered(stage, held, after: list):
 
 def _compact(stage, held, chunk: int):
     """In `_pack`'s trace: `stage`'s rows `held` (ascending) moved to its first rows in place, `chunk`
-    rows at a time (row j takes row held[j] >= j: no chunk reads a row an earlier one wrote); those
-    rows, read sharing the stage's buffer (nothing writes it afterwards: `Prepared.release` empties it)."""
+    rows at a time (row j takes row held[j] >= j: no chunk reads a row an earlier one wrote); the
+    stage then read whole, sharing its buffer (nothing writes it afterwards: `Prepared.release`
+    empties it)."""
     count = tf.size(held, out_type=tf.int64)
     step = tf.constant(chunk, tf.int64)
 
@@ -300,8 +374,4 @@ def _compact(stage, held, chunk: int):
     done = tf.while_loop(lambda start: start < count, move, [tf.constant(0, tf.int64)], parallel_iterations=1)
     with tf.control_dependencies([done]):
         tf.raw_ops.DisableCopyOnRead(resource=stage.handle)  # the scatters set copy-on-read: read shares now
-    value = stage.read_value()
-    rank = tf.rank(value)
-    begin = tf.zeros([rank], tf.int64)
-    size = tf.concat([tf.reshape(count, [1]), -tf.ones([rank - 1], tf.int64)], 0)
-    return tf.slice(value, begin, size)
+    return stage.read_value()
