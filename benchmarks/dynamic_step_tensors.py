@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import environment, log, print_json  # noqa: E402
 
 PATHS = ("hashing", "dynamic", "dynamic_policies")
+TOP_OPS = 15  # op types listed per task, by count
 
 
 def child(kind: str, args) -> None:
@@ -95,7 +96,8 @@ def partitions(directory: str) -> dict:
                 (sent if node.op == "_Send" else received)[peer] += 1
         # The tasks may dump their components too: the same graphs, counted once.
         out[task] = {"nodes": len(graph.node), "sent": dict(sorted(sent.items())),
-                     "received": dict(sorted(received.items()))}
+                     "received": dict(sorted(received.items())),
+                     "top_ops": dict(collections.Counter(node.op for node in graph.node).most_common(TOP_OPS))}
     return out
 
 

@@ -173,8 +173,10 @@ class Deltas:
         rows = pending.rows or {}
         kept = {ps: {(n, s): v for n, s, v in zip(*part) if (n, s) in rows}
                 for ps, part in pending.snapshot.parts.items()}
-        # A copied table shard's values were packed (or merged) by the write: the same tensors here.
-        tables = {ps: table_deltas.kept(part[0], _table_copy.resolved(part[2]))
+        # A copied table shard's values were packed (or merged) by the write: the same tensors here,
+        # a field in two pieces kept so (sharing its stage, as a 32-wide one's first rows do), joined
+        # only for the next delta's diff.
+        tables = {ps: table_deltas.kept(part[0], _table_copy.resolved(part[2], split=True))
                   for ps, part in pending.snapshot.parts.items()}
         self._base = _Base(number, 0, kept, {k: handle for k, (_, _, handle) in rows.items()}, tables,
                            dict(pending.renewals or {}))
@@ -251,7 +253,8 @@ class Deltas:
                 values_now = _table_copy.resolved(values)
                 for prefix, fields in tables.items():
                     try:
-                        more, tensors, count = table_deltas.diff(prefix, fields, base.tables[ps][prefix], values_now)
+                        old = {field: _table_copy.joined(value) for field, value in base.tables[ps][prefix].items()}
+                        more, tensors, count = table_deltas.diff(prefix, fields, old, values_now)
                     except tf.errors.OpError as error:
                         error._psclient_ps = ps
                         raise

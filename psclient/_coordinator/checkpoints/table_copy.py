@@ -62,7 +62,7 @@ from psclient._coordinator.tables.saved_rows import keys_and_counters
 from psclient._tf import write_marks as _write_marks
 from psclient._tf.executors import until_registered
 
-__all__ = ["Later", "Packed", "Split", "TableCopy", "as_slices", "copy_shards", "cut", "resolved", "stage_bytes"]
+__all__ = ["Later", "Packed", "Split", "TableCopy", "as_slices", "copy_shards", "cut", "joined", "resolved", "stage_bytes"]
 
 #: The packing's chunk (`_pack`): what the write holds beside the stages, one chunk at a time.
 PACK_CHUNK_BYTES = 1 << 20
@@ -131,11 +131,16 @@ class Split:
         return tf.concat([self.first, self.rest], _pieces.coordinator_constant(0, tf.int32))
 
 
+def joined(value: Any) -> Any:
+    """`value`, or the one tensor a `Split` makes (a copy, on the device in force)."""
+    return value.joined() if isinstance(value, Split) else value
+
+
 def resolved(values: list, split: bool = False) -> list:
     """`values` with each `Later` one made (packed, merged) now: on its ps, under its device; a field
     packed in two pieces joined into one tensor (a copy), unless `split` (then a `Split`)."""
     out = [value.value() if isinstance(value, Later) else value for value in values]
-    return out if split else [value.joined() if isinstance(value, Split) else value for value in out]
+    return out if split else [joined(value) for value in out]
 
 
 def as_slices(names: list[str], specs: list[str], values: list) -> tuple[list, list, list]:
