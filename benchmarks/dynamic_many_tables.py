@@ -2,7 +2,8 @@
 
 A click model with N categorical features, one embedding layer per feature (`--tables`, e.g. 1, 4 and
 26), then Dense(32, relu) and Dense(1), Adagrad, `model.fit` on LocalCluster(num_workers=2, num_ps=2),
-in one coordinator process. For each N, two fresh models on the same cluster and the same stream
+in one coordinator process. For each N, two fresh models on the same cluster (`--fresh-cluster`: each
+on a cluster of its own) and the same stream
 (the ids of `dynamic_embeddings.py`: Zipf over a drifting window, most keys of a batch new):
 
   dynamic   N DynamicEmbedding(dim, capacity=rows), one per feature
@@ -27,6 +28,7 @@ processes) per N.
     python benchmarks/dynamic_many_tables.py --tables 1 --paths hashing,dynamic --steps 200 --repeats 3
     python benchmarks/dynamic_many_tables.py --tables 26 --min-frequency 2 --ttl-steps 400   # the policies with a scan
     python benchmarks/dynamic_many_tables.py --tables 26 --paths dynamic --perf   # where the ps tasks' CPU goes
+    python benchmarks/dynamic_many_tables.py --tables 1 --paths hashing,dynamic --repeats 3 --fresh-cluster
 
 With `--perf` (Linux `perf`, as root), each run also samples the ps tasks over its timed steps
 (`perf record -F 1999 -p <ps pids>`) and adds `ps_perf`: their CPU per step by kind of code (the
@@ -221,6 +223,8 @@ def main(argv=None) -> int:
     parser.add_argument("--min-frequency", type=int, default=1, help="the dynamic tables' min_frequency")
     parser.add_argument("--ttl-steps", type=int, default=None, help="the dynamic tables' ttl_steps (default: none)")
     parser.add_argument("--perf", action="store_true", help="sample the ps tasks with Linux perf over the timed steps")
+    parser.add_argument("--fresh-cluster", action="store_true",
+                        help="start a LocalCluster for each run (about 10 s more a run), not one for all")
     args = parser.parse_args(argv)
     try:
         counts = sorted({int(n) for n in args.tables.split(",") if n})
@@ -246,22 +250,24 @@ def main(argv=None) -> int:
     x_all = stream(args.seed, total, args.batch, 50_000)
     y = (x_all[:, 0] % 3 == 0).astype("float32")
     result = {"args": vars(args), "environment": environment(sys.argv)}
-    with psclient.LocalCluster(num_workers=2, num_ps=2, start_timeout=300, start_method="spawn") as local:
-        pids = {"coordinator": os.getpid(), **{f"{job}:{i}": local.pid(job, i) for job, i, _ in local.cluster.tasks()}}
-        meter = ProcessCPU(pids)
-        strategy = psclient.ParameterServerStrategy(local.cluster)
-        try:
-            for repeat in range(args.repeats):
-                for n in counts:
+    runs = [(repeat, n, kind) for repeat in range(args.repeats) for n in counts for kind in paths]
+    # One cluster for every run, or (`--fresh-cluster`) one per run: a model built after others on the
+    # same tasks may run at another speed than the first one did.
+    for group in ([[run] for run in runs] if args.fresh_cluster else [runs]):
+        with psclient.LocalCluster(num_workers=2, num_ps=2, start_timeout=300, start_method="spawn") as local:
+            pids = {"coordinator": os.getpid(), **{f"{job}:{i}": local.pid(job, i) for job, i, _ in local.cluster.tasks()}}
+            meter = ProcessCPU(pids)
+            strategy = psclient.ParameterServerStrategy(local.cluster)
+            try:
+                for repeat, n, kind in group:
                     x = np.ascontiguousarray(x_all[:, :n])
-                    for kind in paths:
-                        perf = PsPerf([local.pid("ps", i) for i in range(2)]) if args.perf else None
-                        run = one_run(keras, tf, strategy, meter, kind, n, x, y, args, policy, count_ops=repeat == 0,
-                                      perf=perf)
-                        result.setdefault(kind, {}).setdefault(str(n), {"runs": []})["runs"].append(run)
-                        log(f"{kind} x{n} (repeat {repeat + 1}): {run}")
-        finally:
-            strategy.shutdown()
+                    perf = PsPerf([local.pid("ps", i) for i in range(2)]) if args.perf else None
+                    run = one_run(keras, tf, strategy, meter, kind, n, x, y, args, policy, count_ops=repeat == 0,
+                                  perf=perf)
+                    result.setdefault(kind, {}).setdefault(str(n), {"runs": []})["runs"].append(run)
+                    log(f"{kind} x{n} (repeat {repeat + 1}): {run}")
+            finally:
+                strategy.shutdown()
     for kind in paths:
         for n in counts:
             entry = result[kind][str(n)]

@@ -302,10 +302,15 @@ class DynamicEmbedding(keras.layers.Layer):
 
     def watched(self, rows, state):
         """`rows`, whose gradient is kept for `apply_kept_gradients` (through the anchor, see the module)."""
+        # TF registers a traced custom gradient's function in its process-wide gradient registry for
+        # good: holding the layer there would keep every model traced (its variables, its tables'
+        # rows on the ps) for the process's life.
+        keep = weakref.WeakMethod(self.keep_gradient)
+
         @tf.custom_gradient
         def watched(rows, anchor):
             def gradient(upstream):
-                self.keep_gradient(state, tf.convert_to_tensor(upstream))
+                keep()(state, tf.convert_to_tensor(upstream))  # the layer lives while its model computes
                 return tf.zeros_like(rows), tf.zeros_like(anchor)
 
             return tf.identity(rows), gradient

@@ -198,3 +198,22 @@ def test_state_imported_into_the_cluster_converts_nothing_on_a_ps(strategy, capa
     exported = layer.export_state()
     assert sorted(np.concatenate([s["row_keys"] for s in exported])) == sorted(keys)
     assert sum(int(s["admissions"]) for s in exported) == 300
+
+
+def test_a_model_dropped_after_fit_lets_its_tables_go(strategy):
+    """TF keeps a traced custom gradient's function in a process-wide registry for good: the layer's
+    gradient function must not hold the layer, or every model trained in a process stays, with its
+    tables' rows on the ps, after the user dropped it. (Each variable's deleter then destroys its
+    resource on the ps: TF's part.)"""
+    import gc
+    import weakref
+
+    with strategy.scope():
+        model, layer = make_model("dropped_ids")
+    x, y = data(5, n=256)
+    model.fit(x, y, epochs=1, batch_size=64, verbose=0)
+    gone = [weakref.ref(layer)] + [weakref.ref(v) for shard in layer.table.shards for v in (shard.rows, shard.row_key)]
+    del model, layer
+    gc.collect()
+    assert [ref() for ref in gone] == [None] * len(gone)
+    assert not any(table.name == "dropped_ids" for table in strategy.parts.store.tables().values())
