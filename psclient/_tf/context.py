@@ -2,7 +2,8 @@
 
 The coordinator's device names, the server definition a connected coordinator
 is pointed at, the worker index a scheduled function reads, the cross-replica
-mode of a strategy's scope, and TF's `ClosureInputError`.
+mode of a strategy's scope, TF's `ClosureInputError`, and the automatic
+control dependencies of the `tf.function` being traced.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ __all__ = [
     "current_device",
     "replica_context",
     "current_worker",
+    "locked",
+    "unordered_checks_and_releases",
     "ensure_initialized",
     "update_server_def",
     "worker_index_scope",
@@ -119,3 +122,32 @@ def cross_replica_context():
         yield
     finally:
         distribute_lib._pop_per_thread_mode()  # noqa: SLF001
+
+
+#: Ops a critical section makes that take no resource: TF's automatic control dependencies chain
+#: every such stateful op of a function in the order it was made, whatever its device.
+_CHECKS_AND_RELEASES = frozenset({"Assert", "ConsumeMutexLock"})
+
+
+@contextlib.contextmanager
+def unordered_checks_and_releases():
+    """In a `tf.function`'s trace: the asserts and lock releases made inside still run, but are not
+    ordered after the function's other stateful ops that take no resource. (Chained, two critical
+    sections on two ps tasks in one step each waited for the other's release: a control edge from
+    one ps task to the other every step.) Outside a trace: nothing changes."""
+    graph = ops.get_default_graph()
+    manager = getattr(graph, "experimental_acd_manager", None)
+    start = len(graph.get_operations())
+    yield
+    if manager is None or not hasattr(manager, "run_independently"):
+        return
+    for op in graph.get_operations()[start:]:
+        if op.type in _CHECKS_AND_RELEASES:
+            manager.run_independently(op)
+
+
+def locked(lock, fn):
+    """`lock.execute(fn)` (a `tf.CriticalSection`; `fn`'s reads shared with other sections), its assert
+    and release out of TF's order of the step's other ops (`unordered_checks_and_releases`)."""
+    with unordered_checks_and_releases():
+        return lock.execute(fn, exclusive_resource_access=False)

@@ -44,6 +44,7 @@ from psclient._coordinator.tables.ps_saves import empty_fields, saved_tensors
 from psclient._coordinator.tables.saved_rows import live_rows, saved_keys
 from psclient._core import dynamic_tables as rules
 from psclient._tf import write_marks as _write_marks
+from psclient._tf.context import locked
 from psclient._tf.executors import streamed_function_registrations, until_registered
 
 __all__ = ["DenseShard", "least_recent", "vector"]
@@ -51,22 +52,26 @@ __all__ = ["DenseShard", "least_recent", "vector"]
 _NEWEST = 2**63 - 1
 _READS = frozenset({"saved", "saved_tensors", "stats"})  # `_on_ps` sections that only read (any other may write)
 
-# Per traced graph, the output of its last critical section. Each one starts only after the previous
-# one ended (and after its own inputs arrived), so a step holds at most one shard's lock at a time:
-# two steps can never each hold a lock the other waits for. (Locks taken as soon as the step
-# started, in no order, deadlocked two workers' steps over three tables.)
+# Per traced graph and lock (one a ps task: `stores.table_lock`), the output of its last critical
+# section. Each section starts only after every input it uses arrived, and after the previous one
+# under the same lock ended: it then runs to its end without waiting on anything, so no step holds
+# a lock while it waits for another (locks taken as soon as the step started, before their
+# sections' inputs, deadlocked two workers' steps over three tables). Sections under the locks of
+# different ps tasks run side by side (chained across them, each ps's section waited for the
+# other's, and a control edge crossed between the ps tasks every step).
 _last_section: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def in_turn(section, inputs=()):
-    """Run `section()` (which takes a lock) after the graph's previous locked section and `inputs`."""
+def in_turn(section, inputs=(), lock=None):
+    """Run `section()` (which takes `lock`) after `inputs` and the graph's previous section under `lock`."""
     if tf.executing_eagerly():
         return section()
     graph = tf.compat.v1.get_default_graph()
-    before = [t for t in (_last_section.get(graph), *inputs) if t is not None]
+    last = _last_section.setdefault(graph, {})
+    before = [t for t in (last.get(id(lock)), *inputs) if t is not None]
     with tf.control_dependencies(before):
         out = section()
-    _last_section[graph] = tf.nest.flatten(out)[0]
+    last[id(lock)] = tf.nest.flatten(out)[0]
     return out
 
 
@@ -210,8 +215,7 @@ class DenseShard:
     def lookup(self, keys):
         """Rows of `keys` (zeros where none), under the lock: an index rebuild (empty, then refilled)
         must not be seen half done by a lookup outside training."""
-        return in_turn(lambda: self.lock.execute(lambda: self._lookup(keys), exclusive_resource_access=False),
-                       (keys,))
+        return in_turn(lambda: locked(self.lock, lambda: self._lookup(keys)), (keys,), self.lock)
 
     def _lookup(self, keys):
         at, safe = self._rows_of(keys)
@@ -311,7 +315,7 @@ class DenseShard:
     # ---------------------------------------------------------------- scan
     def scan(self):
         """Expired rows and keys, and rows or counting keys over the share, removed (under the lock)."""
-        return self.lock.execute(self._scan, exclusive_resource_access=False)
+        return locked(self.lock, self._scan)
 
     def _scan(self):
         policy, share = self.policy, self.share

@@ -35,6 +35,7 @@ from psclient._coordinator.tables.dense_shard import _NEWEST, in_turn, vector
 from psclient._coordinator.tables.key_hash import initial_rows
 from psclient._coordinator.tables.key_index import SUBSTITUTE_KEY, find
 from psclient._core import dynamic_tables as rules
+from psclient._tf.context import locked
 
 __all__ = ["Part", "apply_parts"]
 
@@ -66,7 +67,8 @@ def apply_parts(parts: list[Part], rule: Callable) -> list:
             # also be sent again, in full, for the lock's wait on the section's inputs.
             group = [dataclasses.replace(p, keys=tf.identity(p.keys), gradient=tf.identity(p.gradient),
                                          seen=None if p.seen is None else tf.identity(p.seen)) for p in group]
-            done = in_turn(lambda group=group: _locked(group, rule), [p.keys for p in group])
+            inputs = [t for p in group for t in (p.keys, p.gradient, p.seen) if t is not None]
+            done = in_turn(lambda group=group: _locked(group, rule), inputs, group[0].shard.lock)
         ops.append(done)
     return ops
 
@@ -96,7 +98,7 @@ def _locked(group: list[Part], rule: Callable):
     lock = group[0].shard.lock  # the shards of one ps task share it (stores.table_lock)
     assert all(part.shard.lock is lock for part in group), "shards of one group under different locks"
     try:
-        return lock.execute(lambda: _admit_and_update(group, rule), exclusive_resource_access=False)
+        return locked(lock, lambda: _admit_and_update(group, rule))  # apart from other ps's sections
     except tf.errors.OpError as error:  # run eagerly, e.g. the capacity check (traced, nothing raises here)
         # Eagerly, the lock is a tensor in `execute`'s frame: a traceback holding that frame would
         # hold the lock, and every later step would wait for it. Raised without it.
