@@ -28,7 +28,9 @@ TESTS = ["tests/keras/test_keras_seam.py", "tests/keras/test_keras_fit.py", "tes
          "tests/checkpoints/test_table_copy.py", "tests/checkpoints/test_table_pack.py",
          "tests/checkpoints/test_stages.py", "tests/checkpoints/test_hash_merge.py",
          # A variable's initial value lifted out of a function being traced (TF's `lift_to_graph`).
-         "tests/strategy/test_init_on_ps.py"]
+         "tests/strategy/test_init_on_ps.py",
+         # Ops taken out of TF's automatic control dependencies (the traced function's ACD manager).
+         "tests/tables/test_locked_sections.py"]
 
 
 @nox.session
