@@ -19,6 +19,8 @@ import functools
 import types
 from typing import Callable, TypeVar
 
+import tensorflow as tf
+
 from psclient._coordinator.ps_state import on_ps
 from psclient._core.errors import PSUnavailableError
 
@@ -34,6 +36,22 @@ _METHODS = types.MappingProxyType(
 def guarded(strategy, access: Callable[[], T], what: str) -> T:
     """`access()` through a ps loss; as is while tracing (a traced read runs in a closure)."""
     return on_ps(strategy, access, what)
+
+
+def _metrics_device(model) -> str | None:
+    """The device of the model's first metric variable (a ps), where Keras's metric results are
+    computed during fit and evaluate; None (no device) for a model without metric variables.
+
+    Computed on the coordinator, a result's first op of a new kind (a `divide_no_nan`) would be
+    registered by TF on every task of the cluster with a blocking RPC each, so a hung worker
+    held the epoch's end until it answered. An op placed on a remote device is not registered
+    anywhere else; only its result comes back.
+    """
+    for variable in model.metrics_variables:
+        device = getattr(getattr(variable, "value", variable), "device", None)
+        if device:
+            return device
+    return None
 
 
 def restore_cause(error: BaseException) -> None:
@@ -57,7 +75,10 @@ def metrics_through_ps_loss(model, strategy):
 
         @functools.wraps(stock)
         def method(*args, _stock=stock, _what=f"{what} of {model.name!r}", **kwargs):
-            return guarded(strategy, lambda: _stock(*args, **kwargs), _what)
+            # Eager reads only: a traced step's reads stay where its trace puts them.
+            device = _metrics_device(model) if tf.executing_eagerly() else None
+            with tf.device(device) if device else contextlib.nullcontext():
+                return guarded(strategy, lambda: _stock(*args, **kwargs), _what)
 
         own[name] = method  # an instance attribute: Keras's tracking need not see it
     try:

@@ -69,18 +69,20 @@ class PerWorker:
     `is_up(worker)` (optional) tells which workers are in rotation: the others
     get their value when they rejoin. Lost connections while building leave the
     value pending; other op errors leave it failed (module doc). Any other
-    exception (a bug in the function) is raised here.
+    exception (a bug in the function) is raised here. With `build_now=False`
+    every value starts pending: each worker's is built by its first closure,
+    on that worker's dispatcher thread (see `PerWorkerDataset`).
     """
 
     def __init__(self, build: Callable[[int], Any], num_workers: int, name: str, *,
-                 is_up: Callable[[int], bool] | None = None):
+                 is_up: Callable[[int], bool] | None = None, build_now: bool = True):
         self._build = build
         self._name = name
         self._lock = threading.Lock()
         # One build at a time per worker: pipeline_depth threads may need it at once.
         self._build_locks = [threading.Lock() for _ in range(num_workers)]
         self._values: list[Any] = [_PENDING] * num_workers
-        for worker in range(num_workers):
+        for worker in range(num_workers if build_now else 0):
             if is_up is not None and not is_up(worker):
                 log.info("%s: worker %d is out of rotation; its value is built when it rejoins",
                          name, worker)
@@ -199,6 +201,13 @@ class PerWorkerDataset(PerWorker):
 
     `element_spec` is known without any worker when the dataset function was
     traced (or the dataset given); otherwise it is read from a built dataset.
+
+    With the spec known, nothing is built on a worker here: each worker's
+    dataset (and iterator) is built by its first closure, on that worker's
+    dispatcher thread, as TF's coordinator makes them with closures of their
+    own. Built from the calling thread, one hung worker held it (and a Keras
+    `fit` starting) until the worker answered. An untraceable dataset
+    function's datasets are built here, as the spec needs one of them.
     """
 
     def __init__(self, build, num_workers, name, *, make_iterator: Callable[[int, Any], Any], on_new,
@@ -207,7 +216,8 @@ class PerWorkerDataset(PerWorker):
         self._make_iterator = make_iterator
         self._on_new = on_new
         self._is_up = is_up
-        super().__init__(build, num_workers, name, is_up=is_up)
+        self.built_by_closures = element_spec is not None
+        super().__init__(build, num_workers, name, is_up=is_up, build_now=not self.built_by_closures)
 
     @property
     def element_spec(self):
@@ -230,10 +240,10 @@ class PerWorkerDataset(PerWorker):
     def build(self) -> PerWorkerDataset:
         """TF's `build()`: make the datasets on the workers without an iterator.
 
-        psclient makes them when the per-worker dataset is created (a worker
-        that is out of rotation gets its own when it rejoins), so this returns
-        the object itself; passed to `schedule`, it resolves to the executing
-        worker's dataset.
+        psclient makes each worker's when its first closure needs it (or, for
+        an untraceable dataset function, when the per-worker dataset is
+        created), so this returns the object itself; passed to `schedule`, it
+        resolves to the executing worker's dataset.
         """
         return self
 
@@ -260,6 +270,7 @@ class PerWorkerIterator(PerWorker):
             dataset.num_workers,
             f"iter({dataset.name})",
             is_up=is_up,
+            build_now=not dataset.built_by_closures,
         )
 
     @property
