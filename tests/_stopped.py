@@ -7,18 +7,37 @@ stops the watchdog.
 """
 
 import contextlib
+import os
+import signal
 import subprocess
 
-__all__ = ["stopped"]
+__all__ = ["resume_later", "stopped"]
 
 
 @contextlib.contextmanager
 def stopped(cluster, job: str, index: int, *, watchdog_s: float):
     cluster.stop(job, index)
-    watchdog = subprocess.Popen(["sh", "-c", f"sleep {watchdog_s}; kill -CONT {cluster.pid(job, index)}"])
+    watchdog = resume_later(cluster.pid(job, index), watchdog_s)
     try:
         yield
     finally:
         cluster.resume(job, index)
-        watchdog.kill()
+        watchdog()
+
+
+def resume_later(pid: int, seconds: float):
+    """A process of its own that sends SIGCONT to `pid` after `seconds`; returns what stops it.
+
+    In a session of its own, so that stopping it ends its `sleep` too (killing only the shell
+    left the `sleep` running, holding any pipe it inherited: a parent reading this process's
+    output waited for it), and with no output of its own.
+    """
+    watchdog = subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {pid}"], start_new_session=True,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop():
+        with contextlib.suppress(ProcessLookupError):  # it already ended
+            os.killpg(watchdog.pid, signal.SIGKILL)
         watchdog.wait()
+
+    return stop

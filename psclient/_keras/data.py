@@ -18,6 +18,7 @@ from typing import Any
 import tensorflow as tf
 
 from psclient._coordinator.data.per_worker import call_dataset_fn, check_dataset_fn
+from psclient._tf.executors import streamed_registrations
 
 __all__ = [
     "finite_dataset",
@@ -57,6 +58,24 @@ def _refuse_extras(argument: str, **given: Any) -> None:
             )
 
 
+def _registrations_streamed(make_data):
+    """`make_data` with what TF registers on every task meanwhile streamed, not waited for.
+
+    Keras's data adapters run eager ops of kinds this process may not have run yet
+    (a `RangeDataset`), and TF registers each new kind on every task of the cluster
+    with a blocking RPC: one hung worker held fit, evaluate and predict here until it
+    answered. The data is made on the coordinator; the workers' own datasets are built
+    later, by their first closures (`psclient._coordinator.data.per_worker`).
+    """
+    @functools.wraps(make_data)
+    def made(*args, **kwargs):
+        with streamed_registrations():
+            return make_data(*args, **kwargs)
+
+    return made
+
+
+@_registrations_streamed
 def training_data(
     strategy, x, y, sample_weight, batch_size, shuffle, class_weight, steps_per_epoch
 ) -> tuple[Any, int]:
@@ -99,6 +118,7 @@ def training_data(
     return per_worker_adapter(per_worker), steps_per_epoch
 
 
+@_registrations_streamed
 def finite_dataset(x, y, sample_weight, batch_size, steps, *, with_targets: bool = True):
     """`evaluate`/`predict` data as one finite dataset and its batch count (None: unknown).
 

@@ -250,9 +250,14 @@ def _build_predict(model_ref, element_spec):
 
 
 def _results(model, variables, values):
-    """The model's metric results for the metric state `values`, computed here."""
+    """The model's metric results for the metric state `values`, computed here.
+
+    Every op here is local (the state is mapped to the values), so what TF registers on every
+    task meanwhile (each new kind of op, e.g. the first `divide_no_nan`) is streamed: waited
+    for, a hung worker held the end of evaluate until it answered.
+    """
     from keras.src.backend.common.stateless_scope import StatelessScope
 
     mapping = [(v, tf.convert_to_tensor(value)) for v, value in zip(variables, values)]
-    with StatelessScope(state_mapping=mapping):
+    with StatelessScope(state_mapping=mapping), _runtime.streamed_registrations():
         return model.get_metrics_result()

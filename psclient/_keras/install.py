@@ -74,7 +74,7 @@ from psclient._keras.trainer import (
     fit_callbacks,
     prepare_model,
 )
-from psclient._tf.executors import streamed_registrations
+from psclient._tf.executors import streamed_function_registrations
 
 __all__ = ["FIT_ARGUMENTS", "check_keras_backend", "fit_arguments", "install"]
 
@@ -376,15 +376,9 @@ def _fit(stock, model, strategy, a: dict):
     if _keras_data.is_dataset_fn(validation_data):
         # One finite data set, split between closures by evaluate().
         validation_data, _ = _keras_data.finite_dataset(validation_data, None, None, None, None)
-    # Keras's adapter runs eager ops of kinds this process may not have run yet: TF
-    # registers each new kind's kernel on every task, and with a blocking RPC one
-    # hung worker would hold fit here. Streamed, nothing waits for the answers (the
-    # workers' datasets are built later, by their first closures).
-    with streamed_registrations():
-        adapter, steps_per_epoch = _keras_data.training_data(
-            strategy, x, y, sample_weight, a["batch_size"], a["shuffle"], a["class_weight"],
-            a["steps_per_epoch"],
-        )
+    adapter, steps_per_epoch = _keras_data.training_data(
+        strategy, x, y, sample_weight, a["batch_size"], a["shuffle"], a["class_weight"], a["steps_per_epoch"]
+    )
     prepare_model(model, strategy, adapter.element_spec, "fit")
     # The steps Keras's loop will run per epoch: it caps them for debugging
     # runs (keras.config.set_max_steps_per_epoch), and so the epochs.
@@ -398,7 +392,10 @@ def _fit(stock, model, strategy, a: dict):
     callbacks = fit_callbacks(model, train_function, a["callbacks"], a["verbose"], epochs, epoch_steps)
     try:
         forwarded["callbacks"] = callbacks
-        with metrics_through_ps_loss(model, strategy):  # Keras's own metric reads, through a ps loss
+        # Keras's own metric reads go through a ps loss; what its loop traces meanwhile (the
+        # validation data's map functions) is registered on every task without waiting on a
+        # hung worker (`streamed_function_registrations`).
+        with metrics_through_ps_loss(model, strategy), streamed_function_registrations():
             return stock(
                 model, x=adapter, batch_size=None, validation_data=validation_data, shuffle=False,
                 steps_per_epoch=steps_per_epoch, **forwarded,

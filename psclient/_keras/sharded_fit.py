@@ -28,6 +28,7 @@ from psclient._coordinator.data.shard_feed import ShardFeed
 from psclient._coordinator.data.shards import ShardedDataset
 from psclient._keras.ps_reads import metrics_through_ps_loss, restore_cause
 from psclient._keras.trainer import prepare_model, result_or_first_error
+from psclient._tf.executors import streamed_function_registrations
 
 __all__ = ["active_feed", "as_finite", "fit", "is_sharded"]
 
@@ -203,7 +204,9 @@ def fit(stock, model, strategy, a: dict, forwarded: dict, make_callbacks, batche
     ok = False
     try:
         # An endless stand-in for the data: each step's shard comes from the ledger.
-        with metrics_through_ps_loss(model, strategy):  # Keras's own metric reads, through a ps loss
+        # As in psclient's fit (psclient/_keras/install.py): metric reads through a ps loss,
+        # Keras's own traces registered without waiting on a hung worker.
+        with metrics_through_ps_loss(model, strategy), streamed_function_registrations():
             history = stock(model, x=_Steps(sharded), batch_size=None,
                             validation_data=as_finite(a["validation_data"]),
                             shuffle=False, steps_per_epoch=train_function.steps, **forwarded)

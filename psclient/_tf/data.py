@@ -11,6 +11,7 @@ import tensorflow as tf
 from tensorflow.core.framework import dataset_options_pb2
 
 from psclient._tf.data_paths import absolute_paths
+from psclient._tf.executors import streamed_registrations
 from psclient._tf.local_variables import serialize_carrying
 
 __all__ = ["deserialize_dataset", "fix_shuffle_orders", "make_deterministic", "serialize_dataset",
@@ -32,6 +33,12 @@ SEEDED_OPS = types.MappingProxyType({
 })
 
 
+# `_SERIALIZED_HERE`: a dataset is serialized on the coordinator with what TF registers meanwhile
+# streamed. TF runs an eager op as a function and registers each new kind of op on every task
+# of the cluster with a blocking RPC, so the first `DatasetToGraphV2` waited for a hung worker
+# (a Keras evaluate starting while one hung did). Streamed, nothing waits for the answers.
+
+
 def serialize_dataset(dataset):
     """The dataset's graph as a string tensor, to rebuild it on any worker (`deserialize_dataset`).
 
@@ -40,10 +47,11 @@ def serialize_dataset(dataset):
     TF-internal: a dataset's graph is the only way to move it.
     """
     def serialize():
-        return dataset._as_serialized_graph(  # noqa: SLF001
-            strip_device_assignment=True,
-            external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
-        )
+        with streamed_registrations():  # made here: see `_SERIALIZED_HERE`
+            return dataset._as_serialized_graph(  # noqa: SLF001
+                strip_device_assignment=True,
+                external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
+            )
 
     gone = (tf.errors.FailedPreconditionError, tf.errors.NotFoundError)
     try:
@@ -86,10 +94,11 @@ def serialize_self_contained(dataset):
     (tensors in the graph, maps of them), else None: it reads files (`_OUTSIDE_OPS`) or has
     state TF cannot put in a graph (random ops in a map, a Python function)."""
     try:
-        graph = dataset._as_serialized_graph(  # noqa: SLF001 - as serialize_dataset
-            strip_device_assignment=True,
-            external_state_policy=tf.data.experimental.ExternalStatePolicy.FAIL,
-        )
+        with streamed_registrations():  # made here: see `_SERIALIZED_HERE`
+            graph = dataset._as_serialized_graph(  # noqa: SLF001 - as serialize_dataset
+                strip_device_assignment=True,
+                external_state_policy=tf.data.experimental.ExternalStatePolicy.FAIL,
+            )
     except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError, tf.errors.InvalidArgumentError):
         return None
     parsed = tf.compat.v1.GraphDef()

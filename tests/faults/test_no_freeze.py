@@ -12,7 +12,9 @@ import time
 
 import pytest
 import tensorflow as tf
+from _child_runs import run_script_for_json
 from _heartbeat import MAX_STALL_S, Heartbeat
+from _paths import TESTS_STR
 from _polling import wait_for
 from _stopped import stopped
 
@@ -261,42 +263,22 @@ def test_a_first_checkpoint_that_copies_big_tables_while_a_worker_hangs(heal, tm
         strategy.shutdown()
 
 
-#: How long the worker stays stopped at most while fit runs (then the watchdog resumes it).
-FIT_WATCHDOG_S = 120
+def test_keras_fit_starts_while_a_worker_hangs():
+    """Keras fit (with validation data), evaluate and predict, each started while a worker hangs
+    (stopped just before, not yet taken out), run on the other workers and end while it still hangs.
 
-
-def _stopped_now(pid: int) -> bool:
-    """Whether process `pid` is stopped (SIGSTOP): its state in /proc is T."""
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[0] == "T"
-
-
-def test_keras_fit_starts_while_a_worker_hangs(heal):
-    """A fit started just after a worker hung runs on the other workers and ends while it still hangs.
-
-    It used to wait for the worker (docs/development.md): Keras's data adapter ran eager ops of
-    new kinds, which TF registers on every task with a blocking RPC, per-worker iterators were
-    made on every worker from the calling thread, and the epoch's metric results were computed
-    on the coordinator (new kinds again).
+    They used to wait for the worker (docs/development.md): TF registers each new kind of eager
+    op and each traced function on every task with a blocking RPC (Keras's data adapters, its
+    validation iterator's map functions, the metric results), and per-worker iterators were made
+    on every worker from the calling thread. In a child process of its own: in this one, earlier
+    tests have already registered those kinds.
     """
-    import keras
-    import numpy as np
-
-    cluster = heal
-    strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=HANG_TIMEOUT)
-    try:
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-            model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", metrics=["mae"])
-        x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
-        y = x.sum(axis=1, keepdims=True)
-        pid = cluster.pid("worker", 2)
-        with Heartbeat() as beat, stopped(cluster, "worker", 2, watchdog_s=FIT_WATCHDOG_S):
-            history = model.fit(x, y, batch_size=8, epochs=2, steps_per_epoch=8, verbose=0)
-            hung_to_the_end = _stopped_now(pid)
-        assert hung_to_the_end, f"fit waited for the hung worker ({FIT_WATCHDOG_S} s, the watchdog)"
-        assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s"
-        assert len(history.history["loss"]) == 2 and len(history.history["mae"]) == 2
-        assert int(model.optimizer.iterations.numpy()) >= 16  # read once the worker answers again
-    finally:
-        strategy.shutdown()
+    script = (f"import sys; sys.path.insert(0, {TESTS_STR!r}); import runpy; "
+              f"sys.argv = ['child', '{HANG_TIMEOUT}']; "
+              f"runpy.run_path({TESTS_STR + '/_keras_beside_hung_worker_child.py'!r}, run_name='__main__')")
+    result = run_script_for_json(script, cwd=TESTS_STR, timeout=600)
+    for name in ("fit", "evaluate", "predict"):
+        assert result[name]["worker_still_stopped"], f"{name} waited for the hung worker: {result}"
+    assert result["longest_stall_s"] < MAX_STALL_S, f"the coordinator stalled: {result}"
+    assert "val_mae" in result["fit"]["output"] and "mae" in result["evaluate"]["output"], result
+    assert result["predict"]["output"] == "(64, 1)" and result["iterations"] == 16, result
