@@ -30,7 +30,10 @@ TESTS = ["tests/keras/test_keras_seam.py", "tests/keras/test_keras_fit.py", "tes
          # A variable's initial value lifted out of a function being traced (TF's `lift_to_graph`).
          "tests/strategy/test_init_on_ps.py",
          # Ops taken out of TF's automatic control dependencies (the traced function's ACD manager).
-         "tests/tables/test_locked_sections.py"]
+         "tests/tables/test_locked_sections.py",
+         # Registrations streamed (TF's executors and its function hooks), Keras's metric
+         # variables and its validation iterator, beside a hung worker.
+         "tests/faults/test_no_freeze.py::test_keras_fit_starts_while_a_worker_hangs"]
 
 
 @nox.session

@@ -18,7 +18,7 @@ from typing import Any
 import tensorflow as tf
 
 from psclient._coordinator.data.per_worker import call_dataset_fn, check_dataset_fn
-from psclient._tf.executors import streamed_registrations
+from psclient._tf.executors import streamed_function_registrations, streamed_registrations
 
 __all__ = [
     "finite_dataset",
@@ -64,8 +64,8 @@ def _registrations_streamed(make_data):
     Keras's data adapters run eager ops of kinds this process may not have run yet
     (a `RangeDataset`), and TF registers each new kind on every task of the cluster
     with a blocking RPC: one hung worker held fit, evaluate and predict here until it
-    answered. The data is made on the coordinator; the workers' own datasets are built
-    later, by their first closures (`psclient._coordinator.data.per_worker`).
+    answered. For local work only: inside, this thread's remote ops are streamed too,
+    and a streamed op to a task that died waits for good.
     """
     @functools.wraps(make_data)
     def made(*args, **kwargs):
@@ -75,7 +75,26 @@ def _registrations_streamed(make_data):
     return made
 
 
+def _per_worker(strategy, dataset_or_fn):
+    """`strategy.distribute_datasets_from_function(dataset_or_fn)` as Keras's adapter, the
+    dataset function's trace registered on the workers without waiting for a hung one.
+
+    Only function registrations are streamed: a dataset function that cannot be traced
+    builds its datasets on the workers at once, with ops that must fail if a worker died.
+    (A traced one, or a dataset, is built on each worker by its first closure.)
+    """
+    with streamed_function_registrations():
+        return per_worker_adapter(strategy.distribute_datasets_from_function(dataset_or_fn))
+
+
 @_registrations_streamed
+def _local_dataset(adapter):
+    """The adapter's dataset, repeated, made on the coordinator (`_registrations_streamed`)."""
+    # A dataset is cloned onto each worker; repeat it there so that workers,
+    # which take steps at their own pace, never run out within an epoch.
+    return adapter.get_tf_dataset().repeat()
+
+
 def training_data(
     strategy, x, y, sample_weight, batch_size, shuffle, class_weight, steps_per_epoch
 ) -> tuple[Any, int]:
@@ -98,24 +117,21 @@ def training_data(
         def per_worker(ctx):
             return call_dataset_fn(x, ctx, "x").repeat()
 
-        return per_worker_adapter(strategy.distribute_datasets_from_function(per_worker)), steps_per_epoch
+        return _per_worker(strategy, per_worker), steps_per_epoch
     if _is_host_data(x):
         _refuse_host_data(x, "x")
-    adapter = get_data_adapter(
+    adapter = _registrations_streamed(get_data_adapter)(
         x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
         steps_per_epoch=steps_per_epoch, class_weight=class_weight,
         # Only arrays are shuffled by Keras (a dataset shuffles itself).
         shuffle=shuffle and not isinstance(x, tf.data.Dataset),
     )
-    dataset = adapter.get_tf_dataset()
+    dataset = _local_dataset(adapter)
     if steps_per_epoch is None:
         steps_per_epoch = adapter.num_batches
         if steps_per_epoch is None:
             raise ValueError(_steps_required("steps_per_epoch", "data of infinite or unknown size"))
-    # A dataset is cloned onto each worker; repeat it there so that workers,
-    # which take steps at their own pace, never run out within an epoch.
-    per_worker = strategy.distribute_datasets_from_function(dataset.repeat())
-    return per_worker_adapter(per_worker), steps_per_epoch
+    return _per_worker(strategy, dataset), steps_per_epoch
 
 
 @_registrations_streamed

@@ -33,10 +33,10 @@ SEEDED_OPS = types.MappingProxyType({
 })
 
 
-# `_SERIALIZED_HERE`: a dataset is serialized on the coordinator with what TF registers meanwhile
-# streamed. TF runs an eager op as a function and registers each new kind of op on every task
-# of the cluster with a blocking RPC, so the first `DatasetToGraphV2` waited for a hung worker
-# (a Keras evaluate starting while one hung did). Streamed, nothing waits for the answers.
+# A dataset is serialized on the coordinator with what TF registers meanwhile streamed (all its
+# ops are local): TF runs an eager op as a function and registers each new kind of op on every
+# task of the cluster with a blocking RPC, so the first `DatasetToGraphV2` waited for a hung
+# worker (a Keras evaluate starting while one hung did).
 
 
 def serialize_dataset(dataset):
@@ -47,7 +47,7 @@ def serialize_dataset(dataset):
     TF-internal: a dataset's graph is the only way to move it.
     """
     def serialize():
-        with streamed_registrations():  # made here: see `_SERIALIZED_HERE`
+        with streamed_registrations():  # local ops only (see above `serialize_dataset`)
             return dataset._as_serialized_graph(  # noqa: SLF001
                 strip_device_assignment=True,
                 external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
@@ -94,7 +94,7 @@ def serialize_self_contained(dataset):
     (tensors in the graph, maps of them), else None: it reads files (`_OUTSIDE_OPS`) or has
     state TF cannot put in a graph (random ops in a map, a Python function)."""
     try:
-        with streamed_registrations():  # made here: see `_SERIALIZED_HERE`
+        with streamed_registrations():  # local ops only (see above `serialize_dataset`)
             graph = dataset._as_serialized_graph(  # noqa: SLF001 - as serialize_dataset
                 strip_device_assignment=True,
                 external_state_policy=tf.data.experimental.ExternalStatePolicy.FAIL,
