@@ -44,6 +44,8 @@ import sys
 import tempfile
 import time
 
+import psutil
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common
 
@@ -258,7 +260,7 @@ def pause_check(args: argparse.Namespace) -> dict:
                                      env=_common.quiet_tf_env())
             try:
                 deadline = time.monotonic() + CHILD_TIMEOUT
-                while _state(child.pid) != "T":  # bounded by the deadline
+                while psutil.Process(child.pid).status() != psutil.STATUS_STOPPED:  # bounded by the deadline
                     if child.poll() is not None or time.monotonic() > deadline:
                         raise _common.ChildError("the pause-check coordinator never stopped itself")
                     time.sleep(0.2)
@@ -278,11 +280,6 @@ def pause_check(args: argparse.Namespace) -> dict:
         result = json.loads(lines[-1])
         return {"paused_s": args.pause_check, **{k: v for k, v in result.items() if k.startswith(
             ("after_pause", "keep_alive"))}}
-
-
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[0]
 
 
 def _default_keep_alive() -> int:

@@ -1,6 +1,11 @@
 """Child process of `test_keras_fit_starts_while_a_worker_hangs`: Keras fit (with validation),
 evaluate and predict, each started while a worker is SIGSTOPped; prints one JSON line.
 
+`child HANG_TIMEOUT arrays`: numpy arrays made after the strategy. `child HANG_TIMEOUT datasets`:
+as published scripts run, `tf.data` datasets built first, before the cluster and the strategy,
+and `fit` without `steps_per_epoch`; `unknown_size`: the same with a training dataset whose size
+TF cannot tell (a `filter`).
+
 A process of its own: what waited for the hung worker were ops and functions of kinds the
 process had not run yet (TF registers each new kind on every task), which earlier tests in
 the suite's process would already have registered.
@@ -12,8 +17,9 @@ import time
 
 import keras
 import numpy as np
+import tensorflow as tf
 from _heartbeat import Heartbeat
-from _stopped import resume_later
+from _stopped import is_stopped, resume_later
 
 import psclient
 
@@ -21,37 +27,51 @@ import psclient
 WATCHDOG_S = 120
 
 
-def stopped_now(pid: int) -> bool:
-    """Whether process `pid` is stopped (SIGSTOP): its state in /proc is T."""
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[0] == "T"
+def _data():
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    return x, x.sum(axis=1, keepdims=True)
+
+
+def _calls(model, mode: str, data):
+    """(name, call) of fit, evaluate and predict on `data`: arrays, or datasets made before."""
+    if mode == "arrays":
+        x, y = data
+        return [("fit", lambda: model.fit(x, y, batch_size=8, epochs=2, steps_per_epoch=8,
+                                          validation_data=(x, y), verbose=0).history),
+                ("evaluate", lambda: model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)),
+                ("predict", lambda: model.predict(x, batch_size=8, verbose=0).shape)]
+    train, validation, features = data
+    return [("fit", lambda: model.fit(train, epochs=2, validation_data=validation, verbose=0).history),
+            ("evaluate", lambda: model.evaluate(validation, verbose=0, return_dict=True)),
+            ("predict", lambda: model.predict(features, verbose=0).shape)]
 
 
 def main() -> None:
-    hang_timeout = float(sys.argv[1])
+    hang_timeout, mode = float(sys.argv[1]), sys.argv[2]
+    data = _data()
+    if mode != "arrays":  # before anything of psclient, as a published script builds its data
+        x, y = data
+        train = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=0)
+        if mode == "unknown_size":  # a filter: TF cannot tell its size (psclient counts its batches)
+            train = train.filter(lambda features, target: tf.reduce_all(tf.math.is_finite(features)))
+        data = (train.batch(8), tf.data.Dataset.from_tensor_slices((x, y)).batch(8),
+                tf.data.Dataset.from_tensor_slices(x).batch(8))
     with psclient.LocalCluster(num_workers=3, num_ps=1) as cluster:
         strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=hang_timeout)
         with strategy.scope():
             model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
             model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", metrics=["mae"])
-        x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
-        y = x.sum(axis=1, keepdims=True)
         pid = cluster.pid("worker", 2)
         result = {}
         cluster.stop("worker", 2)
         stop_watchdog = resume_later(pid, WATCHDOG_S)
         try:
             with Heartbeat() as beat:
-                for name, call in [
-                    ("fit", lambda: model.fit(x, y, batch_size=8, epochs=2, steps_per_epoch=8,
-                                              validation_data=(x, y), verbose=0).history),
-                    ("evaluate", lambda: model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)),
-                    ("predict", lambda: model.predict(x, batch_size=8, verbose=0).shape),
-                ]:
+                for name, call in _calls(model, mode, data):
                     start = time.monotonic()
                     output = call()
                     result[name] = {"seconds": round(time.monotonic() - start, 2),
-                                    "worker_still_stopped": stopped_now(pid), "output": str(output)}
+                                    "worker_still_stopped": is_stopped(pid), "output": str(output)}
             result["longest_stall_s"] = beat.longest
         finally:
             cluster.resume("worker", 2)

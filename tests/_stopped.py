@@ -11,7 +11,9 @@ import os
 import signal
 import subprocess
 
-__all__ = ["resume_later", "stopped"]
+import psutil
+
+__all__ = ["is_stopped", "resume_later", "stopped"]
 
 
 @contextlib.contextmanager
@@ -41,3 +43,11 @@ def resume_later(pid: int, seconds: float):
         watchdog.wait()
 
     return stop
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP); False once it has ended."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.NoSuchProcess:
+        return False

@@ -25,6 +25,7 @@ __all__ = [
     "is_dataset_fn",
     "per_worker_adapter",
     "training_data",
+    "validation_adapter",
 ]
 
 
@@ -87,14 +88,6 @@ def _per_worker(strategy, dataset_or_fn):
         return per_worker_adapter(strategy.distribute_datasets_from_function(dataset_or_fn))
 
 
-@_registrations_streamed
-def _local_dataset(adapter):
-    """The adapter's dataset, repeated, made on the coordinator (`_registrations_streamed`)."""
-    # A dataset is cloned onto each worker; repeat it there so that workers,
-    # which take steps at their own pace, never run out within an epoch.
-    return adapter.get_tf_dataset().repeat()
-
-
 def training_data(
     strategy, x, y, sample_weight, batch_size, shuffle, class_weight, steps_per_epoch
 ) -> tuple[Any, int]:
@@ -120,30 +113,55 @@ def training_data(
         return _per_worker(strategy, per_worker), steps_per_epoch
     if _is_host_data(x):
         _refuse_host_data(x, "x")
-    adapter = _registrations_streamed(get_data_adapter)(
-        x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
-        steps_per_epoch=steps_per_epoch, class_weight=class_weight,
-        # Only arrays are shuffled by Keras (a dataset shuffles itself).
-        shuffle=shuffle and not isinstance(x, tf.data.Dataset),
-    )
-    dataset = _local_dataset(adapter)
-    if steps_per_epoch is None:
-        steps_per_epoch = adapter.num_batches
+    # Keras's adapter and the dataset's size run eager ops here, on the coordinator only.
+    with streamed_registrations():
+        adapter = get_data_adapter(
+            x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
+            steps_per_epoch=steps_per_epoch, class_weight=class_weight,
+            # Only arrays are shuffled by Keras (a dataset shuffles itself).
+            shuffle=shuffle and not isinstance(x, tf.data.Dataset),
+        )
+        # A dataset is cloned onto each worker; repeat it there so that workers,
+        # which take steps at their own pace, never run out within an epoch.
+        dataset = adapter.get_tf_dataset().repeat()
         if steps_per_epoch is None:
-            raise ValueError(_steps_required("steps_per_epoch", "data of infinite or unknown size"))
+            steps_per_epoch = adapter.num_batches
+    if steps_per_epoch is None:
+        raise ValueError(_steps_required("steps_per_epoch", "data of infinite or unknown size"))
     return _per_worker(strategy, dataset), steps_per_epoch
 
 
+def validation_adapter(validation_data, batch_size, steps):
+    """`fit`'s `validation_data` read once, before the first epoch: a Keras data adapter of
+    the finite dataset and batch count that each epoch's validation (`evaluate`) then uses.
+
+    Keras's fit otherwise adapts `validation_data` itself at the first epoch's end (a
+    dataset's `cardinality`, an eager op registered on every task: a hung worker held fit
+    there) and psclient's evaluate adapted it again every epoch.
+    """
+    if validation_data is None or isinstance(validation_data, _finite_adapter_class()):
+        return validation_data
+    import keras
+
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(validation_data)
+    return _finite_adapter_class()(*finite_dataset(x, y, sample_weight, batch_size, steps,
+                                                   steps_argument="validation_steps"))
+
+
 @_registrations_streamed
-def finite_dataset(x, y, sample_weight, batch_size, steps, *, with_targets: bool = True):
+def finite_dataset(x, y, sample_weight, batch_size, steps, *, with_targets: bool = True,
+                   steps_argument: str = "steps"):
     """`evaluate`/`predict` data as one finite dataset and its batch count (None: unknown).
 
     A dataset function is called once with a one-pipeline InputContext: the
     whole data set, which psclient then splits between closures itself.
+    `steps_argument`: the name errors give `steps` (fit's `validation_steps`).
     """
     from keras.src.trainers.data_adapters import get_data_adapter
 
-    _check_steps("steps", steps)
+    if isinstance(x, _finite_adapter_class()):  # fit's validation data, read before (with its steps)
+        return x.dataset, x.num_batches
+    _check_steps(steps_argument, steps)
     known = None  # the batches Keras's adapter knows when TF's cardinality does not (arrays)
     if is_dataset_fn(x):
         check_dataset_fn(x, "x")
@@ -163,7 +181,7 @@ def finite_dataset(x, y, sample_weight, batch_size, steps, *, with_targets: bool
         known = None if known is None else min(known, steps)
     cardinality = int(dataset.cardinality())
     if cardinality == tf.data.INFINITE_CARDINALITY:
-        raise ValueError(_steps_required("steps", "an infinite dataset"))
+        raise ValueError(_steps_required(steps_argument, "an infinite dataset"))
     if cardinality == tf.data.UNKNOWN_CARDINALITY and known is not None:
         # Keras's array adapter batches with a flat_map, whose size TF cannot tell; it knows.
         return dataset, known
@@ -232,3 +250,43 @@ def _adapter_class():
 
 def per_worker_adapter(per_worker_dataset):
     return _adapter_class()(per_worker_dataset)
+
+
+@functools.cache
+def _finite_adapter_class():
+    """A Keras data adapter holding one finite dataset and its batch count (None: unknown).
+
+    Keras's fit makes an epoch iterator of the validation data, which reads the adapter's
+    `num_batches` and passes a `tf.distribute.DistributedDataset` through untouched, then
+    hands the adapter to `evaluate` (psclient's), which takes the dataset from it.
+    """
+    from keras.src.trainers.data_adapters.data_adapter import DataAdapter
+
+    class Finite(tf.distribute.DistributedDataset):
+        def __init__(self, dataset):
+            self._dataset = dataset
+
+        def __iter__(self):
+            return iter(self._dataset)
+
+        @property
+        def element_spec(self):
+            return self._dataset.element_spec
+
+    class FiniteAdapter(DataAdapter):
+        def __init__(self, dataset, num_batches):
+            self.dataset = dataset
+            self._num_batches = num_batches
+
+        def get_tf_dataset(self):
+            return Finite(self.dataset)
+
+        @property
+        def num_batches(self):
+            return self._num_batches
+
+        batch_size = None
+        has_partial_batch = None
+        partial_batch_size = None
+
+    return FiniteAdapter

@@ -74,7 +74,7 @@ from psclient._keras.trainer import (
     fit_callbacks,
     prepare_model,
 )
-from psclient._tf.executors import streamed_function_registrations
+from psclient._tf.executors import streamed_function_registrations, streamed_registrations
 
 __all__ = ["FIT_ARGUMENTS", "check_keras_backend", "fit_arguments", "install"]
 
@@ -352,17 +352,26 @@ def _fit(stock, model, strategy, a: dict):
     # batch_size=None from psclient (the data is batched by then), so the default is set here.
     forwarded["validation_batch_size"] = a["validation_batch_size"] or a["batch_size"]
     batches = None  # an epoch's batches, when a ShardedDataset's shards are ranges of batches
-    if a["steps_per_epoch"] is None and finite.is_finite_of_unknown_size(a["x"]):
-        # Keras reads such data to its end; psclient cuts its batches into shards. Keras's own
-        # adapter first: it refuses `y` and `sample_weight` and applies `class_weight`, and
-        # `batch_size` means nothing to a dataset (beyond validation's default, above).
-        from keras.src.trainers.data_adapters import get_data_adapter
+    # Local work on the coordinator (a dataset's size, its batches counted): its eager ops'
+    # registrations on the tasks streamed, so that a hung worker does not hold fit here.
+    with streamed_registrations():
+        if a["steps_per_epoch"] is None and finite.is_finite_of_unknown_size(a["x"]):
+            # Keras reads such data to its end; psclient cuts its batches into shards. Keras's own
+            # adapter first: it refuses `y` and `sample_weight` and applies `class_weight`, and
+            # `batch_size` means nothing to a dataset (beyond validation's default, above).
+            from keras.src.trainers.data_adapters import get_data_adapter
 
-        dataset = get_data_adapter(a["x"], a["y"], a["sample_weight"], class_weight=a["class_weight"])
-        a = dict(a, x=finite.sharded_from_dataset(dataset.get_tf_dataset(), strategy.num_workers),
-                 y=None, sample_weight=None, class_weight=None, batch_size=None)
-        batches = a["x"].num_records  # counted: its shards are ranges of batches
+            dataset = get_data_adapter(a["x"], a["y"], a["sample_weight"], class_weight=a["class_weight"])
+            a = dict(a, x=finite.sharded_from_dataset(dataset.get_tf_dataset(), strategy.num_workers),
+                     y=None, sample_weight=None, class_weight=None, batch_size=None)
+            batches = a["x"].num_records  # counted: its shards are ranges of batches
+
+    def validation(data):  # read once, here; each epoch's validation evaluates what it made
+        return _keras_data.validation_adapter(
+            sharded_fit.as_finite(data), forwarded["validation_batch_size"], forwarded["validation_steps"])
+
     if sharded_fit.is_sharded(a["x"]):  # psclient.data: every shard once per epoch, through a ledger
+        a = dict(a, validation_data=validation(a["validation_data"]))
         return sharded_fit.fit(stock, model, strategy, a, forwarded, lambda function, callbacks, steps, index: (
             fit_callbacks(model, function, callbacks, a["verbose"], a["epochs"], steps, index)), batches)
     x, y, sample_weight = a["x"], a["y"], a["sample_weight"]
@@ -373,9 +382,7 @@ def _fit(stock, model, strategy, a: dict):
         (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
             (x, y, sample_weight), validation_split=a["validation_split"]
         )
-    if _keras_data.is_dataset_fn(validation_data):
-        # One finite data set, split between closures by evaluate().
-        validation_data, _ = _keras_data.finite_dataset(validation_data, None, None, None, None)
+    validation_data = validation(validation_data)
     adapter, steps_per_epoch = _keras_data.training_data(
         strategy, x, y, sample_weight, a["batch_size"], a["shuffle"], a["class_weight"], a["steps_per_epoch"]
     )

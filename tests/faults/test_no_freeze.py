@@ -263,7 +263,8 @@ def test_a_first_checkpoint_that_copies_big_tables_while_a_worker_hangs(heal, tm
         strategy.shutdown()
 
 
-def test_keras_fit_starts_while_a_worker_hangs():
+@pytest.mark.parametrize("data", ["arrays", "datasets", "unknown_size"])
+def test_keras_fit_starts_while_a_worker_hangs(data):
     """Keras fit (with validation data), evaluate and predict, each started while a worker hangs
     (stopped just before, not yet taken out), run on the other workers and end while it still hangs.
 
@@ -271,10 +272,12 @@ def test_keras_fit_starts_while_a_worker_hangs():
     op and each traced function on every task with a blocking RPC (Keras's data adapters, its
     validation iterator's map functions, the metric results), and per-worker iterators were made
     on every worker from the calling thread. In a child process of its own: in this one, earlier
-    tests have already registered those kinds.
+    tests have already registered those kinds. With numpy arrays, and with `tf.data` datasets
+    built first, before the cluster and the strategy, as published scripts do (of a size TF
+    knows, and of one it cannot tell).
     """
     script = (f"import sys; sys.path.insert(0, {TESTS_STR!r}); import runpy; "
-              f"sys.argv = ['child', '{HANG_TIMEOUT}']; "
+              f"sys.argv = ['child', '{HANG_TIMEOUT}', {data!r}]; "
               f"runpy.run_path({TESTS_STR + '/_keras_beside_hung_worker_child.py'!r}, run_name='__main__')")
     result = run_script_for_json(script, cwd=TESTS_STR, timeout=600)
     for name in ("fit", "evaluate", "predict"):

@@ -114,3 +114,21 @@ def test_unknown_size_training_data_takes_class_weight_as_keras_does(models):
     unweighted = local.fit(data(), epochs=1, verbose=0).history
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
     assert abs(want["loss"][0] - unweighted["loss"][0]) > 1e-3  # the weights count
+
+
+@pytest.mark.parametrize("training", ["arrays", "unknown size"])
+def test_an_endless_validation_dataset_is_refused_when_fit_starts(models, training):
+    # The validation data is adapted once, before the first epoch: its error comes before any
+    # step is trained (it came after the first epoch, from Keras's own adapter), naming the
+    # argument that fixes it.
+    on_cluster, _ = models
+    endless = tf.data.Dataset.from_tensor_slices((XV, YV)).batch(16).repeat()
+    x, y = (X, Y) if training == "arrays" else (unknown_size(), None)
+    before = int(on_cluster.optimizer.iterations.numpy())
+    with pytest.raises(ValueError, match=r"validation_steps=None with an infinite dataset"):
+        on_cluster.fit(x, y, batch_size=64, epochs=1, validation_data=endless, verbose=0)
+    assert int(on_cluster.optimizer.iterations.numpy()) == before
+    # With validation_steps, the same dataset validates.
+    history = on_cluster.fit(x, y, batch_size=64, epochs=1, validation_data=endless, validation_steps=2,
+                             verbose=0).history
+    assert len(history["val_loss"]) == 1

@@ -47,6 +47,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
@@ -114,8 +115,10 @@ class ShardFeed:
         self._lock = threading.Lock()
         n = len(sharded.shards)
         with strategy.scope():
-            self._positions = tf.Variable(tf.zeros([n], tf.int64), trainable=False, name="shard_positions")
-            self._attempts = tf.Variable(tf.zeros([n], tf.int64), trainable=False, name="shard_attempts")
+            # Initial values from NumPy: an eager `tf.zeros` would be a new kind of op, which TF
+            # registers on every task first (a hung worker held the ledger's start there).
+            self._positions = tf.Variable(np.zeros([n], np.int64), trainable=False, name="shard_positions")
+            self._attempts = tf.Variable(np.zeros([n], np.int64), trainable=False, name="shard_attempts")
         self._functions: dict[Any, Any] = {}
         self._args = [self._tensors(slot) for slot in range(n)]
         self._epoch_tensors: dict[int, Any] = {}  # the epoch each closure passes to make_dataset

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from psclient._core.checks import signature_refusing_one_argument
 from psclient._core.ledger import ShardKey
+from psclient._tf.executors import streamed_function_registrations
 
 __all__ = ["Shard", "ShardedDataset", "file_shards", "range_shards"]
 
@@ -201,8 +202,11 @@ class ShardedDataset:
         """The spec of one batch, from one trace of `make_dataset` on the coordinator."""
         if self._element_spec is None:
             spec = self.shard_tensors(symbolic=True)
-            concrete = tf.function(self.call, autograph=False).get_concrete_function(
-                spec.start, spec.end, spec.file, spec.epoch)
+            # Traced here only: registered on every task without waiting (a hung worker froze
+            # the coordinator in `get_concrete_function`, which holds the GIL while it registers).
+            with streamed_function_registrations():
+                concrete = tf.function(self.call, autograph=False).get_concrete_function(
+                    spec.start, spec.end, spec.file, spec.epoch)
             self._element_spec = concrete.structured_outputs.element_spec
         return self._element_spec
 
