@@ -3,8 +3,9 @@ evaluate and predict, each started while a worker is SIGSTOPped; prints one JSON
 
 `child HANG_TIMEOUT arrays`: numpy arrays made after the strategy. `child HANG_TIMEOUT datasets`:
 as published scripts run, `tf.data` datasets built first, before the cluster and the strategy,
-and `fit` without `steps_per_epoch`; `unknown_size`: the same with a training dataset whose size
-TF cannot tell (a `filter`).
+`fit` without `steps_per_epoch`, and Keras's TensorBoard callback in fit and evaluate (the tags
+it wrote are printed too); `unknown_size`: a training dataset whose size TF cannot tell (a
+`filter`), no callback.
 
 A process of its own: what waited for the hung worker were ops and functions of kinds the
 process had not run yet (TF registers each new kind on every task), which earlier tests in
@@ -12,7 +13,9 @@ the suite's process would already have registered.
 """
 
 import json
+import os
 import sys
+import tempfile
 import time
 
 import keras
@@ -40,10 +43,26 @@ def _calls(model, mode: str, data):
                                           validation_data=(x, y), verbose=0).history),
                 ("evaluate", lambda: model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)),
                 ("predict", lambda: model.predict(x, batch_size=8, verbose=0).shape)]
-    train, validation, features = data
-    return [("fit", lambda: model.fit(train, epochs=2, validation_data=validation, verbose=0).history),
-            ("evaluate", lambda: model.evaluate(validation, verbose=0, return_dict=True)),
+    train, validation, features, log_dir = data
+    callbacks = []
+    if mode == "datasets":  # and Keras's TensorBoard callback, writing steps per second too
+        callbacks = [keras.callbacks.TensorBoard(log_dir, write_steps_per_second=True)]
+    return [("fit", lambda: model.fit(train, epochs=2, validation_data=validation, verbose=0,
+                                      callbacks=callbacks).history),
+            ("evaluate", lambda: model.evaluate(validation, verbose=0, return_dict=True, callbacks=callbacks)),
             ("predict", lambda: model.predict(features, verbose=0).shape)]
+
+
+def _summary_tags(log_dir: str) -> dict:
+    """{run directory: sorted tags} of the TensorBoard event files under `log_dir`."""
+    tags = {}
+    for directory, _, files in os.walk(log_dir):
+        for name in files:
+            if name.startswith("events."):
+                events = tf.compat.v1.train.summary_iterator(os.path.join(directory, name))
+                found = {value.tag for event in events for value in event.summary.value}
+                tags.setdefault(os.path.relpath(directory, log_dir), set()).update(found)
+    return {run: sorted(found) for run, found in tags.items()}
 
 
 def main() -> None:
@@ -55,7 +74,7 @@ def main() -> None:
         if mode == "unknown_size":  # a filter: TF cannot tell its size (psclient counts its batches)
             train = train.filter(lambda features, target: tf.reduce_all(tf.math.is_finite(features)))
         data = (train.batch(8), tf.data.Dataset.from_tensor_slices((x, y)).batch(8),
-                tf.data.Dataset.from_tensor_slices(x).batch(8))
+                tf.data.Dataset.from_tensor_slices(x).batch(8), tempfile.mkdtemp(prefix="beside-hung-"))
     with psclient.LocalCluster(num_workers=3, num_ps=1) as cluster:
         strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=hang_timeout)
         with strategy.scope():
@@ -77,6 +96,8 @@ def main() -> None:
             cluster.resume("worker", 2)
             stop_watchdog()
         result["iterations"] = int(model.optimizer.iterations.numpy())
+        if mode == "datasets":
+            result["summaries"] = _summary_tags(data[-1])
         strategy.shutdown()
     print(json.dumps(result), flush=True)
 

@@ -37,9 +37,10 @@ from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.ps_state import check_every_ps
 from psclient._core.closure import outputs_unread
 from psclient._keras import outside_state, seam
+from psclient._tf.executors import register_summary_kinds
 
 __all__ = ["TrainFunction", "cluster_strategy", "fit_callbacks", "prepare_model", "reads_batch_logs",
-           "result_or_first_error"]
+           "register_summaries_for", "result_or_first_error"]
 
 log = logging.getLogger("psclient")
 
@@ -395,6 +396,7 @@ def fit_callbacks(model, train_function: TrainFunction, callbacks, verbose, epoc
             super().on_epoch_end(epoch, logs)
 
     model_ref = weakref.ref(model)
+    register_summaries_for(callbacks)  # before the list: it calls each callback's set_model
     if isinstance(callbacks, keras.callbacks.CallbackList):
         made = _StopJoins([callbacks], model=model)
     else:
@@ -405,6 +407,16 @@ def fit_callbacks(model, train_function: TrainFunction, callbacks, verbose, epoc
     if isinstance(train_function, TrainFunction):
         train_function.watch(made)
     return made
+
+
+def register_summaries_for(callbacks) -> None:
+    """With a Keras TensorBoard callback among `callbacks` (a list or a CallbackList), the
+    kinds of op its writers run are registered on the tasks first, without waiting for a hung
+    worker (`register_summary_kinds`): fit or evaluate started while one hangs does not wait."""
+    import keras
+
+    if any(isinstance(callback, keras.callbacks.TensorBoard) for callback in _flat(callbacks or [])):
+        register_summary_kinds()
 
 
 def reads_batch_logs(callbacks) -> bool:
@@ -438,10 +450,10 @@ def reads_batch_logs(callbacks) -> bool:
 
 
 def _flat(callbacks) -> list:
-    """The callbacks of a CallbackList, nested lists opened."""
+    """The callbacks of a CallbackList (or a list), nested lists opened."""
     import keras
 
     out = []
-    for callback in callbacks.callbacks:
+    for callback in callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else callbacks:
         out += _flat(callback) if isinstance(callback, keras.callbacks.CallbackList) else [callback]
     return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import tempfile
 import threading
 import time
 from typing import Any, Callable
@@ -29,6 +30,7 @@ __all__ = [
     "executor_scope",
     "function_not_registered_yet",
     "new_call_executor",
+    "register_summary_kinds",
     "set_streaming_env",
     "streamed_function_registrations",
     "streamed_registrations",
@@ -269,6 +271,30 @@ def _kept_streaming_executor():
             pass  # TF's waits for nodes still on their way to a hung task
 
     return _Kept(pywrap_tfe.TFE_NewExecutor(False, True, 0))
+
+
+def register_summary_kinds() -> None:
+    """Runs, on a throwaway file writer, the kinds of eager op a `tf.summary` writer runs
+    for Keras's TensorBoard callback, their registrations streamed.
+
+    The callback creates its writers when fit makes its callbacks, and writes scalars at
+    each epoch's end (and steps per second, when asked): local ops, but TF registers each
+    new kind on every task first, and one hung worker held fit there until it answered.
+    Made here first, streamed (only local ops inside), the callback's own are no longer new.
+    Histograms, images, embeddings and the profiler run more kinds, not made here.
+    """
+    def write(directory):  # its writer deleted on return, inside the scope: a deletion is an op too
+        writer = tf.summary.create_file_writer(directory)
+        with writer.as_default(step=0):
+            tf.summary.scalar("scalar", 0.0, step=0)
+            tf.summary.write("text", tf.constant(""), step=0)  # the model's summary
+        # Steps per second: an int64 step count made float32, less the epoch's first, over seconds.
+        _ = (tf.cast(tf.constant(1, tf.int64), tf.float32) - tf.constant(0.0)) / tf.constant(1.0)
+        writer.flush()
+        writer.close()
+
+    with streamed_registrations(), tempfile.TemporaryDirectory(prefix="psclient-summaries-") as directory:
+        write(directory)
 
 
 def until_registered(build: Callable[[], Any], attempts: int = 25) -> Any:

@@ -274,7 +274,7 @@ def test_keras_fit_starts_while_a_worker_hangs(data):
     on every worker from the calling thread. In a child process of its own: in this one, earlier
     tests have already registered those kinds. With numpy arrays, and with `tf.data` datasets
     built first, before the cluster and the strategy, as published scripts do (of a size TF
-    knows, and of one it cannot tell).
+    knows, with Keras's TensorBoard callback, and of one it cannot tell).
     """
     script = (f"import sys; sys.path.insert(0, {TESTS_STR!r}); import runpy; "
               f"sys.argv = ['child', '{HANG_TIMEOUT}', {data!r}]; "
@@ -285,3 +285,7 @@ def test_keras_fit_starts_while_a_worker_hangs(data):
     assert result["longest_stall_s"] < MAX_STALL_S, f"the coordinator stalled: {result}"
     assert "val_mae" in result["fit"]["output"] and "mae" in result["evaluate"]["output"], result
     assert result["predict"]["output"] == "(64, 1)" and result["iterations"] == 16, result
+    if data == "datasets":  # with Keras's TensorBoard callback: what it wrote meanwhile
+        assert {"epoch_loss", "epoch_learning_rate", "epoch_steps_per_second", "keras"} <= set(
+            result["summaries"]["train"]), result
+        assert {"epoch_loss", "evaluation_loss_vs_iterations"} <= set(result["summaries"]["validation"]), result
