@@ -1,7 +1,8 @@
 """Child process of `test_keras_fit_starts_while_a_worker_hangs`: Keras fit (with validation),
 evaluate and predict, each started while a worker is SIGSTOPped; prints one JSON line.
 
-`child HANG_TIMEOUT arrays`: numpy arrays made after the strategy. `child HANG_TIMEOUT datasets`:
+Then `model.get_weights()`. `child HANG_TIMEOUT arrays`: numpy arrays made after the strategy,
+Keras's EarlyStopping keeping the best weights and ReduceLROnPlateau. `child HANG_TIMEOUT datasets`:
 as published scripts run, `tf.data` datasets built first, before the cluster and the strategy,
 `fit` without `steps_per_epoch`, and Keras's TensorBoard callback in fit and evaluate (the tags
 it wrote are printed too); `unknown_size`: a training dataset whose size TF cannot tell (a
@@ -37,12 +38,17 @@ def _data():
 
 def _calls(model, mode: str, data):
     """(name, call) of fit, evaluate and predict on `data`: arrays, or datasets made before."""
+    weights = ("get_weights", lambda: [w.shape for w in model.get_weights()])  # each variable's numpy()
     if mode == "arrays":
         x, y = data
+        # EarlyStopping keeps the best weights (get_weights) and sets them back at the end;
+        # ReduceLROnPlateau reads the learning rate on the ps.
+        stopping = [keras.callbacks.EarlyStopping(patience=5, restore_best_weights=True),
+                    keras.callbacks.ReduceLROnPlateau(patience=1)]
         return [("fit", lambda: model.fit(x, y, batch_size=8, epochs=2, steps_per_epoch=8,
-                                          validation_data=(x, y), verbose=0).history),
+                                          validation_data=(x, y), verbose=0, callbacks=stopping).history),
                 ("evaluate", lambda: model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)),
-                ("predict", lambda: model.predict(x, batch_size=8, verbose=0).shape)]
+                ("predict", lambda: model.predict(x, batch_size=8, verbose=0).shape), weights]
     train, validation, features, log_dir = data
     callbacks = []
     if mode == "datasets":  # and Keras's TensorBoard callback, writing steps per second too
@@ -50,7 +56,7 @@ def _calls(model, mode: str, data):
     return [("fit", lambda: model.fit(train, epochs=2, validation_data=validation, verbose=0,
                                       callbacks=callbacks).history),
             ("evaluate", lambda: model.evaluate(validation, verbose=0, return_dict=True, callbacks=callbacks)),
-            ("predict", lambda: model.predict(features, verbose=0).shape)]
+            ("predict", lambda: model.predict(features, verbose=0).shape), weights]
 
 
 def _summary_tags(log_dir: str) -> dict:

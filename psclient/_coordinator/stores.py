@@ -29,6 +29,7 @@ from psclient._core.placement import Placer
 from psclient._tf import context as _context
 from psclient._tf import variables as _tf_variables
 from psclient._tf import write_marks as _write_marks
+from psclient._tf.executors import register_read_kinds
 
 __all__ = ["VariableStore", "PerWorkerRegistry"]
 
@@ -190,6 +191,7 @@ class VariableStore:
         # init_scope: see `create`; the device: a callable initial value runs there.
         with tf.init_scope(), tf.device(_runtime.ps_device(ps)):
             variable = next_creator(**kwargs)
+        register_read_kinds(variable.dtype)  # its `numpy()` then waits for no hung worker
         self._mark_writes(variable)
         with self._lock:
             self._variables.append((weakref.ref(variable), (ps,)))
@@ -222,6 +224,7 @@ class VariableStore:
         finally:
             self._making_shards.active = False
             release()
+        register_read_kinds(dtype, shards)  # its `numpy()`, read shard by shard and joined here
         for shard in variable.variables:
             self._mark_writes(shard)
         with self._lock:

@@ -205,6 +205,21 @@ def _steps_required(name: str, what: str) -> str:
     )
 
 
+class _PassedThrough(tf.distribute.DistributedDataset):
+    """`data` (iterable, with an element spec) as what Keras's TF epoch iterator passes through
+    untouched: a `tf.distribute.DistributedDataset` (it distributes anything else)."""
+
+    def __init__(self, data):
+        self._data = data
+
+    def __iter__(self):
+        return iter(self._data)
+
+    @property
+    def element_spec(self):
+        return self._data.element_spec
+
+
 @functools.cache
 def _adapter_class():
     """A Keras data adapter whose "dataset" is a psclient per-worker dataset.
@@ -217,20 +232,9 @@ def _adapter_class():
     """
     from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 
-    class PerWorkerDistributed(tf.distribute.DistributedDataset):
-        def __init__(self, per_worker):
-            self._per_worker = per_worker
-
-        def __iter__(self):
-            return iter(self._per_worker)
-
-        @property
-        def element_spec(self):
-            return self._per_worker.element_spec
-
     class PerWorkerAdapter(DataAdapter):
         def __init__(self, per_worker):
-            self._dataset = PerWorkerDistributed(per_worker)
+            self._dataset = _PassedThrough(per_worker)
 
         def get_tf_dataset(self):
             return self._dataset
@@ -262,24 +266,13 @@ def _finite_adapter_class():
     """
     from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 
-    class Finite(tf.distribute.DistributedDataset):
-        def __init__(self, dataset):
-            self._dataset = dataset
-
-        def __iter__(self):
-            return iter(self._dataset)
-
-        @property
-        def element_spec(self):
-            return self._dataset.element_spec
-
     class FiniteAdapter(DataAdapter):
         def __init__(self, dataset, num_batches):
             self.dataset = dataset
             self._num_batches = num_batches
 
         def get_tf_dataset(self):
-            return Finite(self.dataset)
+            return _PassedThrough(self.dataset)
 
         @property
         def num_batches(self):

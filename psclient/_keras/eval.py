@@ -31,7 +31,7 @@ from psclient._keras import data as _keras_data
 from psclient._keras import seam
 from psclient._keras.ps_reads import guarded
 from psclient._keras.ranges import read_ranges
-from psclient._keras.trainer import prepare_model, register_summaries_for, result_or_first_error
+from psclient._keras.trainer import prepare_model, register_callback_kinds, result_or_first_error
 
 __all__ = ["evaluate", "predict"]
 
@@ -119,7 +119,7 @@ def _callback_list(model, callbacks, verbose, num_batches):
 
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks  # fit's, during validation
-    register_summaries_for(callbacks)  # before the list: it calls each callback's set_model
+    register_callback_kinds(callbacks)  # before the list: it calls each callback's set_model
     return keras.callbacks.CallbackList(
         callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1, steps=num_batches, model=model
     )

@@ -37,10 +37,10 @@ from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.ps_state import check_every_ps
 from psclient._core.closure import outputs_unread
 from psclient._keras import outside_state, seam
-from psclient._tf.executors import register_summary_kinds
+from psclient._tf.executors import local_device_in_force, register_summary_kinds, streamed_registrations
 
 __all__ = ["TrainFunction", "cluster_strategy", "fit_callbacks", "prepare_model", "reads_batch_logs",
-           "register_summaries_for", "result_or_first_error"]
+           "register_callback_kinds", "result_or_first_error"]
 
 log = logging.getLogger("psclient")
 
@@ -396,7 +396,7 @@ def fit_callbacks(model, train_function: TrainFunction, callbacks, verbose, epoc
             super().on_epoch_end(epoch, logs)
 
     model_ref = weakref.ref(model)
-    register_summaries_for(callbacks)  # before the list: it calls each callback's set_model
+    register_callback_kinds(callbacks)  # before the list: it calls each callback's set_model
     if isinstance(callbacks, keras.callbacks.CallbackList):
         made = _StopJoins([callbacks], model=model)
     else:
@@ -409,14 +409,26 @@ def fit_callbacks(model, train_function: TrainFunction, callbacks, verbose, epoc
     return made
 
 
-def register_summaries_for(callbacks) -> None:
-    """With a Keras TensorBoard callback among `callbacks` (a list or a CallbackList), the
-    kinds of op its writers run are registered on the tasks first, without waiting for a hung
-    worker (`register_summary_kinds`): fit or evaluate started while one hangs does not wait."""
+def register_callback_kinds(callbacks) -> None:
+    """Registers on the tasks, without waiting for a hung worker, the kinds of local op that
+    Keras's callbacks among `callbacks` (a list or a CallbackList) run: fit or evaluate
+    started while a worker hangs then does not wait for it in their hooks.
+
+    TF registers each new kind of eager op on every task first, even a local one; these are
+    run once here, their registrations streamed (only local ops inside): a TensorBoard's
+    writers (`register_summary_kinds`), and the comparison with the best value so far that
+    EarlyStopping, ReduceLROnPlateau and ModelCheckpoint make at each epoch's end.
+    """
     import keras
 
-    if any(isinstance(callback, keras.callbacks.TensorBoard) for callback in _flat(callbacks or [])):
+    found = _flat(callbacks or [])
+    if any(isinstance(callback, keras.callbacks.TensorBoard) for callback in found):
         register_summary_kinds()
+    monitors = (keras.callbacks.EarlyStopping, keras.callbacks.ReduceLROnPlateau, keras.callbacks.ModelCheckpoint)
+    if any(isinstance(callback, monitors) for callback in found) and local_device_in_force():
+        with streamed_registrations():
+            keras.ops.less(0.0, 1.0)
+            keras.ops.greater(0.0, 1.0)
 
 
 def reads_batch_logs(callbacks) -> bool:

@@ -29,7 +29,9 @@ from tensorflow.python.eager import context, executor
 __all__ = [
     "executor_scope",
     "function_not_registered_yet",
+    "local_device_in_force",
     "new_call_executor",
+    "register_read_kinds",
     "register_summary_kinds",
     "set_streaming_env",
     "streamed_function_registrations",
@@ -273,6 +275,44 @@ def _kept_streaming_executor():
     return _Kept(pywrap_tfe.TFE_NewExecutor(False, True, 0))
 
 
+#: (dtype, shards) whose reads on the coordinator have their kinds registered (`register_read_kinds`).
+_read_kinds: set = set()
+
+
+def register_read_kinds(dtype, shards: int = 1) -> None:
+    """Registers, streamed, the local ops that reading a ps variable of `dtype` (of `shards`
+    shards) runs on the coordinator, once per process.
+
+    A variable's `numpy()` (Keras's `get_weights`, `EarlyStopping`'s best weights, an
+    optimizer's config) reads it on its ps, then copies the value here with an `Identity`, and a
+    partitioned one concatenates its shards here: local ops, but TF registers each new kind on
+    every task first, and one hung worker held such a read until it answered. (The read on
+    the ps is registered on that ps only.) Only local ops inside the streamed scope.
+    """
+    key = (tf.as_dtype(dtype), shards)
+    if key in _read_kinds:
+        return
+    with tf.init_scope():
+        if not local_device_in_force():
+            return  # Keras colocating a slot with its variable: made for another variable
+        with streamed_registrations():
+            zero = tf.zeros([1], dtype)
+            tf.identity(zero)
+            if shards > 1:
+                tf.concat([zero] * shards, axis=0)
+    _read_kinds.add(key)
+
+
+def local_device_in_force() -> bool:
+    """Whether this thread's eager ops run on the coordinator: no device scope naming a task.
+
+    What is made to register kinds streamed must be local (a streamed op to a task that dies
+    waits for good), and a kind made on another device is another kind.
+    """
+    device = context.context().device_name
+    return not device or device.startswith(context.context().host_address_space())
+
+
 def register_summary_kinds() -> None:
     """Runs, on a throwaway file writer, the kinds of eager op a `tf.summary` writer runs
     for Keras's TensorBoard callback, their registrations streamed.
@@ -293,6 +333,8 @@ def register_summary_kinds() -> None:
         writer.flush()
         writer.close()
 
+    if not local_device_in_force():
+        return
     with streamed_registrations(), tempfile.TemporaryDirectory(prefix="psclient-summaries-") as directory:
         write(directory)
 

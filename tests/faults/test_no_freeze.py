@@ -265,8 +265,8 @@ def test_a_first_checkpoint_that_copies_big_tables_while_a_worker_hangs(heal, tm
 
 @pytest.mark.parametrize("data", ["arrays", "datasets", "unknown_size"])
 def test_keras_fit_starts_while_a_worker_hangs(data):
-    """Keras fit (with validation data), evaluate and predict, each started while a worker hangs
-    (stopped just before, not yet taken out), run on the other workers and end while it still hangs.
+    """Keras fit (with validation data), evaluate, predict and get_weights, each started while a
+    worker hangs (stopped just before, not yet taken out), end while it still hangs.
 
     They used to wait for the worker (docs/development.md): TF registers each new kind of eager
     op and each traced function on every task with a blocking RPC (Keras's data adapters, its
@@ -274,13 +274,14 @@ def test_keras_fit_starts_while_a_worker_hangs(data):
     on every worker from the calling thread. In a child process of its own: in this one, earlier
     tests have already registered those kinds. With numpy arrays, and with `tf.data` datasets
     built first, before the cluster and the strategy, as published scripts do (of a size TF
-    knows, with Keras's TensorBoard callback, and of one it cannot tell).
+    knows, with Keras's TensorBoard callback, and of one it cannot tell); with arrays, Keras's
+    EarlyStopping keeps and sets back the best weights.
     """
     script = (f"import sys; sys.path.insert(0, {TESTS_STR!r}); import runpy; "
               f"sys.argv = ['child', '{HANG_TIMEOUT}', {data!r}]; "
               f"runpy.run_path({TESTS_STR + '/_keras_beside_hung_worker_child.py'!r}, run_name='__main__')")
     result = run_script_for_json(script, cwd=TESTS_STR, timeout=600)
-    for name in ("fit", "evaluate", "predict"):
+    for name in ("fit", "evaluate", "predict", "get_weights"):
         assert result[name]["worker_still_stopped"], f"{name} waited for the hung worker: {result}"
     assert result["longest_stall_s"] < MAX_STALL_S, f"the coordinator stalled: {result}"
     assert "val_mae" in result["fit"]["output"] and "mae" in result["evaluate"]["output"], result

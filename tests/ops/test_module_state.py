@@ -41,6 +41,8 @@ ALLOWED = {
                                                          "per form of shard (as the tf.function's own traces)",
     "psclient._coordinator.tables.dynamic_tables._local_locks": PROCESS + "the lock of tables made without any "
                                                                 "strategy, one per local device name",
+    "psclient._tf.executors._read_kinds": PROCESS + "the kinds of local read op this process registered on the "
+                                          "tasks (TF's function library is the process's too)",
 }
 
 

@@ -1,0 +1,30 @@
+"""The kinds of local op psclient runs first, streamed, so that a hung worker holds no later read.
+
+Only local ops may be made so (a streamed op to a task that dies waits for good): under a
+device scope naming a task (Keras colocating a slot with its variable) nothing is made, and
+the kind stays to be made by the next variable of that dtype.
+"""
+
+import tensorflow as tf
+
+from psclient._tf import executors
+
+
+def test_the_device_in_force_is_local_unless_a_scope_names_a_task():
+    assert executors.local_device_in_force()
+    with tf.device("/job:ps/replica:0/task:0/device:CPU:0"):
+        assert not executors.local_device_in_force()
+    with tf.device(tf.config.list_logical_devices("CPU")[0].name):
+        assert executors.local_device_in_force()
+
+
+def test_read_kinds_are_made_once_and_never_under_a_tasks_device():
+    dtype = tf.float16  # made by no other test of this process
+    executors._read_kinds.discard((dtype, 3))
+    with tf.device("/job:ps/replica:0/task:0/device:CPU:0"):
+        executors.register_read_kinds(dtype, 3)
+    assert (dtype, 3) not in executors._read_kinds
+    executors.register_read_kinds(dtype, 3)
+    assert (dtype, 3) in executors._read_kinds
+    executors.register_read_kinds(dtype, 3)  # made once: nothing more
+    assert (dtype, 3) in executors._read_kinds
