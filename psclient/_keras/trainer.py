@@ -131,8 +131,25 @@ def prepare_model(model, strategy, element_spec, method: str) -> None:
                     lambda spec: keras.KerasTensor(spec.shape, spec.dtype.name), x))
     elif _needs_build(model):
         with strategy.scope():
-            model._symbolic_build(data_batch=element_spec)  # Keras's own build, on the ps
+            try:
+                model._symbolic_build(data_batch=element_spec)  # Keras's own build, on the ps
+            except RuntimeError:
+                if not _step_overridden(model, method):
+                    raise
+                # Keras without a strategy never builds symbolically: a model whose own step
+                # never calls it (a GAN's train_step) builds its state in that step's first trace,
+                # which psclient runs inside the strategy's variable creator (on the ps).
+                log.info("%s cannot be called on its data's spec; its %s step builds it when traced",
+                         model.name, method)
     outside_state.move_to_ps(model, strategy, _state(model), method)
+
+
+def _step_overridden(model, method: str) -> bool:
+    """Whether `fit` runs the model's own `train_step` (evaluate's and predict's steps run in a
+    stateless scope, where nothing can be built)."""
+    import keras
+
+    return method == "fit" and type(model).train_step is not keras.Model.train_step
 
 
 def _needs_build(model) -> bool:

@@ -195,3 +195,80 @@ def test_fit_again_reuses_its_traces_until_compile(strategy):
     model.fit(dataset, epochs=1, steps_per_epoch=9, verbose=0)
     assert CountingTraces.traces > traced
     assert int(model.optimizer.iterations.numpy()) == 9
+
+
+class TwoOptimizerGan(keras.Model):
+    """keras.io's GAN pattern: no call(), compile() overridden with two optimizers, noise from a
+    SeedGenerator; the optimizers' slots are made by the train step's first trace."""
+
+    def __init__(self, latent_dim=4):
+        super().__init__()
+        self.latent_dim = latent_dim
+        self.discriminator = keras.Sequential([keras.Input((2,)), keras.layers.Dense(8, activation="relu"),
+                                               keras.layers.Dense(1, activation="sigmoid")])
+        self.generator = keras.Sequential([keras.Input((latent_dim,)), keras.layers.Dense(2)])
+        self.seed_generator = keras.random.SeedGenerator(7)
+
+    def compile(self, d_optimizer, g_optimizer):
+        super().compile()
+        self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+        self.loss_fn = keras.losses.BinaryCrossentropy()
+        self.d_loss_metric = keras.metrics.Mean(name="d_loss")
+        self.g_loss_metric = keras.metrics.Mean(name="g_loss")
+
+    @property
+    def metrics(self):
+        return [self.d_loss_metric, self.g_loss_metric]
+
+    def train_step(self, real):
+        batch = keras.ops.shape(real)[0]
+        noise = keras.random.normal((batch, self.latent_dim), seed=self.seed_generator)
+        both = keras.ops.concatenate([self.generator(noise), real], axis=0)
+        labels = keras.ops.concatenate([keras.ops.ones((batch, 1)), keras.ops.zeros((batch, 1))], axis=0)
+        with tf.GradientTape() as tape:
+            d_loss = self.loss_fn(labels, self.discriminator(both))
+        grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
+        self.d_optimizer.apply_gradients(zip(grads, self.discriminator.trainable_weights))
+        noise = keras.random.normal((batch, self.latent_dim), seed=self.seed_generator)
+        with tf.GradientTape() as tape:
+            g_loss = self.loss_fn(keras.ops.zeros((batch, 1)), self.discriminator(self.generator(noise)))
+        grads = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
+        self.d_loss_metric.update_state(d_loss)
+        self.g_loss_metric.update_state(g_loss)
+        return {"d_loss": self.d_loss_metric.result(), "g_loss": self.g_loss_metric.result()}
+
+
+def test_a_model_without_call_trains_through_its_own_train_step(strategy):
+    # Keras's fit without a strategy never builds a model symbolically: a GAN whose train_step
+    # calls its parts, never itself, trains locally. On the cluster its step's first trace builds
+    # the optimizers' slots, inside the strategy's variable creator: on the ps.
+    real = tf.data.Dataset.from_tensor_slices(_RNG.normal(3.0, 0.5, (256, 2)).astype("float32")).batch(32)
+    with strategy.scope():
+        gan = TwoOptimizerGan()
+        gan.compile(keras.optimizers.Adam(1e-3), keras.optimizers.Adam(1e-3))
+    kernel = gan.generator.layers[0].kernel.numpy()
+    history = gan.fit(real, epochs=2, verbose=0)
+    assert sorted(history.history) == ["d_loss", "g_loss"]
+    assert all(np.isfinite(history.history["d_loss"])) and len(history.history["g_loss"]) == 2
+    # Every step applied both optimizers, to slots that live on the ps.
+    assert int(gan.d_optimizer.iterations.numpy()) == int(gan.g_optimizer.iterations.numpy()) == 2 * 8
+    built = gan.d_optimizer.variables + gan.g_optimizer.variables
+    assert len(built) > 2  # the slots, not only the step counts
+    assert all(v._value.device.startswith("/job:ps/") for v in built + gan.variables + gan.metrics_variables)
+    assert not np.allclose(gan.generator.layers[0].kernel.numpy(), kernel)
+    gan.fit(real, epochs=1, verbose=0)  # again, on the slots made by the first
+    assert int(gan.g_optimizer.iterations.numpy()) == 3 * 8
+
+
+def test_a_model_without_call_or_train_step_fails_as_in_keras(strategy):
+    class NoCall(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+
+    with strategy.scope():
+        model = NoCall()
+        model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(RuntimeError, match="Unable to automatically build the model"):
+        model.fit(X, Y.astype("float32"), batch_size=32, epochs=1, verbose=0)
