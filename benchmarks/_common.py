@@ -170,6 +170,35 @@ def local_cluster(num_workers: int, num_ps: int, **options: Any) -> Iterator[tup
         yield cluster, pids
 
 
+@contextlib.contextmanager
+def keras_side_by_side(build_model: Callable[[], Any], num_workers: int, num_ps: int
+                       ) -> Iterator[tuple[dict[str, Any], dict[str, list[int]]]]:
+    """Two copies of `build_model()`'s model with the same weights: {"keras_local": one in this
+    process, "psclient": one on a fresh local cluster (a strategy's scope)}, and the pids whose
+    CPU each path spends (this process; for psclient the cluster's tasks too)."""
+    import psclient
+
+    with local_cluster(num_workers, num_ps) as (cluster, task_pids):
+        strategy = psclient.ParameterServerStrategy(cluster)
+        try:
+            with strategy.scope():
+                on_cluster = build_model()
+            local = build_model()
+            local.set_weights(on_cluster.get_weights())
+            yield ({"keras_local": local, "psclient": on_cluster},
+                   {"keras_local": [os.getpid()], "psclient": [os.getpid(), *task_pids.values()]})
+        finally:
+            strategy.shutdown()
+
+
+def use_psclient_from(checkout: str | None) -> None:
+    """Import psclient from `checkout` (another commit, timed in the same run conditions), in this
+    process and in the task processes it starts; None: this checkout's."""
+    if checkout:
+        sys.path.insert(0, os.path.abspath(checkout))
+        os.environ["PYTHONPATH"] = os.path.abspath(checkout) + os.pathsep + os.environ.get("PYTHONPATH", "")
+
+
 def quiet_tf_env(**extra: str) -> dict[str, str]:
     """This environment, with TensorFlow's C++ info logs off, plus `extra`."""
     env = dict(os.environ)

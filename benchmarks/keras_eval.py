@@ -93,8 +93,6 @@ def main(argv=None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
     import numpy as np
 
-    import psclient
-
     config = {**_common.environment(sys.argv), "num_workers": NUM_WORKERS, "num_ps": NUM_PS,
               "rows": args.rows, "batch_size": args.batch_size, "repeats": args.repeats,
               "load_average": [round(v, 2) for v in os.getloadavg()]}
@@ -105,32 +103,22 @@ def main(argv=None) -> int:
         path = os.path.join(directory, "data.csv")
         x, y = write_csv(path, args.rows)
         data = cases(path, x, y, args.batch_size)
-        with _common.local_cluster(NUM_WORKERS, NUM_PS) as (cluster, task_pids):
-            strategy = psclient.ParameterServerStrategy(cluster)
-            try:
-                with strategy.scope():
-                    on_cluster = build_model()
-                local = build_model()
-                local.set_weights(on_cluster.get_weights())
-                models = {"keras_local": local, "psclient": on_cluster}
-                # CPU of the processes each path uses: this one, and for psclient the tasks too.
-                pids = {"keras_local": [os.getpid()], "psclient": [os.getpid(), *task_pids.values()]}
-                for case, make in data.items():
+        # CPU of the processes each path uses: this one, and for psclient the tasks too.
+        with _common.keras_side_by_side(build_model, NUM_WORKERS, NUM_PS) as (models, pids):
+            for case, make in data.items():
+                for path_name, model in models.items():
+                    _common.log(f"{case} {path_name}: warm-up evaluate")
+                    results[(case, path_name)] = model.evaluate(**make(), verbose=0, return_dict=True)
+                for _ in range(args.repeats):
                     for path_name, model in models.items():
-                        _common.log(f"{case} {path_name}: warm-up evaluate")
-                        results[(case, path_name)] = model.evaluate(**make(), verbose=0, return_dict=True)
-                    for _ in range(args.repeats):
-                        for path_name, model in models.items():
-                            start, cpu = time.perf_counter(), _common.cpu_seconds(pids[path_name])
-                            got = model.evaluate(**make(), verbose=0, return_dict=True)
-                            times.setdefault((case, path_name), []).append(time.perf_counter() - start)
-                            cpu_times.setdefault((case, path_name), []).append(
-                                _common.cpu_seconds(pids[path_name]) - cpu)
-                            results[(case, path_name)] = got
-                    _common.log(f"{case}: " + ", ".join(
-                        f"{p} {_common.median(times[(case, p)]):.3f} s" for p in PATHS))
-            finally:
-                strategy.shutdown()
+                        start, cpu = time.perf_counter(), _common.cpu_seconds(pids[path_name])
+                        got = model.evaluate(**make(), verbose=0, return_dict=True)
+                        times.setdefault((case, path_name), []).append(time.perf_counter() - start)
+                        cpu_times.setdefault((case, path_name), []).append(
+                            _common.cpu_seconds(pids[path_name]) - cpu)
+                        results[(case, path_name)] = got
+                _common.log(f"{case}: " + ", ".join(
+                    f"{p} {_common.median(times[(case, p)]):.3f} s" for p in PATHS))
     summary = {}
     for case in data:
         seconds = {p: round(_common.median(times[(case, p)]), 3) for p in PATHS}

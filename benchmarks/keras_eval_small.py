@@ -108,9 +108,7 @@ def main(argv=None) -> int:
     for name in ("rows", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1 (got {getattr(args, name)})")
-    if args.psclient:
-        sys.path.insert(0, os.path.abspath(args.psclient))
-        os.environ["PYTHONPATH"] = os.path.abspath(args.psclient) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    _common.use_psclient_from(args.psclient)
     import numpy as np
 
     import psclient
@@ -126,29 +124,19 @@ def main(argv=None) -> int:
         csv_path = os.path.join(directory, "data.csv")
         write_csv(csv_path, features, labels)
         data = cases(csv_path, features, labels)
-        with _common.local_cluster(NUM_WORKERS, NUM_PS) as (cluster, task_pids):
-            strategy = psclient.ParameterServerStrategy(cluster)
-            try:
-                with strategy.scope():
-                    on_cluster = build_model()
-                local = build_model()
-                local.set_weights(on_cluster.get_weights())
-                models = {"keras_local": local, "psclient": on_cluster}
-                pids = {"keras_local": [os.getpid()], "psclient": [os.getpid(), *task_pids.values()]}
-                for case, make in data.items():
+        with _common.keras_side_by_side(build_model, NUM_WORKERS, NUM_PS) as (models, pids):
+            for case, make in data.items():
+                for path_name, model in models.items():
+                    results[(case, path_name)] = model.evaluate(**make(), verbose=0, return_dict=True)
+                for _ in range(args.repeats):
                     for path_name, model in models.items():
+                        start, cpu = time.perf_counter(), _common.cpu_seconds(pids[path_name])
                         results[(case, path_name)] = model.evaluate(**make(), verbose=0, return_dict=True)
-                    for _ in range(args.repeats):
-                        for path_name, model in models.items():
-                            start, cpu = time.perf_counter(), _common.cpu_seconds(pids[path_name])
-                            results[(case, path_name)] = model.evaluate(**make(), verbose=0, return_dict=True)
-                            times.setdefault((case, path_name), []).append(time.perf_counter() - start)
-                            cpu_times.setdefault((case, path_name), []).append(
-                                _common.cpu_seconds(pids[path_name]) - cpu)
-                    _common.log(f"{case}: " + ", ".join(
-                        f"{p} {_common.median(times[(case, p)]):.3f} s" for p in PATHS))
-            finally:
-                strategy.shutdown()
+                        times.setdefault((case, path_name), []).append(time.perf_counter() - start)
+                        cpu_times.setdefault((case, path_name), []).append(
+                            _common.cpu_seconds(pids[path_name]) - cpu)
+                _common.log(f"{case}: " + ", ".join(
+                    f"{p} {_common.median(times[(case, p)]):.3f} s" for p in PATHS))
     summary = {}
     for case in data:
         seconds = {p: round(_common.median(times[(case, p)]), 3) for p in PATHS}

@@ -24,7 +24,8 @@ import keras
 
 from psclient._coordinator.checkpoints.checkpoint import Checkpoints
 from psclient._coordinator.ps_state import on_ps
-from psclient._keras.trainer import _tf_variable, cluster_strategy
+from psclient._keras.step_functions import tf_variable as _tf_variable
+from psclient._keras.trainer import cluster_strategy
 
 __all__ = ["ModelCheckpoint", "KEYED_BY_POSITION", "meta_of", "model_tables", "model_variables",
            "sharded_checkpoints", "step_of", "weight_key"]

@@ -4,9 +4,10 @@ Training data goes to every worker as a per-worker dataset (`fit`), and
 evaluation/prediction data as one finite dataset that closures cut into
 contiguous ranges of batches (`evaluate`, `predict`). Arrays are batched by
 Keras's own data adapter, so `batch_size`, `shuffle`, `sample_weight` and
-`class_weight` mean what they mean in Keras. Inputs that live in this
-process's Python (generators, `keras.utils.PyDataset`) cannot run on a worker
-and are refused with a clear error.
+`class_weight` mean what they mean in Keras. Inputs made in this process's
+Python (generators, `keras.utils.PyDataset`, datasets that call Python) cannot
+run on a worker: evaluate and predict read every input here anyway, and fit
+reads those here (`psclient._keras.host_data`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from psclient._tf.executors import streamed_function_registrations, streamed_reg
 __all__ = [
     "finite_dataset",
     "is_dataset_fn",
+    "local_adapter",
     "per_worker_adapter",
     "training_data",
     "validation_adapter",
@@ -31,22 +33,9 @@ __all__ = [
 
 def is_dataset_fn(x: Any) -> bool:
     """A callable that is not itself data: psclient's dataset-function input."""
-    return callable(x) and not isinstance(x, (tf.data.Dataset, type)) and not _is_host_data(x)
-
-
-def _is_host_data(x: Any) -> bool:
     import keras
 
-    return isinstance(x, (types.GeneratorType, keras.utils.PyDataset))
-
-
-def _refuse_host_data(x: Any, argument: str) -> None:
-    raise ValueError(
-        f"Invalid value for argument `{argument}`. Received: an object of type "
-        f"{type(x).__name__}, which produces its batches in this process's Python and "
-        "cannot run on a worker. Expected a tf.data.Dataset, a dataset function "
-        "input_context -> tf.data.Dataset, or NumPy arrays / tensors."
-    )
+    return callable(x) and not isinstance(x, (tf.data.Dataset, type, types.GeneratorType, keras.utils.PyDataset))
 
 
 def _refuse_extras(argument: str, **given: Any) -> None:
@@ -111,8 +100,6 @@ def training_data(
             return call_dataset_fn(x, ctx, "x").repeat()
 
         return _per_worker(strategy, per_worker), steps_per_epoch
-    if _is_host_data(x):
-        _refuse_host_data(x, "x")
     # Keras's adapter and the dataset's size run eager ops here, on the coordinator only.
     with streamed_registrations():
         adapter = get_data_adapter(
@@ -168,8 +155,8 @@ def finite_dataset(x, y, sample_weight, batch_size, steps, *, with_targets: bool
         _refuse_extras("x", y=y, sample_weight=sample_weight)
         dataset = call_dataset_fn(x, tf.distribute.InputContext(), "x")
     else:
-        if _is_host_data(x):
-            _refuse_host_data(x, "x")
+        # A generator or PyDataset too: Keras's adapter makes its batches here, where the
+        # ranges are read anyway (psclient._keras.ranges).
         adapter = get_data_adapter(
             x=x, y=y if with_targets else None, sample_weight=sample_weight if with_targets else None,
             batch_size=batch_size, steps_per_epoch=steps, shuffle=False,
@@ -256,6 +243,12 @@ def per_worker_adapter(per_worker_dataset):
     return _adapter_class()(per_worker_dataset)
 
 
+def local_adapter(dataset, num_batches):
+    """A Keras data adapter whose epoch iterator hands the train function `iter(dataset)`, a
+    dataset read on the coordinator, of `num_batches` batches an epoch (None: unknown)."""
+    return _finite_adapter_class()(dataset, num_batches)
+
+
 @functools.cache
 def _finite_adapter_class():
     """A Keras data adapter holding one finite dataset and its batch count (None: unknown).
@@ -277,6 +270,10 @@ def _finite_adapter_class():
         @property
         def num_batches(self):
             return self._num_batches
+
+        @property
+        def element_spec(self):
+            return self.dataset.element_spec
 
         batch_size = None
         has_partial_batch = None

@@ -344,7 +344,7 @@ def _fit(stock, model, strategy, a: dict):
     import keras
     from keras.src.trainers.data_adapters import array_slicing
 
-    from psclient._keras import data as _keras_data
+    from psclient._keras import data as _keras_data, host_data
 
     model._assert_compile_called("fit")
     forwarded = {name: a[name] for name, use in FIT_ARGUMENTS.items() if use == "forwarded"}
@@ -355,7 +355,8 @@ def _fit(stock, model, strategy, a: dict):
     # Local work on the coordinator (a dataset's size, its batches counted): its eager ops'
     # registrations on the tasks streamed, so that a hung worker does not hold fit here.
     with streamed_registrations():
-        if a["steps_per_epoch"] is None and finite.is_finite_of_unknown_size(a["x"]):
+        host_fed = host_data.is_host_fed(a["x"])  # made in this process's Python: read here
+        if not host_fed and a["steps_per_epoch"] is None and finite.is_finite_of_unknown_size(a["x"]):
             # Keras reads such data to its end; psclient cuts its batches into shards. Keras's own
             # adapter first: it refuses `y` and `sample_weight` and applies `class_weight`, and
             # `batch_size` means nothing to a dataset (beyond validation's default, above).
@@ -383,16 +384,25 @@ def _fit(stock, model, strategy, a: dict):
             (x, y, sample_weight), validation_split=a["validation_split"]
         )
     validation_data = validation(validation_data)
-    adapter, steps_per_epoch = _keras_data.training_data(
-        strategy, x, y, sample_weight, a["batch_size"], a["shuffle"], a["class_weight"], a["steps_per_epoch"]
-    )
+    if host_fed:
+        with streamed_registrations():  # Keras's adapter: local ops only
+            adapter, steps_per_epoch = host_data.host_adapter(
+                x, y, sample_weight, a["batch_size"], a["shuffle"], a["class_weight"], a["steps_per_epoch"])
+        make_train_function = host_data.HostFedTrainFunction
+    else:
+        adapter, steps_per_epoch = _keras_data.training_data(
+            strategy, x, y, sample_weight, a["batch_size"], a["shuffle"], a["class_weight"], a["steps_per_epoch"]
+        )
+        make_train_function = TrainFunction
     prepare_model(model, strategy, adapter.element_spec, "fit")
     # The steps Keras's loop will run per epoch: it caps them for debugging
     # runs (keras.config.set_max_steps_per_epoch), and so the epochs.
-    epoch_steps = min(steps_per_epoch, keras.config.max_steps_per_epoch() or steps_per_epoch)
+    epoch_steps = steps_per_epoch
+    if keras.config.max_steps_per_epoch():
+        epoch_steps = min(steps_per_epoch or keras.config.max_steps_per_epoch(), keras.config.max_steps_per_epoch())
     epochs = min(a["epochs"], keras.config.max_epochs() or a["epochs"])
     previous = seam.internal(model, "train_function")
-    train_function = TrainFunction(model, strategy, epoch_steps)
+    train_function = make_train_function(model, strategy, epoch_steps)
     # Keras's fit calls make_train_function(), which keeps a train function
     # already set: this one, for the duration of this fit.
     model.train_function = train_function

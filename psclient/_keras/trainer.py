@@ -37,6 +37,8 @@ from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.ps_state import check_every_ps
 from psclient._core.closure import outputs_unread
 from psclient._keras import outside_state, seam
+from psclient._keras.step_functions import model_state as _state, step_functions as _step_functions
+from psclient._keras.step_functions import tf_variable as _tf_variable
 from psclient._tf.executors import local_device_in_force, register_summary_kinds, streamed_registrations
 
 __all__ = ["TrainFunction", "cluster_strategy", "fit_callbacks", "prepare_model", "reads_batch_logs",
@@ -48,25 +50,8 @@ _warned_local: weakref.WeakSet = weakref.WeakSet()
 
 
 # --------------------------------------------------------------- which models
-def _tf_variable(variable):
-    """The tf.Variable behind a Keras variable (None before it is created), or `variable`."""
-    return variable if isinstance(variable, tf.Variable) else seam.internal(variable, "_value")
-
-
 def _device(variable) -> str | None:
     return getattr(_tf_variable(variable), "device", None)
-
-
-def _state(model) -> list:
-    """Every variable fit/evaluate/predict touch: weights, optimizer, metrics."""
-    seen, result = set(), []
-    optimizer = getattr(model, "optimizer", None)  # set by compile()
-    groups = [model.variables, optimizer.variables if optimizer is not None else [], model.metrics_variables]
-    for variable in (v for group in groups for v in group):
-        if id(variable) not in seen and _tf_variable(variable) is not None:
-            seen.add(id(variable))
-            result.append(variable)
-    return result
 
 
 def _connected_strategy():
@@ -201,7 +186,7 @@ class TrainFunction:
         # Enough to keep every worker's pipeline fed, few enough that logs stay fresh.
         self._max_in_flight = max(4, 2 * strategy.num_workers * strategy.pipeline_depth)
         self._counts: dict[int, object] = {}
-        self._one_step, self._many_steps = _step_functions(model, strategy)
+        self._one_step, self._many_steps, self._batch_step = _step_functions(model, strategy)
 
     def __call__(self, iterator):
         # Keras asks for whole executions; never run past the epoch's end.
@@ -212,12 +197,19 @@ class TrainFunction:
             if count not in self._counts:
                 self._counts[count] = tf.constant(count, tf.int32)
             function, args = self._many_steps, (iterator, self._counts[count])
+        self._schedule_step(function, args)
+        self._steps_scheduled += count
+        return self._after_scheduling()
+
+    def _schedule_step(self, function, args) -> None:
         copied = not self._logs_unread
         with contextlib.nullcontext() if copied else outputs_unread():
             future = self._strategy.schedule(function, args=args)
         self._in_flight.append((future, copied))
-        self._steps_scheduled += count
-        if self._steps_scheduled >= self._steps_per_epoch:
+
+    def _after_scheduling(self):
+        """The logs to hand Keras once a call's steps are scheduled (waiting for all at the epoch's end)."""
+        if self._steps_per_epoch is not None and self._steps_scheduled >= self._steps_per_epoch:
             return self.finish()  # the epoch's last call
         while len(self._in_flight) > self._max_in_flight:
             self._settle(self._in_flight.popleft())
@@ -271,81 +263,6 @@ class TrainFunction:
         # Keras's own test (`_get_metrics_result_or_logs`): logs whose keys are the metrics'
         # are replaced by the metric variables' results at the end of the epoch.
         return isinstance(logs, dict) and set(logs) == set(model.get_metrics_result())
-
-
-# Where a model keeps its step functions between fit() calls (not a Keras attribute).
-_STEP_FUNCTIONS_ATTRIBUTE = "_psclient_step_functions"
-
-
-class _StepFunctions:
-    """A model's two train-step `tf.function`s, and what they were made for.
-
-    Kept on the model across fit() calls, as Keras keeps its own train
-    function until the next compile(): a new `tf.function` per fit() traced
-    the step again on the coordinator and made every task instantiate it
-    again, about a second of CPU per fit() (Adam, measured with
-    benchmarks/step_cpu.py), where tf_keras traces once. compile() makes a
-    new loss tracker (and usually a new optimizer and compiled loss), so
-    the functions are made again after it, as Keras's would be.
-    """
-
-    def __init__(self, model, strategy):
-        self.made_for = _made_for(model, strategy)
-        model_ref = weakref.ref(model)  # the model owns these functions, not the reverse
-
-        def train_step(iterator):
-            # Keras's own train_step, the user's override included, in the replica's context as
-            # locally (and as tf_keras's fit under strategy.run): LossScaleOptimizer refuses the other.
-            with _runtime.replica_context():
-                return model_ref().train_step(next(iterator))
-
-        def train_steps(iterator, count):
-            # `count` steps in one remote call. A while loop whose body reads
-            # and updates ps variables makes every task that holds them run
-            # the loop too, with the loop condition sent to it each
-            # iteration: worth it for many steps per call, and the reason a
-            # single step gets its own loop-free function (measured ad hoc
-            # with benchmarks/keras_fit.py's model: ~30% more steps/s at
-            # steps_per_execution=1).
-            step = model_ref().train_step
-            with _runtime.replica_context():
-                logs = step(next(iterator))
-                _, logs = tf.while_loop(
-                    lambda i, _: i < count,
-                    lambda i, _: (i + 1, step(next(iterator))),
-                    (tf.constant(1), logs),
-                )
-            return logs
-
-        train_step.__name__ = f"{model.name}_train_step"
-        train_steps.__name__ = f"{model.name}_train_steps"
-        self.one_step = tf.function(train_step, autograph=False)
-        self.many_steps = tf.function(train_steps, autograph=False)
-
-
-def _made_for(model, strategy) -> tuple:
-    """What a model's step functions depend on beyond its variables, compared by identity.
-
-    The strategy is held weakly: a model must not keep alive a strategy
-    nobody else references (its owners shut it down when it goes). The
-    tf.Variables behind the model's state are in it too: a trace captured
-    them, so one replaced (a new object) needs a new trace.
-    """
-    train_step = model.train_step
-    return (weakref.ref(strategy), getattr(train_step, "__func__", train_step), model.optimizer,
-            seam.internal(model, "_loss_tracker"), seam.internal(model, "_compile_loss"),
-            seam.internal(model, "_compile_metrics"), *(_tf_variable(v) for v in _state(model)))
-
-
-def _step_functions(model, strategy) -> tuple:
-    """The model's (one step, many steps) functions: those of its last fit() if still valid."""
-    kept = getattr(model, _STEP_FUNCTIONS_ATTRIBUTE, None)
-    made_for = _made_for(model, strategy)
-    if kept is None or kept.made_for[0]() is not strategy or len(kept.made_for) != len(made_for) or \
-            any(a is not b for a, b in zip(kept.made_for[1:], made_for[1:])):
-        kept = _StepFunctions(model, strategy)
-        setattr(model, _STEP_FUNCTIONS_ATTRIBUTE, kept)
-    return kept.one_step, kept.many_steps
 
 
 def result_or_first_error(strategy, future, on_error=None):

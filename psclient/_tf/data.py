@@ -14,7 +14,7 @@ from psclient._tf.data_paths import absolute_paths
 from psclient._tf.executors import streamed_registrations
 from psclient._tf.local_variables import serialize_carrying
 
-__all__ = ["deserialize_dataset", "fix_shuffle_orders", "make_deterministic", "serialize_dataset",
+__all__ = ["calls_python", "deserialize_dataset", "fix_shuffle_orders", "make_deterministic", "serialize_dataset",
            "serialize_self_contained"]
 
 log = logging.getLogger("psclient")
@@ -222,3 +222,29 @@ def make_deterministic(serialized: bytes) -> tuple[bytes, list[str]]:
         if what:
             changed.append(f"{node.op} {node.name}: {', '.join(what)}")
     return graph.SerializeToString(), changed
+
+
+#: Ops that run a Python function of the process that made the graph.
+_PYTHON_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+
+
+def calls_python(dataset) -> bool:
+    """Whether any function of `dataset`'s pipeline (or of a dataset made inside one) calls Python.
+
+    Walks the pipeline's datasets and their traced functions (TF-internal `_inputs`,
+    `_functions`): nothing is serialized, so data held in the graph is not copied.
+    """
+    seen, stack = set(), [dataset]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        for wrapper in current._functions():  # noqa: SLF001 - a dataset op's traced functions
+            graph = wrapper.function.graph.as_graph_def()
+            ops = {node.op for node in graph.node}
+            ops.update(node.op for function in graph.library.function for node in function.node_def)
+            if ops & _PYTHON_OPS:
+                return True
+        stack.extend(current._inputs())  # noqa: SLF001 - the datasets this one reads
+    return False
