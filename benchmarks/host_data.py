@@ -134,9 +134,11 @@ def main(argv=None) -> int:
                         continue
                     before = made[case]
                     start = time.perf_counter()
-                    cpu = {"coordinator": _common.cpu_seconds([os.getpid()]), "all": _common.cpu_seconds(pids[path_name])}
+                    cpu = {"coordinator": _common.cpu_seconds([os.getpid()]),
+                           "all": _common.cpu_seconds(pids[path_name])}
                     model.fit(**make(), epochs=1, verbose=0)
-                    record = runs.setdefault((case, path_name), {"seconds": [], "coordinator": [], "all": [], "made": []})
+                    record = runs.setdefault((case, path_name),
+                                             {"seconds": [], "coordinator": [], "all": [], "made": []})
                     record["seconds"].append(time.perf_counter() - start)
                     record["coordinator"].append(_common.cpu_seconds([os.getpid()]) - cpu["coordinator"])
                     record["all"].append(_common.cpu_seconds(pids[path_name]) - cpu["all"])

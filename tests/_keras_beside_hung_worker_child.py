@@ -37,7 +37,7 @@ def _data():
 
 
 def _calls(model, mode: str, data):
-    """(name, call) of fit, evaluate and predict on `data`: arrays, or datasets made before."""
+    """(name, call) of fit, evaluate, predict and get_weights on `data`: arrays, or datasets made before."""
     weights = ("get_weights", lambda: [w.shape for w in model.get_weights()])  # each variable's numpy()
     if mode == "arrays":
         x, y = data

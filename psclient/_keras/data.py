@@ -48,23 +48,6 @@ def _refuse_extras(argument: str, **given: Any) -> None:
             )
 
 
-def _registrations_streamed(make_data):
-    """`make_data` with what TF registers on every task meanwhile streamed, not waited for.
-
-    Keras's data adapters run eager ops of kinds this process may not have run yet
-    (a `RangeDataset`), and TF registers each new kind on every task of the cluster
-    with a blocking RPC: one hung worker held fit, evaluate and predict here until it
-    answered. For local work only: inside, this thread's remote ops are streamed too,
-    and a streamed op to a task that died waits for good.
-    """
-    @functools.wraps(make_data)
-    def made(*args, **kwargs):
-        with streamed_registrations():
-            return make_data(*args, **kwargs)
-
-    return made
-
-
 def _per_worker(strategy, dataset_or_fn):
     """`strategy.distribute_datasets_from_function(dataset_or_fn)` as Keras's adapter, the
     dataset function's trace registered on the workers without waiting for a hung one.
@@ -135,7 +118,6 @@ def validation_adapter(validation_data, batch_size, steps):
                                                    steps_argument="validation_steps"))
 
 
-@_registrations_streamed
 def finite_dataset(x, y, sample_weight, batch_size, steps, *, with_targets: bool = True,
                    steps_argument: str = "steps"):
     """`evaluate`/`predict` data as one finite dataset and its batch count (None: unknown).
@@ -144,36 +126,42 @@ def finite_dataset(x, y, sample_weight, batch_size, steps, *, with_targets: bool
     whole data set, which psclient then splits between closures itself.
     `steps_argument`: the name errors give `steps` (fit's `validation_steps`).
     """
-    from keras.src.trainers.data_adapters import get_data_adapter
+    # Keras's data adapters run eager ops of kinds this process may not have run yet (a
+    # `RangeDataset`), and TF registers each new kind on every task of the cluster with a
+    # blocking RPC: one hung worker held fit, evaluate and predict here until it answered.
+    # Local work only: inside, this thread's remote ops stream too (a streamed op to a task
+    # that died waits for good).
+    with streamed_registrations():
+        from keras.src.trainers.data_adapters import get_data_adapter
 
-    if isinstance(x, _finite_adapter_class()):  # fit's validation data, read before (with its steps)
-        return x.dataset, x.num_batches
-    _check_steps(steps_argument, steps)
-    known = None  # the batches Keras's adapter knows when TF's cardinality does not (arrays)
-    if is_dataset_fn(x):
-        check_dataset_fn(x, "x")
-        _refuse_extras("x", y=y, sample_weight=sample_weight)
-        dataset = call_dataset_fn(x, tf.distribute.InputContext(), "x")
-    else:
-        # A generator or PyDataset too: Keras's adapter makes its batches here, where the
-        # ranges are read anyway (psclient._keras.ranges).
-        adapter = get_data_adapter(
-            x=x, y=y if with_targets else None, sample_weight=sample_weight if with_targets else None,
-            batch_size=batch_size, steps_per_epoch=steps, shuffle=False,
-        )
-        dataset = adapter.get_tf_dataset()
-        known = adapter.num_batches
-    if steps is not None:
-        dataset = dataset.take(steps)
-        known = None if known is None else min(known, steps)
-    cardinality = int(dataset.cardinality())
-    if cardinality == tf.data.INFINITE_CARDINALITY:
-        raise ValueError(_steps_required(steps_argument, "an infinite dataset"))
-    if cardinality == tf.data.UNKNOWN_CARDINALITY and known is not None:
-        # Keras's array adapter batches with a flat_map, whose size TF cannot tell; it knows.
-        return dataset, known
-    # Unknown size stays unknown: counting would read the data one more time.
-    return dataset, None if cardinality == tf.data.UNKNOWN_CARDINALITY else cardinality
+        if isinstance(x, _finite_adapter_class()):  # fit's validation data, read before (with its steps)
+            return x.dataset, x.num_batches
+        _check_steps(steps_argument, steps)
+        known = None  # the batches Keras's adapter knows when TF's cardinality does not (arrays)
+        if is_dataset_fn(x):
+            check_dataset_fn(x, "x")
+            _refuse_extras("x", y=y, sample_weight=sample_weight)
+            dataset = call_dataset_fn(x, tf.distribute.InputContext(), "x")
+        else:
+            # A generator or PyDataset too: Keras's adapter makes its batches here, where the
+            # ranges are read anyway (psclient._keras.ranges).
+            adapter = get_data_adapter(
+                x=x, y=y if with_targets else None, sample_weight=sample_weight if with_targets else None,
+                batch_size=batch_size, steps_per_epoch=steps, shuffle=False,
+            )
+            dataset = adapter.get_tf_dataset()
+            known = adapter.num_batches
+        if steps is not None:
+            dataset = dataset.take(steps)
+            known = None if known is None else min(known, steps)
+        cardinality = int(dataset.cardinality())
+        if cardinality == tf.data.INFINITE_CARDINALITY:
+            raise ValueError(_steps_required(steps_argument, "an infinite dataset"))
+        if cardinality == tf.data.UNKNOWN_CARDINALITY and known is not None:
+            # Keras's array adapter batches with a flat_map, whose size TF cannot tell; it knows.
+            return dataset, known
+        # Unknown size stays unknown: counting would read the data one more time.
+        return dataset, None if cardinality == tf.data.UNKNOWN_CARDINALITY else cardinality
 
 
 def _check_steps(name: str, value) -> None:

@@ -18,13 +18,21 @@ def test_the_device_in_force_is_local_unless_a_scope_names_a_task():
         assert executors.local_device_in_force()
 
 
-def test_read_kinds_are_made_once_and_never_under_a_tasks_device():
+def test_read_kinds_are_made_once_and_never_under_a_tasks_device(monkeypatch):
+    made = []  # one entry per time the kinds' ops are made (each inside a streamed scope)
+    streamed = executors.streamed_registrations
+
+    def counted():
+        made.append(1)
+        return streamed()
+
+    monkeypatch.setattr(executors, "streamed_registrations", counted)
     dtype = tf.float16  # made by no other test of this process
     executors._read_kinds.discard((dtype, 3))
     with tf.device("/job:ps/replica:0/task:0/device:CPU:0"):
         executors.register_read_kinds(dtype, 3)
-    assert (dtype, 3) not in executors._read_kinds
+    assert (dtype, 3) not in executors._read_kinds and not made
     executors.register_read_kinds(dtype, 3)
-    assert (dtype, 3) in executors._read_kinds
+    assert (dtype, 3) in executors._read_kinds and len(made) == 1
     executors.register_read_kinds(dtype, 3)  # made once: nothing more
-    assert (dtype, 3) in executors._read_kinds
+    assert len(made) == 1
