@@ -6,7 +6,9 @@ Keras's EarlyStopping keeping the best weights and ReduceLROnPlateau. `child HAN
 as published scripts run, `tf.data` datasets built first, before the cluster and the strategy,
 `fit` without `steps_per_epoch`, and Keras's TensorBoard callback in fit and evaluate (the tags
 it wrote are printed too); `unknown_size`: a training dataset whose size TF cannot tell (a
-`filter`), no callback.
+`filter`), no callback; `python`: data made in Python, built first (a `from_generator`
+dataset to train on, a `keras.utils.PyDataset` to validate and evaluate, a generator to
+predict), read on the coordinator.
 
 A process of its own: what waited for the hung worker were ops and functions of kinds the
 process had not run yet (TF registers each new kind on every task), which earlier tests in
@@ -50,6 +52,10 @@ def _calls(model, mode: str, data):
                 ("evaluate", lambda: model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)),
                 ("predict", lambda: model.predict(x, batch_size=8, verbose=0).shape), weights]
     train, validation, features, log_dir = data
+    if mode == "python":
+        return [("fit", lambda: model.fit(train, epochs=2, validation_data=validation, verbose=0).history),
+                ("evaluate", lambda: model.evaluate(validation, verbose=0, return_dict=True)),
+                ("predict", lambda: model.predict(features(), verbose=0).shape), weights]
     callbacks = []
     if mode == "datasets":  # and Keras's TensorBoard callback, writing steps per second too
         callbacks = [keras.callbacks.TensorBoard(log_dir, write_steps_per_second=True)]
@@ -57,6 +63,26 @@ def _calls(model, mode: str, data):
                                       callbacks=callbacks).history),
             ("evaluate", lambda: model.evaluate(validation, verbose=0, return_dict=True, callbacks=callbacks)),
             ("predict", lambda: model.predict(features, verbose=0).shape), weights]
+
+
+def _python_data(x, y):
+    """(from_generator training dataset, PyDataset, generator function of the features, None)."""
+    def rows():
+        yield from zip(x, y)
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return len(x) // 8
+
+        def __getitem__(self, index):
+            return x[index * 8:(index + 1) * 8], y[index * 8:(index + 1) * 8]
+
+    def features():
+        for i in range(0, len(x), 8):
+            yield (x[i:i + 8],)
+
+    spec = (tf.TensorSpec((4,), tf.float32), tf.TensorSpec((1,), tf.float32))
+    return tf.data.Dataset.from_generator(rows, output_signature=spec).batch(8), Batches(), features, None
 
 
 def _summary_tags(log_dir: str) -> dict:
@@ -74,7 +100,9 @@ def _summary_tags(log_dir: str) -> dict:
 def main() -> None:
     hang_timeout, mode = float(sys.argv[1]), sys.argv[2]
     data = _data()
-    if mode != "arrays":  # before anything of psclient, as a published script builds its data
+    if mode == "python":  # made in Python, before anything of psclient
+        data = _python_data(*data)
+    elif mode != "arrays":  # before anything of psclient, as a published script builds its data
         x, y = data
         train = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=0)
         if mode == "unknown_size":  # a filter: TF cannot tell its size (psclient counts its batches)

@@ -30,7 +30,7 @@ from psclient._keras.trainer import TrainFunction
 from psclient._tf.data import calls_python
 from psclient._tf.executors import streamed_registrations
 
-__all__ = ["HostFedTrainFunction", "host_adapter", "is_host_fed"]
+__all__ = ["HostFedTrainFunction", "ReadHere", "host_adapter", "is_host_fed"]
 
 
 def is_host_fed(x: Any) -> bool:
@@ -54,11 +54,65 @@ def host_adapter(x, y, sample_weight, batch_size, shuffle, class_weight, steps_p
 
     adapter = get_data_adapter(x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
                                steps_per_epoch=steps_per_epoch, shuffle=shuffle, class_weight=class_weight)
-    dataset = adapter.get_tf_dataset().prefetch(2)
+    batches = ReadHere(adapter.get_tf_dataset().prefetch(2))
     # Keras's epoch iterator starts a new pass over the data after the data's own batch count
     # (never for a generator, whose count is unknown): told `steps_per_epoch` instead, it
     # would drop a generator's prefetched batches at every epoch's end.
-    return local_adapter(dataset, adapter.num_batches), steps_per_epoch or adapter.num_batches
+    return local_adapter(batches, adapter.num_batches), steps_per_epoch or adapter.num_batches
+
+
+class ReadHere:
+    """A dataset read on the coordinator, one pass (`_Pass`) per `iter()`: what Keras's epoch
+    iterator hands the train function.
+
+    A pass's TF iterator is made, read and deleted with what TF registers meanwhile streamed:
+    each is a local op of a kind this process may not have run yet, and TF registers a new
+    kind on every task first (a hung worker held fit in `iter()`). `close()` ends the open
+    pass (fit calls it when it ends).
+    """
+
+    def __init__(self, dataset):
+        self._dataset = dataset
+        self._open = None
+
+    @property
+    def element_spec(self):
+        return self._dataset.element_spec
+
+    def __iter__(self):
+        self.close()
+        with streamed_registrations():
+            self._open = _Pass(iter(self._dataset))
+        return self._open
+
+    def close(self) -> None:
+        if self._open is not None:
+            self._open.close()
+            self._open = None
+
+
+class _Pass:
+    """One pass over a `ReadHere`'s dataset (its own iterator: `iter()` of it is itself)."""
+
+    def __init__(self, iterator):
+        self._iterator = iterator
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._iterator is None:
+            raise StopIteration
+        try:
+            with streamed_registrations():
+                return next(self._iterator)
+        except StopIteration:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        with streamed_registrations():
+            self._iterator = None  # deleting a TF iterator runs an op too (DeleteIterator)
 
 
 class HostFedTrainFunction(TrainFunction):
@@ -78,8 +132,7 @@ class HostFedTrainFunction(TrainFunction):
         wanted = self._steps_per_execution
         if self._steps_per_epoch is not None:
             wanted = max(1, min(wanted, self._steps_per_epoch - self._steps_scheduled))
-        with streamed_registrations():  # a local read: its op kinds need not wait for a hung worker
-            batches = list(itertools.islice(iterator, wanted))
+        batches = list(itertools.islice(iterator, wanted))  # `ReadHere`: read here
         if not batches:
             if self._steps_per_epoch is None:
                 self._steps_per_epoch = self._steps_scheduled

@@ -425,6 +425,8 @@ def _fit(stock, model, strategy, a: dict):
         raise
     finally:
         model.train_function = previous
+        if host_fed:
+            adapter.dataset.close()  # its open pass (`host_data.ReadHere`)
 
 
 # ------------------------------------------------------------ evaluate, predict

@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from psclient._coordinator.data.per_worker import serialize_dataset
 from psclient._tf.data import serialize_self_contained
+from psclient._tf.executors import streamed_registrations
 
 __all__ = ["MIN_RANGE_BATCHES", "RANGES_PER_WORKER", "UNKNOWN_SIZE_BATCHES", "MAX_RANGE_BYTES", "cut",
            "range_sizes", "read_ranges", "whole_range"]
@@ -97,12 +98,23 @@ def read_ranges(dataset, num_batches: int | None, num_workers: int) -> Iterator[
     if whole is not None:
         yield 0, num_batches, whole
         return
-    # Prefetched: the next batches are read and parsed while this thread cuts
-    # and serializes the last ones.
-    batches_read = dataset.prefetch(tf.data.AUTOTUNE)
+    # Reading, stacking and serializing are local ops, of kinds this process may not have run
+    # yet (TF registers each new kind on every task first: a hung worker held evaluate here),
+    # so each range is made with those registrations streamed; the caller's scheduling, between
+    # the yields, is not (a streamed op to a task that dies waits for good).
+    with streamed_registrations():
+        # Prefetched: the next batches are read and parsed while this thread cuts
+        # and serializes the last ones.
+        ranges = cut(dataset.prefetch(tf.data.AUTOTUNE), range_sizes(num_batches, num_workers),
+                     MAX_RANGE_BYTES, _nbytes)
     start = 0
-    for batches in cut(batches_read, range_sizes(num_batches, num_workers), MAX_RANGE_BYTES, _nbytes):
-        yield start, len(batches), serialize_dataset(_as_dataset(batches))
+    while True:
+        with streamed_registrations():
+            batches = next(ranges, None)
+            if batches is None:
+                return
+            graph = serialize_dataset(_as_dataset(batches))
+        yield start, len(batches), graph
         start += len(batches)
 
 

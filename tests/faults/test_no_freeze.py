@@ -263,7 +263,7 @@ def test_a_first_checkpoint_that_copies_big_tables_while_a_worker_hangs(heal, tm
         strategy.shutdown()
 
 
-@pytest.mark.parametrize("data", ["arrays", "datasets", "unknown_size"])
+@pytest.mark.parametrize("data", ["arrays", "datasets", "unknown_size", "python"])
 def test_keras_fit_starts_while_a_worker_hangs(data):
     """Keras fit (with validation data), evaluate, predict and get_weights, each started while a
     worker hangs (stopped just before, not yet taken out), end while it still hangs.
@@ -275,7 +275,8 @@ def test_keras_fit_starts_while_a_worker_hangs(data):
     tests have already registered those kinds. With numpy arrays, and with `tf.data` datasets
     built first, before the cluster and the strategy, as published scripts do (of a size TF
     knows, with Keras's TensorBoard callback, and of one it cannot tell); with arrays, Keras's
-    EarlyStopping keeps and sets back the best weights.
+    EarlyStopping keeps and sets back the best weights; with data made in Python (read on the
+    coordinator: its iterators and, for validation, its ranges' stacking were new kinds too).
     """
     script = (f"import sys; sys.path.insert(0, {TESTS_STR!r}); import runpy; "
               f"sys.argv = ['child', '{HANG_TIMEOUT}', {data!r}]; "
