@@ -397,9 +397,8 @@ def _fit(stock, model, strategy, a: dict):
     prepare_model(model, strategy, adapter.element_spec, "fit")
     # The steps Keras's loop will run per epoch: it caps them for debugging
     # runs (keras.config.set_max_steps_per_epoch), and so the epochs.
-    epoch_steps = steps_per_epoch
-    if keras.config.max_steps_per_epoch():
-        epoch_steps = min(steps_per_epoch or keras.config.max_steps_per_epoch(), keras.config.max_steps_per_epoch())
+    cap = keras.config.max_steps_per_epoch()
+    epoch_steps = min(steps_per_epoch or cap, cap) if cap else steps_per_epoch  # None: the data's end tells
     epochs = min(a["epochs"], keras.config.max_epochs() or a["epochs"])
     previous = seam.internal(model, "train_function")
     train_function = make_train_function(model, strategy, epoch_steps)
