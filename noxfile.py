@@ -16,6 +16,8 @@ nox.options.reuse_existing_virtualenvs = False
 OLDEST = "constraints/oldest.txt"
 TESTS = ["tests/keras/test_keras_seam.py", "tests/keras/test_keras_fit.py", "tests/strategy/test_partitioned.py",
          "tests/keras/test_keras_moving_stats.py",
+         # Keras's adapters of generators and PyDatasets; a dataset's functions (`_inputs`, `_functions`).
+         "tests/keras/test_keras_host_data.py", "tests/data/test_calls_python.py",
          # TF's cache clearing patched, the threads' executors switched around a wait: TF internals.
          "tests/strategy/test_cache_clearing.py",
          # A resource handle's encoding and TF's "missing resource" messages (_tf/local_variables.py);
