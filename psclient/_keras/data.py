@@ -24,6 +24,7 @@ from psclient._tf.executors import streamed_function_registrations, streamed_reg
 __all__ = [
     "finite_dataset",
     "is_dataset_fn",
+    "is_python_made",
     "local_adapter",
     "per_worker_adapter",
     "training_data",
@@ -31,11 +32,16 @@ __all__ = [
 ]
 
 
-def is_dataset_fn(x: Any) -> bool:
-    """A callable that is not itself data: psclient's dataset-function input."""
+def is_python_made(x: Any) -> bool:
+    """A Python generator or a `keras.utils.PyDataset`: data whose every batch Python makes."""
     import keras
 
-    return callable(x) and not isinstance(x, (tf.data.Dataset, type, types.GeneratorType, keras.utils.PyDataset))
+    return isinstance(x, (types.GeneratorType, keras.utils.PyDataset))
+
+
+def is_dataset_fn(x: Any) -> bool:
+    """A callable that is not itself data: psclient's dataset-function input."""
+    return callable(x) and not isinstance(x, (tf.data.Dataset, type)) and not is_python_made(x)
 
 
 def _refuse_extras(argument: str, **given: Any) -> None:
@@ -241,9 +247,10 @@ def local_adapter(dataset, num_batches):
 def _finite_adapter_class():
     """A Keras data adapter holding one finite dataset and its batch count (None: unknown).
 
-    Keras's fit makes an epoch iterator of the validation data, which reads the adapter's
-    `num_batches` and passes a `tf.distribute.DistributedDataset` through untouched, then
-    hands the adapter to `evaluate` (psclient's), which takes the dataset from it.
+    Two users: fit's validation data (Keras's fit makes an epoch iterator of it, which reads the
+    adapter's `num_batches` and passes a `tf.distribute.DistributedDataset` through untouched,
+    then hands the adapter to `evaluate`, psclient's, which takes the dataset from it), and fit's
+    training data made in Python (`local_adapter`: read on the coordinator, `host_data`).
     """
     from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 

@@ -21,11 +21,11 @@ counts it in the first epoch, as in one process), or after `steps_per_epoch` ste
 from __future__ import annotations
 
 import itertools
-import types
 from typing import Any
 
 import tensorflow as tf
 
+from psclient._keras.data import is_python_made
 from psclient._keras.trainer import TrainFunction
 from psclient._tf.data import calls_python
 from psclient._tf.executors import streamed_registrations
@@ -35,11 +35,7 @@ __all__ = ["HostFedTrainFunction", "ReadHere", "host_adapter", "is_host_fed"]
 
 def is_host_fed(x: Any) -> bool:
     """Data whose batches are made in this process's Python."""
-    import keras
-
-    if isinstance(x, (types.GeneratorType, keras.utils.PyDataset)):
-        return True
-    return isinstance(x, tf.data.Dataset) and calls_python(x)
+    return is_python_made(x) or (isinstance(x, tf.data.Dataset) and calls_python(x))
 
 
 def host_adapter(x, y, sample_weight, batch_size, shuffle, class_weight, steps_per_epoch):

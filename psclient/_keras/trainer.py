@@ -124,8 +124,8 @@ def prepare_model(model, strategy, element_spec, method: str) -> None:
                 # Keras without a strategy never builds symbolically: a model whose own step
                 # never calls it (a GAN's train_step) builds its state in that step's first trace,
                 # which psclient runs inside the strategy's variable creator (on the ps).
-                log.info("%s cannot be called on its data's spec; its %s step builds it when traced",
-                         model.name, method)
+                log.info("%s cannot be called on its data's spec; its own train_step builds it when traced",
+                         model.name)
     outside_state.move_to_ps(model, strategy, _state(model), method)
 
 
