@@ -25,9 +25,40 @@ from __future__ import annotations
 from typing import Any
 
 from psclient._core.errors import StrategyClosedError
-from psclient._core.recovery_messages import Finish
+from psclient._core.recovery_messages import CopyForCheckpoint, Finish, StopCopy
 
-__all__ = ["CheckpointSchedule", "is_delta"]
+__all__ = ["CheckpointSchedule", "CopyPhase", "is_delta"]
+
+
+class CopyPhase:
+    """The copy of the big variables before a checkpoint's cut (`MachineConfig.copies_before_cut`),
+    which runs in a thread of its own so that failures are handled meanwhile: none, under way
+    (`under_way`: its number, so that the end of an older one is told apart), or `done` and held
+    for the pause it was made for."""
+
+    def __init__(self) -> None:
+        self.under_way: int | None = None
+        self.done = False
+        self._started = 0
+
+    def start(self) -> CopyForCheckpoint:
+        self._started += 1
+        self.under_way = self._started
+        return CopyForCheckpoint(self._started)
+
+    def ended(self, copy: int) -> None:
+        if copy == self.under_way:
+            self.under_way, self.done = None, True
+
+    def used(self) -> None:
+        """The pause it was made for ended (its cut taken, or not: the engine drops it then)."""
+        self.done = False
+
+    def stop(self) -> list:
+        """A ps recovery starts: the copy under way, or held, goes (its variables are renewed)."""
+        held = self.under_way is not None or self.done
+        self.under_way, self.done = None, False
+        return [StopCopy()] if held else []
 
 
 class CheckpointSchedule:

@@ -18,8 +18,11 @@ Flows, tried after each event in this order, one at a time:
    Retrace -> RebuildResources -> PsRecovered + ResumeDispatch, or
    FailAll(ps, permanent). Nothing else runs meanwhile.
 2. drop gone workers from TF's view: DropWorkers(UP workers).
-3. checkpoint (requested, or due by interval/count; one write at a time): PauseDispatch, wait
-   for running closures (hang_timeout, then skipped), Checkpoint (a snapshot), ResumeDispatch.
+3. checkpoint (requested, or due by interval/count; one write at a time): with
+   `copies_before_cut`, CopyForCheckpoint first (a thread of its own: training and flows 1
+   and 2's TakeOut go on, drops and rejoins wait) until CheckpointCopied; then PauseDispatch,
+   wait for running closures (hang_timeout, then skipped), Checkpoint (a snapshot),
+   ResumeDispatch. A ps loss stops the copy (StopCopy).
 4. rejoin: RejoinWorker(UP workers + it) -> CheckAnswers -> RebuildWorker -> BringUp.
 
 A failed drop or checkpoint is tried again after a pause that doubles with
@@ -37,16 +40,17 @@ one made before the task came back is stale and ignored.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
-from psclient._core.checkpoint_schedule import CheckpointSchedule, shut_down_error
+from psclient._core.checkpoint_schedule import CheckpointSchedule, CopyPhase, shut_down_error
 from psclient._core.joining import Joins
+from psclient._core.machine_config import MachineConfig
 from psclient._core.ps_loss import GiveUp, PsLoss
 from psclient._core.recovery_messages import (
     CheckAnswers,
     Checkpoint,
+    CheckpointCopied,
     CheckpointRequested,
     CheckpointWritten,
     Done,
@@ -83,31 +87,6 @@ from psclient._core.tcp_state import TcpState
 __all__ = ["MachineConfig", "RecoveryMachine"]
 
 
-@dataclasses.dataclass(frozen=True)
-class MachineConfig:
-    num_workers: int
-    num_ps: int
-    hang_timeout: float = 30.0
-    worker_timeout: float = 300.0
-    ps_timeout: float = 300.0
-    #: Seconds between rounds while nothing waits.
-    interval: float = 1.0
-    #: A checkpoint_dir was given.
-    checkpointing: bool = False
-    checkpoint_interval: float | None = None
-    checkpoint_every: int | None = None
-    delta_checkpoint_interval: float | None = None
-    delta_checkpoint_every: int | None = None
-    #: checkpoint_dir already holds a checkpoint.
-    has_checkpoint: bool = False
-    #: Allow checkpoints while a worker in TF's view hangs.
-    checkpoint_while_hung: bool = False
-    #: Failed attempts at recovering a ps that came back before giving up.
-    ps_attempts: int = 3
-    #: What RenewAndRestore restores: "part" (the lost ps) or "all" (`part_recovery`).
-    ps_recovery: str = "all"
-
-
 class RecoveryMachine:
     """The recovery state of every task; see the module docstring. Workers join and
     leave at run time (their tickets: `Joins`, joining.py)."""
@@ -134,6 +113,7 @@ class RecoveryMachine:
         self._checkpoints = CheckpointSchedule.of(config, now)  # checkpoints: when each is due
         self._ckpt_waiting_since: float | None = None
         self._ckpt_reason = ""
+        self._copy = CopyPhase()
         # A failed checkpoint or drop is tried again after a growing pause, not at once.
         self.backoff = Backoff(base=min(0.5, config.interval), cap=30.0)
         self._joins = Joins()
@@ -233,7 +213,7 @@ class RecoveryMachine:
             self._ps_loss = PsLoss(now, self.config.hang_timeout, self.config.ps_timeout, self.config.ps_attempts,
                                    mode=self.config.ps_recovery)
             # Hold the queue at once: until the recovery, every closure fails against it.
-            actions.append(PauseDispatch("ps"))
+            actions += [PauseDispatch("ps"), *self._copy.stop()]
             if not (self.config.checkpointing and self._checkpoints.has_checkpoint):
                 why = ("this strategy has no checkpoint_dir to restore its variables from"
                        if not self.config.checkpointing else "no checkpoint had been written yet")
@@ -256,6 +236,11 @@ class RecoveryMachine:
     def _on_checkpoint_written(self, event: CheckpointWritten, now: float) -> list:
         self.backoff.succeeded("checkpoint") if event.error is None else self.backoff.failed("checkpoint", now)
         return self._checkpoints.written(now, event.path, event.completed, event.error)
+
+    @_on.register
+    def _on_checkpoint_copied(self, event: CheckpointCopied, now: float) -> list:
+        self._copy.ended(event.copy)
+        return []
 
     @_on.register
     def _on_restored(self, event: Restored, now: float) -> list:
@@ -335,9 +320,9 @@ class RecoveryMachine:
     @_after.register(Checkpoint)
     def _after_checkpoint(self, op: Checkpoint, event: Done, now: float) -> list:
         if event.ok:  # taken: its requests wait for its write (CheckpointWritten)
-            return [ResumeDispatch("checkpoint"), *self._checkpoints.started()]
+            return [self._resume_checkpoint(), *self._checkpoints.started()]
         self.backoff.failed("checkpoint", now)
-        return [ResumeDispatch("checkpoint"), *self._checkpoints.failed(now, event.error)]
+        return [self._resume_checkpoint(), *self._checkpoints.failed(now, event.error)]
 
     # -------------------------------------------------------------- flows
     def _advance(self, now: float) -> list:
@@ -345,10 +330,11 @@ class RecoveryMachine:
             return []
         if self.lost_ps():
             return self._advance_ps(now)
-        actions = self._advance_drop(now)
+        copying = self._copy.under_way is not None  # no Reconnect beside the copy's calls
+        actions = [] if copying else self._advance_drop(now)
         if self.op is None:
             actions += self._advance_checkpoint(now)
-        if self.op is None and self._ckpt_waiting_since is None:
+        if self.op is None and self._ckpt_waiting_since is None and not copying:
             actions += self._advance_rejoin(now)
         return actions
 
@@ -478,19 +464,25 @@ class RecoveryMachine:
                 return []  # wait until the view is clean
             if not self.backoff.ready("checkpoint", now):
                 return []  # the last one failed: not again at once
+            if self.config.copies_before_cut and not self._copy.done:
+                return [self._copy.start()] if self._copy.under_way is None else []
             self._ckpt_waiting_since, self._ckpt_reason = now, reason
             self._paused_at_round = self._rounds
             return [PauseDispatch("checkpoint")]
         if hung or self._gone_in_view():
             self._ckpt_waiting_since = None
-            return [ResumeDispatch("checkpoint")]  # started again once the view is clean
+            return [self._resume_checkpoint()]  # started again once the view is clean
         if self._idle_since_pause():
             self._ckpt_waiting_since = None
             return self._start(Checkpoint(self._ckpt_reason))
         if now - self._ckpt_waiting_since >= self.config.hang_timeout:
             self._ckpt_waiting_since = None
-            return [ResumeDispatch("checkpoint"), *self._checkpoints.skipped()]
+            return [self._resume_checkpoint(), *self._checkpoints.skipped()]
         return []
+
+    def _resume_checkpoint(self) -> ResumeDispatch:
+        self._copy.used()  # the engine drops a copy whose cut was not taken
+        return ResumeDispatch("checkpoint")
 
     def _take_out(self, worker: int, state: TaskState, detected_after, now: float, why: str) -> list:
         self.workers[worker] = state

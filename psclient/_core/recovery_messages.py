@@ -31,6 +31,7 @@ PsNotAnswering(ps) (dispatcher)           | PsFailed, PauseDispatch; without a c
 PsSeen(ps, tcp)                           | OPEN: RECOVERING
 CheckpointRequested(ticket, reason)       | queued; Finish(ticket, ...) when written
 CheckpointWritten(path, completed, error) | the background write ended: Finish its requests
+CheckpointCopied(copy) (the copy's thread)| the copy before the cut ended: the pause may come
 Restored()                                | a checkpoint exists from now on
 Done(op, ok, value, error)                | the next step of the flow that started op
 WorkerAdded(worker, ticket)               | a rejoin candidate; Finish(ticket) once up
@@ -126,6 +127,13 @@ class CheckpointWritten:
     path: str | None
     completed: int | None
     error: BaseException | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointCopied:
+    """The copy `CopyForCheckpoint(copy)` started ended (copied, or given up: the cut then
+    reads the variables whole)."""
+    copy: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +277,19 @@ class Checkpoint:
     """Operation: take a checkpoint's snapshot (dispatch is paused and idle) and start its
     background write, which ends with `CheckpointWritten`. Done.value: completed closures."""
     reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyForCheckpoint:
+    """Start copying the big variables on their ps before the checkpoint's cut, in a thread of
+    its own while training and recovery go on; it ends with `CheckpointCopied(copy)`."""
+    copy: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StopCopy:
+    """Stop the copy under way (if any), wait for its thread and drop what it copied: a ps
+    recovery is about to renew the variables it read."""
 
 
 @dataclasses.dataclass(frozen=True)

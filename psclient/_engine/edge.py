@@ -117,8 +117,13 @@ class CheckpointStore(Protocol):
     def check_writable(self) -> None:
         """Raise FileExistsError if the directory holds another run's checkpoints."""
 
-    def prepare(self, variables: dict[str, Any], tables: dict | None = None) -> None:
-        """Before a cut, training going on: copy what the next `snapshot` then reads only in part."""
+    def prepare(self, variables: dict[str, Any], tables: dict | None = None,
+                stop: Callable[[], bool] | None = None) -> Any:
+        """Before a cut, training going on (a thread of its own; `stop()` ends it early): copies of
+        what a `snapshot` then reads only in part, for `use_prepared`."""
+
+    def use_prepared(self, prepared: Any) -> None:
+        """The next `snapshot` takes `prepare`'s copies (None: none)."""
 
     def discard_prepared(self) -> None:
         """The cut `prepare` was for is not taken: drop its copies."""

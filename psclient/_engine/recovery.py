@@ -1,8 +1,9 @@
 """The recovery thread: carries out what `psclient._core.recovery_machine` decides.
 
-`Recovery` owns one thread. Each round it observes the tasks (heartbeat
-probes of the workers in rotation, TCP state of those out of it and of lost
-ps tasks), feeds what it saw to the `RecoveryMachine` as events, and carries
+`Recovery` owns one thread (and a checkpoint's copy before its cut, on a
+thread of its own: `checkpoint_copy`, stopped and joined by `stop`). Each round
+it observes the tasks (heartbeat probes of the workers in rotation, TCP state
+of those out of it and of lost ps tasks), feeds what it saw to the `RecoveryMachine` as events, and carries
 out the actions that come back, one at a time, reporting each operation's
 outcome as a `Done` event. Dispatcher threads and callers only post events
 (`report`, `checkpoint`); they never wait on this thread's work while
@@ -28,42 +29,23 @@ import time
 from typing import Any, Callable
 
 from psclient._core.tcp_state import TcpState
+from psclient._engine.checkpoint_copy import CopyThread
 from psclient._engine.edge import Edge, Roster, StrategyParts
 from psclient._engine.probes import FailureProbes, Published
 from psclient._engine.ps_restore import PSStats, PsRestore
 from psclient._engine.reconnect import Reconnector, Refused
+from psclient._engine.recovery_config import RecoveryConfig
 from psclient._engine.recovery_endings import finish, unavailable_error
 from psclient._core import ps_access, recovery_messages as rm
 from psclient._core.errors import first_line
 from psclient._core.checkpoint_schedule import shut_down_error
 from psclient._core.health import Prober
-from psclient._core.recovery_machine import MachineConfig, RecoveryMachine
+from psclient._core.recovery_machine import RecoveryMachine
 from psclient._core.scheduler import Scheduler
 
 __all__ = ["PSStats", "Recovery", "RecoveryConfig"]
 
 log = logging.getLogger("psclient")
-
-
-@dataclasses.dataclass(frozen=True)
-class RecoveryConfig:
-    #: When to checkpoint (with `checkpoints` given to `Recovery`).
-    checkpoint_interval: float | None = None
-    checkpoint_every: int | None = None
-    delta_checkpoint_interval: float | None = None
-    delta_checkpoint_every: int | None = None
-    hang_timeout: float = 30.0
-    worker_timeout: float = 300.0
-    ps_timeout: float = 300.0
-    #: How long a probe made while classifying an error may wait.
-    probe_timeout: float = 10.0
-    #: Seconds between rounds (heartbeat probes, rejoin checks).
-    interval: float = 1.0
-    #: See `MachineConfig`. Checkpoints involve only the ps tasks and the
-    #: coordinator (see checkpoint.py), so a hung worker does not stop them.
-    checkpoint_while_hung: bool = True
-    #: What a lost ps gets back: "part" (its own state) or "all" (`psclient._core.part_recovery`).
-    ps_recovery: str = "all"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,17 +93,11 @@ class Recovery:
         self._clock = clock
         self.checkpoints = checkpoints
         cluster = roster.cluster
-        self._machine = RecoveryMachine(MachineConfig(
-            num_workers=cluster.num_workers, num_ps=cluster.num_ps,
-            hang_timeout=config.hang_timeout, worker_timeout=config.worker_timeout,
-            ps_timeout=config.ps_timeout, interval=config.interval,
-            checkpointing=self.checkpoints is not None,
-            checkpoint_interval=config.checkpoint_interval, checkpoint_every=config.checkpoint_every,
-            delta_checkpoint_interval=config.delta_checkpoint_interval,
-            delta_checkpoint_every=config.delta_checkpoint_every,
+        self._machine = RecoveryMachine(config.machine(
+            cluster.num_workers, cluster.num_ps, checkpointing=self.checkpoints is not None,
             has_checkpoint=self.checkpoints is not None and self.checkpoints.latest() is not None,
-            checkpoint_while_hung=config.checkpoint_while_hung, ps_recovery=config.ps_recovery,
         ), clock())
+        self._copy = CopyThread(self._copy_for_checkpoint, self.report)
         self._published = wiring.published
         self.probes = wiring.probes
         self._inbox = wiring.inbox
@@ -186,7 +162,8 @@ class Recovery:
         self.report(rm.Shutdown())
         if self._thread.ident is not None:
             self._thread.join(timeout)
-        return not self._thread.is_alive()
+        copy_ended = self._copy.stop(timeout)
+        return not self._thread.is_alive() and copy_ended
 
     def wait_ps_settled(self, epoch: int, timeout: float) -> bool:
         """Until the ps loss seen at `epoch` is settled (ps_epoch moved on) or the recovery ended."""
@@ -392,11 +369,22 @@ class Recovery:
         log.info("worker %d %s (%.2f s after it %s)", action.worker, joined, action.recovered_after, since)
 
     @_apply.register
+    def _copy_before_cut(self, action: rm.CopyForCheckpoint) -> None:
+        self._copy.start(action.copy)
+
+    def _copy_for_checkpoint(self, stop: Callable[[], bool]) -> Any:
+        # Training goes on while the big sparse-updated variables are copied: the cut then
+        # reads again only their rows written since (checkpoints.fuzzy_copy).
+        return self.checkpoints.prepare(self._store.named(), self._store.tables(), stop=stop)
+
+    @_apply.register
+    def _stop_copy(self, action: rm.StopCopy) -> None:
+        self._copy.stop(self.config.hang_timeout)
+
+    @_apply.register
     def _pause(self, action: rm.PauseDispatch) -> None:
         if action.reason == "checkpoint" and self.checkpoints is not None:
-            # Training goes on while the big sparse-updated variables are copied: the cut then
-            # reads again only their rows written since (checkpoints.fuzzy_copy).
-            self.checkpoints.prepare(self._store.named(), self._store.tables())
+            self.checkpoints.use_prepared(self._copy.take())  # CheckpointCopied came first
         self._scheduler.pause()
         if action.reason == "checkpoint":  # a ps loss's pause is not a checkpoint's stall
             self._paused_at = self._clock()

@@ -12,6 +12,7 @@ add and the read are two ops. The tally, not the counter, says which rows;
 each step reads its number once, so its rows and its tally agree.)
 """
 
+import concurrent.futures
 import threading
 
 import numpy as np
@@ -21,6 +22,7 @@ import tensorflow as tf
 import psclient
 from psclient._coordinator.checkpoints import fuzzy_copy, stages
 from psclient._tf.write_marks import marks_of
+from _polling import wait_for
 from _rss import PeakRss
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -442,3 +444,58 @@ def test_a_delta_diffs_the_copied_cut_and_restores_to_it(cluster, tmp_path, monk
         assert int(count.numpy()) == 6
     finally:
         strategy.shutdown()
+
+
+def test_a_worker_hung_during_the_copy_is_taken_out_before_the_copy_ends(cluster, restore_shared_clusters,
+                                                                        tmp_path, monkeypatch):
+    """The copy before the cut runs on a thread of its own (`psclient._engine.checkpoint_copy`):
+    a worker that hangs while it runs is found by its heartbeat and taken out after hang_timeout,
+    its closures run elsewhere, not when the copy ends (1.2 s a GB a ps here; minutes for a big
+    model: the heartbeat ran on the copy's thread before). And a copy longer than hang_timeout
+    that goes on is not given up (it was, the cut then reading everything). The copy is held at
+    its start until the worker is out; training goes on meanwhile; the checkpoint holds its cut."""
+    copying, release = threading.Event(), threading.Event()
+    copy_in_chunks = stages.copy_in_chunks
+
+    def held(variable, stage, rows, chunk, stop=None):
+        """A copy that goes on (it asks `stop` as between chunks) until released."""
+        copying.set()
+        for _ in range(1200):  # at most 120 s
+            if release.wait(0.1):
+                break
+            if stop():
+                raise stages.CopyStopped("stopped while held")
+        return copy_in_chunks(variable, stage, rows, chunk, stop)
+
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"),
+                                                variable_partitioner=None, hang_timeout=3.0)
+    training = None
+    try:
+        _counter, _table, _dense, _frozen, step = build(strategy)
+        strategy.schedule(step).result(timeout=120)  # scattered: copied before the next cut
+        monkeypatch.setattr(stages, "copy_in_chunks", held)
+        training = Training(strategy, step)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            saved = pool.submit(strategy.save_checkpoint)
+            assert copying.wait(120), "the checkpoint's copy did not start"
+            assert [t.name for t in threading.enumerate() if t.name == "psclient-checkpoint-copy"]
+            cluster.stop("worker", 1)
+            wait_for(lambda: not strategy.stats()["workers"][1]["up"], 60, "worker 1 taken out during the copy")
+            done = strategy.stats()["workers"][0]["done"]
+            wait_for(lambda: strategy.stats()["workers"][0]["done"] > done + 2, 60, "steps on worker 0 during the copy")
+            assert not saved.done() and not release.is_set()
+            release.set()
+            path = saved.result(timeout=120)
+        training.stop()
+        assert not training.errors, training.errors  # worker 1's closure ran again on worker 0
+        stats = strategy.stats()["checkpoints"]
+        # Copied whole, though it took longer than hang_timeout: it went on chunk after chunk.
+        assert stats["last_copied_bytes"] == ROWS * WIDTH * 4 and stats["last_copy_seconds"] > 3.0, stats
+        assert_holds_its_cut(path)
+    finally:
+        release.set()
+        cluster.resume("worker", 1)
+        if training is not None:
+            training.stop()
+        strategy.shutdown()
+    assert not [t.name for t in threading.enumerate() if t.name == "psclient-checkpoint-copy"]

@@ -211,15 +211,17 @@ class Checkpoints:
             self._deltas.snapshot_taken(self.times, delta)
         return pending
 
-    def prepare(self, variables: dict[str, Any], tables: dict | None = None) -> None:
-        """Before a cut, training going on: copy the big variables written by sparse ops
-        (`fuzzy_copy`) and the dynamic tables' shards (`table_copy`, `hash_copy`), so that the
-        next `snapshot` reads only their rows written since. A delta diffs the values the cut
-        gives so (each whole: a copy with its rows read again) against the previous cut's."""
-        self._prepared = _fuzzy.prepare(variables, self._describe_ps, timeout=self._hang_timeout, tables=tables)
-        copied = self._prepared
-        self.times.update(last_copy_seconds=copied.seconds if copied else None,
-                          last_copied_bytes=copied.nbytes if copied else 0)
+    def prepare(self, variables: dict[str, Any], tables: dict | None = None,
+                stop: Callable[[], bool] | None = None) -> Any:
+        """Before a cut, training going on (`_engine.checkpoint_copy`): copies of the big sparse-written
+        variables and tables' shards (`fuzzy_copy`), for `use_prepared`; the cut reads their rows written since."""
+        return _fuzzy.prepare(variables, self._describe_ps, self._hang_timeout, tables, stop)
+
+    def use_prepared(self, prepared: Any) -> None:
+        """The next `snapshot` takes these copies (None: it reads every variable whole)."""
+        self._prepared = prepared
+        self.times.update(last_copy_seconds=prepared.seconds if prepared else None,
+                          last_copied_bytes=prepared.nbytes if prepared else 0)
 
     def discard_prepared(self) -> None:
         """The cut `prepare` was for is not taken (its copies are freed)."""

@@ -62,6 +62,7 @@ import concurrent.futures
 import os
 import secrets
 import threading
+import time
 from typing import Any, Callable
 
 import tensorflow as tf
@@ -171,12 +172,14 @@ def late_threads() -> list[threading.Thread]:
 
 
 def on_each_ps(work: dict[int, Callable[[], Any]], timeout: float | None = None,
-               on_late: Callable[[Any], None] | None = None) -> dict[int, Any]:
+               on_late: Callable[[Any], None] | None = None,
+               progress: Callable[[], float] | None = None) -> dict[int, Any]:
     """Run `work[ps]()` for every ps at once, each on a thread of its own with its own TF executor.
 
     Waits for all; raises the first error (by ps index) after every one ended.
-    `timeout`: waits that long at most; then raises PsTimeout naming the first
-    ps still running. That thread goes on until its ps answers (a TF call
+    `timeout`: waits that long at most (with `progress`, the monotonic time of the work's last
+    step: that long after it, so long work that goes on is not cut); then raises PsTimeout naming
+    the first ps still running. That thread goes on until its ps answers (a TF call
     cannot be cancelled); `on_late(future)` is told of each such call, whose
     future ends when it does.
     """
@@ -209,6 +212,11 @@ def on_each_ps(work: dict[int, Callable[[], Any]], timeout: float | None = None,
         threads[ps] = threading.Thread(target=run, args=(ps, futures[ps]), name=f"{THREAD_PREFIX}{ps}", daemon=True)
         threads[ps].start()
     _done, pending = concurrent.futures.wait(futures.values(), timeout=timeout)
+    while pending and progress is not None and timeout is not None:
+        left = progress() + timeout - time.monotonic()
+        if left <= 0:
+            break
+        _done, pending = concurrent.futures.wait(pending, timeout=left)
     if pending:
         late = sorted(ps for ps, future in futures.items() if future in pending)
         for ps in late:

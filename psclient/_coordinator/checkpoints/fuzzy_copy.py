@@ -125,11 +125,13 @@ class Prepared:
 
 
 def prepare(variables: dict[str, Any], describe_ps: Callable[[int], str],
-            timeout: float | None = None, tables: dict[str, Any] | None = None) -> Prepared | None:
+            timeout: float | None = None, tables: dict[str, Any] | None = None,
+            stop: Callable[[], bool] | None = None) -> Prepared | None:
     """Copy, on each ps, the marked variables written only by sparse ops since the last prepare, and
     the marked shards of `tables` (`table_copy.copy_shards`), training going on. None when none is;
-    also when a ps fails or does not answer within `timeout` (logged: the cut then reads everything,
-    as without a copy)."""
+    also when a ps fails or does not answer for `timeout` after its last chunk began (logged: the
+    cut then reads everything, as without a copy), and when `stop()` turns true (checked between
+    chunks: a ps recovery or shutdown wants the copy to end)."""
     started = time.monotonic()
     marked = {ps: [(slot, marks) for slot in slots if (marks := _write_marks.marks_of(slot.variable)) is not None]
               for ps, slots in slots_of(variables).items()}
@@ -145,14 +147,21 @@ def prepare(variables: dict[str, Any], describe_ps: Callable[[int], str],
     # Once one ps's copy fails, the others stop at their next chunk: the cut reads everything anyway,
     # and a ps loss's recovery waits on this thread (it took the rest of a 1 GB copy: 1.1 s).
     failed: list = []
+    # Each chunk's start: the copy of a big model takes longer than `timeout` but goes on; a ps
+    # that stops answering ends it `timeout` after its last chunk.
+    progress = [time.monotonic()]
+
+    def given_up() -> bool:
+        progress[0] = time.monotonic()
+        return bool(failed) or (stop is not None and stop())
 
     def copy_on(ps: int) -> Callable[[], tuple]:
         def run() -> tuple:
             with device_of(ps):
                 try:
-                    tables = _table_copy.copy_shards(shards.get(ps, []), stop=lambda: bool(failed))
+                    tables = _table_copy.copy_shards(shards.get(ps, []), stop=given_up)
                     tables.update(_hash_copy.copy_shards(shards.get(ps, [])))
-                    return _copy_sparse_written(marked.get(ps, []), stop=lambda: bool(failed)), tables
+                    return _copy_sparse_written(marked.get(ps, []), stop=given_up), tables
                 except tf.errors.OpError as error:
                     error._psclient_ps = ps
                     if not function_not_registered_yet(error):  # that one is made again (`on_each_ps`)
@@ -161,8 +170,12 @@ def prepare(variables: dict[str, Any], describe_ps: Callable[[int], str],
         return run
 
     try:
-        done = on_each_ps({ps: copy_on(ps) for ps in set(marked) | set(shards)}, timeout=timeout)
+        done = on_each_ps({ps: copy_on(ps) for ps in set(marked) | set(shards)}, timeout=timeout,
+                          progress=lambda: progress[0])
     except (tf.errors.OpError, PsTimeout, _stages.CopyStopped) as error:
+        if not failed and stop is not None and stop():
+            log.info("the copy before a checkpoint's cut was stopped (a ps recovery or shutdown)")
+            return None
         failed.append(error)  # a ps that does not answer: the others stop too
         error = failed[0]  # the ps that failed first, not one stopped for it
         where = describe_task(getattr(error, "_psclient_ps", None), describe_ps)
