@@ -59,8 +59,8 @@ class CopyThread:
 
     def stop(self, timeout: float | None = None) -> bool:
         """Ask the copy under way to end at its next chunk and wait for its thread (at most
-        `timeout` s); False if it is still running then (a call to a hung ps: the copy's own
-        timeout, hang_timeout, ends it). What it copied is dropped."""
+        `timeout` s; it stops waiting on a hung ps within half a second); False if it still
+        runs then. What it copied is dropped."""
         with self._lock:
             self._stop.set()
             self._copied = None

@@ -499,3 +499,54 @@ def test_a_worker_hung_during_the_copy_is_taken_out_before_the_copy_ends(cluster
             training.stop()
         strategy.shutdown()
     assert not [t.name for t in threading.enumerate() if t.name == "psclient-checkpoint-copy"]
+
+
+def test_a_ps_lost_during_the_copy_stops_it_and_the_checkpoint_copies_again_after_its_recovery(
+        cluster, restore_shared_clusters, tmp_path, monkeypatch):
+    """ps 1 killed while a checkpoint's copy runs (held, as a long copy): the copy is stopped
+    (`StopCopy`) before the ps's recovery renews the variables it reads, and what it copied is
+    never used: after the recovery the checkpoint asked for is taken from the renewed variables
+    (copied again if scattered since, else read in the cut) and holds its cut (a stage from
+    before the loss would hold a step the restored counter and tally do not)."""
+    first_copy, release = threading.Event(), threading.Event()
+    calls = []
+    copy_in_chunks = stages.copy_in_chunks
+
+    def held(variable, stage, rows, chunk, stop=None):
+        calls.append("started")
+        if len(calls) == 1:  # the first copy: held until it is stopped (at most 120 s)
+            first_copy.set()
+            for _ in range(1200):
+                if stop():
+                    calls.append("stopped")
+                    raise stages.CopyStopped("stopped while held")
+                if release.wait(0.1):
+                    break
+        return copy_in_chunks(variable, stage, rows, chunk, stop)
+
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"),
+                                                variable_partitioner=None, ps_recovery="all", hang_timeout=3.0)
+    try:
+        counter, table, _dense, _frozen, step = build(strategy)
+        strategy.schedule(step).result(timeout=120)
+        previous = strategy.save_checkpoint()  # what the lost ps is restored from
+        strategy.schedule(step).result(timeout=120)  # scattered since: copied before the next cut
+        monkeypatch.setattr(stages, "copy_in_chunks", held)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            saved = pool.submit(strategy.save_checkpoint)
+            assert first_copy.wait(120), "the checkpoint's copy did not start"
+            cluster.kill("ps", 1)
+            cluster.restart("ps", 1)
+            # A step meets the restarted ps: the loss is seen, the copy stopped, the ps recovered.
+            assert int(strategy.schedule(step).result(timeout=150)) >= 1
+            path = saved.result(timeout=150)
+        assert calls[:2] == ["started", "stopped"], calls
+        assert strategy.stats()["ps"][1]["recoveries"] == 1
+        assert path is not None and path != previous
+        assert_holds_its_cut(path)
+        np.testing.assert_array_equal(table.numpy(), expected_table(step.tally.numpy()))
+        assert step.tally.numpy().sum() == int(counter.numpy())
+    finally:
+        release.set()
+        strategy.shutdown()
+    assert not [t.name for t in threading.enumerate() if t.name == "psclient-checkpoint-copy"]

@@ -178,10 +178,10 @@ def on_each_ps(work: dict[int, Callable[[], Any]], timeout: float | None = None,
 
     Waits for all; raises the first error (by ps index) after every one ended.
     `timeout`: waits that long at most (with `progress`, the monotonic time of the work's last
-    step: that long after it, so long work that goes on is not cut); then raises PsTimeout naming
-    the first ps still running. That thread goes on until its ps answers (a TF call
-    cannot be cancelled); `on_late(future)` is told of each such call, whose
-    future ends when it does.
+    step, -inf to give up: that long after it, so long work that goes on is not cut); then
+    raises PsTimeout naming the first ps still running. That thread goes on until its ps
+    answers (a TF call cannot be cancelled); `on_late(future)` is told of each such call,
+    whose future ends when it does.
     """
     def run(ps: int, future: concurrent.futures.Future):
         if not future.set_running_or_notify_cancel():
@@ -199,6 +199,7 @@ def on_each_ps(work: dict[int, Callable[[], Any]], timeout: float | None = None,
                     executor.clear_error()  # else it raises again when it is deleted
                     future.set_exception(error)
         except BaseException as error:  # noqa: BLE001 - handed to the caller through its future
+            executor.clear_error()  # a copy stopped (CopyStopped) after a call of it failed there
             if not future.done():
                 future.set_exception(error)
 
@@ -211,12 +212,12 @@ def on_each_ps(work: dict[int, Callable[[], Any]], timeout: float | None = None,
         # Daemon: a thread left waiting on a hung ps must not keep the process from exiting.
         threads[ps] = threading.Thread(target=run, args=(ps, futures[ps]), name=f"{THREAD_PREFIX}{ps}", daemon=True)
         threads[ps].start()
-    _done, pending = concurrent.futures.wait(futures.values(), timeout=timeout)
-    while pending and progress is not None and timeout is not None:
-        left = progress() + timeout - time.monotonic()
-        if left <= 0:
-            break
-        _done, pending = concurrent.futures.wait(pending, timeout=left)
+    if progress is None or timeout is None:
+        _done, pending = concurrent.futures.wait(futures.values(), timeout=timeout)
+    else:  # looked at twice a second: progress() -inf (stopped) ends the wait at once
+        pending = set(futures.values())
+        while pending and (left := progress() + timeout - time.monotonic()) > 0:
+            _done, pending = concurrent.futures.wait(pending, timeout=min(left, 0.5))
     if pending:
         late = sorted(ps for ps, future in futures.items() if future in pending)
         for ps in late:

@@ -171,7 +171,7 @@ def prepare(variables: dict[str, Any], describe_ps: Callable[[int], str],
 
     try:
         done = on_each_ps({ps: copy_on(ps) for ps in set(marked) | set(shards)}, timeout=timeout,
-                          progress=lambda: progress[0])
+                          progress=lambda: float("-inf") if stop is not None and stop() else progress[0])
     except (tf.errors.OpError, PsTimeout, _stages.CopyStopped) as error:
         if not failed and stop is not None and stop():
             log.info("the copy before a checkpoint's cut was stopped (a ps recovery or shutdown)")
