@@ -3,8 +3,9 @@
 A strategy checkpoint first copies its big sparse-updated variables and table shards on
 their ps while training goes on (`psclient._coordinator.checkpoints.fuzzy_copy`); that
 takes time in proportion to them (about 1.2 s for 1 GB a ps here). Run on the recovery
-thread, it held every failure seen meanwhile until it ended: a worker killed during it
-kept its closures until then, and a ps lost during it was noticed only after. So the
+thread, it held every failure seen meanwhile until it ended: a worker that hung during it
+kept its closures until then (its heartbeat runs on that thread), and a ps lost during it
+was recovered only after. So the
 recovery machine starts it (`CopyForCheckpoint`) and goes on handling events; the copy
 reports its end as `CheckpointCopied`, and only then does dispatch pause for the cut.
 A ps recovery stops it (`StopCopy`) before it renews the variables the copy reads.
@@ -27,6 +28,10 @@ __all__ = ["CopyThread"]
 
 log = logging.getLogger("psclient")
 
+# The previous copy's thread ends at once (it reported its end, or was stopped and stops waiting
+# within half a second): a bound, not a wait expected to run out.
+_JOIN_S = 60.0
+
 
 class CopyThread:
     """Runs `copy(stop)` for each `start(number)` on a thread of its own, keeps what it returns
@@ -41,7 +46,7 @@ class CopyThread:
         self._copied: Any = None
 
     def start(self, number: int) -> None:
-        self.stop()  # the previous copy has ended (the machine waits for it): joined here
+        self.stop(_JOIN_S)  # the previous copy has ended (the machine waits for it): joined here
         stop = self._stop = threading.Event()
 
         def run() -> None:
@@ -80,6 +85,3 @@ class CopyThread:
             copied, self._copied = self._copied, None
         return copied
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()

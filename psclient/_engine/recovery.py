@@ -3,11 +3,12 @@
 `Recovery` owns one thread (and a checkpoint's copy before its cut, on a
 thread of its own: `checkpoint_copy`, stopped and joined by `stop`). Each round
 it observes the tasks (heartbeat probes of the workers in rotation, TCP state
-of those out of it and of lost ps tasks), feeds what it saw to the `RecoveryMachine` as events, and carries
-out the actions that come back, one at a time, reporting each operation's
-outcome as a `Done` event. Dispatcher threads and callers only post events
-(`report`, `checkpoint`); they never wait on this thread's work while
-holding a lock, and this thread holds no lock while it calls TensorFlow or waits.
+of those out of it and of lost ps tasks), feeds what it saw to the
+`RecoveryMachine` as events, and carries out the actions that come back, one at
+a time, reporting each operation's outcome as a `Done` event. Dispatcher
+threads and callers only post events (`report`, `checkpoint`); they never wait
+on this thread's work while holding a lock, and this thread holds no lock while
+it calls TensorFlow or waits.
 
 It works with narrow collaborators passed in (the scheduler, the prober, the
 variable store, the per-worker registry, a retrace and a connect callable):
