@@ -47,6 +47,7 @@ def heal(cluster, restore_shared_clusters):
     return cluster
 
 
+@pytest.mark.long
 def test_coordinator_memory_does_not_grow_with_the_table_across_checkpoints(cluster, tmp_path):
     strategy = psclient.ParameterServerStrategy(on_ps(cluster, 2), checkpoint_dir=str(tmp_path / "ckpt"))
     try:

@@ -310,6 +310,7 @@ def table_state(layer):
 
 # 600,000: 300,000 8-wide rows a ps (9.6 MB a variable, above a row chunk), so each checkpoint copies
 # the shards before its cut and gathers their rows in the write (rows of 32 bytes): deltas diff those.
+@pytest.mark.long
 @pytest.mark.parametrize("capacity", [None, 64, 600_000], ids=["hash", "bounded", "bounded-copied"])
 def test_dynamic_table_rows_slots_and_counters_come_back_from_full_and_deltas(cluster, tmp_path, capacity,
                                                                                monkeypatch):
@@ -328,6 +329,7 @@ def test_dynamic_table_rows_slots_and_counters_come_back_from_full_and_deltas(cl
         (capacity == 600_000)
 
 
+@pytest.mark.long
 def test_a_bounded_table_restored_in_ranges_applies_its_deltas_in_place(cluster, tmp_path, monkeypatch):
     """The same, each shard forced onto the ranged path (a big shard's: one range a row, so a
     64-row table takes it): the deltas' rows are written in place after the saved ranges
@@ -423,6 +425,7 @@ def four_ps():
         yield cluster
 
 
+@pytest.mark.long
 def test_one_lost_ps_of_four_rolls_back_to_the_newest_delta_only(four_ps, tmp_path):
     cluster, lost = four_ps, 2
     strategy, model, optimizer, states = train_with_deltas(
@@ -462,6 +465,7 @@ def test_one_lost_ps_of_four_rolls_back_to_the_newest_delta_only(four_ps, tmp_pa
         strategy.shutdown()
 
 
+@pytest.mark.long
 def test_deltas_restore_into_another_number_of_ps(cluster, four_ps, tmp_path):
     """Written on 2 ps, restored on 4: the deltas' rows land in other shards (global row indices), the
     table deltas' keys on the ps that owns them now."""
@@ -482,6 +486,7 @@ def test_deltas_restore_into_another_number_of_ps(cluster, four_ps, tmp_path):
     tables_through_deltas(cluster, tmp_path / "tables", None, restore_on=four_ps)
 
 
+@pytest.mark.long
 def test_a_slot_above_the_read_limit_is_saved_read_and_assigned_in_row_ranges_with_its_deltas(
         cluster, tmp_path, monkeypatch):
     """The read limit lowered to 16 KiB: the embedding's shards (2048 rows of 128 bytes, 256 KiB) and

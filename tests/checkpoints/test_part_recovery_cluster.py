@@ -285,6 +285,7 @@ def hang_ps0_and_lose_ps1(cluster, strategy, variable_on_ps1):
     return future, stats[0]["failures"] >= 1
 
 
+@pytest.mark.long
 def test_a_ps_hung_while_the_other_is_lost_keeps_its_updates(two_workers_two_ps, restore_shared_clusters, tmp_path):
     """ps 0 hung while ps 1 was lost. When both answer again, ps 0 still holds its variables (it
     hung, it was not restarted): only ps 1 is restored from the checkpoint, and ps 0 keeps every
@@ -307,6 +308,7 @@ def test_a_ps_hung_while_the_other_is_lost_keeps_its_updates(two_workers_two_ps,
     finally:
         strategy.shutdown()
 
+@pytest.mark.long
 def test_all_restores_a_hung_ps_too_when_another_lost_its_state(two_workers_two_ps, restore_shared_clusters, tmp_path,
                                                                 caplog):
     """The same faults under "all": ps 1 lost its state, so every ps goes back to the checkpoint

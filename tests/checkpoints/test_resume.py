@@ -33,6 +33,7 @@ def run_script(cluster_file, checkpoint_dir, kill_after_epoch=None):
     )
 
 
+@pytest.mark.long
 def test_killed_coordinator_resumes_from_the_last_completed_epoch(local_cluster, tmp_path):
     cluster_file = tmp_path / "cluster.json"
     # Without the "chief" entry: this test process may already serve that

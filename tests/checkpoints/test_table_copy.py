@@ -108,6 +108,7 @@ def test_each_checkpoint_holds_one_moment_of_a_table_trained_beside_it(cluster, 
         strategy.shutdown()
 
 
+@pytest.mark.long
 def test_rows_of_8_floats_are_packed_in_place_and_a_pre_call_made_again_copies_once(cluster, tmp_path,
                                                                                       monkeypatch):
     """8-wide rows (32 bytes: TF would copy a matrix's first rows, a second table beside the stages)
@@ -151,6 +152,7 @@ def test_rows_of_8_floats_are_packed_in_place_and_a_pre_call_made_again_copies_o
         strategy.shutdown()
 
 
+@pytest.mark.long
 def test_a_copy_taken_before_an_import_is_not_saved(cluster, tmp_path):
     """An import (as a restore) writes the shard without marks: the copy made before it is stale,
     and the cut saves the shard as it is then, packed there."""
@@ -195,6 +197,7 @@ def test_checkpoint_cut_copy_leaves_the_table_unmarked(cluster, tmp_path):
         strategy.shutdown()
 
 
+@pytest.mark.long
 def test_a_restarted_ps_gets_new_marks_and_its_shard_is_copied_again(cluster, restore_shared_clusters, tmp_path):
     """ps 1 killed and started again: its shard's storage and marks are made again there and
     restored (unmarked writes: no copy of the old storage is used); the next checkpoints copy
@@ -223,6 +226,7 @@ def test_a_restarted_ps_gets_new_marks_and_its_shard_is_copied_again(cluster, re
         strategy.shutdown()
 
 
+@pytest.mark.long
 def test_a_save_with_copies_converts_nothing_on_the_ps(cluster, tmp_path):
     """The copies before the cut, the cut and the write (a big variable's and a table's) hand the ps
     no Python value to convert under its device: TF copies one there holding the GIL, so a hung ps

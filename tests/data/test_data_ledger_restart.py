@@ -28,6 +28,7 @@ def shards_finished_at_least(count):
     return lambda events: sum(e["event"] == "shard" for e in events) >= count
 
 
+@pytest.mark.long
 def test_a_coordinator_killed_mid_epoch_resumes_the_epoch(cluster, tmp_path):
     cluster_file = tmp_path / "cluster.json"
     write_cluster_file(cluster, cluster_file)
@@ -99,6 +100,7 @@ def make_dataset(shard):
     return tf.data.Dataset.range(shard.start, shard.end).batch(BATCH)
 
 
+@pytest.mark.long
 def test_a_hung_worker_gives_its_shard_back_and_trains_at_most_two_batches_of_it_again(cluster):
     strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=8, connect_timeout=120)
     n = 480

@@ -208,6 +208,7 @@ def test_the_final_marker_is_readable_like_the_checkpoints_beside_it(tmp_path):
 
 
 # --------------------------------------------------------- on a cluster
+@pytest.mark.long
 @pytest.mark.cluster
 def test_a_strategy_refuses_at_the_first_schedule_until_restore_or_overwrite(local_cluster, tmp_path):
     import tensorflow as tf

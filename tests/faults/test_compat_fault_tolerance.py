@@ -140,6 +140,7 @@ def test_two_workers_preempted_while_functions_run(two_workers_two_ps):
         strategy.shutdown()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("used", [False, True], ids=["idle", "after_work"])
 def test_released_coordinator_and_strategy_stop_their_threads(two_workers_two_ps, used):
     before = _psclient_threads()

@@ -93,6 +93,7 @@ def test_bad_arguments_are_refused_with_the_argument_named(local):
         strategy.add_worker(first)
 
 
+@pytest.mark.long
 def test_schedule_loop_while_a_worker_joins_and_others_leave(local):
     cluster = running_cluster(local)
     strategy = psclient.ParameterServerStrategy(cluster, hang_timeout=20.0)

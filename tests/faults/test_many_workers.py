@@ -30,6 +30,7 @@ PER_ROUND = 40
 PLAN = [((1,), ()), ((2,), (1,)), ((5, 6), (2,)), ((), (5, 6))]
 
 
+@pytest.mark.long
 def test_kills_and_restarts_among_eight_workers():
     with psclient.LocalCluster(num_workers=NUM_WORKERS, num_ps=NUM_PS) as local:
         strategy = psclient.ParameterServerStrategy(local.cluster, connect_timeout=180)

@@ -91,6 +91,7 @@ def test_checkpoints_due_while_a_worker_hangs(heal, tmp_path):
         strategy.shutdown()
 
 
+@pytest.mark.long
 def test_every_worker_hung_again_and_again_freezes_nothing(heal, tmp_path):
     # Many rounds, every worker several times: a freeze that happened in about
     # one round of five (the probe converted a Python value under the hung
@@ -263,6 +264,7 @@ def test_a_first_checkpoint_that_copies_big_tables_while_a_worker_hangs(heal, tm
         strategy.shutdown()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("data", ["arrays", "datasets", "unknown_size", "python"])
 def test_keras_fit_starts_while_a_worker_hangs(data):
     """Keras fit (with validation data), evaluate, predict and get_weights, each started while a

@@ -97,6 +97,7 @@ def strategy(heal, tmp_path):
     strategy.shutdown()
 
 
+@pytest.mark.long
 def test_a_worker_stopped_after_a_ps_recovery_freezes_nothing(heal, strategy):
     cluster = heal
     step, batch = counting(strategy)
@@ -137,6 +138,7 @@ PS_STOPPED_S = 4.0
 PS_WATCHDOG_S = 30
 
 
+@pytest.mark.long
 def test_a_ps_hung_before_and_after_its_recovery_freezes_nothing(heal, strategy):
     cluster = heal
     step, batch = counting(strategy)

@@ -300,6 +300,7 @@ def test_cut_off_worker_is_detected_its_work_moves_and_it_rejoins_when_healed(cl
         assert time.monotonic() - started < SHUTDOWN_BOUND_S
 
 
+@pytest.mark.long
 def test_training_goes_on_through_a_long_cut_and_the_worker_rejoins_when_healed(cluster, partition):
     # Long enough that TCP may give up on the cut connections (it did about
     # 8 s in in some runs here, not in others), so the rejoin may need new ones:
@@ -349,6 +350,7 @@ def test_training_goes_on_through_a_long_cut_and_the_worker_rejoins_when_healed(
         assert time.monotonic() - started < SHUTDOWN_BOUND_S
 
 
+@pytest.mark.long
 def test_the_other_worker_dying_while_one_is_cut_off_fails_work_after_worker_timeout(cluster, partition):
     # The health thread must stay free while a worker is cut off: here it is
     # the one that notices every worker is gone.
@@ -386,6 +388,7 @@ def test_the_other_worker_dying_while_one_is_cut_off_fails_work_after_worker_tim
         assert time.monotonic() - started < SHUTDOWN_BOUND_S
 
 
+@pytest.mark.long
 def test_shutdown_with_a_cut_off_worker_returns_within_bounds(cluster, partition):
     strategy = make_strategy(cluster)
     try:

@@ -84,6 +84,7 @@ def recoveries(strategy):
     return [ps["recoveries"] for ps in strategy.stats()["ps"]]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_fit_evaluate_and_save_checkpoint_each_recover_a_ps_lost_before_them(two_workers_two_ps, tmp_path, kind):
     local = two_workers_two_ps

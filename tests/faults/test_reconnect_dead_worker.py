@@ -95,6 +95,7 @@ def test_a_patient_connect_to_a_dead_worker_names_it_after_its_patience(local):
         runtime.disconnect()
 
 
+@pytest.mark.long
 def test_a_worker_killed_between_the_probes_and_the_reconnect(local, monkeypatch):
     """The recovery thread reconnects to bring a restarted worker back; the other
     worker dies just before TF is called (the race the probes cannot close)."""

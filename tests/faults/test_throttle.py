@@ -158,6 +158,7 @@ def _steps_per_worker(strategy, step, window):
     return [a - b for a, b in zip(after, before)]
 
 
+@pytest.mark.long
 @pytest.mark.cluster
 def test_a_throttled_worker_runs_slower_and_recovers(local_cluster, strategy):
     import tensorflow as tf

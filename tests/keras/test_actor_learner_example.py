@@ -19,6 +19,7 @@ _EXAMPLE = os.path.join(ROOT_STR, "examples", "actor_learner.py")
 pytestmark = [pytest.mark.cluster]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_actor_learner_reaches_the_stated_return(tmp_path):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT_STR)

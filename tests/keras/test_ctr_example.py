@@ -53,6 +53,7 @@ def test_auc_is_the_mann_whitney_statistic():
     assert ctr.auc(labels, scores) == pytest.approx(sklearn_metrics.roc_auc_score(labels, scores), abs=1e-12)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(400)
 def test_ctr_example_beats_the_dense_only_baseline(tmp_path):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT_STR)

@@ -53,6 +53,7 @@ def test_paired_difference_of_equal_scores_is_zero_and_of_better_scores_positive
     assert difference > 5 * error > 0
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_tiny_run_prints_aucs_and_table_stats(tmp_path):
     rows = 150

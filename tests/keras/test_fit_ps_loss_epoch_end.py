@@ -89,6 +89,7 @@ def test_without_a_checkpoint_dir_fit_raises_ps_unavailable_naming_the_read(clus
             cluster.restart("ps", 0, timeout=300)  # generous: a loaded machine starts TF slowly
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("data", ["arrays", "shards"])
 def test_a_ps_lost_before_the_epochs_logs_are_read_is_recovered_and_fit_goes_on(cluster, tmp_path, data):
     strategy = psclient.ParameterServerStrategy(

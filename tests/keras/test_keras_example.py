@@ -20,6 +20,7 @@ def _run(args, tmp_path):
     )
 
 
+@pytest.mark.long
 @pytest.mark.timeout(450)
 def test_keras_fit_example_reaches_95_percent_on_digits(tmp_path):
     result = _run([], tmp_path)
@@ -30,6 +31,7 @@ def test_keras_fit_example_reaches_95_percent_on_digits(tmp_path):
     assert "reloaded, run in this process" in result.stdout
 
 
+@pytest.mark.long
 @pytest.mark.timeout(450)
 def test_keras_fit_example_mnist_path_with_mock_data(tmp_path):
     pytest.importorskip("tensorflow_datasets")

@@ -51,6 +51,7 @@ def published_run(local_cluster, tmp_path_factory):
     return json.loads(lines[-1]), str(data)
 
 
+@pytest.mark.long
 def test_the_script_ran_in_a_directory_the_tasks_do_not_share(published_run, local_cluster):
     results, data = published_run
     assert results["cwd"] == data != os.getcwd()  # relative CSV paths resolved where the script runs

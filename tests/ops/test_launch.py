@@ -143,6 +143,7 @@ def load_example():
     return module
 
 
+@pytest.mark.long
 @pytest.mark.timeout(420)
 def test_training_with_an_evaluator_matches_direct_evaluation(tmp_path):
     ckpts = tmp_path / "ckpts"

@@ -98,6 +98,7 @@ def _send(process, line):
     process.stdin.flush()
 
 
+@pytest.mark.long
 def test_the_documented_command_admits_the_cluster_and_no_stranger(network, children, tmp_path):
     a = network.addresses
     cluster = {"worker": [f"{a['worker']}:{PORT}"], "ps": [f"{a['ps']}:{PORT}"], "chief": [f"{a['chief']}:{PORT}"]}

@@ -111,6 +111,7 @@ def run_coordinator(cluster, mode, tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.mark.long
 def test_tasks_restart_in_place_after_each_coordinator_and_stay_flat(cluster, tmp_path):
     """A coordinator that shuts down, then one that is killed: after each, every
     task restarts in place and then holds what a fresh task holds."""

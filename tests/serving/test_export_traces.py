@@ -146,6 +146,7 @@ def test_the_default_signature_is_left_alone_on_other_threads_and_after(local_mo
     serves_as_the_model(str(tmp_path / "saved"), model)
 
 
+@pytest.mark.long
 @pytest.mark.cluster
 @pytest.mark.timeout(900)
 def test_on_a_cluster_an_export_traces_once_and_saves_each_weight_once(one_worker_two_ps, tmp_path):

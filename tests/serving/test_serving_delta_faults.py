@@ -64,6 +64,7 @@ def _served_diff(loader, model):
     return float(np.abs(loader(tf.constant(PROBE)).numpy() - model.predict(PROBE, verbose=0)).max())
 
 
+@pytest.mark.long
 def test_a_ps_killed_while_a_delta_is_written_publishes_nothing_and_the_chain_restarts_whole(
         two_workers_two_ps, restore_shared_clusters, tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="psclient._keras.servable")

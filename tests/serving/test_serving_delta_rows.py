@@ -42,6 +42,7 @@ def file_bytes(directory, prefix):
     return sum(entry.stat().st_size for entry in os.scandir(directory) if entry.name.startswith(prefix))
 
 
+@pytest.mark.long
 @pytest.mark.cluster
 @pytest.mark.timeout(600)
 def test_a_delta_holds_the_trained_rows_of_a_partitioned_embedding_and_the_loader_applies_them(

@@ -139,6 +139,7 @@ def run(strategy, tmp_path_factory):
 
 
 
+@pytest.mark.long
 def test_the_first_fit_wrote_a_full_version_then_deltas_in_order(run):
     first = run["first"]
     assert len(first["exported"]) == 1, first["exported"]

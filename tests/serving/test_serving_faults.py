@@ -45,6 +45,7 @@ def _hidden(base_dir):
     return sorted(name for name in os.listdir(base_dir) if name.startswith(".psclient-version"))
 
 
+@pytest.mark.long
 def test_a_ps_killed_during_an_export_leaves_no_version_and_the_next_export_is_whole(
         two_workers_two_ps, restore_shared_clusters, tmp_path):
     cluster = two_workers_two_ps

@@ -49,6 +49,7 @@ def _set_seed_in_thread(returned: threading.Event | None = None) -> threading.Ev
     return returned
 
 
+@pytest.mark.long
 def test_set_seed_while_a_worker_hangs_waits_without_freezing_the_coordinator(cluster):
     strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=5)
     try:

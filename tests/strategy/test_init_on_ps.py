@@ -70,6 +70,7 @@ def _extremes(variable):
     return (min(_on_ps(s, tf.reduce_min) for s in shards), max(_on_ps(s, tf.reduce_max) for s in shards))
 
 
+@pytest.mark.long
 def test_a_big_table_and_its_slots_do_not_grow_the_coordinator(strategy):
     with strategy.scope():  # Keras's own first-use costs, not measured
         keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(10, 4), keras.layers.Dense(1)])

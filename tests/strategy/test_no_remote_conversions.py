@@ -30,6 +30,7 @@ def heal(three_workers_one_ps, restore_shared_clusters):
     return three_workers_one_ps
 
 
+@pytest.mark.long
 def test_probes_reconnects_resources_checkpoints_and_recovery_convert_nothing_on_tasks(heal, tmp_path):
     cluster = heal
     strategy = psclient.ParameterServerStrategy(
@@ -113,6 +114,7 @@ def test_keras_fit_evaluate_and_checkpoints_with_dynamic_embeddings_convert_noth
         strategy.shutdown()
 
 
+@pytest.mark.long
 def test_delta_cuts_of_dynamic_tables_convert_nothing_on_any_task(two_workers_two_ps, tmp_path):
     # A delta's cut runs while training pauses and its writes while it goes on: a conversion
     # under a ps's device there would freeze the coordinator on a hung ps. After the model is

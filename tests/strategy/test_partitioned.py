@@ -366,6 +366,7 @@ def test_no_partitioner_keeps_every_variable_whole(cluster):
         assert max(report["bytes_per_ps"]) == 3 * 256 * 256 * 4, report["bytes_per_ps"]
 
 
+@pytest.mark.long
 def test_checkpoint_round_trip_saves_full_values(cluster, tmp_path):
     with connected(cluster, checkpoint_dir=tmp_path,
                    variable_partitioner=partitioners.FixedShardsPartitioner(2)) as strategy:
@@ -480,6 +481,7 @@ def test_fit_matches_local_keras(one_worker_cluster, optimizer):
     assert_close(got, local_weights(optimizer))
 
 
+@pytest.mark.long
 def test_checkpoint_restores_into_another_partitioning(cluster, tmp_path):
     """Values are saved whole: a checkpoint of 2 shards restores into whole variables and back."""
     x, y = data()
@@ -503,6 +505,7 @@ def test_checkpoint_restores_into_another_partitioning(cluster, tmp_path):
                          saved)
 
 
+@pytest.mark.long
 def test_lost_ps_gets_its_shards_back_from_the_checkpoint(local, cluster, tmp_path):
     x, y = data()
     with connected(cluster, checkpoint_dir=tmp_path, checkpoint_every=20,
@@ -589,6 +592,7 @@ def test_sidecar_evaluates_a_partitioned_models_checkpoints(cluster, tmp_path):
     assert report.evaluations[0]["step"] == 8  # the optimizer's iterations, from the Keras file
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("first, then", [(2, 2), (2, 1), (1, 2)])
 def test_backup_and_restore_resumes_a_partitioned_fit(one_worker_cluster, tmp_path, first, then):
     """An interrupted fit resumes from psclient.BackupAndRestore's backup: the weights equal an

@@ -222,6 +222,7 @@ def test_bad_arguments_name_the_argument(kwargs, message):
         psclient.ParameterServerStrategy(CLUSTER, connect_timeout=0.1, **kwargs)
 
 
+@pytest.mark.long
 def test_staleness_logger_puts_the_figures_in_fits_logs(local):
     with connected(local, measure_staleness=True) as strategy:
         with strategy.scope():

@@ -410,6 +410,7 @@ def lasting_threads():
                   if not t.name.startswith("psclient-probe") and not cluster_owned(t))
 
 
+@pytest.mark.long
 def test_ten_thousand_closures_no_growth_in_memory_or_threads(strategy):
     import psutil
 

@@ -153,6 +153,7 @@ def test_k_of_n_keeps_training_with_a_worker_stopped(local):
         check_counts(staleness, 2, int(optimizer.iterations.numpy()))
 
 
+@pytest.mark.long
 def test_stale_gradients_of_a_straggler_are_dropped_and_counted(local):
     with connected(local, replicas_to_aggregate=2) as strategy:
         optimizer, train_step = plain_steps(strategy)
@@ -179,6 +180,7 @@ def test_stale_gradients_of_a_straggler_are_dropped_and_counted(local):
         check_counts(staleness, 2, int(optimizer.iterations.numpy()))
 
 
+@pytest.mark.long
 def test_synchronous_training_goes_on_through_a_ps_restart(local, tmp_path):
     # Version, lock and accumulators live on the ps: made again after ps 0 is rebuilt.
     with connected(local, workers=2, replicas_to_aggregate=2, checkpoint_dir=str(tmp_path)) as strategy:

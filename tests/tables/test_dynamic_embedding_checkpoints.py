@@ -72,6 +72,7 @@ def assert_no_table_conversions(seen):
     assert not mine, "\n\n".join(f"{device}: {value}\n{stack}" for device, value, stack in mine)
 
 
+@pytest.mark.long
 def test_each_ps_saves_its_shards_and_restore_resplits_them(local, tmp_path):
     x, y = data(0)
     strategy = connect(local, 2, checkpoint_dir=tmp_path)
@@ -129,6 +130,7 @@ def test_each_ps_saves_its_shards_and_restore_resplits_them(local, tmp_path):
             strategy.shutdown()
 
 
+@pytest.mark.long
 def test_the_shards_counters_are_no_model_variables(local, tmp_path):
     counts = []
     for num_ps in (2, 3):
@@ -161,6 +163,7 @@ def test_predict_with_dict_inputs_on_a_compiled_model_never_fitted(local):
         strategy.shutdown()
 
 
+@pytest.mark.long
 def test_a_lost_ps_gets_its_shards_back_from_the_checkpoint(local, tmp_path):
     x, y = data(1, n=128)
     keys = tf.constant(np.unique(x))
@@ -205,6 +208,7 @@ def test_a_lost_ps_gets_its_shards_back_from_the_checkpoint(local, tmp_path):
         strategy.shutdown()
 
 
+@pytest.mark.long
 def test_keras_callbacks_and_the_sidecar_carry_the_rows(local, tmp_path):
     x, y = data(2)
     strategy = connect(local, 2)
@@ -245,6 +249,7 @@ def _first_json(process, timeout):
     pytest.fail(f"no result from the child (exit {process.returncode}): {process.stderr.read()[-3000:]}")
 
 
+@pytest.mark.long
 def test_a_killed_coordinator_resumes_and_its_export_serves_without_a_cluster(local, tmp_path):
     cluster_file = tmp_path / "cluster.json"
     cluster_file.write_text(json.dumps(jobs(local, 3)))

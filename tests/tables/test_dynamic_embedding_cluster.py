@@ -42,6 +42,7 @@ def make_model(name):
     return model, layer
 
 
+@pytest.mark.long
 def test_fit_evaluate_predict_stats_and_export(strategy, tmp_path):
     with strategy.scope():
         model, layer = make_model("fit_ids")

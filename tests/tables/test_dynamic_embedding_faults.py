@@ -72,6 +72,7 @@ class KillMidEpoch(keras.callbacks.Callback):
         self.restarts.append(thread)
 
 
+@pytest.mark.long
 def test_fit_loses_a_worker_then_a_ps_and_its_export_predicts_as_the_cluster(two_workers_two_ps, tmp_path):
     local = two_workers_two_ps
     x, y = stream(0)

@@ -97,6 +97,7 @@ def test_saved_dict_model_predicts_the_same_without_the_training_state(tmp_path)
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.long
 def test_on_a_cluster_fit_learns_and_the_export_serves_without_it(two_workers_two_ps, tmp_path):
     strategy = ParameterServerStrategy(two_workers_two_ps.cluster)
     try:
@@ -117,6 +118,7 @@ def test_on_a_cluster_fit_learns_and_the_export_serves_without_it(two_workers_tw
     np.testing.assert_allclose(loaded.predict(x, verbose=0), predicted, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.long
 def test_the_strategys_storage_setting_reaches_its_tables(two_workers_two_ps):
     # StrategyConfig.dynamic_table_storage, handed down by the layer to its table (no environment switch).
     strategy = ParameterServerStrategy(two_workers_two_ps.cluster, dynamic_table_storage="hash")

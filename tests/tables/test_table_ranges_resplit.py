@@ -202,6 +202,7 @@ def dynamic_model():
     return model, layer
 
 
+@pytest.mark.long
 @pytest.mark.cluster
 @pytest.mark.timeout(600)
 def test_on_a_cluster_a_table_saved_by_2_ps_and_restored_on_3_in_ranges_is_the_whole_paths(

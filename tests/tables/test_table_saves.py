@@ -59,6 +59,7 @@ def prepared(layer):
     return out
 
 
+@pytest.mark.long
 def test_saves_hold_every_shard_before_and_after_a_ps_is_lost(local, tmp_path):
     x, y = data(2)
     strategy = connect(local, checkpoint_dir=tmp_path)
