@@ -45,3 +45,12 @@ def oldest(session: nox.Session) -> None:
     session.run("python", "-c", "import tensorflow as tf, keras; print('TensorFlow', tf.__version__, 'Keras', keras.__version__)")
     session.run("psclient", "demo", "--workdir", session.create_tmp())
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, *session.posargs)
+
+
+@nox.session
+def long(session: nox.Session) -> None:
+    """The long tier (`-m long`): the end-to-end runs of 14 s or more that the default run, and
+    so CI, leaves out. Run it before a change to recovery, checkpoints, serving or the Keras path
+    lands."""
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "long", *session.posargs)
