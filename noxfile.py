@@ -44,7 +44,8 @@ def oldest(session: nox.Session) -> None:
     session.install("-c", OLDEST, "-e", ".[test,examples]")
     session.run("python", "-c", "import tensorflow as tf, keras; print('TensorFlow', tf.__version__, 'Keras', keras.__version__)")
     session.run("psclient", "demo", "--workdir", session.create_tmp())
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, *session.posargs)
+    # `-m ""`: these modules' long tests too (the long tier is left out of the default run only).
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "", *TESTS, *session.posargs)
 
 
 @nox.session
