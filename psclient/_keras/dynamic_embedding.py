@@ -33,6 +33,7 @@ from psclient._coordinator.runtime import ps_device, ps_index_of
 from psclient._coordinator.serving.serving_table import ServingTable
 from psclient._core.dynamic_tables import Policy
 from psclient._keras import dynamic_optimizers, optimizer_apply, serving
+from psclient._tf.gradients import custom_gradient
 from psclient._tf.serving import at_export_end, current_export
 
 __all__ = ["DynamicEmbedding", "epoch_logs", "install"]
@@ -302,12 +303,12 @@ class DynamicEmbedding(keras.layers.Layer):
 
     def watched(self, rows, state):
         """`rows`, whose gradient is kept for `apply_kept_gradients` (through the anchor, see the module)."""
-        # TF registers a traced custom gradient's function in its process-wide gradient registry for
-        # good: holding the layer there would keep every model traced (its variables, its tables'
-        # rows on the ps) for the process's life.
+        # The gradient function lives as long as the graph that traced it (`custom_gradient`), and a
+        # graph can outlive the layer: holding the layer there would keep its variables and its
+        # tables' rows alive with every graph it was traced in.
         keep = weakref.WeakMethod(self.keep_gradient)
 
-        @tf.custom_gradient
+        @custom_gradient
         def watched(rows, anchor):
             def gradient(upstream):
                 keep()(state, tf.convert_to_tensor(upstream))  # the layer lives while its model computes

@@ -13,5 +13,6 @@ API, thinly, and decides no policy:
   updates      the one patch of TF's default-strategy updates, with a router
   data         a dataset's graph, moved between devices
   checkpoints  the checkpoint ops (SaveV2, RestoreV2, MergeV2Checkpoints) and state file
+  gradients    `tf.custom_gradient` whose graph-mode registration dies with its graph
   serving      exports in progress on a thread (TF's save context made an export scope)
 """

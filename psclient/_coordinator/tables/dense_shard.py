@@ -58,7 +58,10 @@ _READS = frozenset({"saved", "saved_tensors", "stats"})  # `_on_ps` sections tha
 # a lock while it waits for another (locks taken as soon as the step started, before their
 # sections' inputs, deadlocked two workers' steps over three tables). Sections under the locks of
 # different ps tasks run side by side (chained across them, each ps's section waited for the
-# other's, and a control edge crossed between the ps tasks every step).
+# other's, and a control edge crossed between the ps tasks every step). The outputs are held by weak
+# reference: a tensor holds its graph, and a value holding its key kept every traced graph, with
+# its functions registered in TF's eager context, for the life of the process (each later connect
+# to the cluster slowed with their number).
 _last_section: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -68,10 +71,11 @@ def in_turn(section, inputs=(), lock=None):
         return section()
     graph = tf.compat.v1.get_default_graph()
     last = _last_section.setdefault(graph, {})
-    before = [t for t in (last.get(id(lock)), *inputs) if t is not None]
+    previous = last.get(id(lock))
+    before = [t for t in (previous and previous(), *inputs) if t is not None]
     with tf.control_dependencies(before):
         out = section()
-    last[id(lock)] = tf.nest.flatten(out)[0]
+    last[id(lock)] = weakref.ref(tf.nest.flatten(out)[0])
     return out
 
 

@@ -1,0 +1,90 @@
+"""Traced graphs are collected once their function is gone, with the functions they registered.
+
+Two process-wide holders kept every training step traced in a coordinator alive, with all the
+functions it registered in TF's eager context (16 DynamicEmbedding runs: 400-1,100 functions, and
+each later connect to a cluster slowed with their number): TF's gradient registry, which keeps a
+graph-mode `tf.custom_gradient`'s function (and through its closure the graph) for good, and the
+last section's output that `in_turn` kept per graph. In one process, without a cluster.
+"""
+
+import gc
+import weakref
+
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from psclient._coordinator.tables.dense_shard import in_turn  # noqa: E402
+from psclient._tf.gradients import custom_gradient  # noqa: E402
+
+
+@custom_gradient
+def _scaled(x):
+    return tf.identity(x), lambda upstream: 3.0 * upstream  # a gradient the ops alone would not give
+
+
+def _functions_in_context() -> int:
+    from tensorflow.python.eager import context  # noqa: PLC0415 (tests may read TF's internals)
+    gc.collect()
+    return len(context.context().list_function_names())
+
+
+def _traced(step):
+    """`step`'s graph (weakly) after one call, and the function itself."""
+    function = tf.function(step)
+    function(tf.constant([1.0, 2.0]))
+    graph = function.get_concrete_function(tf.TensorSpec([2], tf.float32)).graph
+    return function, weakref.ref(graph)
+
+
+def test_a_custom_gradient_traced_in_a_tape_and_symbolically_is_right():
+    def by_tape(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(_scaled(x) * x)
+        return tape.gradient(y, x)
+
+    def by_registry(x):  # tf.gradients finds the op's gradient in the registry, by its name
+        return tf.gradients(tf.reduce_sum(_scaled(x) * x), x)[0]
+
+    x = tf.constant([1.0, 2.0])
+    expected = [3.0 * 1.0 + 1.0, 3.0 * 2.0 + 2.0]  # d/dx (s(x) * x) = s'(x) x + s(x), s' = 3
+    assert tf.function(by_tape)(x).numpy().tolist() == expected
+    assert tf.function(by_registry)(x).numpy().tolist() == expected
+
+
+def test_a_graph_with_a_custom_gradient_is_collected_and_its_registration_dropped():
+    from tensorflow.python.framework import ops  # noqa: PLC0415
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(tf.cond(x[0] > 0, lambda: _scaled(x), lambda: x))  # a nested function
+        return tape.gradient(y, x)
+
+    registered = set(ops._gradient_registry._registry)
+    baseline = _functions_in_context()
+    function, graph = _traced(step)
+    names = set(ops._gradient_registry._registry) - registered
+    assert names and _functions_in_context() > baseline
+    del function
+    gc.collect()
+    assert graph() is None
+    assert not names & set(ops._gradient_registry._registry)
+    assert _functions_in_context() == baseline
+
+
+def test_a_graph_of_sections_run_in_turn_is_collected():
+    counter = tf.Variable(0.0)
+
+    def step(x):
+        first = in_turn(lambda: counter.assign_add(x[0]), lock=counter)
+        return in_turn(lambda: counter.assign_add(x[1]), lock=counter), first
+
+    function, graph = _traced(step)
+    ops = graph().get_operations()
+    second = [op for op in ops if op.type == "AssignAddVariableOp"][1]
+    assert second.control_inputs  # the second section waits for the first, in the graph
+    del function, ops, second
+    gc.collect()
+    assert graph() is None
