@@ -58,10 +58,9 @@ _READS = frozenset({"saved", "saved_tensors", "stats"})  # `_on_ps` sections tha
 # a lock while it waits for another (locks taken as soon as the step started, before their
 # sections' inputs, deadlocked two workers' steps over three tables). Sections under the locks of
 # different ps tasks run side by side (chained across them, each ps's section waited for the
-# other's, and a control edge crossed between the ps tasks every step). The outputs are held by weak
-# reference: a tensor holds its graph, and a value holding its key kept every traced graph, with
-# its functions registered in TF's eager context, for the life of the process (each later connect
-# to the cluster slowed with their number).
+# other's, and a control edge crossed between the ps tasks every step). Outputs are held weakly: a
+# tensor holds its graph, so a strong value kept every traced graph and its functions in TF's eager
+# context for the life of the process (each later connect to the cluster slowed with their number).
 _last_section: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
