@@ -204,6 +204,37 @@ def test_an_end_that_reaches_the_ps_late_leaves_a_later_copy_under_way(cluster):
         strategy.shutdown()
 
 
+def test_each_export_counts_as_progress_and_a_stop_ends_the_copy_between_them(cluster, tmp_path):
+    """A hash shard's export is one op: the copy asks `stop` before each (its caller's progress mark,
+    so a table whose export takes long is not taken for a hung ps), and once `stop` is true it gives
+    up before the next export and ends the copies it began (their writes no longer note keys)."""
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"))
+    try:
+        _model, layer, train = build(strategy)
+        strategy.schedule(train, args=(batch(10_000),)).result(timeout=120)
+        tables = strategy.parts.store.tables()
+        shards = layer.table.shards
+        asked = []
+        prepared = fuzzy_copy.prepare({}, str, tables=tables, stop=lambda: asked.append(1) or False)
+        assert prepared is not None
+        # Each shard: before its copy began, its counters' export, its rows' export, each slot's read.
+        assert len(asked) == sum(3 + len(shard.slots) for shard in shards) == 8, asked
+        assert all(copying(shard) for shard in shards)
+        prepared.release()
+        assert not any(copying(shard) for shard in shards)
+
+        asked.clear()
+        stopped = fuzzy_copy.prepare({}, str, tables=tables, stop=lambda: len(asked.append(1) or asked) > 4)
+        assert stopped is None
+        assert 4 < len(asked) < 8, asked  # given up before the last exports
+        assert not any(copying(shard) for shard in shards)
+        # The next checkpoint copies and saves the table as it is.
+        strategy.schedule(train, args=(batch(20_000),)).result(timeout=120)
+        assert saved(strategy.save_checkpoint()) == state(layer.export_state())
+    finally:
+        strategy.shutdown()
+
+
 def test_a_copy_taken_before_an_import_is_not_saved(cluster, tmp_path):
     strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"))
     try:

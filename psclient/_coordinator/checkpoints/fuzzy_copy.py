@@ -155,13 +155,16 @@ def prepare(variables: dict[str, Any], describe_ps: Callable[[int], str],
         progress[0] = time.monotonic()
         return bool(failed) or (stop is not None and stop())
 
+    finished: dict[int, tuple] = {}  # the copies of each ps that ended its work
+
     def copy_on(ps: int) -> Callable[[], tuple]:
         def run() -> tuple:
             with device_of(ps):
                 try:
                     tables = _table_copy.copy_shards(shards.get(ps, []), stop=given_up)
-                    tables.update(_hash_copy.copy_shards(shards.get(ps, [])))
-                    return _copy_sparse_written(marked.get(ps, []), stop=given_up), tables
+                    tables.update(_hash_copy.copy_shards(shards.get(ps, []), stop=given_up))
+                    finished[ps] = (_copy_sparse_written(marked.get(ps, []), stop=given_up), tables)
+                    return finished[ps]
                 except tf.errors.OpError as error:
                     error._psclient_ps = ps
                     if not function_not_registered_yet(error):  # that one is made again (`on_each_ps`)
@@ -173,6 +176,10 @@ def prepare(variables: dict[str, Any], describe_ps: Callable[[int], str],
         done = on_each_ps({ps: copy_on(ps) for ps in set(marked) | set(shards)}, timeout=timeout,
                           progress=lambda: float("-inf") if stop is not None and stop() else progress[0])
     except (tf.errors.OpError, PsTimeout, _stages.CopyStopped) as error:
+        # The ps that ended their copies drop them: stages emptied, hash shards' writes no longer
+        # noting their keys (else both stayed until the next copy).
+        if unused := _prepared(dict(finished), 0.0):  # (a thread still waiting on a hung ps may add to it)
+            unused.release(timeout=timeout)
         if not failed and stop is not None and stop():
             log.info("the copy before a checkpoint's cut was stopped (a ps recovery or shutdown)")
             return None
@@ -182,9 +189,14 @@ def prepare(variables: dict[str, Any], describe_ps: Callable[[int], str],
         log.warning("%s could not copy its variables before a checkpoint's cut (%s): the cut reads them whole",
                     where, first_line(error))
         return None
+    return _prepared(done, time.monotonic() - started)
+
+
+def _prepared(done: dict[int, tuple], seconds: float) -> Prepared | None:
+    """The copies of `done` (ps -> (by slot, by shard)), None when it holds none."""
     copies = {ps: by_slot for ps, (by_slot, _) in done.items() if by_slot}
     table_copies = {ps: by_shard for ps, (_, by_shard) in done.items() if by_shard}
-    return Prepared(copies, table_copies, time.monotonic() - started) if copies or table_copies else None
+    return Prepared(copies, table_copies, seconds) if copies or table_copies else None
 
 
 def _copy_sparse_written(slots: list, stop: Callable[[], bool] | None = None) -> dict[tuple, _Copy]:

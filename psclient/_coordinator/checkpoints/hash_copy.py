@@ -35,10 +35,11 @@ export took before), then in the write the merged fields as the exports go
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import tensorflow as tf
 
+from psclient._coordinator.checkpoints import stages as _stages
 from psclient._coordinator.checkpoints.checkpoint_pieces import coordinator_constant
 from psclient._coordinator.checkpoints.table_copy import Later
 from psclient._tf.executors import until_registered
@@ -99,19 +100,34 @@ class Merged:
         return self._out
 
 
-def copy_shards(shards: list) -> dict[int, HashCopy]:
+def copy_shards(shards: list, stop: Callable[[], bool] | None = None) -> dict[int, HashCopy]:
     """On the ps in force, training going on: id(shard) -> its copy, for each marked hash shard of
-    `shards` (that ps's)."""
+    `shards` (that ps's). `stop`, as `stages.copy_in_chunks`': called before each export (a table's
+    export is one op, the finest step there is: a caller that watches for a hung ps counts each call
+    as progress), CopyStopped once it is true, the shard's copy then ended on its ps."""
     out = {}
     for shard in [shard for shard in shards if not shard.dense and shard.marked]:
+        _check(stop, shard, "its copy began")
         shard.copies_begun += 1
+        number = coordinator_constant(shard.copies_begun, tf.int64)
         # Begun before `touched` is emptied: see the module.
         # Called again if it overtakes its registration (only then: not run), not the whole copy.
-        until_registered(lambda: _begin(shard.copies, shard.touched,  # noqa: B023 - called here
-                                        coordinator_constant(shard.copies_begun, tf.int64)))
-        counters = shard.counters.export()  # keys [n] eagerly, values [n, width]
-        keys, rows = shard.values.export()
-        slot_rows = [shard.slots[name].lookup(keys) for name in sorted(shard.slots)]
+        until_registered(lambda: _begin(shard.copies, shard.touched, number))  # noqa: B023 - called here
+        try:
+            _check(stop, shard, "its counters were exported")
+            counters = shard.counters.export()  # keys [n] eagerly, values [n, width]
+            _check(stop, shard, "its rows were exported")
+            keys, rows = shard.values.export()
+            slot_rows = []
+            for name in sorted(shard.slots):
+                _check(stop, shard, f"its slot {name!r} was read")
+                slot_rows.append(shard.slots[name].lookup(keys))
+        except _stages.CopyStopped:
+            # Its writes, and those of the shards copied before it, no longer note their keys.
+            until_registered(lambda: _end(shard.copies, number))  # noqa: B023 - called here
+            for copy in out.values():
+                copy.release()
+            raise
         out[id(shard)] = HashCopy(shard, [*counters, keys, rows, *slot_rows], shard.copies_begun)
         # Traced now, not in the cut or the write (a trace registers a function on every task); the
         # cut's also called, so that the ps makes it now (it only reads).
@@ -120,6 +136,11 @@ def copy_shards(shards: list) -> dict[int, HashCopy]:
         for export, at_cut in [(keys, touched), (counters[1], counters_now), (rows, rows_now)]:
             _stitch.get_concrete_function(*map(_any_size, [export, at_cut, *to.outputs[:3]]))
     return out
+
+
+def _check(stop: Callable[[], bool] | None, shard: Any, before: str) -> None:
+    if stop is not None and stop():
+        raise _stages.CopyStopped(f"the copy of {shard.prefix} stopped before {before}")
 
 
 def _any_size(value) -> tf.TensorSpec:
