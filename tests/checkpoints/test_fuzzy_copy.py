@@ -118,14 +118,18 @@ def saves_beside_training(strategy, step, tries=6):
     return seen
 
 
-def assert_holds_its_cut(path):
+def assert_holds_its_cut(path, cut_off=0):
+    """The checkpoint holds whole steps: each step counted on ps 0 is in the tally, the table and the
+    dense variable on ps 1. `cut_off`: steps a worker taken out mid-step may have left half done, the
+    counter's increment applied and not the writes on ps 1 (docs/api.md: a closure cut off may already
+    have applied part of its updates; seen once in a full suite, the counter one ahead of the tally)."""
     reader = tf.train.load_checkpoint(path)
     count = int(reader.get_tensor("v000000" + VALUE))
     tally = reader.get_tensor("v000004" + VALUE)
-    assert count >= 1 and tally.sum() == count, (path, count, tally.sum())
+    assert count >= 1 and count - cut_off <= tally.sum() <= count, (path, count, tally.sum(), cut_off)
     np.testing.assert_array_equal(reader.get_tensor("v000001" + VALUE), expected_table(tally),
                                   err_msg=f"{path}: counter {count}")
-    assert np.all(reader.get_tensor("v000002" + VALUE) == count)
+    assert np.all(reader.get_tensor("v000002" + VALUE) == tally.sum())
 
 
 def test_each_checkpoint_holds_its_cut_while_steps_write_during_the_copy(cluster, tmp_path):
@@ -491,7 +495,7 @@ def test_a_worker_hung_during_the_copy_is_taken_out_before_the_copy_ends(cluster
         stats = strategy.stats()["checkpoints"]
         # Copied whole, though it took longer than hang_timeout: it went on chunk after chunk.
         assert stats["last_copied_bytes"] == ROWS * WIDTH * 4 and stats["last_copy_seconds"] > 3.0, stats
-        assert_holds_its_cut(path)
+        assert_holds_its_cut(path, cut_off=1)  # the step worker 1 ran when it was stopped
     finally:
         release.set()
         cluster.resume("worker", 1)
