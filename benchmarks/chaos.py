@@ -371,7 +371,13 @@ def main(argv=None) -> int:
     plans.add_argument("--recovery-timeout", type=float, default=120.0,
                        help="a task not back in use this long after its fault ended counts as unfinished")
     args = parser.parse_args(argv)
-    if args.seeds:
+    if args.seeds is not None:
+        import chaos_plans
+
+        try:
+            args.seed_list = chaos_plans.parse_seeds(args.seeds)
+        except ValueError as error:
+            parser.error(str(error))
         return _seeded(args)
     if args.workers < 2:
         parser.error(f"--workers must be >= 2 (worker_chaos keeps one up). Received: {args.workers}.")
@@ -430,7 +436,7 @@ def _seeded(args) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     logging.getLogger("psclient").setLevel(logging.INFO)
     rows = []
-    for seed in chaos_plans.parse_seeds(args.seeds):
+    for seed in args.seed_list:
         rows.append(chaos_plans.run_seed(seed, args))
         if args.output:  # each seed as it ends: a long run that is stopped keeps its rows
             print_json({"benchmark": "chaos_plans", "config": {**environment(sys.argv), **vars(args)},

@@ -325,13 +325,22 @@ def run_seed(seed: int, args) -> dict:
 
 
 def parse_seeds(text: str) -> list[int]:
-    """`20` (seeds 0-19), `3-7` (inclusive) or `1,4,9`."""
-    if "," in text:
-        return [int(s) for s in text.split(",")]
-    if "-" in text:
-        first, last = text.split("-")
-        return list(range(int(first), int(last) + 1))
-    return list(range(int(text)))
+    """`20` (seeds 0-19), `3-7` (inclusive) or `1,4,9`; ValueError naming --seeds when that holds no seed
+    (`--seeds 0` ran nothing and said nothing: seed 0 alone is `0-0` or `0,`)."""
+    try:
+        if "," in text:
+            seeds = [int(s) for s in text.split(",") if s.strip()]
+        elif "-" in text:
+            first, last = text.split("-")
+            seeds = list(range(int(first), int(last) + 1))
+        else:
+            seeds = list(range(int(text)))
+    except ValueError:
+        seeds = []
+    if not seeds:
+        raise ValueError(f"--seeds holds no seed: received {text!r}; expected a count N >= 1 (seeds 0 to N-1), "
+                         "a range A-B with A <= B, or a list A,B,C (seed 0 alone: 0-0)")
+    return seeds
 
 
 def summarise(rows: list[dict]) -> dict:

@@ -38,3 +38,31 @@ def test_the_names_it_imports_from_psclient_exist(path):
 
 def test_scripts_are_found():
     assert len(SCRIPTS) > 10
+
+
+def test_chaos_seeds_that_hold_no_seed_are_refused_by_name():
+    """`--seeds 0` once ran no plan and printed an empty summary: refused now, with what it takes."""
+    import subprocess
+    import sys
+
+    chaos_plans = _chaos_plans()
+    assert chaos_plans.parse_seeds("3") == [0, 1, 2]
+    assert chaos_plans.parse_seeds("0-0") == [0] and chaos_plans.parse_seeds("2-4") == [2, 3, 4]
+    assert chaos_plans.parse_seeds("1,7") == [1, 7]
+    for text in ("0", "5-3", "x", ","):
+        with pytest.raises(ValueError, match=f"--seeds holds no seed: received {text!r}"):
+            chaos_plans.parse_seeds(text)
+    # The script itself stops before it imports TensorFlow, naming the argument.
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--seeds", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--seeds holds no seed: received '0'" in done.stderr, done
+
+
+def _chaos_plans():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module("chaos_plans")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
