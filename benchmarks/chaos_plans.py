@@ -174,7 +174,7 @@ def _step(strategy, num_ps, big_rows=0, table_capacity=0, table_dim=BIG_DIM):
             model, optimizer = dynamic
             keys = tf.random.uniform([64, 1], 0, 10 * table_capacity, dtype=tf.int64)  # admissions, evictions
             with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(model(keys) ** 2)
+                loss = tf.reduce_mean(model(keys, training=True) ** 2)  # training: keys admitted, rows trained
             optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
         counted.assign_add(1)
         return counted.read_value()

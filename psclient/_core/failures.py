@@ -32,7 +32,8 @@ import enum
 from typing import Callable
 
 __all__ = [
-    "Verdict", "classify", "retry_pause", "iterator_cancelled", "stale_remote_handle", "CONNECTION_ERROR_NAMES",
+    "Verdict", "classify", "retry_pause", "iterator_cancelled", "stale_remote_handle", "stale_worker_context",
+    "unknown_own_device", "CONNECTION_ERROR_NAMES",
     "MAX_TRANSIENT_ATTEMPTS", "AfterFailure", "after_failure",
 ]
 
@@ -84,6 +85,7 @@ def classify(
     ps_lost: Callable[[], bool] = lambda: False,
     attempts: int = MAX_TRANSIENT_ATTEMPTS,
     other_lost_attempts: int = 1,
+    worker_device: str | None = None,
 ) -> Verdict:
     """Decide what a closure's error means.
 
@@ -96,6 +98,7 @@ def classify(
     is retried until MAX_TRANSIENT_ATTEMPTS, then it is the function's own.
     `other_lost_attempts`: this one included, how many failed while another
     task was lost; past MAX_OTHER_LOST_ATTEMPTS that no longer explains it.
+    `worker_device`: the closure's worker ("/job:worker/replica:0/task:N"), for `stale_worker_context`.
     """
     if not is_connection_error_type(error):
         # A ps restarted behind the coordinator's back (noticed by no call
@@ -105,7 +108,7 @@ def classify(
         # from the function's own error.
         if ps_lost():
             return Verdict.PS_LOST
-        if stale_remote_handle(error) and attempts < MAX_TRANSIENT_ATTEMPTS:
+        if stale_worker_context(error, worker_device) and attempts < MAX_TRANSIENT_ATTEMPTS:
             return Verdict.WORKER_LOST
         return Verdict.FUNCTION_ERROR
     # The ps tasks first: a lost ps breaks calls on every worker, and can make
@@ -135,6 +138,29 @@ def stale_remote_handle(error: BaseException) -> bool:
     if not any(cls.__name__ == "InvalidArgumentError" for cls in type(error).__mro__):
         return False
     return "Unable to find the relevant tensor remote_handle" in str(error)
+
+
+def unknown_own_device(error: BaseException, worker_device: str | None) -> bool:
+    """Whether `error` is TF's InvalidArgumentError "<the worker's own device> unknown device".
+
+    A worker restarted while the ps tasks hung: no reconnect could introduce its new process
+    (TF's reconnect waits on every task), its probe answers, and each call the coordinator
+    made there named a device the new process did not know. The closure went back to it,
+    taken for the ps loss while a ps was out, then failed as the function's own error once
+    the ps were back (a seeded chaos plan: two ps hung, a worker killed meanwhile).
+    """
+    if worker_device is None or not any(cls.__name__ == "InvalidArgumentError" for cls in type(error).__mro__):
+        return False
+    message = str(error)
+    return f"{worker_device}/device:" in message and "unknown device" in message
+
+
+def stale_worker_context(error: BaseException, worker_device: str | None = None) -> bool:
+    """Whether `error` says the worker does not hold the coordinator's context as it was: a tensor
+    of an older context (`stale_remote_handle`), or its own device unknown (`unknown_own_device`).
+    Either is taken for the worker's loss (it rejoins with its context and resources made again),
+    a bounded number of times a closure: a function can fail so on its own."""
+    return stale_remote_handle(error) or unknown_own_device(error, worker_device)
 
 
 def iterator_cancelled(error: BaseException) -> bool:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from psclient._engine.edge import Edge, PerWorkerValues
 from psclient._core import ps_access
 from psclient._core.failures import (
-    MAX_TRANSIENT_ATTEMPTS, Verdict, after_failure, classify, end_of_sequence, iterator_cancelled, stale_remote_handle,
+    MAX_TRANSIENT_ATTEMPTS, Verdict, after_failure, classify, end_of_sequence, iterator_cancelled, stale_worker_context,
 )
 from psclient._core.recovery_messages import Drained, PsNotAnswering, WorkerNotAnswering
 from psclient._core.closure import Closure
@@ -252,11 +252,12 @@ class Dispatcher:
         verdict = classify(
             error, lambda: probes.worker_answers(worker), others_lost=others_lost, ps_lost=ps_lost,
             attempts=closure.unexplained_failures + 1, other_lost_attempts=closure.other_lost_failures + 1,
+            worker_device=device,
         )
         if verdict is Verdict.WORKER_LOST:
             log.warning("worker %d does not answer (%s: %s); re-queueing its closures for other workers",
                         worker, type(error).__name__, first_line(error)[:300])
-            if stale_remote_handle(error):  # it does answer: bounded like an unexplained failure
+            if stale_worker_context(error, device):  # it does answer: bounded like an unexplained failure
                 closure.unexplained_failures += 1
             self._report(WorkerNotAnswering(worker, time.monotonic() - failed_at, epochs[worker]))
             # Taking the worker out re-queues this closure (and any other running

@@ -55,6 +55,29 @@ def test_a_stale_remote_handle_takes_the_worker_out_a_bounded_number_of_times():
     assert classify(stale, lambda: True, attempts=MAX_TRANSIENT_ATTEMPTS) is Verdict.FUNCTION_ERROR
 
 
+def test_a_worker_that_does_not_know_its_own_device_is_taken_out_a_bounded_number_of_times():
+    # A worker restarted while the ps tasks hung (no reconnect could introduce it): its calls fail
+    # with TF's "<its own device> unknown device" (seen in a seeded chaos plan, where the closure
+    # then failed as the function's own error once the ps were back). Taken out, it rejoins with
+    # its context made again; a closure that keeps failing so is the function's own error after a few.
+    from psclient._core.failures import MAX_TRANSIENT_ATTEMPTS, unknown_own_device
+
+    own = "/job:worker/replica:0/task:0"
+    error = tf.errors.InvalidArgumentError(
+        None, None, "/job:worker/replica:0/task:0/device:CPU:0 unknown device. [Op:__inference_step_17459]")
+    assert unknown_own_device(error, own)
+    assert not unknown_own_device(error, "/job:worker/replica:0/task:1")  # another task's device: the function's
+    assert not unknown_own_device(error, "/job:worker/replica:0/task:01")
+    assert not unknown_own_device(error, None)
+    assert not unknown_own_device(tf.errors.UnavailableError(None, None, str(error)), own)
+    assert not unknown_own_device(tf.errors.InvalidArgumentError(None, None, "/job:ps/replica:0/task:3/device:CPU:0 "
+                                                                 "unknown device."), own)
+    assert classify(error, lambda: True, attempts=1, worker_device=own) is Verdict.WORKER_LOST
+    assert classify(error, lambda: True, attempts=1) is Verdict.FUNCTION_ERROR  # no worker named: not its own
+    assert classify(error, lambda: True, ps_lost=lambda: True, attempts=1, worker_device=own) is Verdict.PS_LOST
+    assert classify(error, lambda: True, attempts=MAX_TRANSIENT_ATTEMPTS, worker_device=own) is Verdict.FUNCTION_ERROR
+
+
 def test_live_worker_but_another_task_lost_is_retried():
     err = tf.errors.UnavailableError(None, None, "Connection reset by peer")
     assert classify(err, lambda: True, lambda: True) is Verdict.OTHER_TASK_LOST
