@@ -104,38 +104,45 @@ def copy_shards(shards: list, stop: Callable[[], bool] | None = None) -> dict[in
     """On the ps in force, training going on: id(shard) -> its copy, for each marked hash shard of
     `shards` (that ps's). `stop`, as `stages.copy_in_chunks`': called before each export (a table's
     export is one op, the finest step there is: a caller that watches for a hung ps counts each call
-    as progress), CopyStopped once it is true, the shard's copy then ended on its ps."""
+    as progress); CopyStopped once it is true, every copy it began then ended on the ps."""
     out = {}
-    for shard in [shard for shard in shards if not shard.dense and shard.marked]:
-        _check(stop, shard, "its copy began")
-        shard.copies_begun += 1
-        number = coordinator_constant(shard.copies_begun, tf.int64)
-        # Begun before `touched` is emptied: see the module.
-        # Called again if it overtakes its registration (only then: not run), not the whole copy.
-        until_registered(lambda: _begin(shard.copies, shard.touched, number))  # noqa: B023 - called here
-        try:
-            _check(stop, shard, "its counters were exported")
-            counters = shard.counters.export()  # keys [n] eagerly, values [n, width]
-            _check(stop, shard, "its rows were exported")
-            keys, rows = shard.values.export()
-            slot_rows = []
-            for name in sorted(shard.slots):
-                _check(stop, shard, f"its slot {name!r} was read")
-                slot_rows.append(shard.slots[name].lookup(keys))
-        except _stages.CopyStopped:
-            # Its writes, and those of the shards copied before it, no longer note their keys.
-            until_registered(lambda: _end(shard.copies, number))  # noqa: B023 - called here
-            for copy in out.values():
-                copy.release()
-            raise
-        out[id(shard)] = HashCopy(shard, [*counters, keys, rows, *slot_rows], shard.copies_begun)
-        # Traced now, not in the cut or the write (a trace registers a function on every task); the
-        # cut's also called, so that the ps makes it now (it only reads).
-        touched, counters_now, rows_now, _slots, tracked, has_row = until_registered(_cut_function(shard))[:-4]
-        to = _positions.get_concrete_function(*map(_any_size, [keys, keys, touched, tracked, has_row]))
-        for export, at_cut in [(keys, touched), (counters[1], counters_now), (rows, rows_now)]:
-            _stitch.get_concrete_function(*map(_any_size, [export, at_cut, *to.outputs[:3]]))
+    try:
+        for shard in [shard for shard in shards if not shard.dense and shard.marked]:
+            _check(stop, shard, "its copy began")
+            out[id(shard)] = _copy_shard(shard, stop)
+    except _stages.CopyStopped:
+        for copy in out.values():  # their writes no longer note their keys
+            copy.release()
+        raise
     return out
+
+
+def _copy_shard(shard: Any, stop: Callable[[], bool] | None) -> HashCopy:
+    shard.copies_begun += 1
+    number = coordinator_constant(shard.copies_begun, tf.int64)
+    # Begun before `touched` is emptied: see the module.
+    # Called again if it overtakes its registration (only then: not run), not the whole copy.
+    until_registered(lambda: _begin(shard.copies, shard.touched, number))
+    try:
+        _check(stop, shard, "its counters were exported")
+        counters = shard.counters.export()  # keys [n] eagerly, values [n, width]
+        _check(stop, shard, "its rows were exported")
+        keys, rows = shard.values.export()
+        slot_rows = []
+        for name in sorted(shard.slots):
+            _check(stop, shard, f"its slot {name!r} was read")
+            slot_rows.append(shard.slots[name].lookup(keys))
+    except _stages.CopyStopped:
+        until_registered(lambda: _end(shard.copies, number))  # its writes no longer note their keys
+        raise
+    copy = HashCopy(shard, [*counters, keys, rows, *slot_rows], shard.copies_begun)
+    # Traced now, not in the cut or the write (a trace registers a function on every task); the
+    # cut's also called, so that the ps makes it now (it only reads).
+    touched, counters_now, rows_now, _slots, tracked, has_row = until_registered(_cut_function(shard))[:-4]
+    to = _positions.get_concrete_function(*map(_any_size, [keys, keys, touched, tracked, has_row]))
+    for export, at_cut in [(keys, touched), (counters[1], counters_now), (rows, rows_now)]:
+        _stitch.get_concrete_function(*map(_any_size, [export, at_cut, *to.outputs[:3]]))
+    return copy
 
 
 def _check(stop: Callable[[], bool] | None, shard: Any, before: str) -> None:
