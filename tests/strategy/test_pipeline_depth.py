@@ -14,6 +14,7 @@ import collections
 import pytest
 import tensorflow as tf
 from _busy_step import busy_counting_step
+from _polling import wait_for
 
 import psclient
 from psclient._cluster.local import LocalCluster
@@ -107,54 +108,6 @@ def checked_sum(strategy):
     return v, checked
 
 
-def test_an_error_surfaces_at_join_and_the_strategy_goes_on(cluster, strategy):
-    v, checked = checked_sum(strategy)
-
-    with pytest.raises(tf.errors.InvalidArgumentError, match="x must be positive"):
-        bad = strategy.schedule(checked, args=(tf.constant(-1.0),))
-        strategy.join(timeout=300)
-    assert isinstance(bad.exception(timeout=0), tf.errors.InvalidArgumentError)
-    strategy.join(timeout=300)
-    # Later calls on the same dispatcher threads (their executors) still run.
-    one = tf.constant(1.0)
-    futures = [strategy.schedule(checked, args=(one,)) for _ in range(50)]
-    try:
-        strategy.join(timeout=120)
-    except TimeoutError:
-        # Seen in about one full suite run in five. The stuck call's worker restarted ends it
-        # (the closure runs again), so that the module's later tests are not held up.
-        for index, worker in enumerate(strategy.stats()["workers"]):
-            if worker["in_flight"]:
-                cluster.restart("worker", index)
-        strategy.join(timeout=300)
-        pytest.xfail("known limit (docs/api.md, pipeline_depth): after a function's error at depth 2, "
-                     "a call on a healthy worker waited for good in TF's streaming enqueue")
-    assert all(f.exception(timeout=0) is None for f in futures)
-    assert v.numpy() == 50.0  # each applied once; the failing call's addition not at all
-
-
-def test_a_function_error_leaves_no_error_behind_on_the_dispatchers_executors(strategy):
-    """At depth 2 a call's error reached the dispatcher before TF's executor had finished the call,
-    which then set the error again after psclient cleared it: TF's next wait raised it, printed as
-    "Exception ignored in: <function Executor.__del__ ...>" (32 times in 600 failing calls, with
-    benchmarks/depth_errors.py), and the executor kept it. With 300 failing calls this failed on the
-    parent commit 5 times in 5."""
-    import sys
-
-    v, checked = checked_sum(strategy)
-
-    ignored = []
-    hook, sys.unraisablehook = sys.unraisablehook, ignored.append
-    try:
-        for _ in range(300):
-            strategy.schedule(checked, args=(tf.constant(-1.0),))
-            with pytest.raises(tf.errors.InvalidArgumentError, match="x must be positive"):
-                strategy.join(timeout=300)
-    finally:
-        sys.unraisablehook = hook
-    assert [f"{u.exc_type.__name__} in {u.object!r}" for u in ignored] == []
-
-
 def test_a_killed_worker_work_runs_again_elsewhere(cluster, strategy):
     v, step = busy_counting_step(strategy)
     futures = [strategy.schedule(step) for _ in range(_CALLS)]
@@ -174,3 +127,66 @@ def test_a_killed_worker_work_runs_again_elsewhere(cluster, strategy):
     strategy.schedule(step)
     strategy.join(timeout=300)
     assert v.numpy() == before + 1
+    # Back for the tests after it (the function-error tests come last: see `_known_stuck_call`).
+    cluster.restart("worker", 1)
+    wait_for(lambda: strategy.stats(read_ps=False)["workers"][1]["up"], 120, "worker 1 to rejoin")
+
+
+def test_an_error_surfaces_at_join_and_the_strategy_goes_on(cluster, strategy):
+    v, checked = checked_sum(strategy)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="x must be positive"):
+        bad = strategy.schedule(checked, args=(tf.constant(-1.0),))
+        strategy.join(timeout=300)
+    assert isinstance(bad.exception(timeout=0), tf.errors.InvalidArgumentError)
+    strategy.join(timeout=300)
+    # Later calls on the same dispatcher threads (their executors) still run.
+    one = tf.constant(1.0)
+    futures = [strategy.schedule(checked, args=(one,)) for _ in range(50)]
+    try:
+        strategy.join(timeout=120)
+    except TimeoutError:
+        _known_stuck_call(cluster, strategy)
+    assert all(f.exception(timeout=0) is None for f in futures)
+    assert v.numpy() == 50.0  # each applied once; the failing call's addition not at all
+
+
+def _known_stuck_call(cluster, strategy):
+    """Seen in about one full suite run in five, in either test of a function's error at depth 2:
+    an expected failure, naming the known limit. The stuck call's worker is restarted, which ended
+    the call in earlier runs, but not in one on 2026-12-04 (the dispatcher thread stayed in TF's
+    call, and the next join and test waited until their timeouts): so these tests come last in
+    the module, and nothing waits on the call here."""
+    for index, worker in enumerate(strategy.stats(read_ps=False)["workers"]):
+        if worker["in_flight"]:
+            cluster.restart("worker", index)
+    pytest.xfail("known limit (docs/api.md, pipeline_depth): after a function's error at depth 2, "
+                 "a call on a healthy worker waited for good in TF's streaming enqueue")
+
+
+def test_a_function_error_leaves_no_error_behind_on_the_dispatchers_executors(cluster, strategy):
+    """At depth 2 a call's error reached the dispatcher before TF's executor had finished the call,
+    which then set the error again after psclient cleared it: TF's next wait raised it, printed as
+    "Exception ignored in: <function Executor.__del__ ...>" (32 times in 600 failing calls, with
+    benchmarks/depth_errors.py), and the executor kept it. With 300 failing calls this failed on the
+    parent commit 5 times in 5."""
+    import sys
+
+    v, checked = checked_sum(strategy)
+
+    ignored = []
+    hook, sys.unraisablehook = sys.unraisablehook, ignored.append
+    try:
+        for _ in range(300):
+            strategy.schedule(checked, args=(tf.constant(-1.0),))
+            try:
+                strategy.join(timeout=120)
+            except tf.errors.InvalidArgumentError as error:
+                assert "x must be positive" in str(error)
+            except TimeoutError:
+                _known_stuck_call(cluster, strategy)
+            else:
+                pytest.fail("join() raised nothing after a call that failed its assertion")
+    finally:
+        sys.unraisablehook = hook
+    assert [f"{u.exc_type.__name__} in {u.object!r}" for u in ignored] == []
