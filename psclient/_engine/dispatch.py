@@ -255,9 +255,11 @@ class Dispatcher:
             worker_device=device,
         )
         if verdict is Verdict.WORKER_LOST:
-            log.warning("worker %d does not answer (%s: %s); re-queueing its closures for other workers",
-                        worker, type(error).__name__, first_line(error)[:300])
-            if stale_worker_context(error, device):  # it does answer: bounded like an unexplained failure
+            stale = stale_worker_context(error, device)
+            log.warning("worker %d %s (%s: %s); re-queueing its closures for other workers", worker,
+                        "answers from a stale context (restarted unnoticed), taking it out to rejoin" if stale
+                        else "does not answer", type(error).__name__, first_line(error)[:300])
+            if stale:  # it does answer: bounded like an unexplained failure
                 closure.unexplained_failures += 1
             self._report(WorkerNotAnswering(worker, time.monotonic() - failed_at, epochs[worker]))
             # Taking the worker out re-queues this closure (and any other running

@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 import psclient
-from psclient._coordinator.checkpoints import fuzzy_copy, stages
+from psclient._coordinator.checkpoints import checkpoint_parts, fuzzy_copy, stages
 from psclient._tf.write_marks import marks_of
 from _polling import wait_for
 from _rss import PeakRss
@@ -244,6 +244,61 @@ def test_once_one_ps_fails_its_copy_the_other_ps_stops_copying(cluster, restore_
     finally:
         cluster.throttle("ps", 0, 1.0)
         cluster.restart("ps", 1)
+        strategy.shutdown()
+
+
+def test_a_copy_that_ends_after_the_copy_was_given_up_drops_its_stages(cluster, restore_shared_clusters,
+                                                                        tmp_path, monkeypatch):
+    """ps 1 hung (SIGSTOP) while a checkpoint's copy runs, and ps 0's copy still under way when the
+    copy as a whole is given up (`timeout`): ps 0's copy, ending later, empties its stage itself.
+    (It stayed on ps 0 until the next checkpoint's copy: a table's worth of memory.)"""
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"),
+                                                variable_partitioner=None, hang_timeout=3.0)
+    ps0_copying, ps0_go = threading.Event(), threading.Event()
+    copy_sparse_written = fuzzy_copy._copy_sparse_written  # noqa: SLF001
+    emptied = []
+    empty = stages.empty
+
+    def slow_on_ps0(slots, stop=None):
+        if slots and "task:0" in slots[0][0].variable.device:
+            ps0_copying.set()
+            assert ps0_go.wait(120), "the test did not let ps 0's copy go on"
+            return copy_sparse_written(slots)  # not stopped: it ends after prepare gave up
+        return copy_sparse_written(slots, stop)
+
+    def recording(stage):
+        emptied.append(stage.device)
+        return empty(stage)
+
+    try:
+        with strategy.scope():
+            with tf.device("/job:ps/task:0"):
+                big = tf.Variable(tf.zeros([ROWS, WIDTH]))
+            with tf.device("/job:ps/task:1"):
+                other = tf.Variable(tf.zeros([ROWS, WIDTH]))
+
+        @tf.function
+        def scatter():
+            for table in (big, other):
+                table.scatter_add(tf.IndexedSlices(tf.ones([TOUCHED, WIDTH]), tf.range(TOUCHED, dtype=tf.int64)))
+
+        strategy.schedule(scatter).result(timeout=120)
+        monkeypatch.setattr(fuzzy_copy, "_copy_sparse_written", slow_on_ps0)
+        monkeypatch.setattr(stages, "empty", recording)
+        cluster.stop("ps", 1)
+        try:
+            prepared = fuzzy_copy.prepare(strategy.parts.store.named(), lambda ps: f"ps {ps}", timeout=3.0)
+            assert prepared is None  # given up: ps 1 did not answer
+            assert ps0_copying.is_set() and not emptied, emptied
+            ps0_go.set()
+            wait_for(lambda: any("task:0" in device for device in emptied), 120,
+                     "ps 0's copy, ended after the copy was given up, emptying its stage")
+        finally:
+            ps0_go.set()
+            cluster.resume("ps", 1)
+        wait_for(lambda: not checkpoint_parts.late_threads(), 120, "the copy's threads ending once ps 1 answers")
+        assert big.numpy()[:TOUCHED].sum() == TOUCHED * WIDTH  # the variable itself untouched
+    finally:
         strategy.shutdown()
 
 

@@ -38,6 +38,7 @@ tables in hash storage, merged after it (`hash_copy`).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -156,6 +157,9 @@ def prepare(variables: dict[str, Any], describe_ps: Callable[[int], str],
         return bool(failed) or (stop is not None and stop())
 
     finished: dict[int, tuple] = {}  # the copies of each ps that ended its work
+    # Set when the copy as a whole is given up: a ps's copy that ends after that (its thread was
+    # still waiting on a hung ps) drops itself, else it stayed until the next copy.
+    abandoned, finishing = [False], threading.Lock()
 
     def copy_on(ps: int) -> Callable[[], tuple]:
         def run() -> tuple:
@@ -163,8 +167,14 @@ def prepare(variables: dict[str, Any], describe_ps: Callable[[int], str],
                 try:
                     tables = _table_copy.copy_shards(shards.get(ps, []), stop=given_up)
                     tables.update(_hash_copy.copy_shards(shards.get(ps, []), stop=given_up))
-                    finished[ps] = (_copy_sparse_written(marked.get(ps, []), stop=given_up), tables)
-                    return finished[ps]
+                    copied = (_copy_sparse_written(marked.get(ps, []), stop=given_up), tables)
+                    with finishing:
+                        late = abandoned[0]
+                        if not late:
+                            finished[ps] = copied
+                    if late and (unused := _prepared({ps: copied}, 0.0)):
+                        unused.release(timeout=timeout)
+                    return copied
                 except tf.errors.OpError as error:
                     error._psclient_ps = ps
                     if not function_not_registered_yet(error):  # that one is made again (`on_each_ps`)
@@ -178,7 +188,10 @@ def prepare(variables: dict[str, Any], describe_ps: Callable[[int], str],
     except (tf.errors.OpError, PsTimeout, _stages.CopyStopped) as error:
         # The ps that ended their copies drop them: stages emptied, hash shards' writes no longer
         # noting their keys (else both stayed until the next copy).
-        if unused := _prepared(dict(finished), 0.0):  # (a thread still waiting on a hung ps may add to it)
+        with finishing:
+            abandoned[0] = True
+            ended = dict(finished)
+        if unused := _prepared(ended, 0.0):
             unused.release(timeout=timeout)
         if not failed and stop is not None and stop():
             log.info("the copy before a checkpoint's cut was stopped (a ps recovery or shutdown)")
