@@ -354,6 +354,9 @@ def main(argv=None) -> int:
     plans.add_argument("--ps-hangs", type=int, default=0, help="ps SIGSTOPs of 4-6 s per plan")
     plans.add_argument("--plan-checkpoint-every", dest="checkpoint_every", type=int, default=200,
                        help="closures between the strategy's checkpoints")
+    plans.add_argument("--plan-delta-checkpoint-every", dest="delta_checkpoint_every", type=int, default=None,
+                       help="closures between delta checkpoints (StrategyConfig.delta_checkpoint_every; "
+                            "default: none, full checkpoints only)")
     plans.add_argument("--big-rows", type=int, default=0,
                        help="rows of a 32-wide table on each ps (0: none); above 65,536 a checkpoint copies "
                             "it before its cut")

@@ -2,7 +2,8 @@
 
 Each seed draws one plan over --duration seconds on a fresh LocalCluster (3
 workers, --ps ps tasks, 1 by default; the strategy with hang_timeout=3, checkpoint_every=200
-(--plan-checkpoint-every) and a checkpoint_dir; --big-rows N adds an [N, 32] float table on each ps,
+(--plan-checkpoint-every) and a checkpoint_dir, deltas between them with
+--plan-delta-checkpoint-every; --big-rows N adds an [N, 32] float table on each ps,
 64 rows scattered a step, which every checkpoint then copies before its cut; --table-capacity C a
 DynamicEmbedding(32, capacity=C) trained with Adagrad by each step, 64 keys drawn from 10 C): --kills worker SIGKILLs, each restarted after 0.5-3 s;
 --hangs worker SIGSTOPs of 4-6 s, ended with SIGCONT from this process;
@@ -221,7 +222,8 @@ def run_seed(seed: int, args) -> dict:
             tempfile.TemporaryDirectory() as ckpt:
         strategy = psclient.ParameterServerStrategy(
             local.cluster, hang_timeout=3.0, checkpoint_dir=ckpt, checkpoint_every=args.checkpoint_every,
-            dynamic_table_storage=args.table_storage)
+            dynamic_table_storage=args.table_storage,
+            delta_checkpoint_every=getattr(args, "delta_checkpoint_every", None))
         sampling = threading.Event()
 
         def sample():  # a coordinator thread that wants to wake every 50 ms
