@@ -275,7 +275,11 @@ def run_seed(seed: int, args) -> dict:
             stats = strategy.stats()
             ok = sum(f.done() and not f.cancelled() and f.exception() is None for f in futures)
             retried = sum(w["retried"] for w in stats["workers"])
-            steps = int(counted.numpy()) if not stats.get("broken") else None
+            value = counted.numpy() if not stats.get("broken") else None
+            # Not a scalar: its ps's variables were left uninitialized (a recovery that restored nothing,
+            # docs/fault_tolerance.md): recorded, the seed not clean, the other seeds still run.
+            steps = int(value) if value is not None and value.ndim == 0 else None
+            counter_read = None if value is None or value.ndim == 0 else repr(value)[:200]
             # A ps recovered alone ("part") rolls back only its own variables: the count loses what
             # the ps that holds it rolled back.
             low = ok - stats["ps"][_ps_index(counted)]["rolled_back_closures"]
@@ -311,6 +315,7 @@ def run_seed(seed: int, args) -> dict:
         "batches": len(join_s),
         "max_join_s": round(max(join_s), 2) if join_s else None,
         "steps_counted": steps,
+        "counter_read_not_a_scalar": counter_read,
         "steps_counted_range": [low, low + retried + (len(futures) - ok)],
         "retried_closures": retried,
         "steps_counted_in_range": steps is not None and low <= steps <= low + retried + (len(futures) - ok),
@@ -347,7 +352,8 @@ def parse_seeds(text: str) -> list[int]:
 
 def summarise(rows: list[dict]) -> dict:
     clean = [r for r in rows if not (r["futures_failed"] or r["futures_cancelled"] or r["futures_unresolved"]
-                                     or r["join_errors"] or r["recoveries_unfinished"])]
+                                     or r["join_errors"] or r["recoveries_unfinished"]
+                                     or r.get("counter_read_not_a_scalar"))]
     back = [f["back_after_s"] for r in rows for f in r["faults"] if f.get("back_after_s") is not None]
     errors: dict[str, int] = {}
     for r in rows:

@@ -60,6 +60,10 @@ class PsRestore:
         self._kept: tuple = ()
         # ps -> closures completed when its last restore ended (`closures_undone`).
         self._restored_at: dict[int, int] = {}
+        # The ps whose variables a step renewed and whose restore has not ended (it failed, e.g. a
+        # function not yet registered on the new task): they answer holding variables then, the
+        # renewed ones, and must not be taken for a ps that hung (its state was lost with the task).
+        self._renewed_unrestored: set[int] = set()
 
     def renew_and_restore(self, action: rm.RenewAndRestore) -> bool:
         """New resources on the lost ps, then their state (or every one's) from the newest checkpoint.
@@ -69,7 +73,7 @@ class PsRestore:
         does, nothing is renewed or restored.
         """
         lost = tuple(action.lost)
-        holding = tuple(self._holding(lost))
+        holding = tuple(ps for ps in self._holding(lost) if ps not in self._renewed_unrestored)
         scope = restore_scope(action.mode, lost, holding, self._num_ps)
         # Under "all", a ps that hung is restored with the rest once another lost its state.
         restored = frozenset() if scope is None else scope.restored_ps
@@ -79,9 +83,11 @@ class PsRestore:
             log.warning("ps task(s) %s answered again holding their variables (they hung, they were not "
                         "restarted): nothing restored, training goes on with their state", list(lost))
             return True
+        self._renewed_unrestored |= set(scope.lost)
         renewed = self._store.renew(set(scope.lost))
         restored = self._checkpoints.restore(self._store.named(), tables=self._store.tables(),
                                              only_ps=scope.only_ps)
+        self._renewed_unrestored -= set(scope.lost)
         self._restored = restored
         self._completed_then = None if restored is None else restored["completed_closures"]
         # While nothing is dispatched: what the coordinator keeps of the data follows.

@@ -476,7 +476,11 @@ class Recovery:
             if error is None:
                 self.saved_created = created
                 self.checkpoints_written += 1
-                log.info("checkpoint %s written (%s, %d closures completed)", path, reason, completed)
+                # A delta due is written full when it has no base (the first after a restore, a ps
+                # recovery or a new slot): the path says which it became.
+                kind = "delta due, written full: no base to diff" if reason == "delta" and \
+                    ".delta-" not in str(path) else reason
+                log.info("checkpoint %s written (%s, %d closures completed)", path, kind, completed)
             else:
                 log.warning("checkpoint (%s) could not be written: %s", reason, first_line(error))
             self.report(rm.CheckpointWritten(path, completed, error))

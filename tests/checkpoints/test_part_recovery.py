@@ -186,3 +186,40 @@ def test_the_all_step_restores_every_ps_and_rolls_the_ledgers_back():
     assert told == [({"m": 1}, {})]
     assert stats[0].rolled_back["variables"] == 3 and stats[1].rolled_back["variables"] == 2
     assert stats[0].recoveries == 0 and stats[1].recoveries == 1
+
+
+def test_a_ps_renewed_by_a_step_that_failed_is_restored_when_the_step_runs_again():
+    """Found by a seeded chaos plan (4 ps, ps 0 killed while it hung): the step renewed ps 0's
+    variables, then its restore failed (a function not yet registered on the new task), and the step
+    run again found ps 0 answering holding variables, the renewed ones, took it for a ps that had
+    hung and restored nothing: training went on with ps 0's variables at their initial values."""
+    from psclient._core import recovery_messages as rm
+    from psclient._engine.ps_restore import PsRestore
+
+    class FailingOnce(FakeCheckpoints):
+        def restore(self, variables, *, tables, only_ps):
+            if not self.calls:
+                self.calls.append(("failed", only_ps))
+                raise RuntimeError("function not registered yet")
+            return super().restore(variables, tables=tables, only_ps=only_ps)
+
+    store, checkpoints, renewed_ps = FakeStore(), FailingOnce(), set()
+    original_renew = store.renew
+
+    def renew(lost):
+        renewed_ps.update(lost)  # the renewed variables answer the probes' handle checks
+        return original_renew(lost)
+
+    store.renew = renew
+    restore = PsRestore(store, checkpoints, 2, completed=lambda: 19, meta_restored=lambda meta, **kwargs: None,
+                        clock=lambda: 10.0, holding=lambda asked: tuple(ps for ps in asked if ps in renewed_ps))
+    with pytest.raises(RuntimeError):
+        restore.renew_and_restore(rm.RenewAndRestore((0,), "part"))
+    assert restore.renew_and_restore(rm.RenewAndRestore((0,), "part")) is True
+    assert store.renewed == [{0}, {0}]
+    assert checkpoints.calls == [("failed", frozenset({0})), frozenset({0})]
+    restore.recovered(rm.PsRecovered((0,), back_at=9.5), "/c/ckpt-3")
+    assert restore.ps_stats[0].rolled_back["mode"] == "part" and restore.ps_stats[0].rolled_back["variables"] == 3
+    # Restored: a later loss of ps 0 that it answers holding its variables is a hang again.
+    assert restore.renew_and_restore(rm.RenewAndRestore((0,), "part")) is True
+    assert store.renewed == [{0}, {0}]
