@@ -145,9 +145,10 @@ class _Faults:
             completed = self.strategy.stats()["completed"] if fault["fault"] == "hang" and job == "ps" else None
             row["ended_at"] = round(ended - self.started, 2)
             deadline = ended + self.recovery_timeout
-            while not self._up(job, index, recoveries, completed) and time.monotonic() < deadline:
+            # One look decides: a second one could find the task out again (a worker taken out
+            # for a ps recovery just after it rejoined), counting a finished recovery as unfinished.
+            while not (back := self._up(job, index, recoveries, completed)) and time.monotonic() < deadline:
                 time.sleep(0.05)  # polling stats
-            back = self._up(job, index, recoveries, completed)
             row["back_after_s"] = round(time.monotonic() - ended, 2) if back else None
         self.results.append(row)
 
