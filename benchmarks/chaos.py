@@ -369,6 +369,9 @@ def main(argv=None) -> int:
                        help="StrategyConfig.dynamic_table_storage of that table (hash: every checkpoint exports it "
                             "before its cut, its writes noting their keys meanwhile)")
     plans.add_argument("--batch", type=int, default=300, help="closures scheduled, then joined, per batch")
+    plans.add_argument("--fit", action="store_true",
+                       help="Keras fit trains through the plan (benchmarks/chaos_fit.py): each batch one "
+                            "fit(steps_per_epoch=--batch) of a model with the --table-capacity table")
     plans.add_argument("--join-timeout", type=float, default=180.0,
                        help="a join of one batch that takes longer counts as a hang")
     plans.add_argument("--recovery-timeout", type=float, default=120.0,

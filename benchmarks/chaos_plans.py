@@ -11,7 +11,9 @@ DynamicEmbedding(32, capacity=C) trained with Adagrad by each step, 64 keys draw
 ended with SIGCONT as a worker's (the workers' steps wait on the ps meanwhile). Times are uniform, so faults
 overlap (a hang during a kill, the ps killed while a worker is out). Meanwhile
 the main thread schedules batches of --batch closures (a small update of a ps
-variable and a count of the steps) and joins each, until the plan has run.
+variable and a count of the steps) and joins each, until the plan has run; with
+--fit it runs Keras `fit` of --batch steps each instead (benchmarks/chaos_fit.py,
+the optimizer's step count as the counter).
 
 Per seed, one JSON row: the plan; futures scheduled, resolved, failed,
 cancelled and unresolved; each distinct error (type and first line) that
@@ -247,7 +249,14 @@ def run_seed(seed: int, args) -> dict:
         sampler = threading.Thread(target=sample, daemon=True)
         faults = None
         try:
-            step, counted = _step(strategy, num_ps, args.big_rows, args.table_capacity, args.table_dim)
+            fit = None
+            if getattr(args, "fit", False):  # --fit: Keras fit trains through the plan (chaos_fit)
+                import chaos_fit
+
+                fit, counted = chaos_fit.build(strategy, args.table_capacity, args.table_dim, seed)
+            else:
+                step, counted = _step(strategy, num_ps, args.big_rows, args.table_capacity, args.table_dim)
+            fit_steps = [0, 0]  # --fit: steps asked for, steps of the fits that returned
             started = time.monotonic()
             faults = _Faults(local, strategy, plan, started, args.recovery_timeout, num_ps)
             faults.start()
@@ -256,11 +265,15 @@ def run_seed(seed: int, args) -> dict:
             # recovery_timeout at most); each join may take join_timeout.
             stop_at = started + args.duration + args.recovery_timeout
             while (time.monotonic() < started + args.duration or faults.alive()) and time.monotonic() < stop_at:
-                batch = [strategy.schedule(step) for _ in range(args.batch)]
-                futures += batch
                 joined = time.monotonic()
                 try:
-                    strategy.join(timeout=args.join_timeout)
+                    if fit is not None:
+                        fit_steps[0] += args.batch
+                        fit(args.batch, args.join_timeout)
+                        fit_steps[1] += args.batch
+                    else:
+                        futures += [strategy.schedule(step) for _ in range(args.batch)]
+                        strategy.join(timeout=args.join_timeout)
                 except TimeoutError:
                     join_errors.append(f"TimeoutError: join did not return within {args.join_timeout:g} s")
                     break
@@ -274,7 +287,8 @@ def run_seed(seed: int, args) -> dict:
                     key = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
                     errors[key] = errors.get(key, 0) + 1
             stats = strategy.stats()
-            ok = sum(f.done() and not f.cancelled() and f.exception() is None for f in futures)
+            ok = sum(f.done() and not f.cancelled() and f.exception() is None for f in futures) + fit_steps[1]
+            scheduled = len(futures) + fit_steps[0]
             retried = sum(w["retried"] for w in stats["workers"])
             value = counted.numpy() if not stats.get("broken") else None
             # Not a scalar: its ps's variables were left uninitialized (a recovery that restored nothing,
@@ -295,9 +309,9 @@ def run_seed(seed: int, args) -> dict:
     row = {
         "seed": seed,
         "plan": plan,
-        "futures_scheduled": len(futures),
+        "futures_scheduled": scheduled,  # with --fit: the fits' steps
         "futures_resolved": ok,
-        "futures_failed": sum(errors.values()),
+        "futures_failed": sum(errors.values()) + fit_steps[0] - fit_steps[1],
         "futures_cancelled": sum(f.cancelled() for f in futures),
         "futures_unresolved": sum(not f.done() for f in futures),
         "errors": errors,
@@ -317,14 +331,14 @@ def run_seed(seed: int, args) -> dict:
         "max_join_s": round(max(join_s), 2) if join_s else None,
         "steps_counted": steps,
         "counter_read_not_a_scalar": counter_read,
-        "steps_counted_range": [low, low + retried + (len(futures) - ok)],
+        "steps_counted_range": [low, low + retried + (scheduled - ok)],
         "retried_closures": retried,
-        "steps_counted_in_range": steps is not None and low <= steps <= low + retried + (len(futures) - ok),
+        "steps_counted_in_range": steps is not None and low <= steps <= low + retried + (scheduled - ok),
         "wall_s": round(wall, 1),
         "checkpoints_written": stats.get("checkpoints_written"),
         "checkpoint_cost": stats.get("checkpoints"),
     }
-    log(f"seed {seed}: {ok}/{len(futures)} resolved, {row['futures_failed']} failed, "
+    log(f"seed {seed}: {ok}/{scheduled} resolved, {row['futures_failed']} failed, "
         f"{row['futures_cancelled']} cancelled, {row['futures_unresolved']} unresolved, errors {errors}, "
         f"join {join_errors}, unfinished recoveries {row['recoveries_unfinished']}, stall {row['max_stall_s']} s "
         f"(gc {row['max_gc_pause_s']} s), "
