@@ -110,13 +110,17 @@ def _register_layers() -> None:
 _register_layers()
 
 
+#: Public submodules reachable after `import psclient` alone (`psclient.serving.load(...)`).
+_SUBMODULES = ("data", "layers", "serving")
+
+
 def __getattr__(name):
     # TF- and Keras-backed names load on first use, so `import psclient` stays cheap.
     module = _LAZY.get(name)
-    if module is not None or name in ("data", "layers"):
+    if module is not None or name in _SUBMODULES:
         import importlib
 
-        if module is None:  # psclient.data / psclient.layers without an explicit import, as for a subpackage
+        if module is None:  # psclient.data / .layers / .serving without an explicit import, as for a subpackage
             return importlib.import_module(f"psclient.{name}")
         value = getattr(importlib.import_module(module), name)
         globals()[name] = value  # found directly from now on
@@ -125,7 +129,7 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY) | {"data", "layers"})
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
 
 
 __all__ = [

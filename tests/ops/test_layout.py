@@ -106,3 +106,14 @@ def test_public_names_load_on_first_use():
                             timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "True []", result.stdout
+
+
+def test_public_submodules_load_on_first_use():
+    """`psclient.serving.load(...)` after `import psclient` alone, as `psclient.layers` and `psclient.data`."""
+    code = ("import psclient; "
+            "print(psclient.serving.load.__module__, psclient.layers.__name__, psclient.data.__name__, "
+            "{'serving', 'layers', 'data'} <= set(dir(psclient)))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "psclient.serving psclient.layers psclient.data True", result.stdout
