@@ -372,6 +372,10 @@ def main(argv=None) -> int:
     plans.add_argument("--fit", action="store_true",
                        help="Keras fit trains through the plan (benchmarks/chaos_fit.py): each batch one "
                             "fit(steps_per_epoch=--batch) of a model with the --table-capacity table")
+    plans.add_argument("--serve-every", type=float, default=None,
+                       help="with --fit: a psclient.ServingExport through the plan, a delta every S seconds "
+                            "and a full version every 10 S, served by a loader in this process and checked "
+                            "against the cluster model at the end (benchmarks/chaos_fit.py)")
     plans.add_argument("--join-timeout", type=float, default=180.0,
                        help="a join of one batch that takes longer counts as a hang")
     plans.add_argument("--recovery-timeout", type=float, default=120.0,
@@ -384,6 +388,9 @@ def main(argv=None) -> int:
             args.seed_list = chaos_plans.parse_seeds(args.seeds)
         except ValueError as error:
             parser.error(str(error))
+        if args.serve_every is not None and (not args.fit or args.serve_every <= 0):
+            parser.error(f"--serve-every needs --fit and a number of seconds > 0. Received: "
+                         f"--serve-every {args.serve_every:g}{'' if args.fit else ' without --fit'}.")
         return _seeded(args)
     if args.workers < 2:
         parser.error(f"--workers must be >= 2 (worker_chaos keeps one up). Received: {args.workers}.")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import random
 import re
 import subprocess
@@ -249,11 +250,14 @@ def run_seed(seed: int, args) -> dict:
         sampler = threading.Thread(target=sample, daemon=True)
         faults = None
         try:
-            fit = None
+            fit = served = None
             if getattr(args, "fit", False):  # --fit: Keras fit trains through the plan (chaos_fit)
                 import chaos_fit
 
-                fit, counted = chaos_fit.build(strategy, args.table_capacity, args.table_dim, seed)
+                serve_every = getattr(args, "serve_every", None)
+                fit, counted, served, fit_model = chaos_fit.build(
+                    strategy, args.table_capacity, args.table_dim, seed,
+                    serve_dir=os.path.join(ckpt, "serving") if serve_every else None, serve_every=serve_every)
             else:
                 step, counted = _step(strategy, num_ps, args.big_rows, args.table_capacity, args.table_dim)
             fit_steps = [0, 0]  # --fit: steps asked for, steps of the fits that returned
@@ -281,6 +285,19 @@ def run_seed(seed: int, args) -> dict:
                     join_errors.append(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
                 join_s.append(time.monotonic() - joined)
             wall = time.monotonic() - started
+            serving = None
+            if served is not None and not join_errors:
+                # One more step, so the chain ends with what training holds (its last delta or full
+                # version), then the loader read against the cluster model.
+                try:
+                    fit_steps[0] += 1
+                    fit(1, args.join_timeout)
+                    fit_steps[1] += 1
+                    serving = served.check(fit_model)
+                except Exception as error:  # noqa: BLE001 - recorded per seed
+                    join_errors.append(f"{type(error).__name__} (serving check): {str(error).splitlines()[0][:200]}")
+            elif served is not None:
+                serving = {"skipped": "a fit failed: the served chain need not end with what training holds"}
             for future in futures:
                 if future.done() and not future.cancelled() and future.exception() is not None:
                     error = future.exception()
@@ -304,6 +321,8 @@ def run_seed(seed: int, args) -> dict:
             if faults is not None:
                 for thread in faults.threads:
                     thread.join(args.recovery_timeout + 330)
+            if served is not None:
+                served.close()
             strategy.shutdown()
             logging.getLogger("psclient").removeHandler(logged)
     row = {
@@ -338,6 +357,8 @@ def run_seed(seed: int, args) -> dict:
         "checkpoints_written": stats.get("checkpoints_written"),
         "checkpoint_cost": stats.get("checkpoints"),
     }
+    if served is not None:
+        row["serving"] = serving
     log(f"seed {seed}: {ok}/{scheduled} resolved, {row['futures_failed']} failed, "
         f"{row['futures_cancelled']} cancelled, {row['futures_unresolved']} unresolved, errors {errors}, "
         f"join {join_errors}, unfinished recoveries {row['recoveries_unfinished']}, stall {row['max_stall_s']} s "
@@ -368,7 +389,8 @@ def parse_seeds(text: str) -> list[int]:
 def summarise(rows: list[dict]) -> dict:
     clean = [r for r in rows if not (r["futures_failed"] or r["futures_cancelled"] or r["futures_unresolved"]
                                      or r["join_errors"] or r["recoveries_unfinished"]
-                                     or r.get("counter_read_not_a_scalar"))]
+                                     or r.get("counter_read_not_a_scalar")
+                                     or ("serving" in r and not (r["serving"] or {}).get("matches_model")))]
     back = [f["back_after_s"] for r in rows for f in r["faults"] if f.get("back_after_s") is not None]
     errors: dict[str, int] = {}
     for r in rows:
@@ -394,4 +416,7 @@ def summarise(rows: list[dict]) -> dict:
         "seeds_stalled": [r["seed"] for r in rows if r["max_stall_s"] >= MAX_STALL_S],
         "max_join_s": max((r["max_join_s"] or 0 for r in rows), default=None),
         "steps_counted_in_range": all(r["steps_counted_in_range"] for r in rows),
+        **({"serving_seeds_matching": sum(bool((r["serving"] or {}).get("matches_model")) for r in rows),
+            "serving_failed_deltas": sum(len((r["serving"] or {}).get("failed_deltas", [])) for r in rows)}
+           if any("serving" in r for r in rows) else {}),
     }
