@@ -132,3 +132,50 @@ def test_a_ps_stopped_during_an_export_fails_it_within_hang_timeout_and_publishe
     finally:
         cluster.resume("ps", 1)
         strategy.shutdown()
+
+
+def test_fit_goes_on_when_a_serving_export_is_given_up_on_a_hung_ps(cluster, tmp_path):
+    """`ServingExport` in `fit`: an export given up on a hung ps (epoch 1's) is noted, fit goes on once
+    the ps answers, and the export is made again (the next batch's end): the newest version serves the
+    model. (It raised out of fit, ending the training.)"""
+    base_dir = str(tmp_path / "serving")
+    strategy, model, x = _strategy_and_model(cluster, tmp_path)
+    callback = psclient.ServingExport(base_dir, every_epochs=1, keep=None)
+
+    class StopPs1(keras.callbacks.Callback):  # before the export, at the first epoch's end
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                cluster.stop("ps", 1)
+
+    outcome = {}
+
+    def fit():
+        try:
+            model.fit(x, (x[:, :1] % 3).astype("float32"), batch_size=32, epochs=3, verbose=0,
+                      callbacks=[StopPs1(), callback])
+        except Exception as error:  # noqa: BLE001 - checked below
+            outcome["error"] = error
+
+    fitting = threading.Thread(target=fit, name="fit-under-test")
+    fitting.start()
+    try:
+        wait_for(lambda: callback.failed_exports or not fitting.is_alive(), LIMIT,
+                 "the export at the first epoch's end to be given up")
+    finally:
+        cluster.resume("ps", 1)
+        fitting.join(LIMIT)
+    try:
+        assert not fitting.is_alive(), "fit did not end after ps:1 was resumed"
+        assert "error" not in outcome, repr(outcome.get("error"))
+        assert [f["task"] for f in callback.failed_exports] == ["ps:1"], callback.failed_exports
+        assert f"hang_timeout={HANG_TIMEOUT:g}" in callback.failed_exports[0]["error"]
+        # Epoch 1's export given up, made again at the next batch's end; then epochs 2 and 3: nothing
+        # half-written.
+        assert [os.path.basename(path) for path in callback.exported] == ["1", "2", "3"]
+        wait_for(lambda: not _export_threads(), LIMIT, "the export given up on to end")
+        assert _versions(base_dir) == ["1", "2", "3"] and _hidden(base_dir) == [], os.listdir(base_dir)
+        served = tf.saved_model.load(callback.exported[-1])
+        np.testing.assert_allclose(served.serve(tf.constant(x[:8])).numpy(), model.predict(x[:8], verbose=0),
+                                   atol=1e-6)
+    finally:
+        strategy.shutdown()
