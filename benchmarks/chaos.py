@@ -376,6 +376,9 @@ def main(argv=None) -> int:
                        help="with --fit: a psclient.ServingExport through the plan, a delta every S seconds "
                             "and a full version every 10 S, served by a loader in this process and checked "
                             "against the cluster model at the end (benchmarks/chaos_fit.py)")
+    plans.add_argument("--stall-dumps", metavar="DIR",
+                       help="a watchdog process dumps the coordinator's threads (py-spy dump --native) into "
+                            "DIR/seed-N/ whenever the sampler thread stalls 1 s (benchmarks/stall_watch.py)")
     plans.add_argument("--join-timeout", type=float, default=180.0,
                        help="a join of one batch that takes longer counts as a hang")
     plans.add_argument("--recovery-timeout", type=float, default=120.0,

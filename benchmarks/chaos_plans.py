@@ -37,6 +37,7 @@ import os
 import random
 import re
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -230,9 +231,18 @@ def run_seed(seed: int, args) -> dict:
             delta_checkpoint_every=getattr(args, "delta_checkpoint_every", None))
         sampling = threading.Event()
 
+        watch = None
+        if getattr(args, "stall_dumps", None):  # --stall-dumps: a watchdog dumps the threads during a stall
+            watch = subprocess.Popen(
+                [sys.executable, os.path.join(os.path.dirname(__file__), "stall_watch.py"), str(os.getpid()),
+                 str(MAX_STALL_S), os.path.join(args.stall_dumps, f"seed-{seed}")], stdin=subprocess.PIPE)
+
         def sample():  # a coordinator thread that wants to wake every 50 ms
             last = time.monotonic()
             while not sampling.wait(0.05):
+                if watch is not None:
+                    watch.stdin.write(b".")
+                    watch.stdin.flush()
                 now = time.monotonic()
                 if now - last - 0.05 > stall[0]:
                     stall[0], stall[1] = now - last - 0.05, now - started
@@ -318,6 +328,11 @@ def run_seed(seed: int, args) -> dict:
         finally:
             sampling.set()
             gc.callbacks.remove(timed_gc)
+            if watch is not None:
+                if sampler.is_alive():
+                    sampler.join(5)
+                watch.stdin.close()
+                watch.wait(120)
             if faults is not None:
                 for thread in faults.threads:
                     thread.join(args.recovery_timeout + 330)
