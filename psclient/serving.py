@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from psclient._core import serving_deltas, serving_dirs
 from psclient._core.serving_dirs import ServingDirError
+from psclient._tf.executors import streamed_function_registrations, streamed_registrations
 
 __all__ = ["ServedModel", "ServingDirError", "load"]
 
@@ -206,7 +207,9 @@ class ServedModel:
         try:
             saved = self._served.saved
             function = getattr(saved, self.endpoint, None) or saved.signatures[self.endpoint]
-            return function(*args, **kwargs)
+            # A first call traces the endpoint for its inputs: its registration streamed (see refresh).
+            with streamed_function_registrations():
+                return function(*args, **kwargs)
         finally:
             self._lock.read_done()
 
@@ -226,7 +229,12 @@ class ServedModel:
         """Load what is new in `base_dir` now (a newer full version, the next deltas); return whether
         anything was. What the polling thread calls."""
         changed = False
-        with self._refreshing:
+        # In a process connected to a cluster (a training coordinator that also serves), TF registers
+        # each function of a loaded SavedModel, and each new kind of op a delta runs, on every task of
+        # the cluster first: waited for with the GIL held, one hung worker froze every thread of the
+        # process until it answered (5.5 s in a chaos plan). Streamed, nothing waits on the tasks (the
+        # loader's ops all run here). Without a cluster this changes nothing.
+        with self._refreshing, streamed_registrations():
             while True:
                 served = self._served
                 at = None if served is None else (served.version, served.applied)

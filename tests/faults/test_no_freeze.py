@@ -293,3 +293,35 @@ def test_keras_fit_starts_while_a_worker_hangs(data):
         assert {"epoch_loss", "epoch_learning_rate", "epoch_steps_per_second", "keras"} <= set(
             result["summaries"]["train"]), result
         assert {"epoch_loss", "evaluation_loss_vs_iterations"} <= set(result["summaries"]["validation"]), result
+
+
+def test_a_serving_loader_in_the_coordinator_while_a_worker_hangs(heal, tmp_path):
+    """`psclient.serving.load` in a process connected to the cluster (a coordinator that also serves):
+    TF registers each function of the SavedModel it loads on every task first. Waited for with the
+    GIL held, a hung worker froze the coordinator (5.5 s in a chaos plan with ServingExport)."""
+    import keras
+    import numpy as np
+
+    import psclient.serving
+
+    cluster = heal
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=HANG_TIMEOUT)
+    try:
+        with strategy.scope():
+            ids = keras.Input([1], dtype="int64")
+            embedded = psclient.layers.DynamicEmbedding(4, capacity=1000, name="served_table")(ids)
+            model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(embedded)))
+            model.compile(optimizer="adagrad", loss="mse")
+        x = np.arange(64, dtype=np.int64)[:, None]
+        model.fit(x, (x % 3).astype("float32"), batch_size=16, epochs=1, verbose=0)
+        base = str(tmp_path / "serving")
+        psclient.export_servable(model, base)
+        with Heartbeat() as beat, stopped(cluster, "worker", 2, watchdog_s=WATCHDOG_S):
+            loader = psclient.serving.load(base, poll_seconds=None)
+            served = loader(tf.constant(x[:8])).numpy()
+        loader.close()
+        np.testing.assert_allclose(served, model.predict(x[:8], verbose=0), atol=1e-6)
+        assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s"
+    finally:
+        cluster.resume("worker", 2)
+        strategy.shutdown()
