@@ -29,6 +29,7 @@ from keras.callbacks import BackupAndRestore as _KerasBackupAndRestore
 import tensorflow as tf
 
 from psclient._coordinator.ps_state import on_ps
+from psclient._keras.hung_ps_writes import writes_of
 from psclient._core.files import replaced_atomically
 from psclient._keras import sharded_fit
 from psclient._keras.checkpoints import meta_of, model_tables, model_variables, sharded_checkpoints, step_of
@@ -96,17 +97,16 @@ class BackupAndRestore(_KerasBackupAndRestore):
             with tf.io.gfile.GFile(self._training_metadata_path, "r") as f:
                 self.model._initial_epoch = json.loads(f.read())["epoch"]
 
+    @property
+    def failed_saves(self) -> list:
+        """One dict per backup given up on a ps that hung ({"task", "error", "at"}): training went on,
+        the next backup is made at the next epoch's end (or `save_freq` batches) as usual."""
+        return writes_of(self, _BACKUP).failures
+
     def _save_model(self):
-        # The ledger is read first and written last: a crash in between leaves an older
-        # ledger beside newer weights, which replays shards; never one that skips any.
-        feed = sharded_fit.active_feed(self.model)
-        self.sharded_checkpoints()  # sets self._strategy (None for a local model)
-        ledger = None if feed is None else json.dumps(on_ps(
-            self._strategy, feed.state, "reading the data ledger for BackupAndRestore"))
-        self.save_weights_and_epoch()
-        if ledger is not None:
-            with replaced_atomically(self.ledger_path) as temp, open(temp, "w") as f:
-                f.write(ledger)
+        # Through ps faults (psclient._keras.hung_ps_writes): a ps lost is restored first; a backup given
+        # up on a hung ps is noted and training goes on (Keras's next save is the next backup).
+        writes_of(self, _BACKUP).run(lambda: _backup(self))
 
     def save_weights_and_epoch(self):
         """Back up the weights, then the epoch (Keras's `_save_model` without the ledger)."""
@@ -118,7 +118,7 @@ class BackupAndRestore(_KerasBackupAndRestore):
             os.makedirs(self.backup_dir, exist_ok=True)
         if checkpoints is not None:
             on_ps(self._strategy, lambda: checkpoints.save(
-                model_variables(self.model), completed=None, scalars=step_of(self.model),
+                model_variables(self.model), completed=None, scalars=step_of(self.model, self._strategy),
                 meta=meta_of(self.model), tables=model_tables(self.model)), "writing a BackupAndRestore")
         else:
             # Each under its own name in a private temporary directory, then renamed into place.
@@ -130,6 +130,23 @@ class BackupAndRestore(_KerasBackupAndRestore):
             return
         with replaced_atomically(self._training_metadata_path) as temp, open(temp, "w") as f:
             f.write(metadata)
+
+
+def _backup(callback) -> None:
+    """`BackupAndRestore._save_model`'s backup: the data ledger, the weights and the epoch."""
+    # The ledger is read first and written last: a crash in between leaves an older
+    # ledger beside newer weights, which replays shards; never one that skips any.
+    feed = sharded_fit.active_feed(callback.model)
+    callback.sharded_checkpoints()  # sets callback._strategy (None for a local model)
+    ledger = None if feed is None else json.dumps(on_ps(
+        callback._strategy, feed.state, "reading the data ledger for BackupAndRestore"))
+    callback.save_weights_and_epoch()
+    if ledger is not None:
+        with replaced_atomically(callback.ledger_path) as temp, open(temp, "w") as f:
+            f.write(ledger)
+
+
+_BACKUP = "writing a BackupAndRestore"
 
 
 class StalenessLogger(keras.callbacks.Callback):

@@ -18,12 +18,16 @@ The rows of the model's DynamicEmbedding layers are saved by each ps beside
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import keras
 
 from psclient._coordinator.checkpoints.checkpoint import Checkpoints
+from psclient._coordinator.checkpoints.checkpoint_parts import PsTimeout, on_each_ps
+from psclient._core.errors import PSUnavailableError
 from psclient._coordinator.ps_state import on_ps
+from psclient._keras.hung_ps_writes import writes_of
 from psclient._keras.step_functions import tf_variable as _tf_variable
 from psclient._keras.trainer import cluster_strategy
 
@@ -78,9 +82,28 @@ def model_tables(model) -> dict[str, Any]:
     return {f"model_table/{index:04d}": table for index, table in enumerate(found)}
 
 
-def step_of(model) -> dict[str, int]:
+def step_of(model, strategy=None) -> dict[str, int]:
+    """{"step": the optimizer's iterations} ({} without an optimizer). With `strategy`, read within its
+    `hang_timeout` (the count lives on one ps): `PSUnavailableError` naming that ps if it does not
+    answer, as the save the count goes into gives up on a hung ps."""
     optimizer = getattr(model, "optimizer", None)
-    return {"step": int(optimizer.iterations.numpy())} if optimizer is not None else {}
+    if optimizer is None:
+        return {}
+    iterations = optimizer.iterations
+    device = getattr(_tf_variable(iterations), "device", "") or ""
+    found = re.search(r"/job:ps/replica:0/task:(\d+)", device)
+    if strategy is None or found is None:
+        return {"step": int(iterations.numpy())}
+    ps = int(found.group(1))
+    try:
+        value = on_each_ps({ps: iterations.numpy}, timeout=strategy.config.hang_timeout)[ps]
+    except PsTimeout as error:
+        address = strategy.cluster.address("ps", ps)
+        raise PSUnavailableError(
+            f"ps:{ps} ({address}) did not answer within hang_timeout={strategy.config.hang_timeout:g} s (hung?) "
+            "when the optimizer's step count was read for a checkpoint: nothing was written, the previous "
+            "checkpoint stays the newest", task=f"ps:{ps}", address=address) from error
+    return {"step": int(value)}
 
 
 def sharded_checkpoints(model, directory: str, keep: int, overwrite: bool, who: str, deltas: bool = False):
@@ -93,7 +116,8 @@ def sharded_checkpoints(model, directory: str, keep: int, overwrite: bool, who: 
         directory, keep=keep, overwrite=overwrite,
         describe_ps=lambda ps: strategy.cluster.address("ps", ps),  # the cluster as it is then (it may grow)
         matched_by=f"position in the model and its optimizer (for {who}): build and compile the same model "
-                   "the same way as the run that wrote it", deltas=deltas)
+                   "the same way as the run that wrote it", deltas=deltas,
+        hang_timeout=strategy.config.hang_timeout)  # a hung ps: given up on (hung_ps_writes), never waited for good
     checkpoints.check_reachable(strategy.num_ps)  # every ps writes its own part
     return strategy, checkpoints
 
@@ -137,6 +161,12 @@ class ModelCheckpoint(keras.callbacks.Callback):
 
     `psclient.SidecarEvaluator` reads these checkpoints. A batch-level save
     reads values while later steps still run (asynchronous training).
+
+    Through ps faults, training goes on (`psclient._keras.hung_ps_writes`): a
+    ps lost is restored by the strategy first and the save made again; a save
+    given up on a ps that hung (after `hang_timeout`; the previous checkpoint
+    stays the newest) is noted in `failed_saves` and made again at the next
+    batch's end, and at the end of `fit` (at most `FINAL_ATTEMPTS` times).
     """
 
     #: Its batch hook counts batches and never reads their logs: fit may leave them on the workers.
@@ -170,22 +200,32 @@ class ModelCheckpoint(keras.callbacks.Callback):
         self._batches = 0
         #: Paths of the checkpoints written, oldest first.
         self.saved: list[str] = []
+        #: One dict per save given up on a ps that hung ({"task", "error", "at"}); each made again.
+        self.failed_saves: list[dict] = writes_of(self, _MODEL_CHECKPOINT).failures
 
     def on_train_begin(self, logs=None):
         _open_store(self, self.model)
         self._checkpoints.check_writable()  # another run's checkpoints: refused now, not after an epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.save_freq == "epoch":
-            return
-        self._batches += 1
-        if self._batches >= self.save_freq:
-            self._batches = 0
-            self.save_now()
+        due = False
+        if self.save_freq != "epoch":
+            self._batches += 1
+            if self._batches >= self.save_freq:
+                self._batches, due = 0, True
+        writes = writes_of(self, _MODEL_CHECKPOINT)
+        if due or writes.pending:  # pending: given up on a hung ps, made again now
+            writes.run(lambda: self.saved.append(_save_once(self)))
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.save_freq == "epoch":
-            self.save_now()
+        writes = writes_of(self, _MODEL_CHECKPOINT)
+        if self.save_freq == "epoch" or writes.pending:
+            writes.run(lambda: self.saved.append(_save_once(self)))
+
+    def on_train_end(self, logs=None):
+        writes = writes_of(self, _MODEL_CHECKPOINT)
+        if writes.pending:
+            writes.run(lambda: self.saved.append(_save_once(self)), final=True)
 
     def save_now(self):
         """Write a checkpoint of the model now (what fit calls at `save_freq`).
@@ -193,11 +233,7 @@ class ModelCheckpoint(keras.callbacks.Callback):
         Through a ps loss: a ps lost since the last step is restored from the strategy's newest
         checkpoint first (psclient._coordinator.ps_state). With `delta_every=N`, a delta unless N
         were written on the newest full checkpoint (the store writes a full one when it has no base)."""
-        checkpoints = self._checkpoints
-        delta = self.delta_every is not None and checkpoints.deltas_since_full < self.delta_every
-        self.saved.append(on_ps(self._strategy, lambda: checkpoints.save(
-            model_variables(self.model), completed=None, scalars=step_of(self.model), meta=meta_of(self.model),
-            tables=model_tables(self.model), delta=delta), "writing a psclient.ModelCheckpoint"))
+        self.saved.append(on_ps(self._strategy, lambda: _save_once(self), _MODEL_CHECKPOINT))
 
     def restore(self, model) -> dict | None:
         """Restore the newest checkpoint in `directory` into `model`; None if there is none.
@@ -229,3 +265,15 @@ class ModelCheckpoint(keras.callbacks.Callback):
             return None
         return {"path": restored["path"], "deltas": restored.get("deltas", []), "skipped": restored["skipped"],
                 "step": step_of(model).get("step")}
+
+
+def _save_once(callback) -> str:
+    """One checkpoint of a `ModelCheckpoint`'s model (a delta when `delta_every` says so); its path."""
+    checkpoints = callback._checkpoints  # noqa: SLF001 - its own store
+    delta = callback.delta_every is not None and checkpoints.deltas_since_full < callback.delta_every
+    return checkpoints.save(model_variables(callback.model), completed=None,
+                            scalars=step_of(callback.model, callback._strategy),  # noqa: SLF001 - its own
+                            meta=meta_of(callback.model), tables=model_tables(callback.model), delta=delta)
+
+
+_MODEL_CHECKPOINT = "writing a psclient.ModelCheckpoint"

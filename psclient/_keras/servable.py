@@ -21,14 +21,12 @@ import time
 import keras
 import tensorflow as tf
 
-from psclient._coordinator.checkpoints.checkpoint_parts import PsTimeout
-from psclient._coordinator.ps_state import on_ps
 from psclient._coordinator.serving.delta_cut import CutLost
 from psclient._core import serving_deltas, serving_dirs
-from psclient._core.errors import PSUnavailableError
 from psclient._core.serving_dirs import ServingDirError
 from psclient._engine import registry
 from psclient._keras import bounded_export
+from psclient._keras.hung_ps_writes import writes_of
 
 __all__ = ["ServingDirError", "ServingExport", "export_servable"]
 
@@ -153,16 +151,13 @@ class ServingExport(keras.callbacks.Callback):
     `psclient.serving.load(base_dir)` serves the newest full version with its
     deltas applied; TF Serving sees the full versions only.
 
-    Through ps faults, training goes on: a ps lost before or during an export
-    is restored by the strategy first and the export made again
-    (`psclient._coordinator.ps_state`); an export given up on a ps that hung
+    Through ps faults, training goes on (`psclient._keras.hung_ps_writes`): a
+    ps lost before or during an export is restored by the strategy first and
+    the export made again; an export given up on a ps that hung
     (`PSUnavailableError` after `hang_timeout`, nothing published) is noted in
     `failed_exports` and made again at the next batch's end, and at the end of
-    `fit` at most `FINAL_EXPORT_ATTEMPTS` times (then `fit` raises it).
+    `fit` at most `FINAL_ATTEMPTS` times (then `fit` raises it).
     """
-
-    #: Attempts of the export that ends `fit` (what training ended with) while a ps hangs.
-    FINAL_EXPORT_ATTEMPTS = 3
 
     _psclient_reads_batch_logs = False  # its batch hook only looks at the clock (trainer.reads_batch_logs)
 
@@ -191,9 +186,8 @@ class ServingExport(keras.callbacks.Callback):
         #: and the next version written after it was a full one.
         self.failed_deltas: list[dict] = self._chain_state.failures
         #: One dict per export given up on a ps that hung ({"task", "error", "at": time.time()});
-        #: none was published, and the export was made again (`_export_pending`).
-        self.failed_exports: list[dict] = []
-        self._export_pending = False
+        #: none was published, and the export was made again.
+        self.failed_exports: list[dict] = writes_of(self, _EXPORT).failures
 
     def on_train_begin(self, logs=None):
         serving_dirs.claim(self.base_dir, self.run_id, self.take_over)
@@ -260,54 +254,34 @@ class ServingExport(keras.callbacks.Callback):
                 and time.monotonic() - self._last_delta >= self.delta_every_seconds)
 
     def on_train_batch_end(self, batch, logs=None):
-        if self._export_pending or self.due_by_time():
-            self._in_fit(self.export_now)
+        if writes_of(self, _EXPORT).pending or self.due_by_time():
+            writes_of(self, _EXPORT).run(self.export_now)
         elif self.delta_due():
-            self._in_fit(self.delta_now)
+            writes_of(self, _EXPORT).run(self.delta_now)
 
     def on_epoch_end(self, epoch, logs=None):
         if ((self.every_epochs is not None and (epoch + 1) % self.every_epochs == 0) or self.due_by_time()
-                or self._export_pending):
-            self._in_fit(self.export_now)
+                or writes_of(self, _EXPORT).pending):
+            writes_of(self, _EXPORT).run(self.export_now)
 
     def on_train_end(self, logs=None):
         if self.delta_every_seconds is not None:
             try:
-                self._in_fit(self.delta_now, final=True)  # what training ended with is served
+                writes_of(self, _EXPORT).run(self.delta_now, final=True)  # what training ended with is served
             finally:
                 self._chain_state.stop_writer()
-        elif self._export_pending:
-            self._in_fit(self.export_now, final=True)
+        elif writes_of(self, _EXPORT).pending:
+            writes_of(self, _EXPORT).run(self.export_now, final=True)
         # The cut is kept: a next `fit` (online training, fit after fit) goes on with the same chain.
-
-    def _in_fit(self, export, final: bool = False) -> None:
-        """`export` (`export_now` or `delta_now`) from fit's hooks, through ps faults (class doc).
-
-        A ps lost is handled by `on_ps` (restored, then the export made again); what comes out is a
-        `PSUnavailableError`: either the strategy could not restore a ps (raised: training cannot go
-        on either), or a ps did not answer within `hang_timeout` (its cause a `PsTimeout`): noted,
-        and the export made again later, since steps resume once the ps answers."""
-        for attempt in range(self.FINAL_EXPORT_ATTEMPTS if final else 1):
-            try:
-                on_ps(registry.current(), export, "a psclient.ServingExport export")
-            except PSUnavailableError as error:
-                if not isinstance(error.__cause__, PsTimeout) or (final and attempt + 1 == self.FINAL_EXPORT_ATTEMPTS):
-                    raise
-                self._export_pending = True
-                self.failed_exports.append({"task": error.task, "error": f"{type(error).__name__}: {error}",
-                                            "at": time.time()})
-                logging.getLogger(__name__).warning(
-                    "psclient ServingExport: an export was given up (%s); nothing was published, it is made "
-                    "again %s", str(error).splitlines()[0], "now" if final else "at the next batch's end")
-                continue
-            self._export_pending = False
-            return
 
     def release(self) -> None:
         """Wait for the delta being written, stop the writer thread, and free the previous cut's copy of
         the rows on the ps tasks; the next version written is a full one."""
         self._chain_state.stop_writer()
         self._chain_state.cut = None
+
+
+_EXPORT = "a psclient.ServingExport export"
 
 
 def _join_steps() -> None:

@@ -1,0 +1,74 @@
+"""Writes of psclient's Keras callbacks (`ServingExport`, `ModelCheckpoint`, `BackupAndRestore`) from
+`fit`, through ps faults: training goes on.
+
+A write from `fit`'s hooks runs through a ps loss (`psclient._coordinator.ps_state.on_ps`: a ps lost
+is restored by the strategy first, then the write is made again). A write given up on a ps that
+hung (no answer within `hang_timeout`: a `PSUnavailableError` or `CheckpointWriteError` caused by a
+`PsTimeout`; nothing was published, the previous checkpoint or version stays the newest) is noted
+(`failures`, a warning) and left `pending`: the callback makes it again at its next hook, once the
+ps answers (the steps wait for it meanwhile). A write that ends `fit` is tried `FINAL_ATTEMPTS` times.
+Any other error (a ps the strategy could not restore, a full disk, a bug) is raised, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from psclient._coordinator.checkpoints.checkpoint_parts import CheckpointWriteError, PsTimeout
+from psclient._coordinator.ps_state import on_ps
+from psclient._core.errors import PSUnavailableError
+from psclient._engine import registry
+
+__all__ = ["FINAL_ATTEMPTS", "HungPsWrites", "given_up_on_a_hung_ps", "writes_of"]
+
+#: Attempts of a write that ends `fit` (what training ended with) while a ps hangs.
+FINAL_ATTEMPTS = 3
+
+_log = logging.getLogger(__name__)
+
+
+def given_up_on_a_hung_ps(error: BaseException) -> bool:
+    """Whether `error` is a write given up because a ps did not answer within `hang_timeout`."""
+    return isinstance(error, (PSUnavailableError, CheckpointWriteError)) and isinstance(error.__cause__, PsTimeout)
+
+
+class HungPsWrites:
+    """One callback's writes from `fit` (module doc). `what` names them in errors and warnings."""
+
+    def __init__(self, what: str):
+        self.what = what
+        #: One dict per write given up on a hung ps: {"task", "error", "at": time.time()}.
+        self.failures: list[dict] = []
+        #: Whether the last write was given up: the callback makes it again at its next hook.
+        self.pending = False
+
+    def run(self, write: Callable[[], Any], final: bool = False) -> None:
+        for attempt in range(FINAL_ATTEMPTS if final else 1):
+            try:
+                on_ps(registry.current(), write, self.what)
+            except (PSUnavailableError, CheckpointWriteError) as error:
+                if not given_up_on_a_hung_ps(error) or (final and attempt + 1 == FINAL_ATTEMPTS):
+                    raise
+                self.pending = True
+                ps = getattr(error.__cause__, "_psclient_ps", None)
+                self.failures.append({"task": getattr(error, "task", None) or (None if ps is None else f"ps:{ps}"),
+                                      "error": f"{type(error).__name__}: {error}", "at": time.time()})
+                _log.warning("%s was given up (%s); nothing was published, it is made again %s", self.what,
+                             str(error).splitlines()[0], "now" if final else "at the callback's next hook")
+                continue
+            self.pending = False
+            return
+
+
+def writes_of(callback, what: str) -> HungPsWrites:
+    """`callback`'s `HungPsWrites`, made at the first call (kept in its `__dict__` under a key of
+    psclient's own: no attribute name to collide with Keras's)."""
+    writes = callback.__dict__.get(_KEY)
+    if writes is None:
+        writes = callback.__dict__[_KEY] = HungPsWrites(what)
+    return writes
+
+
+_KEY = "psclient_hung_ps_writes"

@@ -1,0 +1,80 @@
+"""`psclient.ModelCheckpoint` and `psclient.BackupAndRestore` in `fit` with a ps that hangs at a save
+(SIGSTOPped, a real `LocalCluster`): each save is given up after hang_timeout and noted
+(`failed_saves`), training goes on once the ps answers, and the save is made again. (Each raised out
+of `fit`, ending the training.) `ServingExport`'s case: tests/serving/test_serving_hung_ps.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from _polling import wait_for
+
+keras = pytest.importorskip("keras")
+tf = pytest.importorskip("tensorflow")
+
+import psclient  # noqa: E402
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+HANG_TIMEOUT = 3.0
+LIMIT = 120.0
+
+
+@pytest.mark.parametrize("hung", [0, 1])
+def test_checkpoint_callbacks_go_on_past_a_ps_hung_at_a_save(one_worker_two_ps, restore_shared_clusters, tmp_path,
+                                                             hung):
+    """ps:1 holds the optimizer's step count (read first, bounded since); ps:0 does not (the snapshot
+    gives up)."""
+    cluster = one_worker_two_ps
+    strategy = psclient.ParameterServerStrategy(
+        cluster, hang_timeout=HANG_TIMEOUT,
+        variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2))
+    with strategy.scope():
+        inputs = keras.Input((2,), dtype="int64")
+        table = keras.layers.Embedding(4000, 4, name="table")(inputs)  # a shard on each ps
+        model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(table)))
+        model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
+    x = np.random.default_rng(0).integers(0, 4000, (64, 2))
+    y = (x[:, :1] % 3).astype("float32")
+    checkpoint = psclient.ModelCheckpoint(tmp_path / "ckpts", max_to_keep=10)
+    backup = psclient.BackupAndRestore(str(tmp_path / "backup"))
+
+    class StopPs(keras.callbacks.Callback):  # before both, at the first epoch's end
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                cluster.stop("ps", hung)
+
+    outcome = {}
+
+    def fit():
+        try:
+            model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[StopPs(), checkpoint, backup])
+        except Exception as error:  # noqa: BLE001 - checked below
+            outcome["error"] = error
+
+    fitting = threading.Thread(target=fit, name="fit-under-test")
+    try:
+        fitting.start()
+        try:
+            wait_for(lambda: (checkpoint.failed_saves and backup.failed_saves) or not fitting.is_alive(), LIMIT,
+                     "both saves at the first epoch's end to be given up")
+        finally:
+            cluster.resume("ps", hung)
+            fitting.join(LIMIT)
+        assert not fitting.is_alive(), f"fit did not end after ps:{hung} was resumed"
+        assert "error" not in outcome, repr(outcome.get("error"))
+        for failures in (checkpoint.failed_saves, backup.failed_saves):
+            assert [f["task"] for f in failures] == [f"ps:{hung}"], failures
+            assert f"hang_timeout={HANG_TIMEOUT:g}" in failures[0]["error"] or "no answer within" in failures[0]["error"]
+        # Epoch 1's checkpoint given up, made again at the next batch's end; then epochs 2 and 3.
+        assert len(checkpoint.saved) == 3, checkpoint.saved
+        weights = [w.numpy() for w in model.weights]
+        restored = psclient.ModelCheckpoint(tmp_path / "ckpts").restore(model)
+        assert restored["path"] == checkpoint.saved[-1], restored
+        for before, after in zip(weights, model.weights):
+            np.testing.assert_array_equal(before, after.numpy())
+    finally:
+        strategy.shutdown()
