@@ -174,11 +174,19 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None, patience
             # Tables made before keep their contents across the connection
             # (TF gives this process a new device under the same name).
             tables = _local_tables.export_local_tables()
+            # First to this process's own server alone, then updated to the whole cluster: TF registers
+            # the functions this process traced before (a model fit locally first, psclient's own
+            # module-level functions) on each task an update adds, and on no task at a first
+            # connection, where a call of one on a ps then failed ("'__inference_...' is neither a type
+            # of a primitive operation nor a name of a function registered"). The device filters
+            # count from the first connection on (TF ignores them at an update).
             tf.config.experimental_connect_to_cluster(
-                cluster_spec, job_name=COORDINATOR_JOB, task_index=0, protocol="grpc",
-                cluster_device_filters=filters,
+                tf.train.ClusterSpec({COORDINATOR_JOB: [_coordinator_address]}), job_name=COORDINATOR_JOB,
+                task_index=0, protocol="grpc", cluster_device_filters=filters,
             )
             _local_tables.rebuild_tables(tables)
+            _restrict_coordinator_port(cluster)
+            _update_patiently(cluster, cluster_spec, filters, patience)
         else:
             _restrict_coordinator_port(cluster)  # first: a worker that joins may call back while TF updates
             _update_patiently(cluster, cluster_spec, filters, patience)
