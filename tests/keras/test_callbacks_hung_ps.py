@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 from _polling import wait_for
+from _two_shard_model import two_shard_strategy_and_model
 
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
@@ -29,16 +30,7 @@ def test_checkpoint_callbacks_go_on_past_a_ps_hung_at_a_save(one_worker_two_ps, 
     """ps:1 holds the optimizer's step count (read first, bounded since); ps:0 does not (the snapshot
     gives up)."""
     cluster = one_worker_two_ps
-    strategy = psclient.ParameterServerStrategy(
-        cluster, hang_timeout=HANG_TIMEOUT,
-        variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2))
-    with strategy.scope():
-        inputs = keras.Input((2,), dtype="int64")
-        table = keras.layers.Embedding(4000, 4, name="table")(inputs)  # a shard on each ps
-        model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(table)))
-        model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
-    x = np.random.default_rng(0).integers(0, 4000, (64, 2))
-    y = (x[:, :1] % 3).astype("float32")
+    strategy, model, x, y = two_shard_strategy_and_model(cluster, HANG_TIMEOUT)
     checkpoint = psclient.ModelCheckpoint(tmp_path / "ckpts", max_to_keep=10)
     backup = psclient.BackupAndRestore(str(tmp_path / "backup"))
 

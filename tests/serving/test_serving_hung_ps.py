@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 from _polling import wait_for
+from _two_shard_model import two_shard_strategy_and_model
 
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
@@ -49,16 +50,8 @@ def _export_threads():
 
 
 def _strategy_and_model(cluster, tmp_path):
-    strategy = psclient.ParameterServerStrategy(
-        cluster, hang_timeout=HANG_TIMEOUT,
-        variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2))
-    with strategy.scope():
-        inputs = keras.Input((2,), dtype="int64")
-        table = keras.layers.Embedding(4000, 4, name="table")(inputs)  # a shard on each ps
-        model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(table)))
-        model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
-    x = np.random.default_rng(0).integers(0, 4000, (64, 2))
-    model.fit(x, (x[:, :1] % 3).astype("float32"), batch_size=32, epochs=1, verbose=0)
+    strategy, model, x, y = two_shard_strategy_and_model(cluster, HANG_TIMEOUT)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     return strategy, model, x
 
 
