@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from psclient._core import serving_deltas, serving_dirs
 from psclient._core.serving_dirs import ServingDirError
-from psclient._tf.executors import streamed_function_registrations, streamed_registrations
+from psclient._tf.executors import streamed_function_registrations
 
 __all__ = ["ServedModel", "ServingDirError", "load"]
 
@@ -230,11 +230,14 @@ class ServedModel:
         anything was. What the polling thread calls."""
         changed = False
         # In a process connected to a cluster (a training coordinator that also serves), TF registers
-        # each function of a loaded SavedModel, and each new kind of op a delta runs, on every task of
-        # the cluster first: waited for with the GIL held, one hung worker froze every thread of the
-        # process until it answered (5.5 s in a chaos plan). Streamed, nothing waits on the tasks (the
-        # loader's ops all run here). Without a cluster this changes nothing.
-        with self._refreshing, streamed_registrations():
+        # each function of a loaded SavedModel on every task of the cluster first: waited for with the
+        # GIL held, one hung worker froze every thread of the process until it answered (5.5 s in a
+        # chaos plan). Streamed, nothing waits on the tasks (the loader's ops all run here). Only the
+        # registrations: streaming everything (`streamed_registrations`) at every poll switched TF's
+        # process-wide streaming on several times a second, and the training's own registrations on
+        # a worker that rejoined were then overtaken by its calls (two chaos plans in eight). Without
+        # a cluster this changes nothing.
+        with self._refreshing, streamed_function_registrations():
             while True:
                 served = self._served
                 at = None if served is None else (served.version, served.applied)
