@@ -13,7 +13,7 @@ With --serve-every S every fit also exports the model for serving through the pl
 `psclient.ServingExport` for the whole plan (a full version every 10 S seconds, a delta every S
 seconds), and a loader (`psclient.serving.load`, polling every 0.2 s) in this process from the first
 version on. After the plan, one more fit of a single step ends the chain with what training holds;
-`Served.check` then reads the loader against the cluster model (`Served.check`).
+`Served.check` then compares the loader's version and predictions with the cluster model's.
 """
 
 from __future__ import annotations

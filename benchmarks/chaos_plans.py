@@ -239,10 +239,14 @@ def run_seed(seed: int, args) -> dict:
 
         def sample():  # a coordinator thread that wants to wake every 50 ms
             last = time.monotonic()
+            watched = watch is not None
             while not sampling.wait(0.05):
-                if watch is not None:
-                    watch.stdin.write(b".")
-                    watch.stdin.flush()
+                if watched:
+                    try:
+                        watch.stdin.write(b".")
+                        watch.stdin.flush()
+                    except OSError:  # the watchdog ended (killed): sample on without it
+                        watched = False
                 now = time.monotonic()
                 if now - last - 0.05 > stall[0]:
                     stall[0], stall[1] = now - last - 0.05, now - started
@@ -331,7 +335,10 @@ def run_seed(seed: int, args) -> dict:
             if watch is not None:
                 if sampler.is_alive():
                     sampler.join(5)
-                watch.stdin.close()
+                try:
+                    watch.stdin.close()
+                except OSError:  # it ended already
+                    pass
                 watch.wait(120)
             if faults is not None:
                 for thread in faults.threads:

@@ -18,7 +18,6 @@ The rows of the model's DynamicEmbedding layers are saved by each ps beside
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import keras
@@ -27,6 +26,7 @@ from psclient._coordinator.checkpoints.checkpoint import Checkpoints
 from psclient._coordinator.checkpoints.checkpoint_parts import PsTimeout, on_each_ps
 from psclient._core.errors import PSUnavailableError
 from psclient._coordinator.ps_state import on_ps
+from psclient._coordinator.runtime import ps_index_of
 from psclient._keras.hung_ps_writes import writes_of
 from psclient._keras.step_functions import tf_variable as _tf_variable
 from psclient._keras.trainer import cluster_strategy
@@ -90,11 +90,9 @@ def step_of(model, strategy=None) -> dict[str, int]:
     if optimizer is None:
         return {}
     iterations = optimizer.iterations
-    device = getattr(_tf_variable(iterations), "device", "") or ""
-    found = re.search(r"/job:ps/replica:0/task:(\d+)", device)
-    if strategy is None or found is None:
+    ps = ps_index_of(getattr(_tf_variable(iterations), "device", None))
+    if strategy is None or ps is None:
         return {"step": int(iterations.numpy())}
-    ps = int(found.group(1))
     try:
         value = on_each_ps({ps: iterations.numpy}, timeout=strategy.config.hang_timeout)[ps]
     except PsTimeout as error:

@@ -254,24 +254,27 @@ class ServingExport(keras.callbacks.Callback):
                 and time.monotonic() - self._last_delta >= self.delta_every_seconds)
 
     def on_train_batch_end(self, batch, logs=None):
-        if writes_of(self, _EXPORT).pending or self.due_by_time():
-            writes_of(self, _EXPORT).run(self.export_now)
+        writes = writes_of(self, _EXPORT)
+        if writes.pending or self.due_by_time():
+            writes.run(self.export_now)
         elif self.delta_due():
-            writes_of(self, _EXPORT).run(self.delta_now)
+            writes.run(self.delta_now)
 
     def on_epoch_end(self, epoch, logs=None):
+        writes = writes_of(self, _EXPORT)
         if ((self.every_epochs is not None and (epoch + 1) % self.every_epochs == 0) or self.due_by_time()
-                or writes_of(self, _EXPORT).pending):
-            writes_of(self, _EXPORT).run(self.export_now)
+                or writes.pending):
+            writes.run(self.export_now)
 
     def on_train_end(self, logs=None):
+        writes = writes_of(self, _EXPORT)
         if self.delta_every_seconds is not None:
             try:
-                writes_of(self, _EXPORT).run(self.delta_now, final=True)  # what training ended with is served
+                writes.run(self.delta_now, final=True)  # what training ended with is served
             finally:
                 self._chain_state.stop_writer()
-        elif writes_of(self, _EXPORT).pending:
-            writes_of(self, _EXPORT).run(self.export_now, final=True)
+        elif writes.pending:
+            writes.run(self.export_now, final=True)
         # The cut is kept: a next `fit` (online training, fit after fit) goes on with the same chain.
 
     def release(self) -> None:

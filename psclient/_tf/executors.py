@@ -143,6 +143,7 @@ def streamed_registrations():
 #: .on: whether this thread streams its function registrations (`streamed_function_registrations`).
 _registering = threading.local()
 _hook_lock = threading.Lock()
+_hook_installed = False
 
 
 @contextlib.contextmanager
@@ -177,6 +178,9 @@ def _install_registration_hook() -> None:
     tests/faults/test_first_run_beside_hung_ps.py). A removal nobody waits
     for can go down the stream like a registration.
     """
+    global _hook_installed
+    if _hook_installed:  # read without the lock: every served call passes here (psclient.serving)
+        return
     with _hook_lock:
         for name in ("add_c_function", "add_function_def", "remove_function"):
             stock = getattr(context.Context, name)
@@ -193,6 +197,7 @@ def _install_registration_hook() -> None:
             wrapped._psclient_streamed = True
             wrapped.__doc__, wrapped.__name__ = stock.__doc__, stock.__name__
             setattr(context.Context, name, wrapped)
+        _hook_installed = True
 
 
 @contextlib.contextmanager

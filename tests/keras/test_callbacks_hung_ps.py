@@ -6,12 +6,9 @@ of `fit`, ending the training.) `ServingExport`'s case: tests/serving/test_servi
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
-from _polling import wait_for
-from _two_shard_model import two_shard_strategy_and_model
+from _two_shard_model import fit_with_a_ps_stopped, two_shard_strategy_and_model
 
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
@@ -33,31 +30,9 @@ def test_checkpoint_callbacks_go_on_past_a_ps_hung_at_a_save(one_worker_two_ps, 
     strategy, model, x, y = two_shard_strategy_and_model(cluster, HANG_TIMEOUT)
     checkpoint = psclient.ModelCheckpoint(tmp_path / "ckpts", max_to_keep=10)
     backup = psclient.BackupAndRestore(str(tmp_path / "backup"))
-
-    class StopPs(keras.callbacks.Callback):  # before both, at the first epoch's end
-        def on_epoch_end(self, epoch, logs=None):
-            if epoch == 0:
-                cluster.stop("ps", hung)
-
-    outcome = {}
-
-    def fit():
-        try:
-            model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[StopPs(), checkpoint, backup])
-        except Exception as error:  # noqa: BLE001 - checked below
-            outcome["error"] = error
-
-    fitting = threading.Thread(target=fit, name="fit-under-test")
     try:
-        fitting.start()
-        try:
-            wait_for(lambda: (checkpoint.failed_saves and backup.failed_saves) or not fitting.is_alive(), LIMIT,
-                     "both saves at the first epoch's end to be given up")
-        finally:
-            cluster.resume("ps", hung)
-            fitting.join(LIMIT)
-        assert not fitting.is_alive(), f"fit did not end after ps:{hung} was resumed"
-        assert "error" not in outcome, repr(outcome.get("error"))
+        fit_with_a_ps_stopped(cluster, model, x, y, hung, [checkpoint, backup],
+                              lambda: checkpoint.failed_saves and backup.failed_saves, LIMIT)
         for failures in (checkpoint.failed_saves, backup.failed_saves):
             assert [f["task"] for f in failures] == [f"ps:{hung}"], failures
             assert f"hang_timeout={HANG_TIMEOUT:g}" in failures[0]["error"] or "no answer within" in failures[0]["error"]

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 from _polling import wait_for
-from _two_shard_model import two_shard_strategy_and_model
+from _two_shard_model import fit_with_a_ps_stopped, two_shard_strategy_and_model
 
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
@@ -134,32 +134,9 @@ def test_fit_goes_on_when_a_serving_export_is_given_up_on_a_hung_ps(cluster, tmp
     base_dir = str(tmp_path / "serving")
     strategy, model, x = _strategy_and_model(cluster, tmp_path)
     callback = psclient.ServingExport(base_dir, every_epochs=1, keep=None)
-
-    class StopPs1(keras.callbacks.Callback):  # before the export, at the first epoch's end
-        def on_epoch_end(self, epoch, logs=None):
-            if epoch == 0:
-                cluster.stop("ps", 1)
-
-    outcome = {}
-
-    def fit():
-        try:
-            model.fit(x, (x[:, :1] % 3).astype("float32"), batch_size=32, epochs=3, verbose=0,
-                      callbacks=[StopPs1(), callback])
-        except Exception as error:  # noqa: BLE001 - checked below
-            outcome["error"] = error
-
-    fitting = threading.Thread(target=fit, name="fit-under-test")
-    fitting.start()
     try:
-        wait_for(lambda: callback.failed_exports or not fitting.is_alive(), LIMIT,
-                 "the export at the first epoch's end to be given up")
-    finally:
-        cluster.resume("ps", 1)
-        fitting.join(LIMIT)
-    try:
-        assert not fitting.is_alive(), "fit did not end after ps:1 was resumed"
-        assert "error" not in outcome, repr(outcome.get("error"))
+        fit_with_a_ps_stopped(cluster, model, x, (x[:, :1] % 3).astype("float32"), 1, [callback],
+                              lambda: callback.failed_exports, LIMIT)
         assert [f["task"] for f in callback.failed_exports] == ["ps:1"], callback.failed_exports
         assert f"hang_timeout={HANG_TIMEOUT:g}" in callback.failed_exports[0]["error"]
         # Epoch 1's export given up, made again at the next batch's end; then epochs 2 and 3: nothing
