@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from psclient._core import serving_deltas, serving_dirs
 from psclient._core.serving_dirs import ServingDirError
-from psclient._tf.executors import streamed_function_registrations
+from psclient._tf.executors import eager_ops_as_themselves, streamed_function_registrations
 
 __all__ = ["ServedModel", "ServingDirError", "load"]
 
@@ -246,14 +246,18 @@ class ServedModel:
                 step = serving_deltas.next_step(at, fulls, chain, self._gap_handled)
                 if step.kind == "wait":
                     return changed
-                if step.kind == "load":
-                    if step.gap is not None:
-                        self._stats["gaps"] += 1
-                        self._gap_handled = (at[0], step.gap) if step.version == at[0] else None
-                    self._load(step.version)
-                else:
-                    self._apply(served, os.path.join(serving_deltas.chain_dir(self.base_dir, step.version),
-                                                     str(step.seq)))
+                # Its eager ops (a load's variables, a delta's reads and writes) run unwrapped: TF
+                # registers each new kind of wrapped op on every task first, and a hung worker held
+                # a load until it answered (`eager_ops_as_themselves`).
+                with eager_ops_as_themselves():
+                    if step.kind == "load":
+                        if step.gap is not None:
+                            self._stats["gaps"] += 1
+                            self._gap_handled = (at[0], step.gap) if step.version == at[0] else None
+                        self._load(step.version)
+                    else:
+                        self._apply(served, os.path.join(serving_deltas.chain_dir(self.base_dir, step.version),
+                                                         str(step.seq)))
                 changed = True
 
     def _load(self, version: int) -> None:

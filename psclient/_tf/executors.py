@@ -9,7 +9,9 @@ that traces as it goes (an export) streams its registrations only
 (`streamed_function_registrations`, which wraps TF's `Context.add_c_function`,
 `add_function_def` and `remove_function`: TF internals). Once connected, every
 thread's removals of dropped functions are streamed too: a garbage collection
-can drop one anywhere, a `schedule()` included.
+can drop one anywhere, a `schedule()` included. Eager ops that TF would wrap in
+a function of their own, registered on every task from inside its C++, can run
+as themselves for a while (`eager_ops_as_themselves`, a serving loader's).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context, executor
 
 __all__ = [
+    "eager_ops_as_themselves",
     "executor_scope",
     "function_not_registered_yet",
     "local_device_in_force",
@@ -138,6 +141,44 @@ def streamed_registrations():
             _streamed_traces -= 1
             if not _streamed_traces:
                 os.environ[_STREAMING_ENV] = str(_calls_stream)
+
+
+#: Threads inside `eager_ops_as_themselves`, and the lock that guards the count and TF's switch.
+_unwrapped_users = 0
+_unwrapped_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def eager_ops_as_themselves():
+    """Inside (while any thread is), TF runs each eager op as itself, not wrapped in a one-op
+    function (TF's "run eager op as function", on by default).
+
+    TF registers each wrapping function, one per new kind of op (op, dtypes, shapes), on every
+    task of the cluster the process is connected to, with an RPC per task that it waits for,
+    also for an op that runs here: loading a SavedModel in a connected coordinator (a serving
+    loader) waited for a SIGSTOPped worker for as long as it hung (60 s, its watchdog; 0.13 s
+    with this switch off). Unwrapped, a local op touches no task, and a remote one is sent as
+    an op. The switch is TF's own and process-wide (`TFE_ContextSetRunEagerOpAsFunction`):
+    other threads' eager ops meanwhile run unwrapped too, which TF supports as well.
+    """
+    global _unwrapped_users
+    with _unwrapped_lock:
+        if not _unwrapped_users:
+            _set_run_eager_op_as_function(False)
+        _unwrapped_users += 1
+    try:
+        yield
+    finally:
+        with _unwrapped_lock:
+            _unwrapped_users -= 1
+            if not _unwrapped_users:
+                _set_run_eager_op_as_function(context.run_eager_op_as_function_enabled())
+
+
+def _set_run_eager_op_as_function(on: bool) -> None:
+    ctx = context.context()
+    ctx.ensure_initialized()
+    pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction(ctx._handle, on)
 
 
 #: .on: whether this thread streams its function registrations (`streamed_function_registrations`).

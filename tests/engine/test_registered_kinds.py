@@ -36,3 +36,33 @@ def test_read_kinds_are_made_once_and_never_under_a_tasks_device(monkeypatch):
     assert (dtype, 3) in executors._read_kinds and len(made) == 1
     executors.register_read_kinds(dtype, 3)  # made once: nothing more
     assert len(made) == 1
+
+
+def test_eager_ops_run_as_themselves_while_any_thread_asks_and_wrapped_again_after(monkeypatch):
+    import threading
+
+    switched = []  # TF's switch, each time it is set
+    monkeypatch.setattr(executors, "_set_run_eager_op_as_function", switched.append)
+    inside, leave = threading.Event(), threading.Event()
+
+    def other_thread():
+        with executors.eager_ops_as_themselves():
+            inside.set()
+            leave.wait(30)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        with executors.eager_ops_as_themselves():  # a second user: TF's switch is left alone
+            assert switched == [False]
+        assert switched == [False], "unwrapped while the other thread is still inside"
+    finally:
+        leave.set()
+        thread.join(30)
+    assert switched == [False, True] and executors._unwrapped_users == 0
+    # And for real: an op of a kind new to this process runs, and runs wrapped again after.
+    monkeypatch.undo()
+    with executors.eager_ops_as_themselves():
+        assert int(tf.raw_ops.PopulationCount(x=tf.constant(7, tf.int16))) == 3
+    assert int(tf.raw_ops.PopulationCount(x=tf.constant(15, tf.uint16))) == 4

@@ -296,9 +296,12 @@ def test_keras_fit_starts_while_a_worker_hangs(data):
 
 
 def test_a_serving_loader_in_the_coordinator_while_a_worker_hangs(heal, tmp_path):
-    """`psclient.serving.load` in a process connected to the cluster (a coordinator that also serves):
-    TF registers each function of the SavedModel it loads on every task first. Waited for with the
-    GIL held, a hung worker froze the coordinator (5.5 s in a chaos plan with ServingExport)."""
+    """`psclient.serving.load` in a process connected to the cluster (a coordinator that also serves),
+    of a full version and its deltas. TF registers each function of the SavedModel it loads, and
+    each new kind of eager op it runs (wrapped in a one-op function), on every task first. Waited
+    for with the GIL held, a hung worker froze the coordinator (5.5 s in a chaos plan with
+    ServingExport); waited for without it, the load itself waited for the worker until it answered
+    (here the watchdog's 20 s)."""
     import keras
     import numpy as np
 
@@ -313,15 +316,21 @@ def test_a_serving_loader_in_the_coordinator_while_a_worker_hangs(heal, tmp_path
             model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(embedded)))
             model.compile(optimizer="adagrad", loss="mse")
         x = np.arange(64, dtype=np.int64)[:, None]
-        model.fit(x, (x % 3).astype("float32"), batch_size=16, epochs=1, verbose=0)
         base = str(tmp_path / "serving")
-        psclient.export_servable(model, base)
+        export = psclient.ServingExport(base, every_epochs=100, delta_every_seconds=0.01)
+        # One full version at the start, then a delta at (nearly) every batch's end and the fit's end.
+        model.fit(x, (x % 3).astype("float32"), batch_size=16, epochs=2, verbose=0, callbacks=[export])
+        assert export.deltas, "no delta written"
         with Heartbeat() as beat, stopped(cluster, "worker", 2, watchdog_s=WATCHDOG_S):
+            started = time.monotonic()
             loader = psclient.serving.load(base, poll_seconds=None)
+            loaded_s = time.monotonic() - started
             served = loader(tf.constant(x[:8])).numpy()
         loader.close()
+        assert loader.version == (1, len(export.deltas)), (loader.version, len(export.deltas))
         np.testing.assert_allclose(served, model.predict(x[:8], verbose=0), atol=1e-6)
         assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s"
+        assert loaded_s < WATCHDOG_S / 2, f"the load took {loaded_s:.1f} s: it waited for the hung worker"
     finally:
         cluster.resume("worker", 2)
         strategy.shutdown()
