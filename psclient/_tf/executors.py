@@ -392,7 +392,7 @@ def until_registered(build: Callable[[], Any], attempts: int = 25) -> Any:
     for attempt in range(attempts):
         try:
             return build()
-        except tf.errors.NotFoundError as error:
+        except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as error:
             if attempt + 1 == attempts or not function_not_registered_yet(error):
                 raise
         time.sleep(min(0.5, 0.01 * 2 ** attempt))
@@ -405,9 +405,12 @@ def function_not_registered_yet(error: BaseException) -> bool:
     Registrations travel down each task's stream without being waited for
     (see `connect`); a dispatcher's call travels its own way and can arrive first.
     """
-    if not isinstance(error, tf.errors.NotFoundError):
-        return False
-    return _NOT_REGISTERED.search(str(error)) is not None
+    if isinstance(error, tf.errors.NotFoundError):
+        return _NOT_REGISTERED.search(str(error)) is not None
+    # A function the called one calls (a conditional's branch) that has not arrived yet: the
+    # worker finds the call's function, then fails building its graph with InvalidArgumentError
+    # (a seeded chaos plan: a step's first call on a rejoined worker failed for good so).
+    return isinstance(error, tf.errors.InvalidArgumentError) and _NOT_REGISTERED_INSIDE.search(str(error)) is not None
 
 
 # The worker looks the call up as an op type (TF's OpRegistry: "Op type not
@@ -418,4 +421,8 @@ def function_not_registered_yet(error: BaseException) -> bool:
 _NOT_REGISTERED = re.compile(
     r"Op type not registered '|Unable to find Function(?:Def)? (?:with name:|for )"
     r"|is neither a type of a primitive operation nor a name of a function registered"
+)
+# A function that the called one calls, as the worker words it when it builds the call's graph.
+_NOT_REGISTERED_INSIDE = re.compile(
+    r"Op type not registered '|is neither a type of a primitive operation nor a name of a function registered"
 )

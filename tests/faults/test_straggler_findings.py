@@ -59,4 +59,11 @@ def test_the_primitive_operation_wording_counts_as_not_registered_yet():
     assert function_not_registered_yet(tf.errors.NotFoundError(None, None, seen))
     assert function_not_registered_yet(tf.errors.NotFoundError(None, None, "Op type not registered 'f'"))
     assert not function_not_registered_yet(tf.errors.NotFoundError(None, None, "/tmp/x: No such file"))
-    assert not function_not_registered_yet(tf.errors.InvalidArgumentError(None, None, seen))
+    # A function the called one calls, not arrived yet: the worker fails building the call's graph
+    # (seen in a seeded chaos plan, a step's first call on a rejoined worker).
+    inside = ("Op type not registered 'functional_3_1_chaos_table_1_cond_1_false_84632' in binary running "
+              "on vm. Make sure the Op and Kernel are registered in the binary running in this process.")
+    assert function_not_registered_yet(tf.errors.InvalidArgumentError(None, None, inside))
+    assert function_not_registered_yet(tf.errors.InvalidArgumentError(None, None, seen))
+    assert not function_not_registered_yet(tf.errors.InvalidArgumentError(None, None, "Unable to find Function 'f'"))
+    assert not function_not_registered_yet(tf.errors.InvalidArgumentError(None, None, "Incompatible shapes"))
