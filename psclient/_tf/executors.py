@@ -418,7 +418,8 @@ def function_not_registered_yet(error: BaseException) -> bool:
 # is neither a type of a primitive operation nor a name of a function
 # registered in binary ...") or in its function library ("Unable to find
 # Function(Def) with name: ...").
-_OP_NOT_REGISTERED = r"Op type not registered '|is neither a type of a primitive operation nor a name of a function registered"
+_OP_NOT_REGISTERED = (r"Op type not registered '"
+                      r"|is neither a type of a primitive operation nor a name of a function registered")
 _NOT_REGISTERED = re.compile(_OP_NOT_REGISTERED + r"|Unable to find Function(?:Def)? (?:with name:|for )")
 # A function that the called one calls, as the worker words it when it builds the call's graph.
 _NOT_REGISTERED_INSIDE = re.compile(_OP_NOT_REGISTERED)

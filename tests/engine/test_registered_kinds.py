@@ -61,7 +61,8 @@ def test_eager_ops_run_as_themselves_while_any_thread_asks_and_wrapped_again_aft
         leave.set()
         thread.join(30)
     assert switched == [False, True] and executors._unwrapped_users == 0
-    # And for real: an op of a kind new to this process runs, and runs wrapped again after.
+    # And for real, with TF's switch: an op of a kind new to this process runs inside, and another
+    # after it (the switch set back; which way TF runs an op is not visible from here).
     monkeypatch.undo()
     with executors.eager_ops_as_themselves():
         assert int(tf.raw_ops.PopulationCount(x=tf.constant(7, tf.int16))) == 3

@@ -330,7 +330,8 @@ def test_a_serving_loader_in_the_coordinator_while_a_worker_hangs(heal, tmp_path
         assert loader.version == (1, len(export.deltas)), (loader.version, len(export.deltas))
         np.testing.assert_allclose(served, model.predict(x[:8], verbose=0), atol=1e-6)
         assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s"
-        assert loaded_s < WATCHDOG_S / 2, f"the load and a first call took {loaded_s:.1f} s: they waited for the hung worker"
+        assert loaded_s < WATCHDOG_S / 2, \
+            f"the load and a first call took {loaded_s:.1f} s: they waited for the hung worker"
     finally:
         cluster.resume("worker", 2)
         strategy.shutdown()
