@@ -14,6 +14,7 @@ each step reads its number once, so its rows and its tally agree.)
 
 import concurrent.futures
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -515,9 +516,11 @@ def test_a_worker_hung_during_the_copy_is_taken_out_before_the_copy_ends(cluster
     its start until the worker is out; training goes on meanwhile; the checkpoint holds its cut."""
     copying, release = threading.Event(), threading.Event()
     copy_in_chunks = stages.copy_in_chunks
+    held_since = []
 
     def held(variable, stage, rows, chunk, stop=None):
         """A copy that goes on (it asks `stop` as between chunks) until released."""
+        held_since.append(time.monotonic())
         copying.set()
         for _ in range(1200):  # at most 120 s
             if release.wait(0.1):
@@ -543,6 +546,10 @@ def test_a_worker_hung_during_the_copy_is_taken_out_before_the_copy_ends(cluster
             done = strategy.stats()["workers"][0]["done"]
             wait_for(lambda: strategy.stats()["workers"][0]["done"] > done + 2, 60, "steps on worker 0 during the copy")
             assert not saved.done() and not release.is_set()
+            # Held past hang_timeout for certain: the take-out can come a little under hang_timeout
+            # after the stop (the heartbeat counts from its last answer), so the copy too (2.96 s once).
+            hold_until = held_since[0] + 3.0 + 0.5
+            threading.Event().wait(max(0.0, hold_until - time.monotonic()))
             release.set()
             path = saved.result(timeout=120)
         training.stop()
