@@ -30,6 +30,7 @@ from tensorflow.python.eager import context, executor
 
 __all__ = [
     "eager_ops_as_themselves",
+    "eager_ops_as_themselves_from_now",
     "executor_scope",
     "function_not_registered_yet",
     "local_device_in_force",
@@ -173,6 +174,28 @@ def eager_ops_as_themselves():
             _unwrapped_users -= 1
             if not _unwrapped_users:
                 _set_run_eager_op_as_function(context.run_eager_op_as_function_enabled())
+
+
+def eager_ops_as_themselves_from_now() -> None:
+    """From now on, for the rest of the process, TF runs each eager op as itself
+    (`eager_ops_as_themselves`, entered for good): a connected coordinator's.
+
+    Any new kind of eager op the coordinator's process runs, psclient's own or the user's
+    (a callback's, a metric computed between fits, a SavedModel loaded), otherwise waited for
+    every task, a hung one for as long as it hung (36 s for a `tf.linalg.det` after a fit,
+    until a watchdog resumed the worker; taken out of training or not, TF's view keeps it).
+    """
+    global _unwrapped_for_good, _unwrapped_users
+    with _unwrapped_lock:
+        if _unwrapped_for_good:
+            return
+        _unwrapped_for_good = True
+        if not _unwrapped_users:
+            _set_run_eager_op_as_function(False)
+        _unwrapped_users += 1  # never taken back: the switch stays off
+
+
+_unwrapped_for_good = False
 
 
 def _set_run_eager_op_as_function(on: bool) -> None:

@@ -43,6 +43,9 @@ def test_eager_ops_run_as_themselves_while_any_thread_asks_and_wrapped_again_aft
 
     switched = []  # TF's switch, each time it is set
     monkeypatch.setattr(executors, "_set_run_eager_op_as_function", switched.append)
+    # As in a process never connected (a connection leaves the switch off for good, below).
+    monkeypatch.setattr(executors, "_unwrapped_users", 0)
+    monkeypatch.setattr(executors, "_unwrapped_for_good", False)
     inside, leave = threading.Event(), threading.Event()
 
     def other_thread():
@@ -67,3 +70,19 @@ def test_eager_ops_run_as_themselves_while_any_thread_asks_and_wrapped_again_aft
     with executors.eager_ops_as_themselves():
         assert int(tf.raw_ops.PopulationCount(x=tf.constant(7, tf.int16))) == 3
     assert int(tf.raw_ops.PopulationCount(x=tf.constant(15, tf.uint16))) == 4
+
+
+def test_once_connected_eager_ops_run_as_themselves_for_good(monkeypatch):
+    """A connection switches TF's wrapping off for the rest of the process (a new kind of op
+    after a fit waited 36 s for a hung worker): a later user leaving does not switch it back."""
+    switched = []
+    monkeypatch.setattr(executors, "_set_run_eager_op_as_function", switched.append)
+    monkeypatch.setattr(executors, "_unwrapped_users", 0)
+    monkeypatch.setattr(executors, "_unwrapped_for_good", False)
+    with executors.eager_ops_as_themselves():
+        executors.eager_ops_as_themselves_from_now()
+        executors.eager_ops_as_themselves_from_now()  # a second connection: nothing more
+    assert switched == [False] and executors._unwrapped_users == 1
+    with executors.eager_ops_as_themselves():
+        pass
+    assert switched == [False], "switched back on after a connection"

@@ -335,3 +335,36 @@ def test_a_serving_loader_in_the_coordinator_while_a_worker_hangs(heal, tmp_path
     finally:
         cluster.resume("worker", 2)
         strategy.shutdown()
+
+
+def test_a_new_kind_of_eager_op_after_fit_while_a_worker_hangs(heal):
+    """What a script runs between fits (a metric of its own, a check of the weights): an eager
+    op of a kind new to the process waited for a hung worker until it answered (36 s of a
+    `tf.linalg.det`, until the watchdog resumed the worker, the worker taken out of training or
+    not): TF wrapped it in a one-op function registered on every task. A connected coordinator
+    runs its eager ops unwrapped (`psclient._tf.executors.eager_ops_as_themselves_from_now`)."""
+    import keras
+    import numpy as np
+
+    cluster = heal
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=HANG_TIMEOUT)
+    try:
+        with strategy.scope():
+            model = keras.Sequential([keras.Input([8]), keras.layers.Dense(4), keras.layers.Dense(1)])
+            model.compile(optimizer="adam", loss="mse")
+        x = np.random.default_rng(0).normal(size=(128, 8)).astype("float32")
+        model.fit(x, x.sum(axis=1, keepdims=True), batch_size=16, epochs=1, verbose=0)
+        with Heartbeat() as beat, stopped(cluster, "worker", 2, watchdog_s=WATCHDOG_S):
+            started = time.monotonic()
+            # Kinds no other test of this process runs: an op, dtype and shape of their own.
+            value = tf.raw_ops.Igammac(a=tf.constant([1.5, 2.5, 3.5], tf.float64),
+                                       x=tf.constant([1.0, 1.0, 1.0], tf.float64))
+            total = float(tf.reduce_sum(value).numpy())
+            weights = model.get_weights()
+            ran_s = time.monotonic() - started
+        assert 0.0 < total < 3.0 and len(weights) == 4
+        assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s"
+        assert ran_s < WATCHDOG_S / 2, f"the ops took {ran_s:.1f} s: they waited for the hung worker"
+    finally:
+        cluster.resume("worker", 2)
+        strategy.shutdown()
