@@ -40,9 +40,14 @@ import psclient
 if sys.argv[1] == "kill":
     # TF-internal: the keep-alive after which the tasks drop a silent
     # coordinator's context (TF's 600 s otherwise). Until then they keep
-    # talking to each other for it, so they are not idle.
+    # talking to each other for it, so they are not idle. The module constant
+    # alone did not take: TF's set_server_def and update_server_def took it as
+    # their default when defined (the tasks kept the context 600 s, the test
+    # timed out waiting 120 s for the restart).
     from tensorflow.python.eager import context
     context._KEEP_ALIVE_SECS = 5
+    context.Context.set_server_def.__defaults__ = (5,)
+    context.Context.update_server_def.__defaults__ = (5,)
 strategy = psclient.ParameterServerStrategy(psclient.Cluster.from_env())
 with strategy.scope():
     table = tf.Variable(tf.zeros([256, 1024]))  # 1 MiB on the ps
