@@ -145,10 +145,6 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None, patience
     os.environ["GRPC_FAIL_FAST"] = "true"
     _executors.set_streaming_env(bool(streaming_enqueue))
     os.environ["TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY"] = "True"
-    # - Each eager op runs as itself, not wrapped in a one-op function that TF
-    #   registers on every task and waits for: a new kind of op, a user's
-    #   between fits included, waited for a hung worker for as long as it hung
-    #   (set once connected, below).
 
     check_tensorflow_version(tf.__version__)
     spec: dict = cluster.training_spec()
@@ -195,6 +191,9 @@ def connect(cluster: Cluster, *, streaming_enqueue: bool, workers=None, patience
             _restrict_coordinator_port(cluster)  # first: a worker that joins may call back while TF updates
             _update_patiently(cluster, cluster_spec, filters, patience)
         _restrict_coordinator_port(cluster)
+        # Each eager op runs as itself from now on, not wrapped in a one-op function that TF
+        # registers on every task and waits for: a new kind of op (a user's between fits too)
+        # waited for a hung worker for as long as it hung.
         _executors.eager_ops_as_themselves_from_now()
 
 

@@ -147,6 +147,8 @@ def streamed_registrations():
 #: Threads inside `eager_ops_as_themselves`, and the lock that guards the count and TF's switch.
 _unwrapped_users = 0
 _unwrapped_lock = threading.Lock()
+#: Whether `eager_ops_as_themselves_from_now` counted itself among those users, for good.
+_unwrapped_for_good = False
 
 
 @contextlib.contextmanager
@@ -193,9 +195,6 @@ def eager_ops_as_themselves_from_now() -> None:
         if not _unwrapped_users:
             _set_run_eager_op_as_function(False)
         _unwrapped_users += 1  # never taken back: the switch stays off
-
-
-_unwrapped_for_good = False
 
 
 def _set_run_eager_op_as_function(on: bool) -> None:
