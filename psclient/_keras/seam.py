@@ -52,6 +52,7 @@ _TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer.TFOptimizer"
 _BASE_OPTIMIZER = "keras.src.optimizers.base_optimizer.BaseOptimizer"
 _ADAGRAD = "keras.src.optimizers.adagrad.Adagrad"
 _ADAFACTOR = "keras.src.optimizers.adafactor.Adafactor"
+_ADAM = "keras.src.optimizers.adam.Adam"
 _BATCH_NORM = "keras.src.layers.normalization.batch_normalization.BatchNormalization"
 
 
@@ -115,6 +116,11 @@ KERAS_INTERNALS: tuple[Internal, ...] = (
              "only, with Keras's arithmetic, not sqrt(accumulator + epsilon) over the whole table"),
     Internal(f"{_ADAGRAD}._accumulators", "Adagrad's accumulators, one per weight: the rows to gather",
              kind="instance"),
+    Internal(f"{_ADAM}.update_step",
+             "patched: a dense gradient of a ps variable (or shard) is applied with TF's ResourceApplyAdam, "
+             "one kernel for the weight and both slots (psclient._keras.fused_adam)"),
+    Internal(f"{_ADAM}._momentums", "Adam's first moments, one per weight", kind="instance"),
+    Internal(f"{_ADAM}._velocities", "Adam's second moments, one per weight", kind="instance"),
     Internal(f"{_ADAFACTOR}.update_step",
              "patched: a partitioned variable's update runs shard by shard on each shard's ps, the "
              "whole-variable means added up from per-shard sums (psclient._keras.adafactor)"),

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from psclient._keras import seam
 
-__all__ = ["install"]
+__all__ = ["install", "ps_variable"]
 
 
 def install() -> None:
@@ -53,13 +53,13 @@ def install() -> None:
         epsilon, initial = self.epsilon, self.initial_accumulator_value
         if (
             not isinstance(gradient, tf.IndexedSlices)
-            or _ps_rows_variable(variable) is None
+            or ps_variable(variable) is None
             or not (isinstance(epsilon, numbers.Real) and epsilon > 0)
             or not (isinstance(initial, numbers.Real) and initial >= 0)
         ):
             return stock(self, gradient, variable, learning_rate)
         accumulator = seam.internal(self, "_accumulators")[self._get_variable_index(variable)]
-        table = _ps_rows_variable(accumulator)
+        table = ps_variable(accumulator)
         if table is None:
             return stock(self, gradient, variable, learning_rate)
         lr = ops.cast(learning_rate, variable.dtype)
@@ -83,7 +83,7 @@ def install() -> None:
     Adagrad.update_step = update_step
 
 
-def _ps_rows_variable(variable):
+def ps_variable(variable):
     """The `tf.Variable` an optimizer update of `variable` writes if it is on a ps task, else None.
 
     `variable`: a Keras variable or its value (what Keras's TF optimizer

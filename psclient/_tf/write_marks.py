@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from psclient._tf import context as _context
 
-__all__ = ["WriteMarks", "attach", "marks_of", "unmarked"]
+__all__ = ["WriteMarks", "attach", "marking", "marks_of", "unmarked"]
 
 _SPARSE = ("scatter_add", "scatter_sub", "scatter_update", "scatter_max", "scatter_min", "scatter_mul",
            "scatter_div")
@@ -150,7 +150,8 @@ def unmarked():
         _unmarked.active = before
 
 
-def _marking() -> bool:
+def marking() -> bool:
+    """Whether writes made (or traced) by this thread now are marked (not inside `unmarked()`)."""
     return not getattr(_unmarked, "active", False)
 
 
@@ -158,7 +159,7 @@ def _sparse(write: Callable, marks: WriteMarks, rows_of: Callable) -> Callable:
     @functools.wraps(write)
     def method(what, *args, **kwargs):
         result = write(what, *args, **kwargs)
-        if _marking():
+        if marking():
             marks.mark_rows(rows_of(what), result)
         return result
     return method
@@ -168,7 +169,7 @@ def _dense(write: Callable, marks: WriteMarks) -> Callable:
     @functools.wraps(write)
     def method(*args, **kwargs):
         result = write(*args, **kwargs)
-        if _marking():
+        if marking():
             marks.mark_whole(result)
         return result
     return method

@@ -48,6 +48,7 @@ def test_listed_instance_attributes_exist_on_instances(tmp_path):
         "keras.src.optimizers.base_optimizer.BaseOptimizer": ema,
         "keras.src.optimizers.adagrad.Adagrad": adagrad,
         "keras.src.optimizers.adafactor.Adafactor": adafactor,
+        "keras.src.optimizers.adam.Adam": ema,
     }
     instance_entries = [e for e in seam.KERAS_INTERNALS if e.kind == "instance"]
     assert instance_entries

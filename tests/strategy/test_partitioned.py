@@ -188,6 +188,8 @@ def test_update_of_each_shard_runs_on_its_ps(cluster, name):
         for op, device in touching:
             if op.type in ("ReadVariableOp", "ResourceGather"):  # a read (Adagrad's sparse update gathers rows)
                 neighbours = [consumer for consumer in op.outputs[0].consumers()]
+            elif op.type == "ResourceApplyAdam":  # computes what it writes (psclient._keras.fused_adam)
+                neighbours = [op]
             else:  # a write (Assign*, ResourceScatter*): the value written is computed there
                 neighbours = [t.op for t in op.inputs[-1:] if t.op.type != "Const"]
             assert neighbours and all(on(other, device) for other in neighbours), (

@@ -35,6 +35,8 @@ pytestmark = pytest.mark.timeout(600)
 WRITES = {
     "AssignVariableOp": 1, "AssignAddVariableOp": 1, "AssignSubVariableOp": 1,
     "ResourceScatterAdd": 2, "ResourceScatterSub": 2, "ResourceScatterUpdate": 2,
+    # One kernel computes and writes the weight and both slots (psclient._keras.fused_adam).
+    "ResourceApplyAdam": None,
 }
 #: Ops whose output is a variable's value (or some of its rows).
 READS = {"ReadVariableOp", "ResourceGather"}
@@ -90,18 +92,22 @@ def make_step(model, optimizer):
     return train_step
 
 
+#: Adam's one-kernel update on the ps (psclient._keras.fused_adam) forms 1 - beta in float32, where
+#: Keras forms it in Python floats: with betas that float32 holds exactly, both round alike.
+#: The defaults' difference is test_fused_adam_with_default_betas_is_adam_with_float32_betas's.
+FLOAT32_BETAS = {"beta_1": float(np.float32(0.9)), "beta_2": float(np.float32(0.999))}
 OPTIMIZERS = {
     "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
     "sgd_nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
-    "adam": lambda: keras.optimizers.Adam(1e-2),
-    "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.05),
+    "adam": lambda: keras.optimizers.Adam(1e-2, **FLOAT32_BETAS),
+    "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.05, **FLOAT32_BETAS),
     "adagrad": lambda: keras.optimizers.Adagrad(0.1),
     "rmsprop": lambda: keras.optimizers.RMSprop(1e-2, momentum=0.9, centered=True),
     "adafactor": lambda: keras.optimizers.Adafactor(0.05),
     "lion": lambda: keras.optimizers.Lion(1e-3),
     "ftrl": lambda: keras.optimizers.Ftrl(0.1, l1_regularization_strength=1e-3, l2_regularization_strength=1e-3),
     "nadam": lambda: keras.optimizers.Nadam(1e-2),
-    "adam_ema": lambda: keras.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=4),
+    "adam_ema": lambda: keras.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=4, **FLOAT32_BETAS),
     "sgd": lambda: keras.optimizers.SGD(0.5),
 }
 
@@ -139,16 +145,25 @@ class StepGraph:
         return "worker"
 
     def variable(self, op):
-        for tensor in op.inputs:
-            if tensor.dtype == tf.resource and tensor.name in self.resources:
-                return self.resources[tensor.name][1]
-        return None
+        found = self.variables(op)
+        return found[0] if found else None
+
+    def variables(self, op) -> list:
+        return [self.resources[tensor.name][1] for tensor in op.inputs
+                if tensor.dtype == tf.resource and tensor.name in self.resources
+                and self.resources[tensor.name][1] is not None]
+
+    def variables_of(self, variables) -> list:
+        """Those of `variables` this graph captured."""
+        captured = {id(v) for _, v in self.resources.values() if v is not None}
+        return [v for v in variables if id(v) in captured]
 
     def writes(self, variables):
-        """(op, variable) for each op writing one of `variables`."""
+        """(op, variable) for each op writing one of `variables` (a fused update: each it writes)."""
         wanted = {id(v) for v in variables}
         return [(op, v) for op in self.ops if op.type in WRITES
-                for v in [self.variable(op)] if v is not None and id(v) in wanted]
+                for v in (self.variables(op) if WRITES[op.type] is None else [self.variable(op)])
+                if v is not None and id(v) in wanted]
 
     def crossing(self) -> dict[tuple[str, str], int]:
         """Bytes per (from task, to task) of the tensors that cross, each counted once per receiver."""
@@ -188,10 +203,10 @@ def assert_updates_on_ps(graph: StepGraph, model, optimizer):
     for op, variable in writes:
         home = _task(_tf_variable(variable).device)
         assert home.startswith("ps")
-        value = op.inputs[WRITES[op.type]]
-        assert (graph.task(op), graph.task(value.op)) == (home, home), (
-            f"{variable.path}: {op.type} on {graph.task(op)}, its value {value.op.type} "
-            f"computed on {graph.task(value.op)}; expected both on {home}"
+        value = op if WRITES[op.type] is None else op.inputs[WRITES[op.type]].op  # fused: computed in the op
+        assert (graph.task(op), graph.task(value)) == (home, home), (
+            f"{variable.path}: {op.type} on {graph.task(op)}, its value {value.type} "
+            f"computed on {graph.task(value)}; expected both on {home}"
         )
     for op in graph.ops:
         variable = graph.variable(op)
@@ -232,6 +247,18 @@ def test_updates_run_on_the_ps_and_equal_local_keras(strategy, name, kind):
     assert all(_task(_tf_variable(v).device) != "worker" for v in model.variables + optimizer.variables)
     graph = StepGraph(concrete, list(model.trainable_variables) + list(optimizer.variables))
     assert_updates_on_ps(graph, model, optimizer)
+    fused = [op for op in graph.ops if op.type == "ResourceApplyAdam"]
+    if name in ("adam", "adamw", "adam_ema"):
+        # One kernel per weight with a dense gradient, writing it and its two slots
+        # (psclient._keras.fused_adam); an embedding table's IndexedSlices keep Keras's ops.
+        dense = [w for w in model.trainable_variables if kind == "dense" or w is not model.layers[0].embeddings]
+        slots = [slot for w in dense for slot in (optimizer._momentums[optimizer._get_variable_index(w)],
+                                                  optimizer._velocities[optimizer._get_variable_index(w)])]
+        assert len(fused) == len(dense)
+        assert {id(v) for op in fused for v in graph.variables(op)} == {
+            id(v) for v in graph.variables_of(dense + slots)}
+    else:
+        assert not fused
     if kind == "embedding":
         table = model.layers[0].embeddings
         table_writes = {op.type for op, _ in graph.writes([table])}
@@ -243,7 +270,8 @@ def test_updates_run_on_the_ps_and_equal_local_keras(strategy, name, kind):
         strategy.schedule(step, args=(x, y)).result(timeout=120)
     got = model.get_weights()
     # Keras's own ops, run on the ps instead of the worker: bit-identical here
-    # (the same kernels on the same CPU); the tolerance only allows another
+    # (the same kernels on the same CPU), but for Adam's one-kernel update, which
+    # forms 1 - beta_1 in float32 (a few ulps); the tolerance also allows another
     # kernel choice where ps and worker machines differ.
     for g, e, i in zip(got, expected, initial):
         np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-7)
@@ -279,7 +307,7 @@ def test_fit_train_function_updates_on_the_ps_and_equals_local_fit(strategy):
         return tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
 
     def compiled(model):
-        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=LOSS)
+        model.compile(optimizer=keras.optimizers.Adam(1e-2, **FLOAT32_BETAS), loss=LOSS)
         return model
 
     keras.utils.set_random_seed(2)
@@ -322,7 +350,7 @@ def test_fit_with_a_loss_scale_optimizer_equals_local_fit(strategy, policy):
         return tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
 
     def compiled(model):
-        optimizer = keras.optimizers.Adam(1e-2)
+        optimizer = keras.optimizers.Adam(1e-2, **FLOAT32_BETAS)
         if policy == "float32":
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=2.0**10, dynamic_growth_steps=2)
         model.compile(optimizer=optimizer, loss=LOSS)
@@ -357,6 +385,66 @@ def test_fit_with_a_loss_scale_optimizer_equals_local_fit(strategy, policy):
                                                            _tf_variable(model.optimizer.step_counter)))
     for got, expected in zip(weights, local_weights):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_adam_with_default_betas_is_adam_with_float32_betas(strategy):
+    """Adam's one-kernel update on the ps forms 1 - beta_1 and 1 - beta_2 from the betas in float32
+    (TF's ResourceApplyAdam); Keras forms them in Python floats, then rounds. With the defaults (0.9,
+    0.999) that is Keras's Adam with its betas rounded to float32: equal to that at rtol 1e-6, and
+    within 1e-4 of Keras's with the betas as given (1 - float32(0.999) is 1.3e-5 off 0.001)."""
+    data = batches("dense")
+    keras.utils.set_random_seed(1)
+    initial = dense_model().get_weights()
+
+    def local_run(**betas):
+        model = dense_model()
+        model.set_weights(initial)
+        step = make_step(model, keras.optimizers.Adam(1e-2, **betas))
+        for x, y in data:
+            step(x, y)
+        return model.get_weights()
+
+    as_given, rounded = local_run(), local_run(**FLOAT32_BETAS)
+    with strategy.scope():
+        model = dense_model()
+        model.set_weights(initial)
+        optimizer = keras.optimizers.Adam(1e-2)
+        optimizer.build(model.trainable_variables)
+        step = make_step(model, optimizer)
+    assert "ResourceApplyAdam" in {op.type for op in step.get_concrete_function(*data[0]).graph.get_operations()}
+    for x, y in data:
+        strategy.schedule(step, args=(x, y)).result(timeout=120)
+    for got, exact, loose in zip(model.get_weights(), rounded, as_given):
+        np.testing.assert_allclose(got, exact, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(got, loose, rtol=1e-4, atol=1e-6)
+    assert any(not np.array_equal(a, b) for a, b in zip(as_given, rounded))  # the betas' rounding shows
+
+
+def test_a_subclass_of_adam_keeps_keras_ops(strategy):
+    """Only Keras's own Adam and AdamW classes are fused: a subclass may change the update or its
+    slots, and subclassing is how a user keeps Keras's ops (and its rounding) bit for bit."""
+
+    class MyAdam(keras.optimizers.Adam):
+        pass
+
+    data = batches("dense")
+    keras.utils.set_random_seed(1)
+    local = dense_model()
+    initial = [w.copy() for w in local.get_weights()]
+    local_step = make_step(local, keras.optimizers.Adam(1e-2))
+    for x, y in data:
+        local_step(x, y)
+    with strategy.scope():
+        model = dense_model()
+        model.set_weights(initial)
+        optimizer = MyAdam(1e-2)
+        optimizer.build(model.trainable_variables)
+        step = make_step(model, optimizer)
+    assert "ResourceApplyAdam" not in {op.type for op in step.get_concrete_function(*data[0]).graph.get_operations()}
+    for x, y in data:
+        strategy.schedule(step, args=(x, y)).result(timeout=120)
+    for got, expected in zip(model.get_weights(), local.get_weights()):
+        np.testing.assert_array_equal(got, expected)
 
 
 # ------------------------------------------------------- (c) bytes per step
