@@ -25,9 +25,10 @@ that do not live on a psclient strategy's ps tasks:
    only, where Keras's computes `sqrt(accumulator + epsilon)` over the whole
    table every step (same arithmetic on those rows, see
    `psclient._keras.sparse_adagrad`). Adafactor's update of a partitioned variable
-   runs on each shard's ps (`psclient._keras.adafactor`). Adam's (and AdamW's) update
-   of a ps variable from a dense gradient is TF's one-kernel `ResourceApplyAdam`
-   (`psclient._keras.fused_adam`): the same formula, rounded within a few ulps.
+   runs on each shard's ps (`psclient._keras.adafactor`). Adam's (and AdamW's) and
+   SGD's update of a ps variable from a dense gradient is one TF kernel each
+   (`psclient._keras.fused_updates`): the same formulas; SGD's bit for bit, Adam's
+   as with its betas rounded to float32.
 4. BatchNormalization's moving statistics, which Keras writes with a plain
    read-then-assign, written with one atomic `assign_sub` each on their ps
    (`psclient._keras.moving_stats`), so concurrent workers' updates compose;
@@ -66,7 +67,7 @@ import types
 import tensorflow as tf
 
 from psclient._coordinator.data import finite
-from psclient._keras import adafactor, fused_adam, initializers, moving_stats, sparse_adagrad
+from psclient._keras import adafactor, fused_updates, initializers, moving_stats, sparse_adagrad
 from psclient._keras import eval as _keras_eval
 from psclient._keras import optimizer_apply, seam, serving, sharded_fit
 from psclient._keras.ps_reads import metrics_through_ps_loss, restore_cause
@@ -133,7 +134,7 @@ def install() -> None:
         _install_moving_average_on_ps()
         _install_partitioned_shape()
         sparse_adagrad.install()
-        fused_adam.install()
+        fused_updates.install()
         adafactor.install()
         moving_stats.install()
         serving.install()

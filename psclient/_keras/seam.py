@@ -53,6 +53,7 @@ _BASE_OPTIMIZER = "keras.src.optimizers.base_optimizer.BaseOptimizer"
 _ADAGRAD = "keras.src.optimizers.adagrad.Adagrad"
 _ADAFACTOR = "keras.src.optimizers.adafactor.Adafactor"
 _ADAM = "keras.src.optimizers.adam.Adam"
+_SGD = "keras.src.optimizers.sgd.SGD"
 _BATCH_NORM = "keras.src.layers.normalization.batch_normalization.BatchNormalization"
 
 
@@ -118,7 +119,10 @@ KERAS_INTERNALS: tuple[Internal, ...] = (
              kind="instance"),
     Internal(f"{_ADAM}.update_step",
              "patched: a dense gradient of a ps variable (or shard) is applied with TF's ResourceApplyAdam, "
-             "one kernel for the weight and both slots (psclient._keras.fused_adam)"),
+             "one kernel for the weight and both slots (psclient._keras.fused_updates)"),
+    Internal(f"{_SGD}.update_step",
+             "patched: a dense gradient of a ps variable (or shard) is applied with TF's "
+             "ResourceApplyKerasMomentum or ResourceApplyGradientDescent, one kernel, Keras's results bit for bit"),
     Internal(f"{_ADAM}._momentums", "Adam's first moments, one per weight", kind="instance"),
     Internal(f"{_ADAM}._velocities", "Adam's second moments, one per weight", kind="instance"),
     Internal(f"{_ADAFACTOR}.update_step",

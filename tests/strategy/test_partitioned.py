@@ -188,7 +188,7 @@ def test_update_of_each_shard_runs_on_its_ps(cluster, name):
         for op, device in touching:
             if op.type in ("ReadVariableOp", "ResourceGather"):  # a read (Adagrad's sparse update gathers rows)
                 neighbours = [consumer for consumer in op.outputs[0].consumers()]
-            elif op.type == "ResourceApplyAdam":  # computes what it writes (psclient._keras.fused_adam)
+            elif op.type.startswith("ResourceApply"):  # computes what it writes (psclient._keras.fused_updates)
                 neighbours = [op]
             else:  # a write (Assign*, ResourceScatter*): the value written is computed there
                 neighbours = [t.op for t in op.inputs[-1:] if t.op.type != "Const"]

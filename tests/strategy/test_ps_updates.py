@@ -35,8 +35,8 @@ pytestmark = pytest.mark.timeout(600)
 WRITES = {
     "AssignVariableOp": 1, "AssignAddVariableOp": 1, "AssignSubVariableOp": 1,
     "ResourceScatterAdd": 2, "ResourceScatterSub": 2, "ResourceScatterUpdate": 2,
-    # One kernel computes and writes the weight and both slots (psclient._keras.fused_adam).
-    "ResourceApplyAdam": None,
+    # One kernel computes and writes the weight and its slots (psclient._keras.fused_updates).
+    "ResourceApplyAdam": None, "ResourceApplyKerasMomentum": None, "ResourceApplyGradientDescent": None,
 }
 #: Ops whose output is a variable's value (or some of its rows).
 READS = {"ReadVariableOp", "ResourceGather"}
@@ -92,7 +92,7 @@ def make_step(model, optimizer):
     return train_step
 
 
-#: Adam's one-kernel update on the ps (psclient._keras.fused_adam) forms 1 - beta in float32, where
+#: Adam's one-kernel update on the ps (psclient._keras.fused_updates) forms 1 - beta in float32, where
 #: Keras forms it in Python floats: with betas that float32 holds exactly, both round alike.
 #: The defaults' difference is test_fused_adam_with_default_betas_is_adam_with_float32_betas's.
 FLOAT32_BETAS = {"beta_1": float(np.float32(0.9)), "beta_2": float(np.float32(0.999))}
@@ -110,6 +110,10 @@ OPTIMIZERS = {
     "adam_ema": lambda: keras.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=4, **FLOAT32_BETAS),
     "sgd": lambda: keras.optimizers.SGD(0.5),
 }
+#: The one kernel each applies to a weight with a dense gradient (psclient._keras.fused_updates).
+FUSED = {"adam": "ResourceApplyAdam", "adamw": "ResourceApplyAdam", "adam_ema": "ResourceApplyAdam",
+         "sgd": "ResourceApplyGradientDescent", "sgd_momentum": "ResourceApplyKerasMomentum",
+         "sgd_nesterov": "ResourceApplyKerasMomentum"}
 
 
 # ------------------------------------------------------------- graph reading
@@ -192,6 +196,14 @@ def nbytes(variables) -> int:
     return sum(int(np.prod(v.shape)) * 4 for v in variables)
 
 
+def slots_of(optimizer, weight) -> list:
+    """The slots a fused update of `weight` writes with it."""
+    index = optimizer._get_variable_index(weight)
+    if isinstance(optimizer, keras.optimizers.Adam):
+        return [optimizer._momentums[index], optimizer._velocities[index]]
+    return [optimizer.momentums[index]] if optimizer.momentum else []
+
+
 def assert_updates_on_ps(graph: StepGraph, model, optimizer):
     """Each weight and slot is written on its ps, with a value computed there; no slot is read elsewhere."""
     # Per-weight state; the scalars (step counter, learning rate, Nadam's product) are not.
@@ -247,14 +259,13 @@ def test_updates_run_on_the_ps_and_equal_local_keras(strategy, name, kind):
     assert all(_task(_tf_variable(v).device) != "worker" for v in model.variables + optimizer.variables)
     graph = StepGraph(concrete, list(model.trainable_variables) + list(optimizer.variables))
     assert_updates_on_ps(graph, model, optimizer)
-    fused = [op for op in graph.ops if op.type == "ResourceApplyAdam"]
-    if name in ("adam", "adamw", "adam_ema"):
-        # One kernel per weight with a dense gradient, writing it and its two slots
-        # (psclient._keras.fused_adam); an embedding table's IndexedSlices keep Keras's ops.
+    fused = [op for op in graph.ops if WRITES.get(op.type, 0) is None]
+    if name in FUSED:
+        # One kernel per weight with a dense gradient, writing it and its slots
+        # (psclient._keras.fused_updates); an embedding table's IndexedSlices keep Keras's ops.
         dense = [w for w in model.trainable_variables if kind == "dense" or w is not model.layers[0].embeddings]
-        slots = [slot for w in dense for slot in (optimizer._momentums[optimizer._get_variable_index(w)],
-                                                  optimizer._velocities[optimizer._get_variable_index(w)])]
-        assert len(fused) == len(dense)
+        slots = [slot for w in dense for slot in slots_of(optimizer, w)]
+        assert {op.type for op in fused} == {FUSED[name]} and len(fused) == len(dense)
         assert {id(v) for op in fused for v in graph.variables(op)} == {
             id(v) for v in graph.variables_of(dense + slots)}
     else:
@@ -269,12 +280,13 @@ def test_updates_run_on_the_ps_and_equal_local_keras(strategy, name, kind):
     for x, y in data:
         strategy.schedule(step, args=(x, y)).result(timeout=120)
     got = model.get_weights()
-    # Keras's own ops, run on the ps instead of the worker: bit-identical here
-    # (the same kernels on the same CPU), but for Adam's one-kernel update, which
-    # forms 1 - beta_1 in float32 (a few ulps); the tolerance also allows another
-    # kernel choice where ps and worker machines differ.
+    # Keras's own ops, run on the ps instead of the worker, or SGD's one kernel: bit-identical
+    # here (the same arithmetic on the same CPU); Adam's one kernel with float32 betas: within
+    # the tolerance, which also allows another kernel choice where ps and worker machines differ.
     for g, e, i in zip(got, expected, initial):
         np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-7)
+        if name.startswith("sgd"):
+            np.testing.assert_array_equal(g, e)
     assert max(float(np.max(np.abs(e - i))) for e, i in zip(expected, initial)) > 1e-4  # it trained
     assert int(optimizer.iterations.numpy()) == STEPS
 

@@ -1,10 +1,10 @@
-"""Adam's one-kernel update (psclient._keras.fused_adam) marks what it writes, as Keras's ops did.
+"""The one-kernel updates (psclient._keras.fused_updates) mark what they write, as Keras's ops did.
 
 A big variable's checkpoint copy is taken before the cut, training going on,
 and the cut reads again what was written since: marked rows, or the whole
 variable once a dense write set its flag (docs/fault_tolerance.md, "The cut
 does not grow with the embeddings"). `ResourceApplyAdam` is a raw op on the
-variables' handles, which the marks' wrapped methods do not see: without its
+variables' handles (so are the SGD kernels), which the marks' wrapped methods do not see: without its
 own marks, a checkpoint could hold a big weight or slot older than its cut.
 """
 
@@ -28,7 +28,8 @@ def cluster(two_workers_two_ps):
     return two_workers_two_ps
 
 
-def test_the_fused_update_marks_the_weight_and_both_slots_whole(cluster, tmp_path):
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum"])
+def test_the_fused_update_marks_the_weight_and_its_slots_whole(cluster, tmp_path, name):
     import keras
 
     strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"),
@@ -37,7 +38,7 @@ def test_the_fused_update_marks_the_weight_and_both_slots_whole(cluster, tmp_pat
         with strategy.scope():
             layer = keras.layers.Dense(UNITS, use_bias=False)
             layer.build((None, INPUTS))
-            optimizer = keras.optimizers.Adam(1e-2)
+            optimizer = keras.optimizers.Adam(1e-2) if name == "adam" else keras.optimizers.SGD(1e-3, momentum=0.9)
             optimizer.build([layer.kernel])
 
             @tf.function
@@ -49,9 +50,11 @@ def test_the_fused_update_marks_the_weight_and_both_slots_whole(cluster, tmp_pat
 
         written = [layer.kernel.value] + [v.value for v in optimizer.variables
                                           if v.path.endswith(("_momentum", "_velocity"))]
-        assert [tuple(v.shape) for v in written] == [(INPUTS, UNITS)] * 3  # the kernel, its m and its v
+        # The kernel and its slots: Adam's m and v, SGD's momentum.
+        assert [tuple(v.shape) for v in written] == [(INPUTS, UNITS)] * (3 if name == "adam" else 2)
         graph = step.get_concrete_function(tf.TensorSpec([4, INPUTS])).graph
-        assert "ResourceApplyAdam" in {op.type for op in graph.get_operations()}
+        kernel = "ResourceApplyAdam" if name == "adam" else "ResourceApplyKerasMomentum"
+        assert kernel in {op.type for op in graph.get_operations()}
         for variable in written:
             assert marks_of(variable) is not None
             marks_of(variable).reset()
