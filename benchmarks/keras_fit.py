@@ -56,12 +56,12 @@ UNITS, BATCH, LR = (784, 512, 512, 10), 128, 0.01
 NUM_WORKERS, NUM_PS = 2, 1
 # --optimizer: (class name in keras.optimizers / tf_keras.optimizers, learning rate).
 OPTIMIZERS = {"sgd": ("SGD", LR), "adam": ("Adam", 1e-4), "adagrad": ("Adagrad", 0.01),
-              # Adam through a subclass: psclient fuses Keras's own Adam class only (one ResourceApplyAdam
-              # per weight on the ps), so this is Keras's element-wise Adam ops on psclient, for A/B.
-              "adam_keras_ops": ("Adam", 1e-4)}
-SUBCLASSED = {"adam_keras_ops"}
+              # Through a subclass: psclient fuses Keras's own Adam and SGD classes only (one kernel per
+              # weight on the ps), so these are Keras's element-wise ops on psclient, for A/B.
+              "adam_keras_ops": ("Adam", 1e-4), "sgd_keras_ops": ("SGD", LR)}
+SUBCLASSED = {"adam_keras_ops", "sgd_keras_ops"}
 # psclient_keras3 / tf_keras_pss that the project asks for (Adam 1.5x).
-TARGETS = {"sgd": 2.0, "adam": 1.5, "adagrad": 1.5, "adam_keras_ops": 1.5}
+TARGETS = {"sgd": 2.0, "adam": 1.5, "adagrad": 1.5, "adam_keras_ops": 1.5, "sgd_keras_ops": 2.0}
 
 
 def make_arrays():

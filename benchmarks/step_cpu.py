@@ -15,11 +15,12 @@ Configurations (`--configs`):
       benchmarks/keras_fit.py's model and data (784-512-512-10 ReLU MLP,
       batch 128, one random batch repeated; Adam(1e-4) or SGD(0.01)) at
       steps_per_execution 1 and 10; a step is one batch.
-  fit_adam_keras_ops_spe1
-      fit_adam_spe1 with the optimizer a subclass of Adam: psclient then
-      keeps Keras's element-wise Adam ops on the ps (it applies Keras's own
-      Adam class with TF's one-kernel ResourceApplyAdam); TF's stack is
-      unchanged by it. An A/B of that kernel in one run.
+  fit_adam_keras_ops_spe1, fit_sgd_keras_ops_spe1
+      fit_adam_spe1 and fit_sgd_spe1 with the optimizer a subclass of Adam
+      or SGD: psclient then keeps Keras's element-wise ops on the ps (it
+      applies Keras's own Adam and SGD classes with one TF kernel per
+      weight); TF's stack is unchanged by it. An A/B of those kernels in
+      one run.
   schedule_tiny
       benchmarks/dispatch.py's "tiny" function (one assign_add on an int64
       counter on each ps, returning a scalar constant), scheduled
@@ -76,6 +77,7 @@ CONFIGS = {
     # Adam through a subclass: Keras's element-wise ops on psclient's ps too (psclient fuses
     # Keras's own Adam class only), for an A/B of the one-kernel update in one run.
     "fit_adam_keras_ops_spe1": ("fit", "adam_keras_ops", 1),
+    "fit_sgd_keras_ops_spe1": ("fit", "sgd_keras_ops", 1),
     "fit_sgd_spe1": ("fit", "sgd", 1),
     "fit_sgd_spe10": ("fit", "sgd", 10),
     "schedule_tiny": ("schedule", None, 1),
