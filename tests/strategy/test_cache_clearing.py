@@ -115,7 +115,9 @@ def test_calls_a_shutdown_abandoned_at_depth_2_hold_up_no_cache_clearing(cluster
         wait_for(lambda: calls._call_gate.running >= 2, _LIMIT, "both calls sent", interval=0.02)
     finally:
         strategy.shutdown()  # cancels them; above depth 1 they still wait for an answer
-    assert not any(f.done() and f.exception(timeout=0) is None for f in futures)
+    # None succeeded: each is still pending, cancelled (exception() would raise CancelledError) or
+    # failed. The shutdown cancels them; at times TF's cancellation reaches a call first.
+    assert not any(f.done() and not f.cancelled() and f.exception(timeout=0) is None for f in futures)
     # Usually the abandoned calls' threads still wait (the worker never answers). Once in a full
     # suite run TF delivered the shutdown's cancellation to both streamed calls (CANCELLED, their
     # threads gone): then nothing holds the gate either, and set_seed must not wait all the same.
