@@ -58,10 +58,14 @@ NUM_WORKERS, NUM_PS = 2, 1
 OPTIMIZERS = {"sgd": ("SGD", LR), "adam": ("Adam", 1e-4), "adagrad": ("Adagrad", 0.01),
               # Through a subclass: psclient fuses Keras's own Adam and SGD classes only (one kernel per
               # weight on the ps), so these are Keras's element-wise ops on psclient, for A/B.
-              "adam_keras_ops": ("Adam", 1e-4), "sgd_keras_ops": ("SGD", LR)}
-SUBCLASSED = {"adam_keras_ops", "sgd_keras_ops"}
+              "adam_keras_ops": ("Adam", 1e-4), "sgd_keras_ops": ("SGD", LR),
+              "sgd_momentum": ("SGD", LR), "sgd_momentum_keras_ops": ("SGD", LR)}
+SUBCLASSED = {"adam_keras_ops", "sgd_keras_ops", "sgd_momentum_keras_ops"}
+#: Keyword arguments beyond the learning rate.
+OPTIMIZER_KWARGS = {"sgd_momentum": {"momentum": 0.9}, "sgd_momentum_keras_ops": {"momentum": 0.9}}
 # psclient_keras3 / tf_keras_pss that the project asks for (Adam 1.5x).
-TARGETS = {"sgd": 2.0, "adam": 1.5, "adagrad": 1.5, "adam_keras_ops": 1.5, "sgd_keras_ops": 2.0}
+TARGETS = {"sgd": 2.0, "adam": 1.5, "adagrad": 1.5, "adam_keras_ops": 1.5, "sgd_keras_ops": 2.0,
+           "sgd_momentum": 2.0, "sgd_momentum_keras_ops": 2.0}
 
 
 def make_arrays():
@@ -90,7 +94,7 @@ def build_model(keras_module, spe: int, optimizer: str):
     if optimizer in SUBCLASSED:
         optimizer_class = type(f"Subclassed{optimizer_class.__name__}", (optimizer_class,), {})
     model.compile(
-        optimizer=optimizer_class(learning_rate=OPTIMIZERS[optimizer][1]),
+        optimizer=optimizer_class(learning_rate=OPTIMIZERS[optimizer][1], **OPTIMIZER_KWARGS.get(optimizer, {})),
         loss=keras_module.losses.SparseCategoricalCrossentropy(from_logits=True),
         steps_per_execution=spe,
     )

@@ -21,6 +21,8 @@ Configurations (`--configs`):
       applies Keras's own Adam and SGD classes with one TF kernel per
       weight); TF's stack is unchanged by it. An A/B of those kernels in
       one run.
+  fit_sgd_momentum_spe1, fit_sgd_momentum_keras_ops_spe1
+      The same with SGD(0.01, momentum=0.9), Keras's class and a subclass.
   schedule_tiny
       benchmarks/dispatch.py's "tiny" function (one assign_add on an int64
       counter on each ps, returning a scalar constant), scheduled
@@ -78,6 +80,8 @@ CONFIGS = {
     # Keras's own Adam class only), for an A/B of the one-kernel update in one run.
     "fit_adam_keras_ops_spe1": ("fit", "adam_keras_ops", 1),
     "fit_sgd_keras_ops_spe1": ("fit", "sgd_keras_ops", 1),
+    "fit_sgd_momentum_spe1": ("fit", "sgd_momentum", 1),
+    "fit_sgd_momentum_keras_ops_spe1": ("fit", "sgd_momentum_keras_ops", 1),
     "fit_sgd_spe1": ("fit", "sgd", 1),
     "fit_sgd_spe10": ("fit", "sgd", 10),
     "schedule_tiny": ("schedule", None, 1),
