@@ -66,9 +66,9 @@ def install() -> None:
 
 
 def _fuse(cls, fused_classes: tuple, apply, kernel: str) -> None:
-    """Patch `cls.update_step`: `apply(optimizer, gradient, weight, learning_rate)` for those of
-    `fused_classes` (exactly) with a dense gradient, returning the variables it wrote, or None to
-    leave the update to Keras's own `update_step`."""
+    """Patch `cls.update_step`: for an optimizer of one of `fused_classes` (exactly) and a dense
+    gradient, `apply(optimizer, gradient, weight, learning_rate)` returns (the kernel's op, the
+    variables it wrote), or None to leave the update to Keras's own `update_step`."""
     stock = cls.update_step
 
     def update_step(self, gradient, variable, learning_rate):

@@ -14,9 +14,10 @@ What that covers: everything Keras routes through `extended.update`, i.e. every
 optimizer's `update_step` (dense and `tf.IndexedSlices` gradients, all slots),
 weight decay (AdamW, Lion, `weight_decay=` of any optimizer), gradient
 accumulation and the EMA overwrite. The arithmetic is Keras's own, op for op,
-so results equal a local Keras run (tests/strategy/test_ps_updates.py), but for
-Adam's and AdamW's dense updates, one TF kernel each (`psclient._keras.fused_updates`,
-Keras's formula with `1 - beta` formed in float32; SGD's kernels are bit for bit). What stays on
+so results equal a local Keras run (tests/strategy/test_ps_updates.py). Adam's,
+AdamW's and SGD's dense updates are one TF kernel each (`psclient._keras.fused_updates`):
+SGD's equal Keras's bit for bit, Adam's are Keras's formula with `1 - beta` formed in
+float32. What stays on
 the worker, all scalars or all-gradient work: the step counter's increment
 (one atomic op on its ps), the learning rate (schedule), gradient clipping,
 Nadam's `_u_product` (a scalar read-then-write; see docs/data_path.md).
