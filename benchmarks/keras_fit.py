@@ -54,18 +54,23 @@ PATHS = ("psclient_keras3", "tf_keras_pss", "keras3_local", "psclient_step")
 STEPS_PER_EXECUTION = (1, 10)
 UNITS, BATCH, LR = (784, 512, 512, 10), 128, 0.01
 NUM_WORKERS, NUM_PS = 2, 1
-# --optimizer: (class name in keras.optimizers / tf_keras.optimizers, learning rate).
-OPTIMIZERS = {"sgd": ("SGD", LR), "adam": ("Adam", 1e-4), "adagrad": ("Adagrad", 0.01),
-              # Through a subclass: psclient fuses Keras's own Adam and SGD classes only (one kernel per
-              # weight on the ps), so these are Keras's element-wise ops on psclient, for A/B.
-              "adam_keras_ops": ("Adam", 1e-4), "sgd_keras_ops": ("SGD", LR),
-              "sgd_momentum": ("SGD", LR), "sgd_momentum_keras_ops": ("SGD", LR)}
-SUBCLASSED = {"adam_keras_ops", "sgd_keras_ops", "sgd_momentum_keras_ops"}
-#: Keyword arguments beyond the learning rate.
-OPTIMIZER_KWARGS = {"sgd_momentum": {"momentum": 0.9}, "sgd_momentum_keras_ops": {"momentum": 0.9}}
-# psclient_keras3 / tf_keras_pss that the project asks for (Adam 1.5x).
-TARGETS = {"sgd": 2.0, "adam": 1.5, "adagrad": 1.5, "adam_keras_ops": 1.5, "sgd_keras_ops": 2.0,
-           "sgd_momentum": 2.0, "sgd_momentum_keras_ops": 2.0}
+# --optimizer: (class name in keras.optimizers / tf_keras.optimizers, its keyword arguments).
+_BASE_OPTIMIZERS = {"sgd": ("SGD", {"learning_rate": LR}), "adam": ("Adam", {"learning_rate": 1e-4}),
+                    "adagrad": ("Adagrad", {"learning_rate": 0.01}),
+                    "sgd_momentum": ("SGD", {"learning_rate": LR, "momentum": 0.9})}
+# NAME + KERAS_OPS: the same through a subclass. psclient applies Keras's own Adam and SGD classes
+# with one TF kernel per weight on the ps; a subclass keeps Keras's element-wise ops, for A/B.
+KERAS_OPS = "_keras_ops"
+OPTIMIZERS = {**_BASE_OPTIMIZERS,
+              **{name + KERAS_OPS: _BASE_OPTIMIZERS[name] for name in ("adam", "sgd", "sgd_momentum")}}
+# psclient_keras3 / tf_keras_pss that the project asks for (Adam 1.5x); a subclass has its class's.
+TARGETS = {"sgd": 2.0, "adam": 1.5, "adagrad": 1.5, "sgd_momentum": 2.0}
+
+
+def optimizer_description(name: str) -> str:
+    class_name, kwargs = OPTIMIZERS[name]
+    arguments = ", ".join(f"{key}={value:g}" for key, value in kwargs.items())
+    return f"{class_name}({arguments})" + (" through a subclass" if name.endswith(KERAS_OPS) else "")
 
 
 def make_arrays():
@@ -90,11 +95,12 @@ def build_model(keras_module, spe: int, optimizer: str):
         + [layers.Dense(u, activation="relu") for u in UNITS[1:-1]]
         + [layers.Dense(UNITS[-1])]
     )
-    optimizer_class = getattr(keras_module.optimizers, OPTIMIZERS[optimizer][0])
-    if optimizer in SUBCLASSED:
-        optimizer_class = type(f"Subclassed{optimizer_class.__name__}", (optimizer_class,), {})
+    class_name, kwargs = OPTIMIZERS[optimizer]
+    optimizer_class = getattr(keras_module.optimizers, class_name)
+    if optimizer.endswith(KERAS_OPS):
+        optimizer_class = type(f"Subclassed{class_name}", (optimizer_class,), {})
     model.compile(
-        optimizer=optimizer_class(learning_rate=OPTIMIZERS[optimizer][1], **OPTIMIZER_KWARGS.get(optimizer, {})),
+        optimizer=optimizer_class(**kwargs),
         loss=keras_module.losses.SparseCategoricalCrossentropy(from_logits=True),
         steps_per_execution=spe,
     )
@@ -211,7 +217,7 @@ def child_main(args) -> None:
 def parent_main(args, argv) -> int:
     output = {"config": {
         **_common.environment(argv),
-        "model": "784-512-512-10 ReLU MLP", "optimizer": "%s(learning_rate=%g)" % OPTIMIZERS[args.optimizer],
+        "model": "784-512-512-10 ReLU MLP", "optimizer": optimizer_description(args.optimizer),
         "batch": BATCH, "num_workers": NUM_WORKERS,
         "num_ps": NUM_PS, "warmup_steps": args.warmup, "timed_steps": args.steps,
         "runs_per_path": args.repeats,
@@ -248,7 +254,7 @@ def parent_main(args, argv) -> int:
                                 + (f"{moved / 1e6:.2f} MB/step" if moved is not None else "bytes n/a"))
                 runs[f"spe_{spe}"][path].append(result)
     output["config"]["wall_s"] = round(time.perf_counter() - started, 1)
-    output["results"] = summarize(runs, TARGETS[args.optimizer])
+    output["results"] = summarize(runs, TARGETS[args.optimizer.removesuffix(KERAS_OPS)])
     output["runs"] = runs
     _common.print_json(output)
     os.makedirs(os.path.join(_HERE, "results"), exist_ok=True)
@@ -305,7 +311,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=40, help="untimed steps first (tracing)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per path and setting (medians)")
     parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="sgd",
-                        help="sgd: SGD(0.01) (default); adam: Adam(1e-4); adagrad: Adagrad(0.01)")
+                        help="sgd: SGD(0.01) (default); adam: Adam(1e-4); adagrad: Adagrad(0.01); "
+                             "sgd_momentum: SGD(0.01, momentum=0.9); NAME_keras_ops: NAME through a subclass")
     parser.add_argument("--paths", help=f"comma-separated subset of {','.join(PATHS)} (default: all)")
     parser.add_argument("--_child", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--spe", type=int, default=1, help=argparse.SUPPRESS)

@@ -10,6 +10,7 @@ import functools
 import tensorflow as tf
 
 from psclient._keras import seam
+from psclient._keras.sparse_adagrad import ps_variable
 from psclient._tf import write_marks
 
 __all__ = ["install"]
@@ -141,8 +142,6 @@ def _on_one_ps(*variables):
     """The `tf.Variable`s on ps tasks that `variables` (a weight, then its slots) write, or None where
     one kernel cannot take them: a local one, a slot on another task (synchronous training's can
     be: Keras's ops then move the values), another dtype or shape, a dtype the kernels lack."""
-    from psclient._keras.sparse_adagrad import ps_variable
-
     found = tuple(ps_variable(v) for v in variables)
     if any(v is None for v in found) or found[0].dtype not in _KERNEL_DTYPES:
         return None
