@@ -149,17 +149,12 @@ def _stop_on_signals(stop: Callable[[], None]) -> None:
 
 def _run_evaluate(args: argparse.Namespace) -> int:
     parser = args.command_parser
-    try:
-        build_model = load_callable(args.model, name="--model")
-        build_data = load_callable(args.data, name="--data")
-    except ValueError as e:
-        parser.error(str(e))
-    logging.basicConfig(level=logging.INFO, format="psclient evaluate: %(message)s", stream=sys.stderr)
-    from psclient._sidecar.evaluator import SidecarEvaluator  # Imports TensorFlow when it evaluates.
-    from psclient._sidecar.evaluator_config import EvaluatorConfig, check_watch
-    from psclient._sidecar.formats import CheckpointMismatchError
+    from psclient._sidecar.evaluator_config import EvaluatorConfig, check_watch  # No TensorFlow in it.
 
-    try:  # Before --model and --data are built (a TensorFlow import, perhaps a dataset's download).
+    # Checked first: a bad option is refused in a fraction of a second, before --model's module is
+    # imported (it imports TensorFlow, as the evaluator does) and before --model and --data are built
+    # (perhaps a dataset's download).
+    try:
         check_port("metrics_port", args.metrics_port)
         check_watch(args.checkpoint_dir, args.steps, args.max_evaluations)
         config = EvaluatorConfig(
@@ -168,6 +163,15 @@ def _run_evaluate(args: argparse.Namespace) -> int:
             best_metric=args.best_metric, best_mode=args.best_mode)
     except ValueError as e:
         parser.error(as_option(str(e)))
+    try:
+        build_model = load_callable(args.model, name="--model")
+        build_data = load_callable(args.data, name="--data")
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=logging.INFO, format="psclient evaluate: %(message)s", stream=sys.stderr)
+    from psclient._sidecar.evaluator import SidecarEvaluator  # Imports TensorFlow.
+    from psclient._sidecar.formats import CheckpointMismatchError
+
     try:
         evaluator = SidecarEvaluator(build_model(), build_data(), args.checkpoint_dir, steps=args.steps,
                                      max_evaluations=args.max_evaluations, config=config)

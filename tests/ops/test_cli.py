@@ -62,8 +62,9 @@ def test_bad_arguments_name_the_option(args, message):
     (["--export-best", "best.h5"], "Invalid value for --export-best. Received: 'best.h5'. Expected a path ending in '.keras'."),
 ])
 def test_evaluate_option_errors_use_option_names_before_the_model_is_built(tmp_path, option, message):
-    built = tmp_path / "built"
+    built, imported = tmp_path / "built", tmp_path / "imported"
     (tmp_path / "builders.py").write_text(
+        f"open({str(imported)!r}, 'w').close()  # a module of models imports TensorFlow here: seconds\n"
         f"def model():\n    open({str(built)!r}, 'w').close()\n    raise SystemExit(3)\n"
         "def data():\n    raise SystemExit(3)\n")
     result = psclient("evaluate", "--checkpoint-dir", str(tmp_path), "--model", f"{tmp_path / 'builders.py'}:model",
@@ -71,6 +72,7 @@ def test_evaluate_option_errors_use_option_names_before_the_model_is_built(tmp_p
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert not built.exists()  # refused before --model's function ran
+    assert not imported.exists()  # and before its module was imported
 
 
 def test_evaluate_job_on_tf_checkpoints_then_a_mismatching_model(tmp_path):
