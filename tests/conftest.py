@@ -32,6 +32,14 @@ _open_clusters: dict[str, LocalCluster] = {}  # the open shared clusters, local_
 _last_modules: dict[str, object] = {}  # fixture name -> path of the last module that uses it
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml's addopts): two test processes at most. Half the suite's time
+    is waits (hang timeouts, recoveries, task start-up) with a core idle, so two processes
+    take a third off it on the project's 2 cores; each runs its own shared clusters (3 to 4
+    task processes each), so more would trade memory and load for little."""
+    return max(1, min(2, os.cpu_count() or 1))
+
+
 @pytest.fixture(scope="session")
 def local_cluster():
     """A LocalCluster with 2 workers and 1 ps, shared by the whole session."""
@@ -56,37 +64,49 @@ def strategy(local_cluster):
 
 
 def _shared(name):
-    num_workers, num_ps = _SHAPES[name]
-    # Generous: 3 or 4 TF tasks start at once, and restarts wait as long, on a loaded machine.
-    with LocalCluster(num_workers=num_workers, num_ps=num_ps, start_timeout=300) as cluster:
-        _open_clusters[name] = cluster
-        yield cluster
-        _open_clusters.pop(name, None)
+    """The open cluster of shape `name`, started now if there is none: the first module of that
+    shape, or a module that runs after the one that closed it (`pytest_runtest_teardown`). With
+    `pytest-xdist` a process runs a share of the modules, in an order of the scheduler's: a
+    cluster closed after its last module in collection order may be needed again there."""
+    cluster = _open_clusters.get(name)
+    if cluster is None:
+        num_workers, num_ps = _SHAPES[name]
+        # Generous: 3 or 4 TF tasks start at once, and restarts wait as long, on a loaded machine.
+        cluster = _open_clusters[name] = LocalCluster(num_workers=num_workers, num_ps=num_ps, start_timeout=300)
+    return cluster
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
+def _close_shared_clusters():
+    """At the end of the session: the shared clusters still open are closed."""
+    yield
+    for name in [name for name in _open_clusters if name in _SHAPES]:
+        _open_clusters.pop(name).close()
+
+
+@pytest.fixture(scope="module")
 def two_workers_two_ps():
     """A LocalCluster with 2 workers and 2 ps, shared by the modules of that shape."""
-    yield from _shared("two_workers_two_ps")
+    return _shared("two_workers_two_ps")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def one_worker_two_ps():
     """A LocalCluster with 1 worker and 2 ps, shared by the modules of that shape."""
-    yield from _shared("one_worker_two_ps")
+    return _shared("one_worker_two_ps")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def three_workers_one_ps():
     """A LocalCluster with 3 workers and 1 ps, shared by the modules of that shape."""
-    yield from _shared("three_workers_one_ps")
+    return _shared("three_workers_one_ps")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def two_workers_three_ps():
     """A LocalCluster with 2 workers and 3 ps, shared by the modules of that shape (their
     strategies may use only the first ps tasks)."""
-    yield from _shared("two_workers_three_ps")
+    return _shared("two_workers_three_ps")
 
 
 @pytest.fixture
@@ -147,4 +167,4 @@ def pytest_runtest_teardown(item, nextitem):
         return
     for name, path in list(_last_modules.items()):
         if path == item.path and name in _open_clusters:
-            _open_clusters.pop(name).close()  # its session finalizer closes it again: idempotent
+            _open_clusters.pop(name).close()  # a later module of its shape starts another (`_shared`)
