@@ -4,7 +4,8 @@
 `one_worker_two_ps`, `three_workers_one_ps` and `two_workers_three_ps` serve the
 modules that need those shapes (a TF task takes seconds to start: one cluster per
 shape, not one per module). Each of these four is closed after the last module
-that uses it.
+that uses it (in collection order), and started again if a later module of that
+shape runs in the same process (pytest-xdist's scheduling).
 
 Tests that kill, stop, throttle or restart tasks of a shared cluster must leave
 every task running at full speed when they finish (restart/resume, or the
