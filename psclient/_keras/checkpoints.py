@@ -163,8 +163,9 @@ class ModelCheckpoint(keras.callbacks.Callback):
     Through ps faults, training goes on (`psclient._keras.hung_ps_writes`): a
     ps lost is restored by the strategy first and the save made again; a save
     given up on a ps that hung (after `hang_timeout`; the previous checkpoint
-    stays the newest) is noted in `failed_saves` and made again at the next
-    batch's end, and at the end of `fit` (at most `FINAL_ATTEMPTS` times).
+    stays the newest) is noted in `failed_saves` and made again at the first
+    batch's end after the ps answered, and at the end of `fit` (at most
+    `FINAL_ATTEMPTS` times).
     """
 
     #: Its batch hook counts batches and never reads their logs: fit may leave them on the workers.

@@ -155,7 +155,8 @@ class ServingExport(keras.callbacks.Callback):
     ps lost before or during an export is restored by the strategy first and
     the export made again; an export given up on a ps that hung
     (`PSUnavailableError` after `hang_timeout`, nothing published) is noted in
-    `failed_exports` and made again at the next batch's end, and at the end of
+    `failed_exports` and made again at the first batch's end after the ps
+    answered, and at the end of
     `fit` at most `FINAL_ATTEMPTS` times (then `fit` raises it).
     """
 

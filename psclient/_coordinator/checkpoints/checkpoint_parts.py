@@ -87,7 +87,7 @@ from psclient._core.errors import CheckpointUnreadable, PSClientError, first_lin
 
 __all__ = ["CheckedPart", "CheckpointDirError", "CheckpointUnreadable", "CheckpointWriteError", "LAYOUT_KEY",
            "Piece", "PsTimeout", "READ_BATCH_BYTES", "Slot", "assign_on_ps", "batches", "late_threads", "on_each_ps",
-           "probe_writable", "read_on_ps", "save_chunked", "slots_of"]
+           "probe_writable", "read_on_ps", "save_chunked", "slots_of", "waiting_on"]
 
 #: The checkpoint's own description: which task wrote which data file with which keys.
 LAYOUT_KEY = "psclient_layout"
@@ -169,6 +169,17 @@ def late_threads() -> list[threading.Thread]:
     """on_each_ps's threads alive now. Between calls: those still waiting on a ps a call gave
     up on (`timeout`): an eager TF call cannot be cancelled; each ends when its ps answers or dies."""
     return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+
+
+def waiting_on(ps: int, grace: float = 0.0) -> bool:
+    """Whether a thread of on_each_ps still waits on `ps` (between calls: on a call given up there),
+    after waiting up to `grace` seconds in all for such threads to end."""
+    name = f"{THREAD_PREFIX}{ps}"
+    deadline = time.monotonic() + grace
+    for thread in late_threads():
+        if thread.name == name:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    return any(thread.name == name for thread in late_threads())
 
 
 def on_each_ps(work: dict[int, Callable[[], Any]], timeout: float | None = None,
