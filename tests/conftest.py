@@ -36,8 +36,9 @@ _last_modules: dict[str, object] = {}  # fixture name -> path of the last module
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject.toml's addopts): two test processes at most. Half the suite's time
     is waits (hang timeouts, recoveries, task start-up) with a core idle, so two processes
-    took it from 18 to 10.8 minutes on the project's 2 cores (docs/development.md); each runs its own shared clusters (3 to 4
-    task processes each), so more would trade memory and load for little."""
+    took it from 18 to 10.8 minutes on the project's 2 cores (docs/development.md); each runs
+    its own shared clusters (3 to 4 task processes each), so more would trade memory and load
+    for little."""
     return max(1, min(2, os.cpu_count() or 1))
 
 

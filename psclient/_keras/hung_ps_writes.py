@@ -74,7 +74,8 @@ class HungPsWrites:
                 self.failures.append({"task": getattr(error, "task", None) or (None if ps is None else f"ps:{ps}"),
                                       "error": f"{type(error).__name__}: {error}", "at": time.time()})
                 _log.warning("%s was given up (%s); nothing was published, it is made again %s", self.what,
-                             str(error).splitlines()[0], "now" if final else "at the callback's first hook after the ps answers")
+                             str(error).splitlines()[0],
+                             "now" if final else "at the callback's first hook after the ps answers")
                 continue
             self.pending, self._hung_ps = False, None
             return

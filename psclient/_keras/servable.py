@@ -156,8 +156,8 @@ class ServingExport(keras.callbacks.Callback):
     the export made again; an export given up on a ps that hung
     (`PSUnavailableError` after `hang_timeout`, nothing published) is noted in
     `failed_exports` and made again at the first batch's end after the ps
-    answered, and at the end of
-    `fit` at most `FINAL_ATTEMPTS` times (then `fit` raises it).
+    answered, and at the end of `fit` at most `FINAL_ATTEMPTS` times (then
+    `fit` raises it).
     """
 
     _psclient_reads_batch_logs = False  # its batch hook only looks at the clock (trainer.reads_batch_logs)

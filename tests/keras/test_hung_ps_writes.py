@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 from psclient._coordinator.checkpoints.checkpoint_parts import (  # noqa: E402
-    CheckpointWriteError, PsTimeout, on_each_ps, waiting_on)
+    THREAD_PREFIX, CheckpointWriteError, PsTimeout, on_each_ps, waiting_on)
 from psclient._keras import hung_ps_writes  # noqa: E402
 from psclient._keras.hung_ps_writes import FINAL_ATTEMPTS, HungPsWrites  # noqa: E402
 
@@ -42,7 +42,7 @@ class _Writes:
 def _end_waits(writes: _Writes) -> None:
     writes.gate.set()
     for thread in threading.enumerate():
-        if thread.name == f"psclient-ckpt-ps{HUNG_PS}":
+        if thread.name == f"{THREAD_PREFIX}{HUNG_PS}":
             thread.join(WAIT_LIMIT)
     assert not waiting_on(HUNG_PS)
 
@@ -62,7 +62,7 @@ def test_hooks_do_not_try_again_while_the_given_up_try_still_waits_on_its_ps(sho
         for _hook in range(5):  # the ps still hangs: no second wait, no second thread on it
             hung.run(writes.write)
         assert writes.tries == 1 and hung.hooks_waited == 5 and len(hung.failures) == 1
-        waiting = [t for t in threading.enumerate() if t.name == f"psclient-ckpt-ps{HUNG_PS}"]
+        waiting = [t for t in threading.enumerate() if t.name == f"{THREAD_PREFIX}{HUNG_PS}"]
         assert len(waiting) == 1, waiting
     finally:
         _end_waits(writes)
