@@ -7,9 +7,12 @@ hung (no answer within `hang_timeout`: a `PSUnavailableError` or `CheckpointWrit
 `PsTimeout`; nothing was published, the previous checkpoint or version stays the newest) is noted
 (`failures`, a warning) and left `pending`: the callback makes it again at its first hook after the
 ps answered (the steps wait for it meanwhile). The given-up try goes on waiting on that ps in a
-thread of its own (`checkpoint_parts.waiting_on`: a TF call cannot be cancelled); a hook gives that
-thread `ANSWER_GRACE` seconds to end and, while it still waits, does not try again, which would
-wait `hang_timeout` more and leave one more thread waiting on the same ps at every hook. A write
+thread of its own (`checkpoint_parts.waiting_on`: a TF call cannot be cancelled); the first hook after
+the give-up gives that thread `ANSWER_GRACE` seconds to end (the steps before that hook waited for
+the ps, so it has usually just answered), later hooks only look; while it still waits, a hook does
+not try again, which would wait `hang_timeout` more and leave one more thread waiting on the same
+ps at every hook. So a ps that goes on hanging while steps that do not touch it run costs one
+grace per given-up write, not one per batch. A write
 that ends `fit` is tried `FINAL_ATTEMPTS` times, whether or not the ps has answered. Any other
 error (a ps the strategy could not restore, a full disk, a bug) is raised, as before.
 """
@@ -29,9 +32,9 @@ __all__ = ["ANSWER_GRACE", "FINAL_ATTEMPTS", "HungPsWrites", "given_up_on_a_hung
 
 #: Attempts of a write that ends `fit` (what training ended with) while a ps hangs.
 FINAL_ATTEMPTS = 3
-#: Seconds a hook gives the given-up try to end before it passes without trying: a ps that has just
-#: answered ends it within this (so the write is made again at that hook), one that still hangs
-#: costs the hook this much, not another `hang_timeout`.
+#: Seconds the first hook after a give-up gives the given-up try to end before it passes without
+#: trying: a ps that has just answered ends it within this (so the write is made again at that
+#: hook), one that still hangs costs that hook this much, not another `hang_timeout`.
 ANSWER_GRACE = 1.0
 
 _log = logging.getLogger(__name__)
@@ -54,10 +57,15 @@ class HungPsWrites:
         #: Hooks that passed while the given-up try still waited on its ps (no try made at them).
         self.hooks_waited = 0
         self._hung_ps: int | None = None  # the ps the last given-up write waited on, when known
+        self._graced = False  # whether a hook already gave the last given-up try its grace
 
     def still_waiting(self) -> bool:
-        """Whether the last given-up write's try still waits on its ps (that ps has not answered)."""
-        return self.pending and self._hung_ps is not None and waiting_on(self._hung_ps, grace=ANSWER_GRACE)
+        """Whether the last given-up write's try still waits on its ps (that ps has not answered);
+        waits up to `ANSWER_GRACE` for it at the first call after the give-up only."""
+        if not self.pending or self._hung_ps is None:
+            return False
+        grace, self._graced = (0.0 if self._graced else ANSWER_GRACE), True
+        return waiting_on(self._hung_ps, grace=grace)
 
     def run(self, write: Callable[[], Any], final: bool = False) -> None:
         if not final and self.still_waiting():
@@ -71,6 +79,7 @@ class HungPsWrites:
                     raise
                 self.pending = True
                 ps = self._hung_ps = getattr(error.__cause__, "_psclient_ps", None)
+                self._graced = False
                 self.failures.append({"task": getattr(error, "task", None) or (None if ps is None else f"ps:{ps}"),
                                       "error": f"{type(error).__name__}: {error}", "at": time.time()})
                 _log.warning("%s was given up (%s); nothing was published, it is made again %s", self.what,

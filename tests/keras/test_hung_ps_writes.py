@@ -71,6 +71,36 @@ def test_hooks_do_not_try_again_while_the_given_up_try_still_waits_on_its_ps(sho
     assert not hung.pending and not hung.still_waiting()
 
 
+def test_only_the_first_hook_after_a_give_up_waits_its_grace(short_grace, monkeypatch):
+    """A ps that goes on hanging while steps that do not touch it run: one grace per given-up
+    write, not one per batch end; a new give-up gets a grace of its own."""
+    graces = []
+
+    def recording_waiting_on(ps, grace=0.0):
+        graces.append(grace)
+        return waiting_on(ps, grace=grace)
+
+    monkeypatch.setattr(hung_ps_writes, "waiting_on", recording_waiting_on)
+    writes, hung = _Writes(), HungPsWrites("a test write")
+    try:
+        hung.run(writes.write)
+        for _hook in range(4):
+            hung.run(writes.write)
+        assert graces == [hung_ps_writes.ANSWER_GRACE, 0.0, 0.0, 0.0] and hung.hooks_waited == 4
+    finally:
+        _end_waits(writes)
+    writes.gate.clear()  # the ps hangs again: the next write is given up, and gets its own grace
+    try:
+        hung.run(writes.write)  # the ps answered: made again, and given up on the new hang
+        assert writes.tries == 2 and hung.pending and len(hung.failures) == 2
+        graces.clear()
+        hung.run(writes.write)
+        hung.run(writes.write)
+        assert graces == [hung_ps_writes.ANSWER_GRACE, 0.0]
+    finally:
+        _end_waits(writes)
+
+
 def test_a_ps_that_answers_within_the_grace_gets_the_write_at_that_hook(monkeypatch):
     monkeypatch.setattr(hung_ps_writes, "ANSWER_GRACE", WAIT_LIMIT)
     writes, hung = _Writes(), HungPsWrites("a test write")
