@@ -32,12 +32,13 @@ from psclient._coordinator.data.per_worker import (
 )
 from psclient._coordinator.data.shard_feed import LEDGERS_KEY
 from psclient._coordinator.parts import Parts, assemble
+from psclient._coordinator.scrapes import ScrapeSource
 from psclient._coordinator.variables.sharding import partitioner_argument
 from psclient._coordinator.tf_api import TFStrategyAPI, refuse_input_options
 from psclient._coordinator.training.updates import place_updates_on_ps
 from psclient._core.checks import check_positive
 from psclient._engine.config import StrategyConfig, with_overrides
-from psclient._core.metrics import MetricsServer, families
+from psclient._core.metrics import MetricsServer
 from psclient._core.errors import StrategyClosedError
 from psclient._core.future import Future
 
@@ -147,9 +148,9 @@ class ParameterServerStrategy(TFStrategyAPI):
         self._finalizer = weakref.finalize(self, lifecycle.shutdown_quietly, scheduler, engine.dispatcher,
                                            engine.recovery, engine.prober, edge, hang_timeout, engine.probes)
         # Scrapes read stats() through a weak reference: the server must not keep the strategy.
-        self._metrics = None if config.metrics_port is None else MetricsServer(
-            config.metrics_port, functools.partial(_metric_families, weakref.ref(self)))
-        self._close_metrics = weakref.finalize(self, self._metrics.close) if self._metrics else lambda: None
+        scrapes = None if config.metrics_port is None else ScrapeSource(weakref.ref(self))
+        self._metrics = None if scrapes is None else MetricsServer(config.metrics_port, scrapes)
+        self._close_metrics = weakref.finalize(self, _close_both, self._metrics, scrapes) if scrapes else lambda: None
 
     # ------------------------------------------------------------------ info
     @property
@@ -493,8 +494,6 @@ class ParameterServerStrategy(TFStrategyAPI):
             recovery.checkpoint("new variables")
 
 
-def _metric_families(strategy_ref: Callable) -> list:
-    """A scrape, through a weak reference: none once the strategy is gone or shut down. The
-    dynamic tables' rows only while no ps is lost (that read would wait for the recovery)."""
-    strategy = strategy_ref()
-    return [] if strategy is None or strategy._closed else families(strategy.stats(read_ps=None))  # noqa: SLF001
+def _close_both(metrics: MetricsServer, scrapes: ScrapeSource) -> None:
+    metrics.close()  # no scrape after it
+    scrapes.close()

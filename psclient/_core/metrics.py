@@ -62,6 +62,11 @@ def families(stats: dict) -> list:
                           "Seconds dispatch was paused for the newest checkpoint's cut.", stall))
     out += _data_ledgers(stats.get("data", {}).get("feeds", []))
     out += _dynamic_tables(stats.get("dynamic_embeddings", {}))
+    if "embedding_stats_waiting" in stats:  # a scrape's (psclient._coordinator.scrapes)
+        out.append(_gauge("embedding_stats_waiting",
+                          "1 while the read of the DynamicEmbedding tables' counts waits on a ps that did not "
+                          "answer within 0.5 s (a hung ps): the embedding families are left out.",
+                          int(stats["embedding_stats_waiting"])))
     return out
 
 

@@ -16,6 +16,8 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+import weakref
+from types import SimpleNamespace
 
 import portpicker
 import pytest
@@ -113,6 +115,108 @@ def test_metrics_server_serves_its_families_and_the_process_memory_and_closes():
 def test_a_bad_metrics_port_is_refused_naming_it(port):
     with pytest.raises(ValueError, match=r"metrics_port.*Received: metrics_port="):
         StrategyConfig(metrics_port=port)
+
+
+# ---------------------------------------------------------------- a scrape beside a hung ps
+
+
+def _samples(found: list) -> dict:
+    registry = CollectorRegistry(auto_describe=False)
+
+    class Once:
+        def collect(self):
+            return found
+
+    registry.register(Once())
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+class _Table:
+    """A DynamicEmbedding table whose ps answers the read of its counts once `gate` opens."""
+
+    name = "user"
+    shards = [SimpleNamespace(device="/job:ps/replica:0/task:0/device:CPU:0")]
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.reads = 0
+
+    def stats(self):
+        self.reads += 1
+        self.gate.wait(60)
+        return [{"ps": 0, "rows": 10, "admissions": 12, "evictions": 2}]
+
+
+class _Strategy:
+    """What a scrape reads of a strategy: `closed`, `stats(read_ps=False)` and its tables."""
+
+    closed = False
+
+    def __init__(self, table: _Table, ps_up: bool = True):
+        self.parts = SimpleNamespace(store=SimpleNamespace(tables=lambda: {"table/0000": table}))
+        self.ps_up = ps_up
+
+    def stats(self, *, read_ps=True):
+        assert read_ps is False  # the tables are the scrape's own read
+        stats = _stats()
+        stats["ps"][0]["up"] = self.ps_up
+        stats.pop("dynamic_embeddings")
+        return stats
+
+
+ROWS = ("psclient_embedding_rows", (("layer", "user"), ("task", "ps:0")))
+WAITING = ("psclient_embedding_stats_waiting", ())
+
+
+def test_a_scrape_reads_the_tables_counts_when_the_ps_answers():
+    from psclient._coordinator.scrapes import ScrapeSource
+
+    table = _Table()
+    table.gate.set()
+    strategy = _Strategy(table)
+    source = ScrapeSource(weakref.ref(strategy))
+    samples = _samples(source())
+    assert samples[ROWS] == 10 and samples[WAITING] == 0
+    source.close()
+    strategy.closed = True
+    assert source() == []
+
+
+def test_a_scrape_beside_a_hung_ps_is_served_without_the_tables_and_reads_them_once():
+    """A hung ps answers the tables' read only when it resumes: the scrape used to wait as long
+    (the coordinator's target down past Prometheus's timeout, one more waiting thread a scrape)."""
+    from psclient._coordinator.scrapes import ScrapeSource
+
+    table = _Table()
+    strategy = _Strategy(table)
+    source = ScrapeSource(weakref.ref(strategy), wait_s=0.05)
+    try:
+        for _scrape in range(3):
+            samples = _samples(source())
+            assert samples[WAITING] == 1 and ROWS not in samples
+            assert samples[("psclient_worker_up", (("task", "worker:0"),))] == 1  # the rest is served
+        assert table.reads == 1  # one read waits on the ps, not one per scrape
+        assert [t.name for t in threading.enumerate()].count("psclient-metrics-tables") == 1
+    finally:
+        table.gate.set()  # the ps answers
+        source.close()
+    assert not any(t.name == "psclient-metrics-tables" for t in threading.enumerate())
+    samples = _samples(source())
+    assert samples[ROWS] == 10 and samples[WAITING] == 0 and table.reads == 2
+    source.close()
+
+
+def test_a_scrape_while_a_ps_is_lost_does_not_read_the_tables():
+    from psclient._coordinator.scrapes import ScrapeSource
+
+    table = _Table()
+    strategy = _Strategy(table, ps_up=False)
+    source = ScrapeSource(weakref.ref(strategy), wait_s=0.05)
+    samples = _samples(source())
+    assert table.reads == 0 and WAITING not in samples and ROWS not in samples
+    assert samples[("psclient_ps_up", (("task", "ps:0"),))] == 0
 
 
 # ---------------------------------------------------------------- real Prometheus
@@ -225,6 +329,48 @@ def test_a_real_prometheus_scrapes_a_training_run_and_sees_a_killed_worker_down(
         prometheus.close()
         strategy.shutdown()
         cluster.restart("worker", 1)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(PROMETHEUS is None, reason="no `prometheus` binary (Debian's package `prometheus`; "
+                                               ".ci/run installs it where apt-get can)")
+def test_a_real_prometheus_keeps_scraping_the_coordinator_while_a_ps_hangs(three_workers_one_ps, tmp_path):
+    """The ps holding a DynamicEmbedding table SIGSTOPped: each scrape read the table's counts and
+    waited for the ps past the scrape timeout, so the coordinator's target went down. Now the
+    scrapes go on (without the table's families, `psclient_embedding_stats_waiting` 1)."""
+    import keras
+    import numpy as np
+    from _stopped import stopped
+
+    import psclient
+    from psclient.layers import DynamicEmbedding
+
+    cluster = three_workers_one_ps
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, metrics_port=0, hang_timeout=5)
+    prometheus = None
+    try:
+        with strategy.scope():
+            keys = keras.Input((), dtype="int64")
+            model = keras.Model(keys, keras.layers.Dense(1)(DynamicEmbedding(4, capacity=1000, name="ids")(keys)))
+            model.compile(optimizer="sgd", loss="mse")
+        model.fit(np.arange(128, dtype="int64"), np.ones(128, "float32"), batch_size=32, verbose=0)
+        prometheus = Prometheus([f"127.0.0.1:{strategy.metrics_port}"], tmp_path)
+        rows = 'sum(psclient_embedding_rows{layer="ids"})'
+        before = _wait_value(prometheus, rows, lambda v: v > 0, 120, "the table's rows, scraped")
+        with stopped(cluster, "ps", 0, watchdog_s=120):
+            _wait_value(prometheus, "psclient_embedding_stats_waiting", lambda v: v == 1, 60,
+                        "the scrape waiting for the hung ps's counts")
+            # Three scrapes in a row (one a second) served while the ps hangs, and none failed.
+            _wait_value(prometheus, "sum_over_time(psclient_embedding_stats_waiting[4s])", lambda v: v >= 3, 60,
+                        "scrapes served while the ps hangs")
+            assert prometheus.value('min_over_time(up{job="psclient"}[4s])') == 1
+        _wait_value(prometheus, "psclient_embedding_stats_waiting", lambda v: v == 0, 60, "the counts read again")
+        assert _wait_value(prometheus, rows, lambda v: v > 0, 60, "the table's rows, again") == before
+    finally:
+        if prometheus is not None:
+            prometheus.close()
+        strategy.shutdown()
 
 
 def test_evaluator_families_carry_the_newest_evaluation():
