@@ -423,3 +423,40 @@ def test_a_model_built_while_the_ps_hangs(heal):
         if resume is not None:
             resume()
         strategy.shutdown()
+
+
+def test_dynamic_embedding_weights_loaded_while_a_worker_hangs(heal, tmp_path):
+    """`model.load_weights` of a DynamicEmbedding model replaces each shard through a section traced
+    at its first use; TF registered its functions (its conditionals' branches) on every task with
+    the GIL held, so a worker hung at that moment froze the coordinator for the whole hang (7.93 s
+    of 8 in an experiment). The trace streams its registrations now (`shard_restore.run`). A form
+    of shard no other test makes (11-wide rows, Adagrad starting at 0.37): traced here for the
+    first time in this process."""
+    import keras
+    import numpy as np
+
+    from psclient.layers import DynamicEmbedding
+
+    cluster = heal
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=HANG_TIMEOUT)
+    try:
+        with strategy.scope():
+            keys = keras.Input((), dtype="int64")
+            model = keras.Model(keys, keras.layers.Dense(1)(DynamicEmbedding(11, capacity=1000, name="ids")(keys)))
+            model.compile(optimizer=keras.optimizers.Adagrad(initial_accumulator_value=0.37), loss="mse")
+        x = np.arange(200, dtype="int64")
+        model.fit(x, (x % 5).astype("float32"), batch_size=20, epochs=1, verbose=0)
+        path = str(tmp_path / "model.weights.h5")
+        model.save_weights(path)
+        expected = model.predict(x, batch_size=50, verbose=0)
+        model.fit(x, np.zeros(200, "float32"), batch_size=20, epochs=1, verbose=0)  # the rows move on
+        with Heartbeat() as beat, stopped(cluster, "worker", 2, watchdog_s=WATCHDOG_S):
+            started = time.monotonic()
+            model.load_weights(path)
+            loaded_s = time.monotonic() - started
+        assert beat.longest < MAX_STALL_S, f"the coordinator stalled {beat.longest:.2f} s"
+        assert loaded_s < WATCHDOG_S / 2, f"load_weights took {loaded_s:.1f} s: it waited for the hung worker"
+        np.testing.assert_allclose(model.predict(x, batch_size=50, verbose=0), expected, rtol=1e-5, atol=1e-6)
+    finally:
+        cluster.resume("worker", 2)
+        strategy.shutdown()

@@ -38,6 +38,7 @@ import tensorflow as tf
 
 from psclient._coordinator.runtime import coordinator_cpu
 from psclient._coordinator.tables.key_index import KeyIndex
+from psclient._tf.executors import streamed_function_registrations, until_registered
 from psclient._tf import write_marks as _write_marks
 
 __all__ = ["SECTIONS", "form_of", "run", "storage_of", "trace_count"]
@@ -125,11 +126,16 @@ def run(shard, name: str, *args) -> None:
     key = (type(shard), name, form, repr(tf.nest.map_structure(lambda _: 0, specs)), tuple(tf.nest.flatten(specs)))
     traced = _traced.get(key)
     if traced is None:  # traced once per form with unknown dimensions: tensors of any size take it
-        with _write_marks.unmarked():  # counted in `restores` instead (a traced mark ran on the ps: unknown device)
+        # Its functions (the section's conditionals' branches too) are registered on every task:
+        # streamed, or TF waits for each task with the GIL held (a `model.load_weights` of a
+        # DynamicEmbedding model froze the coordinator for as long as a worker hung).
+        with _write_marks.unmarked(), streamed_function_registrations():
+            # unmarked: counted in `restores` instead (a traced mark ran on the ps: unknown device)
             traced = _traced[key] = _section.get_concrete_function(type(shard), name, form, storage, specs)
     shard.fresh = False  # written: a save must read it (`DenseShard.fresh`)
     shard.restores += 1  # written through the storage given, unmarked: a copy taken before is stale
-    traced(type(shard), name, form, storage, args)
+    # Made again while the ps does not know the function yet (its streamed registration overtaken).
+    until_registered(lambda: traced(type(shard), name, form, storage, args))
 
 
 def trace_count() -> int:
