@@ -47,6 +47,21 @@ class StrategyClosedError(PSClientError, RuntimeError):
     """The strategy was shut down; it accepts no more work."""
 
 
+class PsTimeout(Exception):
+    """A ps did not answer within the time given (`checkpoint_parts.on_each_ps`); `_psclient_ps`
+    names it. Internal: the errors users see carry it as their cause."""
+
+
+def hung_ps_of(error: BaseException | None) -> int | None:
+    """The ps a failed call gave up on because it did not answer (a PsTimeout in `error`'s causes)."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, PsTimeout):
+            return getattr(error, "_psclient_ps", None)
+        error, seen = error.__cause__, seen + 1
+    return None
+
+
 class StrategyAPIUnsupportedError(PSClientError, NotImplementedError, AttributeError):
     """A `tf.distribute.Strategy` method psclient does not offer; the message names psclient's way.
 

@@ -239,8 +239,14 @@ class RecoveryMachine:
 
     @_on.register
     def _on_checkpoint_copied(self, event: CheckpointCopied, now: float) -> list:
+        current = event.copy == self._copy.under_way
         self._copy.ended(event.copy)
-        return []
+        if event.error is None or not current:
+            return []
+        # A ps did not answer the copy: a cut would pause dispatch and wait on it as long again.
+        self._copy.used()
+        self.backoff.failed("checkpoint", now)
+        return self._checkpoints.failed(now, event.error)
 
     @_on.register
     def _on_restored(self, event: Restored, now: float) -> list:

@@ -132,8 +132,10 @@ class CheckpointWritten:
 @dataclasses.dataclass(frozen=True)
 class CheckpointCopied:
     """The copy `CopyForCheckpoint(copy)` started ended (copied, or given up: the cut then
-    reads the variables whole)."""
+    reads the variables whole). `error`: given up on a ps that did not answer within
+    `hang_timeout`; the checkpoint fails with it, without a cut."""
     copy: int
+    error: BaseException | None = None
 
 
 @dataclasses.dataclass(frozen=True)

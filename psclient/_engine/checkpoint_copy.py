@@ -8,7 +8,9 @@ kept its closures until then (its heartbeat runs on that thread), and a ps lost 
 was recovered only after. So the
 recovery machine starts it (`CopyForCheckpoint`) and goes on handling events; the copy
 reports its end as `CheckpointCopied`, and only then does dispatch pause for the cut.
-A ps recovery stops it (`StopCopy`) before it renews the variables the copy reads.
+A ps recovery stops it (`StopCopy`) before it renews the variables the copy reads. A ps that
+does not answer the copy within `hang_timeout` fails the checkpoint at once (`CheckpointWriteError`
+naming it, in `CheckpointCopied`): a cut would pause dispatch and wait on it as long again.
 
 `CopyThread` owns the thread: `stop` sets its flag (the copy checks it between chunks)
 and joins it; the recovery's `stop` calls it at shutdown. The copies reach the checkpoint
@@ -23,6 +25,7 @@ import threading
 from typing import Any, Callable
 
 from psclient._core import ps_access, recovery_messages as rm
+from psclient._core.errors import PSClientError
 
 __all__ = ["CopyThread"]
 
@@ -50,14 +53,17 @@ class CopyThread:
         stop = self._stop = threading.Event()
 
         def run() -> None:
+            gave_up = None
             try:
                 with ps_access.handled_elsewhere():  # a ps error ends the copy; the machine decides
                     copied = self._copy(stop.is_set)
                 with self._lock:
                     if not stop.is_set():
                         self._copied = copied
+            except PSClientError as error:  # a ps that did not answer (CheckpointWriteError): the checkpoint fails
+                gave_up = error
             finally:
-                self._report(rm.CheckpointCopied(number))
+                self._report(rm.CheckpointCopied(number, gave_up))
 
         self._thread = threading.Thread(target=run, name="psclient-checkpoint-copy", daemon=True)
         self._thread.start()

@@ -38,7 +38,7 @@ from psclient._engine.reconnect import Reconnector, Refused
 from psclient._engine.recovery_config import RecoveryConfig
 from psclient._engine.recovery_endings import finish, unavailable_error
 from psclient._core import ps_access, recovery_messages as rm
-from psclient._core.errors import first_line
+from psclient._core.errors import first_line, hung_ps_of
 from psclient._core.checkpoint_schedule import shut_down_error
 from psclient._core.health import Prober
 from psclient._core.recovery_machine import RecoveryMachine
@@ -310,7 +310,10 @@ class Recovery:
             return []  # nothing changed; or the ps recovery itself renews every handle
         if done.ok and not isinstance(op, rm.Reconnect):
             return []
-        stale = self.probes.stale_ps()
+        # A step given up on a ps that did not answer: it would not answer the check either (the
+        # caller waited probe_timeout more for it), and a hung ps holds its variables.
+        hung = hung_ps_of(done.error) if not done.ok else None
+        stale = self.probes.stale_ps(skip=frozenset() if hung is None else {hung})
         if not stale:
             return []
         log.warning("ps task(s) %s no longer hold this coordinator's variables (restarted): "

@@ -77,11 +77,19 @@ def check_back_to_normal(strategy, cluster, directory, step, counter, previous):
 @pytest.mark.parametrize("when", ["snapshot", "write"])
 def test_a_ps_stopped_during_a_save_fails_it_within_hang_timeout_naming_the_ps(cluster, tmp_path, when, marked,
                                                                               monkeypatch):
-    """Stopped before the save (its copy before the cut, then the cut, each give up after
-    hang_timeout), or as its write starts (the write gives up after hang_timeout; the stages'
-    release then does not wait for that ps again)."""
-    gave_up = []
+    """Stopped before the save (its copy before the cut gives up after hang_timeout, and the
+    checkpoint fails with it, no cut taken; without a copy, the cut gives up), or as its write
+    starts (the write gives up after hang_timeout; the stages' release then does not wait for that
+    ps again). The hung ps is waited on once: before, a copy's give-up was followed by a cut that
+    waited as long again, dispatch paused, and a failed cut by a check of the hung ps's handles
+    (probe_timeout): a save took 2 x hang_timeout."""
+    gave_up, cuts, skipped = [], [], []
     write_snapshot = checkpoint_module._snapshot.write_snapshot  # noqa: SLF001
+    take_snapshot = checkpoint_module._snapshot.take_snapshot  # noqa: SLF001
+
+    def cutting(*args, **kwargs):
+        cuts.append(time.monotonic())
+        return take_snapshot(*args, **kwargs)
 
     def recording(*args, **kwargs):
         try:
@@ -91,6 +99,7 @@ def test_a_ps_stopped_during_a_save_fails_it_within_hang_timeout_naming_the_ps(c
             raise
 
     monkeypatch.setattr(checkpoint_module._snapshot, "write_snapshot", recording)  # noqa: SLF001
+    monkeypatch.setattr(checkpoint_module._snapshot, "take_snapshot", cutting)  # noqa: SLF001
     directory = tmp_path / "ckpt"
     strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(directory), hang_timeout=HANG_TIMEOUT,
                                                 variable_partitioner=None)
@@ -99,6 +108,11 @@ def test_a_ps_stopped_during_a_save_fails_it_within_hang_timeout_naming_the_ps(c
         strategy.schedule(step).result(timeout=60)
         previous = tf.train.latest_checkpoint(str(directory))
         assert previous is not None
+        probes = strategy._recovery.probes  # noqa: SLF001
+        stale_ps = probes.stale_ps
+        monkeypatch.setattr(probes, "stale_ps",
+                            lambda skip=frozenset(): skipped.append(set(skip)) or stale_ps(skip))
+        cuts.clear()
         if when == "snapshot":
             cluster.stop("ps", 1)
         else:  # after the cut: each ps writes its part while training goes on
@@ -115,6 +129,11 @@ def test_a_ps_stopped_during_a_save_fails_it_within_hang_timeout_naming_the_ps(c
             assert strategy.stats()["checkpoints"]["last_copied_bytes"] == 300_000 * 16 * 4
         if when == "write":  # returned without a second hang_timeout for the stopped ps's stages
             assert len(gave_up) == 1 and returned - gave_up[0] < HANG_TIMEOUT, (returned, gave_up)
+        if when == "snapshot" and marked:  # the copy gave up: no cut
+            assert cuts == [] and "could not copy" in str(error), (cuts, error)
+        if when == "snapshot" and not marked:  # the cut gave up: the hung ps is not checked again
+            assert len(cuts) == 1 and "could not take its snapshot" in str(error), (cuts, error)
+            assert skipped and all(skip == {1} for skip in skipped), skipped
         check_back_to_normal(strategy, cluster, directory, step, counter, previous)
     finally:
         cluster.resume("ps", 1)

@@ -92,3 +92,25 @@ def test_a_copy_whose_pause_was_skipped_is_made_again_for_the_next_try():
 def test_without_copies_before_cut_the_pause_comes_at_once():
     m = Machine(copies_before_cut=False)
     assert m(rm.CheckpointRequested("t", "requested")) == [rm.PauseDispatch("checkpoint")]
+
+
+def test_a_ps_that_does_not_answer_the_copy_fails_the_checkpoint_without_a_cut():
+    """The copy gave up on a hung ps after hang_timeout: a cut would pause dispatch and wait on that
+    ps as long again (a save took 2 x hang_timeout). The request gets the copy's error at once."""
+    m = Machine()
+    assert m(rm.CheckpointRequested("t", "requested")) == [rm.CopyForCheckpoint(1)]
+    error = OSError("ps:0 could not copy its variables before a checkpoint's cut: no answer within 3 s")
+    assert m(rm.CheckpointCopied(1, error), at=3.0) == [rm.Finish("t", error=error)]
+    assert m.tick() == []  # no pause, no cut
+    # The next request backs off as after any failed checkpoint, then copies again.
+    assert m(rm.CheckpointRequested("u", "requested"), at=3.1) == []
+    assert m(rm.Tick(0, 0), at=4.0) == [rm.CopyForCheckpoint(2)]
+    assert m(rm.CheckpointCopied(2)) == [rm.PauseDispatch("checkpoint")]
+
+
+def test_the_error_of_a_copy_stopped_for_a_ps_loss_is_ignored():
+    m = Machine()
+    m(rm.Restored())
+    m(rm.CheckpointRequested("t", "requested"))
+    m(rm.PsNotAnswering((0,)))  # stops the copy
+    assert m(rm.CheckpointCopied(1, OSError("no answer within 3 s"))) == []  # the recovery decides

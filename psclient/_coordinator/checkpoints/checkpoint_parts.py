@@ -83,7 +83,7 @@ from psclient._coordinator.checkpoints.checkpoint_pieces import (
 )
 from psclient._tf import checkpoints as _checkpoints
 from psclient._tf import executors as _executors
-from psclient._core.errors import CheckpointUnreadable, PSClientError, first_line
+from psclient._core.errors import CheckpointUnreadable, PSClientError, PsTimeout, first_line
 
 __all__ = ["CheckedPart", "CheckpointDirError", "CheckpointUnreadable", "CheckpointWriteError", "LAYOUT_KEY",
            "Piece", "PsTimeout", "READ_BATCH_BYTES", "Slot", "assign_on_ps", "batches", "late_threads", "on_each_ps",
@@ -155,10 +155,6 @@ def describe_task(ps: int | None, describe_ps: Callable[[int], str]) -> str:
 def part_prefix(scratch: str, index: int, count: int) -> str:
     """What TF's `sharded_filename` names part `index` of `count` (the merge reads these names)."""
     return f"{scratch}/part-{index:05d}-of-{count:05d}"
-
-
-class PsTimeout(Exception):
-    """A ps did not answer within the time given (`on_each_ps`); `_psclient_ps` names it."""
 
 
 #: The name of on_each_ps's threads: one still alive after its call returned waits on a ps given up on.

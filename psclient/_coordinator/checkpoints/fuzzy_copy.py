@@ -49,6 +49,7 @@ from psclient._coordinator.checkpoints import hash_copy as _hash_copy
 from psclient._coordinator.checkpoints import stages as _stages
 from psclient._coordinator.checkpoints import table_copy as _table_copy
 from psclient._coordinator.checkpoints.checkpoint_parts import (
+    CheckpointWriteError,
     PsTimeout,
     describe_task,
     device_of,
@@ -130,9 +131,10 @@ def prepare(variables: dict[str, Any], describe_ps: Callable[[int], str],
             stop: Callable[[], bool] | None = None) -> Prepared | None:
     """Copy, on each ps, the marked variables written only by sparse ops since the last prepare, and
     the marked shards of `tables` (`table_copy.copy_shards`), training going on. None when none is;
-    also when a ps fails or does not answer for `timeout` after its last chunk began (logged: the
-    cut then reads everything, as without a copy), and when `stop()` turns true (checked between
-    chunks: a ps recovery or shutdown wants the copy to end)."""
+    also when a ps fails (logged: the cut then reads everything, as without a copy), and when
+    `stop()` turns true (checked between chunks: a ps recovery or shutdown wants the copy to end).
+    Raises CheckpointWriteError naming a ps that does not answer for `timeout` after its last
+    chunk began: a cut would wait on it as long again, dispatch paused."""
     started = time.monotonic()
     marked = {ps: [(slot, marks) for slot in slots if (marks := _write_marks.marks_of(slot.variable)) is not None]
               for ps, slots in slots_of(variables).items()}
@@ -199,6 +201,11 @@ def prepare(variables: dict[str, Any], describe_ps: Callable[[int], str],
         failed.append(error)  # a ps that does not answer: the others stop too
         error = failed[0]  # the ps that failed first, not one stopped for it
         where = describe_task(getattr(error, "_psclient_ps", None), describe_ps)
+        if isinstance(error, PsTimeout):  # hung: the cut would wait on it as long again, dispatch paused
+            raise CheckpointWriteError(
+                f"{where} could not copy its variables before a checkpoint's cut: no answer within "
+                f"{timeout:g} s (the ps may hang). No checkpoint was written; the previous one stays the "
+                "newest.") from error
         log.warning("%s could not copy its variables before a checkpoint's cut (%s): the cut reads them whole",
                     where, first_line(error))
         return None
