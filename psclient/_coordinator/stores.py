@@ -29,7 +29,7 @@ from psclient._core.placement import Placer
 from psclient._tf import context as _context
 from psclient._tf import variables as _tf_variables
 from psclient._tf import write_marks as _write_marks
-from psclient._tf.executors import register_read_kinds, streamed_barrier, streamed_registrations
+from psclient._tf.executors import register_read_kinds, streamed_registrations
 
 __all__ = ["VariableStore", "PerWorkerRegistry"]
 
@@ -136,11 +136,9 @@ class VariableStore:
         # held, unless the enqueue streams. Unstreamed, a ps that hung during the build froze the
         # whole coordinator (its health and heartbeat threads too) until it answered;
         # streamed, the build waits for it in TF's ops, which release the GIL
-        # (tests/faults/test_no_freeze.py). The barrier: made, before any unstreamed call uses it.
+        # (tests/faults/test_no_freeze.py).
         with streamed_registrations():
-            variable = self._create_placed(*args)
-            streamed_barrier(part.device for part in (variable.variables if is_partitioned(variable) else [variable]))
-        return variable
+            return self._create_placed(*args)
 
     def _create_placed(self, next_creator, kwargs, spec, requested, reason):
         initial_value = kwargs.get("initial_value")

@@ -38,7 +38,6 @@ __all__ = [
     "register_read_kinds",
     "register_summary_kinds",
     "set_streaming_env",
-    "streamed_barrier",
     "streamed_function_registrations",
     "streamed_registrations",
     "unregistered_executor",
@@ -143,29 +142,6 @@ def streamed_registrations():
             _streamed_traces -= 1
             if not _streamed_traces:
                 os.environ[_STREAMING_ENV] = str(_calls_stream)
-
-
-def streamed_barrier(devices) -> None:
-    """Wait, without the GIL, until each task of `devices` has run what this thread's streaming
-    executor sent it (inside `streamed_registrations`).
-
-    A task runs the ops of its stream in order, so the answer of one op sent last means those sent
-    before it ran. Ops made on the stream (a variable, its initial value) are otherwise not there
-    yet for another thread's or executor's unstreamed call, which can reach the task first: TF then
-    fails it with "Unable to find the relevant tensor remote_handle".
-    """
-    devices = sorted({device for device in devices if device})
-    if not devices:
-        return
-    with tf.init_scope():  # eager, also when a creation inside a trace calls it
-        with tf.device(context.context().host_address_space() + "/device:CPU:0"):
-            zero = tf.constant(0)  # converted here: a value converted under a task's device holds the GIL
-        answers = []
-        for device in devices:  # all sent first: the tasks answer at once
-            with tf.device(device):
-                answers.append(tf.identity(zero))
-        for answer in answers:
-            answer.numpy()
 
 
 #: Threads inside `eager_ops_as_themselves`, and the lock that guards the count and TF's switch.

@@ -38,7 +38,7 @@ from psclient._coordinator.tables.hash_shard import HashShard, export, hash_tabl
 from psclient._coordinator.tables.key_hash import initial_rows, mix64, shard_of
 from psclient._coordinator.tables.key_index import SUBSTITUTE_KEY, KeyIndex
 from psclient._coordinator.runtime import coordinator_cpu
-from psclient._tf.executors import streamed_barrier, streamed_registrations
+from psclient._tf.executors import streamed_registrations
 from psclient._core import dynamic_tables as rules
 from psclient._coordinator.ps_state import on_ps
 from psclient._core.errors import PSUnavailableError, first_line
@@ -136,13 +136,9 @@ class DynamicTable:
         """Where the shards' storage is made: out of any trace, as the table's own (no model
         variables), and on a strategy's ps tasks through a streaming enqueue, so that a ps that
         hangs meanwhile does not hold the GIL (`VariableStore._create_streamed`)."""
-        if self.owner() is None:
-            with tf.init_scope(), self.unmanaged():
-                yield
-            return
-        with tf.init_scope(), self.unmanaged(), streamed_registrations():
+        streamed = streamed_registrations() if self.owner() is not None else contextlib.nullcontext()
+        with tf.init_scope(), self.unmanaged(), streamed:
             yield
-            streamed_barrier(shard.device for shard in self.shards)  # made, before an unstreamed call uses it
 
     # ---------------------------------------------------------------- slots
     def ensure_slots(self, defaults: dict[str, float]) -> None:
