@@ -29,7 +29,7 @@ from psclient._core.placement import Placer
 from psclient._tf import context as _context
 from psclient._tf import variables as _tf_variables
 from psclient._tf import write_marks as _write_marks
-from psclient._tf.executors import register_read_kinds, streamed_registrations
+from psclient._tf.executors import register_read_kinds
 
 __all__ = ["VariableStore", "PerWorkerRegistry"]
 
@@ -127,18 +127,8 @@ class VariableStore:
         spec = initial_values.take_pending()
         # Made again whole (its value too, from a fresh copy of the arguments) if a ps is lost
         # under it: outside a trace, the guard waits for the recovery first.
-        return self.guard(lambda: self._create_streamed(next_creator, dict(kwargs), spec, requested, reason),
+        return self.guard(lambda: self._create_placed(next_creator, dict(kwargs), spec, requested, reason),
                           f"creating variable {kwargs.get('name')!r} on the ps")
-
-    def _create_streamed(self, *args):
-        # The initializer runs under the ps's device: each Python value it converts there (Keras's
-        # `tf.zeros(shape)` converts `shape`) is sent to the ps by an RPC TF waits for with the GIL
-        # held, unless the enqueue streams. Unstreamed, a ps that hung during the build froze the
-        # whole coordinator (its health and heartbeat threads too) until it answered;
-        # streamed, the build waits for it in TF's ops, which release the GIL
-        # (tests/faults/test_no_freeze.py).
-        with streamed_registrations():
-            return self._create_placed(*args)
 
     def _create_placed(self, next_creator, kwargs, spec, requested, reason):
         initial_value = kwargs.get("initial_value")

@@ -38,7 +38,6 @@ from psclient._coordinator.tables.hash_shard import HashShard, export, hash_tabl
 from psclient._coordinator.tables.key_hash import initial_rows, mix64, shard_of
 from psclient._coordinator.tables.key_index import SUBSTITUTE_KEY, KeyIndex
 from psclient._coordinator.runtime import coordinator_cpu
-from psclient._tf.executors import streamed_registrations
 from psclient._core import dynamic_tables as rules
 from psclient._coordinator.ps_state import on_ps
 from psclient._core.errors import PSUnavailableError, first_line
@@ -117,7 +116,7 @@ class DynamicTable:
             storage = strategy.config.dynamic_table_storage if strategy is not None else "dense"
         #: A context in which variables made are the table's, not model variables (the store's rule).
         self.unmanaged = store.unmanaged if store is not None else contextlib.nullcontext
-        with self._making():
+        with tf.init_scope(), self.unmanaged():
             if self.share is not None and storage == "dense":
                 lock_for = store.table_lock if store is not None else _local_lock
                 marks = store.mark_writes if store is not None else None
@@ -131,15 +130,6 @@ class DynamicTable:
         with _lock:
             self.serial = next(_serials)
 
-    @contextlib.contextmanager
-    def _making(self):
-        """Where the shards' storage is made: out of any trace, as the table's own (no model
-        variables), and on a strategy's ps tasks through a streaming enqueue, so that a ps that
-        hangs meanwhile does not hold the GIL (`VariableStore._create_streamed`)."""
-        streamed = streamed_registrations() if self.owner() is not None else contextlib.nullcontext()
-        with tf.init_scope(), self.unmanaged(), streamed:
-            yield
-
     # ---------------------------------------------------------------- slots
     def ensure_slots(self, defaults: dict[str, float]) -> None:
         """Create the optimizer's slot tables (name -> initial value) where missing.
@@ -149,7 +139,7 @@ class DynamicTable:
         on_ps(self.owner(), lambda: self._ensure_slots(defaults), f"adding slots to dynamic table {self.name!r}")
 
     def _ensure_slots(self, defaults: dict[str, float]) -> None:
-        with self._making():
+        with tf.init_scope(), self.unmanaged():
             for shard in self.shards:
                 if shard.dense:
                     shard.add_slots(defaults)
@@ -171,7 +161,7 @@ class DynamicTable:
 
         for shard in self.shards:
             if shard.device and ps_index_of(shard.device) in lost_ps:
-                with self._making():
+                with tf.init_scope(), self.unmanaged():
                     shard.make(self.slot_defaults)
         self.renewals += 1
 
