@@ -384,7 +384,8 @@ class ParameterServerStrategy(TFStrategyAPI):
         ledgers of `psclient.data` feeds, and `replayed_records`: records they
         may have trained twice because a failure cut their step off. Per DynamicEmbedding table
         on the ps: rows, keys tracked, admissions and evictions per ps task (`read_ps=False`:
-        left out, nothing read from the ps; None: left out while a ps is lost).
+        left out, nothing read from the ps; None: left out while a ps is lost). That read
+        waits for a ps that hangs until it answers (a scrape of `metrics_port` does not).
         """
         stats = self._scheduler.stats()
         stats["completed"] = self._scheduler.completed()
