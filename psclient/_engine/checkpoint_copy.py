@@ -62,6 +62,7 @@ class CopyThread:
                         self._copied = copied
             except PSClientError as error:  # a ps that did not answer (CheckpointWriteError): the checkpoint fails
                 gave_up = error
+                log.warning("checkpoint given up before its cut: %s", error)
             finally:
                 self._report(rm.CheckpointCopied(number, gave_up))
 
