@@ -12,7 +12,6 @@ tables' families, with `embedding_stats_waiting` set, while that read goes on wa
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Callable
 
 from psclient._coordinator.tables import dynamic_tables
@@ -45,19 +44,19 @@ class ScrapeSource:
             return []
         stats = strategy.stats(read_ps=False)
         if all(ps["up"] for ps in stats["ps"]):  # a lost ps: the read would wait for its recovery
-            tables = self._tables(weakref.ref(strategy))
+            tables = self._tables()
             stats["embedding_stats_waiting"] = tables is None
             stats["dynamic_embeddings"] = tables or {}
         return families(stats)
 
-    def _tables(self, strategy_ref) -> dict | None:
+    def _tables(self) -> dict | None:
         """The tables' counts, read now, or None while a read (this one or an earlier one) waits."""
         with self._lock:
             reader, read = self._reader, self._read
             if reader is None or not reader.is_alive():
                 read = self._read = {}
                 reader = self._reader = threading.Thread(
-                    target=_read_tables, args=(strategy_ref, read), name="psclient-metrics-tables", daemon=True)
+                    target=_read_tables, args=(self._strategy_ref, read), name="psclient-metrics-tables", daemon=True)
                 reader.start()
         reader.join(self._wait_s)
         return read.get("tables")

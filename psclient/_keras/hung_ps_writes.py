@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from psclient._coordinator.checkpoints.checkpoint_parts import CheckpointWriteError, PsTimeout, waiting_on
 from psclient._coordinator.ps_state import on_ps
-from psclient._core.errors import PSUnavailableError
+from psclient._core.errors import PSUnavailableError, hung_ps_of
 from psclient._engine import registry
 
 __all__ = ["ANSWER_GRACE", "FINAL_ATTEMPTS", "HungPsWrites", "given_up_on_a_hung_ps", "writes_of"]
@@ -78,7 +78,7 @@ class HungPsWrites:
                 if not given_up_on_a_hung_ps(error) or (final and attempt + 1 == FINAL_ATTEMPTS):
                     raise
                 self.pending = True
-                ps = self._hung_ps = getattr(error.__cause__, "_psclient_ps", None)
+                ps = self._hung_ps = hung_ps_of(error)
                 self._graced = False
                 self.failures.append({"task": getattr(error, "task", None) or (None if ps is None else f"ps:{ps}"),
                                       "error": f"{type(error).__name__}: {error}", "at": time.time()})

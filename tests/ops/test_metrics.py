@@ -55,12 +55,17 @@ def _stats(**extra) -> dict:
 
 
 def _scraped(stats: dict) -> dict:
-    """{(sample name, labels as a sorted tuple): value} of the text a scrape returns."""
+    """{(sample name, labels as a sorted tuple): value} of the text a scrape of `stats` returns."""
+    return _samples(families(stats))
+
+
+def _samples(found: list) -> dict:
+    """{(sample name, labels as a sorted tuple): value} of the text a scrape of `found` returns."""
     registry = CollectorRegistry(auto_describe=False)
 
     class Once:
         def collect(self):
-            return families(stats)
+            return found
 
     registry.register(Once())
     text = generate_latest(registry).decode()
@@ -118,19 +123,6 @@ def test_a_bad_metrics_port_is_refused_naming_it(port):
 
 
 # ---------------------------------------------------------------- a scrape beside a hung ps
-
-
-def _samples(found: list) -> dict:
-    registry = CollectorRegistry(auto_describe=False)
-
-    class Once:
-        def collect(self):
-            return found
-
-    registry.register(Once())
-    text = generate_latest(registry).decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 class _Table:

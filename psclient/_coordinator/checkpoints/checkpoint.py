@@ -75,7 +75,7 @@ from psclient._coordinator.checkpoints import fuzzy_copy as _fuzzy
 from psclient._coordinator.checkpoints import table_checkpoint, table_deltas
 from psclient._coordinator.checkpoints.checkpoint_parts import CheckpointUnreadable
 from psclient._coordinator.checkpoints.checkpoint_writer import BackgroundWriter, PendingSave
-from psclient._core.errors import PSUnavailableError, first_line
+from psclient._core.errors import PSUnavailableError, first_line, hung_ps_of
 
 __all__ = ["CheckpointUnreadable", "Checkpoints", "check_directory", "variable_key"]
 
@@ -267,8 +267,7 @@ class Checkpoints:
         try:
             yield
         except _parts.CheckpointWriteError as error:
-            if isinstance(error.__cause__, _parts.PsTimeout):
-                hung = getattr(error.__cause__, "_psclient_ps", None)
+            hung = hung_ps_of(error)
             raise
         finally:
             if prepared is not None:
