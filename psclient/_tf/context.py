@@ -19,6 +19,8 @@ from tensorflow.python.distribute.coordinator.cluster_coordinator import Closure
 from tensorflow.python.eager import context
 from tensorflow.python.framework import constant_op, dtypes, ops
 
+from psclient._tf import cluster_view
+
 __all__ = [
     "ClosureInputError",
     "coordinator_cpu",
@@ -59,7 +61,8 @@ def update_server_def(cluster_spec, filters, job_name: str) -> None:
         default_session_config=copy.deepcopy(context.context().config),
         cluster_device_filters=filters._as_cluster_device_filters(),  # noqa: SLF001
     )
-    context.context().update_server_def(server_def)
+    with cluster_view.changing_view():  # registrations wait for it without the GIL (cluster_view)
+        context.context().update_server_def(server_def)
 
 
 class _WorkerIndex:

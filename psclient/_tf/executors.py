@@ -28,6 +28,8 @@ import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context, executor
 
+from psclient._tf import cluster_view
+
 __all__ = [
     "eager_ops_as_themselves",
     "eager_ops_as_themselves_from_now",
@@ -230,7 +232,8 @@ def streamed_function_registrations():
 def _install_registration_hook() -> None:
     """Wrap TF's `Context.add_c_function`, `add_function_def` (where a trace registers its function
     on every task) and `remove_function` (where a function dropped is removed from every task) once:
-    registrations streamed on a thread inside `streamed_function_registrations`, removals always.
+    registrations streamed on a thread inside `streamed_function_registrations`, removals always;
+    each of them waits, without the GIL, while a reconnect changes TF's view (`cluster_view`).
 
     TF removes a function from every task when its last Python reference goes
     (`AtomicFunction.__del__`), with an RPC per task that it waits for with the
@@ -252,10 +255,11 @@ def _install_registration_hook() -> None:
             always = name == "remove_function"
 
             def wrapped(self, function, _stock=stock, _always=always):
-                if _always or getattr(_registering, "on", False):
-                    with streamed_registrations():
-                        return _stock(self, function)
-                return _stock(self, function)
+                with cluster_view.registration_gate():  # not inside TF while a reconnect holds its lock
+                    if _always or getattr(_registering, "on", False):
+                        with streamed_registrations():
+                            return _stock(self, function)
+                    return _stock(self, function)
 
             wrapped._psclient_streamed = True
             wrapped.__doc__, wrapped.__name__ = stock.__doc__, stock.__name__

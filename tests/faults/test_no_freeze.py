@@ -418,3 +418,53 @@ def test_dynamic_embedding_weights_loaded_while_a_worker_hangs(heal, tmp_path):
     finally:
         cluster.resume("worker", 2)
         strategy.shutdown()
+
+
+def test_a_function_traced_while_a_reconnect_waits_on_a_hung_ps(heal, monkeypatch):
+    # A reconnect (here: a killed worker left out, then back) changes TF's view of the cluster
+    # with `update_server_def`, which holds TF's context lock until every task answers, a hung ps
+    # too. A function registered meanwhile waited for that lock inside TF with the GIL held: every
+    # thread of the coordinator stopped until the ps answered (3.5 and 4.8 s in two chaos plans,
+    # py-spy: `TFE_ContextAddFunction` -> `EagerContext::AddFunctionRecord` -> `Mutex::LockSlow`
+    # beside `update_server_def` -> `ClearCachesAndDefaultExecutor`). Registrations now wait for a
+    # reconnect in Python, without the GIL.
+    import threading
+
+    from psclient._tf import context as tf_context
+
+    cluster = heal
+    strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=HANG_TIMEOUT)
+    updating = threading.Event()
+    real_update = tf_context.update_server_def
+
+    def update(*args, **kwargs):
+        updating.set()
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(tf_context, "update_server_def", update)
+    try:
+        steps, step = counting_step(strategy)
+        for _ in range(10):
+            strategy.schedule(step)
+        strategy.join()
+        with Heartbeat() as beat:
+            with stopped(cluster, "ps", 0, watchdog_s=WATCHDOG_S):
+                updating.clear()
+                cluster.kill("worker", 2)  # the recovery drops it: a reconnect, which waits on the ps
+                assert updating.wait(60), "no reconnect after a worker was killed"
+                time.sleep(0.5)  # into TF's update_server_def (an event cannot say when it is there)
+
+                @tf.function
+                def fresh():
+                    return steps.read_value() + 1
+
+                traced = threading.Thread(target=fresh.get_concrete_function, name="trace")
+                traced.start()
+                traced.join(6)  # the trace waits for the reconnect, which waits for the ps
+                stalled_while_stopped = beat.longest
+            traced.join(60)
+            assert not traced.is_alive(), "the trace did not end once the ps answered"
+        assert stalled_while_stopped < MAX_STALL_S, f"the coordinator stalled {stalled_while_stopped:.2f} s"
+    finally:
+        cluster.resume("ps", 0)
+        strategy.shutdown()

@@ -1,0 +1,61 @@
+"""Registrations wait, without the GIL, while TF's view of the cluster changes.
+
+TF's `update_server_def` (a connect, or a reconnect of the recovery thread)
+holds TF's context lock until every task it names has answered, and until
+every node pending on TF's default executor has ended: with a ps
+SIGSTOPped, for as long as the ps hangs. It waits without the GIL. A
+function registered meanwhile (`Context.add_c_function` and the like, from
+any trace) waits for the same lock inside TF *with* the GIL held, and every
+thread of the coordinator stopped until the ps answered (two chaos plans:
+3.5 and 4.8 s; tests/faults/test_no_freeze.py, 16.7 s before this gate).
+
+So the registrations psclient wraps (`psclient._tf.executors`) pass
+`registration_gate()` first: while another thread is inside
+`changing_view()` they wait here, in Python, and the rest of the
+coordinator runs on. A view change waits, the same way, for registrations
+already past the gate (quick: a streamed one is only queued). The thread
+that changes the view passes its own gate (a garbage collection in it may
+remove a function).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+__all__ = ["changing_view", "registration_gate"]
+
+_gate = threading.Condition()  # its lock is reentrant: a collection may run while a thread holds it
+_changing: threading.Thread | None = None  # the thread inside `changing_view`
+_registering = 0  # threads past the gate, inside TF
+
+
+@contextlib.contextmanager
+def changing_view():
+    """Around TF's `update_server_def`: registrations wait until it returns."""
+    global _changing
+    with _gate:
+        _gate.wait_for(lambda: _changing is None and not _registering)
+        _changing = threading.current_thread()
+    try:
+        yield
+    finally:
+        with _gate:
+            _changing = None
+            _gate.notify_all()
+
+
+@contextlib.contextmanager
+def registration_gate():
+    """Around a call that registers or removes a function on every task (module doc)."""
+    global _registering
+    me = threading.current_thread()
+    with _gate:
+        _gate.wait_for(lambda: _changing is None or _changing is me)
+        _registering += 1
+    try:
+        yield
+    finally:
+        with _gate:
+            _registering -= 1
+            _gate.notify_all()

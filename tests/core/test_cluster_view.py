@@ -1,0 +1,85 @@
+"""The gate between TF's cluster view changes and function registrations (`psclient._tf.cluster_view`).
+
+Pure Python: threads and events stand in for TF's calls.
+"""
+
+import threading
+
+from psclient._tf import cluster_view
+
+WAIT_S = 10.0  # generous: a loaded machine schedules threads late
+
+
+def test_a_registration_waits_while_another_thread_changes_the_view():
+    inside, release, registered = threading.Event(), threading.Event(), threading.Event()
+
+    def change():
+        with cluster_view.changing_view():
+            inside.set()
+            release.wait(WAIT_S)
+
+    def register():
+        with cluster_view.registration_gate():
+            registered.set()
+
+    changer = threading.Thread(target=change)
+    changer.start()
+    assert inside.wait(WAIT_S)
+    registrar = threading.Thread(target=register)
+    registrar.start()
+    assert not registered.wait(0.3), "a registration went into TF while the view changed"
+    release.set()
+    assert registered.wait(WAIT_S), "the registration did not go on after the change"
+    changer.join(WAIT_S)
+    registrar.join(WAIT_S)
+
+
+def test_the_thread_that_changes_the_view_passes_its_own_gate():
+    # (A garbage collection in it may remove a function while it changes the view.)
+    passed = []
+    with cluster_view.changing_view(), cluster_view.registration_gate():
+        passed.append(True)
+    assert passed == [True]
+
+
+def test_a_view_change_waits_for_registrations_already_past_the_gate():
+    inside, release, changed = threading.Event(), threading.Event(), threading.Event()
+
+    def register():
+        with cluster_view.registration_gate():
+            inside.set()
+            release.wait(WAIT_S)
+
+    def change():
+        with cluster_view.changing_view():
+            changed.set()
+
+    registrar = threading.Thread(target=register)
+    registrar.start()
+    assert inside.wait(WAIT_S)
+    changer = threading.Thread(target=change)
+    changer.start()
+    assert not changed.wait(0.3), "the view changed under a registration inside TF"
+    release.set()
+    assert changed.wait(WAIT_S)
+    registrar.join(WAIT_S)
+    changer.join(WAIT_S)
+
+
+def test_registrations_pass_one_another():
+    inside, release = threading.Event(), threading.Event()
+    second = threading.Event()
+
+    def first():
+        with cluster_view.registration_gate():
+            inside.set()
+            release.wait(WAIT_S)
+
+    holder = threading.Thread(target=first)
+    holder.start()
+    assert inside.wait(WAIT_S)
+    with cluster_view.registration_gate():
+        second.set()
+    assert second.is_set()
+    release.set()
+    holder.join(WAIT_S)
