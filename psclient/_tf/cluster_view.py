@@ -13,9 +13,10 @@ So the registrations psclient wraps (`psclient._tf.executors`) pass
 `registration_gate()` first: while another thread is inside
 `changing_view()` they wait here, in Python, and the rest of the
 coordinator runs on. A view change waits, the same way, for registrations
-already past the gate (quick: a streamed one is only queued). The thread
-that changes the view passes its own gate (a garbage collection in it may
-remove a function).
+already past the gate (quick: a streamed one is only queued), and at its end
+for those it held back to pass (at most `DRAIN_S`). The thread that changes
+the view passes its own gate (a garbage collection in it may remove a
+function).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ __all__ = ["changing_view", "registration_gate"]
 _gate = threading.Condition()  # its lock is reentrant: a collection may run while a thread holds it
 _changing: threading.Thread | None = None  # the thread inside `changing_view`
 _registering = 0  # threads past the gate, inside TF
+_waiting = 0  # threads held at the gate by a view change
+#: How long a view change's thread waits, at its end, for the registrations it held to pass.
+DRAIN_S = 5.0
 
 
 @contextlib.contextmanager
@@ -43,15 +47,25 @@ def changing_view():
         with _gate:
             _changing = None
             _gate.notify_all()
+            # The registrations held back go first (bounded), before this thread goes on: a
+            # streamed one turns TF's process-wide streaming switch on, and this thread's next
+            # eager ops (a connect's caller builds variables) sent meanwhile partly down the
+            # stream and partly not could reach a task out of order.
+            _gate.wait_for(lambda: not _waiting and not _registering, DRAIN_S)
 
 
 @contextlib.contextmanager
 def registration_gate():
     """Around a call that registers or removes a function on every task (module doc)."""
-    global _registering
+    global _registering, _waiting
     me = threading.current_thread()
     with _gate:
-        _gate.wait_for(lambda: _changing is None or _changing is me)
+        if not (_changing is None or _changing is me):
+            _waiting += 1
+            try:
+                _gate.wait_for(lambda: _changing is None or _changing is me)
+            finally:
+                _waiting -= 1
         _registering += 1
     try:
         yield

@@ -4,6 +4,7 @@ Pure Python: threads and events stand in for TF's calls.
 """
 
 import threading
+import time
 
 from psclient._tf import cluster_view
 
@@ -83,3 +84,33 @@ def test_registrations_pass_one_another():
     assert second.is_set()
     release.set()
     holder.join(WAIT_S)
+
+
+def test_a_view_change_ends_after_the_registrations_it_held_have_passed():
+    # The held registrations go before the changing thread goes on (module doc: TF's streaming
+    # switch, which a streamed registration turns on for the whole process).
+    inside, release, order = threading.Event(), threading.Event(), []
+
+    def change():
+        with cluster_view.changing_view():
+            inside.set()
+            release.wait(WAIT_S)
+        order.append("change ended")
+
+    def register():
+        with cluster_view.registration_gate():
+            order.append("registered")
+
+    changer = threading.Thread(target=change)
+    changer.start()
+    assert inside.wait(WAIT_S)
+    registrar = threading.Thread(target=register)
+    registrar.start()
+    deadline = time.monotonic() + WAIT_S
+    while not cluster_view._waiting and time.monotonic() < deadline:  # noqa: SLF001 - held at the gate
+        time.sleep(0.01)
+    assert cluster_view._waiting, "the registration was not held at the gate"  # noqa: SLF001
+    release.set()
+    changer.join(WAIT_S)
+    registrar.join(WAIT_S)
+    assert order == ["registered", "change ended"]
