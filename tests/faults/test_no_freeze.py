@@ -56,6 +56,15 @@ def counting_step(strategy):
     return steps, step
 
 
+def counting_step_run(strategy, times: int = 10):
+    """`counting_step`, run `times` times (traced and registered everywhere before a fault)."""
+    steps, step = counting_step(strategy)
+    for _ in range(times):
+        strategy.schedule(step)
+    strategy.join()
+    return steps, step
+
+
 def stopped_worker_is_taken_out(strategy, worker):
     return not strategy.stats()["workers"][worker]["up"]
 
@@ -183,10 +192,7 @@ def test_a_new_function_first_scheduled_while_a_worker_hangs(heal):
     cluster = heal
     strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=HANG_TIMEOUT)
     try:
-        steps, step = counting_step(strategy)
-        for _ in range(10):
-            strategy.schedule(step)
-        strategy.join()
+        steps, step = counting_step_run(strategy)
         with Heartbeat() as beat:
             cluster.stop("worker", 2)
 
@@ -443,10 +449,7 @@ def test_a_function_traced_while_a_reconnect_waits_on_a_hung_ps(heal, monkeypatc
 
     monkeypatch.setattr(tf_context, "update_server_def", update)
     try:
-        steps, step = counting_step(strategy)
-        for _ in range(10):
-            strategy.schedule(step)
-        strategy.join()
+        steps, step = counting_step_run(strategy)
         with Heartbeat() as beat:
             with stopped(cluster, "ps", 0, watchdog_s=WATCHDOG_S):
                 updating.clear()
