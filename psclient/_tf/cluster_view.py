@@ -14,7 +14,7 @@ So the registrations psclient wraps (`psclient._tf.executors`) pass
 `changing_view()` they wait here, in Python, and the rest of the
 coordinator runs on. A view change waits, the same way, for registrations
 already past the gate (quick: a streamed one is only queued), and at its end
-for those it held back to pass (at most `DRAIN_S`). The thread that changes
+for those it held back to pass (at most `DRAIN_S` each time). The thread that changes
 the view passes its own gate (a garbage collection in it may remove a
 function).
 """
@@ -30,7 +30,8 @@ _gate = threading.Condition()  # its lock is reentrant: a collection may run whi
 _changing: threading.Thread | None = None  # the thread inside `changing_view`
 _registering = 0  # threads past the gate, inside TF
 _waiting = 0  # threads held at the gate by a view change
-#: How long a view change's thread waits, at its end, for the registrations it held to pass.
+#: How long a view change's thread waits, before and after it, for registrations inside TF or
+#: held at the gate (a registration not streamed can wait on a hung task): then it goes on anyway.
 DRAIN_S = 5.0
 
 
@@ -39,7 +40,8 @@ def changing_view():
     """Around TF's `update_server_def`: registrations wait until it returns."""
     global _changing
     with _gate:
-        _gate.wait_for(lambda: _changing is None and not _registering)
+        _gate.wait_for(lambda: _changing is None)  # one at a time (connections take turns already)
+        _gate.wait_for(lambda: not _registering, DRAIN_S)
         _changing = threading.current_thread()
     try:
         yield

@@ -426,7 +426,7 @@ def test_dynamic_embedding_weights_loaded_while_a_worker_hangs(heal, tmp_path):
         strategy.shutdown()
 
 
-def test_a_function_traced_while_a_reconnect_waits_on_a_hung_ps(heal, monkeypatch):
+def test_a_function_traced_while_a_reconnect_waits_on_a_hung_ps(heal):
     # A reconnect (here: a killed worker left out, then back) changes TF's view of the cluster
     # with `update_server_def`, which holds TF's context lock until every task answers, a hung ps
     # too. A function registered meanwhile waited for that lock inside TF with the GIL held: every
@@ -436,26 +436,17 @@ def test_a_function_traced_while_a_reconnect_waits_on_a_hung_ps(heal, monkeypatc
     # reconnect in Python, without the GIL.
     import threading
 
-    from psclient._tf import context as tf_context
+    from psclient._tf import cluster_view
 
     cluster = heal
     strategy = psclient.ParameterServerStrategy(cluster.cluster, hang_timeout=HANG_TIMEOUT)
-    updating = threading.Event()
-    real_update = tf_context.update_server_def
-
-    def update(*args, **kwargs):
-        updating.set()
-        return real_update(*args, **kwargs)
-
-    monkeypatch.setattr(tf_context, "update_server_def", update)
     try:
         steps, step = counting_step_run(strategy)
         with Heartbeat() as beat:
             with stopped(cluster, "ps", 0, watchdog_s=WATCHDOG_S):
-                updating.clear()
                 cluster.kill("worker", 2)  # the recovery drops it: a reconnect, which waits on the ps
-                assert updating.wait(60), "no reconnect after a worker was killed"
-                time.sleep(0.5)  # into TF's update_server_def (an event cannot say when it is there)
+                wait_for(lambda: cluster_view._changing is not None, 60,  # noqa: SLF001
+                         "a reconnect after a worker was killed")
 
                 @tf.function
                 def fresh():
