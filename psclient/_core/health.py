@@ -70,6 +70,9 @@ class Prober:
         self._closing = False
         #: Pool threads started so far (flat at idle: tests and benchmarks read it).
         self.threads_started = 0
+        #: The most probes seen stuck at once when the pool grew: each thread above `threads` was
+        #: started for one (a hung task, or on a starved machine a probe descheduled that long).
+        self.most_stuck = 0
 
     def start(self, device: str, *, urgent: bool = False) -> _Probe:
         """The outstanding probe of `device`, or a new one if none is outstanding.
@@ -154,6 +157,7 @@ class Prober:
         stuck = sum(now - p.running_since >= self._stuck_after for p in self._busy.values())
         if len(self._threads) >= self._base + stuck:
             return
+        self.most_stuck = max(self.most_stuck, stuck)
         thread = threading.Thread(target=self._serve, name=f"psclient-probe-{self.threads_started}",
                                   daemon=True)  # joined by close(); daemon only so a hang can't wedge exit
         self._threads.add(thread)

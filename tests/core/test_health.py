@@ -85,6 +85,7 @@ def test_a_hung_probe_gets_one_more_thread_and_does_not_hold_up_the_others():
     assert prober.threads_started == 2
     assert prober.answers("w2", timeout=10)
     assert prober.threads_started == 2  # no thread per probe
+    assert prober.most_stuck == 1  # the one extra thread was started for the one stuck probe
     assert prober.close(timeout=0.05) == ["hung"]
     release.set()
     assert hung.done.wait(10) and hung.ok
