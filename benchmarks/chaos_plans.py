@@ -219,6 +219,7 @@ def run_seed(seed: int, args) -> dict:
     logging.getLogger("psclient").addHandler(logged)
     errors: dict[str, int] = {}
     join_errors: list[str] = []
+    join_error_texts: list[str] = []  # the whole message (TF's root error sits below its first line)
     futures = []
     join_s: list[float] = []
     stall = [0.0, None]  # the longest stall, and when it ended (seconds into the plan)
@@ -297,6 +298,7 @@ def run_seed(seed: int, args) -> dict:
                     break
                 except Exception as error:  # noqa: BLE001 - recorded per seed
                     join_errors.append(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                    join_error_texts.append(f"{type(error).__name__}: {str(error)[:4000]}")
                 join_s.append(time.monotonic() - joined)
             wall = time.monotonic() - started
             serving = None
@@ -357,6 +359,7 @@ def run_seed(seed: int, args) -> dict:
         "futures_unresolved": sum(not f.done() for f in futures),
         "errors": errors,
         "join_errors": join_errors,
+        "join_error_texts": join_error_texts,
         "faults": sorted(faults.results, key=lambda r: r["at"]),
         "recoveries_unfinished": sum(1 for r in faults.results
                                      if "back_after_s" in r and r["back_after_s"] is None),
