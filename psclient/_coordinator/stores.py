@@ -20,10 +20,9 @@ import tensorflow as tf
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.checkpoints import checkpoint_pieces as _pieces
 from psclient._coordinator.checkpoints.checkpoint import variable_key
-from psclient._coordinator.data.per_worker import PerWorker, PerWorkerDataset, PerWorkerIterator
+from psclient._coordinator.data.per_worker import PerWorker, PerWorkerDataset, PerWorkerIterator, worker_context_lost
 from psclient._coordinator.variables import initial_values
 from psclient._coordinator.variables.sharding import create_partitioned, cut, is_partitioned
-from psclient._core.failures import is_connection_error_type
 from psclient._core.partitioning import can_split, row_ranges, shard_count, shard_tasks
 from psclient._core.placement import Placer
 from psclient._tf import context as _context
@@ -404,10 +403,11 @@ class PerWorkerRegistry:
                 try:
                     value.rebuild(index)
                 except tf.errors.OpError as error:
-                    if not is_connection_error_type(error):
+                    if not worker_context_lost(error, index):
                         raise
                     # A worker that is down (after a ps recovery, say) keeps its value
                     # pending: it is built when the worker rejoins, or by the first
                     # closure that needs it there. The other workers' go on.
-                    log.info("%s: worker %d did not answer (%s); its value is built when it is back",
+                    log.info("%s: worker %d did not answer, or no longer holds its context (%s); its value is built "
+                             "when it is back",
                              value.name, index, type(error).__name__)

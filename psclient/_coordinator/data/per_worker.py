@@ -13,7 +13,8 @@ A worker's value is in one of three states:
   rebuild) or, at the latest, by the first closure that needs it there (so a
   connection that failed for a moment costs nothing but that closure's retry);
 - failed: building it raised an error of its own (an op error, not a lost
-  connection). As with TF's coordinator, a closure given that value fails
+  connection, nor TF's word that the worker no longer holds a tensor the
+  build named: `worker_context_lost`). As with TF's coordinator, a closure given that value fails
   with TF's `ClosureInputError` without running, at `join()` or its future;
   so does every later one on that worker, until the worker restarts and the
   value is built again.
@@ -30,7 +31,7 @@ import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
 from psclient._core.checks import signature_refusing_one_argument
-from psclient._core.failures import is_connection_error_type
+from psclient._core.failures import is_connection_error_type, stale_worker_context
 from psclient._tf.data import deserialize_dataset, serialize_dataset
 
 __all__ = [
@@ -46,12 +47,25 @@ __all__ = [
     "refuse_variables",
     "resolve_per_worker",
     "serialize_dataset",
+    "worker_context_lost",
 ]
 
 log = logging.getLogger("psclient")
 
 #: A worker's value not built yet (see the module doc).
 _PENDING = object()
+
+
+def worker_context_lost(error: BaseException, worker: int) -> bool:
+    """Whether a build's `error` is no error of its function: the connection was lost, or TF says
+    the worker does not hold the coordinator's context as the build named it (a tensor of an older
+    context, its own device unknown: `psclient._core.failures.stale_worker_context`).
+
+    Such a value stays pending, never failed: a chaos plan (ps 0 killed, a worker hung during its
+    recovery, then back) failed a Keras `fit` when the worker's rejoin took TF's "Unable to find the
+    relevant tensor remote_handle" for an error of the dataset's own, and every later closure there
+    with it."""
+    return is_connection_error_type(error) or stale_worker_context(error, _runtime.worker_device(worker))
 
 
 class _Failed:
@@ -89,7 +103,7 @@ class PerWorker:
                 continue
             try:
                 self._values[worker] = self._attempt(worker)
-            except tf.errors.OpError as error:  # only a lost connection gets out of _attempt
+            except tf.errors.OpError as error:  # only a lost connection (or context) gets out of _attempt
                 log.warning("%s: could not build worker %d's value now (%s); it is built when "
                             "the worker answers again", name, worker, type(error).__name__)
 
@@ -176,7 +190,7 @@ class PerWorker:
         except _runtime.closure_input_error_type() as error:  # a value it is built from failed
             return _Failed(error.original_exception)
         except tf.errors.OpError as error:
-            if is_connection_error_type(error):
+            if worker_context_lost(error, worker):
                 raise
             log.warning("%s: building worker %d's value failed: %s: %s", self._name, worker,
                         type(error).__name__, str(error).splitlines()[0] if str(error) else "")
@@ -266,7 +280,7 @@ class PerWorkerIterator(PerWorker):
                  is_up: Callable[[int], bool] | None = None):
         self._dataset = dataset
         super().__init__(
-            lambda i: make_iterator(i, dataset.value(i)),
+            lambda i: self._iterator_over_dataset(i, make_iterator),
             dataset.num_workers,
             f"iter({dataset.name})",
             is_up=is_up,
@@ -287,12 +301,27 @@ class PerWorkerIterator(PerWorker):
     def sample(self):
         return self._type_spec
 
+    def _iterator_over_dataset(self, worker: int, make_iterator: Callable[[int, Any], Any]) -> Any:
+        dataset = self._dataset.value(worker)
+        try:
+            return make_iterator(worker, dataset)
+        except tf.errors.OpError as error:
+            if is_connection_error_type(error) or not worker_context_lost(error, worker):
+                raise
+            # The worker's dataset was made in a context the worker no longer holds (it left TF's
+            # view and came back, or restarted unnoticed): made again with the iterator, once.
+            log.info("%s: worker %d no longer holds its dataset (%s); making both again", self.name, worker,
+                     type(error).__name__)
+            self._dataset.rebuild(worker)
+            return make_iterator(worker, self._dataset.value(worker))
+
     def rebuild(self, worker: int) -> None:
         self._dataset.rebuild(worker)
         super().rebuild(worker)
 
     def renew(self, worker: int) -> None:
-        """A new iterator over the worker's existing dataset (the old one broke, the worker did not)."""
+        """A new iterator over the worker's existing dataset (the old one broke, the worker did
+        not; if the worker no longer holds that dataset, both are made again)."""
         super().rebuild(worker)
 
     def endless(self, worker: int) -> bool:
