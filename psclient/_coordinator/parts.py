@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import threading
 import weakref
 
@@ -37,6 +38,8 @@ from psclient._engine.edge import Roster, StrategyParts
 from psclient._engine.recovery import RecoveryConfig
 
 __all__ = ["Facades", "Parts", "assemble"]
+
+log = logging.getLogger("psclient")
 
 
 class Facades:
@@ -96,7 +99,7 @@ def assemble(cluster: Cluster, config: StrategyConfig, *, checkpoint_dir: str | 
             ps_recovery=config.recovery_mode,
         ),
         pipeline_depth=config.pipeline_depth, connect_timeout=config.connect_timeout,
-        parts=StrategyParts(prepare, store, per_worker, checkpoints, retrace=QueuedRetrace(tracer, scheduler),
+        parts=StrategyParts(Prepare(tracer), store, per_worker, checkpoints, retrace=QueuedRetrace(tracer, scheduler),
                             checkpoint_meta=ledgers.meta, meta_restored=ledgers.roll_back),
     )
     store.guard = engine.coordinator_access.run  # variables made on the coordinator, through a ps loss
@@ -121,9 +124,19 @@ class QueuedRetrace:
             tracer.retrace(self._scheduler.queued())
 
 
-def prepare(closure: Closure, worker: int) -> tuple:
-    """What a dispatcher calls for `closure` on `worker` (per-worker values resolved)."""
-    if not closure.per_worker:
-        return closure.fn, closure.args, closure.kwargs
-    args, kwargs = resolve_per_worker(closure.args, closure.kwargs, worker)
-    return closure.fn, args, kwargs
+class Prepare:
+    """What a dispatcher calls for a closure on a worker: (function, args, kwargs), per-worker
+    values resolved, the trace current (`Tracer.current`). Holds the tracer weakly, as
+    `QueuedRetrace` does."""
+
+    def __init__(self, tracer: Tracer):
+        self._tracer = weakref.ref(tracer)
+
+    def __call__(self, closure: Closure, worker: int) -> tuple:
+        tracer = self._tracer()
+        if tracer is not None and tracer.current(closure):
+            log.warning("%r reached worker %d with a trace made before a ps recovery: traced again", closure, worker)
+        if not closure.per_worker:
+            return closure.fn, closure.args, closure.kwargs
+        args, kwargs = resolve_per_worker(closure.args, closure.kwargs, worker)
+        return closure.fn, args, kwargs

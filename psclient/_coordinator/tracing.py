@@ -209,6 +209,7 @@ class Tracer:
         tf.function's own lookup on every call.
         """
         function = closure.function
+        closure.generation = self.generation
         if self.generation and not isinstance(function, tf.types.experimental.ConcreteFunction):
             function = self._fresh_function(function)
         key = _identity_key(closure.args, closure.kwargs)
@@ -245,6 +246,24 @@ class Tracer:
         while len(self._by_identity) > _MAX_REMEMBERED:
             self._by_identity.popitem(last=False)
         closure.fn = known.call
+
+    def current(self, closure: Closure) -> bool:
+        """Trace `closure` again if it was traced before the latest `retrace`; whether it was.
+
+        `retrace` traces what is queued. A closure out of the queue then and back in it
+        later, by any path, must not run its old trace (it names the resources of the ps
+        recovered since): a dispatcher asks here before each call, an integer compare."""
+        if closure.generation == self.generation or closure.function is None \
+                or isinstance(closure.function, tf.types.experimental.ConcreteFunction):
+            return False
+        with self.lock:
+            if closure.generation == self.generation:
+                return False
+            try:
+                self.prepare(closure)
+            except _runtime.closure_input_error_type() as error:
+                closure.fn = _raise(error)
+        return True
 
     def retrace(self, queued: list[Closure]) -> None:
         """Start a new generation and trace the queued closures again."""

@@ -47,7 +47,7 @@ class Closure:
 
     __slots__ = (
         "id", "fn", "args", "kwargs", "future", "attempts", "started_at", "per_worker",
-        "worker", "function", "unexplained_failures", "other_lost_failures", "copy_outputs",
+        "worker", "function", "unexplained_failures", "other_lost_failures", "copy_outputs", "generation",
     )
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, future: Future):
@@ -71,6 +71,8 @@ class Closure:
         #: What `fn` was traced from: after a ps task is rebuilt, `fn` is
         #: traced again from it.
         self.function: Any = None
+        #: The tracer's generation `fn` was traced in (`psclient._coordinator.tracing`).
+        self.generation = 0
         #: Whether the dispatcher copies the call's outputs into the future
         #: (False: made under `outputs_unread()`, the future gets None).
         self.copy_outputs = not _scheduling.outputs_unread

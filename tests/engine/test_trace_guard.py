@@ -6,7 +6,9 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
+from psclient._coordinator.parts import Prepare  # noqa: E402
 from psclient._coordinator.tracing import Tracer  # noqa: E402
+from psclient._tf.variables import renew_handle  # noqa: E402
 
 
 def place_nowhere(next_creator, **kwargs):
@@ -71,3 +73,30 @@ def test_what_submit_refuses_is_raised_not_retried():
         tracer.ready_closure(tf.function(lambda: tf.constant(1)), (), None, before_trace=lambda: None,
                              submit=refuse, guard=guard)
     assert len(guarded) == 1 and isinstance(guarded[0], tf.errors.UnavailableError)  # returned, not raised
+
+
+def test_a_closure_out_of_the_queue_at_a_retrace_is_traced_again_before_it_runs():
+    """A ps recovery retraces what is queued; a closure elsewhere then (a dispatcher classifying its
+    failure, say) and queued again later must not run its old trace, which names the resources the
+    recovery made again. `Tracer.current` traces it again; `parts.Prepare` asks it before each call."""
+    tracer = Tracer(place_nowhere)
+    variable = tf.Variable(1.0)
+
+    @tf.function(autograph=False)
+    def read():
+        return variable.read_value()
+
+    out_of_the_queue, queued = [], []
+    for into in (out_of_the_queue, queued):
+        tracer.ready_closure(read, (), None, before_trace=lambda: None, submit=into.append)
+    old = out_of_the_queue[0].fn
+    # What a ps recovery does to a variable of the lost ps: a new resource under the same object.
+    renew_handle(variable, "/job:localhost/replica:0/task:0/device:CPU:0")
+    variable.assign(2.0)
+    assert float(old()) == 1.0  # the old trace reads the old resource
+    tracer.retrace(queued)  # the recovery's retrace: the queued closure only
+    assert queued[0].generation == tracer.generation == 1 and out_of_the_queue[0].generation == 0
+    function, args, kwargs = Prepare(tracer)(out_of_the_queue[0], 0)
+    assert out_of_the_queue[0].generation == 1 and function is not old
+    assert float(function(*args, **kwargs)) == 2.0
+    assert not tracer.current(out_of_the_queue[0]) and not tracer.current(queued[0])  # an integer compare now
