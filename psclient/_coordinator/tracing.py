@@ -186,7 +186,7 @@ class Tracer:
                 try:
                     self.prepare(closure)
                 except _runtime.closure_input_error_type() as error:
-                    closure.fn = _raise(error)
+                    closure.fn, closure.generation = _raise(error), self.generation
                 try:
                     submit(closure)
                 except Exception as refusal:  # noqa: BLE001 - the scheduler's, raised below: outside the guard
@@ -208,8 +208,11 @@ class Tracer:
         (module doc) find it there, per worker; others go through the
         tf.function's own lookup on every call.
         """
+        self._prepare(closure)
+        closure.generation = self.generation  # only once traced: a trace that raised is tried again
+
+    def _prepare(self, closure: Closure) -> None:
         function = closure.function
-        closure.generation = self.generation
         if self.generation and not isinstance(function, tf.types.experimental.ConcreteFunction):
             function = self._fresh_function(function)
         key = _identity_key(closure.args, closure.kwargs)
@@ -262,7 +265,7 @@ class Tracer:
             try:
                 self.prepare(closure)
             except _runtime.closure_input_error_type() as error:
-                closure.fn = _raise(error)
+                closure.fn, closure.generation = _raise(error), self.generation
         return True
 
     def retrace(self, queued: list[Closure]) -> None:

@@ -100,3 +100,28 @@ def test_a_closure_out_of_the_queue_at_a_retrace_is_traced_again_before_it_runs(
     assert out_of_the_queue[0].generation == 1 and function is not old
     assert float(function(*args, **kwargs)) == 2.0
     assert not tracer.current(out_of_the_queue[0]) and not tracer.current(queued[0])  # an integer compare now
+
+
+def test_a_trace_again_that_fails_is_tried_again_at_the_next_call():
+    """The dispatcher's trace of an old closure can meet a lost ps (a trace reads ps state eagerly):
+    the call fails as any failed call does, and the closure keeps its old generation, so its next
+    attempt traces again rather than running the old trace."""
+    tracer = Tracer(place_nowhere)
+    traces = []
+
+    @tf.function(autograph=False)
+    def step():
+        traces.append(1)
+        if len(traces) == 2:  # the first trace again, after the retrace below
+            raise tf.errors.UnavailableError(None, None, "Socket closed")
+        return tf.constant(len(traces))
+
+    out_of_the_queue = []
+    tracer.ready_closure(step, (), None, before_trace=lambda: None, submit=out_of_the_queue.append)
+    closure = out_of_the_queue[0]
+    tracer.retrace([])
+    with pytest.raises(tf.errors.UnavailableError):
+        Prepare(tracer)(closure, 0)
+    assert closure.generation == 0
+    function, args, kwargs = Prepare(tracer)(closure, 0)
+    assert closure.generation == 1 and int(function(*args, **kwargs)) == 3

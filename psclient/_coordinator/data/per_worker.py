@@ -306,7 +306,7 @@ class PerWorkerIterator(PerWorker):
         try:
             return make_iterator(worker, dataset)
         except tf.errors.OpError as error:
-            if is_connection_error_type(error) or not worker_context_lost(error, worker):
+            if not stale_worker_context(error, _runtime.worker_device(worker)):
                 raise
             # The worker's dataset was made in a context the worker no longer holds (it left TF's
             # view and came back, or restarted unnoticed): made again with the iterator, once.
