@@ -25,9 +25,8 @@ Flows, tried after each event in this order, one at a time:
    ResumeDispatch. A ps loss stops the copy (StopCopy).
 4. rejoin: RejoinWorker(UP workers + it) -> CheckAnswers -> RebuildWorker -> BringUp.
 
-A failed drop or checkpoint is tried again after a pause that doubles with
-each failure in a row (`Backoff`, retry.py), not at once: a step failing the
-same way each time never spins.
+A failed drop, checkpoint or rejoining worker's rebuild is tried again after a pause that
+doubles with each failure in a row (`Backoff`, retry.py): a step failing the same way never spins.
 
 Guards: no Reconnect while a worker in TF's view hangs (SUSPECT or HUNG and
 not answering): TF's `update_server_def` would wait on it for good. It does
@@ -375,8 +374,8 @@ class RecoveryMachine:
     def _advance_rejoin(self, now: float) -> list:
         if self.broken:
             return []
-        for worker in sorted(w for w in self._back_since if not self._joins.is_leaving(w)):
-            # (It answers again, so it does not count as hanging itself.)
+        for worker in sorted(w for w in self._back_since if not self._joins.is_leaving(w)
+                             and self.backoff.ready(("rebuild", w), now)):  # it answers: not hanging
             if self.blocking():
                 return []
             self.workers[worker] = TaskState.REJOINING
@@ -400,12 +399,15 @@ class RecoveryMachine:
         if not event.ok:
             self.workers[worker] = TaskState.SUSPECT  # decided again next round
             self._back_since.pop(worker, None)
+            if isinstance(op, RebuildWorker):  # its own values failed: not at once, nor every round for good
+                self.backoff.failed(("rebuild", worker), now)
             return []
         if isinstance(op, RejoinWorker):
             return self._start(CheckAnswers(worker))
         if isinstance(op, CheckAnswers):
             return self._start(RebuildWorker(worker))
         since = self._back_since.pop(worker, now)
+        self.backoff.succeeded(("rebuild", worker))
         self.workers[worker] = TaskState.UP
         self.epochs[worker] += 1
         self._all_down_since = None

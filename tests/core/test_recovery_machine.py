@@ -156,8 +156,21 @@ def test_a_rebuild_that_fails_is_tried_again_next_round():
     assert d.done() == [rm.RebuildWorker(1)]
     assert d.done(ok=False, error=RuntimeError("x")) == []
     assert d.m.workers[1] is SUSPECT
-    actions = d(rm.WorkerSeen(1, "open", False))
+    # Not at once: a worker whose values keep failing to build (a stale context TF reports
+    # for good) must not reconnect and log every round; the pause doubles up to Backoff's cap.
+    base = d.m.backoff.base
+    assert d(rm.WorkerSeen(1, "open", False)) == []
+    actions = d(rm.WorkerSeen(1, "open", False), at=d.now + base)
     assert kinds(actions) == ["RejoinWorker"]
+    d.done()
+    d.done()
+    assert d.done(ok=False, error=RuntimeError("x")) == []
+    assert d(rm.WorkerSeen(1, "open", False), at=d.now + base) == []  # the second pause is twice as long
+    assert kinds(d(rm.WorkerSeen(1, "open", False), at=d.now + base)) == ["RejoinWorker"]
+    d.done()
+    d.done()
+    assert kinds(d.done()) == ["BringUp"]
+    assert d.m.backoff.failures(("rebuild", 1)) == 0
 
 
 def test_workers_that_do_not_answer_before_a_reconnect_are_taken_out_and_it_is_retried():
