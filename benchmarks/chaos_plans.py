@@ -81,6 +81,8 @@ class _Logged(logging.Handler):
         self.rejoin_s: list[float] = []
         self.ps_recovery_s: list[float] = []
         self.step_failures: dict[str, int] = {}
+        # A closure that reached a worker with a trace older than the newest ps recovery (parts.Prepare).
+        self.traced_again = 0
 
     def emit(self, record):
         text = record.getMessage()
@@ -90,6 +92,8 @@ class _Logged(logging.Handler):
             self.ps_recovery_s.append(float(m.group(1)))
         elif (m := re.match(r"recovery step (\w+) failed", text)):
             self.step_failures[m.group(1)] = self.step_failures.get(m.group(1), 0) + 1
+        elif "with a trace made before a ps recovery" in text:
+            self.traced_again += 1
 
 
 class _Faults:
@@ -368,6 +372,7 @@ def run_seed(seed: int, args) -> dict:
         "ps_recoveries": [p["recoveries"] for p in stats["ps"]],
         "ps_rolled_back_closures": [p["rolled_back_closures"] for p in stats["ps"]],
         "recovery_step_failures": logged.step_failures,
+        "traced_again_warnings": logged.traced_again,
         "max_stall_s": round(stall[0], 2),
         "max_stall_ended_at_s": None if stall[1] is None else round(stall[1], 1),
         "max_gc_pause_s": round(gc_pause[0], 2),
@@ -435,6 +440,7 @@ def summarise(rows: list[dict]) -> dict:
         "errors": errors,
         "back_after_s_median": sorted(back)[len(back) // 2] if back else None,
         "back_after_s_max": max(back) if back else None,
+        "traced_again_warnings": sum(r.get("traced_again_warnings", 0) for r in rows),
         "max_stall_s": max((r["max_stall_s"] for r in rows), default=None),
         # A coordinator thread that sleeps 50 ms must never wait 1 s more (tests/faults/test_no_freeze.py's limit).
         "max_stall_limit_s": MAX_STALL_S,

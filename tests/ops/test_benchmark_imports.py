@@ -66,3 +66,28 @@ def _chaos_plans():
         return importlib.import_module("chaos_plans")
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_chaos_plans_count_the_warning_of_a_closure_traced_again():
+    """The seeds' `traced_again_warnings` count what `parts.Prepare` logs, read from its own record."""
+    import logging
+    from types import SimpleNamespace
+
+    from psclient._coordinator.parts import Prepare
+
+    class StaleTracer:
+        def current(self, closure):
+            return True  # the closure's trace is older than the newest ps recovery
+
+    chaos_plans = _chaos_plans()
+    logged = chaos_plans._Logged()
+    logger = logging.getLogger("psclient")
+    logger.addHandler(logged)
+    tracer = StaleTracer()
+    closure = SimpleNamespace(per_worker=False, fn=len, args=("ab",), kwargs={})
+    try:
+        assert Prepare(tracer)(closure, 1) == (len, ("ab",), {})
+        Prepare(tracer)(closure, 0)
+    finally:
+        logger.removeHandler(logged)
+    assert logged.traced_again == 2
