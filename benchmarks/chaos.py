@@ -357,6 +357,11 @@ def main(argv=None) -> int:
     plans.add_argument("--plan-delta-checkpoint-every", dest="delta_checkpoint_every", type=int, default=None,
                        help="closures between delta checkpoints (StrategyConfig.delta_checkpoint_every; "
                             "default: none, full checkpoints only)")
+    plans.add_argument("--ps-recovery", choices=("part", "all"), default=None,
+                       help="StrategyConfig.ps_recovery (default: psclient's, 'part' in asynchronous training)")
+    plans.add_argument("--replicas-to-aggregate", type=int, default=None,
+                       help="with --fit: synchronous training, each update the mean of K workers' gradients "
+                            "(StrategyConfig.replicas_to_aggregate; it recovers a ps with 'all')")
     plans.add_argument("--big-rows", type=int, default=0,
                        help="rows of a 32-wide table on each ps (0: none); above 65,536 a checkpoint copies "
                             "it before its cut")
@@ -394,6 +399,10 @@ def main(argv=None) -> int:
         if args.serve_every is not None and (not args.fit or args.serve_every <= 0):
             parser.error(f"--serve-every needs --fit and a number of seconds > 0. Received: "
                          f"--serve-every {args.serve_every:g}{'' if args.fit else ' without --fit'}.")
+        if args.replicas_to_aggregate is not None and not args.fit:
+            parser.error(f"--replicas-to-aggregate needs --fit (the plans' own step updates its variables "
+                         f"directly, which synchronous training refuses). Received: --replicas-to-aggregate "
+                         f"{args.replicas_to_aggregate} without --fit.")
         return _seeded(args)
     if args.workers < 2:
         parser.error(f"--workers must be >= 2 (worker_chaos keeps one up). Received: {args.workers}.")

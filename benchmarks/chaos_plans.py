@@ -233,7 +233,9 @@ def run_seed(seed: int, args) -> dict:
         strategy = psclient.ParameterServerStrategy(
             local.cluster, hang_timeout=3.0, checkpoint_dir=ckpt, checkpoint_every=args.checkpoint_every,
             dynamic_table_storage=args.table_storage,
-            delta_checkpoint_every=getattr(args, "delta_checkpoint_every", None))
+            delta_checkpoint_every=getattr(args, "delta_checkpoint_every", None),
+            **({"ps_recovery": args.ps_recovery} if getattr(args, "ps_recovery", None) else {}),
+            replicas_to_aggregate=getattr(args, "replicas_to_aggregate", None))
         sampling = threading.Event()
 
         watch = None
@@ -335,6 +337,10 @@ def run_seed(seed: int, args) -> dict:
             # A ps recovered alone ("part") rolls back only its own variables: the count loses what
             # the ps that holds it rolled back.
             low = ok - stats["ps"][_ps_index(counted)]["rolled_back_closures"]
+            high = low + retried + (scheduled - ok)
+            k = getattr(args, "replicas_to_aggregate", None)
+            if k:  # the optimizer counts updates, one per k gradients, and late gradients are dropped
+                low, high = 0, -(-(scheduled + retried) // k)
         finally:
             sampling.set()
             gc.callbacks.remove(timed_gc)
@@ -380,9 +386,11 @@ def run_seed(seed: int, args) -> dict:
         "max_join_s": round(max(join_s), 2) if join_s else None,
         "steps_counted": steps,
         "counter_read_not_a_scalar": counter_read,
-        "steps_counted_range": [low, low + retried + (scheduled - ok)],
+        "steps_counted_range": [low, high],
         "retried_closures": retried,
-        "steps_counted_in_range": steps is not None and low <= steps <= low + retried + (scheduled - ok),
+        "steps_counted_in_range": steps is not None and low <= steps <= high,
+        "sync": ({key: stats["staleness"].get(key) for key in ("count", "updates", "dropped")}
+                 | {"repeats": stats["staleness"].get("sync", {}).get("repeats")} if k else None),
         "wall_s": round(wall, 1),
         "checkpoints_written": stats.get("checkpoints_written"),
         "checkpoint_cost": stats.get("checkpoints"),
