@@ -372,15 +372,15 @@ class RecoveryMachine:
         return self._reconnect(DropWorkers, target)
 
     def _advance_rejoin(self, now: float) -> list:
-        if self.broken:
+        ready = [w for w in self._back_since
+                 if self.backoff.ready(("rejoin", w), now) and not self._joins.is_leaving(w)]
+        if self.broken or not ready or self.blocking():
             return []
-        for worker in sorted(w for w in self._back_since if not self._joins.is_leaving(w)
-                             and self.backoff.ready(("rebuild", w), now)):  # it answers: not hanging
-            if self.blocking():
-                return []
-            self.workers[worker] = TaskState.REJOINING
-            return self._reconnect(RejoinWorker, self._up() | {worker}, worker)
-        return []
+        # Fewest failed tries first: a worker that accepts connections but does not answer (its step
+        # stuck on a restarted ps) came first by index every round and kept the others out (83 s).
+        worker = min(ready, key=lambda w: (self.backoff.failures(("rejoin", w)), w))
+        self.workers[worker] = TaskState.REJOINING
+        return self._reconnect(RejoinWorker, self._up() | {worker}, worker)
 
     @_after.register(RejoinWorker)
     @_after.register(CheckAnswers)
@@ -399,15 +399,15 @@ class RecoveryMachine:
         if not event.ok:
             self.workers[worker] = TaskState.SUSPECT  # decided again next round
             self._back_since.pop(worker, None)
-            if isinstance(op, RebuildWorker):  # its own values failed: not at once, nor every round for good
-                self.backoff.failed(("rebuild", worker), now)
+            if not isinstance(op, RejoinWorker):  # not at once, nor every round for good; a silent worker briefly
+                self.backoff.failed(("rejoin", worker), now, cap=None if isinstance(op, RebuildWorker) else 2.0)
             return []
         if isinstance(op, RejoinWorker):
             return self._start(CheckAnswers(worker))
         if isinstance(op, CheckAnswers):
             return self._start(RebuildWorker(worker))
         since = self._back_since.pop(worker, now)
-        self.backoff.succeeded(("rebuild", worker))
+        self.backoff.succeeded(("rejoin", worker))
         self.workers[worker] = TaskState.UP
         self.epochs[worker] += 1
         self._all_down_since = None

@@ -170,7 +170,36 @@ def test_a_rebuild_that_fails_is_tried_again_next_round():
     d.done()
     d.done()
     assert kinds(d.done()) == ["BringUp"]
-    assert d.m.backoff.failures(("rebuild", 1)) == 0
+    assert d.m.backoff.failures(("rejoin", 1)) == 0
+
+
+def test_a_worker_that_accepts_connections_but_never_answers_does_not_keep_the_others_out():
+    """Chaos seed 302 (synchronous fit): worker 1's step stuck on a restarted ps, its port open but no
+    probe answered, was picked first (by index) at every round for 31 s, and worker 2, restarted
+    and answering, waited 83 s for its rejoin. The one with fewer failed tries goes first now, and
+    a worker that does not answer waits a short pause (at most 2 s) before its next try."""
+    d = Driver(num_workers=3)
+    for w in (1, 2):
+        d(rm.WorkerNotAnswering(w))
+    d(rm.WorkerSeen(1, "open", False))
+    assert d(rm.WorkerSeen(2, "open", False)) == [rm.RejoinWorker(frozenset({0, 1}), 1)]  # by index
+    assert d.done() == [rm.CheckAnswers(1)]
+    assert d.done(ok=False) == []  # 1 accepts connections but does not answer
+    assert d.m.workers[1] is SUSPECT
+    # Its port is open again next round: 2 goes first (no failed try), 1 out of the view.
+    assert d(rm.WorkerSeen(1, "open", False)) == [rm.RejoinWorker(frozenset({0, 2}), 2)]
+    d.finish_ops([])
+    assert d.m.workers[2] is UP
+    # 1's pause doubles up to 2 s while it does not answer; once it does it comes back.
+    base = d.m.backoff.base
+    for pause in (base, 2 * base, 2.0, 2.0):
+        assert d(rm.WorkerSeen(1, "open", False), at=d.now + pause - 0.01) == []
+        assert kinds(d(rm.WorkerSeen(1, "open", False), at=d.now + 0.01)) == ["RejoinWorker"]
+        assert d.done() == [rm.CheckAnswers(1)]
+        assert d.done(ok=False) == []
+    d(rm.WorkerSeen(1, "open", False), at=d.now + 2.0)
+    assert kinds(d.finish_ops([]))[-1] == "BringUp"
+    assert d.m.workers[1] is UP and d.m.backoff.failures(("rejoin", 1)) == 0
 
 
 def test_workers_that_do_not_answer_before_a_reconnect_are_taken_out_and_it_is_retried():
