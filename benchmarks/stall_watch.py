@@ -37,12 +37,17 @@ def main(argv: list[str]) -> int:
             continue
         dumped = True
         path = os.path.join(directory, f"stall-{time.monotonic() - started:.1f}.txt")
+        dump_started = time.monotonic()
         with open(path, "w") as out:
             try:
                 subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)], stdout=out,
                                stderr=subprocess.STDOUT, timeout=60, check=False)
             except (OSError, subprocess.TimeoutExpired) as error:
                 out.write(f"py-spy failed: {error}\n")
+        # A native dump stops the process while py-spy reads it: the sampler's stall grows by as much.
+        # Its span (the machine's monotonic clock, which both processes read) lets the plans take it out.
+        with open(os.path.join(directory, "pauses.txt"), "a") as pauses:
+            pauses.write(f"{dump_started} {time.monotonic()}\n")
 
 
 if __name__ == "__main__":

@@ -91,3 +91,13 @@ def test_chaos_plans_count_the_warning_of_a_closure_traced_again():
     finally:
         logger.removeHandler(logged)
     assert logged.traced_again == 2
+
+
+def test_chaos_plans_take_the_watchdogs_own_pauses_out_of_a_stall():
+    chaos_plans = _chaos_plans()
+    stalls = [(10.0, 13.0), (20.0, 20.5)]
+    assert chaos_plans._without_pauses(stalls, []) == 3.0
+    # A dump from 11.0 to 12.8 (the watchdog starts after 1 s of stall): 1.2 s of the stall were not.
+    assert abs(chaos_plans._without_pauses(stalls, [(11.0, 12.8)]) - 1.2) < 1e-9
+    assert abs(chaos_plans._without_pauses(stalls, [(11.0, 14.0), (40.0, 41.0)]) - 1.0) < 1e-9
+    assert chaos_plans._without_pauses([], [(1.0, 2.0)]) == 0.0
