@@ -386,7 +386,7 @@ def run_seed(seed: int, args) -> dict:
         # py-spy's native dumps (--stall-dumps) stop the process while they read it (about 1.7 s a
         # dump here under load): the longest stall without the dumps' spans, a lower bound (a span
         # also holds py-spy's start, while the process still runs); max_stall_s is the upper one.
-        **({"max_stall_without_dumps_s": round(_without_pauses(stalls, _dump_pauses(args, seed)), 2)}
+        **({"max_stall_without_dumps_s": round(_without_pauses(stalls, _dump_pauses(args, seed), stall[0]), 2)}
            if getattr(args, "stall_dumps", None) else {}),
         "max_stall_ended_at_s": None if stall[1] is None else round(stall[1], 1),
         "max_gc_pause_s": round(gc_pause[0], 2),
@@ -422,8 +422,12 @@ def _dump_pauses(args, seed: int) -> list[tuple[float, float]]:
         return [(float(a), float(b)) for a, b in (line.split() for line in lines if line.strip())]
 
 
-def _without_pauses(stalls: list[tuple[float, float]], pauses: list[tuple[float, float]]) -> float:
-    """The longest of `stalls` once the time that overlaps `pauses` is taken out."""
+def _without_pauses(stalls: list[tuple[float, float]], pauses: list[tuple[float, float]],
+                    longest: float = 0.0) -> float:
+    """The longest of `stalls` once the time that overlaps `pauses` is taken out; `longest` (the
+    longest stall, kept apart from `stalls` when below their 0.2 s floor) when there was no pause."""
+    if not pauses:
+        return max([longest] + [end - start for start, end in stalls])
     return max((end - start - sum(max(0.0, min(end, b) - max(start, a)) for a, b in pauses)
                 for start, end in stalls), default=0.0)
 

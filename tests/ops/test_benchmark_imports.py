@@ -101,3 +101,4 @@ def test_chaos_plans_take_the_watchdogs_own_pauses_out_of_a_stall():
     assert abs(chaos_plans._without_pauses(stalls, [(11.0, 12.8)]) - 1.2) < 1e-9
     assert abs(chaos_plans._without_pauses(stalls, [(11.0, 14.0), (40.0, 41.0)]) - 1.0) < 1e-9
     assert chaos_plans._without_pauses([], [(1.0, 2.0)]) == 0.0
+    assert chaos_plans._without_pauses([], [], longest=0.15) == 0.15  # no dump: the longest stall itself
