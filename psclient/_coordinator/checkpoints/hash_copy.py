@@ -43,6 +43,7 @@ from psclient._coordinator.checkpoints import stages as _stages
 from psclient._coordinator.checkpoints.checkpoint_pieces import coordinator_constant
 from psclient._coordinator.checkpoints.table_copy import Later
 from psclient._tf.executors import until_registered
+from psclient._tf.functions import made_per_object
 
 __all__ = ["HashCopy", "Merged", "copy_shards", "cut"]
 
@@ -200,7 +201,7 @@ def _cut_function(shard: Any):
             return [keys, counters, rows, slots, tracked, has_row, shard.clock.read_value(),
                     shard.admissions.read_value(), shard.evictions.read_value(), tf.size(keys, out_type=tf.int64)]
 
-        traced = shard.hash_cut = (shard.version, tf.function(read_again, autograph=False))
+        traced = shard.hash_cut = (shard.version, made_per_object(tf.function(read_again, autograph=False)))
     return traced[1]
 
 

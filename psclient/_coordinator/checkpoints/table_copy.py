@@ -61,6 +61,7 @@ from psclient._coordinator.checkpoints import stages as _stages
 from psclient._coordinator.tables.saved_rows import keys_and_counters
 from psclient._tf import write_marks as _write_marks
 from psclient._tf.executors import until_registered
+from psclient._tf.functions import made_per_object
 
 __all__ = ["Later", "Packed", "Split", "TableCopy", "as_slices", "copy_shards", "cut", "joined", "resolved", "stage_bytes"]
 
@@ -262,7 +263,7 @@ def _cut_function(shard: Any):
             return [tf.reshape(waiting_keys, [-1]), tf.reshape(waiting, [-1, 2]), shard.clock.read_value(),
                     shard.admissions.read_value(), shard.evictions.read_value(), tf.add_n(counts)]
 
-        traced = shard.copy_cut = (shard.version, tf.function(staged, autograph=False))
+        traced = shard.copy_cut = (shard.version, made_per_object(tf.function(staged, autograph=False)))
     return traced[1]
 
 

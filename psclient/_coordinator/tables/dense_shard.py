@@ -46,6 +46,7 @@ from psclient._core import dynamic_tables as rules
 from psclient._tf import write_marks as _write_marks
 from psclient._tf.context import locked
 from psclient._tf.executors import streamed_function_registrations, until_registered
+from psclient._tf.functions import made_per_object
 
 __all__ = ["DenseShard", "least_recent", "vector"]
 
@@ -380,15 +381,14 @@ class DenseShard:
 
     def _on_ps(self, name: str, section):
         """`section` as one traced call for the eager callers (checkpoints, exports; a restore's writes
-        go through `shard_restore`, one trace per form of shard, the same way). Run
-        eagerly under the shard's device, each Python value in its ops (a shape, a fill value) would be
-        converted *there*, and TF copies it to the ps inside the conversion holding the GIL: a ps hung
-        then stops every thread of the coordinator (tests/_conversions.py). Traced, they are constants
-        of the function, and its call waits without the GIL."""
+        go through `shard_restore`, one trace per form of shard, the same way). Run eagerly under the
+        shard's device, each Python value in its ops (a shape, a fill value) would be converted *there*,
+        and TF copies it to the ps inside the conversion holding the GIL: a ps hung then stops every
+        thread of the coordinator (tests/_conversions.py). Traced, they are constants of the function."""
         self.fresh = self.fresh and name in _READS  # any other section may write (a restore, an import)
         traced = self._traced.get(name)
         if traced is None:
-            function = tf.function(section, autograph=False, reduce_retracing=True)
+            function = made_per_object(tf.function(section, autograph=False, reduce_retracing=True))
 
             def traced():
                 # Its first call traces it. Waited for with the GIL held, the registration on every

@@ -1,0 +1,45 @@
+"""A traced function made once per table shard says nothing of retracing (`_tf.functions`).
+
+TF counts traces per code object, so the fifth shard's (or the fifth recovery's) own first trace
+logged "triggered tf.function retracing. Tracing is expensive" in every chaos plan with a table.
+No cluster: the count and the warning are the same in one process.
+"""
+
+import logging
+
+import tensorflow as tf
+
+from psclient._tf.functions import made_per_object
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _first_calls_of_many(wrap, count=8):
+    logger = tf.get_logger()
+    lines = _Lines()
+    logger.addHandler(lines)
+    try:
+        for i in range(count):
+            variable = tf.Variable(float(i))
+            function = wrap(tf.function(lambda v=variable: v.read_value() + 1.0, autograph=False))
+            assert float(function()) == i + 1.0
+            assert function.experimental_get_tracing_count() == 1
+    finally:
+        logger.removeHandler(lines)
+    return [line for line in lines.lines if "retracing" in line]
+
+
+def test_functions_made_per_object_do_not_warn_of_retracing():
+    assert _first_calls_of_many(made_per_object) == []
+
+
+def test_without_it_tf_warns_at_the_fifth_function_of_the_same_code():
+    # What the helper is for: TF still warns for plain functions (a TF that stops should fail here).
+    assert _first_calls_of_many(lambda function: function)
