@@ -28,12 +28,13 @@ from typing import Any
 from psclient._core.recovery_messages import (
     RebuildResources,
     Reconnect,
+    ReconnectPs,
     RenewAndRestore,
     RequeueRunning,
     Retrace,
 )
 
-__all__ = ["PsLoss", "GiveUp"]
+__all__ = ["PsLoss", "GiveUp", "asks_for_restarted_ps"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,12 @@ class PsLoss:
             self.back_at = now
         return None
 
+    def widened(self) -> None:
+        """Another ps was lost while this loss was under way: tries count again from none (the
+        last failed on it) and the steps start again from the reconnect, once it is back."""
+        self.failures, self.back_at = 0, None
+        self.retry_next_round = True
+
     def failed(self, error: Any) -> GiveUp | None:
         """A step failed (`error` None: a named task did not answer); it is tried again next round."""
         self.retry_next_round = True
@@ -98,3 +105,21 @@ class PsLoss:
         if isinstance(op, Retrace):
             return RebuildResources()
         return None
+
+
+def asks_for_restarted_ps(op: Any, ok: bool, error: Any, recovering: bool) -> bool:
+    """Whether the outcome of operation `op` calls for asking each ps whether it still holds this
+    coordinator's variables (a ps restarted while nothing noticed answers that it does not).
+
+    With no ps loss under way: after a reconnect that introduced the tasks anew (a restarted ps then
+    answers probes, but the old handles fail "invalid device") and after a step that failed. During
+    a loss (`recovering`): after a step that failed with an error, for the ps not already lost. With
+    `ps_recovery="all"` the restore writes every ps, and a second ps restarted under it failed the
+    restore with "invalid device" at every try until the loss was given up (a chaos plan on 4 ps);
+    a refusal (`error` None: a lost ps not back yet) asks nothing.
+    """
+    if recovering:
+        return not ok and error is not None
+    if isinstance(op, Reconnect):
+        return ok and not isinstance(op, ReconnectPs)  # a ps recovery's own renews every handle
+    return not ok

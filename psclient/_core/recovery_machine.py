@@ -5,18 +5,16 @@ It does no I/O, starts no thread and never waits: the clock value comes in
 with each event, and what must happen comes out as a list of actions, which
 one thread (`psclient._engine.recovery`) carries out in order. Actions
 documented as an *operation* report their outcome back as a `Done` event; the
-machine starts at most one operation at a time. Dispatcher threads only
-report what they saw (`WorkerNotAnswering`, `PsNotAnswering`).
+machine starts at most one operation at a time. Dispatcher threads only report what they saw.
 
-The states of a task (`TaskState`) and which event leads to which actions:
-`recovery_messages`.
+The states of a task (`TaskState`) and which event leads to which actions: `recovery_messages`.
 
 Flows, tried after each event in this order, one at a time:
 1. ps recovery (`PsLoss`, ps_loss.py): wait for running closures, then for
    every lost ps to accept connections; ReconnectPs -> RenewAndRestore (the
-   lost ps only, or every variable: `ps_recovery`) ->
-   Retrace -> RebuildResources -> PsRecovered + ResumeDispatch, or
-   FailAll(ps, permanent). Nothing else runs meanwhile.
+   lost ps only, or every variable: `ps_recovery`) -> Retrace -> RebuildResources ->
+   PsRecovered + ResumeDispatch, or FailAll(ps, permanent). Nothing else runs meanwhile;
+   a ps lost meanwhile joins the loss (its steps start again from the reconnect).
 2. drop gone workers from TF's view: DropWorkers(UP workers).
 3. checkpoint (requested, or due by interval/count; one write at a time): with
    `copies_before_cut`, CopyForCheckpoint first (a thread of its own: training and flows 1
@@ -25,7 +23,7 @@ Flows, tried after each event in this order, one at a time:
    ResumeDispatch. A ps loss stops the copy (StopCopy).
 4. rejoin: RejoinWorker(UP workers + it) -> CheckAnswers -> RebuildWorker -> BringUp.
 
-A failed drop, checkpoint or rejoining worker's rebuild is tried again after a pause that
+A failed drop, checkpoint or rejoin (a probe or a rebuild) is tried again after a pause that
 doubles with each failure in a row (`Backoff`, retry.py): a step failing the same way never spins.
 
 Guards: no Reconnect while a worker in TF's view hangs (SUSPECT or HUNG and
@@ -208,7 +206,9 @@ class RecoveryMachine:
             if self.ps[ps] is TaskState.UP:
                 self.ps[ps] = TaskState.LOST
                 actions.append(PsFailed(ps))
-        if actions and self._ps_loss is None:
+        if actions and self._ps_loss is not None:
+            self._ps_loss.widened()
+        elif actions:
             self._ps_loss = PsLoss(now, self.config.hang_timeout, self.config.ps_timeout, self.config.ps_attempts,
                                    mode=self.config.ps_recovery)
             # Hold the queue at once: until the recovery, every closure fails against it.

@@ -41,6 +41,7 @@ from psclient._core import ps_access, recovery_messages as rm
 from psclient._core.errors import first_line, hung_ps_of
 from psclient._core.checkpoint_schedule import shut_down_error
 from psclient._core.health import Prober
+from psclient._core.ps_loss import asks_for_restarted_ps
 from psclient._core.recovery_machine import RecoveryMachine
 from psclient._core.scheduler import Scheduler
 
@@ -303,17 +304,13 @@ class Recovery:
         (every worker out, say): checkpoints and rebuilds would fail against
         it, and scheduled functions with InvalidArgumentError, for good.
         """
-        op = done.op
-        if self._machine.lost_ps() or self._machine.broken:
-            return []  # its recovery is under way (or given up)
-        if isinstance(op, rm.Reconnect) and (not done.ok or isinstance(op, rm.ReconnectPs)):
-            return []  # nothing changed; or the ps recovery itself renews every handle
-        if done.ok and not isinstance(op, rm.Reconnect):
+        lost = frozenset(self._machine.lost_ps())  # their recovery renews their handles anyway
+        if self._machine.broken or not asks_for_restarted_ps(done.op, done.ok, done.error, bool(lost)):
             return []
         # A step given up on a ps that did not answer: it would not answer the check either (the
         # caller waited probe_timeout more for it), and a hung ps holds its variables.
         hung = hung_ps_of(done.error) if not done.ok else None
-        stale = self.probes.stale_ps(skip=frozenset() if hung is None else {hung})
+        stale = self.probes.stale_ps(skip=lost if hung is None else lost | {hung})
         if not stale:
             return []
         log.warning("ps task(s) %s no longer hold this coordinator's variables (restarted): "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from psclient._core import recovery_messages as rm
-from psclient._core.ps_loss import GiveUp, PsLoss
+from psclient._core.ps_loss import GiveUp, PsLoss, asks_for_restarted_ps
 
 
 def loss(**overrides) -> PsLoss:
@@ -49,3 +49,26 @@ def test_the_restore_step_carries_the_loss_mode():
     assert loss(mode="part").next_step(rm.ReconnectPs(frozenset({0})), lost) == rm.RenewAndRestore(lost, "part")
     # "all" by default: today's global rollback, for code that builds a PsLoss without a mode.
     assert loss().next_step(rm.ReconnectPs(frozenset({0})), lost) == rm.RenewAndRestore(lost, "all")
+
+
+def test_who_asks_whether_a_ps_was_restarted_behind_the_coordinators_back():
+    reconnect, reconnect_ps, restore = rm.Reconnect(frozenset({0})), rm.ReconnectPs(frozenset({0})), rm.RenewAndRestore((0,))
+    error = RuntimeError("invalid device")
+    # No loss under way: after a reconnect that introduced the tasks, and after any failed step.
+    assert asks_for_restarted_ps(reconnect, True, None, recovering=False)
+    assert not asks_for_restarted_ps(reconnect, False, error, recovering=False)
+    assert not asks_for_restarted_ps(reconnect_ps, True, None, recovering=False)
+    assert asks_for_restarted_ps(rm.Retrace(), False, error, recovering=False)
+    assert not asks_for_restarted_ps(rm.Retrace(), True, None, recovering=False)
+    # During a loss: a step that failed with an error (another ps may be behind it), not a refusal.
+    assert asks_for_restarted_ps(restore, False, error, recovering=True)
+    assert not asks_for_restarted_ps(restore, False, None, recovering=True)
+    assert not asks_for_restarted_ps(restore, True, None, recovering=True)
+
+
+def test_a_widened_loss_counts_its_tries_from_none():
+    ps = loss(attempts=2)
+    assert ps.failed(RuntimeError("x")) is None and ps.failures == 1
+    ps.widened()
+    assert ps.failures == 0 and ps.retry_next_round
+    assert ps.failed(RuntimeError("x")) is None  # one of two again

@@ -319,6 +319,28 @@ def test_ps_recovery_that_keeps_failing_gives_up_after_ps_attempts():
     assert kinds(actions) == ["FailAll", "ResumeDispatch"] and "mismatch" in actions[0].why
 
 
+def test_a_ps_lost_during_another_ps_recovery_joins_it_and_its_tries_start_again():
+    """Chaos seed 321 (`ps_recovery="all"`, 4 ps): ps 3 restarted while ps 0's restore ran; the
+    restore, writing every ps, failed on ps 3's old handles at each try and the loss was given up.
+    The engine now asks every ps not lost whether it still holds its variables after a step failed
+    (`ps_loss.asks_for_restarted_ps`); a PsNotAnswering for ps 3 widens the loss."""
+    d = Driver(checkpointing=True, has_checkpoint=True, ps_attempts=2, num_ps=4)
+    d(rm.PsNotAnswering((0,)))
+    d(rm.PsSeen(0, "open"))
+    assert d.done() == [rm.RenewAndRestore((0,))]
+    assert d.done(ok=False, error=ValueError("ps:2 did not answer")) == []  # one try of two counted
+    assert d.tick() == [rm.ReconnectPs(frozenset({0, 1}))]
+    assert d.done() == [rm.RenewAndRestore((0,))]
+    assert d(rm.PsNotAnswering((3,), epoch=d.m.ps_epoch)) == [rm.PsFailed(3)]  # found behind the failure
+    assert d.done(ok=False, error=ValueError("invalid device")) == []  # not the second try: it started again
+    assert d.tick() == []  # ps 3 is not back yet
+    assert d(rm.PsSeen(3, "open"), at=2.0) == [rm.ReconnectPs(frozenset({0, 1}))]
+    assert d.m._ps_loss.back_at == 2.0  # reported from the last lost ps's return
+    assert d.done() == [rm.RenewAndRestore((0, 3))]
+    actions = d.finish_ops([])
+    assert kinds(actions)[-2:] == ["PsRecovered", "ResumeDispatch"] and actions[-2] == rm.PsRecovered((0, 3), 2.0)
+
+
 def test_ps_recovery_reconnect_refused_by_a_worker_takes_it_out_and_tries_again_next_round():
     d = Driver(checkpointing=True, has_checkpoint=True)
     d(rm.PsNotAnswering((0,)))
