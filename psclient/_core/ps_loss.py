@@ -80,11 +80,20 @@ class PsLoss:
             self.back_at = now
         return None
 
-    def widened(self) -> None:
-        """Another ps was lost while this loss was under way: tries count again from none (the
-        last failed on it) and the steps start again from the reconnect, once it is back."""
+    #: A ps was lost during the step under way: the steps start again after it, whatever its outcome.
+    restart: bool = False
+
+    def widened(self, midway: bool) -> None:
+        """Another ps was lost while this loss was under way (`midway`: during one of its steps):
+        tries count again from none (the last failed on it) and the steps start again from the
+        reconnect, once it is back."""
         self.failures, self.back_at = 0, None
-        self.retry_next_round = True
+        self.retry_next_round, self.restart = True, midway
+
+    def take_restart(self) -> bool:
+        """Whether the step that just ended must be followed by the steps from the start."""
+        restart, self.restart = self.restart, False
+        return restart
 
     def failed(self, error: Any) -> GiveUp | None:
         """A step failed (`error` None: a named task did not answer); it is tried again next round."""

@@ -207,7 +207,7 @@ class RecoveryMachine:
                 self.ps[ps] = TaskState.LOST
                 actions.append(PsFailed(ps))
         if actions and self._ps_loss is not None:
-            self._ps_loss.widened()
+            self._ps_loss.widened(midway=self.op is not None)
         elif actions:
             self._ps_loss = PsLoss(now, self.config.hang_timeout, self.config.ps_timeout, self.config.ps_attempts,
                                    mode=self.config.ps_recovery)
@@ -436,9 +436,9 @@ class RecoveryMachine:
         if self.closed or not lost:
             return []
         loss = self._ps_loss
-        if not event.ok:
-            # (A named task that did not answer is a worker taken out, or a ps
-            # just back that does not take connections yet.)
+        if loss.take_restart() and event.ok:  # another ps lost during it: from the start, next round
+            return []
+        if not event.ok:  # (no error: a worker taken out, or a ps just back not taking connections yet)
             given_up = loss.failed(event.error)
             return self._give_up_ps(given_up.why) if given_up else []
         step = loss.next_step(op, lost)

@@ -69,6 +69,8 @@ def test_who_asks_whether_a_ps_was_restarted_behind_the_coordinators_back():
 def test_a_widened_loss_counts_its_tries_from_none():
     ps = loss(attempts=2)
     assert ps.failed(RuntimeError("x")) is None and ps.failures == 1
-    ps.widened()
-    assert ps.failures == 0 and ps.retry_next_round
+    ps.widened(midway=False)
+    assert ps.failures == 0 and ps.retry_next_round and not ps.take_restart()
     assert ps.failed(RuntimeError("x")) is None  # one of two again
+    ps.widened(midway=True)  # during a step: whatever it ends with, the steps start again, once
+    assert ps.take_restart() and not ps.take_restart()

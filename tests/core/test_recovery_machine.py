@@ -341,6 +341,21 @@ def test_a_ps_lost_during_another_ps_recovery_joins_it_and_its_tries_start_again
     assert kinds(actions)[-2:] == ["PsRecovered", "ResumeDispatch"] and actions[-2] == rm.PsRecovered((0, 3), 2.0)
 
 
+def test_a_ps_lost_during_a_recovery_step_that_succeeds_is_not_left_unrestored():
+    """A late closure's report (its dispatcher, after RequeueRunning) that another ps is lost while
+    a step runs: the step's success must not carry the flow on to PsRecovered without that ps."""
+    d = Driver(checkpointing=True, has_checkpoint=True, num_ps=2)
+    d(rm.PsNotAnswering((0,)))
+    d(rm.PsSeen(0, "open"))
+    assert d.done() == [rm.RenewAndRestore((0,))]
+    assert d(rm.PsNotAnswering((1,), epoch=d.m.ps_epoch)) == [rm.PsFailed(1)]
+    assert d.done() == []  # the restore of ps 0 alone succeeded: not the end of this loss
+    assert d.tick() == []  # ps 1 is not back yet
+    assert d(rm.PsSeen(1, "open"), at=3.0) == [rm.ReconnectPs(frozenset({0, 1}))]
+    assert d.done() == [rm.RenewAndRestore((0, 1))]
+    assert kinds(d.finish_ops([]))[-2:] == ["PsRecovered", "ResumeDispatch"]
+
+
 def test_ps_recovery_reconnect_refused_by_a_worker_takes_it_out_and_tries_again_next_round():
     d = Driver(checkpointing=True, has_checkpoint=True)
     d(rm.PsNotAnswering((0,)))
