@@ -357,6 +357,10 @@ def main(argv=None) -> int:
     plans.add_argument("--plan-delta-checkpoint-every", dest="delta_checkpoint_every", type=int, default=None,
                        help="closures between delta checkpoints (StrategyConfig.delta_checkpoint_every; "
                             "default: none, full checkpoints only)")
+    plans.add_argument("--plan", metavar="FILE",
+                       help="a fixed plan (JSON: a list of {at, fault: kill|hang, task: worker:N|ps:N, for}) "
+                            "run for every seed instead of the drawn one: to run a seed's order again "
+                            "(its row's 'plan'), or a chosen one")
     plans.add_argument("--ps-recovery", choices=("part", "all"), default=None,
                        help="StrategyConfig.ps_recovery (default: psclient's, 'part' in asynchronous training)")
     plans.add_argument("--replicas-to-aggregate", type=int, default=None,
@@ -399,6 +403,12 @@ def main(argv=None) -> int:
         if args.serve_every is not None and (not args.fit or args.serve_every <= 0):
             parser.error(f"--serve-every needs --fit and a number of seconds > 0. Received: "
                          f"--serve-every {args.serve_every:g}{'' if args.fit else ' without --fit'}.")
+        args.plan_faults = None
+        if args.plan is not None:
+            try:
+                args.plan_faults = chaos_plans.read_plan(args.plan, args.ps)
+            except (OSError, ValueError) as error:
+                parser.error(str(error))
         if args.replicas_to_aggregate is not None and not args.fit:
             parser.error(f"--replicas-to-aggregate needs --fit (the plans' own step updates its variables "
                          f"directly, which synchronous training refuses). Received: --replicas-to-aggregate "

@@ -32,6 +32,7 @@ Usage:
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import random
@@ -217,7 +218,8 @@ def run_seed(seed: int, args) -> dict:
     import psclient
 
     num_ps = args.ps
-    plan = draw_plan(seed, args.duration, args.kills, args.hangs, args.ps_kills, args.ps_hangs, num_ps)
+    plan = getattr(args, "plan_faults", None) or draw_plan(
+        seed, args.duration, args.kills, args.hangs, args.ps_kills, args.ps_hangs, num_ps)
     log(f"seed {seed}: {len(plan)} faults: " + ", ".join(f"{f['fault']} {f['task']}@{f['at']}" for f in plan))
     logged = _Logged()
     logging.getLogger("psclient").addHandler(logged)
@@ -411,6 +413,36 @@ def run_seed(seed: int, args) -> dict:
         f"(gc {row['max_gc_pause_s']} s), "
         f"wall {row['wall_s']} s")
     return row
+
+
+def read_plan(path: str, num_ps: int) -> list[dict]:
+    """A fixed plan from the JSON file `path` (--plan), run for every seed instead of the drawn one:
+    a list of faults {"at": seconds into the plan, "fault": "kill" or "hang", "task": "worker:N" or
+    "ps:N", "for": a worker kill's restart delay or a hang's length, in seconds}, by time.
+    ValueError names the fault and what was wrong."""
+    with open(path) as file:
+        try:
+            faults = json.load(file)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--plan {path} is not JSON: {error}") from None
+    if not isinstance(faults, list):
+        raise ValueError(f"--plan {path} holds {type(faults).__name__}; expected a list of faults")
+    limits = {"worker": PLAN_WORKERS, "ps": num_ps}
+    for i, fault in enumerate(faults):
+        where = f"--plan {path}, fault {i}"
+        if not isinstance(fault, dict) or set(fault) != {"at", "fault", "task", "for"}:
+            raise ValueError(f"{where}: received {fault!r}; expected an object with exactly the keys "
+                             "'at', 'fault', 'task' and 'for'")
+        job, _, index = str(fault["task"]).partition(":")
+        if job not in limits or not index.isdigit() or int(index) >= limits[job]:
+            raise ValueError(f"{where}: received task {fault['task']!r}; expected 'worker:N' with N below "
+                             f"{PLAN_WORKERS} or 'ps:N' with N below {num_ps} (--ps)")
+        if fault["fault"] not in ("kill", "hang"):
+            raise ValueError(f"{where}: received fault {fault['fault']!r}; expected 'kill' or 'hang'")
+        for key in ("at", "for"):
+            if isinstance(fault[key], bool) or not isinstance(fault[key], (int, float)) or fault[key] < 0:
+                raise ValueError(f"{where}: received {key} {fault[key]!r}; expected a number of seconds >= 0")
+    return sorted(faults, key=lambda f: f["at"])
 
 
 def _dump_pauses(args, seed: int) -> list[tuple[float, float]]:

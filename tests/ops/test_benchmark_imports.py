@@ -102,3 +102,31 @@ def test_chaos_plans_take_the_watchdogs_own_pauses_out_of_a_stall():
     assert abs(chaos_plans._without_pauses(stalls, [(11.0, 14.0), (40.0, 41.0)]) - 1.0) < 1e-9
     assert chaos_plans._without_pauses([], [(1.0, 2.0)]) == 0.0
     assert chaos_plans._without_pauses([], [], longest=0.15) == 0.15  # no dump: the longest stall itself
+
+
+def test_a_fixed_chaos_plan_is_read_and_bad_ones_are_refused_by_name(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    chaos_plans = _chaos_plans()
+    good = tmp_path / "plan.json"
+    good.write_text(json.dumps([{"at": 12.0, "fault": "kill", "task": "ps:3", "for": 0},
+                                {"at": 10.0, "fault": "hang", "task": "worker:1", "for": 5.0}]))
+    assert [f["at"] for f in chaos_plans.read_plan(str(good), num_ps=4)] == [10.0, 12.0]  # by time
+    bad = {
+        "[1]": "fault 0: received 1; expected an object",
+        '[{"at": 1, "fault": "kill", "task": "ps:4", "for": 0}]': "received task 'ps:4'; expected 'worker:N'",
+        '[{"at": 1, "fault": "stop", "task": "ps:0", "for": 0}]': "received fault 'stop'",
+        '[{"at": -1, "fault": "kill", "task": "ps:0", "for": 0}]': "received at -1; expected a number",
+        '{"at": 1}': "holds dict; expected a list",
+        "[": "is not JSON",
+    }
+    for text, message in bad.items():
+        good.write_text(text)
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
+            chaos_plans.read_plan(str(good), num_ps=4)
+    # The script refuses it before it imports TensorFlow or starts a cluster.
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--seeds", "1", "--ps", "2",
+                           "--plan", str(good)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "is not JSON" in done.stderr, done
