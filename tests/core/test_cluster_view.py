@@ -6,18 +6,39 @@ Pure Python: threads and events stand in for TF's calls.
 import threading
 import time
 
+import pytest
+
 from psclient._tf import cluster_view
 
 WAIT_S = 10.0  # generous: a loaded machine schedules threads late
+#: How long a test's view change stays inside until the test releases it: far above WAIT_S, so that
+#: a process stopped for a while (a collection in another thread, a loaded machine) does not let
+#: the change end on its own while the test still looks for what it holds (it did once, in CI's
+#: order of modules). Every release is set at the test's end, passed or failed.
+HELD_S = 6 * WAIT_S
+_RELEASES: list = []
+
+
+@pytest.fixture(autouse=True)
+def _released():
+    yield
+    while _RELEASES:
+        _RELEASES.pop().set()
+
+
+def _release() -> threading.Event:
+    event = threading.Event()
+    _RELEASES.append(event)
+    return event
 
 
 def test_a_registration_waits_while_another_thread_changes_the_view():
-    inside, release, registered = threading.Event(), threading.Event(), threading.Event()
+    inside, release, registered = threading.Event(), _release(), threading.Event()
 
     def change():
         with cluster_view.changing_view():
             inside.set()
-            release.wait(WAIT_S)
+            release.wait(HELD_S)
 
     def register():
         with cluster_view.registration_gate():
@@ -44,12 +65,12 @@ def test_the_thread_that_changes_the_view_passes_its_own_gate():
 
 
 def test_a_view_change_waits_for_registrations_already_past_the_gate():
-    inside, release, changed = threading.Event(), threading.Event(), threading.Event()
+    inside, release, changed = threading.Event(), _release(), threading.Event()
 
     def register():
         with cluster_view.registration_gate():
             inside.set()
-            release.wait(WAIT_S)
+            release.wait(HELD_S)
 
     def change():
         with cluster_view.changing_view():
@@ -68,13 +89,13 @@ def test_a_view_change_waits_for_registrations_already_past_the_gate():
 
 
 def test_registrations_pass_one_another():
-    inside, release = threading.Event(), threading.Event()
+    inside, release = threading.Event(), _release()
     second = threading.Event()
 
     def first():
         with cluster_view.registration_gate():
             inside.set()
-            release.wait(WAIT_S)
+            release.wait(HELD_S)
 
     holder = threading.Thread(target=first)
     holder.start()
@@ -89,12 +110,12 @@ def test_registrations_pass_one_another():
 def test_a_view_change_ends_after_the_registrations_it_held_have_passed():
     # The held registrations go before the changing thread goes on (module doc: TF's streaming
     # switch, which a streamed registration turns on for the whole process).
-    inside, release, order = threading.Event(), threading.Event(), []
+    inside, release, order = threading.Event(), _release(), []
 
     def change():
         with cluster_view.changing_view():
             inside.set()
-            release.wait(WAIT_S)
+            release.wait(HELD_S)
         order.append("change ended")
 
     def register():
