@@ -218,8 +218,9 @@ def run_seed(seed: int, args) -> dict:
     import psclient
 
     num_ps = args.ps
-    plan = getattr(args, "plan_faults", None) or draw_plan(
-        seed, args.duration, args.kills, args.hangs, args.ps_kills, args.ps_hangs, num_ps)
+    plan = getattr(args, "plan_faults", None)  # --plan; an empty one is a run without faults
+    if plan is None:
+        plan = draw_plan(seed, args.duration, args.kills, args.hangs, args.ps_kills, args.ps_hangs, num_ps)
     log(f"seed {seed}: {len(plan)} faults: " + ", ".join(f"{f['fault']} {f['task']}@{f['at']}" for f in plan))
     logged = _Logged()
     logging.getLogger("psclient").addHandler(logged)

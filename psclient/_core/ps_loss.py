@@ -34,7 +34,10 @@ from psclient._core.recovery_messages import (
     Retrace,
 )
 
-__all__ = ["PsLoss", "GiveUp", "asks_for_restarted_ps"]
+__all__ = ["PS_STEPS", "PsLoss", "GiveUp", "asks_for_restarted_ps"]
+
+#: The operations of a ps recovery (step 3 of the module doc).
+PS_STEPS = (ReconnectPs, RenewAndRestore, Retrace, RebuildResources)
 
 
 @dataclasses.dataclass(frozen=True)

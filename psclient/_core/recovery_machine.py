@@ -43,7 +43,7 @@ from typing import Any
 from psclient._core.checkpoint_schedule import CheckpointSchedule, CopyPhase, shut_down_error
 from psclient._core.joining import Joins
 from psclient._core.machine_config import MachineConfig
-from psclient._core.ps_loss import GiveUp, PsLoss
+from psclient._core.ps_loss import PS_STEPS, GiveUp, PsLoss
 from psclient._core.recovery_messages import (
     CheckAnswers,
     Checkpoint,
@@ -207,7 +207,7 @@ class RecoveryMachine:
                 self.ps[ps] = TaskState.LOST
                 actions.append(PsFailed(ps))
         if actions and self._ps_loss is not None:
-            self._ps_loss.widened(midway=self.op is not None)
+            self._ps_loss.widened(midway=isinstance(self.op, PS_STEPS))  # not a rejoin still under way
         elif actions:
             self._ps_loss = PsLoss(now, self.config.hang_timeout, self.config.ps_timeout, self.config.ps_attempts,
                                    mode=self.config.ps_recovery)

@@ -356,6 +356,21 @@ def test_a_ps_lost_during_a_recovery_step_that_succeeds_is_not_left_unrestored()
     assert kinds(d.finish_ops([]))[-2:] == ["PsRecovered", "ResumeDispatch"]
 
 
+def test_a_ps_lost_while_a_rejoin_is_under_way_widens_the_loss_without_a_restart():
+    """Only a recovery step's outcome is discarded for a ps lost during it: a rejoin under way
+    when the loss grew ends as rejoins do, and the recovery's first reconnect counts."""
+    d = Driver(checkpointing=True, has_checkpoint=True, num_ps=2)
+    d(rm.WorkerNotAnswering(1))
+    assert kinds(d(rm.WorkerSeen(1, "open", False))) == ["RejoinWorker"]
+    d(rm.PsNotAnswering((0,)))
+    d(rm.PsNotAnswering((1,), epoch=d.m.ps_epoch))
+    d.done()  # the rejoin ends: a ps recovery is under way, the worker waits for it
+    d(rm.PsSeen(0, "open"))
+    d(rm.PsSeen(1, "open"))
+    assert d.tick() == [rm.ReconnectPs(frozenset({0}))]
+    assert d.done() == [rm.RenewAndRestore((0, 1))]  # not discarded: ps 1 was lost before it began
+
+
 def test_ps_recovery_reconnect_refused_by_a_worker_takes_it_out_and_tries_again_next_round():
     d = Driver(checkpointing=True, has_checkpoint=True)
     d(rm.PsNotAnswering((0,)))

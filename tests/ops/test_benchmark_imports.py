@@ -114,6 +114,8 @@ def test_a_fixed_chaos_plan_is_read_and_bad_ones_are_refused_by_name(tmp_path):
     good.write_text(json.dumps([{"at": 12.0, "fault": "kill", "task": "ps:3", "for": 0},
                                 {"at": 10.0, "fault": "hang", "task": "worker:1", "for": 5.0}]))
     assert [f["at"] for f in chaos_plans.read_plan(str(good), num_ps=4)] == [10.0, 12.0]  # by time
+    (tmp_path / "none.json").write_text("[]")  # a run without faults, not a drawn plan
+    assert chaos_plans.read_plan(str(tmp_path / "none.json"), num_ps=4) == []
     bad = {
         "[1]": "fault 0: received 1; expected an object",
         '[{"at": 1, "fault": "kill", "task": "ps:4", "for": 0}]': "received task 'ps:4'; expected 'worker:N'",
