@@ -31,6 +31,7 @@ Usage:
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
 import logging
@@ -47,6 +48,8 @@ from _common import log
 
 PLAN_WORKERS, PLAN_PS = 3, 1
 BIG_DIM = 32  # --big-rows: the width of each ps's big table
+#: --stall-traces: a sampler asleep this long has every thread's Python stack written.
+TRACE_AFTER_S = 0.5
 #: The longest a coordinator thread may stall (the limit of tests/faults/test_no_freeze.py).
 MAX_STALL_S = 1.0
 
@@ -248,10 +251,16 @@ def run_seed(seed: int, args) -> dict:
                 [sys.executable, os.path.join(os.path.dirname(__file__), "stall_watch.py"), str(os.getpid()),
                  str(MAX_STALL_S), os.path.join(args.stall_dumps, f"seed-{seed}")], stdin=subprocess.PIPE)
 
+        traces = None
+        if getattr(args, "stall_traces", None):  # --stall-traces: Python stacks during a stall, no pause
+            traces = StallTraces(os.path.join(args.stall_traces, f"seed-{seed}", "traces.txt"))
+
         def sample():  # a coordinator thread that wants to wake every 50 ms
             last = time.monotonic()
             watched = watch is not None
             while not sampling.wait(0.05):
+                if traces is not None:
+                    traces.arm()
                 if watched:
                     try:
                         watch.stdin.write(b".")
@@ -261,17 +270,22 @@ def run_seed(seed: int, args) -> dict:
                 now = time.monotonic()
                 if now - last - 0.05 > 0.2:
                     stalls.append((last + 0.05, now))
+                    if traces is not None:
+                        traces.stalled(last + 0.05, now, started, gc_spans)
                 if now - last - 0.05 > stall[0]:
                     stall[0], stall[1] = now - last - 0.05, now - started
                 last = now
 
         gc_pause = [0.0, None]  # Python's longest garbage collection: a stall of every thread too
+        gc_spans: list[tuple[float, float]] = []  # collections of 50 ms or more: (start, end), monotonic
 
         def timed_gc(phase, info):
             if phase == "start":
                 gc_pause[1] = time.monotonic()
             elif gc_pause[1] is not None:
                 gc_pause[0] = max(gc_pause[0], time.monotonic() - gc_pause[1])
+                if time.monotonic() - gc_pause[1] >= 0.05:
+                    gc_spans.append((gc_pause[1], time.monotonic()))
 
         gc.callbacks.append(timed_gc)
         sampler = threading.Thread(target=sample, daemon=True)
@@ -350,6 +364,10 @@ def run_seed(seed: int, args) -> dict:
         finally:
             sampling.set()
             gc.callbacks.remove(timed_gc)
+            if traces is not None:
+                if sampler.is_alive():
+                    sampler.join(5)
+                traces.close()
             if watch is not None:
                 if sampler.is_alive():
                     sampler.join(5)
@@ -453,6 +471,37 @@ def _dump_pauses(args, seed: int) -> list[tuple[float, float]]:
         return []
     with open(path) as lines:
         return [(float(a), float(b)) for a, b in (line.split() for line in lines if line.strip())]
+
+
+class StallTraces:
+    """--stall-traces: every thread's Python stack, written while a sampler thread stalls.
+
+    faulthandler's own C thread writes the stacks once the sampler has not re-armed it (`arm`, at
+    each wake) for `after_s`, and again every `after_s` while it stays asleep: it needs no GIL and
+    stops nothing, where py-spy's native dumps (--stall-dumps) stop the process while they read it.
+    Each stall of `after_s` or more is then labelled below its dumps (`stalled`)."""
+
+    def __init__(self, path: str, after_s: float = TRACE_AFTER_S):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.after_s = after_s
+        self._file = open(path, "w")
+
+    def arm(self) -> None:
+        faulthandler.dump_traceback_later(self.after_s, repeat=True, file=self._file)
+
+    def stalled(self, start: float, end: float, origin: float, gc_spans: list[tuple[float, float]]) -> None:
+        """A stall from `start` to `end` (monotonic) ended: label the dumps above, with the time of it
+        spent in garbage collections (`gc_spans`: (start, end) of each) and seconds from `origin`."""
+        if end - start < self.after_s:
+            return
+        in_gc = sum(max(0.0, min(stop, end) - max(begin, start)) for begin, stop in gc_spans)
+        self._file.write(f"== stall of {end - start:.2f} s, {start - origin:.2f}-{end - origin:.2f} s into "
+                         f"the plan, {in_gc:.2f} s of it in garbage collections (the dumps above)\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        faulthandler.cancel_dump_traceback_later()
+        self._file.close()
 
 
 def _without_pauses(stalls: list[tuple[float, float]], pauses: list[tuple[float, float]],

@@ -132,3 +132,36 @@ def test_a_fixed_chaos_plan_is_read_and_bad_ones_are_refused_by_name(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--seeds", "1", "--ps", "2",
                            "--plan", str(good)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "is not JSON" in done.stderr, done
+
+
+def test_chaos_stall_traces_write_the_stacks_of_a_stall_that_holds_the_gil(tmp_path):
+    import ctypes
+    import threading
+    import time
+
+    chaos_plans = _chaos_plans()
+    traces = chaos_plans.StallTraces(str(tmp_path / "seed-1" / "traces.txt"), after_s=0.2)
+    stop = threading.Event()
+
+    def sample():
+        while not stop.wait(0.02):
+            traces.arm()
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        time.sleep(0.1)
+        start = time.monotonic()
+        ctypes.PyDLL(None).usleep(700_000)  # a C call that keeps the GIL: the sampler cannot wake
+        end = time.monotonic()
+    finally:
+        stop.set()
+        sampler.join(10)
+    traces.stalled(start, end, start - 5.0, [(start + 0.1, start + 0.3)])
+    traces.stalled(end, end + 0.1, start - 5.0, [])  # shorter than after_s: no label
+    traces.close()
+    text = (tmp_path / "seed-1" / "traces.txt").read_text()
+    assert text.count("Timeout (0:00:00.200000)!") >= 2, text
+    assert "in test_chaos_stall_traces_write_the_stacks_of_a_stall_that_holds_the_gil" in text
+    assert text.count("== stall of") == 1
+    assert "5.00-5." in text and "0.20 s of it in garbage collections" in text
