@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
 
-__all__ = ["made_per_object"]
+__all__ = ["made_per_object", "quiet_saver_retracing"]
+
+_filter_lock = threading.Lock()
 
 
 def made_per_object(function: Any) -> Any:
@@ -20,3 +24,27 @@ def made_per_object(function: Any) -> Any:
     if hasattr(function, "_omit_frequent_tracing_warning"):
         function._omit_frequent_tracing_warning = True  # noqa: SLF001 - see the docstring
     return function
+
+
+class _SaverRetracing(logging.Filter):
+    """TF's warning of retracing about its own saver's per-save function, and nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("triggered tf.function retracing" in message
+                    and ("MultiDeviceSaver.save.<locals>" in message or "MultiDeviceSaver.restore.<locals>" in message))
+
+
+def quiet_saver_retracing() -> None:
+    """Drop TF's "triggered tf.function retracing" warning about `MultiDeviceSaver`'s own functions.
+
+    With variables on several tasks, TF's saver makes a new `tf.function` at every eager save and
+    restore, by design (its comment: "this will cause a function re-trace on each save"), so the
+    fifth `tf.saved_model.save` of a cluster model (a `ServingExport`'s full versions) logged that
+    tracing is expensive and how to stop it, which a user cannot act on. TF makes the function
+    inside its save, so its `_omit_frequent_tracing_warning` cannot be set; a filter on TF's
+    logger drops that one warning (matched by the saver's function names). Idempotent."""
+    logger = logging.getLogger("tensorflow")
+    with _filter_lock:
+        if not any(isinstance(existing, _SaverRetracing) for existing in logger.filters):
+            logger.addFilter(_SaverRetracing())

@@ -40,6 +40,8 @@ import tensorflow as tf
 from tensorflow.python.saved_model import save as saved_model_save
 from tensorflow.python.saved_model import save_context
 
+from psclient._tf.functions import quiet_saver_retracing
+
 __all__ = ["ExportToken", "at_export_end", "current_export", "export_scope", "install_save_hook", "save_context_of"]
 
 _state = threading.local()  # .token: the export in progress on this thread; .on_end: its callbacks
@@ -86,6 +88,7 @@ def install_save_hook() -> None:
 
     TF's save calls `save_context.save_context(options)` and `save_and_return_nodes` by their modules'
     attributes at every save, so wrapping those attributes covers every caller. Idempotent."""
+    quiet_saver_retracing()  # TF's saver retraces at every save of a cluster model, by design
     with _hook_lock:
         stock = save_context.save_context
         if getattr(stock, "_psclient_export_scope", False):

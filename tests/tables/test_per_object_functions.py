@@ -43,3 +43,32 @@ def test_functions_made_per_object_do_not_warn_of_retracing():
 def test_without_it_tf_warns_at_the_fifth_function_of_the_same_code():
     # What the helper is for: TF still warns for plain functions (a TF that stops should fail here).
     assert _first_calls_of_many(lambda function: function)
+
+
+def _tf_warnings_about(function_name):
+    """TF's own retracing detector, called as TF's function calls it: the warnings it logs."""
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function
+
+    logger = tf.get_logger()
+    lines = _Lines()
+    logger.addHandler(lines)
+    try:
+        detector = polymorphic_function._FrequentTracingDetector()
+        for _ in range(6):
+            detector.called_with_tracing(function_name, False)
+    finally:
+        logger.removeHandler(lines)
+    return [line for line in lines.lines if "retracing" in line]
+
+
+def test_the_warning_about_tfs_own_saver_is_dropped_and_no_other():
+    from psclient._tf.functions import quiet_saver_retracing
+
+    quiet_saver_retracing()
+    quiet_saver_retracing()  # idempotent: one filter
+    logger = logging.getLogger("tensorflow")
+    assert sum(type(f).__name__ == "_SaverRetracing" for f in logger.filters) == 1
+    saver = "<function MultiDeviceSaver.save.<locals>.tf_function_save at 0x7f2d5d04ef20>"
+    assert _tf_warnings_about(saver) == []
+    assert _tf_warnings_about("<function MultiDeviceSaver.restore.<locals>.tf_function_restore at 0x1>") == []
+    assert _tf_warnings_about("<function train_step at 0x7f2d5d04ef20>")  # a user's function still warns
