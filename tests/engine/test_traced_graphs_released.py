@@ -1,10 +1,12 @@
 """Traced graphs are collected once their function is gone, with the functions they registered.
 
-Two process-wide holders kept every training step traced in a coordinator alive, with all the
+Three process-wide holders kept every training step traced in a coordinator alive, with all the
 functions it registered in TF's eager context (16 DynamicEmbedding runs: 400-1,100 functions, and
 each later connect to a cluster slowed with their number): TF's gradient registry, which keeps a
-graph-mode `tf.custom_gradient`'s function (and through its closure the graph) for good, and the
-last section's output that `in_turn` kept per graph. In one process, without a cluster.
+graph-mode `tf.custom_gradient`'s function (and through its closure the graph) for good, whether
+psclient's own (a DynamicEmbedding's) or TF's in the replica context's `all_reduce` that Keras's
+optimizer calls on every step's gradients (a step traced again at each ps recovery stayed alive);
+and the last section's output that `in_turn` kept per graph. In one process, without a cluster.
 """
 
 import gc
@@ -88,3 +90,48 @@ def test_a_graph_of_sections_run_in_turn_is_collected():
     del function, ops, second
     gc.collect()
     assert graph() is None
+
+
+def _reduced_in_replica_context(context_of):
+    def step(x):
+        with context_of():
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                summed = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, [x * x])[0]
+                mean = tf.distribute.get_replica_context().all_reduce("MEAN", {"m": x})["m"]
+                y = tf.reduce_sum(summed + mean)
+            return y, tape.gradient(y, x)
+
+    return step
+
+
+def test_keras_optimizers_all_reduce_in_psclients_replica_context_registers_nothing_and_is_collected():
+    """Keras's optimizer sums the step's gradients with the replica context's `all_reduce`: TF's
+    registers a custom gradient per trace, which kept every traced training step alive."""
+    from tensorflow.python.framework import ops  # noqa: PLC0415
+
+    from psclient._tf.context import replica_context
+
+    step = _reduced_in_replica_context(replica_context)
+    registered = set(ops._gradient_registry._registry)
+    function, graph = _traced(step)
+    y, gradient = function(tf.constant([1.0, 2.0]))
+    assert float(y) == 1.0 + 4.0 + 1.0 + 2.0  # over one replica a sum and a mean are the values
+    assert gradient.numpy().tolist() == [2.0 * 1.0 + 1.0, 2.0 * 2.0 + 1.0]
+    assert set(ops._gradient_registry._registry) == registered
+    del function
+    gc.collect()
+    assert graph() is None
+
+
+def test_tfs_own_replica_context_still_registers_a_gradient_per_trace():
+    # Why psclient's context reduces by itself (a TF that stops doing this should fail here).
+    from tensorflow.python.framework import ops  # noqa: PLC0415
+
+    def tfs_context():
+        return tf.distribute.ReplicaContext(tf.distribute.get_strategy(), replica_id_in_sync_group=0)
+
+    registered = set(ops._gradient_registry._registry)
+    function, _graph = _traced(_reduced_in_replica_context(tfs_context))
+    assert float(function(tf.constant([1.0, 2.0]))[0]) == 8.0
+    assert set(ops._gradient_registry._registry) - registered

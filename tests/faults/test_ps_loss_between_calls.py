@@ -125,6 +125,40 @@ def test_fit_evaluate_and_save_checkpoint_each_recover_a_ps_lost_before_them(two
         strategy.shutdown()
 
 
+def _train_step_graphs_and_gradients() -> tuple[int, int]:
+    """Training steps' graphs alive in this process, and TF's registered gradients."""
+    import gc
+
+    from tensorflow.python.framework import func_graph, ops
+
+    gc.collect()
+    graphs = sum(isinstance(o, func_graph.FuncGraph) and "train_step" in o.name for o in gc.get_objects())
+    return graphs, len(ops._gradient_registry._registry)
+
+
+def test_a_step_traced_again_after_each_ps_recovery_leaves_no_old_trace_alive(two_workers_two_ps, tmp_path):
+    # Each ps recovery traces the training step again. Keras's optimizer reduces the step's
+    # gradients in the replica context, and TF's reduction registered a gradient per trace in its
+    # process-wide registry, which kept every old trace alive (13,000 objects a recovery).
+    local = two_workers_two_ps
+    strategy = psclient.ParameterServerStrategy(local.cluster, checkpoint_dir=str(tmp_path / "ckpt"),
+                                                hang_timeout=60, connect_timeout=300)
+    try:
+        with strategy.scope():
+            model, x = dense_model()
+        model.fit(x, LABELS, batch_size=BATCH, epochs=1, verbose=0)
+        alive = []
+        for ps in (1, 0, 1):
+            strategy.save_checkpoint()
+            kill_and_restart(local, ps)
+            model.fit(x, LABELS, batch_size=BATCH, epochs=1, verbose=0)  # meets the lost ps, traces again
+            alive.append(_train_step_graphs_and_gradients())
+        assert recoveries(strategy) == [1, 2]
+        assert alive[1] == alive[0] and alive[2] == alive[0], alive  # (graphs, gradients) after each
+    finally:
+        strategy.shutdown()
+
+
 def test_a_trace_that_reads_a_lost_ps_is_made_again_once_the_ps_is_restored(two_workers_two_ps, tmp_path):
     # What DynamicEmbedding's trace does (the size of a table's rows, read under init_scope to
     # make its slots), on a plain variable: the read at trace time is the call's first contact
