@@ -25,10 +25,10 @@ def _scaled(x):
     return tf.identity(x), lambda upstream: 3.0 * upstream  # a gradient the ops alone would not give
 
 
-def _functions_in_context() -> int:
+def _functions_in_context() -> set:
     from tensorflow.python.eager import context  # noqa: PLC0415 (tests may read TF's internals)
     gc.collect()
-    return len(context.context().list_function_names())
+    return set(context.context().list_function_names())
 
 
 def _traced(step):
@@ -68,12 +68,14 @@ def test_a_graph_with_a_custom_gradient_is_collected_and_its_registration_droppe
     baseline = _functions_in_context()
     function, graph = _traced(step)
     names = set(ops._gradient_registry._registry) - registered
-    assert names and _functions_in_context() > baseline
+    assert names and _functions_in_context() - baseline
     del function
     gc.collect()
     assert graph() is None
     assert not names & set(ops._gradient_registry._registry)
-    assert _functions_in_context() == baseline
+    # None of its own left (a step an earlier test in this process traced may be let go meanwhile:
+    # the count alone can fall below the baseline).
+    assert not _functions_in_context() - baseline
 
 
 def test_a_graph_of_sections_run_in_turn_is_collected():
