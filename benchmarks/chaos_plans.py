@@ -411,6 +411,9 @@ def run_seed(seed: int, args) -> dict:
            if getattr(args, "stall_dumps", None) else {}),
         "max_stall_ended_at_s": None if stall[1] is None else round(stall[1], 1),
         "max_gc_pause_s": round(gc_pause[0], 2),
+        # Python objects the coordinator's collector walks, once this seed's cluster is gone: what
+        # earlier seeds (strategies, ps recoveries) left behind makes every collection longer.
+        "coordinator_objects": _tracked_objects(),
         "batches": len(join_s),
         "max_join_s": round(max(join_s), 2) if join_s else None,
         "steps_counted": steps,
@@ -471,6 +474,11 @@ def _dump_pauses(args, seed: int) -> list[tuple[float, float]]:
         return []
     with open(path) as lines:
         return [(float(a), float(b)) for a, b in (line.split() for line in lines if line.strip())]
+
+
+def _tracked_objects() -> int:
+    gc.collect()
+    return len(gc.get_objects())
 
 
 class StallTraces:
@@ -558,6 +566,8 @@ def summarise(rows: list[dict]) -> dict:
         "back_after_s_median": sorted(back)[len(back) // 2] if back else None,
         "back_after_s_max": max(back) if back else None,
         "traced_again_warnings": sum(r.get("traced_again_warnings", 0) for r in rows),
+        "coordinator_objects_first_last": [rows[0]["coordinator_objects"], rows[-1]["coordinator_objects"]]
+        if rows and "coordinator_objects" in rows[0] else None,
         "max_stall_s": max((r["max_stall_s"] for r in rows), default=None),
         **({"max_stall_without_dumps_s": max(r["max_stall_without_dumps_s"] for r in rows)}
            if rows and all("max_stall_without_dumps_s" in r for r in rows) else {}),

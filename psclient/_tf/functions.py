@@ -6,7 +6,7 @@ import logging
 import threading
 from typing import Any
 
-__all__ = ["made_per_object", "quiet_saver_retracing"]
+__all__ = ["made_per_object", "quiet_saver_retracing", "traced_per_signature"]
 
 _filter_lock = threading.Lock()
 
@@ -21,8 +21,22 @@ def made_per_object(function: Any) -> Any:
     `function` with TF's own attribute (its saved-model loader sets it too); where a TF version
     lacks it, nothing changes.
     """
+    return _without_retracing_warning(function)
+
+
+def traced_per_signature(function: Any) -> Any:
+    """`function` (a module-level `tf.function`), traced once per kind of argument it is given (a
+    variable's dtype and rank) and again for each new cluster a process connects to, by design.
+
+    A process that makes several strategies in turn (a test run, a chaos plan) traces it a few times
+    each, and TF logged at every fifth call that tracing is expensive; TF's attribute turns that off
+    for it (see `made_per_object`)."""
+    return _without_retracing_warning(function)
+
+
+def _without_retracing_warning(function: Any) -> Any:
     if hasattr(function, "_omit_frequent_tracing_warning"):
-        function._omit_frequent_tracing_warning = True  # noqa: SLF001 - see the docstring
+        function._omit_frequent_tracing_warning = True  # noqa: SLF001 - TF's own attribute, see above
     return function
 
 

@@ -80,6 +80,12 @@ def kill_and_restart(local, ps):
     local.restart("ps", ps, timeout=300)  # generous: a loaded machine starts TF slowly
 
 
+def connect(local, tmp_path):
+    """A strategy on the shared cluster, with checkpoints to recover from and generous waits."""
+    return psclient.ParameterServerStrategy(local.cluster, checkpoint_dir=str(tmp_path / "ckpt"),
+                                            hang_timeout=60, connect_timeout=300)
+
+
 def recoveries(strategy):
     return [ps["recoveries"] for ps in strategy.stats()["ps"]]
 
@@ -88,8 +94,7 @@ def recoveries(strategy):
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_fit_evaluate_and_save_checkpoint_each_recover_a_ps_lost_before_them(two_workers_two_ps, tmp_path, kind):
     local = two_workers_two_ps
-    strategy = psclient.ParameterServerStrategy(local.cluster, checkpoint_dir=str(tmp_path / "ckpt"),
-                                                hang_timeout=60, connect_timeout=300)
+    strategy = connect(local, tmp_path)
     try:
         with strategy.scope():
             model, x = MODELS[kind]()
@@ -141,8 +146,7 @@ def test_a_step_traced_again_after_each_ps_recovery_leaves_no_old_trace_alive(tw
     # gradients in the replica context, and TF's reduction registered a gradient per trace in its
     # process-wide registry, which kept every old trace alive (13,000 objects a recovery).
     local = two_workers_two_ps
-    strategy = psclient.ParameterServerStrategy(local.cluster, checkpoint_dir=str(tmp_path / "ckpt"),
-                                                hang_timeout=60, connect_timeout=300)
+    strategy = connect(local, tmp_path)
     try:
         with strategy.scope():
             model, x = dense_model()
@@ -195,8 +199,7 @@ def test_every_eager_op_the_caller_makes_on_a_ps_is_guarded(two_workers_two_ps, 
     """fit, evaluate, predict, checkpoints, stats() and a table's export, with nothing lost:
     every op the caller's thread runs on a ps task runs inside the guarded access."""
     local = two_workers_two_ps
-    strategy = psclient.ParameterServerStrategy(local.cluster, checkpoint_dir=str(tmp_path / "ckpt"),
-                                                hang_timeout=60, connect_timeout=300)
+    strategy = connect(local, tmp_path)
     try:
         with strategy.scope():
             model, x = dynamic_model()

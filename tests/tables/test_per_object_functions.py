@@ -72,3 +72,18 @@ def test_the_warning_about_tfs_own_saver_is_dropped_and_no_other():
     assert _tf_warnings_about(saver) == []
     assert _tf_warnings_about("<function MultiDeviceSaver.restore.<locals>.tf_function_restore at 0x1>") == []
     assert _tf_warnings_about("<function train_step at 0x7f2d5d04ef20>")  # a user's function still warns
+
+
+def test_a_function_traced_once_per_kind_of_argument_does_not_warn():
+    from psclient._tf.functions import traced_per_signature
+
+    lines = _Lines()
+    tf.get_logger().addHandler(lines)
+    try:
+        function = traced_per_signature(tf.function(lambda v: tf.size(v), autograph=False))
+        for dtype in (tf.float32, tf.int64, tf.int32, tf.float64, tf.int8, tf.int16, tf.uint8):
+            assert int(function(tf.Variable(tf.zeros([3], dtype)))) == 3
+        assert function.experimental_get_tracing_count() == 7
+    finally:
+        tf.get_logger().removeHandler(lines)
+    assert [line for line in lines.lines if "retracing" in line] == []

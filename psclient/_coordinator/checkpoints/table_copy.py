@@ -61,7 +61,7 @@ from psclient._coordinator.checkpoints import stages as _stages
 from psclient._coordinator.tables.saved_rows import keys_and_counters
 from psclient._tf import write_marks as _write_marks
 from psclient._tf.executors import until_registered
-from psclient._tf.functions import made_per_object
+from psclient._tf.functions import made_per_object, traced_per_signature
 
 __all__ = ["Later", "Packed", "Split", "TableCopy", "as_slices", "copy_shards", "cut", "joined", "resolved", "stage_bytes"]
 
@@ -231,11 +231,15 @@ def copy_shards(shards: list, stop: Callable[[], bool] | None = None) -> dict[in
     return out
 
 
-@tf.function(autograph=False, reduce_retracing=True)  # traced: nothing converted under the ps's device
 def _written_whole_and_size(whole, variable):
     """int64 [the variable's `whole` mark, its number of elements] (VariableShape: not a read, no copy)."""
     size = tf.reduce_prod(tf.raw_ops.VariableShape(input=variable.handle, out_type=tf.int64))
     return tf.stack([tf.cast(whole.read_value(), tf.int64), size])
+
+
+# Traced: nothing converted under the ps's device. Once per kind of storage variable and cluster.
+_written_whole_and_size = traced_per_signature(tf.function(_written_whole_and_size, autograph=False,
+                                                           reduce_retracing=True))
 
 
 def _chunk(shard: Any) -> int:

@@ -37,6 +37,7 @@ import tensorflow as tf
 from psclient._coordinator.tables.dense_shard import vector
 from psclient._coordinator.tables.key_hash import shard_of
 from psclient._tf.executors import until_registered
+from psclient._tf.functions import made_per_object
 
 __all__ = ["ServingTable"]
 
@@ -80,7 +81,7 @@ def _snapshot_function(shard, policy, dim):
         sorted_rows = tf.concat([tf.gather(shard_rows, order), tf.zeros([1, dim])], 0)
         return sorted_keys, sorted_rows
 
-    return snapshot
+    return made_per_object(snapshot)  # one per shard and renewal, each traced once
 
 
 class ServingTable(tf.Module):
