@@ -17,6 +17,7 @@ as themselves for a while (`eager_ops_as_themselves`, a serving loader's).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import tempfile
@@ -38,6 +39,7 @@ __all__ = [
     "local_device_in_force",
     "new_call_executor",
     "register_read_kinds",
+    "registered_call",
     "register_summary_kinds",
     "set_streaming_env",
     "streamed_function_registrations",
@@ -423,6 +425,34 @@ def until_registered(build: Callable[[], Any], attempts: int = 25) -> Any:
                 raise
         time.sleep(min(0.5, 0.01 * 2 ** attempt))
     raise AssertionError("unreachable")
+
+
+def registered_call(make: Callable[[], Callable[[], Any]], attempts: int = 25) -> Callable[[], Any]:
+    """A call of the function `make()` returns, through `until_registered`; once a task still does not
+    know it after the attempts, made again (a new trace, registered afresh on every task) and called.
+
+    A registration can be lost on its way: in a seeded chaos plan a shard's stats function never
+    reached two ps tasks (a worker was dropped from TF's view and another ps restarted in the same
+    second), and every later call of it failed with "not registered" (a `ServingExport` delta, then
+    the `fit`). TF sends a function to the tasks only at its first reference in the process, so the
+    same function cannot be sent again; a new trace of it is."""
+    current: list = []
+
+    def call():
+        if not current:
+            current.append(make())
+        try:
+            return until_registered(current[-1], attempts)
+        except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as error:
+            if not function_not_registered_yet(error):
+                raise
+            logging.getLogger("psclient").warning(
+                "a function psclient made never reached a task (%s); tracing it again", str(error).splitlines()[0])
+            current.append(make())
+            del current[:-1]
+            return until_registered(current[-1], attempts)
+
+    return call
 
 
 def function_not_registered_yet(error: BaseException) -> bool:

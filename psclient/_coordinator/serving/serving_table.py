@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from psclient._coordinator.tables.dense_shard import vector
 from psclient._coordinator.tables.key_hash import shard_of
-from psclient._tf.executors import until_registered
+from psclient._tf.executors import registered_call
 from psclient._tf.functions import made_per_object
 
 __all__ = ["ServingTable"]
@@ -109,11 +109,12 @@ class ServingTable(tf.Module):
             for index, shard in enumerate(table.shards):
                 traced = functions.get(index)
                 if traced is None or traced[0] != table.renewals:  # new, or the shard was made again
-                    traced = functions[index] = (table.renewals, _snapshot_function(shard, table.policy, table.dim))
+                    traced = functions[index] = (table.renewals, registered_call(
+                        lambda shard=shard: _snapshot_function(shard, table.policy, table.dim)))
                 with tf.device(shard.device) if shard.device else contextlib.nullcontext():
                     # An export streams its registrations (`streamed_function_registrations`): the call
                     # can reach the ps before the function does, and is then made again.
-                    shard_keys, shard_rows = until_registered(traced[1])
+                    shard_keys, shard_rows = traced[1]()
                     # Shapes left open so that `psclient.serving` can write a delta's rows into a loaded SavedModel
                     # (a static size would be folded into its functions).
                     keys.append(tf.Variable(shard_keys, trainable=False, name=f"{table.name}_keys_{index}",
