@@ -427,7 +427,7 @@ def until_registered(build: Callable[[], Any], attempts: int = 25) -> Any:
     raise AssertionError("unreachable")
 
 
-def registered_call(make: Callable[[], Callable[[], Any]], attempts: int = 25) -> Callable[[], Any]:
+def registered_call(make: Callable[[], Callable[[], Any]], attempts: int = 25) -> "RegisteredCall":
     """A call of the function `make()` returns, through `until_registered`; once a task still does not
     know it after the attempts, made again (a new trace, registered afresh on every task) and called.
 
@@ -436,23 +436,28 @@ def registered_call(make: Callable[[], Callable[[], Any]], attempts: int = 25) -
     second), and every later call of it failed with "not registered" (a `ServingExport` delta, then
     the `fit`). TF sends a function to the tasks only at its first reference in the process, so the
     same function cannot be sent again; a new trace of it is."""
-    current: list = []
+    return RegisteredCall(make, attempts)
 
-    def call():
-        if not current:
-            current.append(make())
+
+class RegisteredCall:
+    """See `registered_call`. `function`: the function now called (None before the first call)."""
+
+    def __init__(self, make: Callable[[], Callable[[], Any]], attempts: int):
+        self._make, self._attempts = make, attempts
+        self.function: Callable[[], Any] | None = None
+
+    def __call__(self) -> Any:
+        if self.function is None:
+            self.function = self._make()
         try:
-            return until_registered(current[-1], attempts)
+            return until_registered(self.function, self._attempts)
         except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as error:
             if not function_not_registered_yet(error):
                 raise
             logging.getLogger("psclient").warning(
                 "a function psclient made never reached a task (%s); tracing it again", str(error).splitlines()[0])
-            current.append(make())
-            del current[:-1]
-            return until_registered(current[-1], attempts)
-
-    return call
+            self.function = self._make()
+            return until_registered(self.function, self._attempts)
 
 
 def function_not_registered_yet(error: BaseException) -> bool:

@@ -93,7 +93,7 @@ def test_a_function_no_task_received_is_traced_again_and_the_new_one_kept():
     call = registered_call(make, attempts=3)
     assert call() == "trace 1"
     assert calls == [0, 0, 0, 1]  # the first trace tried `attempts` times, then a new one
-    assert call() == "trace 1" and len(made) == 2  # the new one is kept
+    assert call() == "trace 1" and len(made) == 2 and call.function is made[1]  # the new one is kept
 
     def own_error():
         raise tf.errors.NotFoundError(None, None, "/tmp/x: No such file")

@@ -95,7 +95,7 @@ def test_each_export_traces_the_model_once_and_serves_as_it(local_model, tmp_pat
     # `tf.saved_model.save`, which TF traces apart (each export traced them again before: about a
     # sixth of its CPU).
     kept = model.get_layer("dynamic")._serving.functions  # noqa: SLF001 - what the layer keeps between exports
-    counts = {shard: traced.experimental_get_tracing_count() for shard, (_, traced) in kept.items()}
+    counts = {shard: call.function.experimental_get_tracing_count() for shard, (_, call) in kept.items()}
     assert counts and set(counts.values()) == {2}, counts
     for name in ("export", "export_again", "saved_model_save"):
         serves_as_the_model(str(tmp_path / name), model)
