@@ -5,9 +5,11 @@ attributes or patches TF (a contract in pyproject.toml forbids
 `tensorflow.python` everywhere else). Each module wraps what has no public
 API, thinly, and decides no policy:
 
-  executors    each dispatcher thread's executor; registrations streamed while tracing
+  executors    each dispatcher thread's executor; registrations streamed while tracing (and a
+               function traced again when its registration never reached a task)
   calls        cancellable calls; the gate of TF's cache clearing
-  context      the eager and dispatch contexts, the coordinator's server definition
+  context      the eager and dispatch contexts, the coordinator's server definition, the one
+               replica's context a step runs in (its all_reduce registers no gradient)
   variables    a variable's resource renewed; psclient's own variables; control edges
   partitioned  `PartitionedVariable`, TF's `ShardedVariable` made usable by Keras 3
   updates      the one patch of TF's default-strategy updates, with a router
