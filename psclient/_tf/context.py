@@ -124,7 +124,7 @@ class _OneReplicaContext(tf.distribute.ReplicaContext):
     def all_reduce(self, reduce_op, value, options=None):
         if self.num_replicas_in_sync != 1:  # not psclient's context: TF's own reduction
             return super().all_reduce(reduce_op, value, options)
-        return tf.nest.pack_sequence_as(value, tf.nest.flatten(value, expand_composites=False))
+        return tf.nest.pack_sequence_as(value, tf.nest.flatten(value))
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ __all__ = [
     "local_device_in_force",
     "new_call_executor",
     "register_read_kinds",
-    "registered_call",
+    "RegisteredCall",
     "register_summary_kinds",
     "set_streaming_env",
     "streamed_function_registrations",
@@ -427,22 +427,18 @@ def until_registered(build: Callable[[], Any], attempts: int = 25) -> Any:
     raise AssertionError("unreachable")
 
 
-def registered_call(make: Callable[[], Callable[[], Any]], attempts: int = 25) -> "RegisteredCall":
+class RegisteredCall:
     """A call of the function `make()` returns, through `until_registered`; once a task still does not
     know it after the attempts, made again (a new trace, registered afresh on every task) and called.
+    `function`: the function now called (None before the first call).
 
     A registration can be lost on its way: in a seeded chaos plan a shard's stats function never
     reached two ps tasks (a worker was dropped from TF's view and another ps restarted in the same
     second), and every later call of it failed with "not registered" (a `ServingExport` delta, then
     the `fit`). TF sends a function to the tasks only at its first reference in the process, so the
     same function cannot be sent again; a new trace of it is."""
-    return RegisteredCall(make, attempts)
 
-
-class RegisteredCall:
-    """See `registered_call`. `function`: the function now called (None before the first call)."""
-
-    def __init__(self, make: Callable[[], Callable[[], Any]], attempts: int):
+    def __init__(self, make: Callable[[], Callable[[], Any]], attempts: int = 25):
         self._make, self._attempts = make, attempts
         self.function: Callable[[], Any] | None = None
 

@@ -73,7 +73,7 @@ def test_a_function_no_task_received_is_traced_again_and_the_new_one_kept():
     """A registration lost on its way (a chaos plan: a shard's stats function never reached two ps)
     failed every later call with "not registered"; a new trace is registered afresh."""
     tf = pytest.importorskip("tensorflow")
-    from psclient._tf.executors import registered_call
+    from psclient._tf.executors import RegisteredCall
 
     lost = "'__inference__stats_values_1' is neither a type of a primitive operation nor a name of a function registered"
     made, calls = [], []
@@ -90,7 +90,7 @@ def test_a_function_no_task_received_is_traced_again_and_the_new_one_kept():
         made.append(function)
         return function
 
-    call = registered_call(make, attempts=3)
+    call = RegisteredCall(make, attempts=3)
     assert call() == "trace 1"
     assert calls == [0, 0, 0, 1]  # the first trace tried `attempts` times, then a new one
     assert call() == "trace 1" and len(made) == 2 and call.function is made[1]  # the new one is kept
@@ -99,4 +99,4 @@ def test_a_function_no_task_received_is_traced_again_and_the_new_one_kept():
         raise tf.errors.NotFoundError(None, None, "/tmp/x: No such file")
 
     with pytest.raises(tf.errors.NotFoundError, match="No such file"):
-        registered_call(lambda: own_error, attempts=3)()  # not a registration: raised at once
+        RegisteredCall(lambda: own_error, attempts=3)()  # not a registration: raised at once

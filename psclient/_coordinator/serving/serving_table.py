@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from psclient._coordinator.tables.dense_shard import vector
 from psclient._coordinator.tables.key_hash import shard_of
-from psclient._tf.executors import registered_call
+from psclient._tf.executors import RegisteredCall
 from psclient._tf.functions import made_per_object
 
 __all__ = ["ServingTable"]
@@ -109,7 +109,7 @@ class ServingTable(tf.Module):
             for index, shard in enumerate(table.shards):
                 traced = functions.get(index)
                 if traced is None or traced[0] != table.renewals:  # new, or the shard was made again
-                    traced = functions[index] = (table.renewals, registered_call(
+                    traced = functions[index] = (table.renewals, RegisteredCall(
                         lambda shard=shard: _snapshot_function(shard, table.policy, table.dim)))
                 with tf.device(shard.device) if shard.device else contextlib.nullcontext():
                     # An export streams its registrations (`streamed_function_registrations`): the call

@@ -45,7 +45,7 @@ from psclient._coordinator.tables.saved_rows import live_rows, saved_keys
 from psclient._core import dynamic_tables as rules
 from psclient._tf import write_marks as _write_marks
 from psclient._tf.context import locked
-from psclient._tf.executors import registered_call, streamed_function_registrations
+from psclient._tf.executors import RegisteredCall, streamed_function_registrations
 from psclient._tf.functions import made_per_object
 
 __all__ = ["DenseShard", "least_recent", "vector"]
@@ -388,12 +388,12 @@ class DenseShard:
         self.fresh = self.fresh and name in _READS  # any other section may write (a restore, an import)
         traced = self._traced.get(name)
         if traced is None:
-            call = registered_call(lambda: made_per_object(tf.function(section, autograph=False,
-                                                                       reduce_retracing=True)))
+            call = RegisteredCall(lambda: made_per_object(tf.function(section, autograph=False,
+                                                                      reduce_retracing=True)))
 
             def traced():
                 # Its first call traces it. Its registration on every task, waited for with the GIL held, stopped
-                # the coordinator while a worker hung (3.9 s in a chaos plan): streamed (see `registered_call`).
+                # the coordinator while a worker hung (3.9 s in a chaos plan): streamed (see `RegisteredCall`).
                 with streamed_function_registrations():
                     return call()
 
