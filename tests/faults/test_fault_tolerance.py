@@ -338,15 +338,27 @@ def test_probing_a_hung_worker_does_not_freeze_the_coordinators_threads(heal):
         runtime.probe(runtime.worker_device(1))  # connected, and the channel warm
         cluster.stop("worker", 1)
         try:
-            probing = threading.Thread(target=runtime.probe, args=(runtime.worker_device(1),), daemon=True)
+            ended = []  # how the probe ended, if it did: said by the assertion below
+
+            def probe():
+                try:
+                    runtime.probe(runtime.worker_device(1))
+                    ended.append(f"returned at {time.monotonic() - started:.2f} s")
+                except Exception as error:  # noqa: BLE001 - any end is reported, none expected
+                    ended.append(f"raised at {time.monotonic() - started:.2f} s: {error!r}"[:2000])
+
+            probing = threading.Thread(target=probe, daemon=True)
+            started = time.monotonic()
             probing.start()
-            started = last = time.monotonic()
+            last = time.monotonic()
             worst = 0.0
             while time.monotonic() - started < 5.0:
                 time.sleep(0.01)  # a thread of the coordinator that wants to run
                 now = time.monotonic()
                 worst, last = max(worst, now - last), now
-            assert probing.is_alive()  # the probe still waits on the hung worker...
+            # The probe still waits on the hung worker (once seen ended within 5 s on a loaded machine,
+            # cause unknown: the message says how it ended, and whether the task was still stopped)...
+            assert probing.is_alive(), (ended, cluster.is_running("worker", 1), strategy.stats()["workers"][1])
             assert worst < 3.0  # ...and this thread ran meanwhile (frozen: >= 5 s)
         finally:
             cluster.resume("worker", 1)
