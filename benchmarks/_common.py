@@ -71,6 +71,16 @@ def print_json(obj: Any, also_to: str | None = None) -> None:
         os.replace(f.name, also_to)
 
 
+def require_tf_keras(parser: Any, needed: bool, what: str) -> None:
+    """Stop with a clear message, before any cluster starts, when `what` (an anchor on tf_keras)
+    was asked for and tf_keras is not installed: otherwise every run of that anchor fails late."""
+    import importlib.util
+
+    if needed and importlib.util.find_spec("tf_keras") is None:
+        parser.error(f"{what} needs tf_keras (the anchors' Keras 2), which is not installed: "
+                     'pip install -e ".[benchmarks]", or leave that anchor out.')
+
+
 def median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 

@@ -396,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--phases takes {', '.join(PHASES)}, in order. Received: {args.phases!r}.")
     if args.sizes_mib and not all(s.strip().isdigit() and int(s) > 0 for s in args.sizes_mib.split(",")):
         parser.error(f"--sizes-mib must be comma-separated integers >= 1. Received: {args.sizes_mib!r}.")
+    _common.require_tf_keras(parser, "tf_keras_pss" in args.paths.split(","), "--paths tf_keras_pss")
     return _common.run_parent(parent_main, args, __file__, argv)
 
 

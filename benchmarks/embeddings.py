@@ -415,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--seconds must be a number > 0. Received: {args.seconds}.")
     if args.rows and not all(r.strip().isdigit() and int(r) > 0 for r in args.rows.split(",")):
         parser.error(f"--rows must be comma-separated integers >= 1. Received: {args.rows!r}.")
+    _common.require_tf_keras(parser, True, "this benchmark (its anchor, tf_keras_pss, runs in every repeat)")
     return _common.run_parent(parent_main, args, __file__, argv)
 
 

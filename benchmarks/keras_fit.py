@@ -321,6 +321,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.paths and not set(args.paths.split(",")) <= set(PATHS):
         parser.error(f"--paths must be a comma-separated subset of {list(PATHS)}. Received: {args.paths!r}.")
+    if not args._child:
+        _common.require_tf_keras(parser, "tf_keras_pss" in (args.paths or ",".join(PATHS)).split(","),
+                                 "--paths tf_keras_pss")
     if args._child:
         try:
             child_main(args)  # exits the process

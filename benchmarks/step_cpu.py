@@ -403,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
                         ("--workers", args.workers), ("--ps", args.ps)):
         if value < 1:
             parser.error(f"{flag} must be >= 1. Received: {value}.")
+    _common.require_tf_keras(parser, "tf" in args.stacks.split(",") and any(
+        CONFIGS[c][0] == "fit" for c in args.configs.split(",")), "--stacks tf with a fit configuration")
     return _common.run_parent(parent_main, args, __file__, argv)
 
 

@@ -165,3 +165,42 @@ def test_chaos_stall_traces_write_the_stacks_of_a_stall_that_holds_the_gil(tmp_p
     assert "in test_chaos_stall_traces_write_the_stacks_of_a_stall_that_holds_the_gil" in text
     assert text.count("== stall of") == 1
     assert f"5.00-{end - start + 5.0:.2f} s into the plan, 0.20 s of it in garbage collections" in text
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("step_cpu", ["--configs", "fit_adam_spe1", "--stacks", "psclient,tf"]),
+    ("keras_fit", ["--paths", "psclient_keras3,tf_keras_pss"]),
+    ("big_model", ["--paths", "psclient,tf_keras_pss"]),
+    ("embeddings", []),
+])
+def test_a_benchmark_whose_anchor_needs_tf_keras_stops_first_where_it_is_missing(script, argv, monkeypatch, capsys):
+    """Without tf_keras, every run of TF's stack failed late with a traceback (a new machine's
+    step_cpu.py ran psclient's half and printed no ratio): now it stops before any cluster starts."""
+    import importlib.util
+    import sys
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tf_keras" else real(name, *a))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as stopped:
+        module.main(argv)
+    assert stopped.value.code == 2
+    assert "needs tf_keras" in capsys.readouterr().err
+    sys.modules.pop(script, None)
+
+
+def test_the_tf_keras_check_stops_only_a_run_that_needs_it(monkeypatch):
+    import argparse
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    common = importlib.import_module("_common")
+    parser = argparse.ArgumentParser()
+    if importlib.util.find_spec("tf_keras") is not None:  # installed here: needed and there
+        assert common.require_tf_keras(parser, True, "an anchor") is None
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tf_keras" else real(name, *a))
+    assert common.require_tf_keras(parser, False, "nothing") is None  # missing, not needed
+    with pytest.raises(SystemExit):
+        common.require_tf_keras(parser, True, "an anchor")
