@@ -41,11 +41,8 @@ from psclient._tf.context import (
     replica_context,
     worker_index_scope,
 )
-from psclient._tf.executors import (
-    function_not_registered_yet,
-    streamed_registrations,
-    until_registered,
-)
+from psclient._tf.executors import streamed_registrations
+from psclient._tf.registrations import function_not_registered_yet, until_registered
 
 __all__ = [
     "COORDINATOR_JOB",

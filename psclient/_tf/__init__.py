@@ -5,8 +5,9 @@ attributes or patches TF (a contract in pyproject.toml forbids
 `tensorflow.python` everywhere else). Each module wraps what has no public
 API, thinly, and decides no policy:
 
-  executors    each dispatcher thread's executor; registrations streamed while tracing (and a
-               function traced again when its registration never reached a task)
+  executors    each dispatcher thread's executor; registrations streamed while tracing
+  registrations  calls retried while their function's registration is on its way, the
+               function traced again when it never reached a task
   calls        cancellable calls; the gate of TF's cache clearing
   context      the eager and dispatch contexts, the coordinator's server definition, the one
                replica's context a step runs in (its all_reduce registers no gradient)

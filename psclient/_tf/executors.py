@@ -17,13 +17,9 @@ as themselves for a while (`eager_ops_as_themselves`, a serving loader's).
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import re
 import tempfile
 import threading
-import time
-from typing import Any, Callable
 
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
@@ -35,17 +31,14 @@ __all__ = [
     "eager_ops_as_themselves",
     "eager_ops_as_themselves_from_now",
     "executor_scope",
-    "function_not_registered_yet",
     "local_device_in_force",
     "new_call_executor",
     "register_read_kinds",
-    "RegisteredCall",
     "register_summary_kinds",
     "set_streaming_env",
     "streamed_function_registrations",
     "streamed_registrations",
     "unregistered_executor",
-    "until_registered",
 ]
 
 #: Whether dispatcher threads call through streaming executors (pipeline depth > 1).
@@ -411,72 +404,3 @@ def register_summary_kinds() -> None:
         return
     with streamed_registrations(), tempfile.TemporaryDirectory(prefix="psclient-summaries-") as directory:
         write(directory)
-
-
-def until_registered(build: Callable[[], Any], attempts: int = 25) -> Any:
-    """`build()`, made again (bounded: about 10 s) while the worker does not know
-    a function yet (`function_not_registered_yet`): a per-worker value built
-    right after its dataset function was traced can overtake the registration."""
-    for attempt in range(attempts):
-        try:
-            return build()
-        except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as error:
-            if attempt + 1 == attempts or not function_not_registered_yet(error):
-                raise
-        time.sleep(min(0.5, 0.01 * 2 ** attempt))
-    raise AssertionError("unreachable")
-
-
-class RegisteredCall:
-    """A call of the function `make()` returns, through `until_registered`; once a task still does not
-    know it after the attempts, made again (a new trace, registered afresh on every task) and called.
-    `function`: the function now called (None before the first call).
-
-    A registration can be lost on its way: in a seeded chaos plan a shard's stats function never
-    reached two ps tasks (a worker was dropped from TF's view and another ps restarted in the same
-    second), and every later call of it failed with "not registered" (a `ServingExport` delta, then
-    the `fit`). TF sends a function to the tasks only at its first reference in the process, so the
-    same function cannot be sent again; a new trace of it is."""
-
-    def __init__(self, make: Callable[[], Callable[[], Any]], attempts: int = 25):
-        self._make, self._attempts = make, attempts
-        self.function: Callable[[], Any] | None = None
-
-    def __call__(self) -> Any:
-        if self.function is None:
-            self.function = self._make()
-        try:
-            return until_registered(self.function, self._attempts)
-        except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as error:
-            if not function_not_registered_yet(error):
-                raise
-            logging.getLogger("psclient").warning(
-                "a function psclient made never reached a task (%s); tracing it again", str(error).splitlines()[0])
-            self.function = self._make()
-            return until_registered(self.function, self._attempts)
-
-
-def function_not_registered_yet(error: BaseException) -> bool:
-    """Whether a call failed because its function's registration had not reached the worker yet.
-
-    Registrations travel down each task's stream without being waited for
-    (see `connect`); a dispatcher's call travels its own way and can arrive first.
-    """
-    if isinstance(error, tf.errors.NotFoundError):
-        return _NOT_REGISTERED.search(str(error)) is not None
-    # A function the called one calls (a conditional's branch) that has not arrived yet: the
-    # worker finds the call's function, then fails building its graph with InvalidArgumentError
-    # (a seeded chaos plan: a step's first call on a rejoined worker failed for good so).
-    return isinstance(error, tf.errors.InvalidArgumentError) and _NOT_REGISTERED_INSIDE.search(str(error)) is not None
-
-
-# The worker looks the call up as an op type (TF's OpRegistry: "Op type not
-# registered '<function>' in binary running on ...", or in TF 2.21 "'<function>'
-# is neither a type of a primitive operation nor a name of a function
-# registered in binary ...") or in its function library ("Unable to find
-# Function(Def) with name: ...").
-_OP_NOT_REGISTERED = (r"Op type not registered '"
-                      r"|is neither a type of a primitive operation nor a name of a function registered")
-_NOT_REGISTERED = re.compile(_OP_NOT_REGISTERED + r"|Unable to find Function(?:Def)? (?:with name:|for )")
-# A function that the called one calls, as the worker words it when it builds the call's graph.
-_NOT_REGISTERED_INSIDE = re.compile(_OP_NOT_REGISTERED)

@@ -127,6 +127,43 @@ def test_writes_between_the_copy_and_the_cut_are_in_the_checkpoint(cluster, tmp_
         strategy.shutdown()
 
 
+def test_a_copy_whose_functions_never_reached_the_ps_traces_them_again(cluster, tmp_path, monkeypatch):
+    """The copy's begin and its cut fail "not registered" for good (registrations lost on their way,
+    as one was in a chaos plan): once the retries are spent each is traced again, under a new name,
+    and the checkpoint holds the table (it failed the save)."""
+    from psclient._tf import registrations
+
+    def lost(*_args):
+        raise tf.errors.NotFoundError(None, None, "'__inference_read_again_7' is neither a type of a "
+                                      "primitive operation nor a name of a function registered in binary.")
+
+    monkeypatch.setattr(registrations, "ATTEMPTS", 2)
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(tmp_path / "ckpt"))
+    try:
+        _model, layer, train = build(strategy, min_frequency=2)
+        for step in range(4):
+            strategy.schedule(train, args=(batch(10_000 + 32 * (step // 2)),)).result(timeout=120)
+        shard = layer.table.shards[0]
+        shard.hash_cut = (shard.version, lost)
+        class LostBegin:  # the begin's trace: its registration lost too
+            __call__ = staticmethod(lost)
+
+            @staticmethod
+            def experimental_get_tracing_count():
+                return 0
+
+        lost_begin = LostBegin()
+        monkeypatch.setattr(hash_copy._begin, "function", lost_begin)
+        path = strategy.save_checkpoint()
+        assert shard.hash_cut[1] is not lost
+        assert isinstance(hash_copy._begin.function, tf.types.experimental.PolymorphicFunction)  # a new one
+        assert strategy.stats()["checkpoints"]["last_copied_bytes"] > 0
+        assert saved(path) == state(layer.export_state())
+        assert not any(copying(s) for s in layer.table.shards)
+    finally:
+        strategy.shutdown()
+
+
 def test_an_update_that_lands_after_the_copy_began_is_in_the_checkpoint(cluster, tmp_path, monkeypatch):
     """A step's lookup (its keys counted, touched then) before the copy began and its update after:
     the update marks its keys itself, or the checkpoint would hold their rows as exported before it.

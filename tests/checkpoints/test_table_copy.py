@@ -108,6 +108,34 @@ def test_each_checkpoint_holds_one_moment_of_a_table_trained_beside_it(cluster, 
         strategy.shutdown()
 
 
+def test_a_cut_whose_registration_never_reached_its_ps_is_traced_again(cluster, tmp_path, monkeypatch):
+    """The copy's first call of a shard's cut fails "not registered" for good (a registration lost
+    on its way, as one was in a chaos plan): once the retries are spent the cut is traced again,
+    under a new name, and the checkpoint is the table's (it failed the save)."""
+    from psclient._tf import registrations
+
+    def lost(*_args):
+        raise tf.errors.NotFoundError(None, None, "'__inference_staged_7' is neither a type of a primitive "
+                                      "operation nor a name of a function registered in binary running on ps-0.")
+
+    monkeypatch.setattr(registrations, "ATTEMPTS", 2)
+    data = probe_data()
+    strategy = psclient.ParameterServerStrategy(one_worker(cluster), checkpoint_dir=str(tmp_path / "ckpt"))
+    try:
+        model, layer = build(strategy)
+        model.fit(data, epochs=1, steps_per_epoch=4, verbose=0)
+        fill(layer)
+        model.fit(data, epochs=1, steps_per_epoch=2, verbose=0)
+        shard = layer.table.shards[0]
+        shard.copy_cut = (shard.version, lost)  # what the copy will call first
+        path = strategy.save_checkpoint()
+        assert shard.copy_cut[1] is not lost
+        assert strategy.stats()["checkpoints"]["last_copied_bytes"] == 2 * (CAPACITY // 2) * (2 * DIM * 4 + 16)
+        assert saved_state(path) == by_key(layer.export_state())
+    finally:
+        strategy.shutdown()
+
+
 @pytest.mark.long
 def test_rows_of_8_floats_are_packed_in_place_and_a_pre_call_made_again_copies_once(cluster, tmp_path,
                                                                                       monkeypatch):

@@ -73,7 +73,7 @@ def test_a_function_no_task_received_is_traced_again_and_the_new_one_kept():
     """A registration lost on its way (a chaos plan: a shard's stats function never reached two ps)
     failed every later call with "not registered"; a new trace is registered afresh."""
     tf = pytest.importorskip("tensorflow")
-    from psclient._tf.executors import RegisteredCall
+    from psclient._tf.registrations import RegisteredCall
 
     lost = "'__inference__stats_values_1' is neither a type of a primitive operation nor a name of a function registered"
     made, calls = [], []

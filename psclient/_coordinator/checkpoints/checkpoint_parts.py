@@ -83,6 +83,7 @@ from psclient._coordinator.checkpoints.checkpoint_pieces import (
 )
 from psclient._tf import checkpoints as _checkpoints
 from psclient._tf import executors as _executors
+from psclient._tf.registrations import until_registered
 from psclient._core.errors import CheckpointUnreadable, PSClientError, PsTimeout, first_line
 
 __all__ = ["CheckedPart", "CheckpointDirError", "CheckpointUnreadable", "CheckpointWriteError", "LAYOUT_KEY",
@@ -201,7 +202,7 @@ def on_each_ps(work: dict[int, Callable[[], Any]], timeout: float | None = None,
             # the work made again should a call overtake its function's registration.
             with _executors.executor_scope(executor), _executors.streamed_function_registrations():
                 try:
-                    future.set_result(_executors.until_registered(work[ps]))
+                    future.set_result(until_registered(work[ps]))
                 except tf.errors.OpError as error:
                     executor.clear_error()  # else it raises again when it is deleted
                     future.set_exception(error)

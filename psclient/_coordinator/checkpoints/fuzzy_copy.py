@@ -58,7 +58,7 @@ from psclient._coordinator.checkpoints.checkpoint_parts import (
 )
 from psclient._core.errors import first_line
 from psclient._tf import write_marks as _write_marks
-from psclient._tf.executors import function_not_registered_yet
+from psclient._tf.registrations import function_not_registered_yet
 
 __all__ = ["Prepared", "cut", "prepare"]
 

@@ -42,7 +42,7 @@ import tensorflow as tf
 from psclient._coordinator.checkpoints import stages as _stages
 from psclient._coordinator.checkpoints.checkpoint_pieces import coordinator_constant
 from psclient._coordinator.checkpoints.table_copy import Later
-from psclient._tf.executors import until_registered
+from psclient._tf.registrations import Renewable, until_registered
 from psclient._tf.functions import made_per_object
 
 __all__ = ["HashCopy", "Merged", "copy_shards", "cut"]
@@ -123,7 +123,7 @@ def _copy_shard(shard: Any, stop: Callable[[], bool] | None) -> HashCopy:
     number = coordinator_constant(shard.copies_begun, tf.int64)
     # Begun before `touched` is emptied: see the module.
     # Called again if it overtakes its registration (only then: not run), not the whole copy.
-    until_registered(lambda: _begin(shard.copies, shard.touched, number))
+    until_registered(lambda: _begin(shard.copies, shard.touched, number), remake=_begin.renew)
     try:
         _check(stop, shard, "its counters were exported")
         counters = shard.counters.export()  # keys [n] eagerly, values [n, width]
@@ -134,12 +134,13 @@ def _copy_shard(shard: Any, stop: Callable[[], bool] | None) -> HashCopy:
             _check(stop, shard, f"its slot {name!r} was read")
             slot_rows.append(shard.slots[name].lookup(keys))
     except _stages.CopyStopped:
-        until_registered(lambda: _end(shard.copies, number))  # its writes no longer note their keys
+        until_registered(lambda: _end(shard.copies, number), remake=_end.renew)  # its writes no longer note their keys
         raise
     copy = HashCopy(shard, [*counters, keys, rows, *slot_rows], shard.copies_begun)
     # Traced now, not in the cut or the write (a trace registers a function on every task); the
     # cut's also called, so that the ps makes it now (it only reads).
-    touched, counters_now, rows_now, _slots, tracked, has_row = until_registered(_cut_function(shard))[:-4]
+    touched, counters_now, rows_now, _slots, tracked, has_row = until_registered(
+        lambda: _cut_function(shard)(), remake=lambda: _forget_cut(shard))[:-4]
     to = _positions.get_concrete_function(*map(_any_size, [keys, keys, touched, tracked, has_row]))
     for export, at_cut in [(keys, touched), (counters[1], counters_now), (rows, rows_now)]:
         _stitch.get_concrete_function(*map(_any_size, [export, at_cut, *to.outputs[:3]]))
@@ -165,7 +166,6 @@ def cut(copy: HashCopy) -> tuple[list, Any]:
 
 
 # Traced: nothing converted under the ps's device (TF would copy a Python value there holding the GIL).
-@tf.function(autograph=False)
 def _begin(copies, touched, number):
     """Copy `number` begun (`HashShard.copies`), then `touched` emptied."""
     begun = tf.raw_ops.ResourceScatterUpdate(resource=copies.handle, indices=tf.constant([0]),
@@ -175,11 +175,20 @@ def _begin(copies, touched, number):
     touched.remove(tf.reshape(keys, [-1]))  # run: a stateful op of the function
 
 
-@tf.function(autograph=False)
 def _end(copies, number):
     """Copy `number` ended: the highest number ended raised to it (an end of an earlier copy that
     reaches the ps late leaves a later copy under way)."""
     tf.raw_ops.ResourceScatterMax(resource=copies.handle, indices=tf.constant([1]), updates=tf.reshape(number, [1]))
+
+
+# Made anew (`renew`) should a trace's registration never reach a task (`until_registered`'s `remake`).
+_begin = Renewable(_begin, autograph=False)
+_end = Renewable(_end, autograph=False)
+
+
+def _forget_cut(shard: Any) -> None:
+    """The shard's cut traced anew at its next use: its trace's registration never reached a task."""
+    shard.hash_cut = None
 
 
 def _cut_function(shard: Any):

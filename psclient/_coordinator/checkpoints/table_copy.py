@@ -60,7 +60,7 @@ from psclient._coordinator.checkpoints import checkpoint_pieces as _pieces
 from psclient._coordinator.checkpoints import stages as _stages
 from psclient._coordinator.tables.saved_rows import keys_and_counters
 from psclient._tf import write_marks as _write_marks
-from psclient._tf.executors import until_registered
+from psclient._tf.registrations import until_registered
 from psclient._tf.functions import made_per_object, traced_per_signature
 
 __all__ = ["Later", "Packed", "Split", "TableCopy", "as_slices", "copy_shards", "cut", "joined", "resolved", "stage_bytes"]
@@ -224,7 +224,10 @@ def copy_shards(shards: list, stop: Callable[[], bool] | None = None) -> dict[in
             # cut's also called once, so that the ps makes it now, not in the first cut. (Harmless: it
             # reads again into the stages the rows marked since the copy, as the cut will.) The call can
             # overtake the registration: called again then, not the whole copy made again.
-            until_registered(lambda: _cut_function(shard)(copy.stages))  # noqa: B023 - called here
+            # Both called in this iteration; `remake`: the cut traced anew, its registration never
+            # having reached a task (`until_registered`).
+            until_registered(lambda: _cut_function(shard)(copy.stages),  # noqa: B023
+                             remake=lambda: setattr(shard, "copy_cut", None))  # noqa: B023
             _pack.get_concrete_function(stages[:-2], stages[-2], stages[-1], tf.TensorSpec([None], tf.int64),
                                         tf.TensorSpec([None, 2], tf.int64), shard.policy.min_frequency,
                                         _chunk(shard))

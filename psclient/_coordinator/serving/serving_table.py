@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from psclient._coordinator.tables.dense_shard import vector
 from psclient._coordinator.tables.key_hash import shard_of
-from psclient._tf.executors import RegisteredCall
+from psclient._tf.registrations import RegisteredCall
 from psclient._tf.functions import made_per_object
 
 __all__ = ["ServingTable"]

@@ -45,7 +45,8 @@ from psclient._coordinator.tables.saved_rows import live_rows, saved_keys
 from psclient._core import dynamic_tables as rules
 from psclient._tf import write_marks as _write_marks
 from psclient._tf.context import locked
-from psclient._tf.executors import RegisteredCall, streamed_function_registrations
+from psclient._tf.executors import streamed_function_registrations
+from psclient._tf.registrations import RegisteredCall
 from psclient._tf.functions import made_per_object
 
 __all__ = ["DenseShard", "least_recent", "vector"]

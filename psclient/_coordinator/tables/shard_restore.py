@@ -32,13 +32,13 @@ anything more of the shard would fail to trace, never capture it.
 
 from __future__ import annotations
 
-import functools
 
 import tensorflow as tf
 
 from psclient._coordinator.runtime import coordinator_cpu
 from psclient._coordinator.tables.key_index import KeyIndex
-from psclient._tf.executors import streamed_function_registrations, until_registered
+from psclient._tf.executors import streamed_function_registrations
+from psclient._tf.registrations import Renewable, until_registered
 from psclient._tf import write_marks as _write_marks
 
 __all__ = ["SECTIONS", "form_of", "run", "storage_of", "trace_count"]
@@ -99,10 +99,13 @@ def _view(shard_type, form: tuple, storage: dict):
     return view
 
 
-@functools.partial(tf.function, autograph=False)
-def _section(shard_type, name: str, form: tuple, storage: dict, args: tuple):
+def _run_section(shard_type, name: str, form: tuple, storage: dict, args: tuple):
     view = _view(shard_type, form, storage)
     getattr(view, name)(*args)
+
+
+#: Traced per form; made anew (`renew`) should a trace's registration never reach a task.
+_section = Renewable(_run_section, autograph=False)
 
 
 #: (shard type, section, form, the arguments' specs) -> the section's concrete function: found here, not
@@ -124,20 +127,27 @@ def run(shard, name: str, *args) -> None:
     form, storage = form_of(shard), storage_of(shard)
     specs = tf.nest.map_structure(lambda a: _generalized(a) if isinstance(a, tf.Tensor) else a, args)
     key = (type(shard), name, form, repr(tf.nest.map_structure(lambda _: 0, specs)), tuple(tf.nest.flatten(specs)))
-    traced = _traced.get(key)
-    if traced is None:  # traced once per form with unknown dimensions: tensors of any size take it
+
+    def trace():  # once per form with unknown dimensions: tensors of any size take it
         # Its functions (the section's conditionals' branches too) are registered on every task:
         # streamed, or TF waits for each task with the GIL held (a `model.load_weights` of a
         # DynamicEmbedding model froze the coordinator for as long as a worker hung).
         with _write_marks.unmarked(), streamed_function_registrations():
             # unmarked: counted in `restores` instead (a traced mark ran on the ps: unknown device)
-            traced = _traced[key] = _section.get_concrete_function(type(shard), name, form, storage, specs)
+            _traced[key] = _section.get_concrete_function(type(shard), name, form, storage, specs)
+
+    def trace_anew():  # the trace's registration never reached a task: a new function, registered afresh
+        _section.renew()
+        trace()
+
+    if key not in _traced:
+        trace()
     shard.fresh = False  # written: a save must read it (`DenseShard.fresh`)
     shard.restores += 1  # written through the storage given, unmarked: a copy taken before is stale
     # Made again while the ps does not know the function yet (its streamed registration overtaken).
-    until_registered(lambda: traced(type(shard), name, form, storage, args))
+    until_registered(lambda: _traced[key](type(shard), name, form, storage, args), remake=trace_anew)
 
 
 def trace_count() -> int:
     """How many times the sections were traced in this process (all forms and sections together)."""
-    return _section.experimental_get_tracing_count()
+    return _section.tracing_count()
