@@ -10,8 +10,8 @@ import pytest
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
-from psclient._coordinator.tables.dense_shard import least_recent  # noqa: E402
-from psclient._coordinator.tables.fused_admission import _least_recent_rows  # noqa: E402
+from psclient._coordinator.tables.least_recent import least_recent  # noqa: E402
+from psclient._coordinator.tables.least_recent import least_recent_rows  # noqa: E402
 from psclient._core.dynamic_tables import headroom, scan_every  # noqa: E402
 from psclient.layers import DynamicEmbedding  # noqa: E402
 
@@ -26,7 +26,7 @@ def test_the_batched_selection_picks_what_the_per_shard_one_picks():
         last = rng.integers(-1, 6, (shards, share))  # few distinct steps: many ties
         member = last >= 0
         k = np.array([rng.integers(0, m + 1) for m in member.sum(1)])
-        got = _least_recent_rows(tf.constant(keys), tf.constant(last), tf.constant(member), tf.constant(k)).numpy()
+        got = least_recent_rows(tf.constant(keys), tf.constant(last), tf.constant(member), tf.constant(k)).numpy()
         for g in range(shards):
             want = least_recent(tf.constant(keys[g]), tf.constant(last[g]), tf.constant(member[g]),
                                 tf.constant(k[g])).numpy()

@@ -91,7 +91,7 @@ def test_entries_are_the_held_keys_and_their_rows():
 
 @pytest.mark.parametrize("k", [0, 1, 3, 5])
 def test_least_recent_selects_k_members_oldest_first_smaller_key_on_ties(k):
-    from psclient._coordinator.tables.dense_shard import least_recent
+    from psclient._coordinator.tables.least_recent import least_recent
 
     keys = tf.constant([10, 11, 12, 13, 14, 15], tf.int64)
     last = tf.constant([5, 2, 2, 7, 1, 9], tf.int64)

@@ -40,6 +40,7 @@ import tensorflow as tf
 
 from psclient._coordinator.tables import shard_restore
 from psclient._coordinator.tables.key_index import KeyIndex, find
+from psclient._coordinator.tables.least_recent import least_recent
 from psclient._coordinator.tables.ps_saves import empty_fields, saved_tensors
 from psclient._coordinator.tables.saved_rows import live_rows, saved_keys
 from psclient._core import dynamic_tables as rules
@@ -49,9 +50,8 @@ from psclient._tf.executors import streamed_function_registrations
 from psclient._tf.registrations import RegisteredCall
 from psclient._tf.functions import made_per_object
 
-__all__ = ["DenseShard", "least_recent", "vector"]
+__all__ = ["DenseShard", "vector"]
 
-_NEWEST = 2**63 - 1
 _READS = frozenset({"saved", "saved_tensors", "stats"})  # `_on_ps` sections that only read (any other may write)
 
 # Per traced graph and lock (one a ps task: `stores.table_lock`), the output of its last critical
@@ -84,39 +84,6 @@ def vector(variable, at=None):
     """A 1-D variable's values (at `at`), of known rank (its shape is unknown: see `DenseShard._variable`)."""
     value = variable.read_value() if at is None else tf.gather(variable, at)
     return tf.reshape(value, [-1])
-
-
-# Up to this many entries the LRU selection runs every step, even with nothing to evict; above, it
-# runs under a conditional. Measured on a ps: a conditional in a step cost about a millisecond,
-# the selection about 9 ns an entry (2.4 ms of ps CPU a step at 260,000 rows).
-_SELECT_WITHOUT_CONDITIONAL_UP_TO = 1 << 17
-
-
-def least_recent(keys, last, member, k, entries: int | None = None):
-    """A mask of the `k` least recently seen `member` entries (ties: the smaller key first; keys unique).
-
-    Selection, not a sort of the whole shard: the k-th smallest step
-    (`top_k`) splits the members into those seen before it (all go) and
-    those seen at it, of which the keys up to the needed-th smallest go
-    (a second `top_k`). `entries`: how many there are at most, when known
-    (it decides whether a conditional skips the work for k == 0).
-    """
-    def pick():
-        # ~x reverses the order of int64 without overflow; non-members sort last.
-        masked = tf.where(member, last, tf.constant(_NEWEST, tf.int64))
-        top = tf.math.top_k(tf.bitwise.invert(masked), k=tf.cast(k, tf.int32), sorted=False).values
-        threshold = tf.bitwise.invert(tf.reduce_min(top))
-        below = member & (last < threshold)
-        tie = member & (last == threshold)
-        needed = k - tf.reduce_sum(tf.cast(below, tf.int64))
-        tie_keys = tf.where(tie, keys, tf.constant(_NEWEST, tf.int64))
-        smallest = tf.math.top_k(tf.bitwise.invert(tie_keys), k=tf.cast(needed, tf.int32), sorted=False).values
-        upto = tf.bitwise.invert(tf.reduce_min(smallest))
-        return below | (tie & (keys <= upto) & (needed > 0))  # nothing for k == 0
-
-    if entries is not None and entries <= _SELECT_WITHOUT_CONDITIONAL_UP_TO:
-        return pick()
-    return tf.cond(k > 0, pick, lambda: tf.zeros_like(member))
 
 
 def _grow(value, size, fill):

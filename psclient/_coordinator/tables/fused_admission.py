@@ -31,9 +31,10 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from psclient._coordinator.tables.dense_shard import _NEWEST, in_turn, vector
+from psclient._coordinator.tables.dense_shard import in_turn, vector
 from psclient._coordinator.tables.key_hash import initial_rows
 from psclient._coordinator.tables.key_index import SUBSTITUTE_KEY, find
+from psclient._coordinator.tables.least_recent import least_recent_rows
 from psclient._core import dynamic_tables as rules
 from psclient._tf.context import locked
 
@@ -103,28 +104,6 @@ def _locked(group: list[Part], rule: Callable):
         # Eagerly, the lock is a tensor in `execute`'s frame: a traceback holding that frame would
         # hold the lock, and every later step would wait for it. Raised without it.
         raise error.with_traceback(None) from None
-
-
-def _least_recent_rows(keys, last, member, k):
-    """Per row of [G, S] `last`: a mask of its `k[g]` least recently seen members (ties: the smaller key)."""
-    masked = tf.where(member, last, tf.constant(_NEWEST, tf.int64))
-    width = tf.shape(last)[1]
-    top_k = tf.cast(tf.clip_by_value(tf.reduce_max(k), 1, tf.cast(width, tf.int64)), tf.int32)
-    newest_first = tf.math.top_k(tf.bitwise.invert(masked), k=top_k, sorted=True).values
-    # The k-th smallest step of each row (none for k == 0).
-    at = tf.maximum(tf.cast(k, tf.int32) - 1, 0)
-    threshold = tf.bitwise.invert(tf.gather(newest_first, at[:, None], batch_dims=1)[:, 0])
-    threshold = tf.where(k > 0, threshold, tf.constant(-_NEWEST, tf.int64))
-    below = member & (last < threshold[:, None])
-    tie = member & (last == threshold[:, None])
-    needed = k - tf.reduce_sum(tf.cast(below, tf.int64), 1)
-    tie_keys = tf.where(tie, keys, tf.constant(_NEWEST, tf.int64))
-    smallest = tf.math.top_k(tf.bitwise.invert(tie_keys), sorted=True,
-                             k=tf.cast(tf.clip_by_value(tf.reduce_max(needed), 1, tf.cast(width, tf.int64)), tf.int32)).values
-    upto = tf.bitwise.invert(tf.gather(smallest, tf.maximum(tf.cast(needed, tf.int32) - 1, 0)[:, None],
-                                       batch_dims=1)[:, 0])
-    upto = tf.where(needed > 0, upto, tf.constant(-_NEWEST, tf.int64))
-    return below | (tie & (keys <= upto[:, None]) & (needed[:, None] > 0))
 
 
 def _free_stale(shards, keys, at, seg, stale):
@@ -223,7 +202,7 @@ def _admit_and_update(group: list[Part], rule: Callable):
         seen_now = tf.scatter_nd(mine, tf.ones(tf.shape(mine)[:1], tf.int32), [count, share]) > 0
         member = (last2d >= 0) & ~seen_now  # the batch's rows are never this step's victims
         excess = tf.where(short > 0, share - free + need - (share - rules.headroom(share)), 0)
-        gone = _least_recent_rows(keys2d, last2d, member,
+        gone = least_recent_rows(keys2d, last2d, member,
                                   tf.minimum(excess, tf.reduce_sum(tf.cast(member, tf.int64), 1)))
         ops = []
         for g, shard in enumerate(shards):

@@ -21,7 +21,7 @@ from typing import Any
 import tensorflow as tf
 
 from psclient._coordinator.runtime import coordinator_cpu
-from psclient._coordinator.tables.dense_shard import least_recent
+from psclient._coordinator.tables.least_recent import least_recent
 from psclient._core import dynamic_tables as rules
 
 __all__ = ["HashShard", "export", "hash_table"]
