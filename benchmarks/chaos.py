@@ -58,6 +58,9 @@ ELASTIC_START, ELASTIC_SPARES = 2, 2  # the elastic run: 2 -> 4 -> 3 workers
 TARGETS = {"futures_lost": 0, "errors_surfaced": 0, "hangs": 0, "median_rejoin_s": 2.0, "ps_recovery_s": 15.0}
 
 
+#: psclient's log lines with the time and the thread: what a recovery waited on is read from their order.
+LOG_FORMAT = "%(asctime)s.%(msecs)03d %(threadName)s %(levelname)s %(name)s: %(message)s"
+
 def build(strategy):
     import keras
     import numpy as np
@@ -426,7 +429,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import logging
 
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format=LOG_FORMAT, datefmt="%H:%M:%S")
     logging.getLogger("psclient").setLevel(logging.INFO)
     results = {mode: run(mode, args) for mode in args.runs.split(",")}
     clean = results.get("clean")
@@ -472,7 +475,7 @@ def _seeded(args) -> int:
     import chaos_plans
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format=LOG_FORMAT, datefmt="%H:%M:%S")
     logging.getLogger("psclient").setLevel(logging.INFO)
     rows = []
     for seed in args.seed_list:
