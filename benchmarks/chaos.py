@@ -394,7 +394,8 @@ def main(argv=None) -> int:
     plans.add_argument("--stall-traces", metavar="DIR",
                        help="faulthandler writes every coordinator thread's Python stack into "
                             "DIR/seed-N/traces.txt whenever the sampler thread sleeps 0.5 s past its wake, "
-                            "again every 0.5 s while it does; unlike --stall-dumps it stops nothing")
+                            "again every 0.5 s while it does; unlike --stall-dumps it stops nothing; and "
+                            "DIR/seed-N/slow-*.txt once a faulted task is not back 20 s after its fault ended")
     plans.add_argument("--join-timeout", type=float, default=180.0,
                        help="a join of one batch that takes longer counts as a hang")
     plans.add_argument("--recovery-timeout", type=float, default=120.0,

@@ -50,6 +50,8 @@ PLAN_WORKERS, PLAN_PS = 3, 1
 BIG_DIM = 32  # --big-rows: the width of each ps's big table
 #: --stall-traces: a sampler asleep this long has every thread's Python stack written.
 TRACE_AFTER_S = 0.5
+#: --stall-traces: a task not back this long after its fault ended gets every thread's stack written.
+SLOW_BACK_S = 20.0
 #: The longest a coordinator thread may stall (the limit of tests/faults/test_no_freeze.py).
 MAX_STALL_S = 1.0
 
@@ -103,9 +105,10 @@ class _Logged(logging.Handler):
 class _Faults:
     """One thread per fault; a lock per task so two faults on one task take turns."""
 
-    def __init__(self, local, strategy, plan, started, recovery_timeout, num_ps):
+    def __init__(self, local, strategy, plan, started, recovery_timeout, num_ps, slow_dir=None):
         self.local, self.strategy, self.plan = local, strategy, plan
         self.started, self.recovery_timeout = started, recovery_timeout
+        self.slow_dir = slow_dir  # --stall-traces: every thread's stack when a task is slow to come back
         self.locks = {t: threading.Lock() for t in [f"worker:{w}" for w in range(PLAN_WORKERS)]
                       + [f"ps:{p}" for p in range(num_ps)]}
         self.results: list[dict] = []
@@ -157,12 +160,31 @@ class _Faults:
             completed = self.strategy.stats()["completed"] if fault["fault"] == "hang" and job == "ps" else None
             row["ended_at"] = round(ended - self.started, 2)
             deadline = ended + self.recovery_timeout
+            slow = None
+            if self.slow_dir is not None:  # the stats read below waits for a recovery: a timer dumps
+                slow = threading.Timer(SLOW_BACK_S, self._dump_slow, args=(fault, ended))
+                slow.daemon = True
+                slow.start()
             # One look decides: a second one could find the task out again (a worker taken out
             # for a ps recovery just after it rejoined), counting a finished recovery as unfinished.
             while not (back := self._up(job, index, recoveries, completed)) and time.monotonic() < deadline:
                 time.sleep(0.05)  # polling stats
+            if slow is not None:
+                slow.cancel()
             row["back_after_s"] = round(time.monotonic() - ended, 2) if back else None
         self.results.append(row)
+
+
+    def _dump_slow(self, fault, ended):
+        """Every thread's Python stack, once `fault`'s task has not been back for SLOW_BACK_S (seed
+        431: a ps recovery and a rejoin waited 75 s, untold by the logs)."""
+        os.makedirs(self.slow_dir, exist_ok=True)
+        name = f"slow-{fault['fault']}-{fault['task'].replace(':', '')}-at-{fault['at']:.2f}.txt"
+        with open(os.path.join(self.slow_dir, name), "w") as out:
+            out.write(f"{fault} ended {ended - self.started:.2f} s into the plan; not back "
+                      f"{time.monotonic() - ended:.1f} s later. Every thread:\n")
+            out.flush()
+            faulthandler.dump_traceback(out, all_threads=True)
 
 
 def _step(strategy, num_ps, big_rows=0, table_capacity=0, table_dim=BIG_DIM):
@@ -303,7 +325,8 @@ def run_seed(seed: int, args) -> dict:
                 step, counted = _step(strategy, num_ps, args.big_rows, args.table_capacity, args.table_dim)
             fit_steps = [0, 0]  # --fit: steps asked for, steps of the fits that returned
             started = time.monotonic()
-            faults = _Faults(local, strategy, plan, started, args.recovery_timeout, num_ps)
+            faults = _Faults(local, strategy, plan, started, args.recovery_timeout, num_ps,
+                             slow_dir=os.path.join(args.stall_traces, f"seed-{seed}") if traces else None)
             faults.start()
             sampler.start()
             # New batches while the plan runs (and its last faults recover, for

@@ -204,3 +204,34 @@ def test_the_tf_keras_check_stops_only_a_run_that_needs_it(monkeypatch):
     assert common.require_tf_keras(parser, False, "nothing") is None  # missing, not needed
     with pytest.raises(SystemExit):
         common.require_tf_keras(parser, True, "an anchor")
+
+
+def test_chaos_plans_write_every_threads_stack_when_a_task_is_slow_to_come_back(tmp_path, monkeypatch):
+    """--stall-traces: seed 431 waited 75 s for a recovery with nothing in the logs to say where;
+    a task not back SLOW_BACK_S after its fault ended now gets every thread's stack written."""
+    import time
+
+    chaos_plans = _chaos_plans()
+    monkeypatch.setattr(chaos_plans, "SLOW_BACK_S", 0.05)
+
+    class Local:  # a worker that is killed, restarted, and never rejoins
+        def is_running(self, job, index):
+            return True
+
+        def kill(self, job, index):
+            pass
+
+        def restart(self, job, index, timeout):
+            pass
+
+    class Strategy:
+        def stats(self):
+            return {"workers": [{"up": False}], "ps": [{"recoveries": 0}], "completed": 0}
+
+    fault = {"at": 0.0, "fault": "kill", "task": "worker:0", "for": 0.0}
+    faults = chaos_plans._Faults(Local(), Strategy(), [fault], time.monotonic(), recovery_timeout=0.5,
+                                 num_ps=1, slow_dir=str(tmp_path))
+    faults._run(fault)
+    assert faults.results[0]["back_after_s"] is None  # never back
+    dumped = (tmp_path / "slow-kill-worker0-at-0.00.txt").read_text()
+    assert "not back" in dumped and "in _run" in dumped  # the waiting thread's own frame among them
