@@ -41,6 +41,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import traceback
 import threading
 import time
 
@@ -252,6 +253,7 @@ def run_seed(seed: int, args) -> dict:
     errors: dict[str, int] = {}
     join_errors: list[str] = []
     join_error_texts: list[str] = []  # the whole message (TF's root error sits below its first line)
+    join_error_tracebacks: list[str] = []
     futures = []
     join_s: list[float] = []
     stall = [0.0, None]  # the longest stall, and when it ended (seconds into the plan)
@@ -348,6 +350,8 @@ def run_seed(seed: int, args) -> dict:
                 except Exception as error:  # noqa: BLE001 - recorded per seed
                     join_errors.append(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
                     join_error_texts.append(f"{type(error).__name__}: {str(error)[:4000]}")
+                    # Where it was raised: a closure's error, or a call made on the coordinator (seed 442).
+                    join_error_tracebacks.append(traceback.format_exc()[-6000:])
                 join_s.append(time.monotonic() - joined)
             wall = time.monotonic() - started
             serving = None
@@ -417,6 +421,7 @@ def run_seed(seed: int, args) -> dict:
         "errors": errors,
         "join_errors": join_errors,
         "join_error_texts": join_error_texts,
+        "join_error_tracebacks": join_error_tracebacks,
         "faults": sorted(faults.results, key=lambda r: r["at"]),
         "recoveries_unfinished": sum(1 for r in faults.results
                                      if "back_after_s" in r and r["back_after_s"] is None),
