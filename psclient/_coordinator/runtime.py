@@ -84,16 +84,17 @@ def probe(device: str) -> None:
     the task is hung: call it with a timeout (`psclient._core.health.Prober`).
     """
     with _probing():
-        # Both operands are made here, not under the task's device: a Python
-        # value converted there (a constant, or the `1` of `one + 1`) is
-        # copied to the task by the conversion, which holds the GIL, and a
-        # hung (SIGSTOPped) task then froze every thread of the coordinator
-        # until it answered. The op's own copy of its inputs waits without
-        # the GIL. tests/strategy/test_no_remote_conversions.py checks every such place.
-        with tf.device(coordinator_cpu()):
-            one = tf.constant(1, dtype=tf.int32)
+        # An op without inputs: nothing is converted under the task's device
+        # (a Python value converted there is copied to the task by the
+        # conversion, holding the GIL: a hung task froze every thread of the
+        # coordinator; tests/strategy/test_no_remote_conversions.py checks every
+        # such place), and nothing is copied there first. The probe's operand
+        # used to be a coordinator constant that the op copied to the task: in a
+        # seeded chaos plan that copy was lost to a reconnect of the cluster, and
+        # the probe of a ps that answered failed with TF's "Unable to find the
+        # relevant tensor remote_handle" (and the `fit` whose export made it).
         with tf.device(f"{device}/device:CPU:0"):
-            tf.add(one, one).numpy()
+            tf.raw_ops.Timestamp().numpy()
 
 
 @contextlib.contextmanager
