@@ -153,6 +153,10 @@ class SimCluster(FakeEdgeBase):
     def disconnect(self) -> None:
         pass
 
+    def connection_changes(self) -> int:
+        """Two per (re)connect (each began and ended)."""
+        return 2 * self.connects
+
     def connect(self, cluster: Cluster, workers: list) -> None:
         """A (re)connect: the named workers know the coordinator's context again."""
         self.connects += 1

@@ -112,6 +112,10 @@ class FakeEdge(FakeEdgeBase):
     def disconnect(self) -> None:
         self.disconnects += 1
 
+    def connection_changes(self) -> int:
+        """Two per connect and disconnect made (each began and ended)."""
+        return 2 * (len(self.connects) + self.disconnects)
+
     # ------------------------------------------------- calls and the tasks
     def address(self, job: str, index: int) -> str:
         return self.cluster.address(job, index)

@@ -90,6 +90,19 @@ CONNECTION_LOCK_TIMEOUT = 60.0
 #: (thread name, what it does, monotonic start) of the lock's holder, for the error.
 _lock_holder: tuple | None = None
 
+#: Changes of TF's view of the cluster begun or ended in this process (`connection_changes`).
+_connection_changes = 0
+
+
+def connection_changes() -> int:
+    """How many times a (re)connection of this process to the cluster began or ended (two a connect).
+
+    A coordinator access that fails with a tensor its task no longer finds while this moved
+    straddled a change of TF's view (`psclient._core.ps_access`): in two seeded chaos plans a
+    tensor made just before such a change was gone from its ps just after it.
+    """
+    return _connection_changes
+
 
 @contextlib.contextmanager
 def _connection_lock(what: str):
@@ -104,10 +117,13 @@ def _connection_lock(what: str):
             "waits for a task that accepts connections but does not answer). Resume or kill "
             "the hung task, or restart this process."
         )
+    global _connection_changes
     _lock_holder = (threading.current_thread().name, what, time.monotonic())
+    _connection_changes += 1
     try:
         yield
     finally:
+        _connection_changes += 1
         _lock_holder = None
         _coordinator_lock.release()
 

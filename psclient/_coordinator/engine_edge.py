@@ -28,6 +28,7 @@ class TFEdge:
     name_error = staticmethod(_runtime.name_error)
     op_error = staticmethod(_runtime.op_error)
     disconnect = staticmethod(_runtime.disconnect)
+    connection_changes = staticmethod(_runtime.connection_changes)
 
     def __init__(self, *, streaming_enqueue: bool):
         self.streaming_enqueue = streaming_enqueue

@@ -29,7 +29,7 @@ from psclient._cluster.tasks import (
     wait_reachable,
     worker_device,
 )
-from psclient._coordinator.connection import COORDINATOR_JOB, connect, disconnect
+from psclient._coordinator.connection import COORDINATOR_JOB, connect, connection_changes, disconnect
 from psclient._tf import executors as _executors
 from psclient._tf import variables as _variables
 from psclient._tf.calls import cancellable_call, probing_call
@@ -47,6 +47,7 @@ from psclient._tf.registrations import function_not_registered_yet, until_regist
 __all__ = [
     "COORDINATOR_JOB",
     "connect",
+    "connection_changes",
     "disconnect",
     "worker_device",
     "ps_device",

@@ -16,6 +16,11 @@ fails the first of those with TF's error, and the user's training with it.
   to TF's error;
 - a connection error while every ps answers: run again a few times after a
   growing pause (a channel to a task just back can fail for a moment);
+- a tensor its task no longer finds (TF's "Unable to find the relevant
+  tensor remote_handle") while TF's view of the cluster changed during the
+  access: run again, at most MAX_STRADDLES times (in two seeded chaos plans a
+  tensor made on a ps just before a reconnect was gone from it just after:
+  a Keras metric's read, a probe's operand);
 - any other error: the access's own, raised unchanged.
 
 The TensorFlow side (what an op error is, the probes, the recovery's event
@@ -39,7 +44,7 @@ import threading
 from typing import Callable, Iterator, Protocol, TypeVar
 
 from psclient._core.errors import PSUnavailableError, first_line
-from psclient._core.failures import Verdict, classify, retry_pause
+from psclient._core.failures import Verdict, classify, retry_pause, stale_remote_handle
 
 __all__ = ["PsAccessEdge", "guarding", "handled_elsewhere", "through_ps_loss"]
 
@@ -48,6 +53,9 @@ T = TypeVar("T")
 #: At most this many ps recoveries for one access: a ps that keeps dying under
 #: the same read is past what waiting can fix.
 MAX_PS_RECOVERIES = 3
+
+#: At most this many runs again of one access that lost a tensor to a change of TF's view.
+MAX_STRADDLES = 3
 
 #: `depth` > 0 while this thread is inside a guarded access (or `handled_elsewhere`).
 _inside = threading.local()
@@ -78,6 +86,9 @@ class PsAccessEdge(Protocol):
     def ps_epoch(self) -> int:
         """The recovery's count of settled ps losses, read before probing."""
 
+    def connection_changes(self) -> int:
+        """How many changes of TF's view of the cluster began or ended in this process so far."""
+
     def report_lost(self, lost: tuple, epoch: int) -> None:
         """Tell the recovery these ps tasks are lost (as a failed closure does)."""
 
@@ -105,8 +116,10 @@ def through_ps_loss(access: Callable[[], T], edge: PsAccessEdge, what: str,
         return access()
     unexplained = 0
     recoveries = 0
+    straddles = 0
     while True:
         epoch = edge.ps_epoch()
+        changes = edge.connection_changes()
         try:
             # Accesses nested in this one run plainly: their errors come here. (Inline, not
             # `handled_elsewhere()`: schedule() passes here at every call.)
@@ -121,6 +134,9 @@ def through_ps_loss(access: Callable[[], T], edge: PsAccessEdge, what: str,
             broken = edge.given_up()
             if broken is not None:
                 raise _unavailable(edge, (), what, broken, error) from error
+            if stale_remote_handle(error) and edge.connection_changes() != changes and straddles < MAX_STRADDLES:
+                straddles += 1  # the tensor was lost to the change of TF's view: made again after it
+                continue
             lost: tuple = ()
 
             def ps_lost() -> bool:

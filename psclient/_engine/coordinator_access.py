@@ -54,6 +54,9 @@ class CoordinatorAccess:
             error, seen = error.__cause__, seen + 1
         return False
 
+    def connection_changes(self) -> int:
+        return self._edge.connection_changes()
+
     def lost_ps(self) -> tuple:
         return self._recovery.probes.lost_ps()
 

@@ -72,6 +72,9 @@ class Edge(Protocol):
     def disconnect(self) -> None:
         """Leave TF's view of the cluster (the coordinator alone again)."""
 
+    def connection_changes(self) -> int:
+        """How many changes of TF's view of the cluster began or ended in this process so far."""
+
 
 class VariableStore(Protocol):
     """What the recovery thread and the probes use of the strategy's variables (`stores.VariableStore`)."""

@@ -40,6 +40,11 @@ class FakeEdge:
     def ps_epoch(self):
         return self.epoch
 
+    changes = 0  # changes of TF's view of the cluster so far (connection_changes)
+
+    def connection_changes(self):
+        return self.changes
+
     def report_lost(self, lost, epoch):
         self.reports.append((lost, epoch))
 
@@ -175,3 +180,56 @@ def test_a_thread_whose_ps_losses_are_handled_elsewhere_never_waits():
             ps_access.through_ps_loss(failing(UnavailableError("refused")), edge, "x", no_sleep)
     assert edge.reports == [] and edge.waits == []
     assert ps_access.through_ps_loss(failing(UnavailableError("refused")), edge, "x", no_sleep) == "read"
+
+
+STALE = "Unable to find the relevant tensor remote_handle: Op ID: 11156, Output num: 0."
+
+
+def straddling(edge, errors, changes_per_run=2):
+    """An access that fails with `errors` in turn, TF's view of the cluster changing during each failed run."""
+    errors = list(errors)
+    runs = []
+
+    def access():
+        runs.append(1)
+        if errors:
+            edge.changes += changes_per_run  # a reconnect began and ended while it ran
+            raise errors.pop(0)
+        return "read"
+
+    return access, runs
+
+
+def test_a_tensor_lost_to_a_reconnect_during_the_access_runs_it_again():
+    """Seed 450 of the chaos plans: a Keras metric's read on the coordinator failed with TF's "Unable to
+    find the relevant tensor remote_handle" from a ps that answered, the cluster reconnected meanwhile."""
+    edge = FakeEdge(lost=())
+    access, runs = straddling(edge, [InvalidArgumentError(STALE)])
+    assert ps_access.through_ps_loss(access, edge, "reading the metrics", no_sleep) == "read"
+    assert len(runs) == 2 and edge.reports == []  # run again, no ps reported lost
+
+
+def test_a_lost_tensor_without_a_reconnect_is_the_accesses_own_error():
+    edge = FakeEdge(lost=())
+    error = InvalidArgumentError(STALE)
+    access, runs = straddling(edge, [error], changes_per_run=0)
+    with pytest.raises(InvalidArgumentError) as raised:
+        ps_access.through_ps_loss(access, edge, "x", no_sleep)
+    assert raised.value is error and len(runs) == 1
+
+
+def test_tensors_lost_to_reconnect_after_reconnect_end_in_the_error():
+    edge = FakeEdge(lost=())
+    errors = [InvalidArgumentError(STALE) for _ in range(ps_access.MAX_STRADDLES + 1)]
+    access, runs = straddling(edge, errors)
+    with pytest.raises(InvalidArgumentError):
+        ps_access.through_ps_loss(access, edge, "x", no_sleep)
+    assert len(runs) == ps_access.MAX_STRADDLES + 1  # bounded
+
+
+def test_another_invalid_argument_during_a_reconnect_is_not_run_again():
+    edge = FakeEdge(lost=())
+    access, runs = straddling(edge, [InvalidArgumentError("Incompatible shapes: [2] vs. [3]")])
+    with pytest.raises(InvalidArgumentError, match="Incompatible shapes"):
+        ps_access.through_ps_loss(access, edge, "x", no_sleep)
+    assert len(runs) == 1
