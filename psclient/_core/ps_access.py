@@ -135,7 +135,8 @@ def through_ps_loss(access: Callable[[], T], edge: PsAccessEdge, what: str,
             if broken is not None:
                 raise _unavailable(edge, (), what, broken, error) from error
             if stale_remote_handle(error) and edge.connection_changes() != changes and straddles < MAX_STRADDLES:
-                straddles += 1  # the tensor was lost to the change of TF's view: made again after it
+                straddles += 1  # the tensor was lost to the change of TF's view: made again after it,
+                sleep(retry_pause(Verdict.TRANSIENT, straddles))  # a change still under way given time to end
                 continue
             lost: tuple = ()
 

@@ -205,8 +205,10 @@ def test_a_tensor_lost_to_a_reconnect_during_the_access_runs_it_again():
     find the relevant tensor remote_handle" from a ps that answered, the cluster reconnected meanwhile."""
     edge = FakeEdge(lost=())
     access, runs = straddling(edge, [InvalidArgumentError(STALE)])
+    no_sleep.slept.clear()
     assert ps_access.through_ps_loss(access, edge, "reading the metrics", no_sleep) == "read"
     assert len(runs) == 2 and edge.reports == []  # run again, no ps reported lost
+    assert no_sleep.slept == [0.5]  # after a pause: a change still under way ends first
 
 
 def test_a_lost_tensor_without_a_reconnect_is_the_accesses_own_error():

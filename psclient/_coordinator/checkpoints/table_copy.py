@@ -224,10 +224,8 @@ def copy_shards(shards: list, stop: Callable[[], bool] | None = None) -> dict[in
             # cut's also called once, so that the ps makes it now, not in the first cut. (Harmless: it
             # reads again into the stages the rows marked since the copy, as the cut will.) The call can
             # overtake the registration: called again then, not the whole copy made again.
-            # Both called in this iteration; `remake`: the cut traced anew, its registration never
-            # having reached a task (`until_registered`).
-            until_registered(lambda: _cut_function(shard)(copy.stages),  # noqa: B023
-                             remake=lambda: setattr(shard, "copy_cut", None))  # noqa: B023
+            until_registered(lambda: _cut_function(shard)(copy.stages),  # noqa: B023 - called here
+                             remake=lambda: _forget_cut(shard))  # noqa: B023 - called here
             _pack.get_concrete_function(stages[:-2], stages[-2], stages[-1], tf.TensorSpec([None], tf.int64),
                                         tf.TensorSpec([None, 2], tf.int64), shard.policy.min_frequency,
                                         _chunk(shard))
@@ -257,6 +255,11 @@ def cut(copy: TableCopy) -> tuple[list, Any]:
     packed = Packed(copy, waiting_keys, waiting)
     keys, counters, row_keys, rows, *slots = [Later(packed, i) for i in range(4 + len(copy.stages) - 3)]
     return [keys, counters, row_keys, rows, clock, admissions, evictions, *slots], count
+
+
+def _forget_cut(shard: Any) -> None:
+    """The shard's cut traced anew at its next use: its trace's registration never reached a task."""
+    shard.copy_cut = None
 
 
 def _cut_function(shard: Any):

@@ -203,7 +203,7 @@ def _admit_and_update(group: list[Part], rule: Callable):
         member = (last2d >= 0) & ~seen_now  # the batch's rows are never this step's victims
         excess = tf.where(short > 0, share - free + need - (share - rules.headroom(share)), 0)
         gone = least_recent_rows(keys2d, last2d, member,
-                                  tf.minimum(excess, tf.reduce_sum(tf.cast(member, tf.int64), 1)))
+                                 tf.minimum(excess, tf.reduce_sum(tf.cast(member, tf.int64), 1)))
         ops = []
         for g, shard in enumerate(shards):
             victims = tf.reshape(tf.where(gone[g]), [-1])

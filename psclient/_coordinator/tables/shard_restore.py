@@ -32,7 +32,6 @@ anything more of the shard would fail to trace, never capture it.
 
 from __future__ import annotations
 
-
 import tensorflow as tf
 
 from psclient._coordinator.runtime import coordinator_cpu
