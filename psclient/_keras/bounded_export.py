@@ -150,7 +150,7 @@ def _name_a_lost_ps(probes: dict, hang_timeout: float, describe_ps: Callable[[in
         return run
 
     try:
-        on_each_ps({ps: probe(ps) for ps in probes}, timeout=hang_timeout)
+        on_each_ps({ps: probe(ps) for ps in probes}, timeout=hang_timeout, probe=None)  # probes themselves
     except PsTimeout as timeout:
         failed.setdefault(timeout._psclient_ps, timeout)  # after any that answered with an error
     if not failed:
@@ -171,7 +171,7 @@ def _probe_of(ps: int) -> Callable[[], None]:
 
 def _probe_all(probes: dict, hang_timeout: float, describe_ps: Callable[[int], str], consequence: str) -> None:
     try:
-        on_each_ps(probes, timeout=hang_timeout)
+        on_each_ps(probes, timeout=hang_timeout, probe=None)  # probes themselves
     except PsTimeout as error:
         ps = error._psclient_ps
         raise PSUnavailableError(

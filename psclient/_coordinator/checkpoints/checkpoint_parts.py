@@ -42,10 +42,11 @@ the same SaveV2 call (`table_checkpoint`).
 
 A save is taken in two steps, a snapshot in a cut and a write while training
 goes on (`checkpoint_snapshot`); this module holds what both share and the
-restore. Every call on the ps tasks goes through `on_each_ps`, which waits at
-most `hang_timeout` for a ps (`PsTimeout` names it): a TF call cannot be
-cancelled, so the thread given up on goes on until its ps answers or dies,
-and nothing it wrote is ever merged.
+restore. Every call on the ps tasks goes through `on_each_ps` (`ps_calls`),
+which gives up on a ps that answers nothing, neither the call nor a probe, for
+`hang_timeout` (`PsTimeout` names it): a TF call cannot be cancelled, so the
+thread given up on goes on until its ps answers or dies, and nothing it wrote
+is ever merged.
 
 Parts are written in a scratch directory (`.psclient-save-*`, a dot-name no
 reader lists) and moved to their final names by the merge, after every part
@@ -58,11 +59,8 @@ The ops behind `tf.train.Checkpoint` (`SaveV2`, `RestoreV2`,
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import secrets
-import threading
-import time
 from typing import Any, Callable
 
 import tensorflow as tf
@@ -70,6 +68,7 @@ from tensorflow.core.protobuf import trackable_object_graph_pb2 as pb
 
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.variables.sharding import is_partitioned
+from psclient._coordinator.checkpoints.ps_calls import THREAD_PREFIX, late_threads, on_each_ps, waiting_on
 from psclient._coordinator.checkpoints.checkpoint_pieces import (
     LOCAL,
     READ_BATCH_BYTES,
@@ -82,12 +81,10 @@ from psclient._coordinator.checkpoints.checkpoint_pieces import (
     save_chunked,
 )
 from psclient._tf import checkpoints as _checkpoints
-from psclient._tf import executors as _executors
-from psclient._tf.registrations import until_registered
 from psclient._core.errors import CheckpointUnreadable, PSClientError, PsTimeout, first_line
 
 __all__ = ["CheckedPart", "CheckpointDirError", "CheckpointUnreadable", "CheckpointWriteError", "LAYOUT_KEY",
-           "Piece", "PsTimeout", "READ_BATCH_BYTES", "Slot", "assign_on_ps", "batches", "late_threads", "on_each_ps",
+           "Piece", "PsTimeout", "READ_BATCH_BYTES", "Slot", "THREAD_PREFIX", "assign_on_ps", "batches", "late_threads", "on_each_ps",
            "probe_writable", "read_on_ps", "save_chunked", "slots_of", "waiting_on"]
 
 #: The checkpoint's own description: which task wrote which data file with which keys.
@@ -156,90 +153,6 @@ def describe_task(ps: int | None, describe_ps: Callable[[int], str]) -> str:
 def part_prefix(scratch: str, index: int, count: int) -> str:
     """What TF's `sharded_filename` names part `index` of `count` (the merge reads these names)."""
     return f"{scratch}/part-{index:05d}-of-{count:05d}"
-
-
-#: The name of on_each_ps's threads: one still alive after its call returned waits on a ps given up on.
-THREAD_PREFIX = "psclient-ckpt-ps"
-
-
-def late_threads() -> list[threading.Thread]:
-    """on_each_ps's threads alive now. Between calls: those still waiting on a ps a call gave
-    up on (`timeout`): an eager TF call cannot be cancelled; each ends when its ps answers or dies."""
-    return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
-
-
-def waiting_on(ps: int, grace: float = 0.0) -> bool:
-    """Whether a thread of on_each_ps still waits on `ps` (between calls: on a call given up there),
-    after waiting up to `grace` seconds in all for such threads to end."""
-    name = f"{THREAD_PREFIX}{ps}"
-    deadline = time.monotonic() + grace
-    for thread in late_threads():
-        if thread.name == name:
-            thread.join(max(0.0, deadline - time.monotonic()))
-    return any(thread.name == name for thread in late_threads())
-
-
-def on_each_ps(work: dict[int, Callable[[], Any]], timeout: float | None = None,
-               on_late: Callable[[Any], None] | None = None,
-               progress: Callable[[], float] | None = None) -> dict[int, Any]:
-    """Run `work[ps]()` for every ps at once, each on a thread of its own with its own TF executor.
-
-    Waits for all; raises the first error (by ps index) after every one ended.
-    `timeout`: waits that long at most (with `progress`, the monotonic time of the work's last
-    step, -inf to give up: that long after it, so long work that goes on is not cut); then
-    raises PsTimeout naming the first ps still running. That thread goes on until its ps
-    answers (a TF call cannot be cancelled); `on_late(future)` is told of each such call,
-    whose future ends when it does.
-    """
-    def run(ps: int, future: concurrent.futures.Future):
-        if not future.set_running_or_notify_cancel():
-            return
-        executor = _executors.new_call_executor(streaming=False)
-        try:
-            # A function first traced here (a copy's or a cut's, a shard's restore) is registered on
-            # every task: waited for, with the GIL held, a worker that had just stopped froze the
-            # coordinator until it answered (tests/faults/test_no_freeze.py). Streamed instead, and
-            # the work made again should a call overtake its function's registration.
-            with _executors.executor_scope(executor), _executors.streamed_function_registrations():
-                try:
-                    future.set_result(until_registered(work[ps]))
-                except tf.errors.OpError as error:
-                    executor.clear_error()  # else it raises again when it is deleted
-                    future.set_exception(error)
-        except BaseException as error:  # noqa: BLE001 - handed to the caller through its future
-            executor.clear_error()  # a copy stopped (CopyStopped) after a call of it failed there
-            if not future.done():
-                future.set_exception(error)
-
-    if not work:
-        return {}
-    futures: dict[int, concurrent.futures.Future] = {}
-    threads = {}
-    for ps in sorted(work):
-        futures[ps] = concurrent.futures.Future()
-        # Daemon: a thread left waiting on a hung ps must not keep the process from exiting.
-        threads[ps] = threading.Thread(target=run, args=(ps, futures[ps]), name=f"{THREAD_PREFIX}{ps}", daemon=True)
-        threads[ps].start()
-    if progress is None or timeout is None:
-        _done, pending = concurrent.futures.wait(futures.values(), timeout=timeout)
-    else:  # looked at twice a second: progress() -inf (stopped) ends the wait at once
-        pending = set(futures.values())
-        while pending and (left := progress() + timeout - time.monotonic()) > 0:
-            _done, pending = concurrent.futures.wait(pending, timeout=min(left, 0.5))
-    if pending:
-        late = sorted(ps for ps, future in futures.items() if future in pending)
-        for ps in late:
-            if on_late is not None:
-                on_late(futures[ps])
-        error = PsTimeout(f"no answer within {timeout:g} s (the ps may hang)")
-        error._psclient_ps = late[0]
-        raise error
-    for thread in threads.values():
-        thread.join()
-    for ps, future in futures.items():
-        if future.exception() is not None:
-            raise future.exception()
-    return {ps: future.result() for ps, future in futures.items()}
 
 
 class CheckedPart:
