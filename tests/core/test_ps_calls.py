@@ -134,3 +134,16 @@ def test_errors_are_raised_after_every_call_ended_lowest_ps_first():
 
     with pytest.raises(ValueError, match="ps 1"):
         on_each_ps({2: fails("ps 2"), 1: fails("ps 1"), 0: lambda: None}, timeout=5.0, probe=Probes())
+
+
+def test_a_probe_that_cannot_be_sent_hears_nothing():
+    done = threading.Event()
+
+    def unsendable(ps):
+        raise ValueError("no such task")
+
+    try:
+        with pytest.raises(PsTimeout):
+            on_each_ps({0: lambda: done.wait(EVENTUALLY_S)}, timeout=1.5, probe=unsendable)
+    finally:
+        done.set()

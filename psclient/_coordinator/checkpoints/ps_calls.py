@@ -209,6 +209,9 @@ def _start_probes(ps: int, future: concurrent.futures.Future, probe: Callable[[i
                 probe(ps)
             except tf.errors.OpError:
                 pass  # it answered (gone or restarted): not hung; its call ends with its own error
+            except (ValueError, RuntimeError) as error:  # TF could not send it (no such task now): not heard
+                log.debug("probe of ps:%d not sent: %s", ps, error)
+                return
             hearing.heard(ps, time.monotonic())
             ended.wait(PROBE_EVERY_S)
 
