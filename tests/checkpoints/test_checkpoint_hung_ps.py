@@ -197,3 +197,34 @@ def test_shutdown_returns_while_a_ps_still_hangs_and_the_next_strategy_trains(cl
             counter.read_value()) == 1.0
     finally:
         again.shutdown()
+
+
+@pytest.mark.long
+def test_a_restore_slower_than_hang_timeout_on_a_ps_that_answers_goes_on(cluster, tmp_path):
+    """A ps throttled to 2% of its speed (SIGSTOP/SIGCONT, 10 ms of every 0.5 s) answers every probe
+    within about half a second but restores a 256 MB variable for about twice hang_timeout (6.5 s
+    here). The restore waits for it; until 2026-12-06 each call on a ps was given up `hang_timeout`
+    after it began (this test then failed with "restore: ps:1 ... did not answer within
+    hang_timeout=3 s"), and a seeded chaos plan lost a ps for good so, its restore slow on a loaded
+    machine. (At 1%, 5 ms of every 0.5 s, the restore's own work took the windows and a probe went
+    3 s without an answer: given up, as a ps that answers nothing for hang_timeout is.)"""
+    directory = tmp_path / "ckpt"
+    strategy = psclient.ParameterServerStrategy(cluster, checkpoint_dir=str(directory), hang_timeout=HANG_TIMEOUT)
+    try:
+        with strategy.scope(), tf.device("/job:ps/task:1"):
+            big = tf.Variable(tf.fill([16_000_000, 4], 1.0))
+        path = strategy.save_checkpoint()
+        big.assign(tf.zeros_like(big))
+        cluster.throttle("ps", 1, 0.02, period=0.5)
+        started = time.monotonic()
+        restored = strategy.restore()
+        took = time.monotonic() - started
+        cluster.throttle("ps", 1, 1.0)
+        assert restored["path"] == path
+        assert float(tf.reduce_min(big.read_value())) == 1.0
+        print(f"restore on the throttled ps took {took:.1f} s (hang_timeout {HANG_TIMEOUT} s)")
+        assert took > HANG_TIMEOUT, "the restore was not slow enough to show anything: throttle harder"
+    finally:
+        cluster.throttle("ps", 1, 1.0)
+        strategy.shutdown()
+    assert not late_threads()
