@@ -186,6 +186,16 @@ class _Faults:
                       f"{time.monotonic() - ended:.1f} s later. Every thread:\n")
             out.flush()
             faulthandler.dump_traceback(out, all_threads=True)
+        # TF's own stacks too (seed 500: the recovery's update_server_def waited 77 s inside TF, which
+        # Python's stacks cannot show): py-spy where installed, bounded.
+        try:
+            native = subprocess.run(["py-spy", "dump", "--native", "--pid", str(os.getpid())],
+                                    capture_output=True, text=True, timeout=120)
+            text = native.stdout + native.stderr
+        except (OSError, subprocess.TimeoutExpired) as error:
+            text = f"py-spy dump not taken: {error}"
+        with open(os.path.join(self.slow_dir, name.replace(".txt", "-native.txt")), "w") as out:
+            out.write(text)
 
 
 def _step(strategy, num_ps, big_rows=0, table_capacity=0, table_dim=BIG_DIM):
