@@ -53,6 +53,7 @@ BIG_DIM = 32  # --big-rows: the width of each ps's big table
 TRACE_AFTER_S = 0.5
 #: --stall-traces: a task not back this long after its fault ended gets every thread's stack written.
 SLOW_BACK_S = 20.0
+_NATIVE_DUMPS = threading.Lock()  # py-spy dumps of this process, one at a time
 #: The longest a coordinator thread may stall (the limit of tests/faults/test_no_freeze.py).
 MAX_STALL_S = 1.0
 
@@ -189,8 +190,9 @@ class _Faults:
         # TF's own stacks too (seed 500: the recovery's update_server_def waited 77 s inside TF, which
         # Python's stacks cannot show): py-spy where installed, bounded.
         try:
-            native = subprocess.run(["py-spy", "dump", "--native", "--pid", str(os.getpid())],
-                                    capture_output=True, text=True, timeout=120)
+            with _NATIVE_DUMPS:  # one at a time: a second py-spy cannot suspend a process the first holds
+                native = subprocess.run(["py-spy", "dump", "--native", "--pid", str(os.getpid())],
+                                        capture_output=True, text=True, timeout=120)
             text = native.stdout + native.stderr
         except (OSError, subprocess.TimeoutExpired) as error:
             text = f"py-spy dump not taken: {error}"

@@ -14,11 +14,13 @@ again; if the recovery gives up, `PSUnavailableError` chained to TF's error.
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, TypeVar
 
 import tensorflow as tf
 
 from psclient._coordinator.runtime import check_handle
+from psclient._tf import executors as _executors
 
 __all__ = ["check_every_ps", "on_ps", "settled"]
 
@@ -33,7 +35,31 @@ def on_ps(strategy, access: Callable[[], T], what: str) -> T:
     """
     if strategy is None or not tf.executing_eagerly():
         return access()  # in a graph nothing runs here: the closure that runs it has its own handling
-    return strategy.parts.engine.coordinator_access.run(lambda: settled(access()), what)
+    return strategy.parts.engine.coordinator_access.run(lambda: settled(_on_own_executor(access)), what)
+
+
+def _on_own_executor(access: Callable[[], T]) -> T:
+    """`access()` through this thread's own executor (made once a thread, unary, as the probes' are).
+
+    On TF's default executor, shared by every thread of the process, the ops to one task go down
+    one stream, and an error there reaches whichever thread's op comes next: in a seeded chaos plan
+    a dynamic table's stats read, made by another thread while its function was not yet registered
+    on a ps, failed a `fit`'s metric read with that error ("'__inference__stats_values_...' is
+    neither a type of a primitive operation nor a name of a function registered", `[Op:DivNoNan]`).
+    """
+    own = getattr(_access_executors, "executor", None)
+    if own is None:
+        own = _access_executors.executor = _executors.new_call_executor(streaming=False)
+    try:
+        with _executors.executor_scope(own):
+            return settled(access())  # read inside: the reads go through it too
+    except tf.errors.OpError:
+        own.clear_error()  # or this thread's next access fails with it
+        raise
+
+
+#: The executor of each thread that reads or writes ps state here (`_on_own_executor`).
+_access_executors = threading.local()
 
 
 def settled(result):
