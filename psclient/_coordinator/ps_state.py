@@ -14,7 +14,6 @@ again; if the recovery gives up, `PSUnavailableError` chained to TF's error.
 
 from __future__ import annotations
 
-import threading
 from typing import Callable, TypeVar
 
 import tensorflow as tf
@@ -39,27 +38,13 @@ def on_ps(strategy, access: Callable[[], T], what: str) -> T:
 
 
 def _on_own_executor(access: Callable[[], T]) -> T:
-    """`access()` through this thread's own executor (made once a thread, unary, as the probes' are).
-
-    On TF's default executor, shared by every thread of the process, the ops to one task go down
-    one stream, and an error there reaches whichever thread's op comes next: in a seeded chaos plan
-    a dynamic table's stats read, made by another thread while its function was not yet registered
-    on a ps, failed a `fit`'s metric read with that error ("'__inference__stats_values_...' is
-    neither a type of a primitive operation nor a name of a function registered", `[Op:DivNoNan]`).
-    """
-    own = getattr(_access_executors, "executor", None)
-    if own is None:
-        own = _access_executors.executor = _executors.new_call_executor(streaming=False)
-    try:
-        with _executors.executor_scope(own):
-            return settled(access())  # read inside: the reads go through it too
-    except tf.errors.OpError:
-        own.clear_error()  # or this thread's next access fails with it
-        raise
-
-
-#: The executor of each thread that reads or writes ps state here (`_on_own_executor`).
-_access_executors = threading.local()
+    """`access()` through this thread's own executor (`executors.on_thread_executor`): on TF's
+    shared default one, in a seeded chaos plan (seed 500), a dynamic table's stats read made by
+    another thread while its function was not yet registered on a ps failed a `fit`'s metric read
+    with that error ("'__inference__stats_values_...' is neither a type of a primitive operation
+    nor a name of a function registered", `[Op:DivNoNan]`)."""
+    with _executors.on_thread_executor():
+        return settled(access())  # read inside: the reads go through it too
 
 
 def settled(result):

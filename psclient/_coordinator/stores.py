@@ -18,6 +18,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
+from psclient._tf import executors as _executors
 from psclient._coordinator.checkpoints import checkpoint_pieces as _pieces
 from psclient._coordinator.checkpoints.checkpoint import variable_key
 from psclient._coordinator.data.per_worker import PerWorker, PerWorkerDataset, PerWorkerIterator, worker_context_lost
@@ -393,6 +394,12 @@ class PerWorkerRegistry:
         on workers that did not fail; after a ps recovery they read on from where
         they were); resources from `create_per_worker_resource` are rebuilt.
         """
+        # The recovery's thread: through an executor of its own, not TF's shared default one (seed 500:
+        # a rebuild waited there in a stream of that executor 19 s after every fault had ended).
+        with _executors.on_thread_executor():
+            self._rebuild(worker, resources_only)
+
+    def _rebuild(self, worker: int | None, resources_only: bool) -> None:
         for value in self.values():
             if resources_only and isinstance(value, (PerWorkerDataset, PerWorkerIterator)):
                 continue

@@ -33,6 +33,7 @@ __all__ = [
     "executor_scope",
     "local_device_in_force",
     "new_call_executor",
+    "on_thread_executor",
     "register_read_kinds",
     "register_summary_kinds",
     "set_streaming_env",
@@ -260,6 +261,31 @@ def _install_registration_hook() -> None:
             wrapped.__doc__, wrapped.__name__ = stock.__doc__, stock.__name__
             setattr(context.Context, name, wrapped)
         _hook_installed = True
+
+
+@contextlib.contextmanager
+def on_thread_executor():
+    """Inside, this thread's ops go through a unary executor of its own (made at the thread's first
+    use, kept for its life), as the dispatchers', probes' and per-ps calls' do.
+
+    For psclient's calls made on a caller's thread or the recovery's (reads and writes of ps
+    state, per-worker values built again): on TF's default executor, shared by every thread of the
+    process, the ops to one task go down one stream, and an error there reaches whichever thread's
+    op comes next (in a seeded chaos plan another thread's "not registered" failed a `fit`'s
+    metric read), while a wait there holds every thread's ops behind it.
+    """
+    own = getattr(_thread_executors, "executor", None)
+    if own is None:
+        own = _thread_executors.executor = new_call_executor(streaming=False)
+    try:
+        with executor_scope(own):
+            yield
+    finally:
+        own.clear_error()  # an error caught inside, or raised: the thread's next call does not fail with it
+
+
+#: Each thread's own executor (`on_thread_executor`).
+_thread_executors = threading.local()
 
 
 @contextlib.contextmanager
