@@ -34,15 +34,15 @@ def on_ps(strategy, access: Callable[[], T], what: str) -> T:
     """
     if strategy is None or not tf.executing_eagerly():
         return access()  # in a graph nothing runs here: the closure that runs it has its own handling
-    return strategy.parts.engine.coordinator_access.run(lambda: settled(_on_own_executor(access)), what)
+    return strategy.parts.engine.coordinator_access.run(lambda: _on_own_executor(access), what)
 
 
 def _on_own_executor(access: Callable[[], T]) -> T:
-    """`access()` through this thread's own executor (`executors.on_thread_executor`): on TF's
-    shared default one, in a seeded chaos plan (seed 500), a dynamic table's stats read made by
-    another thread while its function was not yet registered on a ps failed a `fit`'s metric read
-    with that error ("'__inference__stats_values_...' is neither a type of a primitive operation
-    nor a name of a function registered", `[Op:DivNoNan]`)."""
+    """`settled(access())` through this thread's own executor (`executors.on_thread_executor`): on
+    TF's shared default one, in a seeded chaos plan (seed 500), a dynamic table's stats read made
+    by another thread while its function was not yet registered on a ps failed a `fit`'s metric
+    read with that error ("'__inference__stats_values_...' is neither a type of a primitive
+    operation nor a name of a function registered", `[Op:DivNoNan]`)."""
     with _executors.on_thread_executor():
         return settled(access())  # read inside: the reads go through it too
 

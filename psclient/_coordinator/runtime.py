@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from typing import Any
 
 import tensorflow as tf
@@ -100,24 +99,11 @@ def probe(device: str) -> None:
 
 @contextlib.contextmanager
 def _probing():
-    """A probe's ops inside: through this thread's own executor, counted by TF's cache-clearing gate."""
-    own = getattr(_probe_executors, "executor", None)
-    if own is None:
-        # Each probing thread calls through an executor of its own, made as the
-        # dispatchers' are (`new_call_executor`): on TF's default one, shared
-        # with every other thread of the process, a probe of a healthy worker
-        # failed with another, dead worker's error.
-        own = _probe_executors.executor = _executors.new_call_executor(streaming=False)
-    try:
-        with probing_call(), _executors.executor_scope(own):
-            yield
-    except tf.errors.OpError:
-        own.clear_error()  # or the next probe on this thread fails with it
-        raise
-
-
-#: The executor of each thread that probes (a pool thread's, for its life).
-_probe_executors = threading.local()
+    """A probe's ops inside: through this thread's own executor (`executors.on_thread_executor`: on
+    TF's default one, shared with every other thread of the process, a probe of a healthy worker
+    failed with another, dead worker's error), counted by TF's cache-clearing gate."""
+    with probing_call(), _executors.on_thread_executor():
+        yield
 
 
 def check_handle(variable: Any) -> None:

@@ -18,7 +18,6 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from psclient._coordinator import runtime as _runtime
-from psclient._tf import executors as _executors
 from psclient._coordinator.checkpoints import checkpoint_pieces as _pieces
 from psclient._coordinator.checkpoints.checkpoint import variable_key
 from psclient._coordinator.data.per_worker import PerWorker, PerWorkerDataset, PerWorkerIterator, worker_context_lost
@@ -27,6 +26,7 @@ from psclient._coordinator.variables.sharding import create_partitioned, cut, is
 from psclient._core.partitioning import can_split, row_ranges, shard_count, shard_tasks
 from psclient._core.placement import Placer
 from psclient._tf import context as _context
+from psclient._tf import executors as _executors
 from psclient._tf import variables as _tf_variables
 from psclient._tf import write_marks as _write_marks
 from psclient._tf.executors import register_read_kinds

@@ -266,9 +266,9 @@ def _install_registration_hook() -> None:
 @contextlib.contextmanager
 def on_thread_executor():
     """Inside, this thread's ops go through a unary executor of its own (made at the thread's first
-    use, kept for its life), as the dispatchers', probes' and per-ps calls' do.
+    use, kept for its life), as the dispatchers' and per-ps calls' do. Probes go through it too.
 
-    For psclient's calls made on a caller's thread or the recovery's (reads and writes of ps
+    For psclient's calls made on a caller's thread or the recovery's (probes, reads and writes of ps
     state, per-worker values built again): on TF's default executor, shared by every thread of the
     process, the ops to one task go down one stream, and an error there reaches whichever thread's
     op comes next (in a seeded chaos plan another thread's "not registered" failed a `fit`'s

@@ -84,8 +84,8 @@ from psclient._tf import checkpoints as _checkpoints
 from psclient._core.errors import CheckpointUnreadable, PSClientError, PsTimeout, first_line
 
 __all__ = ["CheckedPart", "CheckpointDirError", "CheckpointUnreadable", "CheckpointWriteError", "LAYOUT_KEY",
-           "Piece", "PsTimeout", "READ_BATCH_BYTES", "Slot", "THREAD_PREFIX", "assign_on_ps", "batches", "late_threads", "on_each_ps",
-           "probe_writable", "read_on_ps", "save_chunked", "slots_of", "waiting_on"]
+           "Piece", "PsTimeout", "READ_BATCH_BYTES", "Slot", "THREAD_PREFIX", "assign_on_ps", "batches",
+           "late_threads", "on_each_ps", "probe_writable", "read_on_ps", "save_chunked", "slots_of", "waiting_on"]
 
 #: The checkpoint's own description: which task wrote which data file with which keys.
 LAYOUT_KEY = "psclient_layout"
