@@ -64,6 +64,10 @@ class FakeEdgeBase:
         return contextlib.nullcontext(lambda: None)
 
     @staticmethod
+    def own_executor():
+        return contextlib.nullcontext()
+
+    @staticmethod
     def function_not_registered_yet(error: BaseException) -> bool:
         return False
 

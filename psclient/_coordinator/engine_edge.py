@@ -1,13 +1,14 @@
 """`TFEdge`: the engine's `Edge` (psclient._engine.edge) on TensorFlow's runtime.
 
-Each name is `runtime`'s function of that name; only `connect` binds what the
-strategy chose (streaming enqueue with a pipeline deeper than one call).
+Each name is `runtime`'s function of that name (`own_executor`: `executors.on_thread_executor`);
+only `connect` binds what the strategy chose (streaming enqueue with a pipeline deeper than one call).
 """
 
 from __future__ import annotations
 
 from psclient._cluster.spec import Cluster
 from psclient._coordinator import runtime as _runtime
+from psclient._tf import executors as _executors
 
 __all__ = ["TFEdge"]
 
@@ -23,6 +24,7 @@ class TFEdge:
     check_handle = staticmethod(_runtime.check_handle)
     device_scope = staticmethod(_runtime.device_scope)
     cancellable_call = staticmethod(_runtime.cancellable_call)
+    own_executor = staticmethod(_executors.on_thread_executor)
     function_not_registered_yet = staticmethod(_runtime.function_not_registered_yet)
     to_numpy = staticmethod(_runtime.to_numpy)
     name_error = staticmethod(_runtime.name_error)

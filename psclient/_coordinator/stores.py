@@ -26,7 +26,6 @@ from psclient._coordinator.variables.sharding import create_partitioned, cut, is
 from psclient._core.partitioning import can_split, row_ranges, shard_count, shard_tasks
 from psclient._core.placement import Placer
 from psclient._tf import context as _context
-from psclient._tf import executors as _executors
 from psclient._tf import variables as _tf_variables
 from psclient._tf import write_marks as _write_marks
 from psclient._tf.executors import register_read_kinds
@@ -394,12 +393,8 @@ class PerWorkerRegistry:
         on workers that did not fail; after a ps recovery they read on from where
         they were); resources from `create_per_worker_resource` are rebuilt.
         """
-        # The recovery's thread: through an executor of its own, not TF's shared default one (seed 500:
-        # a rebuild waited there in a stream of that executor 19 s after every fault had ended).
-        with _executors.on_thread_executor():
-            self._rebuild(worker, resources_only)
-
-    def _rebuild(self, worker: int | None, resources_only: bool) -> None:
+        # On the recovery's thread, inside its own executor (recovery.py: seed 500's rebuild waited in a
+        # stream of TF's shared default executor 19 s after every fault had ended).
         for value in self.values():
             if resources_only and isinstance(value, (PerWorkerDataset, PerWorkerIterator)):
                 continue

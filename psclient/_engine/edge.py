@@ -54,6 +54,10 @@ class Edge(Protocol):
     def cancellable_call(self) -> ContextManager:
         """A call that another thread may cancel: entering gives its `cancel()`."""
 
+    def own_executor(self) -> ContextManager:
+        """Inside, this thread's TF ops go through an executor of its own, not TF's default one that
+        every thread shares (and that a reconnect waits for: the recovery's steps run inside)."""
+
     def function_not_registered_yet(self, error: BaseException) -> bool:
         """Whether `error` says the function's registration has not reached the worker yet."""
 

@@ -329,7 +329,11 @@ class Recovery:
             self._apply(action)
             return None
         try:
-            value = self._operate(action)
+            # Through an executor of this thread's own: a reconnect (TF's `update_server_def`) waits for
+            # every op pending on TF's shared default executor, and an error left on that executor's
+            # stream to a task reaches whichever thread's op comes next (docs/development.md).
+            with self._edge.own_executor():
+                value = self._operate(action)
         except Exception as error:  # noqa: BLE001 - the thread must outlive one failed step: the machine decides
             self._log_failure(action, error)
             return rm.Done(action, ok=False, error=error)

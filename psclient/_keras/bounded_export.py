@@ -6,8 +6,10 @@ cancelled nor given a deadline, which a SIGSTOPped ps would hold forever.
 So the export runs on a thread of its own (`THREAD_NAME`), its traces
 registering their functions through the streaming executor
 (`streamed_function_registrations`: a registration waiting on a hung ps
-would hold the GIL, and the caller with it; its eager ops go as before, so
-that a ps that died fails them), and the calling thread
+would hold the GIL, and the caller with it; its eager ops go unary through
+an executor of the thread's own, so that a ps that died fails them, and
+neither a reconnect nor other threads' errors meet them on TF's default
+executor), and the calling thread
 
 - first has every ps answer a tiny op within `hang_timeout`, through the
   checkpoints' bounded per-ps helper (`checkpoint_parts.on_each_ps`): an
@@ -40,7 +42,7 @@ import tensorflow as tf
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.checkpoints.checkpoint_parts import PsTimeout, on_each_ps
 from psclient._core.errors import PSUnavailableError, first_line
-from psclient._tf.executors import streamed_function_registrations
+from psclient._tf.executors import on_thread_executor, streamed_function_registrations
 
 __all__ = ["Abandoned", "Publication", "THREAD_NAME", "export_bounded"]
 
@@ -100,7 +102,9 @@ def export_bounded(write: Callable[[Publication], Any], num_ps: int, hang_timeou
 
     def run():
         try:
-            with streamed_function_registrations():
+            # An executor of the thread's own (not TF's default one, which a reconnect waits for and
+            # whose stream to a ps carries other threads' errors); its registrations streamed.
+            with on_thread_executor(), streamed_function_registrations():
                 outcome["result"] = write(publication)
         except BaseException as error:  # noqa: BLE001 - handed to the caller (or dropped if it gave up)
             outcome["error"] = error

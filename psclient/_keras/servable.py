@@ -27,6 +27,7 @@ from psclient._core.serving_dirs import ServingDirError
 from psclient._engine import registry
 from psclient._keras import bounded_export
 from psclient._keras.hung_ps_writes import writes_of
+from psclient._tf.executors import on_thread_executor
 
 __all__ = ["ServingDirError", "ServingExport", "export_servable"]
 
@@ -323,7 +324,9 @@ class _DeltaChain:
     def _write(self, delta_cut, cut, version: int, seq: int, paused: dict) -> None:
         """On the writer thread: one delta, from the ps tasks, into its hidden directory, then renamed."""
         began = time.monotonic()
-        with serving_deltas.new_delta(self.base_dir, version, seq) as scratch:
+        # Through an executor of the writer thread's own: on TF's default one, shared by every thread,
+        # another thread's error on a ps's stream failed two deltas of seeded chaos plans (docs/chaos.md).
+        with serving_deltas.new_delta(self.base_dir, version, seq) as scratch, on_thread_executor():
             manifest = delta_cut.write(cut, scratch, self.after_part)
             manifest.update(version=version, seq=seq, written_at=time.time())
             serving_deltas.write_manifest(scratch, manifest)

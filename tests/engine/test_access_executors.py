@@ -8,6 +8,8 @@ failed a `fit`'s metric read in another thread with that error, and the `fit` wi
 error's way through TF cannot be made to happen on demand here; what is checked is that each
 thread's accesses use an executor of their own, made once a thread, its error cleared after a
 failed access, and the thread's executor restored afterwards (no cluster: eager ops run locally).
+The threads psclient starts for long TF work do the same: an export's thread, the serving deltas'
+writer (the recovery thread's steps: tests/engine/test_engine_edge.py).
 """
 
 import threading
@@ -85,3 +87,47 @@ def test_a_failed_access_clears_its_executors_error_and_the_next_one_runs(record
 def test_the_threads_own_ops_run_as_before_after_an_access(recorded):
     ps_state._on_own_executor(lambda: tf.constant(1.0))
     assert float(tf.constant(3.0) + 1) == 4.0  # the thread's executor restored by the scope's end
+
+
+def _on_own_executor_now() -> bool:
+    """Whether this thread's ops go through its own executor now (`executors.on_thread_executor`'s
+    executor in force: the innermost of its `executor_scope`s), read from psclient's own records."""
+    own = getattr(executors._thread_executors, "executor", None)
+    scopes = getattr(executors._scopes, "stack", [])
+    return own is not None and bool(scopes) and scopes[-1][1] is own
+
+
+def test_an_exports_writes_run_through_an_executor_of_the_export_threads_own():
+    from psclient._keras import bounded_export
+
+    seen = []
+
+    def write(publication):
+        seen.append((threading.current_thread().name, _on_own_executor_now()))
+        return float(tf.constant(2.0) + 1)  # an op through it runs
+
+    assert bounded_export.export_bounded(write, num_ps=0, hang_timeout=5.0, describe_ps=str) == 3.0
+    assert seen == [(bounded_export.THREAD_NAME, True)]
+    assert not _on_own_executor_now()  # the caller's thread untouched
+
+
+def test_a_serving_delta_is_written_through_an_executor_of_the_writer_threads_own(tmp_path):
+    from psclient._keras.servable import _DeltaChain
+
+    class Cut:
+        """Stands for a `DeltaCut` (no cluster here): records where its write ran."""
+
+        def __init__(self):
+            self.seen = []
+
+        def write(self, cut, directory, after_part):
+            self.seen.append((threading.current_thread().name, _on_own_executor_now()))
+            return {"tables": [], "dense": []}
+
+    chain = _DeltaChain(str(tmp_path), [])
+    chain.cut, chain.position = Cut(), (1, 0)
+    chain.submit(object(), {"seconds": 0.0})
+    chain.stop_writer()
+    assert chain.failures == []
+    assert [name.startswith("psclient-serving-deltas") for name, _ in chain.cut.seen] == [True]
+    assert [inside for _, inside in chain.cut.seen] == [True]

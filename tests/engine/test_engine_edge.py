@@ -8,6 +8,9 @@ events with generous limits, never fixed sleeps.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import pytest
 from _fake_edge import FakeEdge, fake_engine
 from _polling import wait_for
@@ -204,3 +207,34 @@ def test_the_end_of_an_endless_dataset_is_a_broken_iterator_made_again(endless):
             assert iterators.renewed == []
     finally:
         lifecycle.shutdown_quietly(scheduler, engine.dispatcher, engine.recovery, engine.prober, edge, 10.0, engine.probes)
+
+
+def test_the_recoverys_steps_run_inside_the_edges_own_executor(running):
+    """A reconnect (TF's `update_server_def`) waits for every op on TF's shared default executor:
+    the recovery thread's steps go through one of its own (`Edge.own_executor`)."""
+    edge, engine = running
+    inside = threading.local()
+    reconnects_inside = []
+
+    @contextlib.contextmanager
+    def own_executor():
+        inside.on = True
+        try:
+            yield
+        finally:
+            inside.on = False
+
+    stock_connect = edge.connect
+
+    def connect(cluster, workers):
+        reconnects_inside.append(getattr(inside, "on", False))
+        stock_connect(cluster, workers)
+
+    edge.own_executor, edge.connect = own_executor, connect
+    edge.state["fake-worker1:1"] = "dead"
+    futures = [submit(engine, double, i) for i in range(6)]
+    assert [f.result(timeout=LIMIT) for f in futures] == [2 * i for i in range(6)]
+    wait_for(lambda: not engine.scheduler.stats()["workers"][1]["up"], LIMIT, "worker 1 taken out")
+    edge.state["fake-worker1:1"] = "up"
+    wait_for(lambda: engine.scheduler.stats()["workers"][1]["up"], LIMIT, "worker 1 back")
+    assert reconnects_inside and all(reconnects_inside)
