@@ -26,15 +26,16 @@ __all__ = ["check_every_ps", "on_ps", "settled"]
 T = TypeVar("T")
 
 
-def on_ps(strategy, access: Callable[[], T], what: str) -> T:
+def on_ps(strategy, access: Callable[[], T], what: str, *, wait: bool = True) -> T:
     """`access()` through a ps loss (module doc); as is without a strategy or while building a graph.
 
     `what` names the access in the error ("reading the metrics of 'model'").
     Tensors in the result are read inside, so a remote error surfaces there.
+    `wait=False`: a lost ps is reported to the recovery and `PSUnavailableError` raised at once.
     """
     if strategy is None or not tf.executing_eagerly():
         return access()  # in a graph nothing runs here: the closure that runs it has its own handling
-    return strategy.parts.engine.coordinator_access.run(lambda: _on_own_executor(access), what)
+    return strategy.parts.engine.coordinator_access.run(lambda: _on_own_executor(access), what, wait=wait)
 
 
 def _on_own_executor(access: Callable[[], T]) -> T:

@@ -14,7 +14,6 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from psclient._cluster.spec import Cluster
-from psclient._coordinator.tables import dynamic_tables
 from psclient._engine import lifecycle, registry
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.checkpoints.checkpoint import check_directory
@@ -33,6 +32,7 @@ from psclient._coordinator.data.per_worker import (
 from psclient._coordinator.data.shard_feed import LEDGERS_KEY
 from psclient._coordinator.parts import Parts, assemble
 from psclient._coordinator.scrapes import ScrapeSource
+from psclient._coordinator.tables.table_stats import TableStatsReader
 from psclient._coordinator.variables.sharding import partitioner_argument
 from psclient._coordinator.tf_api import TFStrategyAPI, refuse_input_options
 from psclient._coordinator.training.updates import place_updates_on_ps
@@ -150,7 +150,8 @@ class ParameterServerStrategy(TFStrategyAPI):
         # Scrapes read stats() through a weak reference: the server must not keep the strategy.
         scrapes = None if config.metrics_port is None else ScrapeSource(weakref.ref(self))
         self._metrics = None if scrapes is None else MetricsServer(config.metrics_port, scrapes)
-        self._close_metrics = weakref.finalize(self, _close_both, self._metrics, scrapes) if scrapes else lambda: None
+        self._table_stats = TableStatsReader(weakref.ref(self))  # stats()'s read of the tables on the ps
+        self._close_metrics = weakref.finalize(self, _close_all, self._metrics, scrapes, self._table_stats)
 
     # ------------------------------------------------------------------ info
     @property
@@ -384,8 +385,10 @@ class ParameterServerStrategy(TFStrategyAPI):
         ledgers of `psclient.data` feeds, and `replayed_records`: records they
         may have trained twice because a failure cut their step off. Per DynamicEmbedding table
         on the ps: rows, keys tracked, admissions and evictions per ps task (`read_ps=False`:
-        left out, nothing read from the ps; None: left out while a ps is lost). That read
-        waits for a ps that hangs until it answers (a scrape of `metrics_port` does not).
+        left out, nothing read from the ps; None: left out while a ps is lost). That read waits
+        for no recovery (a shard of a lost ps: `available: False, recovering: True`) and at most
+        `hang_timeout` for a ps that does not answer: shards not read by then are `available:
+        False, waiting: True`, and `embedding_stats_waiting` is True, while the read goes on.
         """
         stats = self._scheduler.stats()
         stats["completed"] = self._scheduler.completed()
@@ -400,8 +403,9 @@ class ParameterServerStrategy(TFStrategyAPI):
         stats["staleness"] = self._steps.summary()
         stats["data"] = self._parts.ledgers.stats()  # sharded datasets' ledgers (psclient.data)
         stats["replayed_records"] = stats["data"]["replayed_records"]
-        stats["dynamic_embeddings"] = dynamic_tables.stats_on_ps(self) if (
-            not lost if read_ps is None else read_ps) else {}
+        stats["dynamic_embeddings"] = {}
+        if not lost if read_ps is None else read_ps:
+            stats["dynamic_embeddings"], stats["embedding_stats_waiting"] = self._table_stats.read(self._hang_timeout)
         return stats
 
     # ------------------------------------------------------------ checkpoints
@@ -495,6 +499,8 @@ class ParameterServerStrategy(TFStrategyAPI):
             recovery.checkpoint("new variables")
 
 
-def _close_both(metrics: MetricsServer, scrapes: ScrapeSource) -> None:
-    metrics.close()  # no scrape after it
-    scrapes.close()
+def _close_all(metrics: MetricsServer | None, scrapes: ScrapeSource | None, tables: TableStatsReader) -> None:
+    if metrics is not None:
+        metrics.close()  # no scrape after it
+        scrapes.close()
+    tables.close()

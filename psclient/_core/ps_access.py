@@ -107,9 +107,11 @@ class PsAccessEdge(Protocol):
 
 
 def through_ps_loss(access: Callable[[], T], edge: PsAccessEdge, what: str,
-                    sleep: Callable[[float], None]) -> T:
+                    sleep: Callable[[float], None], *, wait: bool = True) -> T:
     """`access()`, run again after a ps loss is recovered (module doc). `what` names it in errors.
 
+    `wait=False`: a lost ps is reported to the recovery, not waited for: `PSUnavailableError`
+    at once (a read of what is, `stats()`, must not hang for as long as a recovery takes).
     Inside another guarded access, or on a thread `handled_elsewhere`: `access()` as is.
     """
     if guarding():
@@ -152,6 +154,9 @@ def through_ps_loss(access: Callable[[], T], edge: PsAccessEdge, what: str,
                     raise _unavailable(edge, lost, what, f"lost again after {MAX_PS_RECOVERIES} recoveries",
                                        error) from error
                 edge.report_lost(lost, epoch)
+                if not wait:
+                    raise _unavailable(edge, lost, what, "it is being recovered (not waited for)",
+                                       error) from error
                 if not edge.wait_settled(epoch, edge.settle_timeout):
                     raise _unavailable(edge, lost, what, f"not recovered within {edge.settle_timeout:g} s",
                                        error) from error

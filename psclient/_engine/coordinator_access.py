@@ -29,7 +29,8 @@ _STEPS_AFTER_BACK_S = 120.0
 
 
 class CoordinatorAccess:
-    """`run(access, what)`: `access()`, through a ps loss (`psclient._core.ps_access`)."""
+    """`run(access, what)`: `access()`, through a ps loss (`psclient._core.ps_access`; `wait=False`:
+    a lost ps reported, not waited for)."""
 
     def __init__(self, recovery: Recovery, edge: Edge, roster: Roster,
                  sleep: Callable[[float], None] = time.sleep):
@@ -40,8 +41,8 @@ class CoordinatorAccess:
         config = recovery.config
         self.settle_timeout = config.hang_timeout + config.ps_timeout + _STEPS_AFTER_BACK_S
 
-    def run(self, access: Callable[[], T], what: str) -> T:
-        return ps_access.through_ps_loss(access, self, what, self._sleep)
+    def run(self, access: Callable[[], T], what: str, *, wait: bool = True) -> T:
+        return ps_access.through_ps_loss(access, self, what, self._sleep, wait=wait)
 
     # ------------------------------------------------------------- PsAccessEdge
     def is_op_error(self, error: BaseException) -> bool:

@@ -91,6 +91,22 @@ def test_a_lost_ps_is_reported_waited_for_and_the_access_runs_again():
     assert edge.waits == [(0, 30.0)]
 
 
+def test_without_waiting_a_lost_ps_is_reported_and_unavailable_at_once():
+    edge = FakeEdge()
+    error = UnavailableError("refused")
+    with pytest.raises(PSUnavailableError, match="reading the stats on the coordinator.*being recovered") as info:
+        ps_access.through_ps_loss(failing(error), edge, "reading the stats", no_sleep, wait=False)
+    assert info.value.__cause__ is error
+    assert edge.reports == [((0,), 0)]  # the recovery is told, as a waiting access tells it
+    assert edge.waits == []
+
+
+def test_without_waiting_other_errors_are_handled_as_with_waiting():
+    edge = FakeEdge(lost=())  # every ps answers: a connection error is retried, not a loss
+    assert ps_access.through_ps_loss(failing(UnavailableError("refused")), edge, "x", no_sleep, wait=False) == "read"
+    assert edge.reports == [] and edge.waits == []
+
+
 def test_a_restarted_ps_invalid_handle_counts_as_lost_too():
     edge = FakeEdge(lost=(1,))
     assert ps_access.through_ps_loss(failing(InvalidArgumentError("invalid device")), edge, "x", no_sleep) == "read"

@@ -135,10 +135,14 @@ class _Table:
         self.gate = threading.Event()
         self.reads = 0
 
-    def stats(self):
+    @staticmethod
+    def owner():
+        return None  # no strategy: the read runs as it is (`ps_state.on_ps`)
+
+    def shard_stats(self, index):
         self.reads += 1
         self.gate.wait(60)
-        return [{"ps": 0, "rows": 10, "admissions": 12, "evictions": 2}]
+        return {"ps": index, "rows": 10, "admissions": 12, "evictions": 2}
 
 
 class _Strategy:
@@ -147,7 +151,8 @@ class _Strategy:
     closed = False
 
     def __init__(self, table: _Table, ps_up: bool = True):
-        self.parts = SimpleNamespace(store=SimpleNamespace(tables=lambda: {"table/0000": table}))
+        self.parts = SimpleNamespace(store=SimpleNamespace(tables=lambda: {"table/0000": table}),
+                                     engine=SimpleNamespace(published=SimpleNamespace(ps_down=frozenset())))
         self.ps_up = ps_up
 
     def stats(self, *, read_ps=True):
@@ -158,6 +163,7 @@ class _Strategy:
         return stats
 
 
+TABLE_STATS_THREAD = "psclient-table-stats"
 ROWS = ("psclient_embedding_rows", (("layer", "user"), ("task", "ps:0")))
 WAITING = ("psclient_embedding_stats_waiting", ())
 
@@ -190,11 +196,11 @@ def test_a_scrape_beside_a_hung_ps_is_served_without_the_tables_and_reads_them_o
             assert samples[WAITING] == 1 and ROWS not in samples
             assert samples[("psclient_worker_up", (("task", "worker:0"),))] == 1  # the rest is served
         assert table.reads == 1  # one read waits on the ps, not one per scrape
-        assert [t.name for t in threading.enumerate()].count("psclient-metrics-tables") == 1
+        assert [t.name for t in threading.enumerate()].count(TABLE_STATS_THREAD) == 1
     finally:
         table.gate.set()  # the ps answers
         source.close()
-    assert not any(t.name == "psclient-metrics-tables" for t in threading.enumerate())
+    assert not any(t.name == TABLE_STATS_THREAD for t in threading.enumerate())
     samples = _samples(source())
     assert samples[ROWS] == 10 and samples[WAITING] == 0 and table.reads == 2
     source.close()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from _paths import ROOT_STR, TESTS_STR
+from _polling import wait_for
 
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
@@ -193,11 +194,15 @@ def test_a_lost_ps_gets_its_shards_back_from_the_checkpoint(local, tmp_path):
             local.kill("ps", 1)
         finally:
             local.restart("ps", 1)
-        # Nothing ran against the restarted ps yet: stats() meets it first, reports it to the
-        # recovery, which re-makes the shards and restores them (and every variable) from the
-        # checkpoint, and reads them once restored.
+        # Nothing ran against the restarted ps yet: stats() meets it first (or the probes did) and
+        # reports it to the recovery, which re-makes the shards and restores them (and every
+        # variable) from the checkpoint; stats() does not wait for that (a monitoring thread's
+        # call would hang as long): the shard is reported as being recovered, the other read.
+        first = strategy.stats()["dynamic_embeddings"]["lost_ids"]
+        assert first[0] == before[0], (first, before)
+        assert first[1]["available"] is False and first[1]["recovering"] is True, first
+        wait_for(lambda: strategy.stats(read_ps=False)["ps"][1]["recoveries"] == 1, 300, "ps 1 recovered")
         entries = strategy.stats()["dynamic_embeddings"]["lost_ids"]
-        assert strategy.stats()["ps"][1]["recoveries"] == 1
         assert entries == before, (entries, before)
         again = strategy.schedule(read, (keys,)).result(timeout=300)
         assert strategy.stats()["ps"][1]["recoveries"] == 1

@@ -42,35 +42,56 @@ from psclient._core import dynamic_tables as rules
 from psclient._coordinator.ps_state import on_ps
 from psclient._core.errors import PSUnavailableError, first_line
 
-__all__ = ["DynamicTable", "initial_rows", "mix64", "shard_of", "stats_on_ps"]
+__all__ = ["DynamicTable", "initial_rows", "live_tables", "mix64", "shard_of", "stats_on_ps"]
 
 _lock = threading.Lock()
 _serials = itertools.count()  # creation order: the joint admission takes the tables' locks in it
 
 
-def stats_on_ps(strategy) -> dict[str, list[dict]]:
+def live_tables(strategy) -> list:
+    """Every live table of `strategy` on its ps tasks, the newest of a name (see `stats_on_ps`)."""
+    return [table for table in strategy.parts.store.tables().values() if table.shards[0].device]
+
+
+def stats_on_ps(strategy, *, wait: bool = True, into: dict | None = None) -> dict[str, list[dict]]:
     """`stats()` of every live table of `strategy` (rows on its ps tasks), by name (the newest of a name).
 
     Only that strategy's (its variable store tracks them): a table made under an earlier
     strategy (a model still referenced after its shutdown) lives on tasks this one may not reach.
+    `wait=False`: a shard of a ps being recovered is reported unavailable, not waited for (the
+    ps tasks the recovery holds lost are not read at all). `into`: filled as the shards are read
+    (a caller that stops waiting keeps what was read, `table_stats`).
     """
-    return {table.name: table.stats() for table in strategy.parts.store.tables().values() if table.shards[0].device}
+    into = {} if into is None else into
+    lost = frozenset() if wait else strategy.parts.engine.published.ps_down
+    for table in live_tables(strategy):
+        into[table.name] = entries = []
+        for index in range(len(table.shards)):
+            entries.append(_shard_stats_or_unavailable(table, index, wait, lost))
+    return into
 
 
-def _shard_stats_or_unavailable(table: "DynamicTable", index: int) -> dict:
+def _shard_stats_or_unavailable(table: "DynamicTable", index: int, wait: bool = True,
+                                lost: frozenset = frozenset()) -> dict:
     """The shard's stats; for a ps that cannot be read, `available: False` and why.
 
     A ps that restarted holds none of the table until the recovery restores
-    it: the read reports the loss and waits for that (`ps_state.on_ps`).
-    Only when the recovery gives up (or another TF error) is the shard
-    reported unavailable: stats() is what one reads to see what happened,
-    it does not raise.
+    it: the read reports the loss and waits for that (`ps_state.on_ps`; not
+    with `wait=False`, nor for a ps in `lost`: `recovering: True`). Only when
+    the recovery gives up (or another TF error) is the shard reported
+    unavailable: stats() is what one reads to see what happened, it does not raise.
     """
+    if index in lost:
+        return {"ps": index, "available": False, "recovering": True,
+                "error": f"ps:{index} is lost and being recovered (not read)"}
     try:
         return on_ps(table.owner(), lambda: table.shard_stats(index),
-                     f"reading the stats of dynamic table {table.name!r}")
+                     f"reading the stats of dynamic table {table.name!r}", wait=wait)
     except (tf.errors.OpError, PSUnavailableError) as error:
-        return {"ps": index, "available": False, "error": f"{type(error).__name__}: {first_line(error)}"}
+        entry = {"ps": index, "available": False, "error": f"{type(error).__name__}: {first_line(error)}"}
+        if not wait and isinstance(error, PSUnavailableError):
+            entry["recovering"] = True  # reported to the recovery, not waited for
+        return entry
 
 
 _local_locks: dict = {}
