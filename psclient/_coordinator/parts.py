@@ -100,10 +100,22 @@ def assemble(cluster: Cluster, config: StrategyConfig, *, checkpoint_dir: str | 
         ),
         pipeline_depth=config.pipeline_depth, connect_timeout=config.connect_timeout,
         parts=StrategyParts(Prepare(tracer), store, per_worker, checkpoints, retrace=QueuedRetrace(tracer, scheduler),
-                            checkpoint_meta=ledgers.meta, meta_restored=ledgers.roll_back),
+                            checkpoint_meta=ledgers.meta, meta_restored=ledgers.roll_back,
+                            renew_trace=RenewTrace(tracer)),
     )
     store.guard = engine.coordinator_access.run  # variables made on the coordinator, through a ps loss
     return Parts(edge, scheduler, steps, store, tracer, per_worker, checkpoints, engine, ledgers)
+
+
+class RenewTrace:
+    """`Tracer.renew` for a dispatcher, the tracer held weakly (as `QueuedRetrace` holds it)."""
+
+    def __init__(self, tracer: Tracer):
+        self._tracer = weakref.ref(tracer)
+
+    def __call__(self, closure: Closure) -> bool:
+        tracer = self._tracer()
+        return tracer is not None and tracer.renew(closure)
 
 
 class QueuedRetrace:
@@ -135,7 +147,8 @@ class Prepare:
     def __call__(self, closure: Closure, worker: int) -> tuple:
         tracer = self._tracer()
         if tracer is not None and tracer.current(closure):
-            log.warning("%r reached worker %d with a trace made before a ps recovery: traced again", closure, worker)
+            log.warning("%r reached worker %d with a trace made before a ps recovery (or before a function "
+                        "was traced anew): traced again", closure, worker)
         if not closure.per_worker:
             return closure.fn, closure.args, closure.kwargs
         args, kwargs = resolve_per_worker(closure.args, closure.kwargs, worker)

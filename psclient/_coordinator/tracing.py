@@ -268,6 +268,20 @@ class Tracer:
                 closure.fn, closure.generation = _raise(error), self.generation
         return True
 
+    def renew(self, closure: Closure) -> bool:
+        """Trace `closure` anew under a new name (a new generation: the others are traced again as
+        they reach a worker, `current`); False for a concrete function, which cannot be.
+
+        For a function whose registration never reached a worker: TF sends a function to the
+        tasks only at its first reference, so the same one is never sent again; a new trace is."""
+        if closure.function is None or isinstance(closure.function, tf.types.experimental.ConcreteFunction):
+            return False
+        with self.lock:
+            self.generation += 1
+            self._by_identity.clear()
+            self.prepare(closure)
+        return True
+
     def retrace(self, queued: list[Closure]) -> None:
         """Start a new generation and trace the queued closures again."""
         with self.lock:

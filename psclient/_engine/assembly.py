@@ -61,6 +61,7 @@ class Engine:
         self.dispatcher = Dispatcher(
             scheduler, num_workers=num_workers, pipeline_depth=pipeline_depth, prepare=parts.prepare,
             probes=self.probes, report=inbox.put, release_timeout=hang_timeout, iterators=parts.per_worker, edge=edge,
+            renew_trace=parts.renew_trace,
         )
         self.recovery = Recovery(
             recovery_config, roster=roster, scheduler=scheduler, edge=edge, parts=parts,

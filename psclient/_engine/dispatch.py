@@ -55,12 +55,15 @@ class Dispatcher:
         release_timeout: float,
         iterators: PerWorkerValues,
         edge: Edge,
+        renew_trace: Callable[[Closure], bool] | None = None,
     ):
         # `prepare(closure, worker)` -> (function, args, kwargs) for that worker;
         # `probes`: a `FailureProbes`; `report(event)` posts to the recovery thread;
         # `iterators`: the `PerWorkerRegistry`, to renew a worker's cancelled iterators;
-        # `edge`: what is asked of TensorFlow (`psclient._engine.edge.Edge`).
+        # `edge`: what is asked of TensorFlow (`psclient._engine.edge.Edge`); `renew_trace`:
+        # `StrategyParts.renew_trace`, for a function whose registration never reached a worker.
         self._edge = edge
+        self._renew_trace = renew_trace
         self._scheduler = scheduler
         self._prepare = prepare
         self._probes = probes
@@ -155,8 +158,7 @@ class Dispatcher:
         attempt = closure.attempts
         iterators_generation = self._iterators.generation(worker)
         try:
-            fn, args, kwargs = self._prepare(closure, worker)
-            value = self._call(worker, fn, args, kwargs)
+            value = self._call_registered(worker, closure)
             # A closure whose outputs nobody reads (closure.outputs_unread) leaves them on the
             # worker: the call has run (synchronous executor), the copy is all that is skipped.
             value = self._copied(value) if closure.copy_outputs else None
@@ -177,6 +179,22 @@ class Dispatcher:
     def results_copied(self) -> int:
         """Calls whose outputs were copied to the coordinator so far (failed copies not counted)."""
         return self._results_copied
+
+    def _call_registered(self, worker: int, closure: Closure) -> Any:
+        """The closure's call on `worker`; once a worker still does not know its function after the
+        attempts of `_call` (its registration lost on the way: TF sends a function to the tasks
+        only at its first reference), traced anew under a new name and called again."""
+        fn, args, kwargs = self._prepare(closure, worker)
+        try:
+            return self._call(worker, fn, args, kwargs)
+        except self._edge.op_error() as error:
+            if self._renew_trace is None or not self._edge.function_not_registered_yet(error) \
+                    or not self._renew_trace(closure):
+                raise
+            log.warning("%r: its function never reached worker %d (%s); traced again under a new name",
+                        closure, worker, first_line(error))
+        fn, args, kwargs = self._prepare(closure, worker)
+        return self._call(worker, fn, args, kwargs)
 
     def _call(self, worker: int, fn: Callable, args: tuple, kwargs: dict) -> Any:
         me = threading.get_ident()

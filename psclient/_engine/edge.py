@@ -160,7 +160,9 @@ class StrategyParts:
     `per_worker`: rebuilt on a worker that comes back; `checkpoints`: the checkpoint directory, or
     None; `retrace()`: trace what is queued again (after variables got new resources);
     `checkpoint_meta(variables)`: what joins each checkpoint's layout (the data ledgers);
-    `meta_restored(meta)`: told the meta of the checkpoint a lost ps was restored from.
+    `meta_restored(meta)`: told the meta of the checkpoint a lost ps was restored from;
+    `renew_trace(closure)`: trace the closure's function anew under a new name (its registration on
+    a worker was lost: TF sends a function only once), False when it cannot (a concrete function).
     """
 
     prepare: Callable[[Any, int], tuple]
@@ -170,6 +172,7 @@ class StrategyParts:
     retrace: Callable[[], None] | None = None
     checkpoint_meta: Callable[[dict], "dict | None"] | None = None
     meta_restored: Callable[["dict | None"], None] | None = None
+    renew_trace: Callable[[Any], bool] | None = None
 
 
 class Roster:

@@ -1,0 +1,76 @@
+"""A scheduled function whose registration was lost on the workers is traced anew and runs.
+
+TF sends a function to the tasks only at its first reference in the process; one whose
+registration never arrived (seen once for a function of psclient's own in a seeded chaos plan,
+docs/chaos.md, seed 419) failed every later call "not registered". A closure's calls are retried
+for a registration still on its way; once those are spent, the dispatcher has the tracer trace
+the function anew under a new name (a new generation: `Tracer.renew`) and calls that. Here the
+registration is lost for real: the function is removed from every task (TF's `remove_function`).
+A `ConcreteFunction` scheduled directly cannot be traced anew: its future fails with TF's error.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import psclient
+from psclient._engine import dispatch
+
+tf = pytest.importorskip("tensorflow")
+from tensorflow.python.eager import context  # noqa: E402
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+
+
+@pytest.fixture()
+def few_attempts(monkeypatch):
+    """Three calls per trace instead of 25 (about 10 s of pauses)."""
+    monkeypatch.setattr(dispatch, "_NOT_REGISTERED_ATTEMPTS", 3)
+
+
+@pytest.fixture()
+def lose():
+    """`lose(name_part)`: remove every function whose name holds `name_part` from this process and
+    every task. Added back (here) when the test ends: TF removes a function again when its last
+    reference goes, and one already gone raised there, inside a garbage collection."""
+    lost = []
+
+    def remove(name_part: str) -> list[str]:
+        names = [name for name in context.context().list_function_names() if name_part in name]
+        for name in names:
+            lost.append(context.context().get_function_def(name))
+            context.context().remove_function(name)
+        return names
+
+    yield remove
+    for function_def in lost:
+        context.context().add_function_def(function_def)
+
+
+def test_a_scheduled_function_whose_registration_was_lost_is_traced_anew(local_cluster, few_attempts, lose, caplog):
+    strategy = psclient.ParameterServerStrategy(local_cluster.cluster)
+    try:
+        with strategy.scope():
+            total = tf.Variable(0.0)
+
+        @tf.function
+        def add_lost_once(x):
+            total.assign_add(x)
+            return total.read_value()
+
+        assert float(strategy.schedule(add_lost_once, (1.0,)).result(timeout=120)) == 1.0
+        assert lose("add_lost_once")
+        with caplog.at_level(logging.WARNING, logger="psclient"):
+            assert float(strategy.schedule(add_lost_once, (1.0,)).result(timeout=120)) == 2.0
+        assert "never reached worker" in caplog.text and "traced again under a new name" in caplog.text
+        assert float(strategy.schedule(add_lost_once, (1.0,)).result(timeout=120)) == 3.0  # the new trace kept
+
+        concrete = tf.function(lambda x: total.assign_add(x)).get_concrete_function(tf.TensorSpec([], tf.float32))
+        strategy.schedule(concrete, (tf.constant(1.0),)).result(timeout=120)
+        assert lose(concrete.name.decode() if isinstance(concrete.name, bytes) else concrete.name)
+        with pytest.raises(tf.errors.NotFoundError, match="neither a type of a primitive operation"):
+            strategy.schedule(concrete, (tf.constant(1.0),)).result(timeout=120)
+    finally:
+        strategy.shutdown()
