@@ -117,10 +117,8 @@ class ParameterServerStrategy(TFStrategyAPI):
         if checkpoint_dir is not None:
             checkpoint_dir = check_directory(checkpoint_dir)  # a regular file fails before connecting
         _runtime.wait_reachable(cluster, connect_timeout)
-        self._closed = False
-        self._shutdown_lock = threading.Lock()
-        self._pipeline_depth = pipeline_depth
-        self._hang_timeout = hang_timeout
+        self._closed, self._shutdown_lock = False, threading.Lock()
+        self._pipeline_depth, self._hang_timeout = pipeline_depth, hang_timeout
         self._variable_partitioner = variable_partitioner
         # The parts, each given what it needs as it is made (parts.py); `parts` for psclient's own modules.
         self._parts = parts = assemble(cluster, config, checkpoint_dir=checkpoint_dir, partitioner=variable_partitioner)
@@ -128,7 +126,7 @@ class ParameterServerStrategy(TFStrategyAPI):
         self._scheduler, self._steps, self._store = scheduler, parts.steps, parts.store
         self._tracer, self._per_worker = parts.tracer, parts.per_worker
         self._elastic, self._dispatcher, self._recovery = engine.elastic, engine.dispatcher, engine.recovery
-        self._published = engine.published
+        self._published = engine.published  # what the recovery thread last decided: the view, the ps lost
         # psclient's own reads and writes of ps state on the coordinator (traces, checkpoints,
         # Keras's metrics, dynamic tables), through a ps loss (psclient._coordinator.ps_state).
         self._coordinator_access = engine.coordinator_access
@@ -378,17 +376,15 @@ class ParameterServerStrategy(TFStrategyAPI):
     def stats(self, *, read_ps: bool | None = True) -> dict:
         """Counts and times, per worker and per ps task.
 
-        Per worker: done, failed, retried, in flight, up, failures (times taken out), rejoins,
-        last detection and recovery times, latencies. Per ps: up, failures, recoveries, last
-        recovery time, closures rolled back. Plus queue depth, completed closures, checkpoints
-        written and (with checkpoint_dir) their times and bytes. `data`: the
-        ledgers of `psclient.data` feeds, and `replayed_records`: records they
-        may have trained twice because a failure cut their step off. Per DynamicEmbedding table
-        on the ps: rows, keys tracked, admissions and evictions per ps task (`read_ps=False`:
-        left out, nothing read from the ps; None: left out while a ps is lost). That read waits
-        for no recovery (a shard of a lost ps: `available: False, recovering: True`) and at most
-        `hang_timeout` for a ps that does not answer: shards not read by then are `available:
-        False, waiting: True`, and `embedding_stats_waiting` is True, while the read goes on.
+        Per worker: done, failed, retried, in flight, up, failures (times taken out), rejoins, last detection
+        and recovery times, latencies. Per ps: up, failures, recoveries, last recovery time, closures rolled
+        back. Plus queue depth, completed closures, checkpoints written and (with checkpoint_dir) their times
+        and bytes. `data`: the ledgers of `psclient.data` feeds, and `replayed_records`: records they may have
+        trained twice because a failure cut their step off. Per DynamicEmbedding table on the ps: rows, keys
+        tracked, admissions and evictions per ps task (`read_ps=False`: left out, nothing read from the ps;
+        None: left out while a ps is lost), read waiting for no recovery (a lost ps's shard: `available:
+        False, recovering: True`) and at most `hang_timeout` for a ps that does not answer (`waiting: True`,
+        and `embedding_stats_waiting` True, while the read goes on).
         """
         stats = self._scheduler.stats()
         stats["completed"] = self._scheduler.completed()
@@ -466,10 +462,9 @@ class ParameterServerStrategy(TFStrategyAPI):
     def shutdown(self) -> None:
         """Cancel what is queued, let running calls finish, join every thread.
 
-        Running calls get up to `hang_timeout` seconds; a thread stuck in a
-        call to a hung task is left behind (logged) and exits when that task
-        answers or dies (TF's view is kept while one hangs). Idempotent. Afterwards `schedule` raises
-        `StrategyClosedError`.
+        Running calls get up to `hang_timeout` seconds; a thread stuck in a call to a hung task is left
+        behind (logged) and exits when that task answers or dies (TF's view is kept while one hangs).
+        Idempotent. Afterwards `schedule` raises `StrategyClosedError`.
         """
         with self._shutdown_lock:
             if self._closed:
@@ -500,7 +495,6 @@ class ParameterServerStrategy(TFStrategyAPI):
 
 
 def _close_all(metrics: MetricsServer | None, scrapes: ScrapeSource | None, tables: TableStatsReader) -> None:
-    if metrics is not None:
-        metrics.close()  # no scrape after it
-        scrapes.close()
-    tables.close()
+    for part in (metrics, scrapes, tables):  # the server first: no scrape after it
+        if part is not None:
+            part.close()

@@ -5,20 +5,18 @@ when it is scheduled (so argument mismatches raise `TypeError` at once).
 Tracing happens inside the strategy's variable creator, so variables made on
 a first trace (an optimizer building its slots) land on ps tasks too.
 
-After a ps task is rebuilt its variables have new resources, and every
-function traced before captured the old ones. `retrace` then starts a new
-*generation*: functions are traced again from their Python code (a fresh
-`tf.function` per original), and queued closures get the new traces.
+After a ps task is rebuilt its variables have new resources, and every function traced before
+captured the old ones. `retrace` then starts a new *generation*: functions are traced again from
+their Python code (a fresh `tf.function` per original), and queued closures get the new traces
+(`renew` does the same for a function whose registration never reached a worker).
 
-Finding the trace for a call costs the coordinator more CPU than making the
-call (TF canonicalises and hashes every argument's type): about a third of
-`model.fit`'s coordinator time at one step per call, profiled with py-spy. Most programs schedule
-the same function with the same argument objects again and again (a
-per-worker iterator, a cached count), so when every argument is a per-worker
-value, an eager tensor or an immutable scalar, the trace is cached by the
-identity of those objects: a repeated call skips TF's lookup, on the
-coordinator and on the worker's dispatcher thread. Anything else (nested
-structures, mutable Python objects, variables) takes TF's own lookup.
+Finding the trace for a call costs the coordinator more CPU than making the call (TF canonicalises
+and hashes every argument's type): about a third of `model.fit`'s coordinator time at one step per
+call, profiled with py-spy. Most programs schedule the same function with the same argument objects
+again and again (a per-worker iterator, a cached count), so when every argument is a per-worker
+value, an eager tensor or an immutable scalar, the trace is cached by the identity of those objects:
+a repeated call skips TF's lookup, on the coordinator and on the worker's dispatcher thread. Anything
+else (nested structures, mutable Python objects, variables) takes TF's own lookup.
 """
 
 from __future__ import annotations
@@ -269,17 +267,11 @@ class Tracer:
         return True
 
     def renew(self, closure: Closure) -> bool:
-        """Trace `closure` anew under a new name (a new generation: the others are traced again as
-        they reach a worker, `current`); False for a concrete function, which cannot be.
-
-        For a function whose registration never reached a worker: TF sends a function to the
-        tasks only at its first reference, so the same one is never sent again; a new trace is."""
+        """Trace `closure` anew, under a new name, in a new generation (its registration never reached a
+        worker: TF sends a function only once); False for a concrete function, which cannot be."""
         if closure.function is None or isinstance(closure.function, tf.types.experimental.ConcreteFunction):
             return False
-        with self.lock:
-            self.generation += 1
-            self._by_identity.clear()
-            self.prepare(closure)
+        self.retrace([closure])  # the others are traced again as they reach a worker (`current`)
         return True
 
     def retrace(self, queued: list[Closure]) -> None:

@@ -21,6 +21,7 @@ import psclient  # noqa: E402
 from psclient._coordinator.checkpoints import checkpoint_snapshot, fuzzy_copy  # noqa: E402
 from psclient._tf.write_marks import marks_of  # noqa: E402
 from _conversions import RemoteConversions  # noqa: E402
+from _polling import wait_for  # noqa: E402
 from _saves_beside import saves_beside_fit  # noqa: E402
 from tables.test_table_saves import by_key, saved_state  # noqa: E402
 
@@ -241,7 +242,10 @@ def test_a_restarted_ps_gets_new_marks_and_its_shard_is_copied_again(cluster, re
         old_marks = marks_of(layer.table.shards[1].rows)
         cluster.kill("ps", 1)
         cluster.restart("ps", 1)
-        strategy.stats()  # meets the restarted ps: its shard made again and restored
+        # stats() meets the restarted ps and reports it (not waiting): the recovery makes its shards again
+        # and restores them.
+        strategy.stats()
+        wait_for(lambda: strategy.stats(read_ps=False)["ps"][1]["recoveries"] == 1, 300, "ps 1 to be recovered")
         assert strategy.stats()["ps"][1]["recoveries"] == 1
         shard = layer.table.shards[1]
         assert shard.marked and marks_of(shard.rows) is not old_marks

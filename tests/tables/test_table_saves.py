@@ -16,6 +16,7 @@ import psclient  # noqa: E402
 from psclient._coordinator.checkpoints.table_checkpoint import read_local  # noqa: E402
 from psclient._coordinator.tables import ps_saves  # noqa: E402
 from _dynamic_coordinator import data, make_model  # noqa: E402
+from _polling import wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
@@ -77,7 +78,10 @@ def test_saves_hold_every_shard_before_and_after_a_ps_is_lost(local, tmp_path):
             local.kill("ps", 1)
         finally:
             local.restart("ps", 1)
-        strategy.stats()  # meets the restarted ps: its shards are made again and restored
+        # stats() meets the restarted ps and reports it (not waiting): the recovery makes its shards again
+        # and restores them.
+        strategy.stats()
+        wait_for(lambda: strategy.stats(read_ps=False)["ps"][1]["recoveries"] == 1, 300, "ps 1 to be recovered")
         assert strategy.stats()["ps"][1]["recoveries"] == 1
         assert prepared(layer) == [True, False]  # ps 1's save was traced over the old shards
         # ps 1's shards saved one by one in this cut, ps 0's by its prepared call: both whole.
