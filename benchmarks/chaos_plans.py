@@ -204,6 +204,23 @@ class _Faults:
             text = f"py-spy dump not taken: {error}"
         with open(os.path.join(self.slow_dir, name.replace(".txt", "-native.txt")), "w") as out:
             out.write(text)
+        # And every task's (seed 527 of 2026-12-06: the coordinator's reconnect waited 54 s in TF's
+        # CloseRemoteContexts, for a task's answer to a CloseContext: which task, and why, only the
+        # tasks' own stacks can tell). Each dump stops only that task, for a moment.
+        with open(os.path.join(self.slow_dir, name.replace(".txt", "-tasks.txt")), "w") as out:
+            for job, count in (("worker", PLAN_WORKERS), ("ps", len(self.locks) - PLAN_WORKERS)):
+                for index in range(count):
+                    pid = self.local.pid(job, index) if self.local.is_running(job, index) else None
+                    out.write(f"===== {job}:{index} pid {pid}\n")
+                    if pid is None:
+                        continue
+                    try:
+                        with _NATIVE_DUMPS:
+                            task = subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)],
+                                                  capture_output=True, text=True, timeout=60)
+                        out.write(task.stdout + task.stderr)
+                    except (OSError, subprocess.TimeoutExpired) as error:
+                        out.write(f"py-spy dump not taken: {error}\n")
 
 
 def _step(strategy, num_ps, big_rows=0, table_capacity=0, table_dim=BIG_DIM):

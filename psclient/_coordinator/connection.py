@@ -292,6 +292,30 @@ def disconnect() -> None:
         _update_connection(spec, tf.config.experimental.ClusterDeviceFilters())
 
 
+#: A change of TF's view of the cluster that takes this long is logged, with the tasks it dropped.
+SLOW_VIEW_CHANGE_S = 10.0
+#: The tasks of TF's view after the last change ("job:index" -> address).
+_view: dict[str, str] = {}
+
+
 def _update_connection(cluster_spec, filters) -> None:
-    """Point the running coordinator server at `cluster_spec` (TF-internal API)."""
-    _context.update_server_def(cluster_spec, filters, COORDINATOR_JOB)
+    """Point the running coordinator server at `cluster_spec` (TF-internal API).
+
+    TF's update closes the old context on each task it drops and each that restarted, and waits for
+    every answer without a deadline (`EagerContext::CloseRemoteContexts`): a reconnect of a seeded
+    chaos plan waited there 54 s (docs/chaos.md). A slow one is logged, naming what it dropped.
+    """
+    global _view
+    began = time.monotonic()
+    view = {f"{job}:{index}": address for job, tasks in cluster_spec.as_dict().items()
+            for index, address in (tasks.items() if isinstance(tasks, dict) else enumerate(tasks))}
+    try:
+        _context.update_server_def(cluster_spec, filters, COORDINATOR_JOB)
+    finally:
+        took = time.monotonic() - began
+        dropped = sorted(task for task in _view if task not in view or _view[task] != view[task])
+        _view = view
+        if took >= SLOW_VIEW_CHANGE_S:
+            log.warning("TF's update of its view of the cluster took %.1f s (it waits, without a deadline, for "
+                        "each task it drops or that restarted to close its old context); dropped: %s",
+                        took, ", ".join(dropped) or "none")
