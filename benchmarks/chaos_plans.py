@@ -51,6 +51,8 @@ PLAN_WORKERS, PLAN_PS = 3, 1
 BIG_DIM = 32  # --big-rows: the width of each ps's big table
 #: --stall-traces: a sampler asleep this long has every thread's Python stack written.
 TRACE_AFTER_S = 0.5
+#: --stall-traces: a change of TF's view running this long gets every task's native stack written (gdb).
+VIEW_CHANGE_DUMP_S = 8.0
 #: --stall-traces: a task not back this long after its fault ended gets every thread's stack written.
 SLOW_BACK_S = 20.0
 _NATIVE_DUMPS = threading.Lock()  # py-spy dumps of this process, one at a time
@@ -216,8 +218,12 @@ class _Faults:
                         continue
                     try:
                         with _NATIVE_DUMPS:
-                            task = subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)],
-                                                  capture_output=True, text=True, timeout=60)
+                            began = time.monotonic()
+                            try:  # counted as a pause too: seed 537's sampler stalled 1.1 s during such dumps
+                                task = subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)],
+                                                      capture_output=True, text=True, timeout=60)
+                            finally:
+                                self.native_pauses.append((began, time.monotonic()))
                         out.write(task.stdout + task.stderr)
                     except (OSError, subprocess.TimeoutExpired) as error:
                         out.write(f"py-spy dump not taken: {error}\n")
@@ -348,7 +354,7 @@ def run_seed(seed: int, args) -> dict:
 
         gc.callbacks.append(timed_gc)
         sampler = threading.Thread(target=sample, daemon=True)
-        faults = None
+        faults = views = None
         try:
             fit = served = None
             if getattr(args, "fit", False):  # --fit: Keras fit trains through the plan (chaos_fit)
@@ -366,6 +372,7 @@ def run_seed(seed: int, args) -> dict:
                              slow_dir=os.path.join(args.stall_traces, f"seed-{seed}") if traces else None)
             faults.start()
             sampler.start()
+            views = _ViewChangeWatch(local, os.path.join(args.stall_traces, f"seed-{seed}")) if traces else None
             # New batches while the plan runs (and its last faults recover, for
             # recovery_timeout at most); each join may take join_timeout.
             stop_at = started + args.duration + args.recovery_timeout
@@ -444,6 +451,8 @@ def run_seed(seed: int, args) -> dict:
             if served is not None:
                 served.close()
             strategy.shutdown()
+            if views is not None:
+                views.close()  # after the shutdown: its disconnect changes TF's view too
             logging.getLogger("psclient").removeHandler(logged)
     row = {
         "seed": seed,
@@ -531,6 +540,61 @@ def read_plan(path: str, num_ps: int) -> list[dict]:
             if isinstance(fault[key], bool) or not isinstance(fault[key], (int, float)) or fault[key] < 0:
                 raise ValueError(f"{where}: received {key} {fault[key]!r}; expected a number of seconds >= 0")
     return sorted(faults, key=lambda f: f["at"])
+
+
+class _ViewChangeWatch:
+    """--stall-traces: every task's whole native stack (gdb: TF's own threads too, which py-spy does not
+    show) when a change of TF's view of the cluster has run VIEW_CHANGE_DUMP_S, once per change.
+
+    TF's update waits without a deadline for each task it drops or that restarted to close its old
+    context (`EagerContext::CloseRemoteContexts`; seeds 527, 528, 537 and 539 of 2026-12-06 waited
+    16.7-54 s there): which task, and what its context waited for, only the tasks' stacks tell. gdb
+    stops each task for about 14 s while it reads it (all at once, each on a thread of its own)."""
+
+    def __init__(self, local, directory: str):
+        from psclient._coordinator import connection
+
+        self._local, self._directory, self._changes = local, directory, connection.connection_changes
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-view-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        seen, since, dumped = None, time.monotonic(), set()
+        while not self._stop.wait(0.25):
+            changes = self._changes()
+            if changes != seen:
+                seen, since = changes, time.monotonic()
+            elif changes % 2 and changes not in dumped and time.monotonic() - since >= VIEW_CHANGE_DUMP_S:
+                dumped.add(changes)
+                self._dump(changes)
+
+    def _dump(self, changes: int) -> None:
+        os.makedirs(self._directory, exist_ok=True)
+        tasks = [(job, index, self._local.pid(job, index)) for job, index, _ in self._local.cluster.tasks()
+                 if self._local.is_running(job, index)]
+
+        def dump(job, index, pid):
+            path = os.path.join(self._directory, f"view-change-{changes}-{job}{index}-gdb.txt")
+            try:
+                out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx", "-iex", "set auto-load safe-path /",
+                                      "-ex", "set pagination off", "-ex", "thread apply all bt 40"],
+                                     capture_output=True, text=True, timeout=180)
+                text = out.stdout + out.stderr
+            except (OSError, subprocess.TimeoutExpired) as error:
+                text = f"gdb not run: {error}"
+            with open(path, "w") as file:
+                file.write(f"{job}:{index} pid {pid}, TF's view change {changes} running {VIEW_CHANGE_DUMP_S} s\n{text}")
+
+        threads = [threading.Thread(target=dump, args=task, daemon=True) for task in tasks]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(200)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(400)
 
 
 def _stall_without_dumps(row: dict) -> float:
