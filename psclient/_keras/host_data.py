@@ -25,6 +25,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from psclient._coordinator.data.per_worker import without_autotune_model
 from psclient._keras.data import is_python_made
 from psclient._keras.trainer import TrainFunction
 from psclient._tf.data import calls_python
@@ -77,8 +78,8 @@ class ReadHere:
 
     def __iter__(self):
         self.close()
-        with streamed_registrations():
-            self._open = _Pass(iter(self._dataset))
+        with streamed_registrations():  # its deletion must not wait (`without_autotune_model`)
+            self._open = _Pass(iter(without_autotune_model(self._dataset)))
         return self._open
 
     def close(self) -> None:

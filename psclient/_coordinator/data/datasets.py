@@ -41,6 +41,7 @@ from psclient._coordinator.data.per_worker import (
     deserialize_dataset,
     refuse_variables,
     serialize_dataset,
+    without_autotune_model,
 )
 from psclient._core.errors import PSClientError
 
@@ -196,7 +197,7 @@ def per_worker_datasets(dataset_fn, num_workers: int, *, on_new,
 
     def make_iterator(worker: int, dataset):
         with tf.device(_runtime.worker_device(worker)):
-            return iter(dataset)
+            return iter(without_autotune_model(dataset))  # its deletion must not wait (per_worker.py)
 
     return PerWorkerDataset(build, num_workers, name, make_iterator=make_iterator, on_new=on_new,
                             element_spec=element_spec, is_up=is_up)
