@@ -14,7 +14,9 @@ import os
 import re
 import threading
 import time
+import types
 import warnings
+from collections.abc import Mapping
 
 import portpicker
 
@@ -294,8 +296,8 @@ def disconnect() -> None:
 
 #: A change of TF's view of the cluster that takes this long is logged, with the tasks it dropped.
 SLOW_VIEW_CHANGE_S = 10.0
-#: The tasks of TF's view after the last change ("job:index" -> address).
-_view: dict[str, str] = {}
+#: The tasks of TF's view after the last change ("job:index" -> address): TF's view is the process's.
+_view: Mapping[str, str] = types.MappingProxyType({})
 
 
 def _update_connection(cluster_spec, filters) -> None:
@@ -314,7 +316,7 @@ def _update_connection(cluster_spec, filters) -> None:
     finally:
         took = time.monotonic() - began
         dropped = sorted(task for task in _view if task not in view or _view[task] != view[task])
-        _view = view
+        _view = types.MappingProxyType(view)
         if took >= SLOW_VIEW_CHANGE_S:
             log.warning("TF's update of its view of the cluster took %.1f s (it waits, without a deadline, for "
                         "each task it drops or that restarted to close its old context); dropped: %s",
