@@ -53,21 +53,21 @@ def live_tables(strategy) -> list:
     return [table for table in strategy.parts.store.tables().values() if table.shards[0].device]
 
 
-def stats_on_ps(strategy, *, wait: bool = True, into: dict | None = None) -> dict[str, list[dict]]:
+def stats_on_ps(strategy, into: dict | None = None) -> dict[str, list[dict]]:
     """`stats()` of every live table of `strategy` (rows on its ps tasks), by name (the newest of a name).
 
     Only that strategy's (its variable store tracks them): a table made under an earlier
     strategy (a model still referenced after its shutdown) lives on tasks this one may not reach.
-    `wait=False`: a shard of a ps being recovered is reported unavailable, not waited for (the
-    ps tasks the recovery holds lost are not read at all). `into`: filled as the shards are read
-    (a caller that stops waiting keeps what was read, `table_stats`).
+    Nothing is waited for: the ps tasks the recovery holds lost are not read, and a loss the read
+    meets is reported to the recovery (`recovering: True` on the shard either way). `into`: filled
+    as the shards are read (a caller that stops waiting keeps what was read, `table_stats`).
     """
     into = {} if into is None else into
-    lost = frozenset() if wait else strategy.parts.engine.published.ps_down
+    lost = strategy.parts.engine.published.ps_down
     for table in live_tables(strategy):
         into[table.name] = entries = []
         for index in range(len(table.shards)):
-            entries.append(_shard_stats_or_unavailable(table, index, wait, lost))
+            entries.append(_shard_stats_or_unavailable(table, index, wait=False, lost=lost))
     return into
 
 

@@ -87,6 +87,6 @@ def _read_tables(strategy_ref, into: dict) -> None:
     if strategy is None:
         return
     try:
-        dynamic_tables.stats_on_ps(strategy, wait=False, into=into["tables"])
+        dynamic_tables.stats_on_ps(strategy, into=into["tables"])
     except Exception as error:  # noqa: BLE001 - handed to the callers (`read`)
         into["error"] = error
