@@ -1,0 +1,98 @@
+"""keras.io examples as published, on the cluster: each runs as it runs locally.
+
+`_published_examples_child.py` runs six examples in a fresh process (TF connects a process
+once): their data and preprocessing first, each example with local Keras, then the strategy
+and the same examples with their models built in its scope. The two runs are compared
+here. Two asynchronous workers train differently from one local loop, so results are
+compared with a tolerance, and each local result is first checked to say something.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from _paths import ROOT_STR
+
+_CHILD = os.path.join(ROOT_STR, "tests", "_published_examples_child.py")
+#: How far below local Keras's an accuracy on the cluster may end (asynchronous updates).
+ACCURACY_TOLERANCE = 0.15
+
+
+@pytest.fixture(scope="module")
+def examples(local_cluster, tmp_path_factory):
+    work = tmp_path_factory.mktemp("examples")
+    # No "chief": this process may hold that port already (TF never releases it).
+    jobs = {job: list(addresses) for job, addresses in local_cluster.cluster.jobs.items() if job != "chief"}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT_STR, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, _CHILD, json.dumps(jobs), str(work)], cwd=work, env=env,
+                         capture_output=True, text=True, timeout=900)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert run.returncode == 0 and lines, f"the script failed (exit {run.returncode}):\n{run.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
+def _both(examples, name):
+    local, cluster = examples["local"][name], examples["cluster"][name]
+    assert "error" not in local, local["error"]
+    assert "error" not in cluster, cluster["error"]
+    assert cluster["on_ps"], "the model's variables are not all on the ps tasks"
+    assert set(cluster["history"]) == set(local["history"])  # the same logs, by name
+    return local, cluster
+
+
+def test_text_classification_from_scratch(examples):
+    """`text_dataset_from_directory`, a `TextVectorization` adapted and mapped before the strategy,
+    and the example's end-to-end model on raw strings, made and compiled after training."""
+    local, cluster = _both(examples, "text")
+    assert local["use"]["evaluate"]["accuracy"] > 0.75, "the local reference did not learn"
+    assert cluster["use"]["evaluate"]["accuracy"] >= local["use"]["evaluate"]["accuracy"] - ACCURACY_TOLERANCE
+    for run in (local, cluster):  # the same model on strings as on the vectorized dataset
+        assert run["use"]["end_to_end"]["accuracy"] == pytest.approx(run["use"]["evaluate"]["accuracy"])
+        assert run["use"]["end_to_end"]["loss"] == pytest.approx(run["use"]["evaluate"]["loss"], rel=1e-4)
+
+
+def test_structured_data_with_feature_space(examples):
+    """A `FeatureSpace` adapted before the strategy and mapped in the pipeline; its inference model."""
+    local, cluster = _both(examples, "feature_space")
+    assert local["use"]["evaluate"]["accuracy"] > 0.75, "the local reference did not learn"
+    assert cluster["use"]["evaluate"]["accuracy"] >= local["use"]["evaluate"]["accuracy"] - ACCURACY_TOLERANCE
+    for run in (local, cluster):
+        assert 0.0 < run["use"]["inference"] < 1.0
+
+
+def test_timeseries_forecast_with_best_weights_checkpoint(examples):
+    """`timeseries_dataset_from_array`, an LSTM, EarlyStopping and a weights-only best checkpoint loaded back."""
+    local, cluster = _both(examples, "forecast")
+    for run in (local, cluster):
+        # The target is a sine (variance 0.5): both learned it, and the loaded weights are the best epoch's.
+        assert run["use"]["best_val_loss"] < 0.05
+        assert run["use"]["loaded_val_loss"] == pytest.approx(run["use"]["best_val_loss"], rel=1e-4)
+
+
+def test_vae_with_its_own_train_step_and_seed_generator(examples):
+    local, cluster = _both(examples, "vae")
+    for run in (local, cluster):
+        loss = run["history"]["loss"]
+        assert np.all(np.isfinite(loss)) and loss[-1] < loss[0]
+        assert run["use"]["z_mean_finite"]
+    assert cluster["history"]["loss"][-1] <= local["history"]["loss"][-1] * 1.2
+
+
+def test_knowledge_distillation_overriding_compile_and_compute_loss(examples):
+    local, cluster = _both(examples, "distillation")
+    for role in ("teacher", "student"):
+        accuracy = "sparse_categorical_accuracy"
+        assert local["use"][role][accuracy] > 0.3, f"the local {role} did not learn"
+        assert cluster["use"][role][accuracy] >= local["use"][role][accuracy] - ACCURACY_TOLERANCE
+    assert np.all(np.isfinite(cluster["history"]["loss"]))
+
+
+def test_multi_input_multi_output_model_with_losses_by_name(examples):
+    local, cluster = _both(examples, "multi_io")
+    assert set(cluster["history"]) == {"loss", "priority_loss", "department_loss"}
+    for name, value in cluster["use"]["evaluate"].items():
+        assert np.isfinite(value) and value == pytest.approx(local["use"]["evaluate"][name], rel=0.25), name
