@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from psclient._coordinator.data.datasets import (
     TracedDatasetFunction,
+    trace_dataset_function,
     trace_or_fall_back,
     tracing_per_worker_dataset_fn,
 )
@@ -96,7 +97,11 @@ class ClusterCoordinator:
         with tracing_per_worker_dataset_fn():
             concrete = trace_or_fall_back(python_fn, name)
         if concrete is not None:
-            return self._strategy.distribute_datasets_from_function(TracedDatasetFunction(concrete, name))
+            def retrace():
+                with tracing_per_worker_dataset_fn():
+                    return trace_dataset_function(python_fn, name)
+
+            return self._strategy.distribute_datasets_from_function(TracedDatasetFunction(concrete, name, retrace))
         # Not traceable (module doc of datasets.py): called once, eagerly.
         with refuse_variables(f"`dataset_fn` ({name})"):
             made = python_fn()

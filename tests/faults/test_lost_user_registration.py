@@ -7,6 +7,9 @@ for a registration still on its way; once those are spent, the dispatcher has th
 the function anew under a new name (a new generation: `Tracer.renew`) and calls that. Here the
 registration is lost for real: the function is removed from every task (TF's `remove_function`).
 A `ConcreteFunction` scheduled directly cannot be traced anew: its future fails with TF's error.
+A worker's dataset, built again when the worker rejoins, comes from a traced dataset function
+too: once its registration is lost, that function is traced anew the same way
+(`until_registered`'s `remake`), where every closure given that worker's iterator failed before.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ from __future__ import annotations
 import logging
 
 import pytest
+from _polling import wait_for
 
 import psclient
 from psclient._engine import dispatch
+from psclient._tf import registrations
 
 tf = pytest.importorskip("tensorflow")
 from tensorflow.python.eager import context  # noqa: E402
@@ -28,6 +33,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 def few_attempts(monkeypatch):
     """Three calls per trace instead of 25 (about 10 s of pauses)."""
     monkeypatch.setattr(dispatch, "_NOT_REGISTERED_ATTEMPTS", 3)
+    monkeypatch.setattr(registrations, "ATTEMPTS", 3)
 
 
 @pytest.fixture()
@@ -74,3 +80,48 @@ def test_a_scheduled_function_whose_registration_was_lost_is_traced_anew(local_c
             strategy.schedule(concrete, (tf.constant(1.0),)).result(timeout=120)
     finally:
         strategy.shutdown()
+
+
+@pytest.mark.parametrize("api", ["strategy", "tf_coordinator"])
+def test_a_dataset_function_whose_registration_was_lost_is_traced_anew_when_a_worker_rejoins(
+        local_cluster, few_attempts, lose, caplog, api):
+    strategy = psclient.ParameterServerStrategy(local_cluster.cluster, hang_timeout=3.0)
+    try:
+        def lost_pipeline_fn(ctx):  # each worker's elements tell its pipeline
+            return tf.data.Dataset.from_tensors(tf.cast(ctx.input_pipeline_id, tf.int64)).repeat()
+
+        if api == "strategy":
+            iterator = iter(strategy.distribute_datasets_from_function(lost_pipeline_fn))
+        else:  # TF's tutorial: a per-worker dataset function without arguments, given to the coordinator
+            def lost_pipeline_per_worker_fn():
+                return strategy.distribute_datasets_from_function(lost_pipeline_fn)
+
+            coordinator = psclient.ClusterCoordinator(strategy)
+            iterator = iter(coordinator.create_per_worker_dataset(lost_pipeline_per_worker_fn))
+
+        @tf.function
+        def pipeline_of(iterator):
+            return next(iterator)
+
+        first = [strategy.schedule(pipeline_of, args=(iterator,)) for _ in range(20)]
+        strategy.join(timeout=120)
+        assert {int(f.result()) for f in first} <= {0, 1}
+        assert lose("lost_pipeline")
+        local_cluster.kill("worker", 1)
+        wait_for(lambda: not strategy.stats()["workers"][1]["up"], 120, "worker 1 to be taken out")
+        local_cluster.restart("worker", 1)
+        with caplog.at_level(logging.WARNING, logger="psclient"):
+            # The rejoin builds worker 1's dataset again: its function is gone from every task.
+            wait_for(lambda: strategy.stats()["workers"][1]["up"] and strategy.stats()["workers"][1]["rejoins"] == 1,
+                     180, "worker 1 to rejoin")
+            done_before = strategy.stats()["workers"][1]["done"]
+            more = [strategy.schedule(pipeline_of, args=(iterator,)) for _ in range(60)]
+            strategy.join(timeout=180)
+        assert all(f.exception() is None for f in more), [f.exception() for f in more if f.exception()][:1]
+        assert "never reached a task" in caplog.text and "tracing it again" in caplog.text
+        assert strategy.stats()["workers"][1]["done"] > done_before, "the rejoined worker took no work"
+        assert 1 in {int(f.result()) for f in more}  # worker 1's own pipeline, from its new dataset
+    finally:
+        strategy.shutdown()
+        if not local_cluster.is_running("worker", 1):
+            local_cluster.restart("worker", 1)

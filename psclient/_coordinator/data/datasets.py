@@ -63,11 +63,15 @@ _trace_state = threading.local()
 
 
 class TracedDatasetFunction:
-    """A dataset function already traced (by `trace_dataset_function`), with its name."""
+    """A dataset function already traced (by `trace_dataset_function`), with its name.
 
-    def __init__(self, concrete, name: str):
+    `retrace()`: the same function traced anew (a new name), for a registration lost on its way.
+    """
+
+    def __init__(self, concrete, name: str, retrace: Callable[[], Any] | None = None):
         self.concrete = concrete
         self.name = name
+        self.retrace = retrace
 
 
 @contextlib.contextmanager
@@ -181,19 +185,24 @@ def per_worker_datasets(dataset_fn, num_workers: int, *, on_new,
     `TracedDatasetFunction`, built on every worker."""
     element_spec = None
     if isinstance(dataset_fn, TracedDatasetFunction):
-        build, name, element_spec = _traced_builder(dataset_fn.concrete, num_workers), dataset_fn.name, \
-            dataset_fn.concrete.structured_outputs.element_spec
+        build, name, element_spec = _TracedBuilder(dataset_fn.concrete, num_workers, dataset_fn.retrace), \
+            dataset_fn.name, dataset_fn.concrete.structured_outputs.element_spec
     elif isinstance(dataset_fn, tf.data.Dataset):
         build, name, element_spec = _eager_builder(dataset_cloner(dataset_fn), num_workers), \
             "dataset", dataset_fn.element_spec
     else:
         check_dataset_fn(dataset_fn)
         name = getattr(dataset_fn, "__name__", None) or "dataset_fn"
-        concrete = trace_or_fall_back(lambda: dataset_fn(worker_input_context(num_workers)), name)
+
+        def make():
+            return dataset_fn(worker_input_context(num_workers))
+
+        concrete = trace_or_fall_back(make, name)
         if concrete is None:
             build = _eager_builder(dataset_fn, num_workers)
         else:
-            build, element_spec = _traced_builder(concrete, num_workers), concrete.structured_outputs.element_spec
+            build = _TracedBuilder(concrete, num_workers, lambda: trace_dataset_function(make, name))
+            element_spec = concrete.structured_outputs.element_spec
 
     def make_iterator(worker: int, dataset):
         with tf.device(_runtime.worker_device(worker)):
@@ -224,13 +233,24 @@ def _pipeline(worker: int, num_workers: int) -> int:
     return worker % num_workers
 
 
-def _traced_builder(concrete, num_workers: int) -> Callable[[int], Any]:
-    def build(worker: int):
-        # The pipeline id the traced function reads is the dispatch context's worker index.
-        with tf.device(_runtime.worker_device(worker)), _runtime.worker_index_scope(_pipeline(worker, num_workers)):
-            return concrete()
+class _TracedBuilder:
+    """`build(worker)`: the traced dataset function called on the worker. `remake()` (None when it
+    cannot be): the function traced anew, under a new name, which TF registers afresh on every task:
+    a registration lost on its way (`until_registered`) would otherwise fail every closure given
+    that worker's iterator until the worker restarts."""
 
-    return build
+    def __init__(self, concrete, num_workers: int, retrace: Callable[[], Any] | None):
+        self._concrete, self._num_workers, self._retrace = concrete, num_workers, retrace
+        self.remake = None if retrace is None else self._remake
+
+    def __call__(self, worker: int):
+        # The pipeline id the traced function reads is the dispatch context's worker index.
+        with tf.device(_runtime.worker_device(worker)), \
+                _runtime.worker_index_scope(_pipeline(worker, self._num_workers)):
+            return self._concrete()
+
+    def _remake(self) -> None:
+        self._concrete = self._retrace()
 
 
 def _eager_builder(dataset_fn, num_workers: int) -> Callable[[int], Any]:
