@@ -86,7 +86,7 @@ def test_knowledge_distillation_overriding_compile_and_compute_loss(examples):
     local, cluster = _both(examples, "distillation")
     for role in ("teacher", "student"):
         accuracy = "sparse_categorical_accuracy"
-        assert local["use"][role][accuracy] > 0.3, f"the local {role} did not learn"
+        assert local["use"][role][accuracy] > 0.25, f"the local {role} did not learn (chance: 0.1)"
         assert cluster["use"][role][accuracy] >= local["use"][role][accuracy] - ACCURACY_TOLERANCE
     assert np.all(np.isfinite(cluster["history"]["loss"]))
 
