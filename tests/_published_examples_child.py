@@ -15,7 +15,12 @@ example run again, its model built in the strategy's scope:
   with its own `SeedGenerator`;
 - knowledge distillation: a teacher fit first, then a `Distiller` overriding `compile` and
   `compute_loss`;
-- the functional API guide's multi-input, multi-output model, losses and weights by name.
+- the functional API guide's multi-input, multi-output model, losses and weights by name;
+- transfer learning: a frozen base, then unfrozen and the model compiled again after training
+  (outside any scope, as the guide does) and fit again;
+- the callbacks guide's `EarlyStoppingAtMinLoss`: `get_weights` at each better epoch,
+  `stop_training` and `set_weights` back to the best;
+- a layer adding an activity loss (`add_loss`) in a model with its own `test_step`.
 
 Prints one JSON line of results.
 
@@ -327,6 +332,103 @@ def multi_io_example(rng):
         lambda: {"evaluate": model.evaluate(inputs, targets, verbose=0, return_dict=True)}
 
 
+def transfer_example(digits, labels):
+    base_model = keras.Sequential([keras.Input((8, 8, 1)), layers.Conv2D(16, 3, activation="relu"), layers.Flatten()],
+                                  name="base")
+    base_model.trainable = False
+    inputs = keras.Input(shape=(8, 8, 1))
+    x = base_model(inputs, training=False)
+    outputs = keras.layers.Dense(10)(x)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.Adam(), metrics=[keras.metrics.SparseCategoricalAccuracy()],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    frozen = []
+
+    def fit():
+        model.fit(digits[:1400], labels[:1400], epochs=3, verbose=0)
+        frozen.append(len(model.trainable_weights))
+        base_model.trainable = True  # fine-tuning: unfrozen, compiled again, a low learning rate
+        model.compile(optimizer=keras.optimizers.Adam(1e-4), metrics=[keras.metrics.SparseCategoricalAccuracy()],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model.fit(digits[:1400], labels[:1400], epochs=2, verbose=0)
+
+    def use():
+        return {"evaluate": model.evaluate(digits[1400:], labels[1400:], verbose=0, return_dict=True),
+                "trainable_frozen": frozen[0], "trainable_unfrozen": len(model.trainable_weights)}
+
+    return model, fit, use
+
+
+class EarlyStoppingAtMinLoss(keras.callbacks.Callback):
+    """Stop training when the loss is at its min, i.e. the loss stops decreasing."""
+
+    def __init__(self, patience=0):
+        super().__init__()
+        self.patience = patience
+        self.best_weights = None
+
+    def on_train_begin(self, logs=None):
+        self.wait, self.stopped_epoch, self.best = 0, 0, np.inf
+
+    def on_epoch_end(self, epoch, logs=None):
+        current = logs.get("loss")
+        if np.less(current, self.best):
+            self.best, self.wait = current, 0
+            self.best_weights = self.model.get_weights()
+        else:
+            self.wait += 1
+            if self.wait >= self.patience:
+                self.stopped_epoch = epoch
+                self.model.stop_training = True
+                self.model.set_weights(self.best_weights)
+
+
+def min_loss_example(rng):
+    x = rng.normal(size=(1000, 8)).astype("float32")
+    y = (x @ rng.normal(size=(8, 1)) + rng.normal(0, 0.1, size=(1000, 1))).astype("float32")
+    model = keras.Sequential([keras.Input((8,)), layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.1), loss="mean_squared_error",
+                  metrics=["mean_absolute_error"])
+    callback = EarlyStoppingAtMinLoss(patience=1)
+
+    def use():
+        return {"stopped_epoch": callback.stopped_epoch, "best": float(callback.best),
+                "loss_now": float(model.evaluate(x, y, verbose=0)[0])}
+
+    return model, lambda: model.fit(x, y, batch_size=64, epochs=30, verbose=0, callbacks=[callback]), use
+
+
+class ActivityRegularizationLayer(layers.Layer):
+    def call(self, inputs):
+        self.add_loss(1e-3 * ops.mean(ops.square(inputs)))
+        return inputs
+
+
+class CustomModel(keras.Model):
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        loss = self.compute_loss(y=y, y_pred=y_pred)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def add_loss_example(features, labels):
+    inputs = keras.Input(shape=(64,))
+    x = ActivityRegularizationLayer()(layers.Dense(32, activation="relu")(inputs))
+    model = CustomModel(inputs, layers.Dense(10)(x))
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    fit = lambda: model.fit(features[:1400], labels[:1400], epochs=4, verbose=0,  # noqa: E731
+                            validation_data=(features[1400:], labels[1400:]))
+    return model, fit, lambda: {"evaluate": model.evaluate(features[1400:], labels[1400:], verbose=0,
+                                                           return_dict=True)}
+
+
 def run_examples(tag, scope, data, work):
     """Every example once, its model built in `scope()`: {name: {"history", "use"} or {"error"}}."""
     examples = {
@@ -336,6 +438,9 @@ def run_examples(tag, scope, data, work):
         "vae": lambda: vae_example(data["digits"]),
         "distillation": lambda: distillation_example(data["digits"], data["labels"]),
         "multi_io": lambda: multi_io_example(np.random.default_rng(9)),
+        "transfer": lambda: transfer_example(data["digits"], data["labels"]),
+        "min_loss": lambda: min_loss_example(np.random.default_rng(5)),
+        "add_loss": lambda: add_loss_example(data["features"], data["labels"]),
     }
     results = {}
     for name, make in examples.items():
@@ -360,7 +465,8 @@ def main():
     bunch = load_digits()
     # The data and preprocessing first, as the examples do.
     data = {"text": text_data(work, rng), "feature_space": feature_space_data(rng), "forecast": forecast_data(rng),
-            "digits": np.expand_dims(bunch.images.astype("float32") / 16.0, -1), "labels": bunch.target}
+            "digits": np.expand_dims(bunch.images.astype("float32") / 16.0, -1), "labels": bunch.target,
+            "features": bunch.data.astype("float32") / 16.0}
     import contextlib
 
     results = {"local": run_examples("local", contextlib.nullcontext, data, work)}

@@ -1,6 +1,6 @@
 """keras.io examples as published, on the cluster: each runs as it runs locally.
 
-`_published_examples_child.py` runs six examples in a fresh process (TF connects a process
+`_published_examples_child.py` runs nine examples in a fresh process (TF connects a process
 once): their data and preprocessing first, each example with local Keras, then the strategy
 and the same examples with their models built in its scope. The two runs are compared
 here. Two asynchronous workers train differently from one local loop, so results are
@@ -96,3 +96,33 @@ def test_multi_input_multi_output_model_with_losses_by_name(examples):
     assert set(cluster["history"]) == {"loss", "priority_loss", "department_loss"}
     for name, value in cluster["use"]["evaluate"].items():
         assert np.isfinite(value) and value == pytest.approx(local["use"]["evaluate"][name], rel=0.25), name
+
+
+def test_transfer_learning_unfrozen_and_compiled_again_after_training(examples):
+    """The guide's fine-tuning: a frozen base, then `trainable = True` and `compile` again (outside
+    any scope) after the first fit, and a second fit that trains the base too."""
+    local, cluster = _both(examples, "transfer")
+    for run in (local, cluster):
+        assert (run["use"]["trainable_frozen"], run["use"]["trainable_unfrozen"]) == (2, 4)
+    accuracy = "sparse_categorical_accuracy"
+    assert local["use"]["evaluate"][accuracy] > 0.75, "the local reference did not learn"
+    assert cluster["use"]["evaluate"][accuracy] >= local["use"]["evaluate"][accuracy] - ACCURACY_TOLERANCE
+
+
+def test_callback_stops_at_min_loss_and_sets_the_best_weights_back(examples):
+    """The callbacks guide's `EarlyStoppingAtMinLoss`: `get_weights()` at each better epoch, then
+    `stop_training` and `set_weights()` of those, all from inside `fit`."""
+    local, cluster = _both(examples, "min_loss")
+    for run in (local, cluster):
+        epochs = len(run["history"]["loss"])
+        assert epochs < 30 and epochs == run["use"]["stopped_epoch"] + 1, "it did not stop early"
+        # The weights set back are the best epoch's: evaluated, about that epoch's (running) loss.
+        assert run["use"]["loss_now"] == pytest.approx(run["use"]["best"], rel=0.15)
+        assert run["use"]["loss_now"] < 0.05  # the linear target (noise 0.01) was learned
+
+
+def test_activity_loss_layer_in_a_model_with_its_own_test_step(examples):
+    local, cluster = _both(examples, "add_loss")
+    assert local["use"]["evaluate"]["accuracy"] > 0.6, "the local reference did not learn"
+    assert cluster["use"]["evaluate"]["accuracy"] >= local["use"]["evaluate"]["accuracy"] - ACCURACY_TOLERANCE
+    assert np.all(np.isfinite(cluster["history"]["val_loss"]))
