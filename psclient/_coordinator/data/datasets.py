@@ -68,7 +68,7 @@ class TracedDatasetFunction:
     `retrace()`: the same function traced anew (a new name), for a registration lost on its way.
     """
 
-    def __init__(self, concrete, name: str, retrace: Callable[[], Any] | None = None):
+    def __init__(self, concrete, name: str, retrace: Callable[[], Any]):
         self.concrete = concrete
         self.name = name
         self.retrace = retrace
@@ -234,14 +234,13 @@ def _pipeline(worker: int, num_workers: int) -> int:
 
 
 class _TracedBuilder:
-    """`build(worker)`: the traced dataset function called on the worker. `remake()` (None when it
-    cannot be): the function traced anew, under a new name, which TF registers afresh on every task:
-    a registration lost on its way (`until_registered`) would otherwise fail every closure given
+    """`build(worker)`: the traced dataset function called on the worker. `remake()`: the function
+    traced anew (`retrace()`), under a new name, which TF registers afresh on every task: a
+    registration lost on its way (`until_registered`) would otherwise fail every closure given
     that worker's iterator until the worker restarts."""
 
-    def __init__(self, concrete, num_workers: int, retrace: Callable[[], Any] | None):
+    def __init__(self, concrete, num_workers: int, retrace: Callable[[], Any]):
         self._concrete, self._num_workers, self._retrace = concrete, num_workers, retrace
-        self.remake = None if retrace is None else self._remake
 
     def __call__(self, worker: int):
         # The pipeline id the traced function reads is the dispatch context's worker index.
@@ -249,7 +248,7 @@ class _TracedBuilder:
                 _runtime.worker_index_scope(_pipeline(worker, self._num_workers)):
             return self._concrete()
 
-    def _remake(self) -> None:
+    def remake(self) -> None:
         self._concrete = self._retrace()
 
 

@@ -187,7 +187,8 @@ class PerWorker:
         """`build(worker)`, or `_Failed` for an op error that is not a lost connection."""
 
         try:
-            # A builder that can trace its function anew (`remake`) does so for a registration lost on its way.
+            # A builder that can trace its function anew (a traced dataset function's `remake`) does so
+            # for a registration lost on its way; the others (called eagerly) raise as before.
             return _runtime.until_registered(lambda: self._build(worker), remake=getattr(self._build, "remake", None))
         except _runtime.closure_input_error_type() as error:  # a value it is built from failed
             return _Failed(error.original_exception)
