@@ -39,6 +39,7 @@ from psclient._coordinator.completion import WaitedCalls
 from psclient._coordinator.data.per_worker import PerWorker, has_per_worker, resolve_per_worker
 from psclient._core.future import Future
 from psclient._core.closure import Closure
+from psclient._tf.functions import fresh_tf_function
 
 __all__ = ["Tracer", "reject_futures", "warn_unless_scheduling"]
 
@@ -286,12 +287,7 @@ class Tracer:
     def _fresh_function(self, function):
         cached = self._fresh.get(function)
         if cached is None or cached[0] != self.generation:
-            fresh = tf.function(
-                function.python_function,
-                input_signature=function.input_signature,
-                reduce_retracing=getattr(function, "_reduce_retracing", False),
-                jit_compile=getattr(function, "_jit_compile", None),
-            )
+            fresh = fresh_tf_function(function)
             cached = (self.generation, fresh)
             self._fresh[function] = cached
         return cached[1]

@@ -1,4 +1,5 @@
-"""tf.functions that psclient makes once per object, and TF's warning about retracing."""
+"""tf.functions that psclient makes once per object, a user's tf.function made anew, and TF's warning about
+retracing."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import logging
 import threading
 from typing import Any
 
-__all__ = ["made_per_object", "quiet_saver_retracing", "traced_per_signature"]
+__all__ = ["fresh_tf_function", "made_per_object", "quiet_saver_retracing", "traced_per_signature"]
 
 _filter_lock = threading.Lock()
 
@@ -32,6 +33,20 @@ def traced_per_signature(function: Any) -> Any:
     each, and TF logged at every fifth call that tracing is expensive; TF's attribute turns that off
     for it (see `made_per_object`)."""
     return _without_retracing_warning(function)
+
+
+def fresh_tf_function(function: Any) -> Any:
+    """A new `tf.function` of a user's `function`'s Python code and options: its traces get new names,
+    which TF registers afresh on every task (the old function's registration can be lost on its way,
+    and TF sends a function to the tasks only at its first reference)."""
+    import tensorflow as tf
+
+    return tf.function(
+        function.python_function,
+        input_signature=function.input_signature,
+        reduce_retracing=getattr(function, "_reduce_retracing", False),
+        jit_compile=getattr(function, "_jit_compile", None),
+    )
 
 
 def _without_retracing_warning(function: Any) -> Any:

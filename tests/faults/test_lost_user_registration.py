@@ -10,6 +10,8 @@ A `ConcreteFunction` scheduled directly cannot be traced anew: its future fails 
 A worker's dataset, built again when the worker rejoins, comes from a traced dataset function
 too: once its registration is lost, that function is traced anew the same way
 (`until_registered`'s `remake`), where every closure given that worker's iterator failed before.
+So is a `tf.function` given to `create_per_worker_resource`, whose value is built again at a rejoin
+too (made anew from its Python code; before, that worker's value failed at every rebuild).
 """
 
 from __future__ import annotations
@@ -121,6 +123,44 @@ def test_a_dataset_function_whose_registration_was_lost_is_traced_anew_when_a_wo
         assert "never reached a task" in caplog.text and "tracing it again" in caplog.text
         assert strategy.stats()["workers"][1]["done"] > done_before, "the rejoined worker took no work"
         assert 1 in {int(f.result()) for f in more}  # worker 1's own pipeline, from its new dataset
+    finally:
+        strategy.shutdown()
+        if not local_cluster.is_running("worker", 1):
+            local_cluster.restart("worker", 1)
+
+
+def test_a_per_worker_resource_function_whose_registration_was_lost_is_made_anew_when_a_worker_rejoins(
+        local_cluster, few_attempts, lose, caplog):
+    strategy = psclient.ParameterServerStrategy(local_cluster.cluster, hang_timeout=3.0)
+    try:
+        @tf.function
+        def lost_resource_fn():  # a value held on each worker
+            return tf.fill([2], 7.0)
+
+        resource = strategy.create_per_worker_resource(lost_resource_fn)
+
+        @tf.function
+        def doubled(value):
+            return value * 2.0
+
+        first = [strategy.schedule(doubled, args=(resource,)) for _ in range(20)]
+        strategy.join(timeout=120)
+        assert all(list(f.result()) == [14.0, 14.0] for f in first)
+        assert lose("lost_resource_fn")
+        local_cluster.kill("worker", 1)
+        wait_for(lambda: not strategy.stats()["workers"][1]["up"], 120, "worker 1 to be taken out")
+        local_cluster.restart("worker", 1)
+        with caplog.at_level(logging.WARNING, logger="psclient"):
+            # The rejoin builds worker 1's value again: its function is gone from every task.
+            wait_for(lambda: strategy.stats()["workers"][1]["up"] and strategy.stats()["workers"][1]["rejoins"] == 1,
+                     180, "worker 1 to rejoin")
+            done_before = strategy.stats()["workers"][1]["done"]
+            more = [strategy.schedule(doubled, args=(resource,)) for _ in range(60)]
+            strategy.join(timeout=180)
+        assert all(f.exception() is None for f in more), [f.exception() for f in more if f.exception()][:1]
+        assert all(list(f.result()) == [14.0, 14.0] for f in more)
+        assert "never reached a task" in caplog.text and "tracing it again" in caplog.text
+        assert strategy.stats()["workers"][1]["done"] > done_before, "the rejoined worker took no work"
     finally:
         strategy.shutdown()
         if not local_cluster.is_running("worker", 1):

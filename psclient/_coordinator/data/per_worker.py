@@ -33,6 +33,7 @@ from psclient._coordinator import runtime as _runtime
 from psclient._core.checks import signature_refusing_one_argument
 from psclient._core.failures import is_connection_error_type, stale_worker_context
 from psclient._tf.data import deserialize_dataset, serialize_dataset
+from psclient._tf.functions import fresh_tf_function
 
 __all__ = [
     "PerWorker",
@@ -442,11 +443,30 @@ def per_worker_resource(fn: Callable[[], Any], num_workers: int, *,
             f"{type(fn).__name__}. Expected a function returning the worker's resource."
         )
 
-    def build(worker: int):
-        with tf.device(_runtime.worker_device(worker)), _runtime.worker_index_scope(worker):
-            return fn()
+    return PerWorker(_ResourceBuilder(fn), num_workers, getattr(fn, "__name__", "resource"), is_up=is_up)
 
-    return PerWorker(build, num_workers, getattr(fn, "__name__", "resource"), is_up=is_up)
+
+class _ResourceBuilder:
+    """`build(worker)`: `fn()` on the worker's device. A `tf.function` given as `fn` also has `remake()`:
+    made anew from its Python code (`fresh_tf_function`), for a registration lost on its way
+    (`until_registered`), which would otherwise fail that worker's value at every rebuild. A plain
+    function is only called again: a `tf.function` it calls inside is not made anew."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self._fn = fn
+
+    def __call__(self, worker: int):
+        with tf.device(_runtime.worker_device(worker)), _runtime.worker_index_scope(worker):
+            return self._fn()
+
+    @property
+    def remake(self) -> Callable[[], None] | None:
+        if isinstance(self._fn, tf.types.experimental.PolymorphicFunction) and hasattr(self._fn, "python_function"):
+            return self._made_anew
+        return None
+
+    def _made_anew(self) -> None:
+        self._fn = fresh_tf_function(self._fn)
 
 
 def dataset_cloner(dataset) -> Callable:
