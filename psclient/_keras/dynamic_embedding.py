@@ -20,6 +20,7 @@ Storage, admission and eviction: `psclient._coordinator.tables.dynamic_tables`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import weakref
@@ -36,7 +37,7 @@ from psclient._keras import dynamic_optimizers, optimizer_apply, serving
 from psclient._tf.gradients import custom_gradient
 from psclient._tf.serving import at_export_end, current_export
 
-__all__ = ["DynamicEmbedding", "epoch_logs", "install"]
+__all__ = ["DynamicEmbedding", "epoch_logs", "install", "offered_snapshots"]
 
 class _Kept:
     """Row gradients kept until the optimizer applies them: graph traced -> [(lookup state, gradient)]."""
@@ -53,19 +54,38 @@ class _Snapshot:
     `functions` keeps the shards' snapshot functions from one export to the
     next (`ServingTable.taken_from`): traced again at every export, they were
     about a sixth of an export's CPU.
+
+    `offered`: a snapshot taken by the caller of the next export (`offered_snapshots`), used by that
+    export instead of one of its own.
     """
 
-    __slots__ = ("functions", "table", "token")
+    __slots__ = ("functions", "offered", "table", "token")
 
     def __init__(self):
-        self.table, self.token, self.functions = None, None, {}
+        self.table, self.token, self.functions, self.offered = None, None, {}, None
 
     def take(self, token, table) -> None:
-        self.table, self.token = table, token
+        self.table, self.token, self.offered = table, token, None
 
     def drop(self, token) -> None:
         if self.token is token:
             self.table, self.token = None, None
+
+
+@contextlib.contextmanager
+def offered_snapshots(layers, snapshots: dict):
+    """While in it, the next export of each `DynamicEmbedding` of `layers` serves the snapshot of its table
+    in `snapshots` (id of a `DynamicTable` -> a `ServingTable` taken of it) instead of taking its own:
+    a `ServingExport`'s delta chain starts from the snapshot the full version holds, not from another
+    one taken a moment apart, and the ps tasks hold one copy of the rows, not two."""
+    offered = [layer for layer in layers if isinstance(layer, DynamicEmbedding) and id(layer.table) in snapshots]
+    for layer in offered:
+        layer._serving.offered = snapshots[id(layer.table)]
+    try:
+        yield
+    finally:
+        for layer in offered:
+            layer._serving.offered = None
 
 
 def install() -> None:
@@ -280,7 +300,9 @@ class DynamicEmbedding(keras.layers.Layer):
             raise RuntimeError(f"DynamicEmbedding {self.name!r}: serving_table() is only made during an export "
                                "(model.export, tf.saved_model.save or psclient.export_servable).")
         if self._serving.token is not token:
-            self._serving.take(token, ServingTable.taken_from(self.table, self._serving.functions))
+            offered = self._serving.offered
+            self._serving.take(token, offered if offered is not None
+                               else ServingTable.taken_from(self.table, self._serving.functions))
             at_export_end(functools.partial(self._serving.drop, token))
         return self._serving.table
 

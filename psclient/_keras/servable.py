@@ -26,6 +26,7 @@ from psclient._core import serving_deltas, serving_dirs
 from psclient._core.serving_dirs import ServingDirError
 from psclient._engine import registry
 from psclient._keras import bounded_export
+from psclient._keras.dynamic_embedding import offered_snapshots
 from psclient._keras.hung_ps_writes import writes_of
 from psclient._tf.executors import on_thread_executor
 
@@ -199,15 +200,28 @@ class ServingExport(keras.callbacks.Callback):
         chain = self._chain_state
         chain.finish_pending()  # the deltas of the chain before it are all written first
         _join_steps()
-        # No take_over here: a run that took the directory over since fails the export, as it should.
-        path = export_servable(self.model, self.base_dir, keep=self.keep, run_id=self.run_id)
-        self.exported.append(path)
+        base = None
         if self.delta_every_seconds is not None:
             from psclient._coordinator.serving.delta_cut import DeltaCut
 
-            # Nothing ran since the export: this cut is the full version's, the first delta's base.
-            chain.cut, chain.position = None, (int(os.path.basename(path)), 0)
-            chain.cut = DeltaCut(_dynamic_tables(self.model), _dense(self.model))
+            # The new chain's base is cut *before* the export, the old chain's copies freed first, and
+            # the export serves the base's own snapshot of each dynamic table. No step of this process
+            # runs in between, but one can land there: the step of a hung worker taken out (its closure
+            # run elsewhere) is applied when that worker resumes. Cut after the export, a row it changed
+            # in between was in the base, not in the full version, and in no delta until trained again
+            # (docs/serving.md, "Consistency"). Cut before, whatever changes after it is in the next delta.
+            chain.cut = None  # also if the export fails: the next version is a full one
+            tables = _dynamic_tables(self.model)
+            base = DeltaCut(tables, _dense(self.model))
+            snapshots = {id(table): snapshot for table, snapshot in zip(tables, base.previous)}
+        else:
+            snapshots = {}
+        # No take_over here: a run that took the directory over since fails the export, as it should.
+        with offered_snapshots(self.model._flatten_layers(include_self=False), snapshots):  # noqa: SLF001
+            path = export_servable(self.model, self.base_dir, keep=self.keep, run_id=self.run_id)
+        self.exported.append(path)
+        if base is not None:
+            chain.cut, chain.position = base, (int(os.path.basename(path)), 0)
         self._last = self._last_delta = time.monotonic()
 
     def delta_now(self) -> None:
