@@ -7,6 +7,8 @@ import logging
 import threading
 from typing import Any
 
+import tensorflow as tf
+
 __all__ = ["fresh_tf_function", "made_per_object", "quiet_saver_retracing", "traced_per_signature"]
 
 _filter_lock = threading.Lock()
@@ -39,8 +41,6 @@ def fresh_tf_function(function: Any) -> Any:
     """A new `tf.function` of a user's `function`'s Python code and options: its traces get new names,
     which TF registers afresh on every task (the old function's registration can be lost on its way,
     and TF sends a function to the tasks only at its first reference)."""
-    import tensorflow as tf
-
     return tf.function(
         function.python_function,
         input_signature=function.input_signature,
