@@ -14,6 +14,8 @@ which `psclient.serving.load` applies. See docs/serving.md.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import functools
 import logging
 import os
 import time
@@ -66,10 +68,16 @@ def export_servable(model, base_dir, version=None, keep=5, *, run_id=None, take_
     if not isinstance(take_over, bool):
         raise TypeError(f"Invalid value for argument `take_over`. Received: take_over={take_over!r}. "
                         "Expected True or False.")
+    return _export(model, base_dir, version, keep, run_id=run_id, take_over=take_over)
+
+
+def _export(model, base_dir, version=None, keep=5, *, run_id=None, take_over=False, around=contextlib.nullcontext):
+    """`export_servable` of checked arguments; `around()`: a context the write runs in, entered on the
+    export's thread once every ps answered (`ServingExport` cuts its delta chain's base in it)."""
     serving_dirs.claim(base_dir, run_id, take_over)
 
     def write(publication=None) -> int:
-        with serving_dirs.new_version(base_dir, version) as (scratch, written):
+        with serving_dirs.new_version(base_dir, version) as (scratch, written), around():
             model.export(scratch, format="tf_saved_model", verbose=False)
             if publication is not None and not publication.may_publish():
                 raise bounded_export.Abandoned(scratch)  # its caller gave up: removed, never renamed
@@ -200,29 +208,36 @@ class ServingExport(keras.callbacks.Callback):
         chain = self._chain_state
         chain.finish_pending()  # the deltas of the chain before it are all written first
         _join_steps()
-        base = None
+        bases = []  # the new chain's base, once cut
+        around = contextlib.nullcontext
         if self.delta_every_seconds is not None:
-            from psclient._coordinator.serving.delta_cut import DeltaCut
-
-            # The new chain's base is cut *before* the export, the old chain's copies freed first, and
-            # the export serves the base's own snapshot of each dynamic table. No step of this process
-            # runs in between, but one can land there: the step of a hung worker taken out (its closure
-            # run elsewhere) is applied when that worker resumes. Cut after the export, a row it changed
-            # in between was in the base, not in the full version, and in no delta until trained again
-            # (docs/serving.md, "Consistency"). Cut before, whatever changes after it is in the next delta.
-            chain.cut = None  # also if the export fails: the next version is a full one
-            tables = _dynamic_tables(self.model)
-            base = DeltaCut(tables, _dense(self.model))
-            snapshots = {id(table): snapshot for table, snapshot in zip(tables, base.previous)}
-        else:
-            snapshots = {}
+            chain.cut = None  # the old chain's copies freed first; if the export fails, the next version is full
+            around = functools.partial(self._chain_base, bases)
         # No take_over here: a run that took the directory over since fails the export, as it should.
-        with offered_snapshots(self.model._flatten_layers(include_self=False), snapshots):  # noqa: SLF001
-            path = export_servable(self.model, self.base_dir, keep=self.keep, run_id=self.run_id)
+        path = _export(self.model, self.base_dir, keep=self.keep, run_id=self.run_id, around=around)
         self.exported.append(path)
-        if base is not None:
-            chain.cut, chain.position = base, (int(os.path.basename(path)), 0)
+        if bases:
+            chain.cut, chain.position = bases[0], (int(os.path.basename(path)), 0)
         self._last = self._last_delta = time.monotonic()
+
+    @contextlib.contextmanager
+    def _chain_base(self, bases: list):
+        """Around the export's write (on its thread, after every ps answered its probe): the new chain's
+        base cut, appended to `bases`, its snapshot of each dynamic table served by the export.
+
+        Cut *before* the export: no step of this process runs in between, but one can land there, the
+        step of a hung worker taken out (its closure run elsewhere), applied when that worker resumes.
+        Cut after the export, a row it changed in between was in the base, not in the full version, and
+        in no delta until trained again (docs/serving.md, "Consistency"); cut before, whatever changes
+        after it is in the next delta."""
+        from psclient._coordinator.serving.delta_cut import DeltaCut
+
+        tables = _dynamic_tables(self.model)
+        base = DeltaCut(tables, _dense(self.model))
+        bases.append(base)
+        snapshots = {id(table): snapshot for table, snapshot in zip(tables, base.previous)}
+        with offered_snapshots(self.model._flatten_layers(include_self=False), snapshots):  # noqa: SLF001
+            yield
 
     def delta_now(self) -> None:
         """Write a delta version now (a full version when one is due instead).

@@ -43,7 +43,7 @@ def build():
 def test_a_step_applied_between_the_full_version_and_its_base_is_served(tmp_path, monkeypatch):
     model = build()
     callback = psclient.ServingExport(str(tmp_path / "model"), every_seconds=3600, delta_every_seconds=3600)
-    real_export, taken = servable.export_servable, []
+    real_export, taken = servable._export, []
     real_take = ServingTable.taken_from.__func__
 
     def counted_take(cls, *args, **kwargs):
@@ -56,7 +56,7 @@ def test_a_step_applied_between_the_full_version_and_its_base_is_served(tmp_path
             model.train_on_batch(LATE, np.full((len(LATE), 1), 5.0, "float32"))
         return path
 
-    monkeypatch.setattr(servable, "export_servable", export_then_a_late_step)
+    monkeypatch.setattr(servable, "_export", export_then_a_late_step)
     monkeypatch.setattr(ServingTable, "taken_from", classmethod(counted_take))
     rng = np.random.default_rng(0)
     x = rng.integers(0, 100, (64, 2))

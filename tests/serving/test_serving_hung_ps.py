@@ -149,3 +149,30 @@ def test_fit_goes_on_when_a_serving_export_is_given_up_on_a_hung_ps(cluster, tmp
                                    atol=1e-6)
     finally:
         strategy.shutdown()
+
+
+def test_a_full_version_of_a_delta_chain_given_up_on_a_hung_ps_is_made_again_and_its_chain_served(cluster, tmp_path):
+    """With deltas, the chain's base is cut on the export's thread after every ps answered its probe
+    (before the export): a ps stopped before a full version fails it within hang_timeout as without
+    deltas (the base's copies are not waited for on the caller's thread), and the chain made after the
+    resume serves the model."""
+    import psclient.serving
+
+    base_dir = str(tmp_path / "serving")
+    strategy, model, x = _strategy_and_model(cluster, tmp_path)
+    callback = psclient.ServingExport(base_dir, every_epochs=1, keep=None, delta_every_seconds=3600)
+    try:
+        fit_with_a_ps_stopped(cluster, model, x, (x[:, :1] % 3).astype("float32"), 1, [callback],
+                              lambda: callback.failed_exports, LIMIT)
+        assert [f["task"] for f in callback.failed_exports] == ["ps:1"], callback.failed_exports
+        assert [os.path.basename(path) for path in callback.exported] == ["1", "2", "3"]
+        assert callback.chain == (3, 1) and not callback.failed_deltas, (callback.chain, callback.failed_deltas)
+        wait_for(lambda: not _export_threads(), LIMIT, "the export given up on to end")
+        assert _versions(base_dir) == ["1", "2", "3"] and _hidden(base_dir) == [], os.listdir(base_dir)
+        want = model.predict(x[:8], verbose=0)
+        with psclient.serving.load(base_dir, poll_seconds=None) as loader:
+            assert loader.version == (3, 1)
+            np.testing.assert_allclose(loader(tf.constant(x[:8])).numpy(), want, atol=1e-5)
+    finally:
+        callback.release()
+        strategy.shutdown()
