@@ -81,16 +81,17 @@ class Publication:
 
 
 def export_bounded(write: Callable[[Publication], Any], num_ps: int, hang_timeout: float,
-                   describe_ps: Callable[[int], str]) -> Any:
+                   describe_ps: Callable[[int], str], what: str = "export_servable") -> Any:
     """`write(publication)` on the export thread, every ps probed meanwhile; its result.
 
     `write` must raise `Abandoned` instead of publishing when
     `publication.may_publish()` is False. Raises PSUnavailableError naming a
     ps that did not answer within `hang_timeout`; `write`'s own error else.
+    `what`: the errors' first words (the call given up).
     """
     probes = {ps: _probe_of(ps) for ps in range(num_ps)}
     try:
-        _probe_all(probes, hang_timeout, describe_ps, "nothing was written")
+        _probe_all(probes, hang_timeout, describe_ps, "nothing was written", what)
     except tf.errors.OpError:
         # A ps answered with an error (gone, not hung), as in the loop below: left to fail the
         # export's own calls. Raised here, it failed the `fit` of a chaos plan whose probe of a
@@ -116,7 +117,7 @@ def export_bounded(write: Callable[[Publication], Any], num_ps: int, hang_timeou
     thread.start()
     while not done.wait(PROBE_EVERY_S):
         try:
-            _probe_all(probes, hang_timeout, describe_ps, "the version being written is not published")
+            _probe_all(probes, hang_timeout, describe_ps, "the version being written is not published", what)
         except PSUnavailableError:
             if publication.abandon():
                 raise
@@ -129,13 +130,13 @@ def export_bounded(write: Callable[[Publication], Any], num_ps: int, hang_timeou
     thread.join()
     if "error" in outcome:
         if isinstance(outcome["error"], tf.errors.OpError):
-            _name_a_lost_ps(probes, hang_timeout, describe_ps, outcome["error"])
+            _name_a_lost_ps(probes, hang_timeout, describe_ps, outcome["error"], what)
         raise outcome["error"]
     return outcome["result"]
 
 
 def _name_a_lost_ps(probes: dict, hang_timeout: float, describe_ps: Callable[[int], str],
-                    error: tf.errors.OpError) -> None:
+                    error: tf.errors.OpError, what: str) -> None:
     """Raise PSUnavailableError for a ps that fails a probe, chained to the export's `error`; return if
     every ps answers. TF's own error names the task in its text only.
 
@@ -161,7 +162,7 @@ def _name_a_lost_ps(probes: dict, hang_timeout: float, describe_ps: Callable[[in
         return
     ps = min(failed, key=lambda p: (isinstance(failed[p], PsTimeout), p))
     raise PSUnavailableError(
-        f"export_servable: ps:{ps} ({describe_ps(ps)}) was lost during the export: it failed the "
+        f"{what}: ps:{ps} ({describe_ps(ps)}) was lost during the export: it failed the "
         f"export's call ({first_line(error)}) and then a probe ({first_line(failed[ps])}). The "
         "version being written was not published; export again once the ps is back (ps recovery "
         "restores its variables from the strategy's checkpoint).",
@@ -173,12 +174,13 @@ def _probe_of(ps: int) -> Callable[[], None]:
     return lambda: _runtime.probe(task)
 
 
-def _probe_all(probes: dict, hang_timeout: float, describe_ps: Callable[[int], str], consequence: str) -> None:
+def _probe_all(probes: dict, hang_timeout: float, describe_ps: Callable[[int], str], consequence: str,
+               what: str) -> None:
     try:
         on_each_ps(probes, timeout=hang_timeout, probe=None)  # probes themselves
     except PsTimeout as error:
         ps = error._psclient_ps
         raise PSUnavailableError(
-            f"export_servable: ps:{ps} ({describe_ps(ps)}) did not answer within hang_timeout="
+            f"{what}: ps:{ps} ({describe_ps(ps)}) did not answer within hang_timeout="
             f"{hang_timeout:g} s (hung?); the export was given up and {consequence}. Export again once "
             f"it answers: {first_line(error)}", task=f"ps:{ps}", address=describe_ps(ps)) from error

@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import time
+from typing import Callable
 
 import keras
 import tensorflow as tf
@@ -83,15 +84,21 @@ def _export(model, base_dir, version=None, keep=5, *, run_id=None, take_over=Fal
                 raise bounded_export.Abandoned(scratch)  # its caller gave up: removed, never renamed
         return written
 
-    strategy = registry.current()
-    if strategy is None or strategy.closed:
-        version = write()
-    else:  # a hung ps must not hold the caller (`bounded_export`)
-        version = bounded_export.export_bounded(write, strategy.num_ps, strategy.config.hang_timeout,
-                                                lambda ps: strategy.cluster.ps[ps])
+    version = _bounded(write, "export_servable")
     serving_dirs.prune(base_dir, keep)
     serving_deltas.prune_chains(base_dir)  # the deltas of pruned versions go with them
     return os.path.join(base_dir, str(version))
+
+
+def _bounded(call: Callable, what: str):
+    """`call(publication)`; on a cluster on the export's thread, given up on a ps that does not answer
+    within the strategy's `hang_timeout` (`PSUnavailableError` naming it, its first words `what`):
+    a hung ps must not hold the caller (`bounded_export`)."""
+    strategy = registry.current()
+    if strategy is None or strategy.closed:
+        return call(None)
+    return bounded_export.export_bounded(call, strategy.num_ps, strategy.config.hang_timeout,
+                                         lambda ps: strategy.cluster.ps[ps], what)
 
 
 def _positive(name: str, value, kind):
@@ -260,7 +267,7 @@ class ServingExport(keras.callbacks.Callback):
         _join_steps()
         joined = time.monotonic()
         try:
-            cut = chain.cut.take()
+            cut = _bounded(lambda _publication: chain.cut.take(), "a ServingExport delta's cut")
         except (tf.errors.OpError, CutLost) as error:
             # The previous cut lived on a ps that was lost (or a copy failed there): a full version instead.
             _log_full_instead(error, version, seq + 1)

@@ -176,3 +176,60 @@ def test_a_full_version_of_a_delta_chain_given_up_on_a_hung_ps_is_made_again_and
     finally:
         callback.release()
         strategy.shutdown()
+
+
+def test_a_delta_cut_on_a_ps_stopped_after_the_join_is_given_up_within_hang_timeout(cluster, tmp_path, monkeypatch):
+    """A delta's cut (the copies on the ps tasks, taken once the steps in flight ended) gives up on a ps
+    that stops right then, as a full version does: the fit's last delta is noted in `failed_exports`
+    with the ps, and once the ps answers the delta is taken again (`fit`'s end tries it again; a batch's
+    end would make a full version): the chain goes on from the same base. (It waited for the ps.)"""
+    import psclient.serving
+    from psclient._keras import servable
+
+    base_dir = str(tmp_path / "serving")
+    strategy, model, x = _strategy_and_model(cluster, tmp_path)
+    y = (x[:, :1] % 3).astype("float32")
+    callback = psclient.ServingExport(base_dir, every_seconds=3600, keep=None, delta_every_seconds=3600)
+    outcome = {}
+    try:
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[callback])
+        assert callback.chain == (1, 0)
+        real_join, stopped = servable._join_steps, []
+
+        def join_then_stop_ps1():
+            real_join()
+            if not stopped:  # the fit's last delta: no step in flight, its cut next
+                stopped.append(time.monotonic())
+                cluster.stop("ps", 1)
+
+        monkeypatch.setattr(servable, "_join_steps", join_then_stop_ps1)
+
+        def fit():
+            try:
+                model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[callback])
+            except Exception as error:  # noqa: BLE001 - checked below
+                outcome["error"] = error
+
+        fitting = threading.Thread(target=fit, name="fit-under-test")
+        fitting.start()
+        try:
+            wait_for(lambda: callback.failed_exports or not fitting.is_alive(), LIMIT,
+                     "the delta's cut to be given up on ps:1")
+            given_up = time.monotonic()
+        finally:
+            cluster.resume("ps", 1)
+            fitting.join(LIMIT)
+        assert not fitting.is_alive() and "error" not in outcome, outcome.get("error")
+        assert given_up - stopped[0] < HANG_TIMEOUT + SLACK_S, f"gave up after {given_up - stopped[0]:.1f} s"
+        (failure,) = callback.failed_exports
+        assert failure["task"] == "ps:1" and "a ServingExport delta's cut" in failure["error"], failure
+        assert [os.path.basename(path) for path in callback.exported] == ["1"]
+        assert callback.chain == (1, 1) and not callback.failed_deltas, (callback.chain, callback.failed_deltas)
+        want = model.predict(x[:8], verbose=0)
+        with psclient.serving.load(base_dir, poll_seconds=None) as loader:
+            assert loader.version == (1, 1)
+            np.testing.assert_allclose(loader(tf.constant(x[:8])).numpy(), want, atol=1e-5)
+    finally:
+        cluster.resume("ps", 1)
+        callback.release()
+        strategy.shutdown()
