@@ -3,7 +3,7 @@
 `ServingExport` with deltas writes a full version, then diffs each later cut against a base kept on the
 ps tasks. A step can land between the full version and its base even though the callback waits for the
 steps in flight: a hung worker taken out (its closure run elsewhere) applies its step when it resumes
-(`explore`d for real on a `LocalCluster`: 1 extra update in 8 SIGSTOPs of a worker, docs/serving.md,
+(seen on a `LocalCluster`: 1 update more than futures in 8 SIGSTOPs of a worker, docs/api.md, "Semantics"; docs/serving.md,
 "Consistency"). Cut after the export, a row that step changed was in the base and not in the full
 version, and no delta held it until it was trained again: the loader served it stale (0.67 apart here,
 before the change). The base is now cut before the export, and the export serves the base's own
