@@ -109,19 +109,9 @@ def test_a_dataset_function_whose_registration_was_lost_is_traced_anew_when_a_wo
         strategy.join(timeout=120)
         assert {int(f.result()) for f in first} <= {0, 1}
         assert lose("lost_pipeline")
-        local_cluster.kill("worker", 1)
-        wait_for(lambda: not strategy.stats()["workers"][1]["up"], 120, "worker 1 to be taken out")
-        local_cluster.restart("worker", 1)
-        with caplog.at_level(logging.WARNING, logger="psclient"):
-            # The rejoin builds worker 1's dataset again: its function is gone from every task.
-            wait_for(lambda: strategy.stats()["workers"][1]["up"] and strategy.stats()["workers"][1]["rejoins"] == 1,
-                     180, "worker 1 to rejoin")
-            done_before = strategy.stats()["workers"][1]["done"]
-            more = [strategy.schedule(pipeline_of, args=(iterator,)) for _ in range(60)]
-            strategy.join(timeout=180)
-        assert all(f.exception() is None for f in more), [f.exception() for f in more if f.exception()][:1]
-        assert "never reached a task" in caplog.text and "tracing it again" in caplog.text
-        assert strategy.stats()["workers"][1]["done"] > done_before, "the rejoined worker took no work"
+        # The rejoin builds worker 1's dataset again: its function is gone from every task.
+        more = _after_worker_1_rejoins(strategy, local_cluster, caplog,
+                                       lambda: strategy.schedule(pipeline_of, args=(iterator,)))
         assert 1 in {int(f.result()) for f in more}  # worker 1's own pipeline, from its new dataset
     finally:
         strategy.shutdown()
@@ -147,21 +137,30 @@ def test_a_per_worker_resource_function_whose_registration_was_lost_is_made_anew
         strategy.join(timeout=120)
         assert all(list(f.result()) == [14.0, 14.0] for f in first)
         assert lose("lost_resource_fn")
-        local_cluster.kill("worker", 1)
-        wait_for(lambda: not strategy.stats()["workers"][1]["up"], 120, "worker 1 to be taken out")
-        local_cluster.restart("worker", 1)
-        with caplog.at_level(logging.WARNING, logger="psclient"):
-            # The rejoin builds worker 1's value again: its function is gone from every task.
-            wait_for(lambda: strategy.stats()["workers"][1]["up"] and strategy.stats()["workers"][1]["rejoins"] == 1,
-                     180, "worker 1 to rejoin")
-            done_before = strategy.stats()["workers"][1]["done"]
-            more = [strategy.schedule(doubled, args=(resource,)) for _ in range(60)]
-            strategy.join(timeout=180)
-        assert all(f.exception() is None for f in more), [f.exception() for f in more if f.exception()][:1]
+        # The rejoin builds worker 1's value again: its function is gone from every task.
+        more = _after_worker_1_rejoins(strategy, local_cluster, caplog,
+                                       lambda: strategy.schedule(doubled, args=(resource,)))
         assert all(list(f.result()) == [14.0, 14.0] for f in more)
-        assert "never reached a task" in caplog.text and "tracing it again" in caplog.text
-        assert strategy.stats()["workers"][1]["done"] > done_before, "the rejoined worker took no work"
     finally:
         strategy.shutdown()
         if not local_cluster.is_running("worker", 1):
             local_cluster.restart("worker", 1)
+
+
+def _after_worker_1_rejoins(strategy, local_cluster, caplog, schedule) -> list:
+    """Worker 1 killed, taken out, restarted and rejoined (its per-worker values built again), then
+    `schedule()` 60 times and joined: the futures, each without an error, worker 1 among those that
+    ran them, and psclient's warning that a function of its own was traced again."""
+    local_cluster.kill("worker", 1)
+    wait_for(lambda: not strategy.stats()["workers"][1]["up"], 120, "worker 1 to be taken out")
+    local_cluster.restart("worker", 1)
+    with caplog.at_level(logging.WARNING, logger="psclient"):
+        wait_for(lambda: strategy.stats()["workers"][1]["up"] and strategy.stats()["workers"][1]["rejoins"] == 1,
+                 180, "worker 1 to rejoin")
+        done_before = strategy.stats()["workers"][1]["done"]
+        more = [schedule() for _ in range(60)]
+        strategy.join(timeout=180)
+    assert all(f.exception() is None for f in more), [f.exception() for f in more if f.exception()][:1]
+    assert "never reached a task" in caplog.text and "tracing it again" in caplog.text
+    assert strategy.stats()["workers"][1]["done"] > done_before, "the rejoined worker took no work"
+    return more
