@@ -219,32 +219,13 @@ class ServingExport(keras.callbacks.Callback):
         around = contextlib.nullcontext
         if self.delta_every_seconds is not None:
             chain.cut = None  # the old chain's copies freed first; if the export fails, the next version is full
-            around = functools.partial(self._chain_base, bases)
+            around = functools.partial(_cut_chain_base, self.model, bases)
         # No take_over here: a run that took the directory over since fails the export, as it should.
         path = _export(self.model, self.base_dir, keep=self.keep, run_id=self.run_id, around=around)
         self.exported.append(path)
         if bases:
             chain.cut, chain.position = bases[0], (int(os.path.basename(path)), 0)
         self._last = self._last_delta = time.monotonic()
-
-    @contextlib.contextmanager
-    def _chain_base(self, bases: list):
-        """Around the export's write (on its thread, after every ps answered its probe): the new chain's
-        base cut, appended to `bases`, its snapshot of each dynamic table served by the export.
-
-        Cut *before* the export: no step of this process runs in between, but one can land there, the
-        step of a hung worker taken out (its closure run elsewhere), applied when that worker resumes.
-        Cut after the export, a row it changed in between was in the base, not in the full version, and
-        in no delta until trained again (docs/serving.md, "Consistency"); cut before, whatever changes
-        after it is in the next delta."""
-        from psclient._coordinator.serving.delta_cut import DeltaCut
-
-        tables = _dynamic_tables(self.model)
-        base = DeltaCut(tables, _dense(self.model))
-        bases.append(base)
-        snapshots = {id(table): snapshot for table, snapshot in zip(tables, base.previous)}
-        with offered_snapshots(self.model._flatten_layers(include_self=False), snapshots):  # noqa: SLF001
-            yield
 
     def delta_now(self) -> None:
         """Write a delta version now (a full version when one is due instead).
@@ -323,6 +304,27 @@ class ServingExport(keras.callbacks.Callback):
 
 
 _EXPORT = "a psclient.ServingExport export"
+
+
+@contextlib.contextmanager
+def _cut_chain_base(model, bases: list):
+    """Around a full version's write (on the export's thread, after every ps answered its probe): the
+    new delta chain's base cut, appended to `bases`, its snapshot of each dynamic table served by the
+    export.
+
+    Cut *before* the export: no step of this process runs in between, but one can land there, the
+    step of a hung worker taken out (its closure run elsewhere), applied when that worker resumes.
+    Cut after the export, a row it changed in between was in the base, not in the full version, and
+    in no delta until trained again (docs/serving.md, "Consistency"); cut before, whatever changes
+    after it is in the next delta."""
+    from psclient._coordinator.serving.delta_cut import DeltaCut
+
+    tables = _dynamic_tables(model)
+    base = DeltaCut(tables, _dense(model))
+    bases.append(base)
+    snapshots = {id(table): snapshot for table, snapshot in zip(tables, base.previous)}
+    with offered_snapshots(model._flatten_layers(include_self=False), snapshots):  # noqa: SLF001
+        yield
 
 
 def _join_steps() -> None:
