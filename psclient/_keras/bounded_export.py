@@ -44,7 +44,7 @@ from psclient._coordinator.checkpoints.checkpoint_parts import PsTimeout, on_eac
 from psclient._core.errors import PSUnavailableError, first_line
 from psclient._tf.executors import on_thread_executor, streamed_function_registrations
 
-__all__ = ["Abandoned", "Publication", "THREAD_NAME", "export_bounded"]
+__all__ = ["Abandoned", "Publication", "THREAD_NAME", "export_bounded", "wait_bounded"]
 
 #: How often every ps is probed while an export runs (seconds; each probe waits `hang_timeout` at most).
 PROBE_EVERY_S = 1.0
@@ -115,24 +115,42 @@ def export_bounded(write: Callable[[Publication], Any], num_ps: int, hang_timeou
     # Daemon: an export given up on waits on a hung ps, and must not keep the process from exiting.
     thread = threading.Thread(target=run, name=THREAD_NAME, daemon=True)
     thread.start()
-    while not done.wait(PROBE_EVERY_S):
-        try:
-            _probe_all(probes, hang_timeout, describe_ps, "the version being written is not published", what)
-        except PSUnavailableError:
-            if publication.abandon():
-                raise
-            break  # it is being renamed: a local step, waited for below
-        except tf.errors.OpError:
-            # A ps answered with an error (gone, not hung): the export's own calls there fail too, and
-            # it ends with its own error (a version it cannot finish is never published).
-            continue
-    done.wait()
+    _wait_probing(done.wait, publication, probes, hang_timeout, describe_ps,
+                  "the version being written is not published", what)
     thread.join()
     if "error" in outcome:
         if isinstance(outcome["error"], tf.errors.OpError):
             _name_a_lost_ps(probes, hang_timeout, describe_ps, outcome["error"], what)
         raise outcome["error"]
     return outcome["result"]
+
+
+def wait_bounded(done: Callable[[float | None], bool], publication: Publication, num_ps: int,
+                 hang_timeout: float, describe_ps: Callable[[int], str], what: str) -> None:
+    """Wait for a write running on another thread (`done(timeout)`: whether it ended, waiting at most
+    `timeout` s; None: until it ends), every ps probed meanwhile as `export_bounded` probes them.
+    A ps that does not answer within `hang_timeout`: the write is abandoned (it must raise `Abandoned`
+    instead of publishing once `publication.may_publish()` is False) and `PSUnavailableError` names
+    the ps, the first words `what`."""
+    probes = {ps: _probe_of(ps) for ps in range(num_ps)}
+    _wait_probing(done, publication, probes, hang_timeout, describe_ps, "what was being written is not published",
+                  what)
+
+
+def _wait_probing(done: Callable[[float | None], bool], publication: Publication, probes: dict, hang_timeout: float,
+                  describe_ps: Callable[[int], str], consequence: str, what: str) -> None:
+    while not done(PROBE_EVERY_S):
+        try:
+            _probe_all(probes, hang_timeout, describe_ps, consequence, what)
+        except PSUnavailableError:
+            if publication.abandon():
+                raise
+            break  # it is being renamed: a local step, waited for below
+        except tf.errors.OpError:
+            # A ps answered with an error (gone, not hung): the write's own calls there fail too, and
+            # it ends with its own error (what it cannot finish is never published).
+            continue
+    done(None)
 
 
 def _name_a_lost_ps(probes: dict, hang_timeout: float, describe_ps: Callable[[int], str],

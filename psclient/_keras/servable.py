@@ -18,6 +18,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import time
 from typing import Callable
 
@@ -26,6 +27,7 @@ import tensorflow as tf
 
 from psclient._coordinator.serving.delta_cut import CutLost
 from psclient._core import serving_deltas, serving_dirs
+from psclient._core.errors import PSUnavailableError
 from psclient._core.serving_dirs import ServingDirError
 from psclient._engine import registry
 from psclient._keras import bounded_export
@@ -337,8 +339,17 @@ class _DeltaChain:
     """A `ServingExport`'s deltas: the previous version's cut (a `DeltaCut`, its copies on the ps),
     where the chain stands (full version, last delta taken), and the thread that writes them.
 
+    Each delta is written on a thread of its own (`psclient-serving-deltas`), one at a time, which
+    the next version waits for (`finish_pending`). On a cluster that wait gives up on a ps that does
+    not answer within `hang_timeout` (`bounded_export.wait_bounded`): the delta is abandoned (it
+    publishes nothing, its hidden directory removed once its thread ends), recorded as failed, and
+    the next version is a full one. The thread is a daemon: one abandoned waits on the hung ps
+    inside TF's call, which cannot be cancelled, and must not keep the process from exiting.
+
     Not a Keras class, so its names can be anything (the Keras seam's check reads private names
     on Keras-derived classes as Keras's own)."""
+
+    THREAD_NAME = "psclient-serving-deltas"
 
     def __init__(self, base_dir: str, records: list):
         self.base_dir = base_dir
@@ -346,21 +357,32 @@ class _DeltaChain:
         self.failures: list[dict] = []  # the callback's `failed_deltas`: one dict per delta given up
         self.cut = None
         self.position = (None, 0)
-        self._writer = None  # a ThreadPoolExecutor of one thread, while fit runs
-        self._pending = None  # the delta it is writing (a Future)
+        # The delta being written: (its Future, its thread, its Publication), or None.
+        self._pending = None
         #: Called with a ps device after each part of a delta that ps wrote (`DeltaCut.write`): a test's seam.
         self.after_part = None
 
     def submit(self, cut, paused: dict) -> None:
-        """Write `cut` (just taken) as the chain's next delta, on the writer thread."""
+        """Write `cut` (just taken) as the chain's next delta, on a writer thread (the one before it
+        has ended: `delta_now` and `export_now` wait for it first)."""
         version, seq = self.position
         self.position = (version, seq + 1)
-        if self._writer is None:
-            self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="psclient-serving-deltas")
-        self._pending = self._writer.submit(self._write, self.cut, cut, version, seq + 1, paused)
+        future, publication = concurrent.futures.Future(), bounded_export.Publication()
+        args = (self.cut, cut, version, seq + 1, paused, publication)
 
-    def _write(self, delta_cut, cut, version: int, seq: int, paused: dict) -> None:
-        """On the writer thread: one delta, from the ps tasks, into its hidden directory, then renamed."""
+        def run():
+            try:
+                future.set_result(self._write(*args))
+            except BaseException as error:  # noqa: BLE001 - handed to `finish_pending` through the future
+                future.set_exception(error)
+
+        thread = threading.Thread(target=run, name=self.THREAD_NAME, daemon=True)
+        thread.start()
+        self._pending = (future, thread, publication)
+
+    def _write(self, delta_cut, cut, version: int, seq: int, paused: dict, publication) -> None:
+        """On the writer thread: one delta, from the ps tasks, into its hidden directory, then renamed
+        (unless its wait was given up on: `publication`)."""
         began = time.monotonic()
         # Through an executor of the writer thread's own: on TF's default one, shared by every thread,
         # another thread's error on a ps's stream failed two deltas of seeded chaos plans (docs/chaos.md).
@@ -368,6 +390,8 @@ class _DeltaChain:
             manifest = delta_cut.write(cut, scratch, self.after_part)
             manifest.update(version=version, seq=seq, written_at=time.time())
             serving_deltas.write_manifest(scratch, manifest)
+            if not publication.may_publish():
+                raise bounded_export.Abandoned(scratch)  # given up on: removed, never renamed
         path = os.path.join(serving_deltas.chain_dir(self.base_dir, version), str(seq))
         self.records.append({"path": path, "version": version, "seq": seq, **paused,
                              "write_seconds": time.monotonic() - began, "bytes": _bytes(path),
@@ -377,25 +401,51 @@ class _DeltaChain:
                                                        if d["form"] == "rows")})
 
     def finish_pending(self) -> None:
-        """Wait for the delta being written; if it failed on a ps, the next version is a full one."""
+        """Wait for the delta being written; if it failed on a ps, the next version is a full one.
+
+        Raises `PSUnavailableError` if a ps did not answer within `hang_timeout` meanwhile (the delta
+        given up on, recorded as failed)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        future, thread, publication = pending
         try:
-            pending.result()
-        except (tf.errors.OpError, CutLost) as error:
+            _bounded_wait(lambda timeout: _ended(future, timeout), publication)
+            future.result()
+        except (tf.errors.OpError, CutLost, PSUnavailableError) as error:
             self.cut = None
             version, seq = self.position
             _log_full_instead(error, version, seq)
             # The chain stands at the last delta written: the failed one was never visible.
             self.position = (version, seq - 1)
             self.failures.append({"version": version, "seq": seq, "error": f"{type(error).__name__}: {error}"})
+            if isinstance(error, PSUnavailableError):
+                raise  # a hung ps: the callback notes it and makes a full version once the ps answers
+        thread.join()
 
     def stop_writer(self) -> None:
-        self.finish_pending()
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
-            self._writer = None
+        """Wait for the delta being written (at `fit`'s end); one given up on a hung ps is recorded in
+        `failures` and logged, and does not fail the training."""
+        try:
+            self.finish_pending()
+        except PSUnavailableError:
+            pass  # recorded and logged by finish_pending; the next version is a full one
+
+
+def _ended(future, timeout) -> bool:
+    concurrent.futures.wait([future], timeout=timeout)
+    return future.done()
+
+
+def _bounded_wait(done: Callable, publication) -> None:
+    """`done(None)`; on a cluster, given up on a ps that does not answer within the strategy's
+    `hang_timeout` (`bounded_export.wait_bounded`)."""
+    strategy = registry.current()
+    if strategy is None or strategy.closed:
+        done(None)
+        return
+    bounded_export.wait_bounded(done, publication, strategy.num_ps, strategy.config.hang_timeout,
+                                lambda ps: strategy.cluster.ps[ps], "a ServingExport delta's write")
 
 
 def _log_full_instead(error, version, seq) -> None:

@@ -233,3 +233,57 @@ def test_a_delta_cut_on_a_ps_stopped_after_the_join_is_given_up_within_hang_time
         cluster.resume("ps", 1)
         callback.release()
         strategy.shutdown()
+
+
+def _delta_threads():
+    return [t for t in threading.enumerate() if t.name == "psclient-serving-deltas"]
+
+
+def test_a_delta_write_on_a_ps_stopped_under_it_is_given_up_and_never_published(cluster, tmp_path):
+    """A delta being written (each ps writes its part while training goes on) when a ps stops: the
+    wait for it at `fit`'s end gives up after hang_timeout (recorded in `failed_deltas`, naming the
+    ps; `fit` returns), nothing of it is ever visible, its hidden directory is removed once the ps
+    answers, and the next version is a full one that serves the model. (The wait was unbounded.)"""
+    import psclient.serving
+    from psclient._core import serving_deltas
+
+    base_dir = str(tmp_path / "serving")
+    strategy, model, x = _strategy_and_model(cluster, tmp_path)
+    y = (x[:, :1] % 3).astype("float32")
+    callback = psclient.ServingExport(base_dir, every_seconds=3600, keep=None, delta_every_seconds=3600)
+    try:
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[callback])
+        assert callback.chain == (1, 0)
+        chain_1 = serving_deltas.chain_dir(base_dir, 1)
+        stopped = []
+
+        def stop_ps1_after_ps0_wrote(device):
+            if not stopped and "/job:ps/replica:0/task:0" in device:
+                stopped.append(time.monotonic())
+                cluster.stop("ps", 1)
+
+        callback._chain_state.after_part = stop_ps1_after_ps0_wrote  # noqa: SLF001 - the test's seam
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[callback])  # ends with delta 1
+        returned = time.monotonic()
+        callback._chain_state.after_part = None  # noqa: SLF001
+        assert stopped, "ps 1 was not stopped during the delta's write"
+        assert returned - stopped[0] < HANG_TIMEOUT + SLACK_S, f"fit returned {returned - stopped[0]:.1f} s after"
+        (failure,) = callback.failed_deltas
+        assert (failure["version"], failure["seq"]) == (1, 1), failure
+        assert "ps:1" in failure["error"] and "a ServingExport delta's write" in failure["error"], failure
+        assert callback.chain == (1, 0) and not callback.deltas
+        assert not [name for name in os.listdir(chain_1) if name.isdigit()]  # never visible
+    finally:
+        cluster.resume("ps", 1)
+    try:
+        wait_for(lambda: not _delta_threads(), LIMIT, "the given-up delta's thread to end once ps 1 answers")
+        assert os.listdir(chain_1) == [], os.listdir(chain_1)  # its hidden directory removed, nothing published
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[callback])
+        assert callback.chain == (2, 0), callback.chain  # the chain starts again with a full version
+        want = model.predict(x[:8], verbose=0)
+        with psclient.serving.load(base_dir, poll_seconds=None) as loader:
+            assert loader.version == (2, 0)
+            np.testing.assert_allclose(loader(tf.constant(x[:8])).numpy(), want, atol=1e-5)
+    finally:
+        callback.release()
+        strategy.shutdown()
