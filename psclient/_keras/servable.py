@@ -166,7 +166,8 @@ class ServingExport(keras.callbacks.Callback):
     rows changed and removed, `dense_rows_changed` of the embedding-like
     variables, bytes, `seconds` training was paused for the cut, `join_seconds` of it waiting for the steps in flight, and
     `write_seconds` the ps tasks then took to diff and write it while
-    training went on, on the callback's writer thread, stopped when `fit` ends).
+    training went on, on a writer thread, each delta written by the time `fit` returns; one given up
+    on a hung ps is in `failed_deltas`).
     `psclient.serving.load(base_dir)` serves the newest full version with its
     deltas applied; TF Serving sees the full versions only.
 
@@ -263,8 +264,9 @@ class ServingExport(keras.callbacks.Callback):
     @property
     def chain(self) -> tuple:
         """(the last full version written, the last delta taken after it: 0 for none); (None, 0) before
-        any. A delta taken is written on the writer thread, all of them by the time `fit` returns; one
-        whose write failed is taken back (`failed_deltas`), and the next version is a full one."""
+        any. A delta taken is written on a writer thread, all of them by the time `fit` returns; one
+        whose write failed or was given up on a hung ps is taken back (`failed_deltas`), and the next
+        version is a full one."""
         return self._chain_state.position
 
     def due_by_time(self) -> bool:
@@ -299,8 +301,8 @@ class ServingExport(keras.callbacks.Callback):
         # The cut is kept: a next `fit` (online training, fit after fit) goes on with the same chain.
 
     def release(self) -> None:
-        """Wait for the delta being written, stop the writer thread, and free the previous cut's copy of
-        the rows on the ps tasks; the next version written is a full one."""
+        """Wait for the delta being written (given up on a hung ps after `hang_timeout`), and free the
+        previous cut's copy of the rows on the ps tasks; the next version written is a full one."""
         self._chain_state.stop_writer()
         self._chain_state.cut = None
 
