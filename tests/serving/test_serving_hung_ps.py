@@ -67,6 +67,16 @@ def _back_to_normal(cluster, strategy, model, x, base_dir):
     np.testing.assert_allclose(served.serve(tf.constant(x[:8])).numpy(), want, atol=1e-6)
 
 
+def _loader_serves(base_dir, version, model, x):
+    """`psclient.serving.load(base_dir)` serves `version` (full, deltas) and predicts what `model` does."""
+    import psclient.serving
+
+    want = model.predict(x, verbose=0)
+    with psclient.serving.load(base_dir, poll_seconds=None) as loader:
+        assert loader.version == version
+        np.testing.assert_allclose(loader(tf.constant(x)).numpy(), want, atol=1e-5)
+
+
 def _fails_naming_ps1(error, seconds):
     assert isinstance(error, psclient.PSUnavailableError), repr(error)
     assert "ps:1" in str(error) and f"hang_timeout={HANG_TIMEOUT:g}" in str(error), str(error)
@@ -156,7 +166,6 @@ def test_a_full_version_of_a_delta_chain_given_up_on_a_hung_ps_is_made_again_and
     (before the export): a ps stopped before a full version fails it within hang_timeout as without
     deltas (the base's copies are not waited for on the caller's thread), and the chain made after the
     resume serves the model."""
-    import psclient.serving
 
     base_dir = str(tmp_path / "serving")
     strategy, model, x = _strategy_and_model(cluster, tmp_path)
@@ -169,10 +178,7 @@ def test_a_full_version_of_a_delta_chain_given_up_on_a_hung_ps_is_made_again_and
         assert callback.chain == (3, 1) and not callback.failed_deltas, (callback.chain, callback.failed_deltas)
         wait_for(lambda: not _export_threads(), LIMIT, "the export given up on to end")
         assert _versions(base_dir) == ["1", "2", "3"] and _hidden(base_dir) == [], os.listdir(base_dir)
-        want = model.predict(x[:8], verbose=0)
-        with psclient.serving.load(base_dir, poll_seconds=None) as loader:
-            assert loader.version == (3, 1)
-            np.testing.assert_allclose(loader(tf.constant(x[:8])).numpy(), want, atol=1e-5)
+        _loader_serves(base_dir, (3, 1), model, x[:8])
     finally:
         callback.release()
         strategy.shutdown()
@@ -183,7 +189,6 @@ def test_a_delta_cut_on_a_ps_stopped_after_the_join_is_given_up_within_hang_time
     that stops right then, as a full version does: the fit's last delta is noted in `failed_exports`
     with the ps, and once the ps answers the delta is taken again (`fit`'s end tries it again; a batch's
     end would make a full version): the chain goes on from the same base. (It waited for the ps.)"""
-    import psclient.serving
     from psclient._keras import servable
 
     base_dir = str(tmp_path / "serving")
@@ -225,10 +230,7 @@ def test_a_delta_cut_on_a_ps_stopped_after_the_join_is_given_up_within_hang_time
         assert failure["task"] == "ps:1" and "a ServingExport delta's cut" in failure["error"], failure
         assert [os.path.basename(path) for path in callback.exported] == ["1"]
         assert callback.chain == (1, 1) and not callback.failed_deltas, (callback.chain, callback.failed_deltas)
-        want = model.predict(x[:8], verbose=0)
-        with psclient.serving.load(base_dir, poll_seconds=None) as loader:
-            assert loader.version == (1, 1)
-            np.testing.assert_allclose(loader(tf.constant(x[:8])).numpy(), want, atol=1e-5)
+        _loader_serves(base_dir, (1, 1), model, x[:8])
     finally:
         cluster.resume("ps", 1)
         callback.release()
@@ -244,7 +246,6 @@ def test_a_delta_write_on_a_ps_stopped_under_it_is_given_up_and_never_published(
     wait for it at `fit`'s end gives up after hang_timeout (recorded in `failed_deltas`, naming the
     ps; `fit` returns), nothing of it is ever visible, its hidden directory is removed once the ps
     answers, and the next version is a full one that serves the model. (The wait was unbounded.)"""
-    import psclient.serving
     from psclient._core import serving_deltas
 
     base_dir = str(tmp_path / "serving")
@@ -280,10 +281,7 @@ def test_a_delta_write_on_a_ps_stopped_under_it_is_given_up_and_never_published(
         assert os.listdir(chain_1) == [], os.listdir(chain_1)  # its hidden directory removed, nothing published
         model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[callback])
         assert callback.chain == (2, 0), callback.chain  # the chain starts again with a full version
-        want = model.predict(x[:8], verbose=0)
-        with psclient.serving.load(base_dir, poll_seconds=None) as loader:
-            assert loader.version == (2, 0)
-            np.testing.assert_allclose(loader(tf.constant(x[:8])).numpy(), want, atol=1e-5)
+        _loader_serves(base_dir, (2, 0), model, x[:8])
     finally:
         callback.release()
         strategy.shutdown()
