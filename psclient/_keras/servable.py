@@ -96,11 +96,16 @@ def _bounded(call: Callable, what: str):
     """`call(publication)`; on a cluster on the export's thread, given up on a ps that does not answer
     within the strategy's `hang_timeout` (`PSUnavailableError` naming it, its first words `what`):
     a hung ps must not hold the caller (`bounded_export`)."""
+    bounds = _hang_bounds()
+    return call(None) if bounds is None else bounded_export.export_bounded(call, *bounds, what)
+
+
+def _hang_bounds():
+    """(num_ps, hang_timeout, describe_ps) of the connected strategy, for `bounded_export`; None without one."""
     strategy = registry.current()
     if strategy is None or strategy.closed:
-        return call(None)
-    return bounded_export.export_bounded(call, strategy.num_ps, strategy.config.hang_timeout,
-                                         lambda ps: strategy.cluster.ps[ps], what)
+        return None
+    return strategy.num_ps, strategy.config.hang_timeout, lambda ps: strategy.cluster.ps[ps]
 
 
 def _positive(name: str, value, kind):
@@ -442,12 +447,11 @@ def _ended(future, timeout) -> bool:
 def _bounded_wait(done: Callable, publication) -> None:
     """`done(None)`; on a cluster, given up on a ps that does not answer within the strategy's
     `hang_timeout` (`bounded_export.wait_bounded`)."""
-    strategy = registry.current()
-    if strategy is None or strategy.closed:
+    bounds = _hang_bounds()
+    if bounds is None:
         done(None)
-        return
-    bounded_export.wait_bounded(done, publication, strategy.num_ps, strategy.config.hang_timeout,
-                                lambda ps: strategy.cluster.ps[ps], "a ServingExport delta's write")
+    else:
+        bounded_export.wait_bounded(done, publication, *bounds, "a ServingExport delta's write")
 
 
 def _log_full_instead(error, version, seq) -> None:
