@@ -27,14 +27,15 @@ processes) per N.
     python benchmarks/dynamic_many_tables.py --tables 1,8 --steps 60
     python benchmarks/dynamic_many_tables.py --tables 1 --paths hashing,dynamic --steps 200 --repeats 3
     python benchmarks/dynamic_many_tables.py --tables 26 --min-frequency 2 --ttl-steps 400   # the policies with a scan
-    python benchmarks/dynamic_many_tables.py --tables 26 --paths dynamic --perf   # where the ps tasks' CPU goes
+    python benchmarks/dynamic_many_tables.py --tables 26 --paths dynamic --perf   # where the tasks' CPU goes
     python benchmarks/dynamic_many_tables.py --tables 1 --paths hashing,dynamic --repeats 3 --fresh-cluster
 
-With `--perf` (Linux `perf`, as root), each run also samples the ps tasks over its timed steps
-(`perf record -F 1999 -p <ps pids>`) and adds `ps_perf`: their CPU per step by kind of code (the
+With `--perf` (Linux `perf`, as root), each run also samples the ps tasks and the workers over its
+timed steps (`perf record -F 1999 -p <pids>`, one recording per job) and adds `ps_perf` and
+`worker_perf`: their CPU per step by kind of code (the
 categories of `PERF_KINDS`: TF's executor, its thread pool, malloc/free, hash tables, gRPC and
 rendezvous, ...; the rest is the kernels' own work), and the symbols that took the most, in ms per
-step over all ps tasks. Sampling costs the ps tasks some CPU: compare runs that all used it.
+step over all tasks of the job. Sampling costs the tasks some CPU: compare runs that all used it.
 
 Prints one JSON object (progress on stderr). Noisy machine: compare the ratios within one run.
 """
@@ -75,32 +76,42 @@ PERF_KINDS = (
 )
 
 
-class PsPerf:
-    """`perf record` of the ps tasks between `start()` and `stop()`; `summary(steps)`: ms per step by kind."""
+class TaskPerf:
+    """`perf record` of each job's tasks (one recording per job) between `start()` and `stop()`;
+    `summary(steps)`: per job, its tasks' CPU ms per step by kind of code and by symbol."""
 
-    def __init__(self, pids: list[int]):
-        self.pids, self.process = pids, None
-        self.path = os.path.join(tempfile.mkdtemp(prefix="ps_perf_"), "perf.data")
+    def __init__(self, pids_by_job: dict[str, list[int]]):
+        self.pids_by_job, self.processes = pids_by_job, {}
+        self.directory = tempfile.mkdtemp(prefix="task_perf_")
+
+    def _path(self, job: str) -> str:
+        return os.path.join(self.directory, f"{job}.data")
 
     def start(self) -> None:
-        self.process = subprocess.Popen(
-            ["perf", "record", "-F", "1999", "-o", self.path, "-p", ",".join(map(str, self.pids))],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.processes = {
+            job: subprocess.Popen(["perf", "record", "-F", "1999", "-o", self._path(job), "-p", ",".join(map(str, pids))],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for job, pids in self.pids_by_job.items()}
 
     def stop(self) -> None:
-        """Stop the recording (a no-op when none runs: `one_run` also calls it after a failed fit)."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGINT)  # perf writes its file and exits
-        self.process.wait(timeout=120)
+        """Stop the recordings (a no-op when none runs: `one_run` also calls it after a failed fit)."""
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)  # perf writes its file and exits
+                process.wait(timeout=120)
 
     def summary(self, steps: int) -> dict:
-        report = subprocess.run(["perf", "report", "-i", self.path, "--no-children", "--sort", "sym", "--stdio"],
+        out = {job: self._summary(self._path(job), steps) for job in self.processes}
+        os.rmdir(self.directory)
+        return out
+
+    @staticmethod
+    def _summary(path: str, steps: int) -> dict:
+        report = subprocess.run(["perf", "report", "-i", path, "--no-children", "--sort", "sym", "--stdio"],
                                 capture_output=True, text=True, check=True).stdout
-        os.remove(self.path)
-        os.rmdir(os.path.dirname(self.path))
+        os.remove(path)
         total_ns = float(re.search(r"Event count \(approx\.\): (\d+)", report).group(1))
-        per_step = total_ns / 1e6 / steps  # ms of the ps tasks' CPU a step, all of them
+        per_step = total_ns / 1e6 / steps  # ms of the job's tasks' CPU a step, all of them
         kinds, symbols = collections.Counter(), collections.Counter()
         for line in report.splitlines():
             match = re.match(r"\s+([\d.]+)%\s+\[(.)\]\s+(.*)", line)
@@ -114,7 +125,7 @@ class PsPerf:
             kinds[kind] += ms
         return {"ms_per_step": round(per_step, 2),
                 "by_kind_ms_per_step": {kind: round(ms, 2) for kind, ms in kinds.most_common()},
-                "top_symbols_ms_per_step": {name: round(ms, 2) for name, ms in symbols.most_common(15)}}
+                "top_symbols_ms_per_step": {name: round(ms, 2) for name, ms in symbols.most_common(25)}}
 
 
 def build(keras, kind: str, tables: int, rows: int, dim: int, **policy):
@@ -158,7 +169,7 @@ def ops_in_step(tf, keras, model, batch: int, tables: int) -> dict:
 
 
 def one_run(keras, tf, strategy, meter, kind: str, n: int, x, y, args, policy: dict, count_ops: bool,
-            perf: PsPerf | None = None) -> dict:
+            perf: TaskPerf | None = None) -> dict:
     """One fit of a fresh model of `kind` with `n` tables: its figures, CPU per step of every process
     (and with `perf`, where the ps tasks' CPU went)."""
     gc.collect()
@@ -193,7 +204,7 @@ def one_run(keras, tf, strategy, meter, kind: str, n: int, x, y, args, policy: d
         **cpu,
     }
     if perf is not None:
-        run["ps_perf"] = perf.summary(args.steps)
+        run.update({f"{job}_perf": summary for job, summary in perf.summary(args.steps).items()})
     if count_ops:  # the same graph every repeat: traced once (a step of 26 layers takes a while)
         run.update(ops_in_step(tf, keras, model, args.batch, n))
     del model, timer
@@ -222,7 +233,7 @@ def main(argv=None) -> int:
                         help="runs of every path and N, interleaved (figures: medians; each run under `runs`)")
     parser.add_argument("--min-frequency", type=int, default=1, help="the dynamic tables' min_frequency")
     parser.add_argument("--ttl-steps", type=int, default=None, help="the dynamic tables' ttl_steps (default: none)")
-    parser.add_argument("--perf", action="store_true", help="sample the ps tasks with Linux perf over the timed steps")
+    parser.add_argument("--perf", action="store_true", help="sample the ps tasks and the workers with Linux perf over the timed steps")
     parser.add_argument("--fresh-cluster", action="store_true",
                         help="start a LocalCluster for each run (about 10 s more a run), not one for all")
     args = parser.parse_args(argv)
@@ -261,7 +272,8 @@ def main(argv=None) -> int:
             try:
                 for repeat, n, kind in group:
                     x = np.ascontiguousarray(x_all[:, :n])
-                    perf = PsPerf([local.pid("ps", i) for i in range(2)]) if args.perf else None
+                    perf = TaskPerf({job: [local.pid(job, i) for i in range(2)] for job in ("ps", "worker")}) \
+                        if args.perf else None
                     run = one_run(keras, tf, strategy, meter, kind, n, x, y, args, policy, count_ops=repeat == 0,
                                   perf=perf)
                     result.setdefault(kind, {}).setdefault(str(n), {"runs": []})["runs"].append(run)
