@@ -32,6 +32,7 @@ import os
 import re
 import string
 import sys
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -444,6 +445,7 @@ def run_examples(tag, scope, data, work):
     }
     results = {}
     for name, make in examples.items():
+        started = time.perf_counter()
         try:
             with scope():
                 model, fit, use = make()
@@ -453,6 +455,7 @@ def run_examples(tag, scope, data, work):
                              "on_ps": all("/job:ps" in v._value.device for v in model.variables) if tag == "cluster" else None}
         except Exception as error:  # noqa: BLE001 - reported per example by the test, the others still run
             results[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+        results[name]["seconds"] = round(time.perf_counter() - started, 2)  # where the module's time goes
     return results
 
 
