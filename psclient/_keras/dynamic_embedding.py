@@ -95,6 +95,27 @@ def install() -> None:
     optimizer_apply.install()
 
 
+def make_slots_ahead(model, optimizer) -> None:
+    """Make the slot tables `optimizer` will update in every DynamicEmbedding of `model`, before the
+    train step is traced.
+
+    Made while the step is traced (`apply_kept_gradients`), they are variables the trace created,
+    and `tf.function` then traces the step a second time (its first trace may only create them):
+    the first `fit` of 26 layers spent about half its 80 s on that second trace. Leaves an
+    optimizer without support to the trace, which names the layer in its error as before.
+    """
+    todo = [model]
+    while todo:
+        layer = todo.pop()
+        todo.extend(getattr(layer, "layers", []))
+        if isinstance(layer, DynamicEmbedding) and layer.table is not None:
+            try:
+                slots = dynamic_optimizers.slots_for(optimizer, layer.name)
+            except dynamic_optimizers.UnsupportedOptimizerError:
+                return
+            layer.table.ensure_slots(slots)
+
+
 def epoch_logs(model) -> dict[str, float]:
     """Rows, admissions and evictions of every DynamicEmbedding in `model`: in total and per ps task.
 

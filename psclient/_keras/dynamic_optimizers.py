@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from psclient._core.errors import PSClientError
 
-__all__ = ["SUPPORTED", "UnsupportedOptimizerError", "rule_for"]
+__all__ = ["SUPPORTED", "UnsupportedOptimizerError", "rule_for", "slots_for"]
 
 SUPPORTED = "SGD (with or without momentum), Adagrad, Adam (amsgrad=False) and Ftrl"
 
@@ -36,12 +36,10 @@ def _refuse(optimizer, why: str, layer: str):
     )
 
 
-def rule_for(optimizer, layer: str) -> tuple[dict[str, float], Callable]:
-    """(slot name -> initial value, update) for `optimizer`; raise for one without support.
-
-    `update(rows, gradient, slots) -> (rows, slots)` runs on the rows' ps;
-    it reads the learning rate and step count it needs from `optimizer`.
-    """
+def slots_for(optimizer, layer: str) -> dict[str, float]:
+    """The slots (name -> initial value) `rule_for(optimizer)` updates; raise for an optimizer without
+    support. Makes no tensor: the slot tables can be made before a step is traced (see
+    `dynamic_embedding.make_slots_ahead`)."""
     import keras
     for attribute in ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps"):
         if getattr(optimizer, attribute, None):
@@ -49,19 +47,41 @@ def rule_for(optimizer, layer: str) -> tuple[dict[str, float], Callable]:
     if getattr(optimizer, "use_ema", False):
         _refuse(optimizer, "use_ema=True", layer)
     kind = type(optimizer)
+    if kind is keras.optimizers.SGD:
+        return {"momentum": 0.0} if float(optimizer.momentum) else {}
+    if kind is keras.optimizers.Adagrad:
+        return {"accumulator": float(optimizer.initial_accumulator_value)}
+    if kind is keras.optimizers.Adam:
+        if optimizer.amsgrad:
+            _refuse(optimizer, "amsgrad=True", layer)
+        return {"m": 0.0, "v": 0.0}
+    if kind is keras.optimizers.Ftrl:
+        return {"accumulator": float(optimizer.initial_accumulator_value), "linear": 0.0}
+    _refuse(optimizer, "...", layer)
+
+
+def rule_for(optimizer, layer: str) -> tuple[dict[str, float], Callable]:
+    """(slot name -> initial value, update) for `optimizer`; raise for one without support.
+
+    `update(rows, gradient, slots) -> (rows, slots)` runs on the rows' ps;
+    it reads the learning rate and step count it needs from `optimizer`.
+    """
+    import keras
+    slots = slots_for(optimizer, layer)  # checks the optimizer first
+    kind = type(optimizer)
     lr = tf.cast(tf.convert_to_tensor(optimizer.learning_rate), tf.float32)
 
     if kind is keras.optimizers.SGD:
         momentum, nesterov = float(optimizer.momentum), bool(optimizer.nesterov)
         if momentum == 0:
-            return {}, lambda rows, g, slots: (rows - lr * g, slots)
+            return slots, lambda rows, g, slots: (rows - lr * g, slots)
 
         def sgd(rows, g, slots):
             m = momentum * slots["momentum"] - lr * g
             step = momentum * m - lr * g if nesterov else m
             return rows + step, {"momentum": m}
 
-        return {"momentum": 0.0}, sgd
+        return slots, sgd
 
     if kind is keras.optimizers.Adagrad:
         epsilon = float(optimizer.epsilon)
@@ -70,11 +90,9 @@ def rule_for(optimizer, layer: str) -> tuple[dict[str, float], Callable]:
             accumulator = slots["accumulator"] + g * g
             return rows - lr * g / tf.sqrt(accumulator + epsilon), {"accumulator": accumulator}
 
-        return {"accumulator": float(optimizer.initial_accumulator_value)}, adagrad
+        return slots, adagrad
 
     if kind is keras.optimizers.Adam:
-        if optimizer.amsgrad:
-            _refuse(optimizer, "amsgrad=True", layer)
         beta_1, beta_2, epsilon = float(optimizer.beta_1), float(optimizer.beta_2), float(optimizer.epsilon)
         step = tf.cast(tf.convert_to_tensor(optimizer.iterations), tf.float32) + 1.0
         alpha = lr * tf.sqrt(1.0 - tf.pow(beta_2, step)) / (1.0 - tf.pow(beta_1, step))
@@ -84,7 +102,7 @@ def rule_for(optimizer, layer: str) -> tuple[dict[str, float], Callable]:
             v = slots["v"] + (g * g - slots["v"]) * (1.0 - beta_2)
             return rows - m * alpha / (tf.sqrt(v) + epsilon), {"m": m, "v": v}
 
-        return {"m": 0.0, "v": 0.0}, adam
+        return slots, adam
 
     if kind is keras.optimizers.Ftrl:
         power = float(optimizer.learning_rate_power)
@@ -101,6 +119,4 @@ def rule_for(optimizer, layer: str) -> tuple[dict[str, float], Callable]:
             rows = (tf.clip_by_value(linear, -l1, l1) - linear) / quadratic
             return rows, {"accumulator": new_accumulator, "linear": linear}
 
-        return {"accumulator": float(optimizer.initial_accumulator_value), "linear": 0.0}, ftrl
-
-    _refuse(optimizer, "...", layer)
+        return slots, ftrl

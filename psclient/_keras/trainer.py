@@ -36,7 +36,7 @@ from psclient._engine import registry
 from psclient._coordinator import runtime as _runtime
 from psclient._coordinator.ps_state import check_every_ps
 from psclient._core.closure import outputs_unread
-from psclient._keras import outside_state, seam
+from psclient._keras import dynamic_embedding, outside_state, seam
 from psclient._keras.step_functions import model_state as _state, step_functions as _step_functions
 from psclient._keras.step_functions import tf_variable as _tf_variable
 from psclient._tf.executors import local_device_in_force, register_summary_kinds, streamed_registrations
@@ -126,6 +126,9 @@ def prepare_model(model, strategy, element_spec, method: str) -> None:
                 # which psclient runs inside the strategy's variable creator (on the ps).
                 log.info("%s cannot be called on its data's spec; its own train_step builds it when traced",
                          model.name)
+    if method == "fit" and not _step_overridden(model, method) and getattr(model, "optimizer", None) is not None:
+        # Keras's own train_step updates with `model.optimizer`; a step of the user's may use another.
+        dynamic_embedding.make_slots_ahead(model, model.optimizer)
     outside_state.move_to_ps(model, strategy, _state(model), method)
 
 

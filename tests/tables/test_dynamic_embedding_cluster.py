@@ -218,3 +218,28 @@ def test_a_model_dropped_after_fit_lets_its_tables_go(strategy):
     gc.collect()
     assert [ref() for ref in gone] == [None] * len(gone)
     assert not any(table.name == "dropped_ids" for table in strategy.parts.store.tables().values())
+
+
+def test_the_first_fit_traces_its_step_once_with_the_slots_made_ahead(strategy):
+    """The optimizer's slot tables are made before the train step is traced: made in the trace, they
+    were variables it created, and `tf.function` traced the step again (about half of the first fit
+    of a 26-layer model). A compile with another optimizer makes its slots ahead as well."""
+    from psclient._keras.step_functions import step_functions
+
+    with strategy.scope():
+        model, layer = make_model("slots_ahead_ids")
+    x, y = data(6, n=256)
+    model.fit(x, y, epochs=1, batch_size=64, verbose=0)
+    one_step = step_functions(model, strategy)[0]
+    assert one_step.experimental_get_tracing_count() == 1
+    assert set(layer.table.slot_defaults) == {"accumulator"}
+    before = layer(tf.constant(np.unique(x)), training=False).numpy()
+
+    with strategy.scope():
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    history = model.fit(x, y, epochs=2, batch_size=64, verbose=0)
+    assert step_functions(model, strategy)[0].experimental_get_tracing_count() == 1
+    assert set(layer.table.slot_defaults) == {"accumulator", "m", "v"}
+    assert np.all(np.isfinite(history.history["loss"]))
+    after = layer(tf.constant(np.unique(x)), training=False).numpy()
+    assert np.all(np.any(after != before, axis=1))  # Adam's rule moved every row

@@ -245,13 +245,16 @@ def _admit_and_update(group: list[Part], rule: Callable):
         slots = {name: tf.concat([tf.reshape(tf.gather(shard.slots[name], r), [-1, dim])
                                   for shard, r in zip(shards, rows_at)], 0) for name in first.slots}
         rows, slots = rule(rows, gradient, slots)
+        # The slots the rule updates: after a compile with another optimizer, the shards also hold
+        # the earlier one's, which stay as they are.
+        names = list(slots)
         counts = [tf.size(r) for r in rows_at]
         updates = []
         for shard, r, new_rows, *new_slots in zip(shards, rows_at, tf.split(rows, counts),
-                                                   *(tf.split(slots[name], counts) for name in first.slots)):
+                                                   *(tf.split(slots[name], counts) for name in names)):
             updates.append(shard.rows.scatter_update(tf.IndexedSlices(new_rows, r)))
             updates += [shard.slots[name].scatter_update(tf.IndexedSlices(value, r))
-                        for name, value in zip(first.slots, new_slots)]
+                        for name, value in zip(names, new_slots)]
     with tf.control_dependencies(updates):
         return _scan_or_rebuild(shards, clock)
 
