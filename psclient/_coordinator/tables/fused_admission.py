@@ -16,7 +16,7 @@ one section under the ps's table lock (`stores.table_lock`):
   rule; each table's own lookups, pops from its free stack and writes are
   a few ops, on the step's rows only;
 - only a shard with fewer free rows than new keys evicts: then the
-  last-seen steps of the group's shards, stacked [shards, share], go
+  last-seen steps of those shards, stacked [short shards, share], go
   through one batched LRU selection (the one pass over whole shards).
 
 The rules are those of `psclient._core.dynamic_tables`, per shard: least
@@ -195,19 +195,30 @@ def _admit_and_update(group: list[Part], rule: Callable):
     short = need - free
 
     def evict():
-        # [G, S], of that static shape (a shard holds exactly its share): this branch alone reads whole shards.
-        last2d = tf.reshape(tf.concat([vector(shard.last) for shard in shards], 0), [count, share])
-        keys2d = tf.reshape(tf.concat([vector(shard.row_key) for shard in shards], 0), [count, share])
-        mine = tf.boolean_mask(tf.stack([tf.cast(seg, tf.int64), at], 1), have)
-        seen_now = tf.scatter_nd(mine, tf.ones(tf.shape(mine)[:1], tf.int32), [count, share]) > 0
-        member = (last2d >= 0) & ~seen_now  # the batch's rows are never this step's victims
-        excess = tf.where(short > 0, share - free + need - (share - rules.headroom(share)), 0)
-        gone = least_recent_rows(keys2d, last2d, member,
-                                 tf.minimum(excess, tf.reduce_sum(tf.cast(member, tf.int64), 1)))
+        # Only the short shards are searched ([M, S], M of the G short; a shard holds exactly its
+        # share): the alike shards of a group fill at their own pace, so most evictions involve one
+        # of them, and the search over all G (top_k over G x S, with the masks before it) cost up
+        # to a tenth of a step's ps CPU at 26 tables, once the tables were full.
+        wanted = tf.reshape(tf.where(short > 0), [-1])
+        m = tf.size(wanted, tf.int64)
+        all_keys = tf.reshape(tf.concat([vector(shard.row_key) for shard in shards], 0), [count, share])
+        last2d = tf.gather(tf.reshape(tf.concat([vector(shard.last) for shard in shards], 0), [count, share]), wanted)
+        keys2d = tf.gather(all_keys, wanted)
+        # Each shard's row in [M, S] (-1: not searched); the batch's rows of those are never this step's victims.
+        slot = tf.tensor_scatter_nd_update(tf.fill([count], tf.constant(-1, tf.int64)), wanted[:, None],
+                                           tf.range(m))
+        held_slot = tf.gather(slot, seg)
+        mine = tf.boolean_mask(tf.stack([held_slot, at], 1), have & (held_slot >= 0))
+        seen_now = tf.scatter_nd(mine, tf.ones(tf.shape(mine)[:1], tf.int32), tf.stack([m, share])) > 0
+        member = (last2d >= 0) & ~seen_now
+        excess = tf.gather(share - free + need - (share - rules.headroom(share)), wanted)
+        found = least_recent_rows(keys2d, last2d, member,
+                                  tf.minimum(excess, tf.reduce_sum(tf.cast(member, tf.int64), 1)))
+        gone = tf.scatter_nd(wanted[:, None], tf.cast(found, tf.int8), [count, share]) > 0
         ops = []
         for g, shard in enumerate(shards):
             victims = tf.reshape(tf.where(gone[g]), [-1])
-            ops += shard.free_rows(tf.gather(keys2d[g], victims), victims)
+            ops += shard.free_rows(tf.gather(all_keys[g], victims), victims)
         with tf.control_dependencies(ops):
             return tf.constant(True)
 
