@@ -95,25 +95,31 @@ def install() -> None:
     optimizer_apply.install()
 
 
+def dynamic_layers(model) -> list:
+    """The `DynamicEmbedding` layers of `model` with a table, nested ones too (Keras's own walk)."""
+    return [layer for layer in model._flatten_layers(include_self=True)  # noqa: SLF001 - Keras's own walk
+            if isinstance(layer, DynamicEmbedding) and layer.table is not None]
+
+
 def make_slots_ahead(model, optimizer) -> None:
     """Make the slot tables `optimizer` will update in every DynamicEmbedding of `model`, before the
     train step is traced.
 
     Made while the step is traced (`apply_kept_gradients`), they are variables the trace created,
     and `tf.function` then traces the step a second time (its first trace may only create them):
-    the first `fit` of 26 layers spent about half its 80 s on that second trace. Leaves an
-    optimizer without support to the trace, which names the layer in its error as before.
+    the first `fit` of 26 layers took 40 s with that second trace, 30-34 s without
+    (docs/dynamic_embeddings.md). Leaves an optimizer without support to the trace, which names
+    the layer in its error as before.
     """
-    todo = [model]
-    while todo:
-        layer = todo.pop()
-        todo.extend(getattr(layer, "layers", []))
-        if isinstance(layer, DynamicEmbedding) and layer.table is not None:
-            try:
-                slots = dynamic_optimizers.slots_for(optimizer, layer.name)
-            except dynamic_optimizers.UnsupportedOptimizerError:
-                return
-            layer.table.ensure_slots(slots)
+    layers = dynamic_layers(model)
+    if not layers:
+        return
+    try:
+        slots = dynamic_optimizers.slots_for(optimizer, layers[0].name)
+    except dynamic_optimizers.UnsupportedOptimizerError:
+        return
+    for layer in layers:
+        layer.table.ensure_slots(slots)
 
 
 def epoch_logs(model) -> dict[str, float]:
@@ -123,20 +129,17 @@ def epoch_logs(model) -> dict[str, float]:
     and evictions: what fit adds to an epoch's logs when a TensorBoard
     callback is in use.
     """
-    logs, todo = {}, [model]
-    while todo:
-        layer = todo.pop()
-        todo.extend(getattr(layer, "layers", []))
-        if isinstance(layer, DynamicEmbedding) and layer.table is not None:
-            per_ps = layer.table_stats()
-            # A ps the recovery gave up on is left out (a lost one is waited for, table_stats);
-            # a total over the others would read as a drop, so there is none then.
-            readable = [(index, entry) for index, entry in enumerate(per_ps) if entry.get("available", True)]
-            for name in ("rows", "admissions", "evictions"):
-                if len(readable) == len(per_ps):
-                    logs[f"{layer.name}/{name}"] = float(sum(entry[name] for entry in per_ps))
-                for index, entry in readable:
-                    logs[f"{layer.name}/ps{index}/{name}"] = float(entry[name])
+    logs = {}
+    for layer in dynamic_layers(model):
+        per_ps = layer.table_stats()
+        # A ps the recovery gave up on is left out (a lost one is waited for, table_stats);
+        # a total over the others would read as a drop, so there is none then.
+        readable = [(index, entry) for index, entry in enumerate(per_ps) if entry.get("available", True)]
+        for name in ("rows", "admissions", "evictions"):
+            if len(readable) == len(per_ps):
+                logs[f"{layer.name}/{name}"] = float(sum(entry[name] for entry in per_ps))
+            for index, entry in readable:
+                logs[f"{layer.name}/ps{index}/{name}"] = float(entry[name])
     return logs
 
 

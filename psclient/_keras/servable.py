@@ -120,15 +120,10 @@ def _positive(name: str, value, kind):
 
 def _dynamic_tables(model) -> list:
     """The `DynamicTable`s of `model`'s `DynamicEmbedding` layers (nested ones too), each once."""
-    from psclient._keras.dynamic_embedding import DynamicEmbedding
+    from psclient._keras.dynamic_embedding import dynamic_layers
 
-    tables, seen = [], set()
-    for layer in model._flatten_layers(include_self=False):  # noqa: SLF001 - Keras's own walk of nested layers
-        table = getattr(layer, "table", None) if isinstance(layer, DynamicEmbedding) else None
-        if table is not None and id(table) not in seen:
-            seen.add(id(table))
-            tables.append(table)
-    return tables
+    tables = {id(layer.table): layer.table for layer in dynamic_layers(model)}  # a layer used twice: once
+    return list(tables.values())
 
 
 def _dense(model) -> list:
