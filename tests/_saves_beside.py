@@ -3,6 +3,11 @@
 import threading
 
 
+#: `checkpoints_to_keep` for a strategy whose saves are all read back: more than a test's own saves and
+#: `saves_beside_fit`'s tries (with the default of 3, a loaded machine's 5th try pruned the 2nd save).
+KEEP_EVERY_SAVE = 16
+
+
 def saves_beside_fit(strategy, model, data, tries: int = 8) -> list:
     """[(path, rows the cut read again)] of up to `tries` saves, each while `fit` trains `data` in a
     thread of its own, the last one a cut that read rows again (asserted: a step wrote during its

@@ -20,7 +20,7 @@ import psclient  # noqa: E402
 from psclient._coordinator.checkpoints import checkpoint_snapshot, fuzzy_copy, hash_copy  # noqa: E402
 from _conversions import RemoteConversions  # noqa: E402
 from _polling import wait_for  # noqa: E402
-from _saves_beside import saves_beside_fit  # noqa: E402
+from _saves_beside import KEEP_EVERY_SAVE, saves_beside_fit  # noqa: E402
 from tables.test_table_saves import read_local  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
@@ -202,7 +202,8 @@ def test_each_checkpoint_holds_one_moment_of_a_table_trained_beside_it(cluster, 
     one_worker = psclient.Cluster({"worker": list(spec["worker"][:1]), "ps": list(spec["ps"])})
     probes = np.arange(1000, 1064, dtype=np.int64)
     data = tf.data.Dataset.from_tensor_slices((probes[:, None], np.ones([64, 1], np.float32))).batch(64).repeat()
-    strategy = psclient.ParameterServerStrategy(one_worker, checkpoint_dir=str(tmp_path / "ckpt"))
+    strategy = psclient.ParameterServerStrategy(one_worker, checkpoint_dir=str(tmp_path / "ckpt"),
+                                                checkpoints_to_keep=KEEP_EVERY_SAVE)
     try:
         model, layer, _train = build(strategy, width=1)  # one key an example: every probe trained alike
         model.fit(data, epochs=1, steps_per_epoch=4, verbose=0)

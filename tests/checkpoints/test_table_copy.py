@@ -22,7 +22,7 @@ from psclient._coordinator.checkpoints import checkpoint_snapshot, fuzzy_copy  #
 from psclient._tf.write_marks import marks_of  # noqa: E402
 from _conversions import RemoteConversions  # noqa: E402
 from _polling import wait_for  # noqa: E402
-from _saves_beside import saves_beside_fit  # noqa: E402
+from _saves_beside import KEEP_EVERY_SAVE, saves_beside_fit  # noqa: E402
 from tables.test_table_saves import by_key, saved_state  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
@@ -78,7 +78,8 @@ def assert_probes_in_step(path):
 
 def test_each_checkpoint_holds_one_moment_of_a_table_trained_beside_it(cluster, tmp_path):
     data = probe_data()
-    strategy = psclient.ParameterServerStrategy(one_worker(cluster), checkpoint_dir=str(tmp_path / "ckpt"))
+    strategy = psclient.ParameterServerStrategy(one_worker(cluster), checkpoint_dir=str(tmp_path / "ckpt"),
+                                                checkpoints_to_keep=KEEP_EVERY_SAVE)
     try:
         # The imported keys but the probes expire after 2 steps: their rows are freed, the probes'
         # stay where they were, so each save packs rows from all over the storage.
