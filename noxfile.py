@@ -15,7 +15,7 @@ nox.options.reuse_existing_virtualenvs = False
 
 OLDEST = "constraints/oldest.txt"
 TESTS = ["tests/keras/test_keras_seam.py", "tests/keras/test_keras_fit.py", "tests/strategy/test_partitioned.py",
-         "tests/keras/test_keras_moving_stats.py",
+         "tests/keras/test_keras_moving_stats.py", "tests/keras/test_loop_reads.py",
          # Keras's adapters of generators and PyDatasets; a dataset's functions (`_inputs`, `_functions`).
          "tests/keras/test_keras_host_data.py", "tests/data/test_calls_python.py",
          # TF's cache clearing patched, the threads' executors switched around a wait: TF internals.

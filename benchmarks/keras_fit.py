@@ -1,7 +1,9 @@
 """Keras `model.fit` throughput: psclient + Keras 3 against tf_keras + TF's ParameterServerStrategy.
 
-Same model and data on every path: a 784-512-512-10 ReLU MLP, batch 128,
-one fixed batch of random data repeated, and the optimizer `--optimizer`
+Same model and data on every path: a 784-512-512-10 ReLU MLP, batch 128 (`--model mlp`,
+the default), or an LSTM(16) over 48 timesteps of 3 features and a Dense(1), mean squared
+error, batch 64 (`--model lstm`: the shape of the keras.io forecasting example, whose LSTM
+reads its weights inside TF's while loop), one fixed batch of random data repeated, and the optimizer `--optimizer`
 names: sgd (SGD(0.01), the default), adam (Adam(1e-4)) or adagrad
 (Adagrad(0.01)), the same class on every path (Keras 3's or tf_keras's). On one LocalCluster
 (1 ps, 2 workers), each path runs in its own coordinator subprocess (TF's
@@ -16,7 +18,8 @@ eager context is per process, and tf_keras and Keras 3 must not share one):
                     per call (a tf.while_loop above 1). What the cluster
                     itself allows, without fit's bookkeeping: a ceiling for
                     psclient_keras3 on this machine and cluster. Only
-                    with --optimizer sgd (its update is hand-written SGD).
+                    with --optimizer sgd (its update is hand-written SGD) and
+                    --model mlp.
 
 each at steps_per_execution 1 and 10. A path first fits `--warmup` steps
 (tracing, excluded), then times one fit of `--steps` steps, verbose=0
@@ -28,12 +31,12 @@ cluster's connections, see _common.LoopbackBytes) are measured around each
 timed fit.
 
 Usage:
-  python benchmarks/keras_fit.py [--optimizer sgd] [--steps 400] [--warmup 40] [--repeats 1] > keras_fit.json
+  python benchmarks/keras_fit.py [--model mlp] [--optimizer sgd] [--steps 400] [--warmup 40] [--repeats 1] > keras_fit.json
 
 Prints one JSON object (progress on stderr) and saves it under
-benchmarks/results/keras_fit-<optimizer>-<date>.json. Exits 0 when every run
+benchmarks/results/keras_fit-[lstm-]<optimizer>-<date>.json. Exits 0 when every run
 finished, whether or not the target (psclient >= TARGETS[optimizer] x
-tf_keras_pss at both settings) is met.
+tf_keras_pss at both settings; the MLP's only) is met.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ import _common  # noqa: E402
 PATHS = ("psclient_keras3", "tf_keras_pss", "keras3_local", "psclient_step")
 STEPS_PER_EXECUTION = (1, 10)
 UNITS, BATCH, LR = (784, 512, 512, 10), 128, 0.01
+LSTM_TIMESTEPS, LSTM_FEATURES, LSTM_UNITS, LSTM_BATCH = 48, 3, 16, 64
+MODELS = {"mlp": "784-512-512-10 ReLU MLP",
+          "lstm": f"LSTM({LSTM_UNITS}) over {LSTM_TIMESTEPS} timesteps of {LSTM_FEATURES} features, Dense(1)"}
 NUM_WORKERS, NUM_PS = 2, 1
 # --optimizer: (class name in keras.optimizers / tf_keras.optimizers, its keyword arguments).
 _BASE_OPTIMIZERS = {"sgd": ("SGD", {"learning_rate": LR}), "adam": ("Adam", {"learning_rate": 1e-4}),
@@ -73,35 +79,44 @@ def optimizer_description(name: str) -> str:
     return f"{class_name}({arguments})" + (" through a subclass" if name.endswith(KERAS_OPS) else "")
 
 
-def make_arrays():
+def make_arrays(model: str = "mlp"):
     import numpy as np
 
     rng = np.random.default_rng(1)
+    if model == "lstm":
+        x = rng.standard_normal((LSTM_BATCH, LSTM_TIMESTEPS, LSTM_FEATURES)).astype(np.float32)
+        return x, rng.standard_normal((LSTM_BATCH, 1)).astype(np.float32)
     x = rng.standard_normal((BATCH, UNITS[0])).astype(np.float32)
     y = rng.integers(0, UNITS[-1], BATCH).astype(np.int32)
     return x, y
 
 
-def make_dataset():
+def make_dataset(model: str = "mlp"):
     import tensorflow as tf
 
-    return tf.data.Dataset.from_tensors(make_arrays()).repeat()
+    return tf.data.Dataset.from_tensors(make_arrays(model)).repeat()
 
 
-def build_model(keras_module, spe: int, optimizer: str):
+def build_model(keras_module, spe: int, optimizer: str, kind: str = "mlp"):
     layers = keras_module.layers
-    model = keras_module.Sequential(
-        [keras_module.Input(shape=(UNITS[0],))]
-        + [layers.Dense(u, activation="relu") for u in UNITS[1:-1]]
-        + [layers.Dense(UNITS[-1])]
-    )
+    if kind == "lstm":
+        model = keras_module.Sequential([keras_module.Input(shape=(LSTM_TIMESTEPS, LSTM_FEATURES)),
+                                         layers.LSTM(LSTM_UNITS), layers.Dense(1)])
+        loss = keras_module.losses.MeanSquaredError()
+    else:
+        model = keras_module.Sequential(
+            [keras_module.Input(shape=(UNITS[0],))]
+            + [layers.Dense(u, activation="relu") for u in UNITS[1:-1]]
+            + [layers.Dense(UNITS[-1])]
+        )
+        loss = keras_module.losses.SparseCategoricalCrossentropy(from_logits=True)
     class_name, kwargs = OPTIMIZERS[optimizer]
     optimizer_class = getattr(keras_module.optimizers, class_name)
     if optimizer.endswith(KERAS_OPS):
         optimizer_class = type(f"Subclassed{class_name}", (optimizer_class,), {})
     model.compile(
         optimizer=optimizer_class(**kwargs),
-        loss=keras_module.losses.SparseCategoricalCrossentropy(from_logits=True),
+        loss=loss,
         steps_per_execution=spe,
     )
     return model
@@ -145,7 +160,7 @@ def setup_step(cluster, spe: int):
     return fit
 
 
-def setup(path: str, cluster, spe: int, optimizer: str):
+def setup(path: str, cluster, spe: int, optimizer: str, kind: str = "mlp"):
     """Returns fit(steps) for the path."""
     strategy = None
     if path == "psclient_step":
@@ -160,8 +175,8 @@ def setup(path: str, cluster, spe: int, optimizer: str):
         )
         strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
         with strategy.scope():
-            model = build_model(tf_keras, spe, optimizer)
-        data = tf_keras.utils.experimental.DatasetCreator(lambda ctx: make_dataset())
+            model = build_model(tf_keras, spe, optimizer, kind)
+        data = tf_keras.utils.experimental.DatasetCreator(lambda ctx: make_dataset(kind))
     else:
         import keras
 
@@ -170,10 +185,10 @@ def setup(path: str, cluster, spe: int, optimizer: str):
 
             strategy = psclient.ParameterServerStrategy(cluster)
             with strategy.scope():
-                model = build_model(keras, spe, optimizer)
+                model = build_model(keras, spe, optimizer, kind)
         else:
-            model = build_model(keras, spe, optimizer)
-        data = make_dataset()
+            model = build_model(keras, spe, optimizer, kind)
+        data = make_dataset(kind)
 
     def fit(steps: int) -> float:
         history = model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
@@ -191,7 +206,7 @@ def child_main(args) -> None:
     import psclient
 
     cluster = psclient.Cluster(json.loads(args.cluster))
-    fit = setup(args._child, cluster, args.spe, args.optimizer)
+    fit = setup(args._child, cluster, args.spe, args.optimizer, args.model)
     task_pids = json.loads(args.task_pids)
     meter = _common.LoopbackBytes(cluster.jobs, coordinator_pid=os.getpid(), task_pids=task_pids)
     first_loss = fit(args.warmup)
@@ -217,17 +232,17 @@ def child_main(args) -> None:
 def parent_main(args, argv) -> int:
     output = {"config": {
         **_common.environment(argv),
-        "model": "784-512-512-10 ReLU MLP", "optimizer": optimizer_description(args.optimizer),
-        "batch": BATCH, "num_workers": NUM_WORKERS,
+        "model": MODELS[args.model], "optimizer": optimizer_description(args.optimizer),
+        "batch": LSTM_BATCH if args.model == "lstm" else BATCH, "num_workers": NUM_WORKERS,
         "num_ps": NUM_PS, "warmup_steps": args.warmup, "timed_steps": args.steps,
         "runs_per_path": args.repeats,
     }}
-    paths = [p for p in PATHS if p != "psclient_step" or args.optimizer == "sgd"]
+    paths = [p for p in PATHS if p != "psclient_step" or (args.optimizer == "sgd" and args.model == "mlp")]
     if args.paths:
         paths = [p for p in paths if p in args.paths.split(",")]
     output["config"]["paths"] = paths
-    if args.optimizer != "sgd":
-        output["config"]["psclient_step"] = "left out: its hand-written update is SGD"
+    if args.optimizer != "sgd" or args.model != "mlp":
+        output["config"]["psclient_step"] = "left out: its hand-written step is the MLP's, with SGD"
     runs: dict = {f"spe_{spe}": {path: [] for path in paths} for spe in STEPS_PER_EXECUTION}
     env = _common.quiet_tf_env(GRPC_FAIL_FAST="use_caller")
     started = time.perf_counter()
@@ -238,7 +253,7 @@ def parent_main(args, argv) -> int:
             for repeat, spe, path in itertools.product(range(args.repeats), STEPS_PER_EXECUTION, paths):
                 child = [os.path.abspath(__file__), "--_child", path, "--spe", str(spe),
                          "--cluster", json.dumps(cluster.jobs), "--task-pids", json.dumps(task_pids),
-                         "--optimizer", args.optimizer,
+                         "--optimizer", args.optimizer, "--model", args.model,
                          "--steps", str(args.steps), "--warmup", str(args.warmup)]
                 tag = f"run {repeat + 1}/{args.repeats} steps_per_execution={spe:<3} {path:16}"
                 try:
@@ -254,11 +269,11 @@ def parent_main(args, argv) -> int:
                                 + (f"{moved / 1e6:.2f} MB/step" if moved is not None else "bytes n/a"))
                 runs[f"spe_{spe}"][path].append(result)
     output["config"]["wall_s"] = round(time.perf_counter() - started, 1)
-    output["results"] = summarize(runs, TARGETS[args.optimizer.removesuffix(KERAS_OPS)])
+    output["results"] = summarize(runs, TARGETS[args.optimizer.removesuffix(KERAS_OPS)] if args.model == "mlp" else None)
     output["runs"] = runs
     _common.print_json(output)
     os.makedirs(os.path.join(_HERE, "results"), exist_ok=True)
-    saved = os.path.join(_HERE, "results", f"keras_fit-{args.optimizer}-{time.strftime('%Y-%m-%d')}.json")
+    saved = os.path.join(_HERE, "results", f"keras_fit-{'lstm-' if args.model == 'lstm' else ''}{args.optimizer}-{time.strftime('%Y-%m-%d')}.json")
     with open(saved, "w") as f:
         json.dump(output, f, indent=2)
         f.write("\n")
@@ -266,7 +281,7 @@ def parent_main(args, argv) -> int:
     return 1 if any("error" in r for per in runs.values() for rs in per.values() for r in rs) else 0
 
 
-def summarize(runs: dict, target: float) -> dict:
+def summarize(runs: dict, target: float | None) -> dict:
     summary = {}
     for setting, per_path in runs.items():
         def median_of(key: str) -> dict:
@@ -283,7 +298,8 @@ def summarize(runs: dict, target: float) -> dict:
                  "median_bytes_per_step": moved}
         if ours and theirs:
             entry["psclient/tf_keras_pss"] = round(ours / theirs, 3)
-            entry[f"target psclient/tf_keras_pss >= {target}"] = ours / theirs >= target
+            if target is not None:
+                entry[f"target psclient/tf_keras_pss >= {target}"] = ours / theirs >= target
         pairs = [(a["steps_per_s"], b["steps_per_s"]) for a, b in
                  zip(per_path.get("psclient_keras3", []), per_path.get("tf_keras_pss", []))
                  if "steps_per_s" in a and "steps_per_s" in b]
@@ -313,6 +329,8 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="sgd",
                         help="sgd: SGD(0.01) (default); adam: Adam(1e-4); adagrad: Adagrad(0.01); "
                              "sgd_momentum: SGD(0.01, momentum=0.9); NAME_keras_ops: NAME through a subclass")
+    parser.add_argument("--model", choices=list(MODELS), default="mlp",
+                        help="mlp: a 784-512-512-10 MLP (default); lstm: an LSTM(16) over 48 timesteps")
     parser.add_argument("--paths", help=f"comma-separated subset of {','.join(PATHS)} (default: all)")
     parser.add_argument("--_child", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--spe", type=int, default=1, help=argparse.SUPPRESS)

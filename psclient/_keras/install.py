@@ -46,6 +46,9 @@ that do not live on a psclient strategy's ps tasks:
 7. The optimizer's `apply` (`psclient._keras.optimizer_apply`): one wrapper
    updates the rows of `DynamicEmbedding` layers, then applies the other
    weights under the strategy's rule for model versions.
+8. A trainable ps weight read inside a while loop of a layer's call (an LSTM's
+   kernels, once per timestep) is read once per forward pass, outside the
+   loop, so the loop runs on the worker alone (`psclient._keras.loop_reads`).
 
 Nothing else in psclient patches Keras. Before patching, every private Keras
 name psclient uses (`psclient._keras.seam.KERAS_INTERNALS`) is looked up, so a
@@ -69,7 +72,7 @@ import tensorflow as tf
 from psclient._coordinator.data import finite
 from psclient._keras import adafactor, fused_updates, initializers, moving_stats, sparse_adagrad
 from psclient._keras import eval as _keras_eval
-from psclient._keras import optimizer_apply, seam, serving, sharded_fit
+from psclient._keras import loop_reads, optimizer_apply, seam, serving, sharded_fit
 from psclient._keras.ps_reads import metrics_through_ps_loss, restore_cause
 from psclient._keras.trainer import (
     TrainFunction,
@@ -139,6 +142,7 @@ def install() -> None:
         moving_stats.install()
         serving.install()
         optimizer_apply.install()
+        loop_reads.install()
         _done = True
 
 
@@ -186,7 +190,7 @@ def _install_ps_gather() -> None:
     def take(x, indices, axis=None):
         # `.value` of a Keras variable: the tf.Variable itself unless a scope
         # substitutes or casts it (then a tensor: Keras's path).
-        variable = x.value if isinstance(x, keras.Variable) else x
+        variable = loop_reads.take_source(x) if isinstance(x, keras.Variable) else x
         partitioned = is_partitioned(variable)
         if (
             axis == 0

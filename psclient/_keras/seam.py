@@ -47,6 +47,7 @@ KERAS_VERSIONS = ((3, 10), (3, 16))  # >=3.10, <3.16
 _TRAINER = "keras.src.backend.tensorflow.trainer.TensorFlowTrainer"
 _BASE_TRAINER = "keras.src.trainers.trainer.Trainer"
 _VARIABLE = "keras.src.backend.tensorflow.core.Variable"
+_COMMON_VARIABLE = "keras.src.backend.common.variables.Variable"
 _BACKUP = "keras.src.callbacks.backup_and_restore.BackupAndRestore"
 _TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer.TFOptimizer"
 _BASE_OPTIMIZER = "keras.src.optimizers.base_optimizer.BaseOptimizer"
@@ -173,6 +174,11 @@ KERAS_INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_BASE_TRAINER}._assert_compile_called", "fit/evaluate before compile(): Keras's own error"),
     Internal(f"{_BASE_TRAINER}._symbolic_build", "build what is unbuilt, on the ps, from the data's spec"),
     Internal("keras.src.layers.layer.Layer._flatten_layers", "is every layer built?"),
+    # A cluster model's weights read once per forward pass, not per loop iteration (loop_reads.py).
+    Internal("keras.src.layers.layer.Layer.__call__", "patched: marks the outermost layer call traced"),
+    Internal(f"{_COMMON_VARIABLE}.value", "patched: inside that call, a trainable ps weight read in a "
+             "while loop is read once, outside the outermost loop"),
+    Internal(f"{_COMMON_VARIABLE}._maybe_autocast", "that read cast as Keras casts its reads"),
     Internal(f"{_BASE_TRAINER}._compile_metrics", "are the compiled metrics built?", kind="instance"),
     Internal(f"{_BASE_TRAINER}._compile_loss", "is the compiled loss built?", kind="instance"),
     Internal(f"{_BASE_TRAINER}._loss_tracker", "made again by every compile(): fit's step functions "
