@@ -27,6 +27,24 @@ def lstm_model():
     return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.LSTM(UNITS)(inputs)))
 
 
+def gru_model():
+    inputs = keras.Input((TIMESTEPS, FEATURES))
+    return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.GRU(UNITS)(inputs)))
+
+
+def masked_bidirectional_model():
+    """A SimpleRNN both ways over sequences padded with zeros (masked)."""
+    inputs = keras.Input((TIMESTEPS, FEATURES))
+    masked = keras.layers.Masking(0.0)(inputs)
+    return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Bidirectional(keras.layers.SimpleRNN(UNITS))(masked)))
+
+
+#: Each model's trainable weights: the recurrent layer's, then Dense's kernel and bias.
+RECURRENT = {"lstm": (lstm_model, 5), "gru": (gru_model, 5), "bidirectional_masked": (masked_bidirectional_model, 8)}
+X_PADDED = X.copy()
+X_PADDED[: BATCH // 2, -4:] = 0.0  # half the sequences end 4 timesteps early
+
+
 def loop_functions(graph_def):
     """The function bodies of the while loops (v2) of a traced function, by name."""
     loop_names = set()
@@ -53,28 +71,31 @@ def gradients_fn(model, loss_fn):
     return gradients
 
 
-def test_an_lstm_step_reads_its_ps_kernels_outside_the_loop_with_the_local_gradients(strategy):
-    local = lstm_model()
+@pytest.mark.parametrize("kind", list(RECURRENT))
+def test_a_recurrent_step_reads_its_ps_kernels_outside_the_loop_with_the_local_gradients(strategy, kind):
+    build, weights = RECURRENT[kind]
+    x = X_PADDED if kind == "bidirectional_masked" else X
+    local = build()
     with strategy.scope():
-        model = lstm_model()
+        model = build()
     model.set_weights(local.get_weights())
-    assert model.layers[1].cell.kernel.value.device.startswith("/job:ps/")
+    assert all(v.value.device.startswith("/job:ps/") for v in model.trainable_variables)
     loss_fn = keras.losses.MeanSquaredError()
 
     remote = gradients_fn(model, loss_fn)
     traced = remote.get_concrete_function(tf.TensorSpec(X.shape), tf.TensorSpec(Y.shape))
     loops = loop_functions(traced.graph.as_graph_def())
-    assert loops, "no while loop in the traced LSTM step"
+    assert loops, f"no while loop in the traced {kind} step"
     assert not [name for name, f in loops.items() if "ReadVariableOp" in ops_in(f)], \
-        "a read of a ps variable is still inside the LSTM's loop"
+        f"a read of a ps variable is still inside the {kind} loop"
 
-    loss, grads = strategy.schedule(remote, args=(X, Y)).result(timeout=120)
-    local_loss, local_grads = gradients_fn(local, loss_fn)(X, Y)
+    loss, grads = strategy.schedule(remote, args=(x, Y)).result(timeout=120)
+    local_loss, local_grads = gradients_fn(local, loss_fn)(x, Y)
     np.testing.assert_allclose(loss, local_loss.numpy(), rtol=1e-5)
-    assert len(grads) == len(local_grads) == 5
+    assert len(grads) == len(local_grads) == weights
     for got, want, variable in zip(grads, local_grads, local.trainable_variables):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-6, err_msg=variable.path)
-    np.testing.assert_allclose(model.predict(X, verbose=0), local.predict(X, verbose=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.predict(x, verbose=0), local.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
 def test_a_loop_of_whole_steps_reads_each_steps_weights_afresh(strategy):
