@@ -7,8 +7,8 @@ With the weights on a ps task, TF places each read with its variable, so the ps 
 in every iteration of the loop: the worker and the ps exchange the loop's state and the
 weights at each timestep, forward and backward. Measured on this project's 2-core machine
 (`benchmarks/keras_fit.py --model lstm`, docs/keras.md "Loops inside a layer"): an `LSTM(16)`
-over 48 timesteps ran 15.0 steps/s on 2 workers and 1 ps, 98.5 with its reads out of the
-loop, 165.5 in one process.
+over 48 timesteps ran 15.0 steps/s on 2 workers and 1 ps, 110.9 with its reads out of the
+loop, 158.0 in one process.
 
 While the outermost layer call (a model's forward pass in `fit`, `evaluate`, `predict`
 or a user's `train_step`) is traced, a trainable weight on a ps that is read inside a
