@@ -41,6 +41,7 @@ from psclient._coordinator.runtime import coordinator_cpu
 from psclient._core import dynamic_tables as rules
 from psclient._coordinator.ps_state import on_ps
 from psclient._core.errors import PSUnavailableError, first_line
+from psclient._tf.branches import called_cond
 
 __all__ = ["DynamicTable", "initial_rows", "live_tables", "mix64", "shard_of", "stats_on_ps"]
 
@@ -352,7 +353,7 @@ class DynamicTable:
         every = rules.scan_every(policy.ttl_steps)
         if every is not None:
             due = due | (shard.clock.read_value() % every == 0)
-        return tf.cond(due, lambda: shard.evict(policy, share), lambda: tf.constant(0, tf.int64))
+        return called_cond(due, lambda: shard.evict(policy, share), lambda: tf.constant(0, tf.int64))
 
     def scan(self) -> int:
         """Run the eviction scan on every shard now (training runs it when due); return rows evicted."""

@@ -36,6 +36,7 @@ from psclient._coordinator.tables.key_hash import initial_rows
 from psclient._coordinator.tables.key_index import SUBSTITUTE_KEY, find
 from psclient._coordinator.tables.least_recent import least_recent_rows
 from psclient._core import dynamic_tables as rules
+from psclient._tf.branches import called_cond
 from psclient._tf.context import locked
 
 __all__ = ["Part", "apply_parts"]
@@ -148,7 +149,7 @@ def _admit_and_update(group: list[Part], rule: Callable):
         stale = have & (clock_k - last_at > policy.ttl_steps)
         # Rare (a key seen again between its expiry and the scan that frees it): the freeing ops,
         # a dozen per shard, run only when some key of the group is stale.
-        freed.append(tf.cond(tf.reduce_any(stale), lambda: _free_stale(shards, keys, at, seg, stale),
+        freed.append(called_cond(tf.reduce_any(stale), lambda: _free_stale(shards, keys, at, seg, stale),
                              lambda: tf.constant(False)))
         have &= ~stale
         at = tf.where(stale, tf.constant(-1, tf.int64), at)
@@ -222,7 +223,7 @@ def _admit_and_update(group: list[Part], rule: Callable):
         with tf.control_dependencies(ops):
             return tf.constant(True)
 
-    evicted = tf.cond(tf.reduce_any(short > 0), evict, lambda: tf.constant(False))
+    evicted = called_cond(tf.reduce_any(short > 0), evict, lambda: tf.constant(False))
 
     # New rows: popped from each shard's free stack, in the order of its fresh keys.
     with tf.control_dependencies([evicted, *checks]):
@@ -317,11 +318,11 @@ def _scan_or_rebuild(shards, clock):
         done = []
         for g, shard in enumerate(shards):
             def rebuild(shard=shard, g=g):
-                return tf.cond(worn[g], lambda: shard.index.rebuild(shard.live), lambda: tf.constant(False))
+                return called_cond(worn[g], lambda: shard.index.rebuild(shard.live), lambda: tf.constant(False))
             if scan is None:
                 done.append(rebuild())
                 continue
-            done.append(tf.cond(scan[g], shard.scan_held, rebuild))
+            done.append(called_cond(scan[g], shard.scan_held, rebuild))
         return tf.reduce_any(tf.stack(done))
 
-    return tf.cond(tf.reduce_any(due), run, lambda: tf.constant(False))
+    return called_cond(tf.reduce_any(due), run, lambda: tf.constant(False))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from psclient._coordinator.runtime import coordinator_cpu
+from psclient._tf.branches import called_cond
 
 __all__ = ["KeyIndex", "RESERVED_KEYS", "SUBSTITUTE_KEY", "buckets_for", "find"]
 
@@ -162,7 +163,7 @@ class KeyIndex:
 
         `live_keys()`: (keys, rows) of the shard's live rows, read only when rebuilding.
         """
-        return tf.cond(self.worn(), lambda: self.rebuild(live_keys), lambda: tf.constant(False))
+        return called_cond(self.worn(), lambda: self.rebuild(live_keys), lambda: tf.constant(False))
 
     def rebuild(self, live_keys):
         """Hold exactly the keys `live_keys()` gives, (keys, rows): no tombstones left. Returns True."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from psclient._tf.branches import called_cond
+
 __all__ = ["least_recent", "least_recent_rows"]
 
 _NEWEST = 2**63 - 1  # sorts after every step; ~x reverses the order of int64 without overflow
@@ -43,7 +45,7 @@ def least_recent(keys, last, member, k, entries: int | None = None):
 
     if entries is not None and entries <= _SELECT_WITHOUT_CONDITIONAL_UP_TO:
         return pick()
-    return tf.cond(k > 0, pick, lambda: tf.zeros_like(member))
+    return called_cond(k > 0, pick, lambda: tf.zeros_like(member))
 
 
 def least_recent_rows(keys, last, member, k):
