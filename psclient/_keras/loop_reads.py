@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from psclient._coordinator.training.updates import ps_device_of
 from psclient._keras import seam
-from psclient._tf.loops import graph_outside_loops, read_in
+from psclient._tf.control_flow import graph_outside_loops, read_in
 
 __all__ = ["install", "take_source"]
 

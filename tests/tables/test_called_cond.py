@@ -5,7 +5,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from psclient._tf.branches import called_cond  # noqa: E402
+from psclient._tf.control_flow import called_cond  # noqa: E402
 
 
 def test_its_if_is_kept_unlowered_and_gives_tf_conds_results():

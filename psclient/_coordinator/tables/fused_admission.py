@@ -36,7 +36,7 @@ from psclient._coordinator.tables.key_hash import initial_rows
 from psclient._coordinator.tables.key_index import SUBSTITUTE_KEY, find
 from psclient._coordinator.tables.least_recent import least_recent_rows
 from psclient._core import dynamic_tables as rules
-from psclient._tf.branches import called_cond
+from psclient._tf.control_flow import called_cond
 from psclient._tf.context import locked
 
 __all__ = ["Part", "apply_parts"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from psclient._coordinator.runtime import coordinator_cpu
-from psclient._tf.branches import called_cond
+from psclient._tf.control_flow import called_cond
 
 __all__ = ["KeyIndex", "RESERVED_KEYS", "SUBSTITUTE_KEY", "buckets_for", "find"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from psclient._tf.branches import called_cond
+from psclient._tf.control_flow import called_cond
 
 __all__ = ["least_recent", "least_recent_rows"]
 
