@@ -20,6 +20,11 @@ Elsewhere the tasks run with `--allow-any-host`, after a `RuntimeWarning`.
 
 `throttle` makes a straggler: a helper process owned the same way
 (`throttle.py`) runs the task on a SIGSTOP/SIGCONT duty cycle.
+
+`close()` first runs the hooks added with `closing.before_close` (the strategy
+registry adds one: it shuts down a strategy still connected to the tasks,
+while they still answer, so that TF's view of the cluster is left cleanly and
+the next strategy can connect).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from typing import Any, Callable
 
 import portpicker
 
-from psclient._cluster import exposure, forkserver
+from psclient._cluster import closing, exposure, forkserver
 from psclient._cluster.process import child_env
 from psclient._cluster.server import check_inter_op_threads
 from psclient._cluster.spec import Cluster
@@ -454,12 +459,20 @@ class LocalCluster:
     def close(self) -> None:
         """Ends every task (SIGTERM, then SIGKILL after a few seconds) and reaps them.
 
-        Removes the temporary log directory, if this cluster made one. Safe to
-        call more than once.
+        A strategy still connected to these tasks is shut down first, while they
+        answer (see `ParameterServerStrategy.shutdown`); not while one is stopped
+        (`stop`), as its calls would wait for it: the tasks then end at once, as
+        before. Removes the temporary log directory, if this cluster made one.
+        Safe to call more than once.
         """
-        with self._lock:
-            self._closed = True
-            self._finalizer()  # Runs shutdown at most once.
+        try:
+            # Not the hooks again on a second close.
+            if self._finalizer.alive and not any(task.stopped for task in self._task_list):
+                closing.run_before_close(self._cluster)  # outside the lock: a hook may wait on calls that resume a task
+        finally:
+            with self._lock:
+                self._closed = True
+                self._finalizer()  # Runs shutdown at most once.
 
     def __enter__(self) -> LocalCluster:
         return self

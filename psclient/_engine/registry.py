@@ -5,6 +5,11 @@ strategy is connected at a time. The registry holds it by weak reference only:
 a forgotten strategy is collected (its finalizer shuts it down) and never
 blocks the next one.
 
+A `LocalCluster` closing shuts down the strategy connected to its tasks first
+(`before_close`): left connected, TF's view would name tasks that are gone,
+every later `tf.function` in the process would log errors about them, and no
+next strategy could connect until this one's `shutdown()`.
+
 Scope hooks let a layer above the coordinator (the Keras integration) install
 itself when `strategy.scope()` is entered, without the coordinator importing
 it: `psclient/__init__.py` registers the hook.
@@ -16,10 +21,14 @@ import threading
 import weakref
 from typing import Any, Callable
 
+from psclient._cluster import closing
+from psclient._cluster.spec import Cluster
+
 __all__ = ["add_scope_hook", "run_scope_hooks", "current", "claim", "release"]
 
 _lock = threading.Lock()
 _active: "weakref.ref | None" = None
+_active_tasks: frozenset = frozenset()  # the worker and ps addresses the connected strategy was made with
 _scope_hooks: list[Callable[[], None]] = []
 
 
@@ -46,13 +55,14 @@ def current() -> Any | None:
     return strategy
 
 
-def claim(strategy: Any, connect: Callable[[], None]) -> None:
+def claim(strategy: Any, connect: Callable[[], None], cluster: Cluster | None = None) -> None:
     """Make `strategy` the connected one, calling `connect()` under the lock.
 
     Raises RuntimeError if another live strategy is connected. If `connect`
-    raises, nothing is claimed.
+    raises, nothing is claimed. With `cluster` (the one it connects to), a
+    `LocalCluster` holding any of its workers or ps shuts it down when closed.
     """
-    global _active
+    global _active, _active_tasks
     with _lock:
         other = _active() if _active is not None else None
         if other is not None and not other.closed:
@@ -63,6 +73,9 @@ def claim(strategy: Any, connect: Callable[[], None]) -> None:
             )
         connect()
         _active = weakref.ref(strategy)
+        _active_tasks = frozenset() if cluster is None else _tasks_of(cluster)
+    if cluster is not None:
+        closing.before_close(_shut_down_if_connected)
 
 
 def release(strategy: Any) -> None:
@@ -71,3 +84,14 @@ def release(strategy: Any) -> None:
     with _lock:
         if _active is not None and _active() in (strategy, None):
             _active = None
+
+
+def _tasks_of(cluster: Cluster) -> frozenset:
+    return frozenset((*cluster.workers, *cluster.ps))
+
+
+def _shut_down_if_connected(closing: Cluster) -> None:
+    """A `LocalCluster` is about to end its tasks: shut down the strategy connected to any of them."""
+    strategy = current()
+    if strategy is not None and _active_tasks & _tasks_of(closing):
+        strategy.shutdown()

@@ -28,6 +28,8 @@ ALLOWED = {
     "psclient._cluster.task_process._LIVE_TASKS": PROCESS + "the task processes this process owns (closed in a fork)",
     "psclient._cluster.forkserver._servers": PROCESS + "the fork servers this process owns, one per task environment, "
     "shared by its LocalClusters (forgotten in a fork)",
+    "psclient._cluster.closing._BEFORE_CLOSE": PROCESS + "what a LocalCluster's close runs before its tasks end "
+    "(the registry's shutdown of the strategy connected to them: TF's connection is the process's)",
     "psclient._cluster.throttle._LIVE": PROCESS + "the throttle helpers this process owns (closed in a fork)",
     "psclient._coordinator.connection._coordinator_peers": PROCESS + "the hosts allowed to reach this process's port",
     "psclient._engine.registry._scope_hooks": PROCESS + "what entering any strategy's scope installs (Keras support)",
