@@ -27,19 +27,18 @@ Prints one JSON line of results.
 usage: python _published_examples_child.py CLUSTER_JSON WORK_DIR
 """
 
-import json
 import os
 import re
 import string
 import sys
-import time
 
 import numpy as np
 import tensorflow as tf
 import keras
 from keras import layers, ops
 
-import psclient
+import psclient  # noqa: F401  (imported before the examples, as the scripts do)
+from _published_runs import digits_data, run_locally_then_on_the_cluster
 
 
 def text_data(root, rng):
@@ -430,9 +429,9 @@ def add_loss_example(features, labels):
                                                            return_dict=True)}
 
 
-def run_examples(tag, scope, data, work):
-    """Every example once, its model built in `scope()`: {name: {"history", "use"} or {"error"}}."""
-    examples = {
+def examples_of(tag, data, work):
+    """name -> a maker of (model, fit, use) for this module's examples."""
+    return {
         "text": lambda: text_example(data["text"]),
         "feature_space": lambda: feature_space_example(data["feature_space"]),
         "forecast": lambda: forecast_example(data["forecast"], os.path.join(work, f"best_{tag}.weights.h5")),
@@ -443,42 +442,16 @@ def run_examples(tag, scope, data, work):
         "min_loss": lambda: min_loss_example(np.random.default_rng(5)),
         "add_loss": lambda: add_loss_example(data["features"], data["labels"]),
     }
-    results = {}
-    for name, make in examples.items():
-        started = time.perf_counter()
-        try:
-            with scope():
-                model, fit, use = make()
-            history = fit()
-            results[name] = {"history": {key: [float(v) for v in values] for key, values in history.history.items()},
-                             "use": use(),
-                             "on_ps": all("/job:ps" in v._value.device for v in model.variables) if tag == "cluster" else None}
-        except Exception as error:  # noqa: BLE001 - reported per example by the test, the others still run
-            results[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
-        results[name]["seconds"] = round(time.perf_counter() - started, 2)  # where the module's time goes
-    return results
 
 
 def main():
-    jobs, work = json.loads(sys.argv[1]), sys.argv[2]
+    work = sys.argv[2]
     keras.utils.set_random_seed(3)
     rng = np.random.default_rng(3)
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
     # The data and preprocessing first, as the examples do.
     data = {"text": text_data(work, rng), "feature_space": feature_space_data(rng), "forecast": forecast_data(rng),
-            "digits": np.expand_dims(bunch.images.astype("float32") / 16.0, -1), "labels": bunch.target,
-            "features": bunch.data.astype("float32") / 16.0}
-    import contextlib
-
-    results = {"local": run_examples("local", contextlib.nullcontext, data, work)}
-    strategy = psclient.ParameterServerStrategy(psclient.Cluster.from_dict(jobs))
-    try:
-        results["cluster"] = run_examples("cluster", strategy.scope, data, work)
-    finally:
-        strategy.shutdown()
-    print(json.dumps(results), flush=True)
+            **digits_data()}
+    run_locally_then_on_the_cluster(examples_of, data)
 
 
 if __name__ == "__main__":

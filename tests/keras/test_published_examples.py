@@ -1,8 +1,9 @@
 """keras.io examples as published, on the cluster: each runs as it runs locally.
 
 `_published_examples_child.py` runs nine examples in a fresh process (TF connects a process
-once): their data and preprocessing first, each example with local Keras, then the strategy
-and the same examples with their models built in its scope. The two runs are compared
+once), `_published_gans_child.py` three more (two GANs, a miniature GPT) in another: their
+data and preprocessing first, each example with local Keras, then the strategy and the
+same examples with their models built in its scope. The two runs are compared
 here. Two asynchronous workers train differently from one local loop, so results are
 compared with a tolerance, and each local result is first checked to say something.
 """
@@ -17,7 +18,7 @@ import pytest
 
 from _paths import ROOT_STR
 
-_CHILD = os.path.join(ROOT_STR, "tests", "_published_examples_child.py")
+_CHILDREN = [os.path.join(ROOT_STR, "tests", name) for name in ("_published_examples_child.py", "_published_gans_child.py")]
 #: How far below local Keras's an accuracy on the cluster may end (asynchronous updates).
 ACCURACY_TOLERANCE = 0.15
 
@@ -28,11 +29,15 @@ def examples(local_cluster, tmp_path_factory):
     # No "chief": this process may hold that port already (TF never releases it).
     jobs = {job: list(addresses) for job, addresses in local_cluster.cluster.jobs.items() if job != "chief"}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT_STR, os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, _CHILD, json.dumps(jobs), str(work)], cwd=work, env=env,
-                         capture_output=True, text=True, timeout=900)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
-    assert run.returncode == 0 and lines, f"the script failed (exit {run.returncode}):\n{run.stderr[-4000:]}"
-    return json.loads(lines[-1])
+    results = {"local": {}, "cluster": {}}
+    for child in _CHILDREN:
+        run = subprocess.run([sys.executable, child, json.dumps(jobs), str(work)], cwd=work, env=env,
+                             capture_output=True, text=True, timeout=900)
+        lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+        assert run.returncode == 0 and lines, f"{child} failed (exit {run.returncode}):\n{run.stderr[-4000:]}"
+        for tag, ran in json.loads(lines[-1]).items():
+            results[tag].update(ran)
+    return results
 
 
 def _both(examples, name):
@@ -126,3 +131,32 @@ def test_activity_loss_layer_in_a_model_with_its_own_test_step(examples):
     assert local["use"]["evaluate"]["accuracy"] > 0.6, "the local reference did not learn"
     assert cluster["use"]["evaluate"]["accuracy"] >= local["use"]["evaluate"]["accuracy"] - ACCURACY_TOLERANCE
     assert np.all(np.isfinite(cluster["history"]["val_loss"]))
+
+
+@pytest.mark.parametrize("name", ["gan", "wgan_gp"])
+def test_gans_overriding_compile_with_two_optimizers_and_their_own_train_step(examples, name):
+    local, cluster = _both(examples, name)
+    for run in (local, cluster):
+        for loss in ("d_loss", "g_loss"):
+            assert np.all(np.isfinite(run["history"][loss]))
+        assert run["use"]["generated_finite"] and run["use"]["generated_shape"] == [16, 8, 8, 1]
+    # Each optimizer applied once a step, as locally; their state on the ps tasks.
+    assert cluster["use"]["iterations"] == local["use"]["iterations"]
+    assert cluster["use"]["iterations"][0] > 0
+    assert cluster["use"]["optimizer_state_on_ps"]
+    # The discriminator's loss moves as it does locally (two workers: not the same numbers).
+    local_move = local["history"]["d_loss"][-1] - local["history"]["d_loss"][0]
+    cluster_move = cluster["history"]["d_loss"][-1] - cluster["history"]["d_loss"][0]
+    assert local_move < 0 and cluster_move < 0
+
+
+def test_gpt_with_a_callback_that_generates_with_predict_after_each_epoch(examples):
+    local, cluster = _both(examples, "gpt")
+    for run in (local, cluster):
+        loss = run["history"]["loss"]
+        assert loss[-1] < 0.5 * loss[0], loss
+        generated = run["use"]["generated"]
+        assert len(generated) == len(loss)  # one generation per epoch, from the callback
+        # The data counts up (next = token % 39 + 1): the last epoch's tokens continue the start.
+        last = generated[-1]
+        assert last[:3] == [5, 6, 7] and all(b == a % 39 + 1 for a, b in zip(last, last[1:])), last
