@@ -586,11 +586,27 @@ class _ViewChangeWatch:
             with open(path, "w") as file:
                 file.write(f"{job}:{index} pid {pid}, TF's view change {changes} running {VIEW_CHANGE_DUMP_S} s\n{text}")
 
+        self._sockets(changes, "before-gdb")
         threads = [threading.Thread(target=dump, args=task, daemon=True) for task in tasks]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(200)
+        self._sockets(changes, "after-gdb")
+
+    def _sockets(self, changes: int, when: str) -> None:
+        """Every TCP socket on the machine with its queues and owner (`ss -tnpi`): whether the view
+        change's RPC sits unsent in the coordinator's send queue, unread in a task's receive queue,
+        or is gone (seed 604 of 2026-12-07 waited 155 s with every task idle, as seed 579 had)."""
+        try:
+            out = subprocess.run(["ss", "-tnpi"], capture_output=True, text=True, timeout=20)
+            text = out.stdout + out.stderr
+        except (OSError, subprocess.TimeoutExpired) as error:
+            text = f"ss not run: {error}"
+        pids = {f"{job}:{index}": self._local.pid(job, index) for job, index, _ in self._local.cluster.tasks()
+                if self._local.is_running(job, index)}
+        with open(os.path.join(self._directory, f"view-change-{changes}-sockets-{when}.txt"), "w") as file:
+            file.write(f"coordinator pid {os.getpid()}, tasks {pids}\n{text}")
 
     def close(self) -> None:
         self._stop.set()

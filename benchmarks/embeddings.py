@@ -2,7 +2,7 @@
 
 The model parameter servers exist for: `Embedding(rows, 16)` on 4 ids per
 example, flattened, then Dense(16, relu) and Dense(1) (a binary label, logits),
-batch 256, Adagrad(0.01), `model.fit` with steps_per_execution 1, for tables
+batch 256, Adagrad(0.01) (`--optimizer adam` or `sgd`: Adam(0.001), SGD(0.05)), `model.fit` with steps_per_execution 1, for tables
 of 20,000, 200,000 and 2,000,000 rows by default (`--rows`). Each table size
 gets a fresh LocalCluster of 2 workers and 2 ps (TF's task servers keep the
 state of a finished coordinator, a 2M-row table and its accumulator included,
@@ -36,10 +36,11 @@ at the largest table over its step time at the smallest.
 Usage:
   python benchmarks/embeddings.py [--rows 20000,200000,2000000] [--repeats 2] [--seconds 6]
   python benchmarks/embeddings.py --quick      # smoke run: 20k and 2M rows, 1 repeat, few steps
+  python benchmarks/embeddings.py --rows 20000,2000000 --optimizer adam   # Adam, as the collaborative-filtering example fits
 
 Prints one JSON object (progress on stderr) and saves it under
 benchmarks/results/embeddings-<date>.json (embeddings-quick-<date>.json with
---quick). Exits 0 when every run finished, whether or not the targets are met;
+--quick; the optimizer's name before the date with --optimizer adam or sgd). Exits 0 when every run finished, whether or not the targets are met;
 1 if any run failed.
 """
 
@@ -105,7 +106,18 @@ def make_dataset(rows: int):
     return tf.data.Dataset.from_tensor_slices((ids, labels)).batch(BATCH, drop_remainder=True).repeat()
 
 
-def build_model(keras_module, rows: int):
+#: --optimizer: the name -> (Keras's class name, its arguments); Adam and SGD as users write them.
+OPTIMIZERS = {"adagrad": ("Adagrad", {"learning_rate": LEARNING_RATE}),
+              "adam": ("Adam", {"learning_rate": 0.001}),
+              "sgd": ("SGD", {"learning_rate": 0.05})}
+
+
+def describe_optimizer(name: str) -> str:
+    kind, kwargs = OPTIMIZERS[name]
+    return f"{kind}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
+
+
+def build_model(keras_module, rows: int, optimizer: str = "adagrad"):
     layers = keras_module.layers
     model = keras_module.Sequential([
         keras_module.Input(shape=(IDS_PER_EXAMPLE,), dtype="int32"),
@@ -115,7 +127,7 @@ def build_model(keras_module, rows: int):
         layers.Dense(1),
     ])
     model.compile(
-        optimizer=keras_module.optimizers.Adagrad(learning_rate=LEARNING_RATE),
+        optimizer=getattr(keras_module.optimizers, OPTIMIZERS[optimizer][0])(**OPTIMIZERS[optimizer][1]),
         loss=keras_module.losses.BinaryCrossentropy(from_logits=True),
         steps_per_execution=1,
     )
@@ -137,7 +149,7 @@ def psclient_has_partitioner() -> bool:
     return "variable_partitioner" in inspect.signature(takes).parameters
 
 
-def setup(path: str, cluster, rows: int):
+def setup(path: str, cluster, rows: int, optimizer: str = "adagrad"):
     """Returns (fit(steps) -> last loss, strategy, describe() -> facts for the JSON).
 
     describe() is called after the fits: optimizer slots exist only then.
@@ -153,7 +165,7 @@ def setup(path: str, cluster, rows: int):
         strategy = tf.distribute.experimental.ParameterServerStrategy(
             resolver, variable_partitioner=make_partitioner())
         with strategy.scope():
-            model = build_model(tf_keras, rows)
+            model = build_model(tf_keras, rows, optimizer)
         data = tf_keras.utils.experimental.DatasetCreator(lambda ctx: make_dataset(rows))
 
         def describe() -> dict:
@@ -171,7 +183,7 @@ def setup(path: str, cluster, rows: int):
         else:
             strategy = psclient.ParameterServerStrategy(cluster)
         with strategy.scope():
-            model = build_model(keras, rows)
+            model = build_model(keras, rows, optimizer)
         data = lambda ctx: make_dataset(rows)  # noqa: E731 - one dataset per worker
 
         def describe() -> dict:
@@ -198,7 +210,7 @@ def child_main(args: argparse.Namespace) -> None:
     meter = _common.LoopbackBytes(cluster.jobs, coordinator_pid=os.getpid(), task_pids=task_pids)
 
     t0 = time.perf_counter()
-    fit, strategy, describe = setup(args._child, cluster, args.rows)
+    fit, strategy, describe = setup(args._child, cluster, args.rows, args.optimizer)
     setup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     first_loss = fit(args.warmup)
@@ -320,7 +332,7 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
         **_common.environment(argv),
         "model": f"Embedding(rows, {DIM}) on {IDS_PER_EXAMPLE} ids -> Flatten -> Dense({HIDDEN}, relu) -> Dense(1), "
                  f"binary cross-entropy from logits",
-        "optimizer": f"Adagrad(learning_rate={LEARNING_RATE})",
+        "optimizer": describe_optimizer(args.optimizer),
         "batch": BATCH, "steps_per_execution": 1, "num_workers": NUM_WORKERS, "num_ps": NUM_PS,
         "rows": rows_list, "embedding_dim": DIM,
         "data": f"{NUM_BATCHES} distinct batches of seeded zipf(1)-like ids (seed {SEED}), repeated",
@@ -349,7 +361,7 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
                                  "--cluster", json.dumps(cluster.jobs), "--task-pids", json.dumps(task_pids),
                                  "--warmup", str(args.warmup), "--probe-steps", str(args.probe_steps),
                                  "--seconds", str(args.seconds), "--min-steps", str(args.min_steps),
-                                 "--max-steps", str(args.max_steps)]
+                                 "--max-steps", str(args.max_steps), "--optimizer", args.optimizer]
                         tag = f"rows={rows:>9,} repeat {repeat + 1}/{args.repeats} {path:15}"
                         try:
                             result = _common.run_child(child, timeout=args.child_timeout, env=env)
@@ -370,7 +382,7 @@ def parent_main(args: argparse.Namespace, argv: list[str]) -> int:
     output["runs"] = runs
     _common.print_json(output)
     os.makedirs(os.path.join(_HERE, "results"), exist_ok=True)
-    name = "embeddings-quick" if args.quick else "embeddings"
+    name = ("embeddings-quick" if args.quick else "embeddings") + ("" if args.optimizer == "adagrad" else f"-{args.optimizer}")
     saved = os.path.join(_HERE, "results", f"{name}-{time.strftime('%Y-%m-%d')}.json")
     with open(saved, "w") as f:
         json.dump(output, f, indent=2)
@@ -393,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=3000, help="most timed steps (default 3000)")
     parser.add_argument("--child-timeout", type=float, default=420.0, help="seconds per run before it is killed")
     # Internal: run one path as a coordinator subprocess.
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad",
+                        help="the optimizer of both paths (default adagrad; adam and sgd as users write them)")
     parser.add_argument("--_child", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--cluster", help=argparse.SUPPRESS)
     parser.add_argument("--task-pids", default="{}", help=argparse.SUPPRESS)
