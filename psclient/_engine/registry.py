@@ -6,7 +6,7 @@ a forgotten strategy is collected (its finalizer shuts it down) and never
 blocks the next one.
 
 A `LocalCluster` closing shuts down the strategy connected to its tasks first
-(`before_close`): left connected, TF's view would name tasks that are gone,
+(`closing.before_close`): left connected, TF's view would name tasks that are gone,
 every later `tf.function` in the process would log errors about them, and no
 next strategy could connect until this one's `shutdown()`.
 
@@ -90,8 +90,8 @@ def _tasks_of(cluster: Cluster) -> frozenset:
     return frozenset((*cluster.workers, *cluster.ps))
 
 
-def _shut_down_if_connected(closing: Cluster) -> None:
-    """A `LocalCluster` is about to end its tasks: shut down the strategy connected to any of them."""
+def _shut_down_if_connected(ending: Cluster) -> None:
+    """A `LocalCluster` is about to end the tasks of `ending`: shut down the strategy connected to any of them."""
     strategy = current()
-    if strategy is not None and _active_tasks & _tasks_of(closing):
+    if strategy is not None and _active_tasks & _tasks_of(ending):
         strategy.shutdown()

@@ -144,10 +144,9 @@ def test_gans_overriding_compile_with_two_optimizers_and_their_own_train_step(ex
     assert cluster["use"]["iterations"] == local["use"]["iterations"]
     assert cluster["use"]["iterations"][0] > 0
     assert cluster["use"]["optimizer_state_on_ps"]
-    # The discriminator's loss moves as it does locally (two workers: not the same numbers).
-    local_move = local["history"]["d_loss"][-1] - local["history"]["d_loss"][0]
-    cluster_move = cluster["history"]["d_loss"][-1] - cluster["history"]["d_loss"][0]
-    assert local_move < 0 and cluster_move < 0
+    # The discriminator's loss ends where it ends locally (two asynchronous workers: not the same numbers).
+    local_last, cluster_last = local["history"]["d_loss"][-1], cluster["history"]["d_loss"][-1]
+    assert abs(cluster_last - local_last) <= 0.15 * abs(local_last) + 0.05, (local_last, cluster_last)
 
 
 def test_gpt_with_a_callback_that_generates_with_predict_after_each_epoch(examples):
