@@ -70,3 +70,27 @@ def test_a_strategy_left_connected_is_shut_down_when_its_cluster_closes(tmp_path
                    "local_after": 6.0, "second": 4.0}
     logged = [line for line in run.stderr.splitlines() if any(text in line for text in STALE_VIEW_LOGS)]
     assert not logged, logged[:4]
+
+
+def test_close_runs_the_hooks_first_but_not_while_a_task_is_stopped():
+    from psclient._cluster import closing
+    from psclient._cluster.local import LocalCluster
+
+    called = []
+
+    def hook(cluster):
+        called.append((cluster, [local.is_running(job, index) for job, index, _ in cluster.tasks()]))
+
+    closing.before_close(hook)
+    try:
+        local = LocalCluster(num_workers=1, num_ps=1)
+        local.close()
+        local.close()  # a second close runs no hook again
+        assert len(called) == 1 and called[0][0] == local.cluster
+        assert all(called[0][1]), "the hook ran after the tasks ended"
+        local = LocalCluster(num_workers=1, num_ps=1)
+        local.stop("worker", 0)  # a strategy's shutdown would wait on its calls: no hook
+        local.close()
+        assert len(called) == 1
+    finally:
+        closing._BEFORE_CLOSE.remove(hook)  # noqa: SLF001 - process-wide: leave it as it was
