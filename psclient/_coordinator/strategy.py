@@ -132,7 +132,7 @@ class ParameterServerStrategy(TFStrategyAPI):
         self._coordinator_access = engine.coordinator_access
         # Connected only once everything that checks arguments or the checkpoint
         # directory has passed; a failure after that undoes the connection.
-        registry.claim(self, functools.partial(edge.connect, cluster, patience=connect_timeout), cluster)
+        registry.claim(self, functools.partial(edge.connect, cluster, patience=connect_timeout))
         with contextlib.ExitStack() as undo:
             undo.callback(lifecycle.leave, edge, self)
             if checkpoints is not None:

@@ -28,7 +28,6 @@ __all__ = ["add_scope_hook", "run_scope_hooks", "current", "claim", "release"]
 
 _lock = threading.Lock()
 _active: "weakref.ref | None" = None
-_active_tasks: frozenset = frozenset()  # the worker and ps addresses the connected strategy was made with
 _scope_hooks: list[Callable[[], None]] = []
 
 
@@ -55,14 +54,14 @@ def current() -> Any | None:
     return strategy
 
 
-def claim(strategy: Any, connect: Callable[[], None], cluster: Cluster | None = None) -> None:
+def claim(strategy: Any, connect: Callable[[], None]) -> None:
     """Make `strategy` the connected one, calling `connect()` under the lock.
 
     Raises RuntimeError if another live strategy is connected. If `connect`
-    raises, nothing is claimed. With `cluster` (the one it connects to), a
-    `LocalCluster` holding any of its workers or ps shuts it down when closed.
+    raises, nothing is claimed. A `LocalCluster` holding any of the workers
+    or ps of its `cluster` shuts it down when closed.
     """
-    global _active, _active_tasks
+    global _active
     with _lock:
         other = _active() if _active is not None else None
         if other is not None and not other.closed:
@@ -73,9 +72,7 @@ def claim(strategy: Any, connect: Callable[[], None], cluster: Cluster | None = 
             )
         connect()
         _active = weakref.ref(strategy)
-        _active_tasks = frozenset() if cluster is None else _tasks_of(cluster)
-    if cluster is not None:
-        closing.before_close(_shut_down_if_connected)
+    closing.before_close(_shut_down_if_connected)
 
 
 def release(strategy: Any) -> None:
@@ -93,5 +90,5 @@ def _tasks_of(cluster: Cluster) -> frozenset:
 def _shut_down_if_connected(ending: Cluster) -> None:
     """A `LocalCluster` is about to end the tasks of `ending`: shut down the strategy connected to any of them."""
     strategy = current()
-    if strategy is not None and _active_tasks & _tasks_of(ending):
+    if strategy is not None and _tasks_of(strategy.cluster) & _tasks_of(ending):
         strategy.shutdown()
