@@ -24,13 +24,14 @@ import tensorflow as tf
 
 from psclient._cluster.spec import Cluster
 from psclient._core.errors import TaskUnreachableError
+from psclient._core.view_changes import ViewChanges, warning_times
 from psclient._tf import context as _context
 from psclient._tf import executors as _executors
 from psclient._tf import local_tables as _local_tables
 
 __all__ = [
     "COORDINATOR_JOB", "CONNECTION_LOCK_TIMEOUT", "TF_VERSIONS", "connect", "disconnect",
-    "tensorflow_range",
+    "tensorflow_range", "view_changes",
 ]
 
 log = logging.getLogger("psclient")
@@ -298,6 +299,13 @@ def disconnect() -> None:
 SLOW_VIEW_CHANGE_S = 10.0
 #: The tasks of TF's view after the last change ("job:index" -> address): TF's view is the process's.
 _view: Mapping[str, str] = types.MappingProxyType({})
+#: This process's changes of TF's view (`view_changes()`: strategy.stats()["cluster_view"], the metrics).
+_view_changes = ViewChanges(slow_s=SLOW_VIEW_CHANGE_S)
+
+
+def view_changes() -> dict:
+    """The process's changes of TF's view of the cluster so far, and the one under way (`ViewChanges.stats`)."""
+    return _view_changes.stats()
 
 
 def _update_connection(cluster_spec, filters) -> None:
@@ -305,19 +313,42 @@ def _update_connection(cluster_spec, filters) -> None:
 
     TF's update closes the old context on each task it drops and each that restarted, and waits for
     every answer without a deadline (`EagerContext::CloseRemoteContexts`): a reconnect of a seeded
-    chaos plan waited there 54 s (docs/chaos.md). A slow one is logged, naming what it dropped.
+    chaos plan waited there 54 s (docs/chaos.md). No step runs meanwhile and nothing here can cut it
+    short, so a slow one is logged while it waits (at `warning_times`: 10, 30, 60, 120 s, ...), naming
+    the tasks it waits on, and once it ends, naming what it dropped.
     """
     global _view
-    began = time.monotonic()
     view = {f"{job}:{index}": address for job, tasks in cluster_spec.as_dict().items()
             for index, address in (tasks.items() if isinstance(tasks, dict) else enumerate(tasks))}
+    dropped = sorted(task for task in _view if task not in view or _view[task] != view[task])
+    named = {task: address for task, address in view.items() if not task.startswith(COORDINATOR_JOB + ":")}
+    began = _view_changes.began(named)
+    done = threading.Event()
+    watch = threading.Thread(target=_warn_while_waiting, args=(done, began, named, dropped),
+                             name="psclient-view-change-watch", daemon=True)
+    watch.start()
     try:
         _context.update_server_def(cluster_spec, filters, COORDINATOR_JOB)
     finally:
-        took = time.monotonic() - began
-        dropped = sorted(task for task in _view if task not in view or _view[task] != view[task])
+        done.set()
+        watch.join()  # it only waits on `done` and logs
+        took = _view_changes.ended()
         _view = types.MappingProxyType(view)
         if took >= SLOW_VIEW_CHANGE_S:
             log.warning("TF's update of its view of the cluster took %.1f s (it waits, without a deadline, for "
                         "each task it drops or that restarted to close its old context); dropped: %s",
                         took, ", ".join(dropped) or "none")
+
+
+def _warn_while_waiting(done: threading.Event, began: float, named: Mapping[str, str], dropped: list) -> None:
+    """Until `done`: log at each of `warning_times` into the change that TF's update still waits."""
+    tasks = ", ".join(f"{task} at {address}" for task, address in sorted(named.items()))
+    for at in warning_times():
+        if done.wait(max(0.0, began + at - _view_changes.now())):
+            return
+        log.warning("TF's update of its view of the cluster has waited %.0f s so far; no step runs until it "
+                    "returns. TensorFlow gives it no deadline: it waits for every task it names to answer "
+                    "(%s) and for each task it drops or that restarted to close its old context (dropped: "
+                    "%s). A task that accepts connections but does not answer (stopped, swapping, behind a "
+                    "network that drops packets) holds it: resume, restart or kill that task.",
+                    _view_changes.now() - began, tasks or "none", ", ".join(dropped) or "none")

@@ -28,7 +28,7 @@ from psclient._cluster.tasks import (
     wait_reachable,
     worker_device,
 )
-from psclient._coordinator.connection import COORDINATOR_JOB, connect, connection_changes, disconnect
+from psclient._coordinator.connection import COORDINATOR_JOB, connect, connection_changes, disconnect, view_changes
 from psclient._tf import executors as _executors
 from psclient._tf import variables as _variables
 from psclient._tf.calls import cancellable_call, probing_call
@@ -48,6 +48,7 @@ __all__ = [
     "connect",
     "connection_changes",
     "disconnect",
+    "view_changes",
     "worker_device",
     "ps_device",
     "ps_index_of",

@@ -379,12 +379,13 @@ class ParameterServerStrategy(TFStrategyAPI):
         Per worker: done, failed, retried, in flight, up, failures (times taken out), rejoins, last detection
         and recovery times, latencies. Per ps: up, failures, recoveries, last recovery time, closures rolled
         back. Plus queue depth, completed closures, checkpoints written and (with checkpoint_dir) their times
-        and bytes. `data`: the ledgers of `psclient.data` feeds, and `replayed_records`: records they may have
-        trained twice because a failure cut their step off. Per DynamicEmbedding table on the ps: rows, keys
-        tracked, admissions and evictions per ps task (`read_ps=False`: left out, nothing read from the ps;
-        None: left out while a ps is lost), read waiting for no recovery (a lost ps's shard: `available:
-        False, recovering: True`) and at most `hang_timeout` for a ps that does not answer (`waiting: True`,
-        and `embedding_stats_waiting` True, while the read goes on).
+        and bytes; `cluster_view`: changes of TF's view of the cluster (`connection.view_changes`; while one
+        is under way, `changing_for_s` > 0, no step runs). `data`: the ledgers of `psclient.data` feeds, and
+        `replayed_records`: records they may have trained twice because a failure cut their step off. Per
+        DynamicEmbedding table on the ps: rows, keys tracked, admissions and evictions per ps task
+        (`read_ps=False`: left out, nothing read from the ps; None: left out while a ps is lost), read waiting
+        for no recovery (a lost ps's shard: `available: False, recovering: True`) and at most `hang_timeout`
+        for a ps that does not answer (`waiting: True`, and `embedding_stats_waiting` True, meanwhile).
         """
         stats = self._scheduler.stats()
         stats["completed"] = self._scheduler.completed()
@@ -394,7 +395,7 @@ class ParameterServerStrategy(TFStrategyAPI):
         stats["checkpoints_written"] = self._recovery.checkpoints_written
         if self._recovery.checkpoints is not None:
             stats.update(self._recovery.checkpoints.stats())  # "checkpoint" (times), "checkpoints" (its cost)
-        stats["pipeline_depth"] = self._pipeline_depth
+        stats["pipeline_depth"], stats["cluster_view"] = self._pipeline_depth, _runtime.view_changes()
         stats["dispatcher_threads_alive"] = self._dispatcher.alive_threads
         stats["staleness"] = self._steps.summary()
         stats["data"] = self._parts.ledgers.stats()  # sharded datasets' ledgers (psclient.data)

@@ -57,6 +57,7 @@ def families(stats: dict) -> list:
         _counter("checkpoints_written", "Strategy checkpoints written.", stats["checkpoints_written"]),
     ]
     out += _checkpoint_times(stats.get("checkpoint", {}))
+    out += _view_changes(stats.get("cluster_view"))
     if (stall := (stats.get("checkpoints") or {}).get("last_stall_seconds")) is not None:
         out.append(_gauge("checkpoint_last_stall_seconds",
                           "Seconds dispatch was paused for the newest checkpoint's cut.", stall))
@@ -207,6 +208,16 @@ def _checkpoint_times(checkpoint: dict) -> list:
         out.append(_gauge("checkpoint_last_bytes", "Bytes of the newest checkpoint's files.",
                           checkpoint["last_bytes"]))
     return out
+
+
+def _view_changes(view: dict | None) -> list:
+    """Changes of TF's view of the cluster (`psclient._core.view_changes`): none runs a step while under way."""
+    if view is None:
+        return []
+    return [_counter("cluster_view_changes", "Changes of TensorFlow's view of the cluster (connects, reconnects) "
+                     "that ended.", view["changes"]),
+            _gauge("cluster_view_change_seconds", "Seconds the change of TensorFlow's view of the cluster under "
+                   "way has waited (0: none); no step runs meanwhile.", view["changing_for_s"])]
 
 
 def _data_ledgers(feeds: list) -> list:

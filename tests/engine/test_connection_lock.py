@@ -5,6 +5,7 @@ import threading
 import pytest
 
 from psclient._coordinator import connection
+from psclient._core.view_changes import ViewChanges
 
 
 def test_a_connect_that_times_out_names_the_thread_holding_the_lock(monkeypatch):
@@ -55,7 +56,9 @@ def test_a_slow_change_of_tfs_view_is_logged_naming_the_tasks_it_dropped(monkeyp
     import tensorflow as tf
 
     clock = iter([0.0, 1.0, 100.0, 100.0 + connection.SLOW_VIEW_CHANGE_S + 2])
-    monkeypatch.setattr(connection.time, "monotonic", lambda: next(clock))
+    record = ViewChanges(slow_s=connection.SLOW_VIEW_CHANGE_S, clock=lambda: next(clock))
+    monkeypatch.setattr(connection, "_view_changes", record)
+    monkeypatch.setattr(connection, "warning_times", lambda: iter(()))  # the clock is the test's
     monkeypatch.setattr(connection._context, "update_server_def", lambda *args: None)
     monkeypatch.setattr(connection, "_view", {})
     whole = tf.train.ClusterSpec({"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]})
@@ -65,3 +68,53 @@ def test_a_slow_change_of_tfs_view_is_logged_naming_the_tasks_it_dropped(monkeyp
         assert "took" not in caplog.text
         connection._update_connection(without_worker_1, None)
     assert "took 12.0 s" in caplog.text and "dropped: worker:1" in caplog.text
+    assert record.stats() == {"changes": 2, "slow_changes": 1, "longest_s": 12.0, "changing_for_s": 0.0,
+                              "changing_tasks": []}
+
+
+def test_a_change_of_tfs_view_still_waiting_is_logged_and_counted_while_it_waits(monkeypatch):
+    """No step runs while TF's update waits, and nothing can cut it short: it is told while it waits
+    (in the log, naming the tasks it waits on, and in `view_changes()`, which stats() and the metrics
+    read), not only once it returns. TF's update here waits for the test, on the real clock."""
+    import logging
+
+    import tensorflow as tf
+
+    record = ViewChanges(slow_s=connection.SLOW_VIEW_CHANGE_S)
+    monkeypatch.setattr(connection, "_view_changes", record)
+    monkeypatch.setattr(connection, "warning_times", lambda: iter([0.05, 0.1]))
+    monkeypatch.setattr(connection, "_view", {})
+    warned, release, returned = threading.Event(), threading.Event(), threading.Event()
+    messages: list = []
+
+    class Seen(logging.Handler):
+        def emit(self, entry):
+            messages.append(entry.getMessage())
+            if "has waited" in entry.getMessage() and len(messages) >= 2:
+                warned.set()
+
+    def update_waits(*args):
+        assert release.wait(60), "the test never released TF's update"
+
+    monkeypatch.setattr(connection._context, "update_server_def", update_waits)
+    handler = Seen(logging.WARNING)
+    logging.getLogger("psclient").addHandler(handler)
+    spec = tf.train.ClusterSpec({"localhost": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]})
+    changing = threading.Thread(target=lambda: (connection._update_connection(spec, None), returned.set()),
+                                name="test-view-change")
+    changing.start()
+    try:
+        assert warned.wait(60), messages
+        under_way = connection.view_changes()
+        assert under_way["changing_for_s"] > 0 and under_way["changes"] == 0
+        assert under_way["changing_tasks"] == ["ps:0", "worker:0"]
+    finally:
+        release.set()
+        changing.join(60)
+        logging.getLogger("psclient").removeHandler(handler)
+    assert returned.is_set()
+    assert "has waited 0 s so far; no step runs until it returns" in messages[0]
+    assert "ps:0 at 127.0.0.1:3, worker:0 at 127.0.0.1:2" in messages[0] and "127.0.0.1:1" not in messages[0]
+    assert not [t for t in threading.enumerate() if t.name == "psclient-view-change-watch"]
+    after = connection.view_changes()
+    assert after["changes"] == 1 and after["changing_for_s"] == 0.0 and after["changing_tasks"] == []

@@ -47,6 +47,8 @@ def _stats(**extra) -> dict:
         "checkpoint": {"seconds_total": 1.5, "last_seconds": 0.5, "last_bytes": 4096},
         "checkpoints": {"last_stall_seconds": 0.03},
         "data": {"feeds": [{"shards": 8, "done": 3}]},
+        "cluster_view": {"changes": 4, "slow_changes": 1, "longest_s": 12.0, "changing_for_s": 31.5,
+                         "changing_tasks": ["ps:0", "worker:0"]},
         "dynamic_embeddings": {"user": [{"ps": 0, "rows": 10, "admissions": 12, "evictions": 2},
                                         {"ps": 1, "available": False, "error": "AbortedError"}]},
     }
@@ -94,6 +96,8 @@ def test_families_follow_prometheus_naming_and_carry_the_counts():
     assert samples[("psclient_checkpoint_last_bytes", ())] == 4096
     assert samples[("psclient_checkpoint_last_stall_seconds", ())] == 0.03
     assert samples[("psclient_data_shards_pending", (("feed", "0"),))] == 5
+    assert samples[("psclient_cluster_view_changes_total", ())] == 4
+    assert samples[("psclient_cluster_view_change_seconds", ())] == 31.5  # no step runs meanwhile
     assert samples[("psclient_embedding_rows", (("layer", "user"), ("task", "ps:0")))] == 10
     assert samples[("psclient_embedding_admissions_total", (("layer", "user"), ("task", "ps:0")))] == 12
     # A ps that cannot be read now is left out, not reported as empty.
@@ -312,9 +316,13 @@ def test_a_real_prometheus_scrapes_a_training_run_and_sees_a_killed_worker_down(
         assert _wait_value(prometheus, 'psclient_worker_up{task="worker:1"}', lambda v: v == 1, 60,
                            "worker 1 up") == 1
 
+        views = _wait_value(prometheus, "psclient_cluster_view_changes_total", lambda v: v >= 1, 60,
+                            "this coordinator's connect counted")
         cluster.kill("worker", 1)
         _wait_value(prometheus, 'psclient_worker_up{task="worker:1"}', lambda v: v == 0, 120,
                     "the killed worker down")
+        _wait_value(prometheus, "psclient_cluster_view_changes_total", lambda v: v > views, 120,
+                    "the reconnect without the killed worker counted")
         assert _wait_value(prometheus, 'sum(psclient_worker_up)', lambda v: v == 2, 60, "two workers up") == 2
         assert _wait_value(prometheus, 'psclient_worker_failures_total{task="worker:1"}', lambda v: v >= 1, 60,
                            "the failure counted") >= 1
