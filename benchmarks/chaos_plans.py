@@ -501,6 +501,9 @@ def run_seed(seed: int, args) -> dict:
         "wall_s": round(wall, 1),
         "checkpoints_written": stats.get("checkpoints_written"),
         "checkpoint_cost": stats.get("checkpoints"),
+        # TF's view changes (connects, reconnects) of this process so far, every seed before this one
+        # included (`stats()["cluster_view"]` is the process's: TF's view is): counts, longest.
+        "view_changes_in_process": stats.get("cluster_view"),
     }
     if served is not None:
         row["serving"] = serving
