@@ -51,8 +51,10 @@ PLAN_WORKERS, PLAN_PS = 3, 1
 BIG_DIM = 32  # --big-rows: the width of each ps's big table
 #: --stall-traces: a sampler asleep this long has every thread's Python stack written.
 TRACE_AFTER_S = 0.5
-#: --stall-traces: a change of TF's view running this long gets every task's native stack written (gdb).
-VIEW_CHANGE_DUMP_S = 8.0
+#: --stall-traces: a change of TF's view running this long gets every TCP socket written (`ss`)...
+VIEW_CHANGE_SOCKETS_S = 8.0
+#: ... and this long, every task's native stack (gdb, which stops each task it reads: _ViewChangeWatch).
+VIEW_CHANGE_DUMP_S = 60.0
 #: --stall-traces: a task not back this long after its fault ended gets every thread's stack written.
 SLOW_BACK_S = 20.0
 _NATIVE_DUMPS = threading.Lock()  # py-spy dumps of this process, one at a time
@@ -281,6 +283,27 @@ def _ps_index(variable) -> int:
     return int(re.search(r"/job:ps/replica:0/task:(\d+)", variable.device).group(1))
 
 
+def _read_once_ps_up(strategy, variable, limit: float):
+    """(value, None), or (None, the error) after `limit` s: `variable` read on the coordinator once
+    every ps answers and holds its variables again. The plan's last fault may be a ps kill whose
+    recovery is still under way when the steps end (seed 660 of 2026-12-07: the read failed with
+    "connection refused" and ended the whole run); a read on the coordinator during an outage gets
+    TF's error (docs/fault_tolerance.md), so it is tried again until `limit`."""
+    import tensorflow as tf
+
+    deadline = time.monotonic() + limit
+    while True:
+        error = "a ps still lost"
+        if all(ps["up"] for ps in strategy.stats(read_ps=False)["ps"]):
+            try:
+                return variable.numpy(), None
+            except tf.errors.OpError as failed:  # the ps lost again meanwhile: its recovery comes
+                error = f"{type(failed).__name__}: {str(failed).splitlines()[0][:200]}"
+        if time.monotonic() >= deadline:
+            return None, error
+        time.sleep(0.2)  # polling the recovery (no event to wait on from here)
+
+
 def run_seed(seed: int, args) -> dict:
     import psclient
 
@@ -418,11 +441,12 @@ def run_seed(seed: int, args) -> dict:
             ok = sum(f.done() and not f.cancelled() and f.exception() is None for f in futures) + fit_steps[1]
             scheduled = len(futures) + fit_steps[0]
             retried = sum(w["retried"] for w in stats["workers"])
-            value = counted.numpy() if not stats.get("broken") else None
+            value, read_error = (None, None) if stats.get("broken") else _read_once_ps_up(
+                strategy, counted, args.recovery_timeout)
             # Not a scalar: its ps's variables were left uninitialized (a recovery that restored nothing,
             # docs/fault_tolerance.md): recorded, the seed not clean, the other seeds still run.
             steps = int(value) if value is not None and value.ndim == 0 else None
-            counter_read = None if value is None or value.ndim == 0 else repr(value)[:200]
+            counter_read = read_error if value is None else None if value.ndim == 0 else repr(value)[:200]
             # A ps recovered alone ("part") rolls back only its own variables: the count loses what
             # the ps that holds it rolled back.
             low = ok - stats["ps"][_ps_index(counted)]["rolled_back_closures"]
@@ -504,6 +528,9 @@ def run_seed(seed: int, args) -> dict:
         # TF's view changes (connects, reconnects) of this process so far, every seed before this one
         # included (`stats()["cluster_view"]` is the process's: TF's view is): counts, longest.
         "view_changes_in_process": stats.get("cluster_view"),
+        # --stall-traces: each change of TF's view that ran VIEW_CHANGE_SOCKETS_S or more, with when its
+        # dumps began and ended and when it ended (seconds into the change).
+        "view_change_timelines": None if views is None else views.timelines,
     }
     if served is not None:
         row["serving"] = serving
@@ -546,34 +573,55 @@ def read_plan(path: str, num_ps: int) -> list[dict]:
 
 
 class _ViewChangeWatch:
-    """--stall-traces: every task's whole native stack (gdb: TF's own threads too, which py-spy does not
-    show) when a change of TF's view of the cluster has run VIEW_CHANGE_DUMP_S, once per change.
+    """--stall-traces: what a long change of TF's view of the cluster waits on. At VIEW_CHANGE_SOCKETS_S
+    every TCP socket with its queues (`ss`: stops nothing); at VIEW_CHANGE_DUMP_S every task's whole
+    native stack (gdb: TF's own threads too, which py-spy does not show). And when the change ends,
+    a timeline (`view-change-N-timeline.txt`, and `timelines` for the seed's JSON row).
 
-    TF's update waits without a deadline for each task it drops or that restarted to close its old
-    context (`EagerContext::CloseRemoteContexts`; seeds 527, 528, 537 and 539 of 2026-12-06 waited
-    16.7-54 s there): which task, and what its context waited for, only the tasks' stacks tell. gdb
-    stops each task for about 14 s while it reads it (all at once, each on a thread of its own)."""
+    gdb stops the task it reads, and seven gdbs at once on the 2-core machine took 137-175 s to read
+    seven TF processes: the three view changes of 144.5, 155.1 and about 182 s (seeds 579, 604 and
+    660) each ended within a second or two of the last gdb detaching, their dumps having begun 8 s
+    into the change. Those waits were mostly these dumps' own (docs/chaos.md); so the dumps now
+    wait for a change that is long before any dump stops a task."""
 
     def __init__(self, local, directory: str):
         from psclient._coordinator import connection
 
         self._local, self._directory, self._changes = local, directory, connection.connection_changes
+        self.timelines: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="chaos-view-watch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        seen, since, dumped = None, time.monotonic(), set()
+        seen, since, timeline = None, time.monotonic(), None
         while not self._stop.wait(0.25):
             changes = self._changes()
             if changes != seen:
-                seen, since = changes, time.monotonic()
-            elif changes % 2 and changes not in dumped and time.monotonic() - since >= VIEW_CHANGE_DUMP_S:
-                dumped.add(changes)
+                if timeline is not None:  # a change that ran long ended
+                    self._ended(timeline, time.monotonic() - since)
+                seen, since, timeline = changes, time.monotonic(), None
+                continue
+            waited = time.monotonic() - since
+            if not changes % 2 or waited < VIEW_CHANGE_SOCKETS_S:
+                continue
+            if timeline is None:
+                timeline = {"change": changes, "sockets_at_s": round(waited, 1)}
+                os.makedirs(self._directory, exist_ok=True)
+                self._sockets(changes, "before-gdb")
+            if waited >= VIEW_CHANGE_DUMP_S and "dumps_began_at_s" not in timeline:
+                timeline["dumps_began_at_s"] = round(waited, 1)
                 self._dump(changes)
+                timeline["dumps_ended_at_s"] = round(time.monotonic() - since, 1)
+                self._sockets(changes, "after-gdb")
+
+    def _ended(self, timeline: dict, took: float) -> None:
+        timeline["ended_at_s"] = round(took, 1)
+        self.timelines.append(timeline)
+        with open(os.path.join(self._directory, f"view-change-{timeline['change']}-timeline.txt"), "w") as file:
+            file.write(f"{timeline}\n")
 
     def _dump(self, changes: int) -> None:
-        os.makedirs(self._directory, exist_ok=True)
         tasks = [(job, index, self._local.pid(job, index)) for job, index, _ in self._local.cluster.tasks()
                  if self._local.is_running(job, index)]
 
@@ -589,13 +637,11 @@ class _ViewChangeWatch:
             with open(path, "w") as file:
                 file.write(f"{job}:{index} pid {pid}, TF's view change {changes} running {VIEW_CHANGE_DUMP_S} s\n{text}")
 
-        self._sockets(changes, "before-gdb")
         threads = [threading.Thread(target=dump, args=task, daemon=True) for task in tasks]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(200)
-        self._sockets(changes, "after-gdb")
 
     def _sockets(self, changes: int, when: str) -> None:
         """Every TCP socket on the machine with its queues and owner (`ss -tnpi`): whether the view
