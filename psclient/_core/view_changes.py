@@ -4,8 +4,9 @@ TF's `update_server_def` (a connect, a reconnect after a worker or ps loss)
 waits, without a deadline, for every task it names to answer, and for each
 task it drops or that restarted to close its old context. No step runs
 meanwhile. It usually takes well under a second; seeded chaos plans saw it
-wait 54 to 155 s (docs/chaos.md), and psclient cannot cut it short (TF offers
-no deadline or cancellation from Python). What psclient can do is say so
+wait 16 to 111 s (a worker's dataset iterator closing, since avoided) and for
+as long as a task stayed stopped (docs/chaos.md), and psclient cannot cut it
+short (TF offers no deadline or cancellation from Python). What psclient can do is say so
 while it waits: `ViewChanges` keeps the record that `strategy.stats()` and
 the metrics read, and says when the next "still waiting" warning is due.
 """
