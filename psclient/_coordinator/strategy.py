@@ -396,8 +396,7 @@ class ParameterServerStrategy(TFStrategyAPI):
         if self._recovery.checkpoints is not None:
             stats.update(self._recovery.checkpoints.stats())  # "checkpoint" (times), "checkpoints" (its cost)
         stats["pipeline_depth"], stats["cluster_view"] = self._pipeline_depth, _runtime.view_changes()
-        stats["dispatcher_threads_alive"] = self._dispatcher.alive_threads
-        stats["staleness"] = self._steps.summary()
+        stats["dispatcher_threads_alive"], stats["staleness"] = self._dispatcher.alive_threads, self._steps.summary()
         stats["data"] = self._parts.ledgers.stats()  # sharded datasets' ledgers (psclient.data)
         stats["replayed_records"] = stats["data"]["replayed_records"]
         stats["dynamic_embeddings"] = {}

@@ -224,6 +224,9 @@ def test_chaos_plans_write_every_threads_stack_when_a_task_is_slow_to_come_back(
         def restart(self, job, index, timeout):
             pass
 
+        def pid(self, job, index):  # no process to dump (the dump's thread outlives the test)
+            return None
+
     class Strategy:
         def stats(self):
             return {"workers": [{"up": False}], "ps": [{"recoveries": 0}], "completed": 0}
