@@ -444,7 +444,8 @@ def run_seed(seed: int, args) -> dict:
             value, read_error = (None, None) if stats.get("broken") else _read_once_ps_up(
                 strategy, counted, args.recovery_timeout)
             # Not a scalar: its ps's variables were left uninitialized (a recovery that restored nothing,
-            # docs/fault_tolerance.md): recorded, the seed not clean, the other seeds still run.
+            # docs/fault_tolerance.md); or not read at all (the read's error): recorded under
+            # counter_read_not_a_scalar, the seed not clean, the other seeds still run.
             steps = int(value) if value is not None and value.ndim == 0 else None
             counter_read = read_error if value is None else None if value.ndim == 0 else repr(value)[:200]
             # A ps recovered alone ("part") rolls back only its own variables: the count loses what
