@@ -97,6 +97,62 @@ def test_tables_of_one_step_keep_their_own_capacity_and_rows():
     assert layers["e"].table_stats()[0]["rows"] <= 6
 
 
+def test_a_key_admitted_into_a_reused_row_starts_from_its_first_row_and_slots():
+    """A row freed by eviction and given to a new key: the key starts from its own first row and the
+    slots' first values (the update writes them, with the rule's step, in one scatter), also a
+    slot of an earlier optimizer that the current one does not update."""
+    acc0, eps, momentum = 0.25, 1e-7, 0.5
+    layer = DynamicEmbedding(2, capacity=4, embeddings_initializer=keras.initializers.Constant(START),
+                             name="reused_rows")
+    layer.build()
+    rows, acc, mom = {}, {}, {}  # the reference: every live key's row and slots
+    last = {}
+
+    def run(optimizer, batches, update):
+        @tf.function
+        def step(keys, weights):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(layer(keys, training=True) * weights)
+            optimizer.apply(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
+
+        for keys, weights in batches:
+            step(tf.constant(keys, tf.int64), tf.constant(weights, tf.float32))
+            clock = max(last.values(), default=0) + 1
+            new = [k for k in keys if k not in rows]
+            if len(rows) + len(new) > 4:  # LRU down to the share minus the headroom
+                old = sorted((last[k], k) for k in rows if k not in keys)
+                for _, k in old[:len(rows) + len(new) - (4 - headroom(4))]:
+                    del rows[k], acc[k], mom[k], last[k]
+            for k, w in zip(keys, weights):
+                if k not in rows:
+                    rows[k], acc[k], mom[k] = np.full(2, START), np.full(2, acc0), np.zeros(2)
+                update(k, np.asarray(w))
+                last[k] = clock
+
+    def adagrad(k, g):
+        acc[k] = acc[k] + g * g
+        rows[k] = rows[k] - LR * g / np.sqrt(acc[k] + eps)
+
+    def sgd_momentum(k, g):
+        mom[k] = momentum * mom[k] - LR * g
+        rows[k] = rows[k] + mom[k]
+
+    rng = np.random.default_rng(3)
+    batch = lambda keys: (keys, rng.normal(size=(len(keys), 2)).tolist())  # noqa: E731 - distinct keys
+    run(keras.optimizers.Adagrad(LR, initial_accumulator_value=acc0, epsilon=eps),
+        [batch([1, 2, 3]), batch([2, 4]), batch([5, 6, 1]), batch([7, 2])], adagrad)
+    run(keras.optimizers.SGD(LR, momentum=momentum), [batch([8, 9, 7]), batch([10, 1, 8])], sgd_momentum)
+
+    [state] = layer.export_state()
+    assert sorted(state["row_keys"].tolist()) == sorted(rows)
+    assert layer.table_stats()[0]["evictions"] > 0  # rows were reused
+    for i, key in enumerate(state["row_keys"].tolist()):
+        np.testing.assert_allclose(state["rows"][i], rows[key], rtol=1e-5, err_msg=f"row of key {key}")
+        np.testing.assert_allclose(state["slots"]["accumulator"][i], acc[key], rtol=1e-5, err_msg=f"key {key}")
+        np.testing.assert_allclose(state["slots"]["momentum"][i], mom[key], rtol=1e-5, atol=1e-7,
+                                   err_msg=f"momentum of key {key}")
+
+
 def test_a_layer_called_twice_in_a_step_admits_and_updates_each_key_once():
     """One table for two inputs (user and item ids from one key space): as one call on both."""
     init = keras.initializers.Constant(START)
