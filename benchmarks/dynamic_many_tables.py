@@ -36,6 +36,9 @@ timed steps (`perf record -F 1999 -p <pids>`, one recording per job) and adds `p
 categories of `PERF_KINDS`: TF's executor, its thread pool, malloc/free, hash tables, gRPC and
 rendezvous, ...; the rest is the kernels' own work), and the symbols that took the most, in ms per
 step over all tasks of the job. Sampling costs the tasks some CPU: compare runs that all used it.
+`--perf-kernels` also records call graphs (`-F 999 --call-graph dwarf`) and adds
+`op_kernels_with_callees_ms_per_step`: each op kernel's `Compute` with all it calls (its mallocs and
+copies too), i.e. what each kind of op costs the job a step.
 
 Prints one JSON object (progress on stderr). Noisy machine: compare the ratios within one run.
 """
@@ -80,8 +83,8 @@ class TaskPerf:
     """`perf record` of each job's tasks (one recording per job) between `start()` and `stop()`;
     `summary(steps)`: per job, its tasks' CPU ms per step by kind of code and by symbol."""
 
-    def __init__(self, pids_by_job: dict[str, list[int]]):
-        self.pids_by_job, self.processes = pids_by_job, {}
+    def __init__(self, pids_by_job: dict[str, list[int]], call_graphs: bool = False):
+        self.pids_by_job, self.processes, self.call_graphs = pids_by_job, {}, call_graphs
         self.directory = tempfile.mkdtemp(prefix="task_perf_")
 
     def _path(self, job: str) -> str:
@@ -89,9 +92,14 @@ class TaskPerf:
 
     def start(self) -> None:
         self.processes = {
-            job: subprocess.Popen(["perf", "record", "-F", "1999", "-o", self._path(job), "-p", ",".join(map(str, pids))],
+            job: subprocess.Popen(["perf", "record", *self._sampling(), "-o", self._path(job), "-p", ",".join(map(str, pids))],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for job, pids in self.pids_by_job.items()}
+
+    def _sampling(self) -> list[str]:
+        # With call graphs: stacks unwound from DWARF (TF's libraries have no frame pointers; `-g`
+        # stops at the first frame), so fewer samples, each with 16 kB of the stack.
+        return ["-F", "999", "--call-graph", "dwarf,16384"] if self.call_graphs else ["-F", "1999"]
 
     def stop(self) -> None:
         """Stop the recordings (a no-op when none runs: `one_run` also calls it after a failed fit)."""
@@ -101,14 +109,16 @@ class TaskPerf:
                 process.wait(timeout=120)
 
     def summary(self, steps: int) -> dict:
-        out = {job: self._summary(self._path(job), steps) for job in self.processes}
+        out = {job: self._summary(self._path(job), steps, self.call_graphs) for job in self.processes}
         os.rmdir(self.directory)
         return out
 
     @staticmethod
-    def _summary(path: str, steps: int) -> dict:
-        report = subprocess.run(["perf", "report", "-i", path, "--no-children", "--sort", "sym", "--stdio"],
+    def _summary(path: str, steps: int, call_graphs: bool = False) -> dict:
+        report = subprocess.run(["perf", "report", "-i", path, "--no-children", "--sort", "sym", "--stdio", "-g", "none",
+                                 "--no-inline"],
                                 capture_output=True, text=True, check=True).stdout
+        kernels = TaskPerf._kernels(path, steps) if call_graphs else None
         os.remove(path)
         total_ns = float(re.search(r"Event count \(approx\.\): (\d+)", report).group(1))
         per_step = total_ns / 1e6 / steps  # ms of the job's tasks' CPU a step, all of them
@@ -123,9 +133,33 @@ class TaskPerf:
             kind = next((name for name, pattern in PERF_KINDS if re.search(pattern, symbol)),
                         "os_kernel" if match.group(2) == "k" else "kernels_own_work")
             kinds[kind] += ms
-        return {"ms_per_step": round(per_step, 2),
-                "by_kind_ms_per_step": {kind: round(ms, 2) for kind, ms in kinds.most_common()},
-                "top_symbols_ms_per_step": {name: round(ms, 2) for name, ms in symbols.most_common(25)}}
+        summary = {"ms_per_step": round(per_step, 2),
+                   "by_kind_ms_per_step": {kind: round(ms, 2) for kind, ms in kinds.most_common()},
+                   "top_symbols_ms_per_step": {name: round(ms, 2) for name, ms in symbols.most_common(25)}}
+        if kernels is not None:
+            summary["op_kernels_with_callees_ms_per_step"] = kernels
+        return summary
+
+    @staticmethod
+    def _kernels(path: str, steps: int) -> dict:
+        """ms a step in each op kernel's `Compute` with everything it calls (malloc and copies
+        included), from the call graphs: what each kind of op costs, where `top_symbols` has only
+        the innermost frames. Kernels nest (a function call's kernel runs others), so they overlap."""
+        # --no-inline: without it, perf resolves inlined frames of TF's libraries by addr2line, which
+        # took over 15 minutes for one recording of 100 steps (10 s with it).
+        report = subprocess.run(["perf", "report", "-i", path, "--children", "--sort", "sym", "--stdio", "-g", "none",
+                                 "--no-inline"],
+                                capture_output=True, text=True, check=True).stdout
+        total_ns = float(re.search(r"Event count \(approx\.\): (\d+)", report).group(1))
+        per_step = total_ns / 1e6 / steps
+        kernels = collections.Counter()
+        for line in report.splitlines():
+            match = re.match(r"\s+([\d.]+)%\s+[\d.]+%\s+\[.\]\s+(.*)", line)
+            symbol = match.group(2).strip() if match else ""
+            # A kernel's entry (`...Op<...>::Compute`), not the device's, which runs every kernel.
+            if re.search(r"::Compute(Async)?$", symbol) and "Device::" not in symbol:
+                kernels[symbol[:120]] += float(match.group(1)) / 100 * per_step
+        return {name: round(ms, 2) for name, ms in kernels.most_common(30)}
 
 
 def build(keras, kind: str, tables: int, rows: int, dim: int, **policy):
@@ -234,6 +268,8 @@ def main(argv=None) -> int:
     parser.add_argument("--min-frequency", type=int, default=1, help="the dynamic tables' min_frequency")
     parser.add_argument("--ttl-steps", type=int, default=None, help="the dynamic tables' ttl_steps (default: none)")
     parser.add_argument("--perf", action="store_true", help="sample the ps tasks and the workers with Linux perf over the timed steps")
+    parser.add_argument("--perf-kernels", action="store_true",
+                        help="with --perf: record call graphs and add each job's CPU per op kernel, callees included")
     parser.add_argument("--fresh-cluster", action="store_true",
                         help="start a LocalCluster for each run (about 10 s more a run), not one for all")
     args = parser.parse_args(argv)
@@ -248,6 +284,8 @@ def main(argv=None) -> int:
         parser.error(f"--paths must name some of {PATHS}, got {args.paths!r}")
     if args.min_frequency < 1 or (args.ttl_steps is not None and args.ttl_steps < 1):
         parser.error(f"--min-frequency and --ttl-steps must be >= 1, got {args.min_frequency} and {args.ttl_steps}")
+    if args.perf_kernels and not args.perf:
+        parser.error("--perf-kernels needs --perf")
     if args.perf and shutil.which("perf") is None:
         parser.error("--perf needs Linux `perf` on the PATH")
     policy = {"min_frequency": args.min_frequency, "ttl_steps": args.ttl_steps}
@@ -272,8 +310,8 @@ def main(argv=None) -> int:
             try:
                 for repeat, n, kind in group:
                     x = np.ascontiguousarray(x_all[:, :n])
-                    perf = TaskPerf({job: [local.pid(job, i) for i in range(2)] for job in ("ps", "worker")}) \
-                        if args.perf else None
+                    perf = TaskPerf({job: [local.pid(job, i) for i in range(2)] for job in ("ps", "worker")},
+                                    call_graphs=args.perf_kernels) if args.perf else None
                     run = one_run(keras, tf, strategy, meter, kind, n, x, y, args, policy, count_ops=repeat == 0,
                                   perf=perf)
                     result.setdefault(kind, {}).setdefault(str(n), {"runs": []})["runs"].append(run)
