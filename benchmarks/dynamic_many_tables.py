@@ -97,8 +97,8 @@ class TaskPerf:
             for job, pids in self.pids_by_job.items()}
 
     def _sampling(self) -> list[str]:
-        # With call graphs: stacks unwound from DWARF (TF's libraries have no frame pointers; `-g`
-        # stops at the first frame), so fewer samples, each with 16 kB of the stack.
+        # With call graphs: stacks unwound from DWARF (TF's libraries have no frame pointers, so `-g`
+        # breaks off inside them), so fewer samples, each with 16 kB of the stack.
         return ["-F", "999", "--call-graph", "dwarf,16384"] if self.call_graphs else ["-F", "1999"]
 
     def stop(self) -> None:
@@ -146,7 +146,7 @@ class TaskPerf:
         included), from the call graphs: what each kind of op costs, where `top_symbols` has only
         the innermost frames. Kernels nest (a function call's kernel runs others), so they overlap."""
         # --no-inline: without it, perf resolves inlined frames of TF's libraries by addr2line, which
-        # took over 15 minutes for one recording of 100 steps (10 s with it).
+        # had not finished one recording of 100 steps after 14 minutes (10 s with it).
         report = subprocess.run(["perf", "report", "-i", path, "--children", "--sort", "sym", "--stdio", "-g", "none",
                                  "--no-inline"],
                                 capture_output=True, text=True, check=True).stdout
