@@ -109,9 +109,10 @@ class TaskPerf:
                 process.wait(timeout=120)
 
     def summary(self, steps: int) -> dict:
-        out = {job: self._summary(self._path(job), steps, self.call_graphs) for job in self.processes}
-        os.rmdir(self.directory)
-        return out
+        try:
+            return {job: self._summary(self._path(job), steps, self.call_graphs) for job in self.processes}
+        finally:
+            shutil.rmtree(self.directory, ignore_errors=True)  # the recordings too, when a report failed
 
     @staticmethod
     def _summary(path: str, steps: int, call_graphs: bool = False) -> dict:
@@ -120,8 +121,7 @@ class TaskPerf:
                                 capture_output=True, text=True, check=True).stdout
         kernels = TaskPerf._kernels(path, steps) if call_graphs else None
         os.remove(path)
-        total_ns = float(re.search(r"Event count \(approx\.\): (\d+)", report).group(1))
-        per_step = total_ns / 1e6 / steps  # ms of the job's tasks' CPU a step, all of them
+        per_step = TaskPerf._ms_per_step(report, steps)
         kinds, symbols = collections.Counter(), collections.Counter()
         for line in report.splitlines():
             match = re.match(r"\s+([\d.]+)%\s+\[(.)\]\s+(.*)", line)
@@ -141,6 +141,16 @@ class TaskPerf:
         return summary
 
     @staticmethod
+    def _ms_per_step(report: str, steps: int) -> float:
+        """ms of the job's tasks' CPU a step, all of them, from a `perf report`'s event count (ns)."""
+        count = re.search(r"Event count \(approx\.\): (\d+)", report)
+        if count is None:  # `perf report` exits 0 on a recording without samples
+            raise RuntimeError("perf recorded no samples of the tasks (perf record -p attached to their pids, "
+                               f"but its report reads: {report.strip()[:200]!r}); run `perf record -p <pid>` by "
+                               "hand to see why, or leave out --perf")
+        return float(count.group(1)) / 1e6 / steps
+
+    @staticmethod
     def _kernels(path: str, steps: int) -> dict:
         """ms a step in each op kernel's `Compute` with everything it calls (malloc and copies
         included), from the call graphs: what each kind of op costs, where `top_symbols` has only
@@ -150,8 +160,7 @@ class TaskPerf:
         report = subprocess.run(["perf", "report", "-i", path, "--children", "--sort", "sym", "--stdio", "-g", "none",
                                  "--no-inline"],
                                 capture_output=True, text=True, check=True).stdout
-        total_ns = float(re.search(r"Event count \(approx\.\): (\d+)", report).group(1))
-        per_step = total_ns / 1e6 / steps
+        per_step = TaskPerf._ms_per_step(report, steps)
         kernels = collections.Counter()
         for line in report.splitlines():
             match = re.match(r"\s+([\d.]+)%\s+[\d.]+%\s+\[.\]\s+(.*)", line)

@@ -34,13 +34,19 @@ def test_the_batched_selection_picks_what_the_per_shard_one_picks():
             assert got[g].sum() == k[g]
 
 
+def sgd(row, slots, g):
+    return row - LR * g
+
+
 class Reference:
-    """One table by hand: SGD on sum(rows * weights), LRU down to share - headroom when full."""
+    """One table by hand: rows (and slots, from `first_slots`) updated by `rule(row, slots, gradient)`
+    (SGD by default) on sum(rows * weights), LRU down to share - headroom when full."""
 
-    def __init__(self, capacity):
-        self.capacity, self.rows, self.last, self.clock = capacity, {}, {}, 0
+    def __init__(self, capacity, first_slots=None):
+        self.capacity, self.first_slots = capacity, first_slots or {}
+        self.rows, self.slots, self.last, self.clock = {}, {}, {}, 0
 
-    def step(self, keys, weights):
+    def step(self, keys, weights, rule=sgd):
         self.clock += 1
         batch = list(dict.fromkeys(keys))
         new = [k for k in batch if k not in self.rows]
@@ -49,14 +55,15 @@ class Reference:
             excess = held + len(new) - (self.capacity - headroom(self.capacity))
             old = sorted((self.last[k], k) for k in self.rows if k not in batch)
             for _, k in old[:excess]:
-                del self.rows[k], self.last[k]
+                del self.rows[k], self.slots[k], self.last[k]
         for k in new:
             self.rows[k] = np.full(2, START)
+            self.slots[k] = {name: np.full(2, value) for name, value in self.first_slots.items()}
         grads = {}
         for k, w in zip(keys, weights):
             grads[k] = grads.get(k, 0) + np.asarray(w)
         for k, g in grads.items():
-            self.rows[k] = self.rows[k] - LR * g
+            self.rows[k] = rule(self.rows[k], self.slots[k], g)
             self.last[k] = self.clock
 
 
@@ -99,58 +106,48 @@ def test_tables_of_one_step_keep_their_own_capacity_and_rows():
 
 def test_a_key_admitted_into_a_reused_row_starts_from_its_first_row_and_slots():
     """A row freed by eviction and given to a new key: the key starts from its own first row and the
-    slots' first values (the update writes them, with the rule's step, in one scatter), also a
-    slot of an earlier optimizer that the current one does not update."""
+    slots' first values, not what the row held, also in a slot of an earlier optimizer that the
+    current one does not update."""
     acc0, eps, momentum = 0.25, 1e-7, 0.5
     layer = DynamicEmbedding(2, capacity=4, embeddings_initializer=keras.initializers.Constant(START),
                              name="reused_rows")
     layer.build()
-    rows, acc, mom = {}, {}, {}  # the reference: every live key's row and slots
-    last = {}
+    ref = Reference(4, {"accumulator": acc0, "momentum": 0.0})
 
-    def run(optimizer, batches, update):
+    def adagrad(row, slots, g):
+        slots["accumulator"] = slots["accumulator"] + g * g
+        return row - LR * g / np.sqrt(slots["accumulator"] + eps)
+
+    def sgd_momentum(row, slots, g):
+        slots["momentum"] = momentum * slots["momentum"] - LR * g
+        return row + slots["momentum"]
+
+    rng = np.random.default_rng(3)
+
+    def run(optimizer, batches, rule):
         @tf.function
         def step(keys, weights):
             with tf.GradientTape() as tape:
                 loss = tf.reduce_sum(layer(keys, training=True) * weights)
             optimizer.apply(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
 
-        for keys, weights in batches:
+        for keys in batches:
+            weights = rng.normal(size=(len(keys), 2))
             step(tf.constant(keys, tf.int64), tf.constant(weights, tf.float32))
-            clock = max(last.values(), default=0) + 1
-            new = [k for k in keys if k not in rows]
-            if len(rows) + len(new) > 4:  # LRU down to the share minus the headroom
-                old = sorted((last[k], k) for k in rows if k not in keys)
-                for _, k in old[:len(rows) + len(new) - (4 - headroom(4))]:
-                    del rows[k], acc[k], mom[k], last[k]
-            for k, w in zip(keys, weights):
-                if k not in rows:
-                    rows[k], acc[k], mom[k] = np.full(2, START), np.full(2, acc0), np.zeros(2)
-                update(k, np.asarray(w))
-                last[k] = clock
+            ref.step(keys, weights, rule)
 
-    def adagrad(k, g):
-        acc[k] = acc[k] + g * g
-        rows[k] = rows[k] - LR * g / np.sqrt(acc[k] + eps)
-
-    def sgd_momentum(k, g):
-        mom[k] = momentum * mom[k] - LR * g
-        rows[k] = rows[k] + mom[k]
-
-    rng = np.random.default_rng(3)
-    batch = lambda keys: (keys, rng.normal(size=(len(keys), 2)).tolist())  # noqa: E731 - distinct keys
     run(keras.optimizers.Adagrad(LR, initial_accumulator_value=acc0, epsilon=eps),
-        [batch([1, 2, 3]), batch([2, 4]), batch([5, 6, 1]), batch([7, 2])], adagrad)
-    run(keras.optimizers.SGD(LR, momentum=momentum), [batch([8, 9, 7]), batch([10, 1, 8])], sgd_momentum)
+        [[1, 2, 3], [2, 4], [5, 6, 1], [7, 2]], adagrad)
+    run(keras.optimizers.SGD(LR, momentum=momentum), [[8, 9, 7], [10, 1, 8]], sgd_momentum)
 
     [state] = layer.export_state()
-    assert sorted(state["row_keys"].tolist()) == sorted(rows)
+    assert sorted(state["row_keys"].tolist()) == sorted(ref.rows)
     assert layer.table_stats()[0]["evictions"] > 0  # rows were reused
     for i, key in enumerate(state["row_keys"].tolist()):
-        np.testing.assert_allclose(state["rows"][i], rows[key], rtol=1e-5, err_msg=f"row of key {key}")
-        np.testing.assert_allclose(state["slots"]["accumulator"][i], acc[key], rtol=1e-5, err_msg=f"key {key}")
-        np.testing.assert_allclose(state["slots"]["momentum"][i], mom[key], rtol=1e-5, atol=1e-7,
-                                   err_msg=f"momentum of key {key}")
+        np.testing.assert_allclose(state["rows"][i], ref.rows[key], rtol=1e-5, err_msg=f"row of key {key}")
+        for name in ("accumulator", "momentum"):
+            np.testing.assert_allclose(state["slots"][name][i], ref.slots[key][name], rtol=1e-5, atol=1e-7,
+                                       err_msg=f"{name} of key {key}")
 
 
 def test_a_layer_called_twice_in_a_step_admits_and_updates_each_key_once():
