@@ -63,13 +63,15 @@ def test_mixed_bfloat16_keeps_float32_variables_on_the_ps_and_trains(strategy):
         with strategy.scope():
             model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
                                       keras.layers.Dense(2), keras.layers.Activation("softmax", dtype="float32")])
-            model.compile("adam", "sparse_categorical_crossentropy")
+            # A rate that learns X's rule within the fit: with Adam's default 1e-3 the 24 steps
+            # moved the loss by less than bfloat16's rounding and it could end above its start.
+            model.compile(keras.optimizers.Adam(0.03), "sparse_categorical_crossentropy")
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert model.layers[0].compute_dtype == "bfloat16"
     assert all(v.dtype == "float32" and "/job:ps/" in v._value.device for v in model.trainable_variables)
     losses = model.fit(X, Y, batch_size=16, epochs=6, verbose=0).history["loss"]
-    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert np.all(np.isfinite(losses)) and losses[-1] < 0.5 * losses[0], losses
     assert model.predict(X[:4], verbose=0).dtype == np.float32
 
 
