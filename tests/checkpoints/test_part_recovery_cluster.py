@@ -142,8 +142,25 @@ def shard_rows(state):
     return {key: state["rows"][i].tolist() for i, key in enumerate(state["row_keys"].tolist())}
 
 
+def shard_state(state):
+    """One shard of `layer.export_state()` whole, by key (a restore may put a key in another row):
+    rows, each slot's rows, the counts of keys still counting, and the shard's clock and counters."""
+    by_key = {key: i for i, key in enumerate(state["row_keys"].tolist())}
+    return {
+        "rows": shard_rows(state),
+        "slots": {name: {key: values[i].tolist() for key, i in by_key.items()}
+                  for name, values in state["slots"].items()},
+        "counting": {key: state["counters"][i].tolist() for i, key in enumerate(state["keys"].tolist())},
+        "clock": int(state["clock"]), "admissions": int(state["admissions"]), "evictions": int(state["evictions"]),
+    }
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
 def test_part_restores_only_the_lost_ps_and_the_other_keeps_its_updates(
-        two_workers_two_ps, restore_shared_clusters, tmp_path):
+        two_workers_two_ps, restore_shared_clusters, tmp_path, optimizer):
+    """With Adagrad the table's shards also hold a slot: ps 1's rows, slot, clock and counters come
+    back from the checkpoint together, ps 0's stay as trained; so does `optimizer.iterations`, on
+    whichever ps it was placed."""
     keras = pytest.importorskip("keras")
     from _dynamic_coordinator import data, make_model
 
@@ -153,7 +170,8 @@ def test_part_restores_only_the_lost_ps_and_the_other_keeps_its_updates(
         cluster.cluster, checkpoint_dir=tmp_path / "ckpt", hang_timeout=3.0, ps_recovery="part")
     try:
         with strategy.scope():
-            model, layer = make_model("part_ids", keras.optimizers.SGD(0.5))  # a table shard on each ps
+            chosen = keras.optimizers.SGD(0.5) if optimizer == "sgd" else keras.optimizers.Adagrad(0.5)
+            model, layer = make_model("part_ids", chosen)  # a table shard on each ps
             with tf.device("/job:ps/task:0"):
                 on_ps0 = tf.Variable(0, dtype=tf.int64, name="on_ps0")
             with tf.device("/job:ps/task:1"):
@@ -178,31 +196,38 @@ def test_part_restores_only_the_lost_ps_and_the_other_keeps_its_updates(
             strategy.join(timeout=120)
 
         train(STEPS)
-        strategy.save_checkpoint()
-        saved = [shard_rows(state) for state in layer.export_state()]
+        checkpoint = strategy.save_checkpoint()  # after one for new variables (the slots) with Adagrad
+        saved = [shard_state(state) for state in layer.export_state()]
         train(STEPS)
-        moved = [shard_rows(state) for state in layer.export_state()]
-        assert len(saved) == 2 and all(saved[ps] != moved[ps] for ps in (0, 1))  # both moved on
+        moved = [shard_state(state) for state in layer.export_state()]
+        assert len(saved) == 2 and all(saved[ps]["rows"] != moved[ps]["rows"] for ps in (0, 1))  # both moved on
+        if optimizer == "adagrad":
+            assert all(list(saved[ps]["slots"]) == ["accumulator"] for ps in (0, 1))
+            assert all(saved[ps]["slots"] != moved[ps]["slots"] for ps in (0, 1))
+        assert all(moved[ps]["clock"] > saved[ps]["clock"] for ps in (0, 1))
+        iterations_ps = 0 if "/job:ps/replica:0/task:0/" in model.optimizer.iterations.value.device else 1
+        assert int(model.optimizer.iterations.numpy()) == 2 * STEPS
         cluster.kill("ps", 1)
         cluster.restart("ps", 1)
         # A read (no update) meets the restarted ps: it waits for the recovery, then runs again.
         strategy.schedule(read, (keys,)).result(timeout=150)
         # ps 0 kept what the STEPS steps since the checkpoint did; ps 1 went back to the checkpoint.
         assert int(on_ps0.numpy()) == 2 * STEPS and int(on_ps1.numpy()) == STEPS
-        after = [shard_rows(state) for state in layer.export_state()]
-        assert after[0] == moved[0] and after[1] == saved[1]
+        after = [shard_state(state) for state in layer.export_state()]
+        assert after[0] == moved[0] and after[1] == saved[1]  # rows, slots, clock and counters alike
+        assert int(model.optimizer.iterations.numpy()) == (2 * STEPS if iterations_ps == 0 else STEPS)
         stats = strategy.stats()["ps"]
         assert stats[1]["failures"] == 1 and stats[1]["recoveries"] == 1
         report = stats[1]["rolled_back"]
-        assert report["mode"] == "part" and report["checkpoint"].endswith("ckpt-2")
-        assert report["rows"] == len(saved[1]) > 0 and report["closures"] == STEPS
+        assert report["mode"] == "part" and report["checkpoint"] == checkpoint
+        assert report["rows"] == len(saved[1]["rows"]) > 0 and report["closures"] == STEPS
         # Every variable (or shard) placed on ps 1, and no other.
         assert report["variables"] == sum(v["ps_index"] == 1 for v in strategy.placement()["variables"]) >= 2
         assert stats[1]["rolled_back_closures"] == STEPS
         assert stats[0]["rolled_back"] is None and stats[0]["failures"] == 0  # nothing of ps 0 went back
         train(3)  # training goes on, on both
         assert int(on_ps0.numpy()) == 2 * STEPS + 3 and int(on_ps1.numpy()) == STEPS + 3
-        assert [shard_rows(state) for state in layer.export_state()][1] != saved[1]
+        assert shard_rows(layer.export_state()[1]) != saved[1]["rows"]
     finally:
         strategy.shutdown()
 
