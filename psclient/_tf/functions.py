@@ -44,6 +44,8 @@ def fresh_tf_function(function: Any) -> Any:
     return tf.function(
         function.python_function,
         input_signature=function.input_signature,
+        autograph=getattr(function, "_autograph", True),
+        experimental_autograph_options=getattr(function, "_experimental_autograph_options", None),
         reduce_retracing=getattr(function, "_reduce_retracing", False),
         jit_compile=getattr(function, "_jit_compile", None),
     )

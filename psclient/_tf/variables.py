@@ -13,6 +13,8 @@ from tensorflow.python.eager import lift_to_graph
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.trackable import base as trackable
 
+from psclient._tf.renewed_captures import handle_renewed
+
 __all__ = ["add_control_input", "is_checkpoint_initial_value", "lifted_initial_value", "renew_handle",
            "uncreated_variable"]
 
@@ -28,7 +30,9 @@ def renew_handle(variable: Any, device: str) -> None:
             shape=variable.shape, dtype=variable.dtype, shared_name=None,
             name=variable.name.split(":")[0], graph_mode=False,
         )
+    old = variable._handle  # noqa: SLF001
     variable._handle = handle  # noqa: SLF001
+    handle_renewed(old)  # traces that captured the old one are made again at their next call
 
 
 def uncreated_variable(value: Any, name: str):

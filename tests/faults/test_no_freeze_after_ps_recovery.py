@@ -57,13 +57,16 @@ def taken_out(strategy, worker):
     return not strategy.stats()["workers"][worker]["up"]
 
 
-def counting(strategy):
-    """A step that counts on the ps, and `batch(count)`: that many scheduled and joined, none failing."""
+def counting(strategy, also=None):
+    """A step that counts on the ps (and calls `also()`), and `batch(count)`: that many scheduled
+    and joined, none failing."""
     with strategy.scope():
         steps = tf.Variable(0, dtype=tf.int64)
 
     @tf.function
     def step():
+        if also is not None:
+            also()
         steps.assign_add(1)
         return steps.read_value()
 
@@ -76,36 +79,59 @@ def counting(strategy):
     return step, batch
 
 
-def lose_and_recover_ps(cluster, strategy, batch):
-    cluster.kill("ps", 0)
-    cluster.restart("ps", 0)
+def lose_and_recover_ps(cluster, strategy, batch, ps=0):
+    cluster.kill("ps", ps)
+    cluster.restart("ps", ps)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and strategy.stats()["ps"][0]["recoveries"] < 1:
+    while time.monotonic() < deadline and strategy.stats()["ps"][ps]["recoveries"] < 1:
         batch(4)  # a call notices the lost ps; the recovery restores it
-    assert strategy.stats()["ps"][0]["recoveries"] == 1, strategy.stats()["ps"]
+    assert strategy.stats()["ps"][ps]["recoveries"] == 1, strategy.stats()["ps"]
     batch(10)
+
+
+def checkpointing_strategy(cluster, tmp_path, **options):
+    """A strategy on a shared cluster with frequent checkpoints and a short `hang_timeout`."""
+    return psclient.ParameterServerStrategy(
+        cluster.cluster, hang_timeout=HANG_TIMEOUT, checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=20, **options)
 
 
 @pytest.fixture
 def strategy(heal, tmp_path):
-    """A strategy on the shared cluster with frequent checkpoints and a short `hang_timeout`."""
-    strategy = psclient.ParameterServerStrategy(
-        heal.cluster, hang_timeout=HANG_TIMEOUT, checkpoint_dir=str(tmp_path / "ckpt"),
-        checkpoint_every=20,
-    )
+    strategy = checkpointing_strategy(heal, tmp_path)
     yield strategy
     strategy.shutdown()
 
 
 @pytest.mark.long
 def test_a_worker_stopped_after_a_ps_recovery_freezes_nothing(heal, strategy):
-    cluster = heal
-    step, batch = counting(strategy)
+    """One ps: its recovery restores every variable (`"part"` of one ps is all of them)."""
+    stop_a_worker_after_a_ps_recovery(heal, strategy, ps=0, worker=2)
+
+
+@pytest.mark.long
+def test_a_worker_stopped_after_a_part_only_recovery_freezes_nothing(
+        two_workers_two_ps, restore_shared_clusters, tmp_path):
+    """Two ps, `ps_recovery="part"`: ps 1 alone is restored (ps 0 reports nothing rolled back),
+    then worker 1 hangs while worker 0 trains on."""
+    strategy = checkpointing_strategy(two_workers_two_ps, tmp_path, ps_recovery="part")
+    try:
+        with strategy.scope(), tf.device("/job:ps/task:1"):
+            on_ps1 = tf.Variable(0, dtype=tf.int64)
+        bump = tf.function(lambda: on_ps1.assign_add(1))
+        stop_a_worker_after_a_ps_recovery(two_workers_two_ps, strategy, ps=1, worker=1, also=bump)
+        report = strategy.stats()["ps"][1]["rolled_back"]
+        assert report["mode"] == "part" and strategy.stats()["ps"][0]["rolled_back"] is None, report
+    finally:
+        strategy.shutdown()
+
+
+def stop_a_worker_after_a_ps_recovery(cluster, strategy, ps, worker, also=None):
+    step, batch = counting(strategy, also)
     batch(30)
     wait_for(lambda: strategy.stats()["checkpoints_written"] >= 1, 60, "a checkpoint")
-    lose_and_recover_ps(cluster, strategy, batch)
+    lose_and_recover_ps(cluster, strategy, batch, ps=ps)
 
-    worker = 2
     written = strategy.stats()["checkpoints_written"]
     with Heartbeat() as beat:
         with stopped(cluster, "worker", worker, watchdog_s=WATCHDOG_S):

@@ -195,6 +195,52 @@ def test_a_trace_that_reads_a_lost_ps_is_made_again_once_the_ps_is_restored(two_
         strategy.shutdown()
 
 
+@pytest.mark.parametrize("mode", ["part", "all"])
+def test_a_nested_tf_function_runs_again_after_a_ps_recovery(two_workers_two_ps, tmp_path, mode):
+    """A scheduled step that calls another `tf.function` (a helper, a step inside a loop of steps),
+    and that helper called on the coordinator: both run on the restored variable after ps 1 comes
+    back. Before, the helper kept its trace of the lost ps's handle, every step failed with "Unable
+    to find the relevant tensor remote_handle" and `join` raised (docs/fault_tolerance.md)."""
+    local = two_workers_two_ps
+    strategy = psclient.ParameterServerStrategy(local.cluster, checkpoint_dir=str(tmp_path / "ckpt"),
+                                                hang_timeout=60, connect_timeout=300, ps_recovery=mode)
+    try:
+        with strategy.scope():
+            with tf.device("/job:ps/task:0"):
+                on_ps0 = tf.Variable(0, dtype=tf.int64)
+            with tf.device("/job:ps/task:1"):
+                on_ps1 = tf.Variable(0, dtype=tf.int64)
+
+        @tf.function
+        def count():  # the helper: called in the step's trace, and on its own
+            on_ps1.assign_add(1)
+            return on_ps1.read_value()
+
+        @tf.function
+        def step():
+            on_ps0.assign_add(1)
+            return count()
+
+        for _ in range(4):
+            strategy.schedule(step)
+        strategy.join(timeout=120)
+        assert int(count()) == 5  # traced before the loss, eagerly too
+        strategy.save_checkpoint()  # ps 1's counter at 5
+        kill_and_restart(local, 1)
+        assert int(strategy.schedule(step).result(timeout=300)) == 6  # restored to 5, then counted
+        for _ in range(3):
+            strategy.schedule(step)
+        strategy.join(timeout=120)
+        assert int(count()) == 10
+        assert recoveries(strategy) == [0, 1]
+        if mode == "all":  # ps 0 back at the checkpoint's 4 too, then the 4 steps since
+            assert int(on_ps0.numpy()) == 8
+        else:  # ps 0 kept its count, and the attempts that met the lost ps counted on it too
+            assert int(on_ps0.numpy()) >= 8
+    finally:
+        strategy.shutdown()
+
+
 def test_every_eager_op_the_caller_makes_on_a_ps_is_guarded(two_workers_two_ps, tmp_path):
     """fit, evaluate, predict, checkpoints, stats() and a table's export, with nothing lost:
     every op the caller's thread runs on a ps task runs inside the guarded access."""

@@ -33,6 +33,8 @@ ALLOWED = {
     "psclient._cluster.throttle._LIVE": PROCESS + "the throttle helpers this process owns (closed in a fork)",
     "psclient._coordinator.connection._coordinator_peers": PROCESS + "the hosts allowed to reach this process's port",
     "psclient._engine.registry._scope_hooks": PROCESS + "what entering any strategy's scope installs (Keras support)",
+    "psclient._tf.renewed_captures._dead": PROCESS + "the handles ps recoveries renewed, held weakly (each while "
+    "a trace still holds it): TF's function class, whose calls look them up, is the process's",
     "psclient._keras.outside_state._warned": WEAK,
     "psclient._keras.trainer._warned_local": WEAK,
     "psclient._keras.eval._functions": WEAK,
