@@ -35,7 +35,9 @@ TESTS = ["tests/keras/test_keras_seam.py", "tests/keras/test_keras_fit.py", "tes
          "tests/tables/test_locked_sections.py",
          # Registrations streamed (TF's executors and its function hooks), Keras's metric
          # variables and its validation iterator, beside a hung worker.
-         "tests/faults/test_no_freeze.py::test_keras_fit_starts_while_a_worker_hangs"]
+         "tests/faults/test_no_freeze.py::test_keras_fit_starts_while_a_worker_hangs",
+         # TF's `Function.__call__` replaced once a handle is renewed; a function's list of traces.
+         "tests/faults/test_renewed_captures.py"]
 
 
 @nox.session
