@@ -101,6 +101,40 @@ def test_the_demos_clean_up_after_an_interrupt_is_bounded():
         process.stdout.close()
 
 
+_LOST_INTERRUPT = """
+import os, signal, sys, time
+from psclient import _demo
+with _demo._InterruptDeadline(60.0) as deadline:
+    try:
+        for step in range(1000):  # a training loop: a step, then its callbacks
+            try:
+                if step == 3:
+                    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, during this step
+                time.sleep(0.01)  # the interrupt is raised here, and dropped (as in a destructor)
+            except KeyboardInterrupt:
+                print(f"dropped at step {step}", flush=True)
+            deadline.raise_if_interrupted()  # the demo's fit callback, after every step
+    except KeyboardInterrupt:
+        print(f"stopped at step {step}", flush=True)
+        sys.exit(130)
+"""
+
+
+def test_an_interrupt_dropped_where_it_landed_still_stops_the_demos_training():
+    process = subprocess.Popen([sys.executable, "-c", _LOST_INTERRUPT], cwd=ROOT_STR, text=True,
+                               stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT_STR))
+    try:
+        assert process.wait(timeout=60) == 130  # at once, not after the deadline's 60 s
+        out = process.stdout.read()
+        assert "dropped at step 3" in out and "the interrupt was lost where it landed" in out, out
+        assert "stopped at step 3" in out, out
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stdout.close()
+
+
 def _alive(pid):
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
