@@ -33,6 +33,9 @@ import time
 
 import psutil
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import environment  # noqa: E402
+
 _BUSY = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
 
 
@@ -177,7 +180,8 @@ def main(argv=None) -> dict:
             process.wait()
     times = [run["exit_s"] for run in runs if run["exit_s"] is not None]
     return {
-        "benchmark": "demo_interrupt", "load_processes": args.load, "cores": os.cpu_count(),
+        "benchmark": "demo_interrupt", "args": vars(args), "environment": environment(sys.argv),
+        "load_processes": args.load, "cores": os.cpu_count(),
         "demo_niceness": 19, "runs": runs,
         "exit_s_median": statistics.median(times) if times else None,
         "exit_s_max": max(times) if times else None,
