@@ -35,7 +35,7 @@ from psclient._tf.functions import fresh_tf_function
 
 __all__ = ["handle_renewed", "renewals"]
 
-_lock = threading.RLock()  # re-entered: listing traces can trace, and a trace can call a hooked function
+_lock = threading.Lock()  # the renewals' bookkeeping only
 # id -> a renewed (dead) handle, while some trace still holds it: a dead handle kept alive only here
 # would make nothing stale, and an id is only trusted together with the object it names.
 _dead: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
@@ -71,21 +71,41 @@ def _hook_function_calls() -> None:
 
 
 def _current(function: Any) -> Any:
-    """What a call of `function` runs: itself, or its new trace made after the latest renewal."""
+    """What a call of `function` runs: itself, or its new trace made after the latest renewal.
+
+    No lock: two threads that decide at once may each make a new function, both right (the
+    last one kept). The check traces nothing and waits on nothing, so it cannot deadlock with a
+    trace under way on another thread."""
+    epoch = _epoch
     state = function.__dict__.get("_psclient_current")
-    if state is not None and state[0] == _epoch:
+    if state is not None and state[0] == epoch:
         return state[1]
-    with _lock:
-        target = function if state is None else state[1]
-        if _holds_dead_handle(target) and not _created_variables(target):
-            target = fresh_tf_function(target)
-        function._psclient_current = (_epoch, target)  # noqa: SLF001 - an attribute of ours on TF's object
+    target = function if state is None else state[1]
+    if _holds_dead_handle(target) and not _created_variables(target):
+        target = fresh_tf_function(target)
+    function._psclient_current = (epoch, target)  # noqa: SLF001 - an attribute of ours on TF's object
     return target
 
 
+def _traces(function: Any) -> list:
+    cache = getattr(function, "_function_cache", None)  # TF's cache of traces; traced nothing
+    if cache is not None:
+        return cache.values()
+    return function._list_all_concrete_functions()  # noqa: SLF001 - TF has no public list of traces
+
+
+def _captured(concrete: Any) -> list:
+    """A trace's captured values, without calling its deferred captures (`captured_inputs` would:
+    a callable is evaluated at each call, so it holds no handle of its own)."""
+    captured = getattr(concrete, "_captured_inputs", None)
+    if captured is None:
+        return concrete.captured_inputs
+    return [value for value in captured if not callable(value)]
+
+
 def _holds_dead_handle(function: Any) -> bool:
-    for concrete in function._list_all_concrete_functions():  # noqa: SLF001 - TF has no public list of traces
-        for captured in concrete.captured_inputs:
+    for concrete in _traces(function):
+        for captured in _captured(concrete):
             if _dead.get(id(captured)) is captured:
                 return True
     return False
