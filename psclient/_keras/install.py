@@ -73,6 +73,7 @@ from psclient._coordinator.data import finite
 from psclient._keras import adafactor, fused_updates, initializers, moving_stats, sparse_adagrad
 from psclient._keras import eval as _keras_eval
 from psclient._keras import loop_reads, optimizer_apply, seam, serving, sharded_fit
+from psclient._keras.interrupts import InterruptWatch
 from psclient._keras.ps_reads import metrics_through_ps_loss, restore_cause
 from psclient._keras.trainer import (
     TrainFunction,
@@ -343,12 +344,13 @@ def _patched_fit(stock):
         strategy = cluster_strategy(self, "fit")
         if strategy is None:
             return stock(self, *args, **kwargs)
-        return _fit(stock, self, strategy, fit_arguments(signature, self, args, kwargs))
+        with InterruptWatch() as interrupts:  # a Ctrl-C dropped where it landed is raised again
+            return _fit(stock, self, strategy, fit_arguments(signature, self, args, kwargs), interrupts)
 
     return fit
 
 
-def _fit(stock, model, strategy, a: dict):
+def _fit(stock, model, strategy, a: dict, interrupts=None):
     import keras
     from keras.src.trainers.data_adapters import array_slicing
 
@@ -382,7 +384,7 @@ def _fit(stock, model, strategy, a: dict):
     if sharded_fit.is_sharded(a["x"]):  # psclient.data: every shard once per epoch, through a ledger
         a = dict(a, validation_data=validation(a["validation_data"]))
         return sharded_fit.fit(stock, model, strategy, a, forwarded, lambda function, callbacks, steps, index: (
-            fit_callbacks(model, function, callbacks, a["verbose"], a["epochs"], steps, index)), batches)
+            fit_callbacks(model, function, callbacks, a["verbose"], a["epochs"], steps, index, interrupts)), batches)
     x, y, sample_weight = a["x"], a["y"], a["sample_weight"]
     validation_data = a["validation_data"]
     if a["validation_split"] and validation_data is None:
@@ -413,7 +415,8 @@ def _fit(stock, model, strategy, a: dict):
     # Keras's fit calls make_train_function(), which keeps a train function
     # already set: this one, for the duration of this fit.
     model.train_function = train_function
-    callbacks = fit_callbacks(model, train_function, a["callbacks"], a["verbose"], epochs, epoch_steps)
+    callbacks = fit_callbacks(model, train_function, a["callbacks"], a["verbose"], epochs, epoch_steps,
+                              interrupts=interrupts)
     try:
         forwarded["callbacks"] = callbacks
         # Keras's own metric reads go through a ps loss; what its loop traces meanwhile (the

@@ -295,7 +295,7 @@ def result_or_first_error(strategy, future, on_error=None):
 
 
 def fit_callbacks(model, train_function: TrainFunction, callbacks, verbose, epochs: int, steps: int | None,
-                  batch_index=None):
+                  batch_index=None, interrupts=None):
     """fit's callbacks, made as Keras's fit makes them, that also join when training stops.
 
     A callback that sets `model.stop_training` in a batch hook ends the epoch
@@ -308,6 +308,8 @@ def fit_callbacks(model, train_function: TrainFunction, callbacks, verbose, epoc
     batch index the batch hooks get at the beginning or `end` of Keras's
     `step`: a fit whose steps are not batches (a shard each) still reports
     batches, Keras's unit, to the progress bar and every other callback.
+    `interrupts` (an `interrupts.InterruptWatch`): a Ctrl-C during the fit is raised
+    again after each step and epoch, in case Python dropped it where it landed.
     """
     import keras
 
@@ -319,11 +321,15 @@ def fit_callbacks(model, train_function: TrainFunction, callbacks, verbose, epoc
             super().on_train_batch_begin(index(batch, False), logs)
 
         def on_train_batch_end(self, batch, logs=None):
+            if interrupts is not None:
+                interrupts.raise_if_interrupted()
             super().on_train_batch_end(index(batch, True), logs)
             if model_ref().stop_training:
                 train_function.finish()
 
         def on_epoch_end(self, epoch, logs=None):
+            if interrupts is not None:
+                interrupts.raise_if_interrupted()
             # With a TensorBoard callback, the dynamic embedding tables' sizes,
             # admissions and evictions become epoch scalars (and History entries).
             if logs is not None and any(isinstance(c, keras.callbacks.TensorBoard) for c in _flat(self)):
