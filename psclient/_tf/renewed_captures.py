@@ -77,13 +77,14 @@ def _current(function: Any) -> Any:
     last one kept). The check traces nothing and waits on nothing, so it cannot deadlock with a
     trace under way on another thread."""
     epoch = _epoch
-    state = function.__dict__.get("_psclient_current")
+    state = function.__dict__.get("_psclient_current")  # (epoch, the new function, or None: itself)
     if state is not None and state[0] == epoch:
-        return state[1]
-    target = function if state is None else state[1]
+        return function if state[1] is None else state[1]
+    target = function if state is None or state[1] is None else state[1]
     if _holds_dead_handle(target) and not _created_variables(target):
         target = fresh_tf_function(target)
-    function._psclient_current = (epoch, target)  # noqa: SLF001 - an attribute of ours on TF's object
+    # None for itself: a function must not hold itself (a cycle frees it only at a collection).
+    function._psclient_current = (epoch, None if target is function else target)  # noqa: SLF001
     return target
 
 

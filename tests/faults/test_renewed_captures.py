@@ -6,6 +6,9 @@ handle keeps it alive), so a stale trace shows as the old value, where on a clus
 cluster test: tests/faults/test_ps_loss_between_calls.py, the nested tf.function).
 """
 
+import gc
+import weakref
+
 import pytest
 
 tf = pytest.importorskip("tensorflow")
@@ -56,6 +59,14 @@ def test_a_function_of_other_variables_keeps_its_trace():
     assert float(of_w()) == 6.0
     renewed(v, 7.0)
     assert float(of_w()) == 6.0 and traces == ["traced"]
+    # Its verdict does not hold the function itself: freed when dropped, not at a collection.
+    gc.disable()
+    try:
+        dropped = weakref.ref(of_w)
+        del of_w
+        assert dropped() is None
+    finally:
+        gc.enable()
 
 
 def test_a_function_that_created_its_variable_is_not_traced_again():
