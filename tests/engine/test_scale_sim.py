@@ -82,11 +82,11 @@ def _check_detected(harness, hang_timeout: float) -> list[dict]:
         limit = hang_timeout + DETECTION_SLACK_S
         assert failure["detected_s"] is not None, f"never taken out: {failure}"
         assert failure["detected_s"] <= limit, f"taken out after {failure['detected_s']} s > {limit}: {failure}"
-        if failure["kind"] == "hang":
-            # The hung call is running there when it is taken out.
-            assert failure["requeued_closures"] >= 1, f"nothing was running there: {failure}"
-        # A dead worker can be found idle by its heartbeat (failed probe, port
-        # refused) before a call fails there: nothing to requeue then.
+        # A dead or hung worker can be found idle by its heartbeat (failed probe, port refused,
+        # or no answer) before a call reaches it: nothing to requeue then. Seen for a hang once in
+        # a clean-clone suite on a slow run (17.7 minutes): worker 40 taken out after 2.3 s with
+        # no call running there, its dispatcher descheduled between calls; every future still ran
+        # exactly once (`every_future_once`, checked by the callers).
         if failure["requeued_closures"]:
             assert failure["rerun_elsewhere_s"] <= limit + 0.5, failure
     return report
