@@ -58,6 +58,7 @@ import tensorflow as tf
 
 from psclient._coordinator.checkpoints.checkpoint_pieces import (
     READ_BATCH_BYTES,
+    assign_rows,
     chunk_bytes,
     chunk_rows,
     chunked_keys,
@@ -193,14 +194,14 @@ class Plan:
                 if end - at != stop - start:  # some of these rows changed or left in a delta: the others
                     value = _gather(value, origin, at, end, start)
                 if end > at:
-                    _assign_rows(variable, at, end, value)
+                    assign_rows(variable, at, end, value)
                 del value
             if field in self.fields and deltas:
                 cuts = _positions(origin, bases)
                 name = "rows" if field == "rows" else f"slot/{field}"
                 for delta, base, at, end in zip(deltas, bases, cuts, cuts[1:]):
                     if end > at:
-                        _assign_rows(variable, at, end, _gather(delta.read([name])[name], origin, at, end, base))
+                        assign_rows(variable, at, end, _gather(delta.read([name])[name], origin, at, end, base))
             _fill_rest(variable, n if field in self.fields else 0, shard.share, self.dim, defaults[field],
                        self.range_bytes)
         return n
@@ -302,7 +303,7 @@ class SplitPlan:
                     value = plan.read_range(field, count, start, stop)
                     if end - at != stop - start:
                         value = _gather(value, pick, at, end, start)
-                    _assign_rows(variable, at_row + at, at_row + end, value)
+                    assign_rows(variable, at_row + at, at_row + end, value)
                     del value
                 at_row += int(pick.shape[0])
             _fill_rest(variable, n if field in self.fields else 0, shard.share, self.dim, defaults[field],
@@ -401,11 +402,11 @@ def _merged_keys(pieces: list, scalars: list, index):
 def _fill_rest(variable, start: int, share: int, dim: int, value: float, range_bytes: int | None) -> None:
     """Rows [start, share) of `variable` (the rows past the restored ones, or every row of a slot not in
     the checkpoint: free rows) set to `value`, as the whole path sets them, a range at a time; then
-    the variable out of copy-on-read mode (`_assign_rows`)."""
+    the variable out of copy-on-read mode (`assign_rows`)."""
     step = max(1, (range_bytes or READ_BATCH_BYTES) // (4 * dim))
     for at in range(start, share, step):
         stop = min(share, at + step)
-        _assign_rows(variable, at, stop, _filled(stop - at, dim, value))
+        assign_rows(variable, at, stop, _filled(stop - at, dim, value))
     tf.raw_ops.DisableCopyOnRead(resource=variable.handle)
 
 
@@ -487,13 +488,3 @@ def _filled(rows: int, dim: int, value: float):
     return tf.raw_ops.Fill(dims=coordinator_constant([rows, dim], tf.int64),
                            value=coordinator_constant(value, tf.float32))
 
-
-def _assign_rows(variable, start: int, stop: int, value) -> None:
-    """`value` into rows [start, stop) of the rank-2 `variable`, where it lives (a sliced assign).
-
-    Leaves the variable in TF's copy-on-read mode (as a scatter does): the caller
-    turns it off after the last range (`checkpoint_pieces.Piece.assign`)."""
-    tf.raw_ops.ResourceStridedSliceAssign(
-        ref=variable.handle, begin=coordinator_constant([start, 0], tf.int64),
-        end=coordinator_constant([stop, 0], tf.int64), strides=coordinator_constant([1, 1], tf.int64),
-        value=value, end_mask=2)  # every column
