@@ -8,6 +8,8 @@ import tensorflow as tf
 
 from psclient._coordinator.checkpoints.checkpoint_pieces import assign_rows
 
+from _conversions import RemoteConversions
+
 
 @pytest.mark.parametrize("shape", [(10,), (10, 3), (10, 2, 4)], ids=["rank1", "rank2", "rank3"])
 @pytest.mark.parametrize("dtype", [tf.float32, tf.int64, tf.bfloat16])
@@ -37,3 +39,21 @@ def test_in_a_traced_function_the_rank_comes_from_the_value():
 
     restore(Unshaped(), tf.ones((2, 2)))
     np.testing.assert_array_equal(variable.numpy(), [[0, 0], [0, 0], [1, 1], [1, 1], [0, 0], [0, 0]])
+
+
+@pytest.mark.parametrize("shape", [(10,), (10, 3)], ids=["rank1", "rank2"])
+def test_no_python_value_is_converted_under_the_variables_device(shape, monkeypatch):
+    """On a cluster the range is assigned under its ps's device: a Python value converted there
+    (the `1` of `tf.range`'s step) is copied to the ps from inside the conversion, holding the GIL,
+    and a hung ps would stop every thread of the coordinator. Here the device in force stands for
+    the ps and the coordinator's constants are made with no device."""
+    from psclient._coordinator.checkpoints import checkpoint_pieces
+
+    monkeypatch.setattr(checkpoint_pieces._runtime, "coordinator_cpu", lambda: None)  # no device
+    variable = tf.Variable(tf.zeros(shape))
+    value = tf.ones((2,) + shape[1:])
+    here = "/job:localhost/replica:0/task:0/device:CPU:0"
+    with RemoteConversions(jobs=("/job:localhost",)) as seen, tf.device(here):
+        assign_rows(variable, 2, 4, value)
+    assert not seen.found, seen.report()
+    assert variable.numpy()[2:4].tolist() == value.numpy().tolist()

@@ -172,7 +172,9 @@ def assign_rows(variable, start: int, stop: int, value) -> None:
     rank = variable.shape.rank  # unknown in a traced function: the value's (rank-2 table rows)
     rank = value.shape.rank if rank is None else rank
     if rank >= 2 and variable.dtype != tf.string:
-        indices = tf.range(coordinator_constant(start, tf.int64), coordinator_constant(stop, tf.int64))
+        indices = tf.raw_ops.Range(start=coordinator_constant(start, tf.int64),  # every input a constant:
+                                   limit=coordinator_constant(stop, tf.int64),   # tf.range would convert
+                                   delta=coordinator_constant(1, tf.int64))      # its delta on the ps
         tf.raw_ops.ResourceScatterUpdate(resource=variable.handle, indices=indices, updates=value)
         return
     tf.raw_ops.ResourceStridedSliceAssign(
