@@ -110,7 +110,7 @@ def test_a_ps_killed_in_the_middle_of_a_save_leaves_the_previous_checkpoint(heal
         saver.start()
         # ps:0's part is complete, ps:1's is not: the middle of the save.
         wait_for(lambda: glob.glob(str(directory / ".psclient-save-*" / "part-00000-*.index")), 60,
-                 "ps:0's part of the second checkpoint")
+                 "ps:0's part of the second checkpoint", show_threads=True)  # timed out once (2026-12-07)
         cluster.kill("ps", 1)
         # The save's CheckpointWriteError is a ps loss: save_checkpoint() waits for the recovery
         # (docs/fault_tolerance.md). Meanwhile the half-written checkpoint is gone and the
