@@ -15,7 +15,9 @@ restore at the first restore. Then the ratio dynamic / hashing of the later save
 Per save also: the copy made before the cut (`copy_s`, `copied_mb`: a big table's storage copied
 while training goes on, `checkpoints/table_copy`) and the rows the cut read again; and each ps's
 peak resident memory during the saves over its table bytes (`ps_save_peaks`; each save's own in
-`saves[i].ps_peak_over_table`, from the same memory before the first save). With `--fill`, each
+`saves[i].ps_peak_over_table`, from the same memory before the first save), and each save's peak
+above that memory in each of its phases (`saves[i].ps_peak_mb_by_phase`: the copy before the cut,
+the pause, the write; the phases' bounds from the save's own times in `stats()`). With `--fill`, each
 ps's resident memory grown by the imported rows (`ps_rss_growth_mb_from_fill`): the tables' own
 bytes where `table_stats()` has none (hash storage), on `--ps-malloc`.
 `--checkpoint-cut copy` saves every table packed in the cut (`StrategyConfig.checkpoint_cut`), for
@@ -160,6 +162,44 @@ class TrainingBeside:
         return False
 
 
+class PhasedRss(PeakRss):
+    """`PeakRss` that also keeps its samples (perf_counter time, bytes), for each save's peak by phase."""
+
+    def __init__(self, pid: int):
+        super().__init__(pid)
+        self.samples: list[tuple[float, int]] = []
+
+    def _run(self):
+        import psutil
+
+        while not self._stop.wait(0.005):
+            try:
+                rss = self._process.memory_info().rss
+            except psutil.Error:  # the process ended: its peak so far stands
+                return
+            self.peak = max(self.peak, rss)
+            self.samples.append((time.perf_counter(), rss))
+
+    def peak_between(self, start: float, end: float) -> int | None:
+        inside = [rss for t, rss in self.samples if start <= t <= end]
+        return max(inside) if inside else None
+
+
+def phase_peaks(memory: list, started: float, ended: float, stats: dict) -> dict:
+    """Each ps's peak above its memory before the saves (MB) in each phase of the save that ran from
+    `started` to `ended`: the copy before the cut (training going on), the pause (draining the
+    running steps and the cut), the write after it. The phases' bounds are the save's own times in
+    `stats()["checkpoints"]` laid end to end from the call's start (the write is the rest)."""
+    copy_end = started + (stats["last_copy_seconds"] or 0.0)
+    cut_end = copy_end + (stats["last_stall_seconds"] or 0.0)
+    out = {}
+    for phase, (start, end) in (("copy", (started, copy_end)), ("pause", (copy_end, cut_end)),
+                                ("write", (cut_end, ended))):
+        out[phase] = [None if m.peak_between(start, end) is None else round((m.peak_between(start, end) - m.before) / 2**20, 1)
+                      for m in memory]
+    return out
+
+
 def rss_mb(pids: list[int]) -> list[float]:
     import psutil
 
@@ -270,7 +310,7 @@ def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dic
             saves, restores = [], []
             _settle(ps_pids)
             with contextlib.ExitStack() as stack:
-                memory = [stack.enter_context(PeakRss(pid)) for pid in ps_pids]
+                memory = [stack.enter_context(PhasedRss(pid)) for pid in ps_pids]
                 beside = stack.enter_context(TrainingBeside(model, x, y)) if args.train_beside else None
                 for _ in range(args.saves):
                     peak_so_far = [m.peak for m in memory]
@@ -290,6 +330,7 @@ def one_kind(keras, psclient, local, kind: str, args, ps_pids: list[int]) -> dic
                         m.peak = max(m.peak, earlier)
                     saves.append({"stall_s": round(stats["last_stall_seconds"], 4), "call_s": round(call_s, 3),
                                   "ps_peak_over_table": own,
+                                  "ps_peak_mb_by_phase": phase_peaks(memory, started, started + call_s, stats),
                                   "copy_s": None if stats["last_copy_seconds"] is None
                                   else round(stats["last_copy_seconds"], 3),
                                   "copied_mb": round(stats["last_copied_bytes"] / 2**20, 1),
