@@ -102,7 +102,9 @@ class PsSave:
         with shards[0].placed():
             # Concrete: a call from the cut (another context) would not find a trace made here.
             self.function = tf.function(save_all, autograph=False).get_concrete_function()
-            self.function()  # the ps instantiates it now, not in the first cut
+            # The ps instantiates it now, not in the first cut. Its registration is streamed (made
+            # inside a trace): this call can overtake it, and is then made again.
+            _runtime.until_registered(self.function)
 
     def valid(self) -> bool:
         """Whether each of its shards is as it was traced (same storage and slots)."""
