@@ -14,6 +14,7 @@ from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.trackable import base as trackable
 
 from psclient._tf.renewed_captures import handle_renewed
+from psclient._tf.registrations import until_registered
 
 __all__ = ["add_control_input", "is_checkpoint_initial_value", "lifted_initial_value", "renew_handle",
            "uncreated_variable"]
@@ -83,4 +84,6 @@ def lifted_initial_value(value: Any, name: Any) -> Any:
     def make():
         return lift_to_graph.lift_to_graph([value], tf.compat.v1.get_default_graph())[value]
 
-    return make
+    # Traced (and registered on every task, streamed) at its first call, on a ps, inside the trace
+    # that asked for it: that call can overtake the registration, and is then made again.
+    return lambda: until_registered(make)
