@@ -93,47 +93,31 @@ def set_streaming_env(streaming: bool) -> None:
 _STREAMING_ENV = "TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"
 _ASYNC_WAIT_ENV = "TF_ENABLE_ASYNC_WAIT_FOR_REMOTE_FUNCTION"
 # Reentrant: a function dropped by a garbage collection that runs while this
-# thread holds it is removed through `_switch_on`, which takes it.
+# thread holds it is removed through `streamed_registrations`, which takes it.
 _env_lock = threading.RLock()
-#: Threads inside `_switch_on` (the env stays True while any is).
+#: Threads inside `streamed_registrations` (the env stays True while any is).
 _streamed_traces = 0
 _streaming_executor = None
 
 
 @contextlib.contextmanager
 def streamed_registrations():
-    """Inside, on this thread, each function TF registers on every task (a traced function, a
-    dataset's, a removal) goes down each task's stream without waiting for the answers; the
-    thread's eager ops go as before (`streamed_function_registrations`).
+    """Inside, what TF registers on every task (a traced function, an eager
+    op's kernel) goes down each task's stream without waiting for the answers.
 
     TF registers a new function on every task of the cluster with a blocking
     RPC per task, holding the GIL: one hung worker froze the whole coordinator
     for as long as it hung (a checkpoint saver traced, a new function
     scheduled, Keras building its train function). Streamed, the registration
-    is queued and the trace returns. A call that overtakes its function's
-    registration on a worker is made again (`function_not_registered_yet`).
-    (Eager ops of a new kind no longer register anything once connected:
-    `eager_ops_as_themselves_from_now`.)
-
-    TF streams when the calling thread's executor allows it and the process's
-    environment switch is on, which TF reads at every enqueue, every thread's:
-    the switch is on only for each registration itself (`_switch_on`), not for
-    the whole block. On for a whole block (a trace, a range of a dataset cut),
-    it made another thread's eager op on a ps fail with "Unable to find the
-    relevant tensor remote_handle": the tensor copied to the ps for it went down
-    the stream (a send returns once sent) and the op itself, once the switch
-    was off again, as a call of its own, which overtook it (3,144 of 12,533
-    ops failed with a thread entering such blocks back to back, none since;
-    `tests/faults/test_streaming_switch.py`).
+    is queued and the trace returns. TF streams when the calling thread's
+    executor allows it and the environment switch is on (read at every
+    enqueue), so the trace runs on a streaming executor (one for the
+    process) and the switch is on while any thread traces. Other threads'
+    ops made meanwhile on TF's default executor stream too (a health probe:
+    it is waited for with a timeout anyway). A call that overtakes
+    its function's registration on a worker is made again
+    (`function_not_registered_yet`).
     """
-    with streamed_function_registrations():
-        yield
-
-
-@contextlib.contextmanager
-def _switch_on():
-    """TF's streaming switch on, and this thread on the process's streaming executor, for one
-    registration or removal (`_install_registration_hook`)."""
     global _streamed_traces, _streaming_executor
 
     with _env_lock:
@@ -226,8 +210,7 @@ _hook_installed = False
 @contextlib.contextmanager
 def streamed_function_registrations():
     """Inside, on this thread, each new function's registration on every task is streamed
-    (TF's streaming switch on for that registration alone: `_switch_on`), and nothing else:
-    the thread's eager ops go as before.
+    (`streamed_registrations`), and nothing else: the thread's eager ops go as before.
 
     For a long piece of work that traces as it goes (an export): a registration
     waiting on a hung task would hold the GIL, while an eager op sent down a
@@ -270,7 +253,7 @@ def _install_registration_hook() -> None:
             def wrapped(self, function, _stock=stock, _always=always):
                 with cluster_view.registration_gate():  # not inside TF while a reconnect holds its lock
                     if _always or getattr(_registering, "on", False):
-                        with _switch_on():
+                        with streamed_registrations():
                             return _stock(self, function)
                     return _stock(self, function)
 

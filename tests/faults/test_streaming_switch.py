@@ -1,4 +1,4 @@
-"""One thread's streamed registrations do not break another thread's eager ops on a ps.
+"""One thread's streamed registrations and another thread's eager ops on a ps: a known race.
 
 TF streams an enqueue when the calling thread's executor allows it and the process's
 environment switch (`TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE`) is on, read at every
@@ -8,8 +8,13 @@ op on a ps failed now and then with "Unable to find the relevant tensor remote_h
 value copied to the ps for it went down the stream, the op itself as a call of its own once
 the switch was off, and overtook the copy (seen in the suite: a DynamicEmbedding's storage
 made in `scope()` on the main thread failed so; reproduced with a thread entering such
-blocks back to back: 3,144 of 12,533 eager ops failed). The switch is now on for each
-registration alone.
+blocks back to back: 3,144 of 12,533 eager ops failed).
+
+Not fixed yet, so expected to fail (strict: it must fail until fixed). Turning the switch on
+for each registration alone fixed this test, but then a call the tracing thread made right
+after a registration no longer shared its stream and overtook it: three suite runs each failed
+in another of psclient's calls so (docs/development.md, "A hung task does not freeze the
+coordinator").
 """
 
 import threading
@@ -27,6 +32,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 ITERATIONS, SECONDS = 600, 30.0
 
 
+@pytest.mark.xfail(strict=True, reason="known race: TF's streaming switch is process-wide and psclient holds it "
+                   "on for whole blocks of work (docs/development.md); not fixed yet")
 def test_a_thread_in_streamed_blocks_leaves_another_threads_ps_ops_whole(local_cluster):
     strategy = psclient.ParameterServerStrategy(local_cluster.cluster)
     stop, blocks, failures, ran = threading.Event(), [0], [], [0]
