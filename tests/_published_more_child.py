@@ -34,6 +34,7 @@ import tensorflow as tf
 import keras
 from keras import layers, ops
 import psclient  # noqa: F401  (imported before the examples, as the scripts do)
+from _published_gans_child import TokenAndPositionEmbedding  # keras.io's, as its GPT example has it
 from _published_runs import digits_data, run_locally_then_on_the_cluster
 
 
@@ -54,20 +55,6 @@ class TransformerBlock(layers.Layer):
         ffn_output = self.ffn(out1)
         ffn_output = self.dropout2(ffn_output, training=training)
         return self.layernorm2(out1 + ffn_output)
-
-
-class TokenAndPositionEmbedding(layers.Layer):
-    def __init__(self, maxlen, vocab_size, embed_dim):
-        super().__init__()
-        self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
-        self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
-
-    def call(self, x):
-        maxlen = ops.shape(x)[-1]
-        positions = ops.arange(start=0, stop=maxlen, step=1)
-        positions = self.pos_emb(positions)
-        x = self.token_emb(x)
-        return x + positions
 
 
 class InterruptingCallback(keras.callbacks.Callback):

@@ -53,3 +53,36 @@ def run_locally_then_on_the_cluster(examples_of, data):
     finally:
         strategy.shutdown()
     print(json.dumps(results), flush=True)
+
+
+def run_children(children, local_cluster, work) -> dict:
+    """Each child script (`run_locally_then_on_the_cluster`) run on `local_cluster` in `work`, its
+    examples' results merged: {"local": {name: ...}, "cluster": {name: ...}} (for the tests)."""
+    import os
+    import subprocess
+
+    from _paths import ROOT_STR
+
+    # No "chief": the test process may hold that port already (TF never releases it).
+    jobs = {job: list(addresses) for job, addresses in local_cluster.cluster.jobs.items() if job != "chief"}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT_STR, os.environ.get("PYTHONPATH", "")]))
+    results = {"local": {}, "cluster": {}}
+    for child in children:
+        run = subprocess.run([sys.executable, child, json.dumps(jobs), str(work)], cwd=work, env=env,
+                             capture_output=True, text=True, timeout=900)
+        lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+        assert run.returncode == 0 and lines, f"{child} failed (exit {run.returncode}):\n{run.stderr[-4000:]}"
+        for tag, ran in json.loads(lines[-1]).items():
+            results[tag].update(ran)
+    return results
+
+
+def both_runs(examples, name):
+    """(local, cluster) results of example `name`: neither failed, the cluster's variables all on
+    the ps tasks, the same logs by name."""
+    local, cluster = examples["local"][name], examples["cluster"][name]
+    assert "error" not in local, local["error"]
+    assert "error" not in cluster, cluster["error"]
+    assert cluster["on_ps"], "the model's variables are not all on the ps tasks"
+    assert set(cluster["history"]) == set(local["history"])  # the same logs, by name
+    return local, cluster

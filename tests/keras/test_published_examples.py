@@ -8,15 +8,13 @@ here. Two asynchronous workers train differently from one local loop, so results
 compared with a tolerance, and each local result is first checked to say something.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from _paths import ROOT_STR
+from _published_runs import both_runs, run_children
 
 _CHILDREN = [os.path.join(ROOT_STR, "tests", name) for name in ("_published_examples_child.py", "_published_gans_child.py")]
 #: How far below local Keras's an accuracy on the cluster may end (asynchronous updates).
@@ -25,28 +23,10 @@ ACCURACY_TOLERANCE = 0.15
 
 @pytest.fixture(scope="module")
 def examples(local_cluster, tmp_path_factory):
-    work = tmp_path_factory.mktemp("examples")
-    # No "chief": this process may hold that port already (TF never releases it).
-    jobs = {job: list(addresses) for job, addresses in local_cluster.cluster.jobs.items() if job != "chief"}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT_STR, os.environ.get("PYTHONPATH", "")]))
-    results = {"local": {}, "cluster": {}}
-    for child in _CHILDREN:
-        run = subprocess.run([sys.executable, child, json.dumps(jobs), str(work)], cwd=work, env=env,
-                             capture_output=True, text=True, timeout=900)
-        lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
-        assert run.returncode == 0 and lines, f"{child} failed (exit {run.returncode}):\n{run.stderr[-4000:]}"
-        for tag, ran in json.loads(lines[-1]).items():
-            results[tag].update(ran)
-    return results
+    return run_children(_CHILDREN, local_cluster, tmp_path_factory.mktemp("examples"))
 
 
-def _both(examples, name):
-    local, cluster = examples["local"][name], examples["cluster"][name]
-    assert "error" not in local, local["error"]
-    assert "error" not in cluster, cluster["error"]
-    assert cluster["on_ps"], "the model's variables are not all on the ps tasks"
-    assert set(cluster["history"]) == set(local["history"])  # the same logs, by name
-    return local, cluster
+_both = both_runs
 
 
 def test_text_classification_from_scratch(examples):

@@ -8,15 +8,13 @@ code decides (epochs run, a resumed fit, learning rates set by a callback, files
 optimizer a policy chose) exactly. In the long tier: about a minute of two fresh processes.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from _paths import ROOT_STR
+from _published_runs import both_runs, run_children
 
 pytestmark = [pytest.mark.cluster, pytest.mark.long, pytest.mark.timeout(900)]
 
@@ -27,23 +25,11 @@ ACCURACY_TOLERANCE = 0.15
 
 @pytest.fixture(scope="module")
 def examples(local_cluster, tmp_path_factory):
-    work = tmp_path_factory.mktemp("more-examples")
-    # No "chief": this process may hold that port already (TF never releases it).
-    jobs = {job: list(addresses) for job, addresses in local_cluster.cluster.jobs.items() if job != "chief"}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT_STR, os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, _CHILD, json.dumps(jobs), str(work)], cwd=work, env=env,
-                         capture_output=True, text=True, timeout=800)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
-    assert run.returncode == 0 and lines, f"{_CHILD} failed (exit {run.returncode}):\n{run.stderr[-4000:]}"
-    return json.loads(lines[-1])
+    return run_children([_CHILD], local_cluster, tmp_path_factory.mktemp("more-examples"))
 
 
 def _both(examples, name):
-    local, cluster = examples["local"][name], examples["cluster"][name]
-    assert "error" not in local, local["error"]
-    assert "error" not in cluster, cluster["error"]
-    assert cluster["on_ps"], "the model's variables are not all on the ps tasks"
-    assert set(cluster["history"]) == set(local["history"])  # the same logs, by name
+    local, cluster = both_runs(examples, name)
     for run in (local, cluster):
         for key, values in run["history"].items():
             assert np.all(np.isfinite(values)), (key, values)
